@@ -1,0 +1,217 @@
+"""The numpy float32 reference forward pass of qwen3moe: the oracle for every other engine.
+
+Experts run through an `ExpertRunner`: `CanonicalExperts` (the bit-exact function of canonical.py, what every
+card must reproduce) or `FloatExperts` (plain float32 on dequantised weights, for comparison with transformers).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Iterator, Protocol
+
+import numpy as np
+
+from stratad.engine import canonical
+from stratad.engine.sampling import Sampler, SamplingParams
+from stratad.model import quants
+from stratad.model.gguf_file import ModelFile
+
+F32 = np.float32
+
+
+def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    ms = np.mean(np.square(x, dtype=F32), axis=-1, keepdims=True, dtype=F32)
+    return (x / np.sqrt(ms + F32(eps))) * w
+
+
+def rope(x: np.ndarray, pos: np.ndarray, base: float) -> np.ndarray:
+    """NEOX-style rotary embedding (Qwen3): pairs (i, i + head_dim/2). x: (T, heads, head_dim)."""
+    half = x.shape[-1] // 2
+    inv = base ** (-np.arange(half, dtype=np.float64) * 2 / x.shape[-1])
+    ang = pos[:, None].astype(np.float64) * inv[None, :]
+    cos, sin = np.cos(ang).astype(F32)[:, None, :], np.sin(ang).astype(F32)[:, None, :]
+    a, b = x[..., :half], x[..., half:]
+    return np.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)
+
+
+def softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def route(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """softmax -> top-k (descending, ties to the lower index) -> renormalised weights. Returns (ids, weights)."""
+    p = softmax(logits.astype(F32))
+    ids = np.argsort(-p, axis=-1, kind="stable")[:, :k]
+    w = np.take_along_axis(p, ids, axis=-1)
+    return ids, (w / w.sum(axis=-1, keepdims=True)).astype(F32)
+
+
+class ExpertRunner(Protocol):
+    def __call__(self, layer: int, x: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        """x: (T, d_model) normalised input, ids: (T, k) -> outputs (T, k, d_model) float32."""
+
+
+class _ExpertCache:
+    """Decoded experts by (layer, expert), least recently used dropped first."""
+
+    def __init__(self, model: ModelFile, decode, capacity: int):
+        self.model, self.decode, self.capacity = model, decode, capacity
+        self.items: OrderedDict = OrderedDict()
+
+    def get(self, layer: int, e: int):
+        key = (layer, e)
+        if key in self.items:
+            self.items.move_to_end(key)
+            return self.items[key]
+        m = self.model
+        v = tuple(self.decode(m.expert_type(layer, kind), m.expert_raw(layer, kind, e))
+                  for kind in ("gate", "up", "down"))
+        self.items[key] = v
+        if len(self.items) > self.capacity:
+            self.items.popitem(last=False)
+        return v
+
+
+class CanonicalExperts:
+    def __init__(self, model: ModelFile, cache_experts: int = 4096):
+        self.cache = _ExpertCache(model, quants.decode_int, cache_experts)
+
+    def __call__(self, layer, x, ids):
+        qa, da = canonical.quantize_act(x)
+        out = np.zeros(ids.shape + (x.shape[-1],), F32)
+        for e in np.unique(ids):
+            t, j = np.nonzero(ids == e)
+            out[t, j] = canonical.expert(*self.cache.get(layer, int(e)), qa[t], da[t])
+        return out
+
+
+class FloatExperts:
+    def __init__(self, model: ModelFile, cache_experts: int = 4096):
+        self.cache = _ExpertCache(model, quants.dequantize, cache_experts)
+
+    def __call__(self, layer, x, ids):
+        out = np.zeros(ids.shape + (x.shape[-1],), F32)
+        for e in np.unique(ids):
+            t, j = np.nonzero(ids == e)
+            g, u, d = self.cache.get(layer, int(e))
+            xe = x[t]
+            gv = xe @ g.T
+            out[t, j] = ((gv / (F32(1) + np.exp(-gv))) * (xe @ u.T)) @ d.T
+        return out
+
+
+@dataclass
+class KVCache:
+    k: list[np.ndarray]  # per layer (capacity, n_kv, head_dim)
+    v: list[np.ndarray]
+    length: int = 0
+
+    @classmethod
+    def empty(cls, n_layer: int, n_kv: int, head_dim: int) -> "KVCache":
+        z = lambda: np.zeros((0, n_kv, head_dim), F32)  # noqa: E731
+        return cls([z() for _ in range(n_layer)], [z() for _ in range(n_layer)])
+
+    def append(self, layer: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        end = self.length + k.shape[0]
+        if end > self.k[layer].shape[0]:  # grow geometrically
+            cap = max(end, 2 * self.k[layer].shape[0], 256)
+            for buf in (self.k, self.v):
+                old = buf[layer]
+                buf[layer] = np.zeros((cap,) + old.shape[1:], F32)
+                buf[layer][: old.shape[0]] = old
+        self.k[layer][self.length:end] = k
+        self.v[layer][self.length:end] = v
+        return self.k[layer][:end], self.v[layer][:end]
+
+
+@dataclass
+class Trace:
+    """What a forward pass saw, for tests and profiling: routed experts and the hidden state's RMS per layer."""
+    ids: list[np.ndarray] = field(default_factory=list)
+    rms: list[float] = field(default_factory=list)
+
+
+class ReferenceEngine:
+    def __init__(self, model: ModelFile, experts: str | ExpertRunner = "canonical", cache_dense: bool = True):
+        self.model, self.c = model, model.config
+        if isinstance(experts, str):
+            experts = {"canonical": CanonicalExperts, "float": FloatExperts}[experts](model)
+        self.experts = experts
+        self.cache_dense = cache_dense
+        self._dense: dict[str, np.ndarray] = {}
+
+    def w(self, name: str) -> np.ndarray:
+        if name in self._dense:
+            return self._dense[name]
+        v = self.model.dense(name)
+        if self.cache_dense:
+            self._dense[name] = v
+        return v
+
+    def new_kv(self) -> KVCache:
+        return KVCache.empty(self.c.n_layer, self.c.n_head_kv, self.c.head_dim)
+
+    def embed(self, tokens: np.ndarray) -> np.ndarray:
+        ti = self.model.info("token_embd.weight")
+        return quants.dequantize(ti.qtype, self.model.raw(ti.name)[tokens])
+
+    def attention(self, i: int, x: np.ndarray, kv: KVCache) -> np.ndarray:
+        c, b = self.c, f"blk.{i}."
+        T = x.shape[0]
+        h = rms_norm(x, self.w(b + "attn_norm.weight"), c.rms_eps)
+        q = (h @ self.w(b + "attn_q.weight").T).reshape(T, c.n_head, c.head_dim)
+        k = (h @ self.w(b + "attn_k.weight").T).reshape(T, c.n_head_kv, c.head_dim)
+        v = (h @ self.w(b + "attn_v.weight").T).reshape(T, c.n_head_kv, c.head_dim)
+        q = rms_norm(q, self.w(b + "attn_q_norm.weight"), c.rms_eps)
+        k = rms_norm(k, self.w(b + "attn_k_norm.weight"), c.rms_eps)
+        pos = np.arange(kv.length, kv.length + T)
+        q, k = rope(q, pos, c.rope_base), rope(k, pos, c.rope_base)
+        K, V = kv.append(i, k, v)
+        g = c.n_head // c.n_head_kv
+        qg = q.reshape(T, c.n_head_kv, g, c.head_dim)
+        s = np.einsum("tkgd,skd->kgts", qg, K) * F32(1 / np.sqrt(c.head_dim))
+        s = np.where(pos[:, None] >= np.arange(K.shape[0])[None, :], s, F32(-np.inf))
+        o = np.einsum("kgts,skd->tkgd", softmax(s), V).reshape(T, c.q_dim)
+        return o @ self.w(b + "attn_output.weight").T
+
+    def moe(self, i: int, x: np.ndarray, trace: Trace | None = None) -> np.ndarray:
+        b = f"blk.{i}."
+        h = rms_norm(x, self.w(b + "ffn_norm.weight"), self.c.rms_eps)
+        ids, wts = route(h @ self.w(b + "ffn_gate_inp.weight").T, self.c.n_expert_used)
+        if trace is not None:
+            trace.ids.append(ids)
+        return canonical.combine(wts, self.experts(i, h, ids))
+
+    def forward(self, tokens, kv: KVCache, logits: str = "last", trace: Trace | None = None) -> np.ndarray:
+        """Run new tokens (appended to kv). logits: "last" (1, vocab), "all" (T, vocab) or "none"."""
+        tokens = np.asarray(tokens, np.int64)
+        x = self.embed(tokens)
+        for i in range(self.c.n_layer):
+            x = x + self.attention(i, x, kv)
+            x = x + self.moe(i, x, trace)
+            if trace is not None:
+                trace.rms.append(float(np.sqrt(np.mean(np.square(x.astype(np.float64))))))
+        kv.length += len(tokens)
+        if logits == "none":
+            return x
+        x = x[-1:] if logits == "last" else x
+        h = rms_norm(x, self.w("output_norm.weight"), self.c.rms_eps)
+        return h @ self.w("output.weight").T
+
+    def generate(self, prompt: list[int], params: SamplingParams, kv: KVCache | None = None) -> Iterator[int]:
+        """Yield sampled tokens; stops at a stop token (not yielded) or max_tokens. Stop strings: the caller's."""
+        if kv is None:
+            kv = self.new_kv()
+        if len(prompt) + params.max_tokens > self.c.context_length:
+            raise ValueError(f"prompt of {len(prompt)} tokens + max_tokens {params.max_tokens} exceeds the "
+                             f"context length {self.c.context_length}")
+        sample = Sampler(params)
+        stops = self.model.tokenizer.stop_ids
+        logits = self.forward(prompt, kv)
+        for _ in range(params.max_tokens):
+            t = sample(logits[-1])
+            if t in stops:
+                return
+            yield t
+            logits = self.forward([t], kv)

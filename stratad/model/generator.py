@@ -1,0 +1,120 @@
+"""`stratad make-model`: a valid qwen3moe GGUF with random, well-scaled weights, streamed to disk.
+
+Scales keep the hidden state well-conditioned through every layer: each projection's weights have RMS
+1/sqrt(fan_in) (unit-variance outputs), the blocks' output projections are damped so that the residual stream
+grows slowly with depth. Router skew: every token's embedding carries a constant component on dimension 0
+(real models have such "massive activation" dimensions); router column 0 gives expert e the logit bonus
+skew * (-log(1 + rank_e)) along it, with a per-layer random ranking, so popularity is Zipf-like per layer.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+from gguf import GGMLQuantizationType as T
+
+from stratad.model import quants
+from stratad.model.config import PRESETS, ModelConfig
+from stratad.model.writer import TensorSource, row_chunks, write_model
+
+CHUNK_BYTES = 64 << 20  # rows generated per write: bounds peak memory
+SKEW_DIM_VALUE = 3.0  # constant embedding component on dimension 0
+OUT_DAMP = 0.5  # attention / expert output projections: keeps the residual growth slow
+
+
+def _seed(seed: int, name: str) -> np.random.Generator:
+    # each tensor has its own stream: a tensor's values do not depend on which others were generated
+    return np.random.default_rng([seed, *name.encode()])
+
+
+def _random(name: str, qtype: T, shape: tuple[int, ...], rms: float, seed: int) -> TensorSource:
+    rows, n = int(np.prod(shape[:-1])), shape[-1]
+    per = max(1, CHUNK_BYTES // quants.fmt(qtype).row_bytes(n))
+
+    def chunks():
+        rng = _seed(seed, name)
+        return row_chunks(rows, per, lambda s, k: quants.random_rows(qtype, rng, k, n, rms))
+
+    return TensorSource(name, qtype, shape, chunks)
+
+
+def _fixed(name: str, qtype: T, values: np.ndarray) -> TensorSource:
+    return TensorSource.of(name, qtype, values)
+
+
+def _embedding(c: ModelConfig, qtype: T, seed: int, skew: float) -> TensorSource:
+    name = "token_embd.weight"
+    if skew == 0:
+        return _random(name, qtype, (c.vocab_size, c.d_model), 1.0, seed)
+    per = max(1, (CHUNK_BYTES // 4) // c.d_model)
+
+    def make(rng):
+        def rows(s, k):
+            v = rng.standard_normal((k, c.d_model), dtype=np.float32)
+            v[:, 0] = SKEW_DIM_VALUE
+            return TensorSource.of(name, qtype, v).chunks()[0]
+        return rows
+
+    return TensorSource(name, qtype, (c.vocab_size, c.d_model),
+                        lambda: row_chunks(c.vocab_size, per, make(_seed(seed, name))))
+
+
+def _router(c: ModelConfig, layer: int, seed: int, skew: float) -> np.ndarray:
+    rng = _seed(seed, f"router.{layer}")
+    w = rng.standard_normal((c.n_expert, c.d_model), dtype=np.float32) / np.float32(np.sqrt(c.d_model))
+    if skew:
+        rank = rng.permutation(c.n_expert)
+        w[:, 0] = skew * -np.log1p(rank) / SKEW_DIM_VALUE
+    return w
+
+
+def _norm(rng_name: str, n: int, seed: int) -> np.ndarray:
+    return (1.0 + 0.05 * _seed(seed, rng_name).standard_normal(n)).astype(np.float32)
+
+
+def model_tensors(c: ModelConfig, expert_q: T, dense_q: T, skew: float, seed: int) -> list[TensorSource]:
+    d, ff, E = c.d_model, c.d_ff_expert, c.n_expert
+    ts = [_embedding(c, dense_q, seed, skew),
+          _fixed("output_norm.weight", T.F32, _norm("output_norm", d, seed)),
+          _random("output.weight", dense_q, (c.vocab_size, d), 3.0 / np.sqrt(d), seed)]
+    for i in range(c.n_layer):
+        b = f"blk.{i}."
+        ts += [
+            _fixed(b + "attn_norm.weight", T.F32, _norm(b + "attn_norm", d, seed)),
+            _random(b + "attn_q.weight", dense_q, (c.q_dim, d), 1 / np.sqrt(d), seed),
+            _random(b + "attn_k.weight", dense_q, (c.kv_dim, d), 1 / np.sqrt(d), seed),
+            _random(b + "attn_v.weight", dense_q, (c.kv_dim, d), 1 / np.sqrt(d), seed),
+            _random(b + "attn_output.weight", dense_q, (d, c.q_dim), OUT_DAMP / np.sqrt(c.q_dim), seed),
+            _fixed(b + "attn_q_norm.weight", T.F32, _norm(b + "attn_q_norm", c.head_dim, seed)),
+            _fixed(b + "attn_k_norm.weight", T.F32, _norm(b + "attn_k_norm", c.head_dim, seed)),
+            _fixed(b + "ffn_norm.weight", T.F32, _norm(b + "ffn_norm", d, seed)),
+            # llama.cpp's quantiser leaves the router in F32 too
+            _fixed(b + "ffn_gate_inp.weight", T.F32, _router(c, i, seed, skew)),
+            _random(b + "ffn_gate_exps.weight", expert_q, (E, ff, d), 1 / np.sqrt(d), seed),
+            _random(b + "ffn_up_exps.weight", expert_q, (E, ff, d), 1 / np.sqrt(d), seed),
+            _random(b + "ffn_down_exps.weight", expert_q, (E, d, ff), 2 * OUT_DAMP / np.sqrt(ff), seed),
+        ]
+    return ts
+
+
+def make_model(out: str | os.PathLike, preset: str | ModelConfig = "tiny", expert_quant: str = "IQ3_S",
+               dense_quant: str = "Q8_0", router_skew: float = 0.0, seed: int = 0) -> dict:
+    """Write the model; returns a small report (path, bytes, seconds)."""
+    from stratad.model.tokenizer import build_vocab
+
+    c = preset if isinstance(preset, ModelConfig) else PRESETS[preset]
+    eq, dq = quants.parse_type(expert_quant), quants.parse_type(dense_quant)
+    if eq not in quants.EXPERT_TYPES:
+        raise ValueError(f"expert quant {eq.name} not supported; use one of "
+                         f"{', '.join(t.name for t in quants.EXPERT_TYPES)}")
+    if dq not in quants.DENSE_TYPES:
+        raise ValueError(f"dense quant {dq.name} not supported; use one of "
+                         f"{', '.join(t.name for t in quants.DENSE_TYPES)}")
+    for n in (c.d_model, c.d_ff_expert):
+        quants.fmt(eq).row_bytes(n)
+        quants.fmt(dq).row_bytes(n)
+    t0 = time.monotonic()
+    write_model(out, c, model_tensors(c, eq, dq, router_skew, seed), build_vocab(c.vocab_size),
+                name=f"stratad-{preset if isinstance(preset, str) else 'custom'}-{eq.name}", file_type=eq)
+    return {"path": str(out), "bytes": os.path.getsize(out), "seconds": round(time.monotonic() - t0, 2)}

@@ -1,0 +1,109 @@
+"""Write a qwen3moe GGUF with llama.cpp's names and metadata, streaming tensors to disk one chunk at a time."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable, Iterable, Iterator
+
+import numpy as np
+from gguf import GGMLQuantizationType as T
+from gguf import GGUFWriter, LlamaFileType
+
+from stratad.model import quants
+from stratad.model.config import ARCH, ModelConfig
+
+
+@dataclass
+class TensorSource:
+    """A tensor to write: its values come from `chunks()`, arrays of whole rows (raw blocks or floats)."""
+
+    name: str
+    qtype: T
+    shape: tuple[int, ...]  # numpy order, in values
+    chunks: Callable[[], Iterable[np.ndarray]]
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape[:-1], dtype=np.int64)) * quants.fmt(self.qtype).row_bytes(self.shape[-1])
+
+    @classmethod
+    def of(cls, name: str, qtype: T, array: np.ndarray) -> "TensorSource":
+        """From float32 values in memory: quantised with gguf's quantiser (F32/F16/BF16/Q8_0)."""
+        from gguf.quants import quantize
+
+        data = array.astype(np.float32) if qtype == T.F32 else quantize(array.astype(np.float32), qtype)
+        return cls(name, qtype, tuple(array.shape), lambda: [data])
+
+
+class _Streamed:
+    """What GGUFWriter.write_tensor_data needs (nbytes, tofile) without holding the tensor in memory."""
+
+    def __init__(self, src: TensorSource):
+        self.src = src
+        self.nbytes = src.nbytes
+
+    def tofile(self, f) -> None:
+        written = 0
+        for c in self.src.chunks():
+            c = np.ascontiguousarray(c)
+            c.tofile(f)
+            written += c.nbytes
+        if written != self.nbytes:
+            raise ValueError(f"{self.src.name}: wrote {written} bytes, expected {self.nbytes}")
+
+
+def _metadata(w: GGUFWriter, c: ModelConfig, name: str, file_type: int) -> None:
+    w.add_name(name)
+    w.add_file_type(file_type)
+    w.add_context_length(c.context_length)
+    w.add_embedding_length(c.d_model)
+    w.add_block_count(c.n_layer)
+    w.add_feed_forward_length(c.d_ff_expert * c.n_expert_used)
+    w.add_head_count(c.n_head)
+    w.add_head_count_kv(c.n_head_kv)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_rope_freq_base(c.rope_base)
+    w.add_layer_norm_rms_eps(c.rms_eps)
+    w.add_expert_count(c.n_expert)
+    w.add_expert_used_count(c.n_expert_used)
+    w.add_expert_feed_forward_length(c.d_ff_expert)
+
+
+FILE_TYPES = {T.F32: LlamaFileType.ALL_F32, T.F16: LlamaFileType.MOSTLY_F16, T.BF16: LlamaFileType.MOSTLY_BF16,
+              T.Q8_0: LlamaFileType.MOSTLY_Q8_0, T.Q4_K: LlamaFileType.MOSTLY_Q4_K_M,
+              T.IQ3_S: LlamaFileType.MOSTLY_IQ3_S}
+
+
+def write_model(path: str | os.PathLike, config: ModelConfig, tensors: Iterable[TensorSource], vocab,
+                name: str = "stratad-generated", file_type: T = T.F32) -> None:
+    """Write metadata, tokenizer and tensors; the file appears under `path` only once complete."""
+    from stratad.model.tokenizer import write_tokenizer
+
+    tensors = list(tensors)
+    tmp = f"{path}.part"
+    w = GGUFWriter(tmp, ARCH)
+    try:
+        _metadata(w, config, name, FILE_TYPES.get(file_type, LlamaFileType.ALL_F32))
+        write_tokenizer(w, vocab)
+        for t in tensors:
+            byte_shape = t.shape[:-1] + (quants.fmt(t.qtype).row_bytes(t.shape[-1]),)
+            w.add_tensor_info(t.name, byte_shape, np.dtype(np.uint8), t.nbytes, raw_dtype=t.qtype)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        for t in tensors:
+            w.write_tensor_data(_Streamed(t))
+        w.close()
+        os.replace(tmp, path)
+    except BaseException:
+        w.close()
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def row_chunks(rows: int, per_chunk: int, make: Callable[[int, int], np.ndarray]) -> Iterator[np.ndarray]:
+    """make(start, count) for consecutive row ranges: bounds the memory a big tensor needs while written."""
+    for s in range(0, rows, per_chunk):
+        yield make(s, min(per_chunk, rows - s))
