@@ -1,0 +1,624 @@
+"""The model's tokenizer: a gpt2-style byte-level BPE vocabulary (the kind Qwen3 uses), stored in GGUF metadata.
+
+Three parts:
+
+* ``build_vocab(n)``: the small but real vocabulary that our model generator writes into the qwen3moe GGUFs it
+  makes. The BPE part was trained with the ``tokenizers`` library's BpeTrainer (byte-level alphabet, Qwen2
+  pre-tokenizer) on ``data/corpus.txt`` (original prose written for this project) and committed as
+  ``data/bpe.json``, so every call in every process gives the same vocabulary. ``train_bpe()`` regenerates it
+  (``python -m stratad.model.tokenizer --regenerate``); a test checks the committed file still matches.
+* ``write_tokenizer(writer, vocab)``: writes the same ``tokenizer.*`` keys llama.cpp's converter writes for Qwen3.
+* ``Tokenizer.from_gguf(reader, path)``: the one code path that serves real Qwen3 GGUFs and our generated ones:
+  encode / decode / streaming decode / chat template.
+"""
+
+from __future__ import annotations
+
+import codecs
+import datetime
+import hashlib
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import gguf
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
+from stratad.model.errors import ModelFormatError
+
+__all__ = [
+    "QWEN2_PRETOKENIZE_REGEX",
+    "DEFAULT_CHAT_TEMPLATE",
+    "ENDOFTEXT",
+    "IM_START",
+    "IM_END",
+    "THINK_START",
+    "THINK_END",
+    "BPE_MAX_TOKENS",
+    "ChatTemplateError",
+    "Vocab",
+    "build_vocab",
+    "train_bpe",
+    "write_tokenizer",
+    "Tokenizer",
+    "StreamDecoder",
+]
+
+DATA_DIR = Path(__file__).with_name("data")
+CORPUS_PATH = DATA_DIR / "corpus.txt"
+BPE_PATH = DATA_DIR / "bpe.json"
+
+# The pre-tokenizer regex of Qwen2/Qwen3 (llama.cpp: LLAMA_VOCAB_PRE_TYPE_QWEN2).
+QWEN2_PRETOKENIZE_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+ENDOFTEXT = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+THINK_START = "<think>"
+THINK_END = "</think>"
+# Placed right after the BPE tokens, in this order (the order Qwen3 has them in).
+SPECIAL_TOKENS: tuple[tuple[str, gguf.TokenType], ...] = (
+    (ENDOFTEXT, gguf.TokenType.CONTROL),
+    (IM_START, gguf.TokenType.CONTROL),
+    (IM_END, gguf.TokenType.CONTROL),
+    (THINK_START, gguf.TokenType.USER_DEFINED),
+    (THINK_END, gguf.TokenType.USER_DEFINED),
+)
+# The BPE part of a generated vocabulary holds at most this many tokens (256 byte tokens + merged tokens).
+BPE_MAX_TOKENS = 2000
+N_BYTE_TOKENS = 256
+
+# Our own ChatML template, Qwen3 style: every message is <|im_start|>{role}\n{content}<|im_end|>\n, and the
+# generation prompt is <|im_start|>assistant\n.
+DEFAULT_CHAT_TEMPLATE = (
+    "{%- for message in messages -%}\n"
+    "{%- if message['role'] is not string or message['content'] is not string -%}\n"
+    "{{- raise_exception('each message needs a string role and a string content') -}}\n"
+    "{%- endif -%}\n"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}\n"
+    "{%- endfor -%}\n"
+    "{%- if add_generation_prompt -%}\n"
+    "{{- '<|im_start|>assistant\\n' -}}\n"
+    "{%- endif -%}\n"
+)
+
+# GGUF keys (the same ones llama.cpp's converter writes for a Qwen3 model).
+K = gguf.Keys.Tokenizer
+KEY_MODEL = K.MODEL  # tokenizer.ggml.model
+KEY_PRE = K.PRE  # tokenizer.ggml.pre
+KEY_TOKENS = K.LIST  # tokenizer.ggml.tokens
+KEY_TOKEN_TYPE = K.TOKEN_TYPE  # tokenizer.ggml.token_type
+KEY_MERGES = K.MERGES  # tokenizer.ggml.merges
+KEY_EOS = K.EOS_ID  # tokenizer.ggml.eos_token_id
+KEY_PAD = K.PAD_ID  # tokenizer.ggml.padding_token_id
+KEY_BOS = K.BOS_ID  # tokenizer.ggml.bos_token_id
+KEY_EOT = K.EOT_ID  # tokenizer.ggml.eot_token_id (optional, honoured as a stop token)
+KEY_ADD_BOS = K.ADD_BOS  # tokenizer.ggml.add_bos_token
+KEY_CHAT_TEMPLATE = K.CHAT_TEMPLATE  # tokenizer.chat_template
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Byte-level alphabet (GPT-2's bytes_to_unicode)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    printable += list(range(ord("®"), ord("ÿ") + 1))
+    chars = printable[:]
+    n = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(printable, chars)}
+
+
+BYTE_TO_CHAR: dict[int, str] = _bytes_to_unicode()
+CHAR_TO_BYTE: dict[str, int] = {c: b for b, c in BYTE_TO_CHAR.items()}
+
+
+def _qwen2_pre_tokenizer() -> pre_tokenizers.PreTokenizer:
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The generated vocabulary
+
+
+@dataclass(frozen=True)
+class Vocab:
+    """A tokenizer vocabulary as GGUF stores it."""
+
+    tokens: list[str]
+    token_types: list[int]  # gguf.TokenType values, one per token
+    merges: list[str]  # "a b", in merge-priority order
+    eos_id: int
+    pad_id: int
+    bos_id: int
+    chat_template: str = DEFAULT_CHAT_TEMPLATE
+    add_bos_token: bool = False
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+def train_bpe(corpus: str, n_tokens: int) -> tuple[list[str], list[str]]:
+    """Train a byte-level BPE of at most ``n_tokens`` tokens on ``corpus``; returns (tokens in id order, merges).
+
+    The trainer stops early when the corpus has no pair left to merge. Used to (re)generate ``data/bpe.json``.
+    """
+    from tokenizers import trainers
+
+    if n_tokens < N_BYTE_TOKENS:
+        raise ValueError(f"a byte-level BPE needs at least {N_BYTE_TOKENS} tokens, got {n_tokens}")
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = _qwen2_pre_tokenizer()
+    trainer = trainers.BpeTrainer(
+        vocab_size=n_tokens,
+        min_frequency=0,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=[],
+    )
+    tok.train_from_iterator(corpus.splitlines(keepends=True), trainer=trainer)
+    model = json.loads(tok.to_str())["model"]
+    tokens = [t for t, _ in sorted(model["vocab"].items(), key=lambda kv: kv[1])]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+    return tokens, merges
+
+
+def _corpus_sha256() -> str:
+    return hashlib.sha256(CORPUS_PATH.read_bytes()).hexdigest()
+
+
+def regenerate_bpe_data() -> dict[str, Any]:
+    """Train on data/corpus.txt and rewrite data/bpe.json. Run after editing the corpus."""
+    import tokenizers
+
+    tokens, merges = train_bpe(CORPUS_PATH.read_text(encoding="utf-8"), BPE_MAX_TOKENS)
+    data = {
+        "comment": "byte-level BPE trained by stratad.model.tokenizer.train_bpe on corpus.txt; do not edit by hand",
+        "tokenizers_version": tokenizers.__version__,
+        "corpus_sha256": _corpus_sha256(),
+        "tokens": tokens,
+        "merges": merges,
+    }
+    BPE_PATH.write_text(json.dumps(data, ensure_ascii=False, indent=0) + "\n", encoding="utf-8")
+    _load_bpe.cache_clear()
+    return data
+
+
+@lru_cache(maxsize=1)
+def _load_bpe() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    data = json.loads(BPE_PATH.read_text(encoding="utf-8"))
+    return tuple(data["tokens"]), tuple(data["merges"])
+
+
+def build_vocab(vocab_size: int) -> Vocab:
+    """The generated models' vocabulary, exactly ``vocab_size`` tokens long; deterministic.
+
+    Layout: BPE tokens (min(vocab_size - 5, 2000): 256 byte tokens, then merged tokens in merge order), then
+    <|endoftext|>, <|im_start|>, <|im_end|> (CONTROL), <think>, </think> (USER_DEFINED), then [PAD{id}] (UNUSED)
+    up to vocab_size, as llama.cpp's converter pads Qwen vocabularies.
+    """
+    vocab_size = int(vocab_size)
+    n_special = len(SPECIAL_TOKENS)
+    if vocab_size < N_BYTE_TOKENS + n_special:
+        raise ValueError(
+            f"vocab_size {vocab_size} is too small: a byte-level vocabulary needs {N_BYTE_TOKENS} byte tokens "
+            f"plus {n_special} special tokens"
+        )
+    all_tokens, all_merges = _load_bpe()
+    n_bpe = min(vocab_size - n_special, len(all_tokens))
+    tokens = list(all_tokens[:n_bpe])
+    # A smaller training run stops after the merge that creates token n_bpe - 1: keep that prefix of the merges.
+    index = {t: i for i, t in enumerate(all_tokens)}
+    merges: list[str] = []
+    for m in all_merges:
+        a, b = m.split(" ")
+        if index[a + b] >= n_bpe:
+            break
+        merges.append(m)
+    token_types = [int(gguf.TokenType.NORMAL)] * n_bpe
+    for text, ttype in SPECIAL_TOKENS:
+        tokens.append(text)
+        token_types.append(int(ttype))
+    n_pad = vocab_size - len(tokens)
+    tokens.extend(f"[PAD{i}]" for i in range(len(tokens), vocab_size))
+    token_types.extend([int(gguf.TokenType.UNUSED)] * n_pad)
+    return Vocab(
+        tokens=tokens,
+        token_types=token_types,
+        merges=merges,
+        eos_id=n_bpe + 2,  # <|im_end|>
+        pad_id=n_bpe,  # <|endoftext|>
+        bos_id=n_bpe,  # <|endoftext|>, with add_bos_token False
+        chat_template=DEFAULT_CHAT_TEMPLATE,
+        add_bos_token=False,
+    )
+
+
+def write_tokenizer(writer: gguf.GGUFWriter, vocab: Vocab) -> None:
+    """Add the tokenizer keys a Qwen3 GGUF from llama.cpp's converter has."""
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list(vocab.tokens)
+    writer.add_token_types(vocab.token_types)
+    writer.add_token_merges(vocab.merges)
+    writer.add_eos_token_id(vocab.eos_id)
+    writer.add_pad_token_id(vocab.pad_id)
+    writer.add_bos_token_id(vocab.bos_id)
+    writer.add_add_bos_token(vocab.add_bos_token)
+    writer.add_chat_template(vocab.chat_template)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The runtime tokenizer
+
+
+class ChatTemplateError(ValueError):
+    """The chat template refused the messages (raise_exception) or failed while rendering."""
+
+
+def _raise_exception(message: str) -> None:
+    raise ChatTemplateError(message)
+
+
+def _tojson(value: Any, indent: int | None = None) -> str:
+    return json.dumps(value, ensure_ascii=False, indent=indent)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.datetime.now().strftime(fmt)
+
+
+def _compile_chat_template(source: str) -> jinja2.Template:
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env.from_string(source)
+
+
+_MISSING = object()
+
+
+def _field(reader: gguf.GGUFReader, key: str, path, kind: str, required: bool = True) -> Any:
+    """Read one metadata value, checking its GGUF type. kind: 'str', 'int', 'bool', 'str[]', 'int[]'."""
+    f = reader.fields.get(key)
+    if f is None:
+        if required:
+            raise ModelFormatError(path, f"tokenizer metadata {key} is missing")
+        return _MISSING
+    VT = gguf.GGUFValueType
+    ints = {VT.UINT8, VT.INT8, VT.UINT16, VT.INT16, VT.UINT32, VT.INT32, VT.UINT64, VT.INT64}
+    types = list(f.types)
+    ok = bool(types) and {
+        "str": lambda: types == [VT.STRING],
+        "int": lambda: len(types) == 1 and types[0] in ints,
+        "bool": lambda: types == [VT.BOOL],
+        "str[]": lambda: types[0] == VT.ARRAY and (len(f.data) == 0 or types[-1] == VT.STRING),
+        "int[]": lambda: types[0] == VT.ARRAY and (len(f.data) == 0 or types[-1] in ints),
+    }[kind]()
+    if not ok:
+        names = "/".join(t.name for t in types) or "nothing"
+        raise ModelFormatError(path, f"tokenizer metadata {key} has type {names}, expected {kind}")
+    if kind.endswith("[]") and len(f.data) == 0:
+        return []
+    try:
+        return f.contents()
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ModelFormatError(path, f"tokenizer metadata {key} cannot be read: {e}") from e
+
+
+class StreamDecoder:
+    """Turns token ids into text as they are generated; never emits half a UTF-8 character.
+
+    ``"".join(push(i) for i in ids) + flush() == tokenizer.decode(ids)``.
+    """
+
+    def __init__(self, tokenizer: "Tokenizer", skip_special: bool = False):
+        self._tok = tokenizer
+        self._skip_special = skip_special
+        self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, token_id: int) -> str:
+        """Feed one token; returns the text it completed (possibly empty)."""
+        return self._dec.decode(self._tok._bytes_for_decode(token_id, self._skip_special))
+
+    def flush(self) -> str:
+        """End of stream: returns what is left (an unfinished character becomes U+FFFD) and resets."""
+        out = self._dec.decode(b"", final=True)
+        self._dec.reset()
+        return out
+
+
+class Tokenizer:
+    """A gpt2-style byte-level BPE tokenizer with the Qwen2 pre-tokenizer, built from GGUF tokenizer metadata."""
+
+    def __init__(
+        self,
+        tokens: Sequence[str],
+        token_types: Sequence[int] | None,
+        merges: Sequence[str],
+        eos_id: int,
+        *,
+        bos_id: int | None = None,
+        pad_id: int | None = None,
+        eot_id: int | None = None,
+        add_bos_token: bool = False,
+        chat_template: str | None = None,
+        model: str = "gpt2",
+        path: str | Path = "<tokenizer>",
+    ):
+        self.path = str(path)
+        if model != "gpt2":
+            raise ModelFormatError(path, f"tokenizer.ggml.model is {model!r}; only 'gpt2' (byte-level BPE) is supported")
+        tokens = list(tokens)
+        if not tokens:
+            raise ModelFormatError(path, "tokenizer.ggml.tokens is empty: the file has no vocabulary")
+        n = len(tokens)
+        if token_types is None:
+            token_types = [int(gguf.TokenType.NORMAL)] * n
+        token_types = [int(t) for t in token_types]
+        if len(token_types) != n:
+            raise ModelFormatError(
+                path, f"tokenizer.ggml.token_type has {len(token_types)} entries but there are {n} tokens"
+            )
+        valid_types = {int(t) for t in gguf.TokenType}
+        bad = next((i for i, t in enumerate(token_types) if t not in valid_types), None)
+        if bad is not None:
+            raise ModelFormatError(path, f"token {bad} has unknown token type {token_types[bad]}")
+
+        for key, value in ((KEY_EOS, eos_id), (KEY_BOS, bos_id), (KEY_PAD, pad_id), (KEY_EOT, eot_id)):
+            if value is not None and not (0 <= int(value) < n):
+                raise ModelFormatError(path, f"{key} is {value}, out of range for a vocabulary of {n} tokens")
+
+        # First occurrence wins if a token text repeats (the id -> text table keeps every entry).
+        vocab: dict[str, int] = {}
+        for i, t in enumerate(tokens):
+            vocab.setdefault(t, i)
+        if any(c not in vocab for c in BYTE_TO_CHAR.values()):
+            missing = sum(c not in vocab for c in BYTE_TO_CHAR.values())
+            raise ModelFormatError(path, f"the vocabulary lacks {missing} of the 256 byte-level base tokens")
+
+        merge_pairs: list[tuple[str, str]] = []
+        for k, m in enumerate(merges):
+            parts = m.split(" ")
+            if len(parts) != 2 or not parts[0] or not parts[1]:
+                raise ModelFormatError(path, f"tokenizer.ggml.merges[{k}] = {m!r} is not of the form 'a b'")
+            a, b = parts
+            for piece in (a, b, a + b):
+                if piece not in vocab:
+                    raise ModelFormatError(
+                        path, f"tokenizer.ggml.merges[{k}] = {m!r} refers to unknown token {piece!r}"
+                    )
+            merge_pairs.append((a, b))
+
+        self._tokens = tokens
+        self._types = token_types
+        self._merges = list(merges)
+        self._eos_id = int(eos_id)
+        self._bos_id = None if bos_id is None else int(bos_id)
+        self._pad_id = None if pad_id is None else int(pad_id)
+        self.add_bos_token = bool(add_bos_token)
+        self._bytes_cache: dict[int, bytes] = {}
+
+        CONTROL, USER = int(gguf.TokenType.CONTROL), int(gguf.TokenType.USER_DEFINED)
+        self._control_ids = frozenset(i for i, t in enumerate(token_types) if t == CONTROL)
+        self._added_ids = frozenset(i for i, t in enumerate(token_types) if t in (CONTROL, USER))
+
+        stop = {self._eos_id}
+        if ENDOFTEXT in vocab:
+            stop.add(vocab[ENDOFTEXT])
+        if eot_id is not None:
+            stop.add(int(eot_id))
+        self._stop_ids = frozenset(stop)
+
+        hf = HFTokenizer(models.BPE(vocab=vocab, merges=merge_pairs, fuse_unk=False, byte_fallback=False))
+        hf.pre_tokenizer = _qwen2_pre_tokenizer()
+        hf.decoder = decoders.ByteLevel()
+        special = [AddedToken(tokens[i], special=True, normalized=False) for i in sorted(self._control_ids)]
+        user = [
+            AddedToken(tokens[i], special=False, normalized=False)
+            for i in sorted(self._added_ids - self._control_ids)
+        ]
+        if special:
+            hf.add_special_tokens(special)
+        if user:
+            hf.add_tokens(user)
+        for i in sorted(self._added_ids):
+            if vocab[tokens[i]] == i and hf.token_to_id(tokens[i]) != i:
+                raise ModelFormatError(path, f"special token {tokens[i]!r} (id {i}) could not be registered")
+        self.hf = hf
+
+        self.chat_template = DEFAULT_CHAT_TEMPLATE if chat_template is None else chat_template
+        try:
+            self._template = _compile_chat_template(self.chat_template)
+        except jinja2.TemplateError as e:
+            raise ModelFormatError(path, f"tokenizer.chat_template does not compile: {e}") from e
+
+    # ---- construction ----
+
+    @classmethod
+    def from_gguf(cls, reader: gguf.GGUFReader, path: str | Path | None = None) -> "Tokenizer":
+        """Build from a GGUF's tokenizer metadata; raises ModelFormatError naming the problem."""
+        path = path if path is not None else getattr(reader, "path", "<gguf>")
+        model = _field(reader, KEY_MODEL, path, "str")
+        if model != "gpt2":
+            raise ModelFormatError(path, f"tokenizer.ggml.model is {model!r}; only 'gpt2' (byte-level BPE) is supported")
+        tokens = _field(reader, KEY_TOKENS, path, "str[]")
+        if not tokens:
+            raise ModelFormatError(path, "tokenizer.ggml.tokens is empty: the file has no vocabulary")
+        types = _field(reader, KEY_TOKEN_TYPE, path, "int[]", required=False)
+        merges = _field(reader, KEY_MERGES, path, "str[]")
+        eos = _field(reader, KEY_EOS, path, "int")
+
+        def opt(key: str, kind: str) -> Any:
+            v = _field(reader, key, path, kind, required=False)
+            return None if v is _MISSING else v
+
+        return cls(
+            tokens,
+            None if types is _MISSING else types,
+            merges,
+            eos,
+            bos_id=opt(KEY_BOS, "int"),
+            pad_id=opt(KEY_PAD, "int"),
+            eot_id=opt(KEY_EOT, "int"),
+            add_bos_token=bool(opt(KEY_ADD_BOS, "bool") or False),
+            chat_template=opt(KEY_CHAT_TEMPLATE, "str"),
+            model=model,
+            path=path,
+        )
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "Tokenizer":
+        try:
+            reader = gguf.GGUFReader(path, "r")
+        except (ValueError, OSError) as e:
+            raise ModelFormatError(path, f"cannot read as GGUF: {e}") from e
+        return cls.from_gguf(reader, path)
+
+    @classmethod
+    def from_vocab(cls, vocab: Vocab, path: str | Path = "<generated vocab>") -> "Tokenizer":
+        return cls(
+            vocab.tokens,
+            vocab.token_types,
+            vocab.merges,
+            vocab.eos_id,
+            bos_id=vocab.bos_id,
+            pad_id=vocab.pad_id,
+            add_bos_token=vocab.add_bos_token,
+            chat_template=vocab.chat_template,
+            path=path,
+        )
+
+    # ---- properties ----
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._tokens)
+
+    @property
+    def eos_id(self) -> int:
+        return self._eos_id
+
+    @property
+    def bos_id(self) -> int | None:
+        return self._bos_id
+
+    @property
+    def pad_id(self) -> int | None:
+        return self._pad_id
+
+    @property
+    def stop_ids(self) -> frozenset[int]:
+        """Generation stops at any of these: eos, <|endoftext|>, and eot when the file names one."""
+        return self._stop_ids
+
+    def token_text(self, token_id: int) -> str:
+        """The token's text as the vocabulary stores it (byte-level form, e.g. 'Ġthe'; specials as written)."""
+        return self._tokens[self._check_id(token_id)]
+
+    def token_type(self, token_id: int) -> int:
+        return self._types[self._check_id(token_id)]
+
+    def token_id(self, text: str) -> int | None:
+        """The id of a token given its vocabulary text, or None."""
+        return self.hf.token_to_id(text)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes the token stands for when decoded."""
+        b = self._bytes_cache.get(token_id)
+        if b is None:
+            i = self._check_id(token_id)
+            text = self._tokens[i]
+            if i in self._added_ids:
+                b = text.encode("utf-8")
+            else:
+                try:
+                    b = bytes(CHAR_TO_BYTE[c] for c in text)
+                except KeyError:  # not byte-level text: emit as is (as the tokenizers ByteLevel decoder does)
+                    b = text.encode("utf-8")
+            self._bytes_cache[i] = b
+        return b
+
+    def _check_id(self, token_id: int) -> int:
+        i = int(token_id)
+        if not 0 <= i < len(self._tokens):
+            raise ValueError(f"token id {token_id} is out of range for a vocabulary of {len(self._tokens)} tokens")
+        return i
+
+    def _bytes_for_decode(self, token_id: int, skip_special: bool) -> bytes:
+        if skip_special and int(token_id) in self._control_ids:
+            return b""
+        return self.token_bytes(token_id)
+
+    # ---- encode / decode ----
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids for text; special tokens written in the text (e.g. <|im_start|>) become their single id."""
+        ids = self.hf.encode(text, add_special_tokens=False).ids
+        if self.add_bos_token and self._bos_id is not None:
+            ids = [self._bos_id, *ids]
+        return ids
+
+    def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
+        """Text for token ids; invalid UTF-8 (e.g. a character cut off at the end) becomes U+FFFD."""
+        return b"".join(self._bytes_for_decode(i, skip_special) for i in ids).decode("utf-8", errors="replace")
+
+    def stream_decoder(self, skip_special: bool = False) -> StreamDecoder:
+        return StreamDecoder(self, skip_special=skip_special)
+
+    # ---- chat ----
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
+        """Render the GGUF's chat template (sandboxed jinja2). Extra keyword arguments (tools, enable_thinking,
+        ...) are passed to the template. Raises ChatTemplateError when the template refuses the messages."""
+        context = dict(kwargs)
+        context.setdefault("bos_token", self._tokens[self._bos_id] if self._bos_id is not None else "")
+        context.setdefault("eos_token", self._tokens[self._eos_id])
+        try:
+            return self._template.render(
+                messages=messages, add_generation_prompt=add_generation_prompt, **context
+            )
+        except ChatTemplateError:
+            raise
+        except jinja2.TemplateError as e:
+            raise ChatTemplateError(f"chat template failed: {e}") from e
+
+
+def _main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(description="stratad tokenizer data")
+    p.add_argument("--regenerate", action="store_true", help="retrain data/bpe.json from data/corpus.txt")
+    args = p.parse_args(argv)
+    if args.regenerate:
+        data = regenerate_bpe_data()
+        print(f"wrote {BPE_PATH}: {len(data['tokens'])} tokens, {len(data['merges'])} merges")
+    else:
+        tokens, merges = _load_bpe()
+        print(f"{BPE_PATH}: {len(tokens)} tokens, {len(merges)} merges")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main())
