@@ -3,7 +3,8 @@
 An expert's output must not depend on where it ran (GPU kernel, peer card, CPU pool), so every implementation
 computes exactly this, in float32 with each multiply and add rounded on its own (no fused multiply-add):
 
-1. The input row is quantised per 32 values: d = amax / 127, q = rint(x * (1 / d)) (half to even).
+1. The input row is quantised per 32 values: d = amax / 127, q = rint(x * (1 / d)) (half to even); q = 0 where
+   d = 0 or 1 / d overflows to inf (a subnormal d, amax < ~3.7e-37).
 2. Dot of a weight row with it: per sub-block b an exact integer sum isum_b = sum(qw * qa) (and, for Q4_K,
    asum_b = sum(qa)); the sub-block's term is (scale_b * d_b) * isum_b  [ - (minimum_b * d_b) * asum_b ].
 3. The terms are summed as a warp would: virtual lane l (0..31) adds terms l, l+32, l+64, ... to 0.0 in order,
@@ -27,8 +28,9 @@ def quantize_act(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     x = np.asarray(x, F32)
     xb = x.reshape(x.shape[:-1] + (-1, SUB))
     d = np.max(np.abs(xb), axis=-1) / F32(127)
-    with np.errstate(divide="ignore"):
+    with np.errstate(divide="ignore", over="ignore"):
         inv = np.where(d > 0, F32(1) / d, F32(0)).astype(F32)
+    inv = np.where(np.isinf(inv), F32(0), inv)  # 1/d overflows (d < 2^-128): q = 0, not a cast of inf
     q = np.rint(xb * inv[..., None]).astype(np.int8)
     return q, d.astype(F32)
 
