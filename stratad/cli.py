@@ -4,7 +4,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 
 from stratad.model.errors import ModelFormatError
 
@@ -18,6 +17,7 @@ def _make_model(a) -> int:
 
 
 def _generate(a) -> int:
+    from stratad.engine.generation import Generation
     from stratad.engine.reference import ReferenceEngine
     from stratad.engine.sampling import SamplingParams
     from stratad.model.gguf_file import ModelFile
@@ -32,22 +32,31 @@ def _generate(a) -> int:
         print("error: " + "; ".join(probs), file=sys.stderr)
         return 2
     engine = ReferenceEngine(model, a.experts)
-    stream = tok.stream_decoder(skip_special=True)
-    t0 = time.monotonic()
-    n, t_first = 0, None
-    for t in engine.generate(prompt, params):
-        if t_first is None:
-            t_first = time.monotonic()
-        n += 1
-        sys.stdout.write(stream.push(t))
+    gen = Generation(engine, tok, prompt, params, model.config.context_length)
+    for _, piece in gen:
+        sys.stdout.write(piece)
         sys.stdout.flush()
-    sys.stdout.write(stream.flush() + "\n")
-    end = time.monotonic()
-    decode_s = end - (t_first or end)
-    print(f"[{len(prompt)} prompt tokens, {n} generated; first token {((t_first or end) - t0) * 1e3:.0f} ms; "
-          f"decode {(n - 1) / decode_s if n > 1 and decode_s > 0 else 0:.1f} tok/s; engine: reference numpy "
+    print(f"\n[{len(prompt)} prompt tokens, {gen.generated} generated ({gen.finish_reason}); first token "
+          f"{gen.ttft_s * 1e3:.0f} ms; decode {gen.decode_tok_s:.1f} tok/s; engine: reference numpy "
           f"({a.experts} experts)]", file=sys.stderr)
     return 0
+
+
+def _serve(a) -> int:
+    from coordinator.daemon import serve
+    from coordinator.runtime import RuntimeDirError
+    from stratad import config
+
+    overrides = {"model": a.model, "cards": a.cards, "runtime_dir": a.runtime_dir, "expert_cache": a.expert_cache,
+                 "context_length": a.context_length, "rejoin_idle_s": a.rejoin_idle_s, "log_level": a.log_level}
+    if a.mutual_help:
+        overrides["mutual_help"] = True
+    try:
+        cfg = config.load(a.config, overrides)
+        return serve(cfg)
+    except (config.ConfigError, RuntimeDirError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,6 +83,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--experts", choices=["canonical", "float"], default="canonical")
     g.set_defaults(fn=_generate)
+
+    s = sub.add_parser("serve", help="run the daemon in the foreground (what systemd starts)")
+    s.add_argument("--config", help="TOML config file; flags below override it")
+    s.add_argument("--model")
+    s.add_argument("--cards", help="comma-separated GPU indices or 'cpu' virtual cards, e.g. cpu,cpu")
+    s.add_argument("--runtime-dir")
+    s.add_argument("--expert-cache", help="per-card expert-cache budget: fraction 0..1 or size like 40GiB")
+    s.add_argument("--context-length", type=int)
+    s.add_argument("--rejoin-idle-s", type=float)
+    s.add_argument("--mutual-help", action="store_true")
+    s.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    s.set_defaults(fn=_serve)
     return p
 
 

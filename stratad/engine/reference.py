@@ -12,7 +12,8 @@ from typing import Iterator, Protocol
 import numpy as np
 
 from stratad.engine import canonical
-from stratad.engine.sampling import Sampler, SamplingParams
+from stratad.engine.generation import Generation
+from stratad.engine.sampling import SamplingParams
 from stratad.model import quants
 from stratad.model.gguf_file import ModelFile
 
@@ -199,19 +200,7 @@ class ReferenceEngine:
         h = rms_norm(x, self.w("output_norm.weight"), self.c.rms_eps)
         return h @ self.w("output.weight").T
 
-    def generate(self, prompt: list[int], params: SamplingParams, kv: KVCache | None = None) -> Iterator[int]:
-        """Yield sampled tokens; stops at a stop token (not yielded) or max_tokens. Stop strings: the caller's."""
-        if kv is None:
-            kv = self.new_kv()
-        if len(prompt) + params.max_tokens > self.c.context_length:
-            raise ValueError(f"prompt of {len(prompt)} tokens + max_tokens {params.max_tokens} exceeds the "
-                             f"context length {self.c.context_length}")
-        sample = Sampler(params)
-        stops = self.model.tokenizer.stop_ids
-        logits = self.forward(prompt, kv)
-        for _ in range(params.max_tokens):
-            t = sample(logits[-1])
-            if t in stops:
-                return
-            yield t
-            logits = self.forward([t], kv)
+    def generate(self, prompt: list[int], params: SamplingParams) -> Iterator[int]:
+        """Sampled token ids; stops at a stop token (not yielded), a stop string or max_tokens."""
+        g = Generation(self, self.model.tokenizer, prompt, params, self.c.context_length)
+        return (t for t, _ in g if t is not None)

@@ -1,0 +1,395 @@
+"""The coordinator process: owns the arena, the directory, the lanes and the request queue.
+
+One thread runs a poll loop over the client socket(s) and the lane socket; lanes do the computing. Clients'
+requests are validated and tokenised here, queued (bounded FIFO), handed to free lanes; lanes' token chunks are
+routed back to the client that asked.
+"""
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import zmq
+
+from coordinator.directory import Directory, plan
+from coordinator.lanes import LaneHandle, Supervisor, lane_argv
+from coordinator.runtime import RuntimeDir
+from protos import messages as M
+from protos.codec import FrameError, decode, encode
+from stratad import sd_notify
+from stratad.config import DaemonConfig
+from stratad.model.gguf_file import ModelFile
+from stratad.model.slot_layout import slot_bytes
+
+log = logging.getLogger("stratad.coordinator")
+POLL_MS = 50
+
+
+@dataclass
+class Request:
+    req_id: str
+    sock: zmq.Socket
+    client: bytes
+    tokens: list[int]
+    sampling: M.Sampling
+    t_arrival: float = field(default_factory=time.monotonic)
+    t_assigned: float = 0.0
+    lane: LaneHandle | None = None
+    cancel_sent: bool = False
+
+
+class Coordinator:
+    def __init__(self, cfg: DaemonConfig):
+        self.cfg = cfg
+        self.rt = RuntimeDir(cfg.runtime_dir)
+        self.t_start = time.time()
+        self.stopping = False
+        self.stop_deadline = 0.0
+        self.ready_sent = False
+        self.requests: dict[str, Request] = {}
+        self.queue: deque[str] = deque()
+        self.ctx: zmq.Context | None = None
+        self.client_socks: list[zmq.Socket] = []
+        self.auth = None
+
+    # ---- start ----------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        reclaimed = self.rt.acquire()
+        if reclaimed:
+            log.warning("reclaimed leftovers of an earlier daemon: %s", ", ".join(reclaimed))
+        self.model = ModelFile(self.cfg.model)  # the arena: the GGUF mapped shared, read by every lane
+        self.tokenizer = self.model.tokenizer
+        c = self.model.config
+        self.context_length = min(self.cfg.context_length, c.context_length)
+        self.cards = list(self.cfg.cards) or ["cpu", "cpu"]
+        if not self.cfg.cards:
+            log.warning("no --cards given and no GPU lane support detected: running on %d CPU cards",
+                        len(self.cards))
+        self.slot_bytes = slot_bytes(self.model)
+        self.n_slots = self._slots_per_card()
+        self.profile = self._profile()
+        self.directory: Directory = plan(self.profile, [self.n_slots] * len(self.cards), "independent")
+        self.ctx = zmq.Context()
+        self.lane_sock = self.ctx.socket(zmq.ROUTER)
+        self.lane_sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.lane_sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted lane takes over its identity
+        self.lane_sock.bind(self.rt.lane_endpoint)
+        self.client_socks.append(self._client_socket(self.rt.client_endpoint))
+        if self.cfg.tcp:
+            self.client_socks.append(self._tcp_socket())
+        for p in self.rt.path.glob("*.sock"):
+            p.chmod(0o600)
+        self.sup = Supervisor(self.cards, self._lane_argv, self.rt.shm_prefix, self.cfg.lane_timeout_s)
+        self.sup.start_all()
+        log.info("model %s: %d layers x %d experts, slot %.2f MiB, %d slots per card (%s), %d cards %s",
+                 self.model.path, c.n_layer, c.n_expert, self.slot_bytes / 2**20, self.n_slots,
+                 self.cfg.expert_cache, len(self.cards), ",".join(self.cards))
+
+    def _slots_per_card(self) -> int:
+        c, b = self.model.config, self.cfg.expert_cache
+        total = c.n_layer * c.n_expert
+        n = int(b.fraction * total) if b.fraction is not None else b.bytes // self.slot_bytes
+        return max(0, min(total, n))
+
+    def _profile(self) -> np.ndarray:
+        c = self.model.config
+        if not self.cfg.profile:
+            return np.zeros((c.n_layer, c.n_expert))
+        p = np.load(self.cfg.profile)
+        if p.shape != (c.n_layer, c.n_expert):
+            raise ValueError(f"profile {self.cfg.profile} has shape {p.shape}, expected {(c.n_layer, c.n_expert)}")
+        return p
+
+    def _lane_argv(self, h: LaneHandle) -> list[str]:
+        return lane_argv(h, endpoint=self.rt.lane_endpoint, model=str(self.model.path),
+                         model_hash=self.model.header_hash, shm_prefix=self.rt.shm_prefix,
+                         context_length=self.context_length, heartbeat_s=self.cfg.heartbeat_s,
+                         log_level=self.cfg.log_level)
+
+    def _client_socket(self, endpoint: str) -> zmq.Socket:
+        s = self.ctx.socket(zmq.ROUTER)
+        s.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        s.setsockopt(zmq.LINGER, 0)
+        s.bind(endpoint)
+        return s
+
+    def _tcp_socket(self) -> zmq.Socket:
+        import zmq.auth
+        from zmq.auth.thread import ThreadAuthenticator
+
+        if not (self.cfg.curve_secret_key_file and self.cfg.curve_authorized_dir):
+            raise ValueError("tcp needs curve_secret_key_file and curve_authorized_dir (CURVE keys)")
+        self.auth = ThreadAuthenticator(self.ctx)
+        self.auth.start()
+        self.auth.configure_curve(domain="*", location=self.cfg.curve_authorized_dir)
+        public, secret = zmq.auth.load_certificate(self.cfg.curve_secret_key_file)
+        if secret is None:
+            raise ValueError(f"{self.cfg.curve_secret_key_file} holds no secret key")
+        s = self.ctx.socket(zmq.ROUTER)
+        s.curve_secretkey, s.curve_publickey, s.curve_server = secret, public, True
+        s.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        s.setsockopt(zmq.LINGER, 0)
+        s.bind(self.cfg.tcp)
+        return s
+
+    # ---- loop -----------------------------------------------------------------------------------------------
+    def request_stop(self, *_a) -> None:
+        if not self.stopping:
+            log.info("stopping: in-flight requests get %.1f s to finish", self.cfg.stop_grace_s)
+            self.stopping = True
+            self.stop_deadline = time.monotonic() + self.cfg.stop_grace_s
+            sd_notify.notify("STOPPING=1")
+            for rid in list(self.queue):
+                self._fail(self.requests[rid], M.ErrorCode.SHUTTING_DOWN, "the daemon is stopping")
+
+    def run(self) -> int:
+        poller = zmq.Poller()
+        poller.register(self.lane_sock, zmq.POLLIN)
+        for s in self.client_socks:
+            poller.register(s, zmq.POLLIN)
+        wd = sd_notify.watchdog_interval_s()
+        last_wd = 0.0
+        while True:
+            for sock, _ in poller.poll(POLL_MS):
+                for _ in range(256):  # drain, bounded so one busy socket cannot starve the others
+                    try:
+                        parts = sock.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    if sock is self.lane_sock:
+                        self._on_lane(parts)
+                    else:
+                        self._on_client(sock, parts)
+            self._tick()
+            if wd and time.monotonic() - last_wd >= wd:
+                sd_notify.notify("WATCHDOG=1")
+                last_wd = time.monotonic()
+            if self.stopping and self._stop_step():
+                return 0
+
+    def _tick(self) -> None:
+        for h, why in self.sup.reap():
+            log.error("%s; restarting it", why)
+            if h.req_id and h.req_id in self.requests:
+                self._fail(self.requests[h.req_id], M.ErrorCode.LANE_FAILED,
+                           f"{why} while serving this request; the lane is being restarted")
+            h.req_id = None
+        if not self.stopping:
+            self.sup.restart_due()
+            self._dispatch()
+        if not self.ready_sent and all(h.ready for h in self.sup.lanes):
+            self.ready_sent = True
+            sd_notify.notify(f"READY=1\nSTATUS=serving on {len(self.cards)} cards")
+            log.info("ready: %d lanes up, clients at %s", len(self.cards), self.rt.client_endpoint)
+
+    def _stop_step(self) -> bool:
+        """One step of a graceful stop; True when everything is released."""
+        busy = [r for r in self.requests.values() if r.lane is not None]
+        if busy and time.monotonic() < self.stop_deadline:
+            return False
+        for r in busy:
+            self._fail(r, M.ErrorCode.SHUTTING_DOWN, "the daemon stopped before this request finished")
+        for h in self.sup.lanes:
+            self._to_lane(h, M.Shutdown(reason="daemon stopping"))
+        self.sup.stop_all()
+        return True
+
+    def close(self) -> None:
+        if getattr(self, "sup", None):
+            self.sup.stop_all()
+        if self.auth is not None:
+            self.auth.stop()
+        if self.ctx is not None:
+            self.ctx.destroy(linger=0)
+        self.rt.release()
+
+    # ---- clients --------------------------------------------------------------------------------------------
+    def _reply(self, sock: zmq.Socket, client: bytes, msg) -> bool:
+        try:
+            sock.send_multipart([client, encode(msg)])
+            return True
+        except zmq.ZMQError as e:  # EHOSTUNREACH: the client is gone
+            log.info("client %s unreachable (%s)", client.hex(), e)
+            return False
+
+    def _on_client(self, sock: zmq.Socket, parts: list[bytes]) -> None:
+        client = parts[0]
+        if len(parts) != 2:
+            log.warning("client %s: %d-part message refused", client.hex(), len(parts) - 1)
+            self._reply(sock, client, M.Error(code=M.ErrorCode.BAD_FRAME,
+                                              message=f"expected one frame per message, got {len(parts) - 1}"))
+            return
+        try:
+            msg = decode(parts[1], M.ClientToCoordinator)
+        except FrameError as e:
+            log.warning("client %s: %s", client.hex(), e)
+            self._reply(sock, client, M.Error(code=e.code, message=str(e)))
+            return
+        if isinstance(msg, M.StatusRequest):
+            self._reply(sock, client, self.status())
+        elif isinstance(msg, M.Cancel):
+            self._cancel(sock, client, msg.req_id)
+        elif isinstance(msg, M.Generate):
+            self._generate(sock, client, msg)
+
+    def _prompt_tokens(self, g: M.Generate) -> list[int]:
+        if g.tokens is not None:
+            bad = [t for t in g.tokens if not 0 <= t < self.tokenizer.vocab_size]
+            if bad:
+                raise ValueError(f"token id {bad[0]} outside the vocabulary (0..{self.tokenizer.vocab_size - 1})")
+            return list(g.tokens)
+        if g.messages is not None:
+            text = self.tokenizer.apply_chat_template([m.model_dump() for m in g.messages])
+        else:
+            text = g.prompt
+        return self.tokenizer.encode(text)
+
+    def _generate(self, sock, client, g: M.Generate) -> None:
+        def refuse(code, message):
+            self._reply(sock, client, M.Error(req_id=g.req_id, code=code, message=message))
+
+        if self.stopping:
+            return refuse(M.ErrorCode.SHUTTING_DOWN, "the daemon is stopping")
+        if g.req_id in self.requests:
+            return refuse(M.ErrorCode.DUPLICATE_REQUEST, f"request {g.req_id} is already in flight")
+        try:
+            tokens = self._prompt_tokens(g)
+        except Exception as e:  # template errors, bad ids
+            return refuse(M.ErrorCode.BAD_REQUEST, str(e))
+        if not tokens:
+            return refuse(M.ErrorCode.BAD_REQUEST, "the prompt is empty")
+        if len(tokens) + g.sampling.max_tokens > self.context_length:
+            return refuse(M.ErrorCode.PROMPT_TOO_LONG,
+                          f"prompt of {len(tokens)} tokens + max_tokens {g.sampling.max_tokens} exceeds the "
+                          f"context length {self.context_length}")
+        if len(self.queue) >= self.cfg.queue_limit:
+            return refuse(M.ErrorCode.QUEUE_FULL, f"the queue is full ({self.cfg.queue_limit} requests waiting)")
+        r = Request(g.req_id, sock, client, tokens, g.sampling)
+        self.requests[r.req_id] = r
+        self.queue.append(r.req_id)
+        self._reply(sock, client, M.Accepted(req_id=r.req_id, prompt_tokens=len(tokens),
+                                             queue_position=len(self.queue) - 1))
+        self._dispatch()
+
+    def _cancel(self, sock, client, req_id: str) -> None:
+        r = self.requests.get(req_id)
+        if r is None or r.client != client:
+            self._reply(sock, client, M.Error(req_id=req_id, code=M.ErrorCode.UNKNOWN_REQUEST,
+                                              message=f"no request {req_id} of this client in flight"))
+            return
+        self._cancel_request(r)
+
+    def _cancel_request(self, r: Request) -> None:
+        if r.lane is None:
+            self.queue.remove(r.req_id)
+            del self.requests[r.req_id]
+            self._reply(r.sock, r.client, M.Done(req_id=r.req_id, finish_reason="cancelled",
+                                                 stats=M.RequestStats(prompt_tokens=len(r.tokens))))
+        elif not r.cancel_sent:
+            r.cancel_sent = True
+            self._to_lane(r.lane, M.Cancel(req_id=r.req_id))
+
+    def _fail(self, r: Request, code: M.ErrorCode, message: str) -> None:
+        if r.lane is not None:
+            if r.lane.req_id == r.req_id:
+                self._to_lane(r.lane, M.Cancel(req_id=r.req_id))
+                r.lane.req_id = None  # its Done/Error for this request, if any, is dropped
+        elif r.req_id in self.queue:
+            self.queue.remove(r.req_id)
+        self.requests.pop(r.req_id, None)
+        self._reply(r.sock, r.client, M.Error(req_id=r.req_id, code=code, message=message))
+
+    def _dispatch(self) -> None:
+        while self.queue:
+            lane = next((h for h in self.sup.lanes if h.free), None)
+            if lane is None:
+                return
+            r = self.requests[self.queue.popleft()]
+            r.lane, r.t_assigned, lane.req_id = lane, time.monotonic(), r.req_id
+            if not self._to_lane(lane, M.Assign(req_id=r.req_id, tokens=tuple(r.tokens), sampling=r.sampling)):
+                self.sup.mark_dead(lane)
+                lane.req_id, r.lane = None, None
+                self.queue.appendleft(r.req_id)
+
+    # ---- lanes ----------------------------------------------------------------------------------------------
+    def _to_lane(self, h: LaneHandle, msg) -> bool:
+        try:
+            self.lane_sock.send_multipart([h.identity, encode(msg)])
+            return True
+        except zmq.ZMQError:
+            return False
+
+    def _on_lane(self, parts: list[bytes]) -> None:
+        h = self.sup.by_identity(parts[0])
+        if h is None or len(parts) != 2 or h.proc is None:
+            log.warning("message from unknown or dead lane %r dropped", parts[0])
+            return
+        try:
+            msg = decode(parts[1], M.LaneToCoordinator)
+        except FrameError as e:
+            log.error("lane %d sent a bad frame: %s", h.lane, e)
+            return
+        h.last_seen = time.monotonic()
+        if isinstance(msg, M.LaneHello):
+            if msg.model_hash != self.model.header_hash:
+                log.error("lane %d attached a different model (hash %s)", h.lane, msg.model_hash[:12])
+                return
+            self._to_lane(h, M.Placement(epoch=self.directory.epoch, n_slots=self.n_slots,
+                                         experts=self.directory.slots[h.lane]))
+        elif isinstance(msg, M.Heartbeat):
+            h.status = msg.status
+            if not h.ready and msg.status.role != M.Role.STARTING:
+                h.ready = True
+                h.set_role(msg.status.role)
+                log.info("lane %d ready (%s, %d/%d slots)", h.lane, msg.status.role.value,
+                         msg.status.slots_used, msg.status.slots_total)
+        elif isinstance(msg, (M.TokenChunk, M.Done, M.Error)):
+            r = self.requests.get(msg.req_id or "")
+            if r is None or r.lane is not h:
+                return  # a request already failed or cancelled here
+            if isinstance(msg, M.TokenChunk):
+                if not self._reply(r.sock, r.client, msg):
+                    self._cancel_request(r)  # the client went away: free the lane
+                return
+            if isinstance(msg, M.Done):
+                msg = msg.model_copy(update={"stats": msg.stats.model_copy(
+                    update={"queue_s": r.t_assigned - r.t_arrival})})
+            self._reply(r.sock, r.client, msg)
+            del self.requests[r.req_id]
+            h.req_id = None
+            self._dispatch()
+
+    # ---- status ---------------------------------------------------------------------------------------------
+    def status(self) -> M.Status:
+        lanes = []
+        for h in self.sup.lanes:
+            base = h.status or M.LaneStatus(lane=h.lane, card=h.card, role=h.role)
+            lanes.append(base.model_copy(update={"role": h.role, "pid": h.pid, "req_id": h.req_id,
+                                                 "restarts": h.restarts, "role_since": h.role_since}))
+        cards = []
+        for i, card in enumerate(self.cards):
+            st = self.sup.lanes[i].status
+            used = (st.slots_used if st else 0) * self.slot_bytes
+            cards.append(M.CardStatus(card=f"{card}{i}" if card == "cpu" else card,
+                                      kind="cpu" if card == "cpu" else "gpu", memory_used=used,
+                                      memory_total=self.n_slots * self.slot_bytes))
+        return M.Status(model=str(self.model.path), uptime_s=time.time() - self.t_start, lanes=tuple(lanes),
+                        cards=tuple(cards), queue=tuple(self.queue), queue_limit=self.cfg.queue_limit,
+                        epoch=self.directory.epoch)
+
+
+def serve(cfg: DaemonConfig) -> int:
+    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s coordinator %(levelname)s %(message)s")
+    co = Coordinator(cfg)
+    signal.signal(signal.SIGTERM, co.request_stop)
+    signal.signal(signal.SIGINT, co.request_stop)
+    try:
+        co.start()
+        return co.run()
+    finally:
+        co.close()

@@ -1,0 +1,134 @@
+"""Lane processes: spawning, liveness (exit status and heartbeats), restarts with back-off."""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+from protos import messages as M
+from stratad import shm
+
+log = logging.getLogger("stratad.coordinator")
+
+RESTART_BACKOFF_S = (0.0, 1.0, 2.0, 5.0, 10.0)
+
+
+@dataclass
+class LaneHandle:
+    lane: int
+    card: str
+    proc: subprocess.Popen | None = None
+    ready: bool = False
+    role: M.Role = M.Role.STARTING
+    role_since: float = field(default_factory=time.time)
+    req_id: str | None = None
+    last_seen: float = 0.0
+    status: M.LaneStatus | None = None
+    restarts: int = 0
+    restart_at: float = 0.0  # when a dead lane may be started again
+    pid: int = 0
+
+    @property
+    def identity(self) -> bytes:
+        return f"lane-{self.lane}".encode()
+
+    @property
+    def free(self) -> bool:
+        return self.ready and self.req_id is None
+
+    def set_role(self, role: M.Role) -> bool:
+        if role == self.role:
+            return False
+        self.role, self.role_since = role, time.time()
+        return True
+
+
+class Supervisor:
+    def __init__(self, cards: list[str], argv_for, shm_prefix: str, timeout_s: float):
+        self.lanes = [LaneHandle(i, c) for i, c in enumerate(cards)]
+        self.argv_for = argv_for  # lane -> argv
+        self.shm_prefix = shm_prefix
+        self.timeout_s = timeout_s
+
+    def start(self, h: LaneHandle) -> None:
+        h.proc = subprocess.Popen(self.argv_for(h), stdin=subprocess.DEVNULL, env=child_env())
+        h.pid, h.ready, h.req_id, h.last_seen = h.proc.pid, False, None, time.monotonic()
+        h.set_role(M.Role.STARTING)
+        log.info("lane %d (card %s) started, pid %d", h.lane, h.card, h.pid)
+
+    def start_all(self) -> None:
+        for h in self.lanes:
+            self.start(h)
+
+    def by_identity(self, ident: bytes) -> LaneHandle | None:
+        for h in self.lanes:
+            if h.identity == ident:
+                return h
+        return None
+
+    def reap(self) -> list[tuple[LaneHandle, str]]:
+        """Lanes that died (exited, or silent past the timeout) since the last call, with why."""
+        dead, now = [], time.monotonic()
+        for h in self.lanes:
+            if h.proc is None:
+                continue
+            rc = h.proc.poll()
+            why = None
+            if rc is not None:
+                why = f"lane {h.lane} exited with status {rc}" if rc >= 0 else \
+                    f"lane {h.lane} was killed by {signal.Signals(-rc).name}"
+            elif now - h.last_seen > self.timeout_s:
+                why = f"lane {h.lane} stopped answering for {now - h.last_seen:.0f} s"
+                h.proc.kill()
+                h.proc.wait()
+            if why:
+                self.mark_dead(h)
+                dead.append((h, why))
+        return dead
+
+    def mark_dead(self, h: LaneHandle) -> None:
+        h.proc, h.ready = None, False
+        h.set_role(M.Role.DOWN)
+        h.status = None
+        shm.unlink_prefix(f"{self.shm_prefix}lane{h.lane}-")  # whatever the dead lane could not release
+        h.restart_at = time.monotonic() + RESTART_BACKOFF_S[min(h.restarts, len(RESTART_BACKOFF_S) - 1)]
+        h.restarts += 1
+
+    def restart_due(self) -> None:
+        now = time.monotonic()
+        for h in self.lanes:
+            if h.proc is None and h.role == M.Role.DOWN and now >= h.restart_at:
+                self.start(h)
+
+    def stop_all(self, timeout_s: float = 5.0) -> None:
+        live = [h for h in self.lanes if h.proc is not None]
+        for h in live:
+            if h.proc.poll() is None:
+                h.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for h in live:
+            try:
+                h.proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                h.proc.kill()
+                h.proc.wait()
+            h.proc = None
+        shm.unlink_prefix(self.shm_prefix + "lane")
+
+
+def lane_argv(h: LaneHandle, *, endpoint: str, model: str, model_hash: str, shm_prefix: str, context_length: int,
+              heartbeat_s: float, log_level: str) -> list[str]:
+    return [sys.executable, "-m", "lane.main", "--lane", str(h.lane), "--card", h.card, "--endpoint", endpoint,
+            "--model", model, "--model-hash", model_hash, "--shm-prefix", shm_prefix,
+            "--context-length", str(context_length), "--heartbeat-s", str(heartbeat_s), "--log-level", log_level]
+
+
+def child_env() -> dict[str, str]:
+    """The daemon's environment minus systemd's notification variables: only the coordinator speaks to systemd."""
+    env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")}
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env

@@ -1,0 +1,221 @@
+"""A lane process: one card, one sequence at a time, driven by the coordinator over ZeroMQ.
+
+Started by the coordinator (`python -m lane.main ...`). It attaches the arena (the model file's shared mapping),
+fills its card's slot pool from its placement, then serves `Assign`s: tokens stream back as they are made,
+between tokens it reads cancels and role changes and sends heartbeats.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import os
+import signal
+import sys
+import time
+
+import zmq
+
+from lane.numpy_card import Counters, NumpyCard
+from lane.slot_pool import SlotPool
+from protos import messages as M
+from protos.codec import FrameError, decode, encode
+from stratad import shm
+from stratad.engine.generation import Generation
+from stratad.engine.sampling import SamplingParams
+from stratad.model.gguf_file import ModelFile
+from stratad.model.slot_layout import slot_bytes
+
+log = logging.getLogger("stratad.lane")
+
+
+def _die_with_parent() -> None:
+    """Linux: get SIGTERM when the coordinator dies, so no lane outlives it."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class Cancelled(Exception):
+    pass
+
+
+class Lane:
+    def __init__(self, a):
+        self.a = a
+        self.lane, self.card_name = a.lane, a.card
+        self.role = M.Role.STARTING
+        self.role_since = time.time()
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.IDENTITY, f"lane-{a.lane}".encode())
+        self.sock.setsockopt(zmq.LINGER, 500)
+        self.sock.connect(a.endpoint)
+        self.model = ModelFile(a.model)
+        self.segments: list[shm.Segment] = []
+        self.card = None
+        self.counters = Counters()
+        self.req_id: str | None = None
+        self.generated = 0
+        self.tok_s = 0.0
+        self.last_beat = 0.0
+        self.stopping = False
+
+    # ---- messages -------------------------------------------------------------------------------------------
+    def send(self, msg) -> None:
+        self.sock.send(encode(msg))
+
+    def recv(self, timeout_ms: int):
+        if not self.sock.poll(timeout_ms):
+            return None
+        frame = self.sock.recv()
+        try:
+            return decode(frame, M.CoordinatorToLane)
+        except FrameError as e:
+            log.error("lane %d: bad frame from the coordinator: %s", self.lane, e)
+            return None
+
+    def status(self) -> M.LaneStatus:
+        c = self.counters.shares() if self.counters.total else (0.0, 0.0, 0.0)
+        pool = self.card.pool if self.card else None
+        return M.LaneStatus(lane=self.lane, card=self.card_name, role=self.role, pid=os.getpid(), req_id=self.req_id,
+                            tok_s=self.tok_s, generated=self.generated, share_card=c[0], share_peer=c[1],
+                            share_cpu=c[2], slots_used=pool.used if pool else 0,
+                            slots_total=pool.n_slots if pool else 0, role_since=self.role_since)
+
+    def beat(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or now - self.last_beat >= self.a.heartbeat_s:
+            self.send(M.Heartbeat(status=self.status()))
+            self.last_beat = now
+
+    # ---- card -----------------------------------------------------------------------------------------------
+    def build_card(self, placement: M.Placement) -> None:
+        if self.a.card != "cpu":
+            raise SystemExit(f"lane {self.lane}: GPU card {self.a.card} is not supported by this build yet")
+        n = placement.n_slots
+        name = f"{self.a.shm_prefix}lane{self.lane}-slots"
+        shm.unlink(name)  # a previous incarnation of this lane that was killed
+        seg = shm.Segment(name, max(1, n * slot_bytes(self.model)), create=True)
+        self.segments.append(seg)
+        pool = SlotPool(self.model, seg.array(), n)
+        pool.fill(list(placement.experts))
+        self.card = NumpyCard(self.model, pool)
+
+    # ---- serving --------------------------------------------------------------------------------------------
+    def handle(self, msg) -> None:
+        if isinstance(msg, M.Shutdown):
+            self.stopping = True
+        elif isinstance(msg, M.RoleChange):
+            self.role, self.role_since = msg.role, time.time()
+            self.beat(force=True)
+        elif isinstance(msg, M.Cancel):
+            if msg.req_id == self.req_id:
+                raise Cancelled()
+        elif isinstance(msg, M.Assign):
+            if self.req_id is not None:  # the coordinator never does this; refuse rather than lose the first
+                self.send(M.Error(req_id=msg.req_id, code=M.ErrorCode.INTERNAL, message="lane is busy"))
+            else:
+                self.serve(msg)
+
+    def poll_between_tokens(self) -> None:
+        while (msg := self.recv(0)) is not None:
+            self.handle(msg)
+            if self.stopping:
+                raise Cancelled()
+        self.beat()
+
+    def serve(self, a: M.Assign) -> None:
+        self.req_id, self.generated, self.tok_s = a.req_id, 0, 0.0
+        s = a.sampling
+        params = SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                                seed=s.seed, stop=tuple(s.stop))
+        before = Counters(**vars(self.card.counters))
+        finish = None
+        gen = None
+        try:
+            gen = Generation(self.card, self.model.tokenizer, list(a.tokens), params, self.a.context_length)
+            for tok, text in gen:
+                self.send(M.TokenChunk(req_id=a.req_id, tokens=() if tok is None else (tok,), text=text))
+                self.generated = gen.generated
+                self.poll_between_tokens()
+            finish = gen.finish_reason
+        except Cancelled:
+            finish = "cancelled"
+        except ValueError as e:
+            self.send(M.Error(req_id=a.req_id, code=M.ErrorCode.BAD_REQUEST, message=str(e)))
+        finally:
+            used = Counters(self.card.counters.card - before.card, self.card.counters.peer - before.peer,
+                            self.card.counters.cpu - before.cpu)
+            self.counters.add(used)
+            if finish is not None and gen is not None:
+                if not gen.t_end:
+                    gen.t_end = time.monotonic()
+                self.tok_s = gen.decode_tok_s
+                self.send(M.Done(req_id=a.req_id, finish_reason=finish, stats=M.RequestStats(
+                    prompt_tokens=len(a.tokens), generated_tokens=gen.generated, ttft_s=gen.ttft_s,
+                    decode_tok_s=gen.decode_tok_s, lane=self.lane, experts_card=used.card, experts_peer=used.peer,
+                    experts_cpu=used.cpu)))
+            self.req_id = None
+            self.beat(force=True)
+
+    def run(self) -> int:
+        self.send(M.LaneHello(lane=self.lane, pid=os.getpid(), card=self.card_name, model_hash=self.model.header_hash))
+        deadline = time.monotonic() + self.a.startup_timeout_s
+        while self.card is None:
+            msg = self.recv(200)
+            if isinstance(msg, M.Placement):
+                self.build_card(msg)
+            elif isinstance(msg, M.Shutdown):
+                return 0
+            elif time.monotonic() > deadline:
+                log.error("lane %d: no placement from the coordinator", self.lane)
+                return 3
+        self.role = M.Role.SOLO
+        self.beat(force=True)
+        while not self.stopping:
+            msg = self.recv(int(self.a.heartbeat_s * 1000))
+            if msg is not None:
+                try:
+                    self.handle(msg)
+                except Cancelled:
+                    pass
+            self.beat()
+        return 0
+
+    def close(self) -> None:
+        for s in self.segments:
+            s.close()
+        self.sock.close(linger=200)
+        self.ctx.term()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="stratad-lane")
+    p.add_argument("--lane", type=int, required=True)
+    p.add_argument("--card", required=True)
+    p.add_argument("--endpoint", required=True)
+    p.add_argument("--model", required=True)
+    p.add_argument("--model-hash", required=True)
+    p.add_argument("--shm-prefix", required=True)
+    p.add_argument("--context-length", type=int, required=True)
+    p.add_argument("--heartbeat-s", type=float, default=1.0)
+    p.add_argument("--startup-timeout-s", type=float, default=120.0)
+    p.add_argument("--log-level", default="info")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=a.log_level.upper(), format=f"%(asctime)s lane{a.lane} %(levelname)s %(message)s")
+    _die_with_parent()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    lane = Lane(a)
+    try:
+        if lane.model.header_hash != a.model_hash:
+            log.error("lane %d: model file changed under the daemon (header hash differs)", a.lane)
+            return 4
+        return lane.run()
+    finally:
+        lane.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""A card's expert cache: fixed-size slots, each one expert's raw GGUF bytes (gate rows, up rows, down rows).
+
+The table maps (layer, expert) -> slot (or -1). The bytes live wherever the card keeps them: a shared-memory
+segment for a CPU card (so that other lanes can read them, as GPU lanes open a peer's VRAM through CUDA IPC).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from stratad.model.gguf_file import ModelFile
+from stratad.model.slot_layout import expert_bytes, slot_bytes, split_slot
+
+
+class SlotPool:
+    def __init__(self, model: ModelFile, buffer: np.ndarray, n_slots: int):
+        c = model.config
+        self.model = model
+        self.slot_bytes = slot_bytes(model)
+        self.n_slots = n_slots
+        self.data = buffer[: n_slots * self.slot_bytes].reshape(n_slots, self.slot_bytes) if n_slots else \
+            np.zeros((0, self.slot_bytes), np.uint8)
+        self.table = np.full((c.n_layer, c.n_expert), -1, np.int32)
+        self.holds = np.full((n_slots, 2), -1, np.int32)  # slot -> (layer, expert)
+
+    @property
+    def used(self) -> int:
+        return int((self.holds[:, 0] >= 0).sum())
+
+    def load(self, slot: int, layer: int, e: int) -> None:
+        """Copy an expert from the arena into a slot (the old occupant is dropped first)."""
+        old_l, old_e = self.holds[slot]
+        if old_l >= 0:
+            self.table[old_l, old_e] = -1
+        off = 0
+        for part in expert_bytes(self.model, layer, e):
+            flat = part.reshape(-1)
+            self.data[slot, off:off + flat.size] = flat
+            off += flat.size
+        self.holds[slot] = (layer, e)
+        self.table[layer, e] = slot
+
+    def fill(self, experts: list[tuple[int, int]]) -> None:
+        for slot, (layer, e) in enumerate(experts[: self.n_slots]):
+            self.load(slot, layer, e)
+
+    def matrices(self, layer: int, e: int) -> list[np.ndarray] | None:
+        s = self.table[layer, e]
+        return None if s < 0 else split_slot(self.model, layer, self.data[s])

@@ -1,0 +1,203 @@
+"""Every control-plane message: typed, versioned, validated (pydantic). Per-layer data never travels here."""
+from __future__ import annotations
+
+from enum import Enum
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+PROTOCOL_VERSION = 1
+MAX_FRAME_BYTES = 8 << 20  # a request with a ~100K-token prompt as token ids fits with room to spare
+
+
+class ErrorCode(str, Enum):
+    BAD_FRAME = "bad_frame"  # not a message of this protocol (malformed, oversized, unknown type)
+    BAD_VERSION = "bad_version"
+    BAD_REQUEST = "bad_request"  # a valid message with unusable contents
+    PROMPT_TOO_LONG = "prompt_too_long"
+    QUEUE_FULL = "queue_full"
+    DUPLICATE_REQUEST = "duplicate_request"
+    UNKNOWN_REQUEST = "unknown_request"
+    LANE_FAILED = "lane_failed"  # the lane serving the request died
+    SHUTTING_DOWN = "shutting_down"
+    INTERNAL = "internal"
+
+
+class Role(str, Enum):
+    SOLO = "solo"
+    LEAD = "lead"
+    PEER = "peer"
+    MUTUAL = "mutual"
+    STARTING = "starting"
+    DOWN = "down"
+
+
+class _Msg(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    v: int = PROTOCOL_VERSION
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    role: str
+    content: str
+
+
+class Sampling(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    max_tokens: int = Field(128, ge=1)
+    temperature: float = Field(0.0, ge=0.0, allow_inf_nan=False)
+    top_k: int = Field(0, ge=0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+
+
+# ---- client <-> coordinator ---------------------------------------------------------------------------------
+class Generate(_Msg):
+    type: Literal["generate"] = "generate"
+    req_id: str = Field(min_length=1, max_length=128)
+    prompt: str | None = None
+    messages: tuple[ChatMessage, ...] | None = None
+    tokens: tuple[int, ...] | None = None
+    sampling: Sampling = Sampling()
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        given = [n for n in ("prompt", "messages", "tokens") if getattr(self, n) is not None]
+        if len(given) != 1:
+            raise ValueError(f"exactly one of prompt, messages, tokens is required (got {given or 'none'})")
+        return self
+
+
+class Cancel(_Msg):
+    type: Literal["cancel"] = "cancel"
+    req_id: str
+
+
+class StatusRequest(_Msg):
+    type: Literal["status_request"] = "status_request"
+
+
+class Accepted(_Msg):
+    type: Literal["accepted"] = "accepted"
+    req_id: str
+    prompt_tokens: int
+    queue_position: int  # 0: went straight to a lane
+
+
+class TokenChunk(_Msg):
+    type: Literal["tokens"] = "tokens"
+    req_id: str
+    tokens: tuple[int, ...]
+    text: str
+
+
+class RequestStats(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    queue_s: float = 0.0
+    ttft_s: float = 0.0  # from the lane taking the request to the first token
+    decode_tok_s: float = 0.0
+    lane: int = -1
+    experts_card: int = 0  # expert computations on the lane's own card
+    experts_peer: int = 0  # on other cards
+    experts_cpu: int = 0  # on the CPU pool
+
+
+class Done(_Msg):
+    type: Literal["done"] = "done"
+    req_id: str
+    finish_reason: Literal["stop", "length", "cancelled"]
+    stats: RequestStats
+
+
+class Error(_Msg):
+    type: Literal["error"] = "error"
+    req_id: str | None = None
+    code: ErrorCode
+    message: str
+
+
+class LaneStatus(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    lane: int
+    card: str
+    role: Role
+    pid: int = 0
+    req_id: str | None = None
+    tok_s: float = 0.0
+    generated: int = 0
+    share_card: float = 0.0  # share of expert work on the own card / peer cards / CPU, since start
+    share_peer: float = 0.0
+    share_cpu: float = 0.0
+    slots_used: int = 0
+    slots_total: int = 0
+    restarts: int = 0
+    role_since: float = 0.0  # unix time of the last role change
+
+
+class CardStatus(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    card: str
+    kind: Literal["cpu", "gpu"]
+    memory_used: int = 0  # bytes
+    memory_total: int = 0
+
+
+class Status(_Msg):
+    type: Literal["status"] = "status"
+    model: str
+    uptime_s: float
+    lanes: tuple[LaneStatus, ...]
+    cards: tuple[CardStatus, ...]
+    queue: tuple[str, ...]  # queued request ids, oldest first
+    queue_limit: int
+    epoch: int = 0
+
+
+# ---- coordinator <-> lane -----------------------------------------------------------------------------------
+class LaneHello(_Msg):
+    type: Literal["lane_hello"] = "lane_hello"
+    lane: int
+    pid: int
+    card: str
+    model_hash: str
+
+
+class Assign(_Msg):
+    type: Literal["assign"] = "assign"
+    req_id: str
+    tokens: tuple[int, ...]
+    sampling: Sampling
+
+
+class Heartbeat(_Msg):
+    type: Literal["heartbeat"] = "heartbeat"
+    status: LaneStatus
+
+
+class RoleChange(_Msg):
+    type: Literal["role"] = "role"
+    role: Role
+    epoch: int = 0
+
+
+class Placement(_Msg):
+    """The experts this lane's card holds, in slot order, for a directory epoch."""
+    type: Literal["placement"] = "placement"
+    epoch: int
+    n_slots: int = Field(ge=0)
+    experts: tuple[tuple[int, int], ...]  # (layer, expert)
+
+
+class Shutdown(_Msg):
+    type: Literal["shutdown"] = "shutdown"
+    reason: str = ""
+
+
+ClientToCoordinator = Annotated[Union[Generate, Cancel, StatusRequest], Field(discriminator="type")]
+CoordinatorToClient = Annotated[Union[Accepted, TokenChunk, Done, Error, Status], Field(discriminator="type")]
+LaneToCoordinator = Annotated[Union[LaneHello, TokenChunk, Done, Error, Heartbeat], Field(discriminator="type")]
+CoordinatorToLane = Annotated[Union[Assign, Cancel, RoleChange, Placement, Shutdown], Field(discriminator="type")]

@@ -1,0 +1,122 @@
+"""Daemon configuration: a TOML file validated by pydantic, overridden by command-line flags.
+
+Every key is documented in the README. Unknown keys and bad values are rejected with the key's name.
+"""
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(B|KiB|MiB|GiB|TiB)\s*$")
+_UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def default_runtime_dir() -> str:
+    if os.geteuid() == 0:
+        return "/run/stratad"
+    base = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/stratad-{os.getuid()}"
+    return str(Path(base) / "stratad")
+
+
+class CacheBudget(BaseModel):
+    """A card's expert-cache budget: a fraction of all experts, or a number of bytes."""
+    model_config = ConfigDict(frozen=True)
+    fraction: float | None = None
+    bytes: int | None = None
+
+    @classmethod
+    def parse(cls, v: Any) -> "CacheBudget":
+        if isinstance(v, CacheBudget):
+            return v
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            if not 0.0 <= v <= 1.0:
+                raise ValueError(f"a fraction of all experts must be within 0..1, got {v}")
+            return cls(fraction=float(v))
+        if isinstance(v, str):
+            m = _SIZE.match(v)
+            if m:
+                return cls(bytes=int(float(m.group(1)) * _UNITS[m.group(2)]))
+            try:
+                return cls.parse(float(v))
+            except ValueError:
+                pass
+        raise ValueError(f"expected a fraction 0..1 or a size such as '40GiB', got {v!r}")
+
+    def __str__(self) -> str:
+        return f"{self.fraction:g} of the experts" if self.fraction is not None else f"{self.bytes} bytes"
+
+
+class DaemonConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = Field(description="path of the qwen3moe GGUF file")
+    cards: tuple[str, ...] = Field((), description="GPU indices or 'cpu' virtual cards; empty: every GPU, else 2 CPU cards")
+    runtime_dir: str = Field(default_factory=default_runtime_dir)
+    context_length: int = Field(8192, ge=16, description="KV-cache capacity of each lane, in tokens")
+    expert_cache: CacheBudget = Field(CacheBudget(fraction=1.0), description="per-card expert-cache budget")
+    rejoin_idle_s: float = Field(30.0, ge=0)
+    mutual_help: bool = False
+    queue_limit: int = Field(64, ge=1)
+    heartbeat_s: float = Field(1.0, gt=0)
+    lane_timeout_s: float = Field(30.0, gt=0, description="a lane silent this long is declared dead")
+    stop_grace_s: float = Field(5.0, ge=0, description="on SIGTERM, how long in-flight requests may finish")
+    cpu_threads: int = Field(0, ge=0, description="CPU-pool threads per lane; 0: cores / lanes")
+    profile: str | None = Field(None, description="expert profile: per-(layer, expert) counts, .npy")
+    tcp: str | None = Field(None, description="opt-in TCP listener, e.g. tcp://0.0.0.0:5555; needs CURVE keys")
+    curve_secret_key_file: str | None = None
+    curve_authorized_dir: str | None = Field(None, description="directory of clients' public key files")
+    log_level: str = Field("info", pattern="^(debug|info|warning|error)$")
+
+    @field_validator("expert_cache", mode="before")
+    @classmethod
+    def _budget(cls, v):
+        return CacheBudget.parse(v)
+
+    @field_validator("cards", mode="before")
+    @classmethod
+    def _cards(cls, v):
+        if isinstance(v, str):
+            v = [c for c in v.split(",") if c.strip()]
+        out = []
+        for c in v:
+            c = str(c).strip()
+            if c != "cpu" and not c.isdigit():
+                raise ValueError(f"a card is a GPU index or 'cpu', got {c!r}")
+            out.append(c)
+        return tuple(out)
+
+    @field_validator("tcp")
+    @classmethod
+    def _tcp(cls, v):
+        if v is not None and not v.startswith("tcp://"):
+            raise ValueError(f"expected tcp://HOST:PORT, got {v!r}")
+        return v
+
+
+def load(path: str | None, overrides: dict[str, Any]) -> DaemonConfig:
+    """Read the TOML file (if any), apply the non-None overrides, validate."""
+    data: dict[str, Any] = {}
+    if path:
+        try:
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} not found") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {path}: not valid TOML ({e})") from None
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        return DaemonConfig(**data)
+    except ValidationError as e:
+        where = f"config file {path}" if path else "configuration"
+        msgs = [f"key '{'.'.join(str(p) for p in err['loc'])}': {err['msg']}" for err in e.errors()]
+        raise ConfigError(f"{where}: " + "; ".join(msgs)) from None

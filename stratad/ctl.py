@@ -1,0 +1,78 @@
+"""`stratactl`: watch and use a running stratad (status table, one-off generation)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from stratad.client import Client, DaemonUnavailable, RequestError
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:5.1f}%"
+
+
+def status_table(st) -> str:
+    lines = [f"model {st.model}   up {st.uptime_s:.0f} s   epoch {st.epoch}   queue {len(st.queue)}/{st.queue_limit}"
+             + (f" ({', '.join(st.queue)})" if st.queue else ""), ""]
+    head = f"{'lane':>4}  {'card':<5} {'role':<8} {'since':>8} {'pid':>7}  {'request':<14} {'tok/s':>7} " \
+           f"{'card%':>6} {'peer%':>6} {'cpu%':>6}  {'slots':>11} {'restarts':>8}"
+    lines += [head, "-" * len(head)]
+    now = time.time()
+    for ln in st.lanes:
+        since = f"{now - ln.role_since:.0f}s" if ln.role_since else "-"
+        lines.append(f"{ln.lane:>4}  {ln.card:<5} {ln.role.value:<8} {since:>8} {ln.pid:>7}  "
+                     f"{(ln.req_id or '-')[:14]:<14} {ln.tok_s:>7.1f} {_pct(ln.share_card):>6} "
+                     f"{_pct(ln.share_peer):>6} {_pct(ln.share_cpu):>6}  {ln.slots_used:>5}/{ln.slots_total:<5} "
+                     f"{ln.restarts:>8}")
+    lines += ["", f"{'card':<6} {'kind':<4} {'expert cache':>24}"]
+    for c in st.cards:
+        lines.append(f"{c.card:<6} {c.kind:<4} {c.memory_used / 2**20:>10.1f} / {c.memory_total / 2**20:.1f} MiB")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="stratactl", description=__doc__)
+    p.add_argument("--runtime-dir", help="the daemon's runtime directory (default as the daemon's)")
+    p.add_argument("--timeout", type=float, default=10.0)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("status", help="lanes, roles, hit rates and cards")
+    s.add_argument("--json", action="store_true")
+    g = sub.add_parser("generate", help="stream a reply to one user message")
+    g.add_argument("text")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--stop", action="append", default=[])
+    a = p.parse_args(argv)
+    try:
+        with Client(runtime_dir=a.runtime_dir, timeout_s=a.timeout) as c:
+            if a.cmd == "status":
+                st = c.status()
+                print(st.model_dump_json(indent=2) if a.json else status_table(st))
+                return 0
+            stream = c.generate(messages=[{"role": "user", "content": a.text}], max_tokens=a.max_tokens,
+                                temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.seed, stop=a.stop)
+            for chunk in stream:
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+            st = stream.stats
+            print(f"\n[{st.generated_tokens} tokens ({stream.finish_reason}), lane {st.lane}, first token "
+                  f"{st.ttft_s * 1e3:.0f} ms, {st.decode_tok_s:.1f} tok/s, experts card/peer/cpu "
+                  f"{st.experts_card}/{st.experts_peer}/{st.experts_cpu}]", file=sys.stderr)
+            return 0
+    except DaemonUnavailable as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 3
+    except RequestError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 4
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""One request's token loop, shared by every engine: sampling, stop tokens, stop strings, streamed text."""
+from __future__ import annotations
+
+import time
+from typing import Iterator, Protocol
+
+import numpy as np
+
+from stratad.engine.sampling import Sampler, SamplingParams
+
+
+class Engine(Protocol):
+    def new_kv(self): ...
+
+    def forward(self, tokens, kv, logits: str = "last") -> np.ndarray: ...
+
+
+class Generation:
+    """Iterate to get (token, text) pieces; afterwards `finish_reason` is "stop" or "length" and the timings are set.
+
+    Text that could still become the start of a stop string is held back, so a stop string never reaches the
+    client; the text before it does.
+    """
+
+    def __init__(self, engine: Engine, tokenizer, prompt: list[int], params: SamplingParams, context_length: int):
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        if len(prompt) + params.max_tokens > context_length:
+            raise ValueError(f"prompt of {len(prompt)} tokens + max_tokens {params.max_tokens} exceeds the "
+                             f"context length {context_length}")
+        self.engine, self.tok, self.prompt, self.p = engine, tokenizer, list(prompt), params
+        self.finish_reason: str | None = None
+        self.generated = 0
+        self.t_start = self.t_first = self.t_end = 0.0
+
+    def __iter__(self) -> Iterator[tuple[int | None, str]]:
+        self.t_start = time.monotonic()
+        sample, stops = Sampler(self.p), self.tok.stop_ids
+        decoder = self.tok.stream_decoder(skip_special=True)
+        hold = max((len(s) for s in self.p.stop), default=1) - 1
+        pending = ""
+        kv = self.engine.new_kv()
+        logits = self.engine.forward(self.prompt, kv)
+        try:
+            while True:
+                t = sample(logits[-1])
+                if not self.t_first:
+                    self.t_first = time.monotonic()
+                if t in stops:
+                    self.finish_reason = "stop"
+                    break
+                self.generated += 1
+                pending += decoder.push(t)
+                cut = min((i for i in (pending.find(s) for s in self.p.stop) if i >= 0), default=-1)
+                if cut >= 0:
+                    self.finish_reason = "stop"
+                    yield t, pending[:cut]
+                    return
+                emit_to = max(0, len(pending) - hold)
+                yield t, pending[:emit_to]
+                pending = pending[emit_to:]
+                if self.generated >= self.p.max_tokens:
+                    self.finish_reason = "length"
+                    break
+                logits = self.engine.forward([t], kv)
+            tail = pending + decoder.flush()
+            if tail:
+                yield None, tail
+        finally:
+            self.t_end = time.monotonic()
+
+    @property
+    def decode_tok_s(self) -> float:
+        dt = self.t_end - self.t_first
+        return (self.generated - 1) / dt if self.generated > 1 and dt > 0 else 0.0
+
+    @property
+    def ttft_s(self) -> float:
+        return max(0.0, self.t_first - self.t_start)
