@@ -272,9 +272,9 @@ class Coordinator:
         r = Request(g.req_id, sock, client, tokens, g.sampling)
         self.requests[r.req_id] = r
         self.queue.append(r.req_id)
-        self._reply(sock, client, M.Accepted(req_id=r.req_id, prompt_tokens=len(tokens),
-                                             queue_position=len(self.queue) - 1))
-        self._dispatch()
+        self._dispatch()  # the lane's first tokens come through this loop, so Accepted still arrives first
+        position = 0 if r.lane is not None else self.queue.index(r.req_id) + 1
+        self._reply(sock, client, M.Accepted(req_id=r.req_id, prompt_tokens=len(tokens), queue_position=position))
 
     def _cancel(self, sock, client, req_id: str) -> None:
         r = self.requests.get(req_id)

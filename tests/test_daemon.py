@@ -1,0 +1,315 @@
+"""The real daemon as a subprocess on two CPU cards with the tiny model: serving, queueing, failures, cleanup."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import zmq
+
+from daemon_harness import ROOT, Daemon
+from protos import messages as M
+from protos.codec import decode, encode
+from stratad import shm
+from stratad.client import AsyncClient, Client, DaemonUnavailable, RequestError
+from stratad.engine.reference import ReferenceEngine
+from stratad.engine.sampling import SamplingParams
+from stratad.model.gguf_file import ModelFile
+
+CHAT_A = [{"role": "user", "content": "Tell me about the experts on the cards."}]
+CHAT_B = [{"role": "user", "content": "Why do two chats share one pool of slots?"}]
+
+
+@pytest.fixture(scope="module")
+def daemon(tiny_model_path, tmp_path_factory):
+    d = Daemon(tiny_model_path, tmp_path_factory.mktemp("rt") / "run", extra=["--expert-cache", "0.5"]).start()
+    yield d
+    d.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_path):
+    m = ModelFile(tiny_model_path)
+    return m, ReferenceEngine(m, "canonical")
+
+
+def ref_tokens(reference, messages, n):
+    m, eng = reference
+    prompt = m.tokenizer.encode(m.tokenizer.apply_chat_template(messages))
+    return list(eng.generate(prompt, SamplingParams(max_tokens=n)))
+
+
+def test_two_concurrent_clients_on_two_lanes_match_reference(daemon, reference):
+    out = {}
+
+    def run(name, messages):
+        with daemon.client() as c:
+            s = c.generate(messages=messages, max_tokens=24)
+            s.result()
+            out[name] = s
+
+    ts = [threading.Thread(target=run, args=(n, m)) for n, m in (("a", CHAT_A), ("b", CHAT_B))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    assert {out["a"].stats.lane, out["b"].stats.lane} == {0, 1}
+    assert out["a"].tokens == ref_tokens(reference, CHAT_A, 24)
+    assert out["b"].tokens == ref_tokens(reference, CHAT_B, 24)
+    for s in out.values():
+        st = s.stats
+        assert st.generated_tokens == len(s.tokens)
+        assert st.experts_card > 0 and st.experts_cpu > 0  # half the experts cached: both paths used
+        assert st.experts_card + st.experts_cpu == (st.prompt_tokens + st.generated_tokens - 1) * 4 * 4 or \
+            s.finish_reason == "stop"
+
+
+def test_third_request_is_queued_then_served(daemon):
+    with daemon.client() as c:
+        streams = [c.generate(messages=CHAT_A, max_tokens=40, req_id=f"q{i}") for i in range(3)]
+        firsts = [next(iter(s)) for s in streams[:2]]
+        assert all(f.tokens for f in firsts)
+        it3 = iter(streams[2])
+        first3 = next(it3)
+        assert streams[2].accepted.queue_position == 1
+        for s in streams[:2]:
+            s.result()
+        for _ in it3:
+            pass
+        assert first3.tokens and streams[2].finish_reason in ("length", "stop")
+        assert streams[2].stats.queue_s > 0
+
+
+def test_cancel_mid_stream_frees_the_lane(daemon):
+    with daemon.client() as c:
+        s = c.generate(messages=CHAT_A, max_tokens=500)
+        n = 0
+        for _ in s:
+            n += 1
+            if n == 3:
+                s.cancel()
+        assert s.finish_reason == "cancelled"
+        assert s.stats.generated_tokens < 500
+        assert c.generate(messages=CHAT_B, max_tokens=4).result() is not None
+
+
+def test_client_disconnect_frees_the_lane(daemon):
+    with daemon.client() as c:
+        s = c.generate(messages=CHAT_A, max_tokens=2000)
+        it = iter(s)
+        next(it)
+        s.close()  # the client goes away without cancelling
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if all(ln.req_id is None for ln in daemon.status().lanes):
+            break
+        time.sleep(0.1)
+    assert all(ln.req_id is None for ln in daemon.status().lanes)
+
+
+def test_malformed_frames_get_errors_and_the_daemon_keeps_serving(daemon):
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.connect(f"ipc://{daemon.runtime_dir / 'client.sock'}")
+    import random
+
+    rng = random.Random(7)
+    frames = [b"", b"\xff\xfe\x00", b"[1,2]", b"{}", b'{"type":"generate"}', b'{"v":99,"type":"status_request"}',
+              b'{"type":"generate","req_id":"x","prompt":"a","tokens":[1]}', b"x" * (9 << 20),
+              b'{"type":"generate","req_id":"x","tokens":[99999999]}']
+    frames += [bytes(rng.getrandbits(8) for _ in range(rng.randint(1, 200))) for _ in range(30)]
+    for f in frames:
+        s.send(f)
+        assert s.poll(5000), f"no reply to {f[:40]!r}"
+        reply = decode(s.recv(), M.CoordinatorToClient)
+        assert isinstance(reply, M.Error), f[:40]
+        assert reply.message
+    s.send_multipart([b"a", b"b"])
+    assert s.poll(5000) and isinstance(decode(s.recv(), M.CoordinatorToClient), M.Error)
+    s.close(0)
+    ctx.term()
+    with daemon.client() as c:
+        assert c.generate(messages=CHAT_A, max_tokens=3).result() is not None
+
+
+def test_bad_requests(daemon):
+    with daemon.client() as c:
+        with pytest.raises(RequestError) as e:
+            c.generate(prompt="word " * 5000, max_tokens=10).result()
+        assert e.value.code == M.ErrorCode.PROMPT_TOO_LONG and "context length" in e.value.message
+        with pytest.raises(RequestError) as e:
+            c.generate(prompt="x", max_tokens=0)
+        assert e.value.code == M.ErrorCode.BAD_REQUEST
+        with pytest.raises(RequestError) as e:
+            c.generate(tokens=[5, 10**9]).result()
+        assert "outside the vocabulary" in e.value.message
+        s1 = c.generate(prompt="hello", max_tokens=50, req_id="dup")
+        next(iter(s1))
+        with pytest.raises(RequestError) as e:
+            c.generate(prompt="hello", req_id="dup").result()
+        assert e.value.code == M.ErrorCode.DUPLICATE_REQUEST
+        s1.result()
+
+
+def test_stop_strings_and_sampling(daemon, reference):
+    with daemon.client() as c:
+        full = c.generate(messages=CHAT_A, max_tokens=24).result()
+        stop = full[6:9]
+        s = c.generate(messages=CHAT_A, max_tokens=24, stop=[stop])
+        text = s.result()
+        assert s.finish_reason == "stop" and stop not in text and full.startswith(text)
+        a = c.generate(messages=CHAT_B, max_tokens=16, temperature=0.9, top_p=0.9, seed=5)
+        b = c.generate(messages=CHAT_B, max_tokens=16, temperature=0.9, top_p=0.9, seed=5)
+        assert a.result() == b.result()
+
+
+def test_asyncio_client(daemon):
+    async def go():
+        async with AsyncClient(runtime_dir=str(daemon.runtime_dir)) as c:
+            st = await c.status()
+            s = c.generate(messages=CHAT_A, max_tokens=5)
+            pieces = [ch async for ch in s]
+            return st, s, pieces
+
+    st, s, pieces = asyncio.run(go())
+    assert len(st.lanes) == 2 and s.finish_reason in ("length", "stop") and pieces
+
+
+def test_stratactl(daemon):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    base = [sys.executable, "-m", "stratad.ctl", "--runtime-dir", str(daemon.runtime_dir)]
+    out = subprocess.run(base + ["status"], capture_output=True, text=True, env=env, timeout=30)
+    assert out.returncode == 0 and "solo" in out.stdout and "card%" in out.stdout
+    js = json.loads(subprocess.run(base + ["status", "--json"], capture_output=True, text=True, env=env,
+                                   timeout=30).stdout)
+    assert [ln["card"] for ln in js["lanes"]] == ["cpu", "cpu"]
+    out = subprocess.run(base + ["generate", "hi", "--max-tokens", "5"], capture_output=True, text=True, env=env,
+                         timeout=30)
+    assert out.returncode == 0 and "tok/s" in out.stderr
+
+
+def test_lane_killed_mid_generation(daemon):
+    with daemon.client() as c:
+        s = c.generate(messages=CHAT_A, max_tokens=2000)
+        it = iter(s)
+        next(it)
+        victim = next(ln for ln in daemon.status().lanes if ln.req_id == s.req_id)
+        os.kill(victim.pid, signal.SIGKILL)
+        with pytest.raises(RequestError) as e:
+            for _ in it:
+                pass
+        assert e.value.code == M.ErrorCode.LANE_FAILED and f"lane {victim.lane}" in e.value.message
+    daemon.wait_ready(30, restarts=1)
+    st = daemon.status()
+    assert st.lanes[victim.lane].restarts >= 1 and st.lanes[victim.lane].pid != victim.pid
+    with daemon.client() as c:
+        outs = [c.generate(messages=CHAT_B, max_tokens=4) for _ in range(2)]
+        assert all(o.result() is not None for o in outs)
+
+
+def test_daemon_absent_is_a_clear_error(tmp_path):
+    with Client(runtime_dir=str(tmp_path), timeout_s=1) as c:
+        with pytest.raises(DaemonUnavailable, match="is the daemon running"):
+            c.status()
+
+
+def run_serve(args, timeout=30):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", "stratad.cli", "serve", *args], capture_output=True, text=True,
+                          env=env, timeout=timeout)
+
+
+def test_bad_config_and_missing_model(tmp_path, tiny_model_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'model = "{tiny_model_path}"\nbogus_key = 3\n')
+    r = run_serve(["--config", str(cfg), "--runtime-dir", str(tmp_path / "rt")])
+    assert r.returncode == 2 and "bogus_key" in r.stderr
+    cfg.write_text(f'model = "{tiny_model_path}"\nexpert_cache = "lots"\n')
+    r = run_serve(["--config", str(cfg), "--runtime-dir", str(tmp_path / "rt")])
+    assert r.returncode == 2 and "expert_cache" in r.stderr
+    r = run_serve(["--model", str(tmp_path / "nope.gguf"), "--cards", "cpu", "--runtime-dir", str(tmp_path / "rt")])
+    assert r.returncode == 2 and "no such model file" in r.stderr
+    assert not list(shm.SHM_DIR.glob(shm.prefix_for(tmp_path / "rt").lstrip("/") + "*"))
+
+
+def test_clean_stop_releases_everything_and_restart_reclaims(tiny_model_path, tmp_path):
+    rt = tmp_path / "run"
+    d = Daemon(tiny_model_path, rt, cards="cpu").start()
+    with d.client() as c:
+        s = c.generate(messages=CHAT_A, max_tokens=3000)
+        next(iter(s))
+        assert d.leftovers()  # segments and sockets exist while serving
+        lane_pid = d.lane_pids()[0]
+        d.proc.send_signal(signal.SIGTERM)
+        # the in-flight request gets finished or a clear error, never silence
+        try:
+            s.result()
+            assert s.finish_reason in ("length", "stop")
+        except RequestError as e:
+            assert e.code == M.ErrorCode.SHUTTING_DOWN
+    assert d.stop() == 0
+    assert d.leftovers() == []
+    with pytest.raises(ProcessLookupError):
+        os.kill(lane_pid, 0)
+    # a crash (SIGKILL of everything) leaves segments and sockets: the next start reclaims them
+    d = Daemon(tiny_model_path, rt, cards="cpu").start()
+    os.killpg(d.proc.pid, signal.SIGKILL)
+    d.proc.wait()
+    d.proc = None
+    stale = shm.Segment(shm.prefix_for(rt) + "lane7-slots", 4096, create=True)
+    stale.owner = False
+    stale.close()
+    assert d.leftovers()
+    d.start()
+    assert "reclaimed leftovers" in d.log_text()
+    assert not any("lane7" in p for p in d.leftovers())
+    with d.client() as c:
+        assert c.generate(messages=CHAT_B, max_tokens=3).result() is not None
+    d.stop()
+    assert d.leftovers() == []
+
+
+def test_second_daemon_on_the_same_runtime_dir_is_refused(daemon):
+    r = run_serve(["--model", str(daemon.model), "--cards", "cpu", "--runtime-dir", str(daemon.runtime_dir)])
+    assert r.returncode == 2 and "another stratad" in r.stderr
+
+
+def test_curve_tcp_listener(tiny_model_path, tmp_path):
+    import zmq.auth
+
+    keys = tmp_path / "keys"
+    authorized = tmp_path / "authorized"
+    keys.mkdir()
+    authorized.mkdir()
+    server_pub, server_sec = zmq.auth.create_certificates(keys, "server")
+    client_pub, client_sec = zmq.auth.create_certificates(keys, "client")
+    os.rename(client_pub, authorized / "client.key")
+    port = 25000 + os.getpid() % 5000
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'tcp = "tcp://127.0.0.1:{port}"\ncurve_secret_key_file = "{server_sec}"\n'
+                   f'curve_authorized_dir = "{authorized}"\n')
+    d = Daemon(tiny_model_path, tmp_path / "run", cards="cpu", config=cfg).start()
+    try:
+        spub, _ = zmq.auth.load_certificate(server_pub)
+        cpub, csec = zmq.auth.load_certificate(client_sec)
+        with Client(endpoint=f"tcp://127.0.0.1:{port}", timeout_s=10, curve_server_key=spub,
+                    curve_keypair=(cpub, csec)) as c:
+            assert c.status().lanes
+        intruder_pub, intruder_sec = zmq.curve_keypair()
+        with Client(endpoint=f"tcp://127.0.0.1:{port}", timeout_s=2, curve_server_key=spub,
+                    curve_keypair=(intruder_pub, intruder_sec)) as c:
+            with pytest.raises(DaemonUnavailable):
+                c.status()
+        plain = zmq.Context().socket(zmq.DEALER)
+        plain.connect(f"tcp://127.0.0.1:{port}")
+        plain.send(encode(M.StatusRequest()))
+        assert not plain.poll(1500)  # an unauthenticated client gets nothing
+        plain.close(0)
+    finally:
+        d.stop()
