@@ -24,7 +24,7 @@ $(TINY): $(STAMP)
 	$(BIN)/stratad make-model --preset tiny --router-skew 1.0 --out $(TINY)
 
 demo: $(STAMP) $(TINY)
-	$(BIN)/stratad generate --model $(TINY) --max-tokens 64 "Tell me about the experts on the cards."
+	$(BIN)/python -m stratad.demo --model $(TINY)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

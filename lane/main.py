@@ -149,16 +149,18 @@ class Lane:
             used = Counters(self.card.counters.card - before.card, self.card.counters.peer - before.peer,
                             self.card.counters.cpu - before.cpu)
             self.counters.add(used)
+            self.req_id = None
+            done = None
             if finish is not None and gen is not None:
-                if not gen.t_end:
-                    gen.t_end = time.monotonic()
+                gen.t_end = gen.t_end or time.monotonic()
                 self.tok_s = gen.decode_tok_s
-                self.send(M.Done(req_id=a.req_id, finish_reason=finish, stats=M.RequestStats(
+                done = M.Done(req_id=a.req_id, finish_reason=finish, stats=M.RequestStats(
                     prompt_tokens=len(a.tokens), generated_tokens=gen.generated, ttft_s=gen.ttft_s,
                     decode_tok_s=gen.decode_tok_s, lane=self.lane, experts_card=used.card, experts_peer=used.peer,
-                    experts_cpu=used.cpu)))
-            self.req_id = None
-            self.beat(force=True)
+                    experts_cpu=used.cpu))
+            self.beat(force=True)  # before Done: a status read right after the Done sees this request's figures
+            if done is not None:
+                self.send(done)
 
     def run(self) -> int:
         self.send(M.LaneHello(lane=self.lane, pid=os.getpid(), card=self.card_name, model_hash=self.model.header_hash))

@@ -1,0 +1,87 @@
+"""`make demo`: start the daemon on two cards, run two chats at once through the client library, show status, stop."""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+from stratad.client import Client, DaemonUnavailable
+from stratad.ctl import status_table
+
+CHATS = [
+    [{"role": "user", "content": "Tell me about the experts on the cards."}],
+    [{"role": "user", "content": "Why do two chats share one pool of slots?"}],
+]
+
+
+def _cards() -> str:
+    try:
+        import cupy
+
+        n = cupy.cuda.runtime.getDeviceCount()
+        if n >= 2:
+            return "0,1"
+    except Exception:
+        pass
+    return "cpu,cpu"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="stratad-demo")
+    p.add_argument("--model", required=True)
+    p.add_argument("--cards", default=None)
+    p.add_argument("--max-tokens", type=int, default=48)
+    a = p.parse_args(argv)
+    cards = a.cards or _cards()
+    rt = tempfile.mkdtemp(prefix="stratad-demo-")
+    print(f"starting stratad on cards {cards} (runtime dir {rt})")
+    daemon = subprocess.Popen([sys.executable, "-m", "stratad.cli", "serve", "--model", a.model, "--cards", cards,
+                               "--runtime-dir", rt, "--expert-cache", "0.5", "--log-level", "warning"])
+    try:
+        with Client(runtime_dir=rt, timeout_s=2) as c:
+            deadline = time.monotonic() + 120
+            while True:
+                try:
+                    if all(ln.role.value not in ("starting", "down") for ln in c.status().lanes):
+                        break
+                except DaemonUnavailable:
+                    pass
+                if daemon.poll() is not None or time.monotonic() > deadline:
+                    print("the daemon did not come up", file=sys.stderr)
+                    return 1
+                time.sleep(0.2)
+            outs: dict[int, list[str]] = {0: [], 1: []}
+            streams = {}
+
+            def chat(i):
+                s = c.generate(messages=CHATS[i], max_tokens=a.max_tokens)
+                streams[i] = s
+                for ch in s:
+                    outs[i].append(ch.text)
+                    print(f"\x1b[3{i + 2}m[chat {i}]\x1b[0m {ch.text!r}", flush=True)
+
+            ts = [threading.Thread(target=chat, args=(i,)) for i in (0, 1)]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join()
+            for i in (0, 1):
+                st = streams[i].stats
+                print(f"\nchat {i} (lane {st.lane}): {''.join(outs[i])!r}\n  {st.generated_tokens} tokens, first "
+                      f"token {st.ttft_s * 1e3:.0f} ms, decode {st.decode_tok_s:.1f} tok/s, experts card/peer/cpu "
+                      f"{st.experts_card}/{st.experts_peer}/{st.experts_cpu}")
+            print("\n$ stratactl status\n" + status_table(c.status()))
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        rc = daemon.wait(60)
+        print(f"\nstratad stopped (exit {rc}); runtime dir left: {sorted(os.listdir(rt)) if os.path.isdir(rt) else []}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
