@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 from gguf import GGMLQuantizationType as T
-from gguf import GGUFReader
+from gguf import GGUFReader, GGUFValueType
 
 from stratad.model import quants
 from stratad.model.config import ARCH, ModelConfig
@@ -92,6 +92,12 @@ class ModelFile:
         f = self.reader.fields.get(key)
         return default if f is None else f.contents()
 
+    def _float(self, key: str, v) -> float:
+        # a FLOAT32 value (llama.cpp writes these so) stands for the shortest decimal that rounds to it: 1e-6, not
+        # 9.99999997e-07, so that a written config reads back equal
+        f = self.reader.fields[key]
+        return float(str(np.float32(v))) if f.types and f.types[0] == GGUFValueType.FLOAT32 else float(v)
+
     def _read_config(self) -> ModelConfig:
         vals = {}
         for key, field in ModelConfig.KEYS.items():
@@ -103,6 +109,8 @@ class ModelFile:
                     v = vals["d_model"] // vals["n_head"]
                 else:
                     raise ModelFormatError(self.path, f"missing metadata key {ARCH}.{key}")
+            elif field in ("rope_base", "rms_eps"):
+                v = self._float(f"{ARCH}.{key}", v)
             vals[field] = v
         tokens = self.meta("tokenizer.ggml.tokens")
         emb = next((t for t in self.reader.tensors if t.name == "token_embd.weight"), None)
