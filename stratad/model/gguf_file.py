@@ -76,10 +76,15 @@ class ModelFile:
         with open(self.path, "rb") as f:
             if f.read(4) != GGUF_MAGIC:
                 raise ModelFormatError(self.path, "not a GGUF file (bad magic)")
+        reader = GGUFReader.__new__(GGUFReader)  # kept when __init__ fails: how far it got tells where the fault is
         try:
-            self.reader = GGUFReader(self.path, "r")
+            reader.__init__(self.path, "r")
         except (ValueError, IndexError, OSError, KeyError) as e:
+            if hasattr(reader, "data_offset"):  # header and tensor table were read; the tensor data is short
+                raise ModelFormatError(self.path, f"truncated file or corrupt tensor table: the tensor data does not "
+                                                  f"fit the file's {self.size} bytes ({e})") from None
             raise ModelFormatError(self.path, f"truncated or corrupt GGUF header ({e})") from None
+        self.reader = reader
         arch = self.meta("general.architecture")
         if arch != ARCH:
             raise ModelFormatError(self.path, f"unknown architecture {arch!r}; supported: {ARCH}")
