@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import zmq
 
-from coordinator.directory import Directory, plan
 from coordinator.lanes import LaneHandle, Supervisor, lane_argv
+from coordinator.pool import CardPool
 from coordinator.runtime import RuntimeDir
 from protos import messages as M
 from protos.codec import FrameError, decode, encode
@@ -41,6 +41,7 @@ class Request:
     t_assigned: float = 0.0
     lane: LaneHandle | None = None
     cancel_sent: bool = False
+    digest: bool = False
 
 
 class Coordinator:
@@ -73,7 +74,9 @@ class Coordinator:
         self.slot_bytes = slot_bytes(self.model)
         self.n_slots = self._slots_per_card()
         self.profile = self._profile()
-        self.directory: Directory = plan(self.profile, [self.n_slots] * len(self.cards), "independent")
+        self.pool = CardPool(len(self.cards), self.n_slots, (c.n_layer, c.n_expert), self.profile,
+                             self.rt.shm_prefix, self._send_lane, self.cfg.mutual_help, self.cfg.rejoin_idle_s,
+                             self.cfg.replan_interval_s, self.cfg.replan_min_gain)
         self.ctx = zmq.Context()
         self.lane_sock = self.ctx.socket(zmq.ROUTER)
         self.lane_sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -179,8 +182,10 @@ class Coordinator:
                 self._fail(self.requests[h.req_id], M.ErrorCode.LANE_FAILED,
                            f"{why} while serving this request; the lane is being restarted")
             h.req_id = None
+            self.pool.lane_dead(h.lane)
         if not self.stopping:
             self.sup.restart_due()
+            self.pool.tick(time.monotonic())
             self._dispatch()
         if not self.ready_sent and all(h.ready for h in self.sup.lanes):
             self.ready_sent = True
@@ -200,6 +205,8 @@ class Coordinator:
         return True
 
     def close(self) -> None:
+        if getattr(self, "pool", None):
+            self.pool.close()
         if getattr(self, "sup", None):
             self.sup.stop_all()
         if self.auth is not None:
@@ -269,7 +276,7 @@ class Coordinator:
                           f"context length {self.context_length}")
         if len(self.queue) >= self.cfg.queue_limit:
             return refuse(M.ErrorCode.QUEUE_FULL, f"the queue is full ({self.cfg.queue_limit} requests waiting)")
-        r = Request(g.req_id, sock, client, tokens, g.sampling)
+        r = Request(g.req_id, sock, client, tokens, g.sampling, digest=g.digest)
         self.requests[r.req_id] = r
         self.queue.append(r.req_id)
         self._dispatch()  # the lane's first tokens come through this loop, so Accepted still arrives first
@@ -299,6 +306,8 @@ class Coordinator:
             if r.lane.req_id == r.req_id:
                 self._to_lane(r.lane, M.Cancel(req_id=r.req_id))
                 r.lane.req_id = None  # its Done/Error for this request, if any, is dropped
+                if r.lane.proc is not None:
+                    self.pool.request_finished(r.lane.lane)
         elif r.req_id in self.queue:
             self.queue.remove(r.req_id)
         self.requests.pop(r.req_id, None)
@@ -306,17 +315,24 @@ class Coordinator:
 
     def _dispatch(self) -> None:
         while self.queue:
-            lane = next((h for h in self.sup.lanes if h.free), None)
-            if lane is None:
+            i = self.pool.pick_lane([h.lane for h in self.sup.lanes if h.free])
+            if i is None:
                 return
+            lane = self.sup.lanes[i]
             r = self.requests[self.queue.popleft()]
             r.lane, r.t_assigned, lane.req_id = lane, time.monotonic(), r.req_id
-            if not self._to_lane(lane, M.Assign(req_id=r.req_id, tokens=tuple(r.tokens), sampling=r.sampling)):
-                self.sup.mark_dead(lane)
+            self.pool.request_started(i)  # its role and View reach the lane before the request does
+            if not self._to_lane(lane, M.Assign(req_id=r.req_id, tokens=tuple(r.tokens), sampling=r.sampling,
+                                                digest=r.digest)):
                 lane.req_id, r.lane = None, None
+                self.pool.request_finished(i)
                 self.queue.appendleft(r.req_id)
+                return  # the lane's death is noticed by reap()
 
     # ---- lanes ----------------------------------------------------------------------------------------------
+    def _send_lane(self, lane: int, msg) -> bool:
+        return self._to_lane(self.sup.lanes[lane], msg)
+
     def _to_lane(self, h: LaneHandle, msg) -> bool:
         try:
             self.lane_sock.send_multipart([h.identity, encode(msg)])
@@ -339,15 +355,17 @@ class Coordinator:
             if msg.model_hash != self.model.header_hash:
                 log.error("lane %d attached a different model (hash %s)", h.lane, msg.model_hash[:12])
                 return
-            self._to_lane(h, M.Placement(epoch=self.directory.epoch, n_slots=self.n_slots,
-                                         experts=self.directory.slots[h.lane]))
+            self._to_lane(h, self.pool.placement(h.lane))
         elif isinstance(msg, M.Heartbeat):
             h.status = msg.status
             if not h.ready and msg.status.role != M.Role.STARTING:
                 h.ready = True
-                h.set_role(msg.status.role)
-                log.info("lane %d ready (%s, %d/%d slots)", h.lane, msg.status.role.value,
-                         msg.status.slots_used, msg.status.slots_total)
+                log.info("lane %d ready (%d/%d slots)", h.lane, msg.status.slots_used, msg.status.slots_total)
+                self.pool.lane_ready(h.lane, restarted=h.restarts > 0)
+        elif isinstance(msg, M.EpochAck):
+            self.pool.on_ack(h.lane, msg.epoch)
+        elif isinstance(msg, M.Loaded):
+            self.pool.on_loaded(h.lane, msg.epoch)
         elif isinstance(msg, (M.TokenChunk, M.Done, M.Error)):
             r = self.requests.get(msg.req_id or "")
             if r is None or r.lane is not h:
@@ -362,6 +380,7 @@ class Coordinator:
             self._reply(r.sock, r.client, msg)
             del self.requests[r.req_id]
             h.req_id = None
+            self.pool.request_finished(h.lane)
             self._dispatch()
 
     # ---- status ---------------------------------------------------------------------------------------------
@@ -369,7 +388,9 @@ class Coordinator:
         lanes = []
         for h in self.sup.lanes:
             base = h.status or M.LaneStatus(lane=h.lane, card=h.card, role=h.role)
-            lanes.append(base.model_copy(update={"role": h.role, "pid": h.pid, "req_id": h.req_id,
+            role = self.pool.roles.role(h.lane) if h.ready else (M.Role.DOWN if h.proc is None else M.Role.STARTING)
+            h.set_role(role)
+            lanes.append(base.model_copy(update={"role": role, "pid": h.pid, "req_id": h.req_id,
                                                  "restarts": h.restarts, "role_since": h.role_since}))
         cards = []
         for i, card in enumerate(self.cards):
@@ -380,7 +401,7 @@ class Coordinator:
                                       memory_total=self.n_slots * self.slot_bytes))
         return M.Status(model=str(self.model.path), uptime_s=time.time() - self.t_start, lanes=tuple(lanes),
                         cards=tuple(cards), queue=tuple(self.queue), queue_limit=self.cfg.queue_limit,
-                        epoch=self.directory.epoch)
+                        epoch=self.pool.epochs.epoch)
 
 
 def serve(cfg: DaemonConfig) -> int:

@@ -1,62 +1,36 @@
-"""The global (layer, expert) -> card directory, planned from an expert profile and each card's slot budget.
+"""The global (layer, expert) -> (card, slot) directory: planned per group of pooling cards from expert weights.
 
-`independent`: every card fills its slots with the hottest experts on its own (lanes that do not help each
-other). `pooled`: one deduplicated pool sliced across all cards (an expert on one card), the hottest replicated
-only once every expert that fits has a place.
+Within a group the pool is deduplicated (an expert on one card), hot experts dealt across the cards; an expert is
+replicated only once every expert has a place. Re-plans keep every expert that stays where it is, so a change
+moves only the slots whose contents really change.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
-
-@dataclass(frozen=True)
-class Directory:
-    epoch: int
-    mode: str
-    slots: tuple[tuple[tuple[int, int], ...], ...]  # per card, (layer, expert) in slot order
-
-    def owners(self, n_layer: int, n_expert: int) -> np.ndarray:
-        """(n_layer, n_expert) -> bitmask of the cards holding each expert."""
-        m = np.zeros((n_layer, n_expert), np.int64)
-        for c, held in enumerate(self.slots):
-            for layer, e in held:
-                m[layer, e] |= 1 << c
-        return m
-
-    def coverage(self, profile: np.ndarray) -> float:
-        """Share of the profile's expert work that some card holds."""
-        held = self.owners(*profile.shape) != 0
-        total = profile.sum()
-        return float(profile[held].sum() / total) if total else float(held.mean())
+Expert = tuple[int, int]  # (layer, expert)
 
 
-def hottest_first(profile: np.ndarray) -> list[tuple[int, int]]:
-    """All (layer, expert) by decreasing count, ties broken by (layer, expert) so plans are reproducible."""
-    n_layer, n_expert = profile.shape
-    flat = profile.reshape(-1)
+def hottest_first(weights: np.ndarray) -> list[Expert]:
+    """All (layer, expert) by decreasing weight, ties by (layer, expert): plans are reproducible."""
+    n_expert = weights.shape[1]
+    flat = weights.reshape(-1)
     order = np.lexsort((np.arange(flat.size), -flat))
     return [(int(i // n_expert), int(i % n_expert)) for i in order]
 
 
-def plan(profile: np.ndarray, budgets: list[int], mode: str = "independent", epoch: int = 0) -> Directory:
-    ranked = hottest_first(profile)
-    if mode == "independent":
-        return Directory(epoch, mode, tuple(tuple(ranked[:b]) for b in budgets))
-    if mode != "pooled":
-        raise ValueError(f"unknown placement mode {mode!r}")
-    held: list[list[tuple[int, int]]] = [[] for _ in budgets]
+def pooled(weights: np.ndarray, budgets: list[int]) -> list[list[Expert]]:
+    """The experts each card of one group should hold, hottest first."""
+    ranked = hottest_first(weights)
+    held: list[list[Expert]] = [[] for _ in budgets]
     room = list(budgets)
-    # deal the ranked experts to the card with the most room left: hot experts spread over all cards
-    for x in ranked:
+    for x in ranked:  # deal to the card with the most room left: hot experts spread over all cards
         c = max(range(len(room)), key=lambda i: (room[i], -i))
         if room[c] == 0:
             break
         held[c].append(x)
         room[c] -= 1
-    # spare room (all experts placed): replicate the hottest on the cards that do not hold them yet
-    for c in range(len(budgets)):
+    for c in range(len(budgets)):  # spare room once all are placed: replicate the hottest
         have = set(held[c])
         for x in ranked:
             if room[c] == 0:
@@ -64,4 +38,34 @@ def plan(profile: np.ndarray, budgets: list[int], mode: str = "independent", epo
             if x not in have:
                 held[c].append(x)
                 room[c] -= 1
-    return Directory(epoch, mode, tuple(tuple(h) for h in held))
+    return held
+
+
+def stable_slots(current: list[Expert | None], wanted: list[Expert]) -> list[Expert | None]:
+    """Slot contents holding exactly `wanted`, leaving every expert that is already in place where it is."""
+    want = set(wanted)
+    out = [x if x in want else None for x in current]
+    placed = set(out)
+    missing = iter(x for x in wanted if x not in placed)
+    return [x if x is not None else next(missing, None) for x in out]
+
+
+def plan(groups: list[list[int]], group_weights: list[np.ndarray], n_slots: int,
+         current: list[list[Expert | None]]) -> list[list[Expert | None]]:
+    """New slot contents of every card (indexed by lane/card) for these groups."""
+    out = [list(c) for c in current]
+    for members, w in zip(groups, group_weights):
+        for card, wanted in zip(members, pooled(w, [n_slots] * len(members))):
+            out[card] = stable_slots(current[card], wanted)
+    return out
+
+
+def coverage(contents: list[list[Expert | None]], cards: list[int], weights: np.ndarray) -> float:
+    """Share of the weight (expert work) that one of `cards` holds."""
+    held = np.zeros(weights.shape, bool)
+    for c in cards:
+        for x in contents[c]:
+            if x is not None:
+                held[x] = True
+    total = weights.sum()
+    return float(weights[held].sum() / total) if total else float(held.mean())

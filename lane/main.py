@@ -14,6 +14,7 @@ import signal
 import sys
 import time
 
+import numpy as np
 import zmq
 
 from lane.numpy_card import Counters, NumpyCard
@@ -82,7 +83,8 @@ class Lane:
         return M.LaneStatus(lane=self.lane, card=self.card_name, role=self.role, pid=os.getpid(), req_id=self.req_id,
                             tok_s=self.tok_s, generated=self.generated, share_card=c[0], share_peer=c[1],
                             share_cpu=c[2], slots_used=pool.used if pool else 0,
-                            slots_total=pool.n_slots if pool else 0, role_since=self.role_since)
+                            slots_total=pool.n_slots if pool else 0, slots_loaded=pool.loads if pool else 0,
+                            epoch=self.card.epoch if self.card else 0, role_since=self.role_since)
 
     def beat(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -101,7 +103,12 @@ class Lane:
         self.segments.append(seg)
         pool = SlotPool(self.model, seg.array(), n)
         pool.fill(list(placement.experts))
-        self.card = NumpyCard(self.model, pool)
+        c = self.model.config
+        counts_name = f"{self.a.shm_prefix}lane{self.lane}-counts"
+        shm.unlink(counts_name)
+        counts = shm.Segment(counts_name, c.n_layer * c.n_expert * 8, create=True)
+        self.segments.append(counts)
+        self.card = NumpyCard(self.model, pool, counts.array(np.float64, shape=(c.n_layer, c.n_expert)))
 
     # ---- serving --------------------------------------------------------------------------------------------
     def handle(self, msg) -> None:
@@ -110,6 +117,13 @@ class Lane:
         elif isinstance(msg, M.RoleChange):
             self.role, self.role_since = msg.role, time.time()
             self.beat(force=True)
+        elif isinstance(msg, M.View):
+            self.card.set_view(msg)
+            self.send(M.EpochAck(epoch=msg.epoch))
+        elif isinstance(msg, M.Load):
+            for slot, layer, e in msg.slots:
+                self.card.pool.load(slot, layer, e)
+            self.send(M.Loaded(epoch=msg.epoch))
         elif isinstance(msg, M.Cancel):
             if msg.req_id == self.req_id:
                 raise Cancelled()
@@ -135,7 +149,8 @@ class Lane:
         finish = None
         gen = None
         try:
-            gen = Generation(self.card, self.model.tokenizer, list(a.tokens), params, self.a.context_length)
+            gen = Generation(self.card, self.model.tokenizer, list(a.tokens), params, self.a.context_length,
+                             digest=a.digest)
             for tok, text in gen:
                 self.send(M.TokenChunk(req_id=a.req_id, tokens=() if tok is None else (tok,), text=text))
                 self.generated = gen.generated
@@ -157,7 +172,7 @@ class Lane:
                 done = M.Done(req_id=a.req_id, finish_reason=finish, stats=M.RequestStats(
                     prompt_tokens=len(a.tokens), generated_tokens=gen.generated, ttft_s=gen.ttft_s,
                     decode_tok_s=gen.decode_tok_s, lane=self.lane, experts_card=used.card, experts_peer=used.peer,
-                    experts_cpu=used.cpu))
+                    experts_cpu=used.cpu, logits_sha256=gen.digest.hexdigest() if gen.digest else None))
             self.beat(force=True)  # before Done: a status read right after the Done sees this request's figures
             if done is not None:
                 self.send(done)
@@ -187,6 +202,8 @@ class Lane:
         return 0
 
     def close(self) -> None:
+        if self.card is not None:
+            self.card.close()
         for s in self.segments:
             s.close()
         self.sock.close(linger=200)

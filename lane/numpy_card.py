@@ -1,7 +1,8 @@
 """The CPU "virtual card": the numpy reference forward, with each expert computed from where it is placed.
 
-Experts in the card's slot pool are computed from the slot's bytes; the others by the CPU pool from the arena.
-Both run the canonical expert function, so the output bits do not depend on placement (DESIGN.md).
+Experts in the card's slot pool are computed from the slot's bytes; experts another card holds (its View) from
+that card's slot pool, a shared-memory segment (the CPU cards' stand-in for CUDA IPC); the others by the CPU pool
+from the arena. All run the canonical expert function: the output bits do not depend on placement (DESIGN.md).
 """
 from __future__ import annotations
 
@@ -11,11 +12,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from lane.slot_pool import SlotPool
+from protos import messages as M
+from stratad import shm
 from stratad.engine import canonical
 from stratad.engine.reference import ReferenceEngine
 from stratad.model import quants
 from stratad.model.gguf_file import ModelFile
-from stratad.model.slot_layout import KINDS, expert_bytes
+from stratad.model.slot_layout import KINDS, expert_bytes, split_slot
 
 
 @dataclass
@@ -38,42 +41,93 @@ class Counters:
         return self.card / t, self.peer / t, self.cpu / t
 
 
+class PeerCard:
+    """Another card's slot pool, attached read-only."""
+
+    def __init__(self, view: M.CardView, slot_bytes: int):
+        self.card, self.generation = view.card, view.generation
+        self.segment = shm.Segment(view.pool)
+        self.data = self.segment.array().reshape(-1, slot_bytes) if self.segment.size >= slot_bytes else \
+            np.zeros((0, slot_bytes), np.uint8)
+
+
 class NumpyCard:
     kind = "cpu"
+    HALF_LIFE_TOKENS = 256  # live expert counts decay so placement follows the current traffic
 
-    def __init__(self, model: ModelFile, pool: SlotPool, decoded_cache: int = 512):
+    def __init__(self, model: ModelFile, pool: SlotPool, counts: np.ndarray | None = None, decoded_cache: int = 512):
+        c = model.config
         self.model, self.pool = model, pool
         self.engine = ReferenceEngine(model, experts=self.experts)
         self.counters = Counters()  # since start
-        self._decoded: OrderedDict = OrderedDict()  # (source, layer, expert, slot) -> IntBlocks x3
+        self.counts = counts if counts is not None else np.zeros((c.n_layer, c.n_expert))
+        self.peers: dict[int, PeerCard] = {}
+        self.peer_card = np.full((c.n_layer, c.n_expert), -1, np.int32)  # (layer, expert) -> card, from the View
+        self.peer_slot = np.full((c.n_layer, c.n_expert), -1, np.int32)
+        self.epoch = 0
+        self._decoded: OrderedDict = OrderedDict()  # (card, generation, slot, layer, expert) -> IntBlocks x3
         self._cap = decoded_cache
 
-    def _blocks(self, layer: int, e: int):
+    def set_view(self, view: M.View) -> None:
+        """Use these other cards' slots from now on (called between tokens only)."""
+        keep = {cv.card: cv for cv in view.cards}
+        for card in list(self.peers):
+            if card not in keep or self.peers[card].generation != keep[card].generation:
+                self.peers.pop(card).segment.close()
+        self.peer_card[:] = -1
+        self.peer_slot[:] = -1
+        for cv in view.cards:
+            if cv.card not in self.peers:
+                try:
+                    self.peers[cv.card] = PeerCard(cv, self.pool.slot_bytes)
+                except Exception:  # noqa: BLE001 - the peer is gone: its experts fall back to the CPU
+                    continue
+            n = len(self.peers[cv.card].data)
+            for layer, e, slot in cv.experts:
+                if slot < n:
+                    self.peer_card[layer, e], self.peer_slot[layer, e] = cv.card, slot
+        self.epoch = view.epoch
+
+    def _source(self, layer: int, e: int):
+        """(where, key, the expert's three matrices' bytes) for the fastest place that holds it."""
         slot = int(self.pool.table[layer, e])
-        key = (layer, e, slot)
+        if slot >= 0:
+            return "card", (-1, 0, slot, layer, e), lambda: self.pool.matrices(layer, e)
+        card = int(self.peer_card[layer, e])
+        if card >= 0:
+            p, s = self.peers[card], int(self.peer_slot[layer, e])
+            return "peer", (card, p.generation, s, layer, e), lambda: split_slot(self.model, layer, p.data[s])
+        return "cpu", (-2, 0, 0, layer, e), lambda: expert_bytes(self.model, layer, e)
+
+    def _blocks(self, layer: int, e: int):
+        where, key, mats = self._source(layer, e)
         hit = self._decoded.get(key)
         if hit is None:
-            mats = self.pool.matrices(layer, e) if slot >= 0 else expert_bytes(self.model, layer, e)
-            hit = tuple(quants.decode_int(self.model.expert_type(layer, k), m) for k, m in zip(KINDS, mats))
+            hit = tuple(quants.decode_int(self.model.expert_type(layer, k), m) for k, m in zip(KINDS, mats()))
             self._decoded[key] = hit
             if len(self._decoded) > self._cap:
                 self._decoded.popitem(last=False)
         else:
             self._decoded.move_to_end(key)
-        return hit, slot >= 0
+        return hit, where
 
     def experts(self, layer: int, x: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        if layer == 0:
+            self.counts *= 0.5 ** (ids.shape[0] / self.HALF_LIFE_TOKENS)
+        np.add.at(self.counts[layer], ids.reshape(-1), 1.0)
         qa, da = canonical.quantize_act(x)
         out = np.zeros(ids.shape + (x.shape[-1],), np.float32)
         for e in np.unique(ids):
             t, j = np.nonzero(ids == e)
-            blocks, on_card = self._blocks(layer, int(e))
+            blocks, where = self._blocks(layer, int(e))
             out[t, j] = canonical.expert(*blocks, qa[t], da[t])
-            if on_card:
-                self.counters.card += len(t)
-            else:
-                self.counters.cpu += len(t)
+            setattr(self.counters, where, getattr(self.counters, where) + len(t))
         return out
+
+    def close(self) -> None:
+        for p in self.peers.values():
+            p.segment.close()
+        self.peers.clear()
 
     def new_kv(self):
         return self.engine.new_kv()

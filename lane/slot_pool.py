@@ -21,6 +21,7 @@ class SlotPool:
             np.zeros((0, self.slot_bytes), np.uint8)
         self.table = np.full((c.n_layer, c.n_expert), -1, np.int32)
         self.holds = np.full((n_slots, 2), -1, np.int32)  # slot -> (layer, expert)
+        self.loads = 0  # experts copied in since start (initial fill and swaps)
 
     @property
     def used(self) -> int:
@@ -38,6 +39,7 @@ class SlotPool:
             off += flat.size
         self.holds[slot] = (layer, e)
         self.table[layer, e] = slot
+        self.loads += 1
 
     def fill(self, experts: list[tuple[int, int]]) -> None:
         for slot, (layer, e) in enumerate(experts[: self.n_slots]):

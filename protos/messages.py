@@ -61,6 +61,7 @@ class Generate(_Msg):
     messages: tuple[ChatMessage, ...] | None = None
     tokens: tuple[int, ...] | None = None
     sampling: Sampling = Sampling()
+    digest: bool = False  # report a sha256 of every step's logits (bit-exactness checks across modes)
 
     @model_validator(mode="after")
     def _one_input(self):
@@ -104,6 +105,7 @@ class RequestStats(BaseModel):
     experts_card: int = 0  # expert computations on the lane's own card
     experts_peer: int = 0  # on other cards
     experts_cpu: int = 0  # on the CPU pool
+    logits_sha256: str | None = None  # with Generate.digest
 
 
 class Done(_Msg):
@@ -134,6 +136,8 @@ class LaneStatus(BaseModel):
     share_cpu: float = 0.0
     slots_used: int = 0
     slots_total: int = 0
+    slots_loaded: int = 0  # experts copied into the card since the lane started (fill and swaps)
+    epoch: int = 0  # the directory epoch of the lane's current view
     restarts: int = 0
     role_since: float = 0.0  # unix time of the last role change
 
@@ -171,6 +175,7 @@ class Assign(_Msg):
     req_id: str
     tokens: tuple[int, ...]
     sampling: Sampling
+    digest: bool = False
 
 
 class Heartbeat(_Msg):
@@ -192,6 +197,40 @@ class Placement(_Msg):
     experts: tuple[tuple[int, int], ...]  # (layer, expert)
 
 
+class CardView(BaseModel):
+    """Another card's slots a lane may compute from: its slot pool (a shared segment / CUDA IPC handle) and
+    which expert sits in which slot."""
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    card: int
+    pool: str  # segment name (CPU card) or serialized IPC handle (GPU card)
+    generation: int  # the owning lane's incarnation: a restarted lane has a new pool
+    experts: tuple[tuple[int, int, int], ...]  # (layer, expert, slot)
+
+
+class View(_Msg):
+    """The other cards' experts a lane may use from its next token on; acknowledged with EpochAck."""
+    type: Literal["view"] = "view"
+    epoch: int
+    cards: tuple[CardView, ...]
+
+
+class EpochAck(_Msg):
+    type: Literal["epoch_ack"] = "epoch_ack"
+    epoch: int
+
+
+class Load(_Msg):
+    """Fill these slots of the lane's own card (nobody else computes from them until the next View)."""
+    type: Literal["load"] = "load"
+    epoch: int
+    slots: tuple[tuple[int, int, int], ...]  # (slot, layer, expert)
+
+
+class Loaded(_Msg):
+    type: Literal["loaded"] = "loaded"
+    epoch: int
+
+
 class Shutdown(_Msg):
     type: Literal["shutdown"] = "shutdown"
     reason: str = ""
@@ -199,5 +238,5 @@ class Shutdown(_Msg):
 
 ClientToCoordinator = Annotated[Union[Generate, Cancel, StatusRequest], Field(discriminator="type")]
 CoordinatorToClient = Annotated[Union[Accepted, TokenChunk, Done, Error, Status], Field(discriminator="type")]
-LaneToCoordinator = Annotated[Union[LaneHello, TokenChunk, Done, Error, Heartbeat], Field(discriminator="type")]
-CoordinatorToLane = Annotated[Union[Assign, Cancel, RoleChange, Placement, Shutdown], Field(discriminator="type")]
+LaneToCoordinator = Annotated[Union[LaneHello, TokenChunk, Done, Error, Heartbeat, EpochAck, Loaded], Field(discriminator="type")]
+CoordinatorToLane = Annotated[Union[Assign, Cancel, RoleChange, Placement, View, Load, Shutdown], Field(discriminator="type")]

@@ -65,6 +65,8 @@ class DaemonConfig(BaseModel):
     expert_cache: CacheBudget = Field(CacheBudget(fraction=1.0), description="per-card expert-cache budget")
     rejoin_idle_s: float = Field(30.0, ge=0)
     mutual_help: bool = False
+    replan_interval_s: float = Field(2.0, gt=0, description="how often live counts are checked for a better placement")
+    replan_min_gain: float = Field(0.02, ge=0, description="swap experts only when coverage of live work rises this much")
     queue_limit: int = Field(64, ge=1)
     heartbeat_s: float = Field(1.0, gt=0)
     lane_timeout_s: float = Field(30.0, gt=0, description="a lane silent this long is declared dead")

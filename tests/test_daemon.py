@@ -66,8 +66,8 @@ def test_two_concurrent_clients_on_two_lanes_match_reference(daemon, reference):
         st = s.stats
         assert st.generated_tokens == len(s.tokens)
         assert st.experts_card > 0 and st.experts_cpu > 0  # half the experts cached: both paths used
-        assert st.experts_card + st.experts_cpu == (st.prompt_tokens + st.generated_tokens - 1) * 4 * 4 or \
-            s.finish_reason == "stop"
+        assert st.experts_card + st.experts_peer + st.experts_cpu == \
+            (st.prompt_tokens + st.generated_tokens - 1) * 4 * 4 or s.finish_reason == "stop"
 
 
 def test_third_request_is_queued_then_served(daemon):

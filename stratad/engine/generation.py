@@ -1,6 +1,7 @@
 """One request's token loop, shared by every engine: sampling, stop tokens, stop strings, streamed text."""
 from __future__ import annotations
 
+import hashlib
 import time
 from typing import Iterator, Protocol
 
@@ -22,7 +23,8 @@ class Generation:
     client; the text before it does.
     """
 
-    def __init__(self, engine: Engine, tokenizer, prompt: list[int], params: SamplingParams, context_length: int):
+    def __init__(self, engine: Engine, tokenizer, prompt: list[int], params: SamplingParams, context_length: int,
+                 digest: bool = False):
         if not prompt:
             raise ValueError("the prompt is empty")
         if len(prompt) + params.max_tokens > context_length:
@@ -32,6 +34,7 @@ class Generation:
         self.finish_reason: str | None = None
         self.generated = 0
         self.t_start = self.t_first = self.t_end = 0.0
+        self.digest = hashlib.sha256() if digest else None  # of every step's logits, for bit-exactness checks
 
     def __iter__(self) -> Iterator[tuple[int | None, str]]:
         self.t_start = time.monotonic()
@@ -43,6 +46,8 @@ class Generation:
         logits = self.engine.forward(self.prompt, kv)
         try:
             while True:
+                if self.digest is not None:
+                    self.digest.update(np.ascontiguousarray(logits[-1], np.float32).tobytes())
                 t = sample(logits[-1])
                 if not self.t_first:
                     self.t_first = time.monotonic()

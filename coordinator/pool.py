@@ -1,0 +1,172 @@
+"""The cards' expert caches as one pool: roles, placement from live counts, and epoch-safe changes.
+
+The coordinator tells this module what happens (lanes up / down, requests start / finish, acks); it decides roles
+(split, rejoin), plans each group's deduplicated placement, runs the epoch transitions and sends the lanes their
+Views, Loads and RoleChanges through `send(lane, msg)`.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import numpy as np
+
+from coordinator import directory
+from coordinator.epochs import Epochs
+from coordinator.roles import Roles
+from protos import messages as M
+from stratad import shm
+
+log = logging.getLogger("stratad.coordinator")
+PRIOR = 0.05  # weight of the static profile beside live counts
+
+
+class CardPool:
+    def __init__(self, n_cards: int, n_slots: int, shape: tuple[int, int], profile: np.ndarray, shm_prefix: str,
+                 send: Callable[[int, object], bool], mutual_help: bool, rejoin_idle_s: float,
+                 replan_interval_s: float, replan_min_gain: float):
+        self.n, self.n_slots, self.shape = n_cards, n_slots, shape
+        self.profile = profile / profile.sum() if profile.sum() else np.zeros(shape)
+        self.prefix, self.send = shm_prefix, send
+        self.roles = Roles(n_cards, mutual_help, rejoin_idle_s)
+        self.epochs = Epochs(n_cards, n_slots)
+        self.ready = [False] * n_cards
+        self.generation = [0] * n_cards
+        self.counts: list[shm.Segment | None] = [None] * n_cards
+        self.replan_interval_s, self.replan_min_gain = replan_interval_s, replan_min_gain
+        self.last_replan = 0.0
+        self.replan_pending = False
+        self.sent_roles: list[M.Role | None] = [None] * n_cards
+        # the first placement: all cards pooled on the profile, loaded by each lane before it reports ready
+        self.epochs.contents = directory.plan(self.roles.groups(), [self._group_weights(g) for g in
+                                                                    self.roles.groups()], n_slots,
+                                              self.epochs.contents)
+
+    # ---- names ----------------------------------------------------------------------------------------------
+    def pool_name(self, lane: int) -> str:
+        return f"{self.prefix}lane{lane}-slots"
+
+    def counts_name(self, lane: int) -> str:
+        return f"{self.prefix}lane{lane}-counts"
+
+    # ---- weights --------------------------------------------------------------------------------------------
+    def live(self, lane: int) -> np.ndarray:
+        seg = self.counts[lane]
+        if seg is None:
+            return np.zeros(self.shape)
+        c = seg.array(np.float64, shape=self.shape).copy()
+        s = c.sum()
+        return c / s if s > 0 else c
+
+    def _group_weights(self, members: list[int]) -> np.ndarray:
+        busy = [j for j in members if self.roles.busy[j]]
+        w = sum((self.live(j) for j in (busy or members)), np.zeros(self.shape))
+        return w + PRIOR * self.profile + 1e-9 * (self.profile == 0)
+
+    # ---- events ---------------------------------------------------------------------------------------------
+    def placement(self, lane: int) -> M.Placement:
+        return M.Placement(epoch=self.epochs.epoch, n_slots=self.n_slots,
+                           experts=tuple(x for x in self.epochs.contents[lane] if x is not None))
+
+    def lane_ready(self, lane: int, restarted: bool) -> None:
+        self.ready[lane] = True
+        if self.counts[lane] is not None:
+            self.counts[lane].close()
+        try:
+            self.counts[lane] = shm.Segment(self.counts_name(lane))
+        except Exception:  # noqa: BLE001 - a lane without a counts segment still serves; placement uses the prior
+            self.counts[lane] = None
+        if restarted:
+            self.roles.lane_up(lane)
+        self.changed()
+
+    def lane_dead(self, lane: int) -> None:
+        self.ready[lane] = False
+        self.generation[lane] += 1
+        self.roles.lane_down(lane)
+        if self.counts[lane] is not None:
+            self.counts[lane].close()
+            self.counts[lane] = None
+        owners, done = self.epochs.lane_gone(lane)
+        self._after_transition_step(owners, done)
+        self.changed()
+
+    def pick_lane(self, free: list[int]) -> int | None:
+        return self.roles.pick_lane(free)
+
+    def request_started(self, lane: int) -> None:
+        self.roles.start(lane)
+        self.changed()
+
+    def request_finished(self, lane: int) -> None:
+        self.roles.finish(lane)
+        self.changed()
+
+    def on_ack(self, lane: int, epoch: int) -> None:
+        self._after_transition_step(self.epochs.ack(lane, epoch), False)
+
+    def on_loaded(self, lane: int, epoch: int) -> None:
+        self._after_transition_step(None, self.epochs.loaded(lane, epoch))
+
+    def tick(self, now: float) -> None:
+        if self.roles.rejoin_due():
+            self.changed()
+        elif now - self.last_replan >= self.replan_interval_s:
+            self.last_replan = now
+            self._replan(min_gain=self.replan_min_gain)
+
+    # ---- planning -------------------------------------------------------------------------------------------
+    def changed(self) -> None:
+        """Roles or lanes changed: tell lanes their roles and which cards they may use now (a lane that left a
+        group stops using its cards from its next token; nothing is overwritten, so no ack is needed), then
+        re-plan (at once if no transition is running)."""
+        for i in range(self.n):
+            r = self.roles.role(i)
+            if self.ready[i] and r != self.sent_roles[i]:
+                self.sent_roles[i] = r
+                self.send(i, M.RoleChange(role=r, epoch=self.epochs.epoch))
+        self._send_views()
+        self._replan(min_gain=None)
+
+    def _replan(self, min_gain: float | None) -> None:
+        if self.epochs.busy:
+            self.replan_pending = True
+            return
+        self.replan_pending = False
+        groups = self.roles.groups()
+        weights = [self._group_weights(g) for g in groups]
+        target = directory.plan(groups, weights, self.n_slots, self.epochs.contents)
+        if min_gain is not None:  # adaptive swap: only for a clear gain on the live traffic
+            gain = sum(directory.coverage(target, g, w) - directory.coverage(self.epochs.contents, g, w)
+                       for g, w in zip(groups, weights))
+            if gain < min_gain:
+                return
+            log.info("adaptive re-plan: coverage gain %.3f", gain)
+        live = {i for i in range(self.n) if self.ready[i]}
+        self.epochs.begin(target, live)
+        self._send_views()
+
+    def _after_transition_step(self, owners: list[int] | None, done: bool) -> None:
+        if owners:
+            t = self.epochs.t
+            for o in owners:
+                self.send(o, M.Load(epoch=t.epoch, slots=tuple(t.dirty[o])))
+        if done:
+            self._send_views()
+            if self.replan_pending:
+                self._replan(min_gain=None)
+
+    def _send_views(self) -> None:
+        vis = self.epochs.visible()
+        for i in range(self.n):
+            if not self.ready[i]:
+                continue
+            cards = tuple(M.CardView(card=c, pool=self.pool_name(c), generation=self.generation[c],
+                                     experts=tuple((x[0], x[1], s) for s, x in enumerate(vis[c]) if x is not None))
+                          for c in self.roles.cards_for(i)[1:] if self.ready[c])
+            self.send(i, M.View(epoch=self.epochs.epoch, cards=cards))  # an unreachable lane's death is noticed
+
+    def close(self) -> None:
+        for s in self.counts:
+            if s is not None:
+                s.close()

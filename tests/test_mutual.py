@@ -1,0 +1,218 @@
+"""Peer tier, split / rejoin and mutual help on CPU cards: every mode gives the bits of the reference engine.
+
+Each request asks for a digest of every step's logits; the in-process reference engine computes the same digest.
+Equal digests mean every logit of every step is bit-identical, whatever card computed which expert.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from daemon_harness import Daemon
+from stratad.engine.generation import Generation
+from stratad.engine.reference import ReferenceEngine
+from stratad.engine.sampling import SamplingParams
+from stratad.model.gguf_file import ModelFile
+
+PROMPTS = {"A": "The first chat talks about caches and slots.",
+           "B": "A second chat, with different hot experts, about routing.",
+           "C": "Third: peers lend their cards."}
+
+
+@pytest.fixture(scope="module")
+def ref(tiny_model_path):
+    m = ModelFile(tiny_model_path)
+    eng = ReferenceEngine(m, "canonical")
+    memo = {}
+
+    def digest(name: str, n: int) -> str:
+        if (name, n) not in memo:
+            g = Generation(eng, m.tokenizer, m.tokenizer.encode(PROMPTS[name]), SamplingParams(max_tokens=n),
+                           m.config.context_length, digest=True)
+            for _ in g:
+                pass
+            memo[name, n] = g.digest.hexdigest()
+        return memo[name, n]
+
+    return digest
+
+
+def start(tiny_model_path, tmp_path, cards="cpu,cpu", cache="0.3", **cfg) -> Daemon:
+    conf = tmp_path / "c.toml"
+    conf.write_text("".join(f"{k} = {v!r}\n".replace("'", '"') if not isinstance(v, bool) else
+                            f"{k} = {str(v).lower()}\n" for k, v in cfg.items()))
+    return Daemon(tiny_model_path, tmp_path / "run", cards=cards, config=conf,
+                  extra=["--expert-cache", cache]).start()
+
+
+def run_all(d: Daemon, jobs: list[tuple[str, int]], stagger_first: bool = True) -> dict:
+    """Run the prompts concurrently (the first one started and streaming before the others: a split)."""
+    out, errors = {}, []
+
+    def go(name, n, started=None):
+        try:
+            with d.client() as c:
+                s = c.generate(prompt=PROMPTS[name], max_tokens=n, digest=True)
+                for i, _ in enumerate(s):
+                    if started is not None and i == 2:
+                        started.set()
+                out[name] = s
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+            if started is not None:
+                started.set()
+
+    ts = []
+    first = threading.Event()
+    for k, (name, n) in enumerate(jobs):
+        t = threading.Thread(target=go, args=(name, n, first if k == 0 and stagger_first else None))
+        t.start()
+        ts.append(t)
+        if k == 0 and stagger_first:
+            first.wait(30)
+    for t in ts:
+        t.join(120)
+    assert not errors, errors
+    return out
+
+
+class RoleWatch:
+    """Samples the lanes' (role, busy) while a test runs."""
+
+    def __init__(self, d: Daemon):
+        self.d, self.seen, self.stop = d, [], threading.Event()
+        self.t = threading.Thread(target=self.run)
+
+    def run(self):
+        while not self.stop.is_set():
+            st = self.d.status()
+            self.seen.append(tuple((ln.role.value, ln.req_id is not None) for ln in st.lanes))
+            time.sleep(0.02)
+
+    def __enter__(self):
+        self.t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.t.join()
+
+
+def test_solo_card_matches_reference(tiny_model_path, tmp_path, ref):
+    d = start(tiny_model_path, tmp_path, cards="cpu", cache="0.5")
+    try:
+        out = run_all(d, [("A", 30)])
+        st = out["A"].stats
+        assert st.logits_sha256 == ref("A", 30)
+        assert st.experts_peer == 0 and st.experts_card > 0 and st.experts_cpu > 0
+    finally:
+        d.stop()
+
+
+def test_lead_peer_then_split_independent_lanes(tiny_model_path, tmp_path, ref):
+    d = start(tiny_model_path, tmp_path, rejoin_idle_s=600.0)
+    try:
+        out = run_all(d, [("A", 30)])
+        assert out["A"].stats.logits_sha256 == ref("A", 30)
+        assert out["A"].stats.experts_peer > 0  # one chat: the idle card lends its cache
+        roles = {ln.role.value for ln in d.status().lanes}
+        # two chats without mutual help: the second splits a peer off, both then use their own card only
+        out = run_all(d, [("A", 60), ("B", 20)])
+        assert out["A"].stats.logits_sha256 == ref("A", 60)
+        assert out["B"].stats.logits_sha256 == ref("B", 20)
+        assert out["B"].stats.experts_peer == 0
+        assert {out["A"].stats.lane, out["B"].stats.lane} == {0, 1}
+        assert roles <= {"peer", "lead", "solo"}
+    finally:
+        d.stop()
+
+
+def test_rejoin_mid_generation(tiny_model_path, tmp_path, ref):
+    d = start(tiny_model_path, tmp_path, rejoin_idle_s=0.3)
+    try:
+        with RoleWatch(d) as w:
+            out = run_all(d, [("A", 250), ("B", 5)])
+        seen = w.seen
+        assert out["A"].stats.logits_sha256 == ref("A", 250)
+        assert out["B"].stats.logits_sha256 == ref("B", 5)
+        # B's lane went back to being a peer of A's lane while A was still generating
+        assert any(("lead", True) in s and ("peer", False) in s for s in seen[seen.index(
+            next(s for s in seen if ("solo", True) in s)):]), seen[-5:]
+    finally:
+        d.stop()
+
+
+def test_mutual_help_two_chats(tiny_model_path, tmp_path, ref):
+    d = start(tiny_model_path, tmp_path, mutual_help=True)
+    try:
+        with RoleWatch(d) as w:
+            out = run_all(d, [("A", 40), ("B", 40)])
+        for name in "AB":
+            st = out[name].stats
+            assert st.logits_sha256 == ref(name, 40)
+            assert st.experts_peer > 0  # each chat computes experts on the other card too
+        assert (("mutual", True), ("mutual", True)) in w.seen
+    finally:
+        d.stop()
+
+
+def test_adaptive_swaps_while_other_lane_computes(tiny_model_path, tmp_path, ref):
+    d = start(tiny_model_path, tmp_path, mutual_help=True, replan_interval_s=0.05, replan_min_gain=0.0)
+    try:
+        before = {ln.lane: ln.slots_loaded for ln in d.status().lanes}
+        out = run_all(d, [("A", 150), ("B", 150)])
+        after = {ln.lane: ln.slots_loaded for ln in d.status().lanes}
+        assert sum(after.values()) > sum(before.values())  # slots were overwritten while both lanes computed
+        assert d.status().epoch > 4
+        for name in "AB":
+            assert out[name].stats.logits_sha256 == ref(name, 150)
+            assert out[name].stats.experts_peer > 0
+    finally:
+        d.stop()
+
+
+def test_peer_lane_killed_mid_generation(tiny_model_path, tmp_path, ref):
+    d = start(tiny_model_path, tmp_path, rejoin_idle_s=0.2)
+    try:
+        res = {}
+
+        def go():
+            with d.client() as c:
+                s = c.generate(prompt=PROMPTS["A"], max_tokens=300, digest=True)
+                s.result()
+                res["A"] = s
+
+        t = threading.Thread(target=go)
+        t.start()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            lanes = d.status().lanes
+            if any(ln.req_id for ln in lanes):
+                break
+            time.sleep(0.02)
+        peer = next(ln for ln in d.status().lanes if ln.req_id is None)
+        time.sleep(0.3)
+        os.kill(peer.pid, signal.SIGKILL)
+        t.join(120)
+        assert res["A"].stats.logits_sha256 == ref("A", 300)
+        d.wait_ready(30, restarts=1)
+        st = d.status()
+        assert st.lanes[peer.lane].restarts == 1
+    finally:
+        d.stop()
+
+
+def test_three_cards_mutual(tiny_model_path, tmp_path, ref):
+    d = start(tiny_model_path, tmp_path, cards="cpu,cpu,cpu", cache="0.2", mutual_help=True)
+    try:
+        out = run_all(d, [("A", 20), ("B", 20), ("C", 20)], stagger_first=False)
+        for name in "ABC":
+            assert out[name].stats.logits_sha256 == ref(name, 20)
+            assert out[name].stats.experts_peer > 0
+        assert {out[n].stats.lane for n in "ABC"} == {0, 1, 2}
+    finally:
+        d.stop()
