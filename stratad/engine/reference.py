@@ -54,11 +54,18 @@ class ExpertRunner(Protocol):
 
 
 class _ExpertCache:
-    """Decoded experts by (layer, expert), least recently used dropped first."""
+    """Decoded experts by (layer, expert), least recently used dropped first; bounded in count and in bytes
+    (an a3b expert is 19 MB as float32: 4096 of them would be 77 GB)."""
 
-    def __init__(self, model: ModelFile, decode, capacity: int):
-        self.model, self.decode, self.capacity = model, decode, capacity
+    def __init__(self, model: ModelFile, decode, capacity: int, max_bytes: int = 2 << 30):
+        self.model, self.decode, self.capacity, self.max_bytes = model, decode, capacity, max_bytes
         self.items: OrderedDict = OrderedDict()
+        self.nbytes = 0
+
+    @staticmethod
+    def _size(v) -> int:
+        parts = [a for m in v for a in ((m.q, m.scale, m.minimum) if isinstance(m, quants.IntBlocks) else (m,))]
+        return sum(a.nbytes for a in parts if a is not None)
 
     def get(self, layer: int, e: int):
         key = (layer, e)
@@ -69,8 +76,9 @@ class _ExpertCache:
         v = tuple(self.decode(m.expert_type(layer, kind), m.expert_raw(layer, kind, e))
                   for kind in ("gate", "up", "down"))
         self.items[key] = v
-        if len(self.items) > self.capacity:
-            self.items.popitem(last=False)
+        self.nbytes += self._size(v)
+        while len(self.items) > 1 and (len(self.items) > self.capacity or self.nbytes > self.max_bytes):
+            self.nbytes -= self._size(self.items.popitem(last=False)[1])
         return v
 
 
