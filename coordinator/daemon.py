@@ -389,19 +389,19 @@ class Coordinator:
         for h in self.sup.lanes:
             base = h.status or M.LaneStatus(lane=h.lane, card=h.card, role=h.role)
             role = self.pool.roles.role(h.lane) if h.ready else (M.Role.DOWN if h.proc is None else M.Role.STARTING)
-            h.set_role(role)
             lanes.append(base.model_copy(update={"role": role, "pid": h.pid, "req_id": h.req_id,
-                                                 "restarts": h.restarts, "role_since": h.role_since}))
+                                                 "restarts": h.restarts,
+                                                 "role_since": self.pool.role_since[h.lane]}))
         cards = []
         for i, card in enumerate(self.cards):
             st = self.sup.lanes[i].status
             used = (st.slots_used if st else 0) * self.slot_bytes
             cards.append(M.CardStatus(card=f"{card}{i}" if card == "cpu" else card,
                                       kind="cpu" if card == "cpu" else "gpu", memory_used=used,
-                                      memory_total=self.n_slots * self.slot_bytes))
+                                      memory_total=self.n_slots * self.slot_bytes, used_by=self.pool.users(i)))
         return M.Status(model=str(self.model.path), uptime_s=time.time() - self.t_start, lanes=tuple(lanes),
                         cards=tuple(cards), queue=tuple(self.queue), queue_limit=self.cfg.queue_limit,
-                        epoch=self.pool.epochs.epoch)
+                        epoch=self.pool.epochs.epoch, role_log=tuple(self.pool.role_log))
 
 
 def serve(cfg: DaemonConfig) -> int:

@@ -7,7 +7,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from protos import messages as M
 from stratad import shm
@@ -24,7 +24,6 @@ class LaneHandle:
     proc: subprocess.Popen | None = None
     ready: bool = False
     role: M.Role = M.Role.STARTING
-    role_since: float = field(default_factory=time.time)
     req_id: str | None = None
     last_seen: float = 0.0
     status: M.LaneStatus | None = None
@@ -40,11 +39,8 @@ class LaneHandle:
     def free(self) -> bool:
         return self.ready and self.req_id is None
 
-    def set_role(self, role: M.Role) -> bool:
-        if role == self.role:
-            return False
-        self.role, self.role_since = role, time.time()
-        return True
+    def set_role(self, role: M.Role) -> None:
+        self.role = role
 
 
 class Supervisor:

@@ -7,6 +7,8 @@ Views, Loads and RoleChanges through `send(lane, msg)`.
 from __future__ import annotations
 
 import logging
+import time
+from collections import deque
 from typing import Callable
 
 import numpy as np
@@ -19,6 +21,7 @@ from stratad import shm
 
 log = logging.getLogger("stratad.coordinator")
 PRIOR = 0.05  # weight of the static profile beside live counts
+ROLE_LOG = 50
 
 
 class CardPool:
@@ -37,6 +40,8 @@ class CardPool:
         self.last_replan = 0.0
         self.replan_pending = False
         self.sent_roles: list[M.Role | None] = [None] * n_cards
+        self.role_log: deque[M.RoleEvent] = deque(maxlen=ROLE_LOG)
+        self.role_since = [time.time()] * n_cards
         # the first placement: all cards pooled on the profile, loaded by each lane before it reports ready
         self.epochs.contents = directory.plan(self.roles.groups(), [self._group_weights(g) for g in
                                                                     self.roles.groups()], n_slots,
@@ -124,6 +129,8 @@ class CardPool:
             r = self.roles.role(i)
             if self.ready[i] and r != self.sent_roles[i]:
                 self.sent_roles[i] = r
+                self.role_since[i] = time.time()
+                self.role_log.append(M.RoleEvent(time=self.role_since[i], lane=i, role=r))
                 self.send(i, M.RoleChange(role=r, epoch=self.epochs.epoch))
         self._send_views()
         self._replan(min_gain=None)
@@ -165,6 +172,13 @@ class CardPool:
                                      experts=tuple((x[0], x[1], s) for s, x in enumerate(vis[c]) if x is not None))
                           for c in self.roles.cards_for(i)[1:] if self.ready[c])
             self.send(i, M.View(epoch=self.epochs.epoch, cards=cards))  # an unreachable lane's death is noticed
+
+    def users(self, card: int) -> tuple[int, ...]:
+        """Lanes computing from this card's cache, its own lane first."""
+        if not self.ready[card]:
+            return ()
+        return (card,) + tuple(i for i in range(self.n) if i != card and self.ready[i]
+                               and self.roles.busy[i] and card in self.roles.cards_for(i))
 
     def close(self) -> None:
         for s in self.counts:

@@ -56,9 +56,8 @@ class Lane:
         self.model = ModelFile(a.model)
         self.segments: list[shm.Segment] = []
         self.card = None
-        self.counters = Counters()
         self.req_id: str | None = None
-        self.generated = 0
+        self.gen: Generation | None = None  # the request in progress
         self.tok_s = 0.0
         self.last_beat = 0.0
         self.stopping = False
@@ -78,11 +77,17 @@ class Lane:
             return None
 
     def status(self) -> M.LaneStatus:
-        c = self.counters.shares() if self.counters.total else (0.0, 0.0, 0.0)
+        counters = self.card.counters if self.card else Counters()
+        c = counters.shares() if counters.total else (0.0, 0.0, 0.0)
+        total = counters.total or 1
+        g = self.gen
+        if g is not None and g.t_first and g.generated > 1:
+            self.tok_s = (g.generated - 1) / max(1e-9, time.monotonic() - g.t_first)
         pool = self.card.pool if self.card else None
         return M.LaneStatus(lane=self.lane, card=self.card_name, role=self.role, pid=os.getpid(), req_id=self.req_id,
-                            tok_s=self.tok_s, generated=self.generated, share_card=c[0], share_peer=c[1],
+                            tok_s=self.tok_s, generated=g.generated if g else 0, share_card=c[0], share_peer=c[1],
                             share_cpu=c[2], slots_used=pool.used if pool else 0,
+                            share_by_peer=tuple((k, n / total) for k, n in sorted(counters.by_peer.items())),
                             slots_total=pool.n_slots if pool else 0, slots_loaded=pool.loads if pool else 0,
                             epoch=self.card.epoch if self.card else 0, role_since=self.role_since)
 
@@ -141,19 +146,18 @@ class Lane:
         self.beat()
 
     def serve(self, a: M.Assign) -> None:
-        self.req_id, self.generated, self.tok_s = a.req_id, 0, 0.0
+        self.req_id, self.tok_s = a.req_id, 0.0
         s = a.sampling
         params = SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
                                 seed=s.seed, stop=tuple(s.stop))
-        before = Counters(**vars(self.card.counters))
+        before = self.card.counters.copy()
         finish = None
         gen = None
         try:
-            gen = Generation(self.card, self.model.tokenizer, list(a.tokens), params, self.a.context_length,
-                             digest=a.digest)
+            gen = self.gen = Generation(self.card, self.model.tokenizer, list(a.tokens), params,
+                                        self.a.context_length, digest=a.digest)
             for tok, text in gen:
                 self.send(M.TokenChunk(req_id=a.req_id, tokens=() if tok is None else (tok,), text=text))
-                self.generated = gen.generated
                 self.poll_between_tokens()
             finish = gen.finish_reason
         except Cancelled:
@@ -161,10 +165,8 @@ class Lane:
         except ValueError as e:
             self.send(M.Error(req_id=a.req_id, code=M.ErrorCode.BAD_REQUEST, message=str(e)))
         finally:
-            used = Counters(self.card.counters.card - before.card, self.card.counters.peer - before.peer,
-                            self.card.counters.cpu - before.cpu)
-            self.counters.add(used)
-            self.req_id = None
+            used = self.card.counters.minus(before)
+            self.req_id, self.gen = None, None
             done = None
             if finish is not None and gen is not None:
                 gen.t_end = gen.t_end or time.monotonic()

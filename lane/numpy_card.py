@@ -7,7 +7,7 @@ from the arena. All run the canonical expert function: the output bits do not de
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -26,11 +26,21 @@ class Counters:
     card: int = 0
     peer: int = 0
     cpu: int = 0
+    by_peer: dict[int, int] = field(default_factory=dict)  # card -> experts computed there
 
     def add(self, other: "Counters") -> None:
         self.card += other.card
         self.peer += other.peer
         self.cpu += other.cpu
+        for c, n in other.by_peer.items():
+            self.by_peer[c] = self.by_peer.get(c, 0) + n
+
+    def minus(self, before: "Counters") -> "Counters":
+        return Counters(self.card - before.card, self.peer - before.peer, self.cpu - before.cpu,
+                        {c: n - before.by_peer.get(c, 0) for c, n in self.by_peer.items()})
+
+    def copy(self) -> "Counters":
+        return Counters(self.card, self.peer, self.cpu, dict(self.by_peer))
 
     @property
     def total(self) -> int:
@@ -89,14 +99,14 @@ class NumpyCard:
         self.epoch = view.epoch
 
     def _source(self, layer: int, e: int):
-        """(where, key, the expert's three matrices' bytes) for the fastest place that holds it."""
+        """(where: "card" / peer card index / "cpu", cache key, the expert's three matrices' bytes)."""
         slot = int(self.pool.table[layer, e])
         if slot >= 0:
             return "card", (-1, 0, slot, layer, e), lambda: self.pool.matrices(layer, e)
         card = int(self.peer_card[layer, e])
         if card >= 0:
             p, s = self.peers[card], int(self.peer_slot[layer, e])
-            return "peer", (card, p.generation, s, layer, e), lambda: split_slot(self.model, layer, p.data[s])
+            return card, (card, p.generation, s, layer, e), lambda: split_slot(self.model, layer, p.data[s])
         return "cpu", (-2, 0, 0, layer, e), lambda: expert_bytes(self.model, layer, e)
 
     def _blocks(self, layer: int, e: int):
@@ -121,8 +131,16 @@ class NumpyCard:
             t, j = np.nonzero(ids == e)
             blocks, where = self._blocks(layer, int(e))
             out[t, j] = canonical.expert(*blocks, qa[t], da[t])
-            setattr(self.counters, where, getattr(self.counters, where) + len(t))
+            self._count(where, len(t))
         return out
+
+    def _count(self, where, n: int) -> None:
+        """where: "card", "cpu" or the index of the peer card that computed."""
+        if isinstance(where, str):
+            setattr(self.counters, where, getattr(self.counters, where) + n)
+        else:
+            self.counters.peer += n
+            self.counters.by_peer[where] = self.counters.by_peer.get(where, 0) + n
 
     def close(self) -> None:
         for p in self.peers.values():

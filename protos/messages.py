@@ -134,6 +134,7 @@ class LaneStatus(BaseModel):
     share_card: float = 0.0  # share of expert work on the own card / peer cards / CPU, since start
     share_peer: float = 0.0
     share_cpu: float = 0.0
+    share_by_peer: tuple[tuple[int, float], ...] = ()  # (card, share of expert work) for each other card used
     slots_used: int = 0
     slots_total: int = 0
     slots_loaded: int = 0  # experts copied into the card since the lane started (fill and swaps)
@@ -148,6 +149,14 @@ class CardStatus(BaseModel):
     kind: Literal["cpu", "gpu"]
     memory_used: int = 0  # bytes
     memory_total: int = 0
+    used_by: tuple[int, ...] = ()  # lanes computing from this card's cache (its own lane first)
+
+
+class RoleEvent(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    time: float  # unix time
+    lane: int
+    role: Role
 
 
 class Status(_Msg):
@@ -159,6 +168,7 @@ class Status(_Msg):
     queue: tuple[str, ...]  # queued request ids, oldest first
     queue_limit: int
     epoch: int = 0
+    role_log: tuple[RoleEvent, ...] = ()  # the latest role changes, oldest first
 
 
 # ---- coordinator <-> lane -----------------------------------------------------------------------------------

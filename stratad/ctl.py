@@ -26,9 +26,18 @@ def status_table(st) -> str:
                      f"{(ln.req_id or '-')[:14]:<14} {ln.tok_s:>7.1f} {_pct(ln.share_card):>6} "
                      f"{_pct(ln.share_peer):>6} {_pct(ln.share_cpu):>6}  {ln.slots_used:>5}/{ln.slots_total:<5} "
                      f"{ln.restarts:>8}")
-    lines += ["", f"{'card':<6} {'kind':<4} {'expert cache':>24}"]
+        if ln.share_by_peer:
+            lines.append(f"{'':>6}peer work by card: " + ", ".join(f"card {c} {_pct(x).strip()}"
+                                                                for c, x in ln.share_by_peer))
+    lines += ["", f"{'card':<6} {'kind':<4} {'expert cache':>24}   used by lanes"]
     for c in st.cards:
-        lines.append(f"{c.card:<6} {c.kind:<4} {c.memory_used / 2**20:>10.1f} / {c.memory_total / 2**20:.1f} MiB")
+        lines.append(f"{c.card:<6} {c.kind:<4} {c.memory_used / 2**20:>10.1f} / {c.memory_total / 2**20:.1f} MiB   "
+                     f"{', '.join(map(str, c.used_by)) or '-'}")
+    if st.role_log:
+        lines += ["", "role changes (latest last)"]
+        for ev in st.role_log[-8:]:
+            lines.append(f"  {time.strftime('%H:%M:%S', time.localtime(ev.time))}.{int(ev.time % 1 * 1000):03d}  "
+                         f"lane {ev.lane} -> {ev.role.value}")
     return "\n".join(lines)
 
 

@@ -72,18 +72,23 @@ def test_two_concurrent_clients_on_two_lanes_match_reference(daemon, reference):
 
 def test_third_request_is_queued_then_served(daemon):
     with daemon.client() as c:
-        streams = [c.generate(messages=CHAT_A, max_tokens=40, req_id=f"q{i}") for i in range(3)]
-        firsts = [next(iter(s)) for s in streams[:2]]
-        assert all(f.tokens for f in firsts)
-        it3 = iter(streams[2])
+        busy = [c.generate(messages=CHAT_A, max_tokens=2000, req_id=f"q{i}") for i in range(2)]
+        assert all(next(iter(s)).tokens for s in busy)  # both lanes are generating
+        third = c.generate(messages=CHAT_B, max_tokens=20, req_id="q2")
+        it3 = iter(third)
+        deadline = time.monotonic() + 10
+        while third.accepted is None and time.monotonic() < deadline:
+            third.apply(third._recv())  # the Accepted reply arrives at once; tokens only after a lane frees
+        assert third.accepted.queue_position == 1
+        assert daemon.status().queue == ("q2",)
+        busy[0].cancel()
         first3 = next(it3)
-        assert streams[2].accepted.queue_position == 1
-        for s in streams[:2]:
-            s.result()
         for _ in it3:
             pass
-        assert first3.tokens and streams[2].finish_reason in ("length", "stop")
-        assert streams[2].stats.queue_s > 0
+        assert first3.tokens and third.finish_reason in ("length", "stop")
+        assert third.stats.queue_s > 0
+        busy[1].cancel()
+        busy[1].result()
 
 
 def test_cancel_mid_stream_frees_the_lane(daemon):
