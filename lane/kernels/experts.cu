@@ -1,0 +1,643 @@
+// stratad GPU expert kernels: bit-exact CUDA versions of stratad/engine/canonical.py.
+//
+// Exactness (DESIGN.md): every float32 operation whose result reaches an output is written as inline PTX with an
+// explicit rounding mode and no .ftz (add.rn / sub.rn / mul.rn / div.rn / cvt.rni), so neither --fmad nor -ftz
+// nor --prec-div can change a bit. Integer block dots use dp4a (exact). Terms of a row are summed in the
+// canonical lane order: lane l adds the terms of sub-blocks l, l+32, ... to 0.0f in order, then the lanes are
+// folded with __shfl_down_sync offsets 16, 8, 4, 2, 1, which is numpy's half-split fold in canonical.lane_sum.
+//
+// Kernels (all persistent: a fixed grid whose warps loop over work items; n_pairs is read on the device, so the
+// launches are CUDA-graph safe):
+//   expert_gateup : item = (tile of pairs, row r < d_ff). The warp stages gate row r and up row r of the tile's
+//                   slot in shared memory (cp.async, GU_STAGES deep per warp), decodes its sub-blocks once and
+//                   dots them with each pair's activation; lane 0 writes h = silu(gate) * up. The warp that writes
+//                   the 32nd row of a 32-row group (a per-(pair, group) counter) quantises the group (qh, dh).
+//   expert_down   : item = (tile of pairs, row r < d_model); out[p, r] = canonical dot of down row r with qh[p].
+//   quantize_rows : x (groups of 32 floats) -> q int8, d float (canonical.quantize_act).
+//   combine_k     : out[t, i] = sum_j w[t, j] * y[t, j, i] in router order from 0.0f (canonical.combine).
+// A tile is up to NP_MAX consecutive pairs (chosen on the device from n_pairs): when consecutive pairs share a slot
+// (prefill, pairs sorted by slot) the row is fetched and decoded once for all of them.
+//
+// Weight formats (GGML type numbers): 21 = IQ3_S (110 B / 256), 12 = Q4_K (144 B / 256), 8 = Q8_0 (34 B / 32).
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned char u8;
+typedef long long i64;
+typedef unsigned long long u64;
+
+// ---- compile-time configuration (experts.py passes all of these; defaults allow a standalone nvcc check) ----
+#ifndef GU_QT
+#define GU_QT 21
+#endif
+#ifndef GU_KIN
+#define GU_KIN 2048
+#endif
+#ifndef GU_ROWS
+#define GU_ROWS 768
+#endif
+#ifndef DN_QT
+#define DN_QT 21
+#endif
+#ifndef DN_KIN
+#define DN_KIN 768
+#endif
+#ifndef DN_ROWS
+#define DN_ROWS 2048
+#endif
+#ifndef GU_WPB
+#define GU_WPB 16
+#endif
+#ifndef DN_WPB
+#define DN_WPB 16
+#endif
+#ifndef GU_STAGES
+#define GU_STAGES 3
+#endif
+#ifndef DN_STAGES
+#define DN_STAGES 4
+#endif
+#ifndef GU_MINB
+#define GU_MINB 1
+#endif
+#ifndef DN_MINB
+#define DN_MINB 1
+#endif
+#ifndef NP_MAX
+#define NP_MAX 16
+#endif
+#ifndef TILE_ITEMS
+#define TILE_ITEMS 4
+#endif
+#ifndef GRID_REPL
+#define GRID_REPL 1
+#endif
+// canonical.exp constants (experts.py passes the values of canonical.py; these defaults are the same bits)
+#ifndef EXP_LOG2E
+#define EXP_LOG2E 0x1.7154760000000p+0f
+#endif
+#ifndef EXP_LN2_HI
+#define EXP_LN2_HI 0x1.62e4000000000p-1f
+#endif
+#ifndef EXP_LN2_LO
+#define EXP_LN2_LO 0x1.7f7d1c0000000p-20f
+#endif
+#ifndef EXP_C0
+#define EXP_C0 0x1.a01a020000000p-13f
+#endif
+#ifndef EXP_C1
+#define EXP_C1 0x1.6c16c20000000p-10f
+#endif
+#ifndef EXP_C2
+#define EXP_C2 0x1.1111120000000p-7f
+#endif
+#ifndef EXP_C3
+#define EXP_C3 0x1.5555560000000p-5f
+#endif
+#ifndef EXP_C4
+#define EXP_C4 0x1.5555560000000p-3f
+#endif
+#ifndef EXP_C5
+#define EXP_C5 0x1.0000000000000p-1f
+#endif
+#ifndef EXP_C6
+#define EXP_C6 0x1.0000000000000p+0f
+#endif
+#ifndef EXP_C7
+#define EXP_C7 0x1.0000000000000p+0f
+#endif
+#ifndef EXP_LO
+#define EXP_LO (-87.0f)
+#endif
+#ifndef EXP_HI
+#define EXP_HI 88.0f
+#endif
+
+#define FULL_MASK 0xffffffffu
+#define QT_Q8_0 8
+#define QT_Q4_K 12
+#define QT_IQ3_S 21
+
+// ---- exact float32 arithmetic (IEEE round-to-nearest-even, subnormals kept, never contracted) ----------------
+__device__ __forceinline__ float f_add(float a, float b) { float r; asm("add.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r; }
+__device__ __forceinline__ float f_sub(float a, float b) { float r; asm("sub.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r; }
+__device__ __forceinline__ float f_mul(float a, float b) { float r; asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r; }
+__device__ __forceinline__ float f_div(float a, float b) { float r; asm("div.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r; }
+__device__ __forceinline__ float f_rint(float a) { float r; asm("cvt.rni.f32.f32 %0, %1;" : "=f"(r) : "f"(a)); return r; }
+__device__ __forceinline__ float f_max(float a, float b) { float r; asm("max.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r; }
+__device__ __forceinline__ float i2f(int a) { float r; asm("cvt.rn.f32.s32 %0, %1;" : "=f"(r) : "r"(a)); return r; }
+__device__ __forceinline__ float h2f(u32 bits16) {
+    float r;
+    unsigned short h = (unsigned short)bits16;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(r) : "h"(h));
+    return r;
+}
+__device__ __forceinline__ float f_neg(float a) { return __int_as_float(__float_as_int(a) ^ 0x80000000); }
+__device__ __forceinline__ float f_abs(float a) { return __int_as_float(__float_as_int(a) & 0x7fffffff); }
+
+// canonical.exp: clip, n = rint(x log2e), two-part ln2 reduction, Horner polynomial, times 2^n
+__device__ __forceinline__ float c_exp(float x) {
+    x = (x < EXP_LO) ? EXP_LO : x;  // np.clip keeps NaN: so do these compares
+    x = (x > EXP_HI) ? EXP_HI : x;
+    const float n = f_rint(f_mul(x, EXP_LOG2E));
+    const float r = f_sub(f_sub(x, f_mul(n, EXP_LN2_HI)), f_mul(n, EXP_LN2_LO));
+    float p = EXP_C0;
+    p = f_add(f_mul(p, r), EXP_C1);
+    p = f_add(f_mul(p, r), EXP_C2);
+    p = f_add(f_mul(p, r), EXP_C3);
+    p = f_add(f_mul(p, r), EXP_C4);
+    p = f_add(f_mul(p, r), EXP_C5);
+    p = f_add(f_mul(p, r), EXP_C6);
+    p = f_add(f_mul(p, r), EXP_C7);
+    const int ni = (int)n;  // n is integral, |n| <= 127
+    return f_mul(p, __int_as_float((ni + 127) << 23));
+}
+
+__device__ __forceinline__ float c_silu(float g) { return f_div(g, f_add(1.0f, c_exp(f_neg(g)))); }
+
+// Quantise 32 values held one per lane (canonical.quantize_act on one group). Writes q[lane], and *d from lane 0.
+__device__ __forceinline__ void quant32(float v, int lane, signed char* q, float* d) {
+    float m = f_abs(v);
+#pragma unroll
+    for (int o = 16; o; o >>= 1) m = f_max(m, __shfl_xor_sync(FULL_MASK, m, o));
+    const float dd = f_div(m, 127.0f);
+    const float inv = (__float_as_int(dd) > 0) ? f_div(1.0f, dd) : 0.0f;  // dd >= 0: positive bits <=> dd > 0
+    q[lane] = (signed char)(int)f_rint(f_mul(v, inv));
+    if (lane == 0) *d = dd;
+}
+
+// canonical lane fold: lane l += lane l + o for o = 16, 8, 4, 2, 1; lane 0 holds the row's sum
+__device__ __forceinline__ float lane_fold(float acc) {
+#pragma unroll
+    for (int o = 16; o; o >>= 1) acc = f_add(acc, __shfl_down_sync(FULL_MASK, acc, o));
+    return acc;
+}
+
+// ---- shared memory and cp.async --------------------------------------------------------------------------------
+extern __shared__ __align__(16) u8 g_smem[];
+
+__device__ __forceinline__ u32 smem_base() {
+    u32 r;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"((u64)g_smem));
+    return r;
+}
+__device__ __forceinline__ u32 sm_u8(u32 off) { return g_smem[off]; }
+__device__ __forceinline__ u32 sm_u16(u32 off) { return *reinterpret_cast<const u16*>(g_smem + off); }
+__device__ __forceinline__ u32 sm_u32(u32 off) { return *reinterpret_cast<const u32*>(g_smem + off); }
+__device__ __forceinline__ uint4 sm_u128(u32 off) { return *reinterpret_cast<const uint4*>(g_smem + off); }
+
+__device__ __forceinline__ void cp_async16(u32 saddr, const void* gptr) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(saddr), "l"(gptr) : "memory");
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+
+// ---- formats -----------------------------------------------------------------------------------------------------
+template <int QT> struct QF;
+template <> struct QF<QT_Q8_0> { static constexpr int BV = 32, BB = 34; };
+template <> struct QF<QT_Q4_K> { static constexpr int BV = 256, BB = 144; };
+template <> struct QF<QT_IQ3_S> { static constexpr int BV = 256, BB = 110; };
+
+template <int QT, int KIN> struct Geom {
+    static_assert(KIN % QF<QT>::BV == 0, "row length must be a multiple of the block size");
+    static constexpr int NSUB = KIN / 32;                 // canonical sub-blocks per row
+    static constexpr int SPL = (NSUB + 31) / 32;          // sub-blocks per lane
+    static constexpr int RB = KIN / QF<QT>::BV * QF<QT>::BB;  // row bytes
+    static constexpr int NCH = (RB + 14 + 15) / 16;       // most 16-byte chunks a 2-aligned row can touch
+    static constexpr int CHB = NCH * 16 + 16;             // staged bytes per row (+16: decoders over-read <= 4)
+};
+
+constexpr int GRID_TABLE_BYTES = GRID_REPL ? 512 * 32 * 4 : 512 * 4;
+
+// Fill the IQ3_S grid table at shared offset 0. GRID_REPL: entry i for lane l at word i*32 + l (conflict-free).
+__device__ __forceinline__ void fill_grid(const u32* __restrict__ grid_g) {
+#if GRID_REPL
+    for (int e = threadIdx.x; e < 512 * 8; e += blockDim.x) {
+        const u32 v = __ldg(grid_g + (e >> 3));
+        *reinterpret_cast<uint4*>(g_smem + e * 16) = make_uint4(v, v, v, v);
+    }
+#else
+    for (int e = threadIdx.x; e < 512; e += blockDim.x) reinterpret_cast<u32*>(g_smem)[e] = __ldg(grid_g + e);
+#endif
+}
+
+// One decoded sub-block: 32 signed 8-bit weights (4 per word), scale, minimum (Q4_K only).
+struct SubW {
+    u32 q[8];
+    float sc;
+    float mn;
+};
+
+// Decode sub-block s of the row whose first byte is at shared offset R.
+template <int QT> __device__ __forceinline__ void decode_sub(u32 R, int s, u32 lane4, SubW& w);
+
+template <> __device__ __forceinline__ void decode_sub<QT_Q8_0>(u32 R, int s, u32, SubW& w) {
+    const u32 B = R + 34u * (u32)s;
+    w.sc = h2f(sm_u16(B));
+    w.mn = 0.0f;
+    const u32 qo = B + 2u, a = qo & ~3u, sh = (qo & 3u) * 8u;
+    u32 x[9];
+#pragma unroll
+    for (int i = 0; i < 9; ++i) x[i] = sm_u32(a + 4u * i);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) w.q[k] = __funnelshift_r(x[k], x[k + 1], sh);
+}
+
+template <> __device__ __forceinline__ void decode_sub<QT_Q4_K>(u32 R, int s, u32, SubW& w) {
+    const u32 j = (u32)s & 7u;
+    const u32 B = R + 144u * ((u32)s >> 3);  // 16-aligned
+    const uint4 hd = sm_u128(B);             // d, dmin, scales[0..11]
+    const float d = h2f(hd.x & 0xffffu), dmin = h2f(hd.x >> 16);
+    const u32 shb = 8u * (j & 3u);
+    const u32 y = (hd.y >> shb) & 255u, z = (hd.z >> shb) & 255u, m = (hd.w >> shb) & 255u;
+    const bool lo = j < 4u;
+    const u32 sc = lo ? (y & 63u) : ((m & 15u) | ((y >> 2) & 0x30u));
+    const u32 mn = lo ? (z & 63u) : ((m >> 4) | ((z >> 2) & 0x30u));
+    w.sc = f_mul(d, i2f((int)sc));
+    w.mn = f_mul(dmin, i2f((int)mn));
+    const u32 qo = B + 16u + 32u * (j >> 1), nsh = 4u * (j & 1u);
+    const uint4 a = sm_u128(qo), c = sm_u128(qo + 16u);
+    w.q[0] = (a.x >> nsh) & 0x0f0f0f0fu;
+    w.q[1] = (a.y >> nsh) & 0x0f0f0f0fu;
+    w.q[2] = (a.z >> nsh) & 0x0f0f0f0fu;
+    w.q[3] = (a.w >> nsh) & 0x0f0f0f0fu;
+    w.q[4] = (c.x >> nsh) & 0x0f0f0f0fu;
+    w.q[5] = (c.y >> nsh) & 0x0f0f0f0fu;
+    w.q[6] = (c.z >> nsh) & 0x0f0f0f0fu;
+    w.q[7] = (c.w >> nsh) & 0x0f0f0f0fu;
+}
+
+template <> __device__ __forceinline__ void decode_sub<QT_IQ3_S>(u32 R, int s, u32 lane4, SubW& w) {
+    const u32 j = (u32)s & 7u;
+    const u32 B = R + 110u * ((u32)s >> 3);  // 2-aligned
+    const float d = h2f(sm_u16(B));
+    const u32 qo = B + 2u + 8u * j;          // qs[8j..8j+7]
+    const u32 sh = (qo & 3u) * 8u;           // signs (B + 74 + 4j) have the same alignment
+    const u32 qa = qo & ~3u;
+    const u32 w0 = sm_u32(qa), w1 = sm_u32(qa + 4u), w2 = sm_u32(qa + 8u);
+    const u32 qs0 = __funnelshift_r(w0, w1, sh), qs1 = __funnelshift_r(w1, w2, sh);
+    const u32 sa = (B + 74u + 4u * j) & ~3u;
+    const u32 sg = __funnelshift_r(sm_u32(sa), sm_u32(sa + 4u), sh);
+    const u32 qh = sm_u8(B + 66u + j);
+    const u32 nib = (sm_u8(B + 106u + (j >> 1)) >> (4u * (j & 1u))) & 15u;
+    w.sc = f_mul(d, i2f((int)(1u + 2u * nib)));
+    w.mn = 0.0f;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+        const u32 qw = (k < 4) ? qs0 : qs1;
+        const u32 idx = ((qw >> (8 * (k & 3))) & 255u) | (((qh >> k) & 1u) << 8);
+#if GRID_REPL
+        const u32 mag = sm_u32(idx * 128u + lane4);
+#else
+        const u32 mag = sm_u32(idx * 4u);
+#endif
+        // sign bits of values 4k..4k+3 -> 0/1 in bit 0 of each byte; then negate those bytes (grid values >= 1,
+        // so (mag ^ 0xff) + 1 never carries into the next byte)
+        const u32 bits = (((sg >> (4 * k)) & 15u) * 0x00204081u) & 0x01010101u;
+        w.q[k] = (mag ^ (bits * 255u)) + bits;
+    }
+}
+
+// Activation sub-block: 32 int8 (4 per word), its scale, and (Q4_K) the sum of its integers.
+struct Act {
+    u32 a[8];
+    float d;
+    int asum;
+};
+
+template <bool ASUM>
+__device__ __forceinline__ void load_act(const signed char* __restrict__ q, const float* __restrict__ d, int s,
+                                         Act& A) {
+    const uint4* p = reinterpret_cast<const uint4*>(q + 32 * s);
+    const uint4 x = __ldg(p), y = __ldg(p + 1);
+    A.a[0] = x.x; A.a[1] = x.y; A.a[2] = x.z; A.a[3] = x.w;
+    A.a[4] = y.x; A.a[5] = y.y; A.a[6] = y.z; A.a[7] = y.w;
+    A.d = __ldg(d + s);
+    A.asum = 0;
+    if (ASUM) {
+#pragma unroll
+        for (int k = 0; k < 8; ++k) A.asum = __dp4a((int)A.a[k], 0x01010101, A.asum);
+    }
+}
+
+// canonical term: (scale * d_act) * isum  [- (minimum * d_act) * asum]
+template <int QT> __device__ __forceinline__ float sub_term(const SubW& w, const Act& A) {
+    int isum = 0;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) isum = __dp4a((int)w.q[k], (int)A.a[k], isum);
+    float t = f_mul(f_mul(w.sc, A.d), i2f(isum));
+    if (QT == QT_Q4_K) t = f_sub(t, f_mul(f_mul(w.mn, A.d), i2f(A.asum)));
+    return t;
+}
+
+// Warp-cooperative 16-byte cp.async of the aligned chunks covering [g, g + rb) into shared address sdst.
+// Returns g's offset inside its 16-byte chunk (where the row starts in the staged copy).
+__device__ __forceinline__ u32 stage_row(u32 sdst, const u8* g, int rb, int lane) {
+    const u64 ga = (u64)g, a0 = ga & ~(u64)15, a1 = (ga + (u64)rb + 15) & ~(u64)15;
+    const int n = (int)((a1 - a0) >> 4);
+    for (int c = lane; c < n; c += 32) cp_async16(sdst + 16u * c, (const void*)(a0 + 16u * (u64)c));
+    return (u32)(ga & 15);
+}
+
+__device__ __forceinline__ int clamp_pairs(const int* __restrict__ n_pairs_p, int max_pairs) {
+    int n = *n_pairs_p;
+    return n < 0 ? 0 : (n > max_pairs ? max_pairs : n);
+}
+
+// Pairs per tile: the largest power of two <= NP_MAX that still leaves every warp >= TILE_ITEMS items.
+__device__ __forceinline__ int tile_size(int n_pairs, int rows, int W) {
+    int np = 1;
+#if NP_MAX > 1
+    const i64 work = (i64)n_pairs * rows;
+    while (np * 2 <= NP_MAX && work >= (i64)np * 2 * TILE_ITEMS * W) np *= 2;
+#endif
+    return np;
+}
+
+// =====================================================================================================================
+// gate + up + SwiGLU (+ quantisation of h, by the last warp of each 32-row group)
+// =====================================================================================================================
+typedef Geom<GU_QT, GU_KIN> GUG;
+constexpr int GU_TBL = (GU_QT == QT_IQ3_S) ? GRID_TABLE_BYTES : 0;
+constexpr int GU_NST = GU_STAGES + (NP_MAX > 1 ? 1 : 0);
+constexpr int GU_STG = 2 * GUG::CHB;
+constexpr int GU_SMEM = GU_TBL + GU_WPB * GU_NST * GU_STG + 16;
+static_assert(GU_ROWS % 32 == 0, "d_ff must be a multiple of 32");
+
+__device__ __forceinline__ void gu_decode(u32 R, int lane, u32 lane4, SubW (&G)[GUG::SPL], SubW (&U)[GUG::SPL]) {
+#pragma unroll
+    for (int i = 0; i < GUG::SPL; ++i) {
+        const int s = lane + 32 * i;
+        if (s < GUG::NSUB) {
+            decode_sub<GU_QT>(R, s, lane4, G[i]);
+            decode_sub<GU_QT>(R + GUG::CHB, s, lane4, U[i]);
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(GU_WPB * 32, GU_MINB)
+expert_gateup(const u8* __restrict__ pool, i64 slot_bytes, const int* __restrict__ pairs,
+              const int* __restrict__ n_pairs_p, int max_pairs, const signed char* __restrict__ qa,
+              const float* __restrict__ da, const u32* __restrict__ grid_g, float* __restrict__ hbuf,
+              signed char* __restrict__ qhbuf, float* __restrict__ dhbuf, u32* __restrict__ counters) {
+    constexpr int NG = GU_ROWS / 32;
+    constexpr i64 UP_OFF = (i64)GU_ROWS * GUG::RB;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const u32 lane4 = 4u * lane;
+    const int n_pairs = clamp_pairs(n_pairs_p, max_pairs);
+    const int W = gridDim.x * GU_WPB;
+    const int gw = blockIdx.x * GU_WPB + warp;
+    const int np = tile_size(n_pairs, GU_ROWS, W);
+    const int items = (n_pairs + np - 1) / np * GU_ROWS;
+    const u32 sb = smem_base();
+    const u32 wst = GU_TBL + warp * GU_NST * GU_STG;  // this warp's stages (shared offset)
+
+    // prologue: put the first GU_STAGES items' rows in flight before anything else
+#pragma unroll 1
+    for (int k = 0; k < GU_STAGES; ++k) {
+        const int it = gw + k * W;
+        if (it < items) {
+            const int tile = it / GU_ROWS, row = it - tile * GU_ROWS;
+            const int slot = __ldg(pairs + 2 * (tile * np) + 1);
+            const u8* g = pool + (i64)slot * slot_bytes + (i64)row * GUG::RB;
+            const u32 dst = sb + wst + k * GU_STG;
+            stage_row(dst, g, GUG::RB, lane);
+            stage_row(dst + GUG::CHB, g + UP_OFF, GUG::RB, lane);
+        }
+        cp_commit();
+    }
+    if (GU_QT == QT_IQ3_S) fill_grid(grid_g);
+    __syncthreads();
+
+#pragma unroll 1
+    for (int k = 0;; ++k) {
+        const int it = gw + k * W;
+        if (it >= items) break;
+        const int st = k % GU_STAGES;
+        cp_wait<GU_STAGES - 1>();
+        __syncwarp();
+
+        const int tile = it / GU_ROWS, row = it - tile * GU_ROWS;
+        const int p0 = tile * np;
+        const int p1 = (p0 + np < n_pairs) ? p0 + np : n_pairs;
+        int cur = __ldg(pairs + 2 * p0 + 1);
+        const u32 R0 = wst + st * GU_STG + (u32)(((u64)pool + (u64)((i64)cur * slot_bytes + (i64)row * GUG::RB)) & 15);
+        SubW G[GUG::SPL], U[GUG::SPL];
+        gu_decode(R0, lane, lane4, G, U);
+
+#pragma unroll 1
+        for (int p = p0; p < p1; ++p) {
+            const int tok = __ldg(pairs + 2 * p);
+            const int slot = __ldg(pairs + 2 * p + 1);
+            if (NP_MAX > 1 && slot != cur) {  // warp-uniform: load and decode this slot's rows now
+                const u8* g = pool + (i64)slot * slot_bytes + (i64)row * GUG::RB;
+                const u32 xs = wst + GU_STAGES * GU_STG;
+                __syncwarp();
+                const u32 off = stage_row(sb + xs, g, GUG::RB, lane);
+                stage_row(sb + xs + GUG::CHB, g + UP_OFF, GUG::RB, lane);
+                cp_commit();
+                cp_wait<0>();
+                __syncwarp();
+                gu_decode(xs + off, lane, lane4, G, U);
+                cur = slot;
+            }
+            const signed char* qrow = qa + (i64)tok * GU_KIN;
+            const float* drow = da + (i64)tok * GUG::NSUB;
+            float ag = 0.0f, au = 0.0f;
+#pragma unroll
+            for (int i = 0; i < GUG::SPL; ++i) {
+                const int s = lane + 32 * i;
+                float tg = 0.0f, tu = 0.0f;
+                if (s < GUG::NSUB) {
+                    Act A;
+                    load_act<GU_QT == QT_Q4_K>(qrow, drow, s, A);
+                    tg = sub_term<GU_QT>(G[i], A);
+                    tu = sub_term<GU_QT>(U[i], A);
+                }
+                ag = f_add(ag, tg);
+                au = f_add(au, tu);
+            }
+            ag = lane_fold(ag);
+            au = lane_fold(au);
+            float* hrow = hbuf + (i64)p * GU_ROWS;
+            u32 old = 0;
+            if (lane == 0) {
+                hrow[row] = f_mul(c_silu(ag), au);
+                __threadfence();
+                old = atomicAdd(counters + p * NG + (row >> 5), 1u);
+            }
+            old = __shfl_sync(FULL_MASK, old, 0);
+            if (old == 31u) {  // this warp completed the group: quantise it
+                __threadfence();
+                const int g0 = row & ~31;
+                const float v = __ldcg(hrow + g0 + lane);
+                quant32(v, lane, qhbuf + (i64)p * GU_ROWS + g0, dhbuf + (i64)p * NG + (row >> 5));
+                if (lane == 0) counters[p * NG + (row >> 5)] = 0u;
+            }
+        }
+
+        __syncwarp();  // every lane is done reading stage st
+        const int nx = it + GU_STAGES * W;
+        if (nx < items) {
+            const int tile2 = nx / GU_ROWS, row2 = nx - tile2 * GU_ROWS;
+            const int slot2 = __ldg(pairs + 2 * (tile2 * np) + 1);
+            const u8* g = pool + (i64)slot2 * slot_bytes + (i64)row2 * GUG::RB;
+            const u32 dst = sb + wst + st * GU_STG;
+            stage_row(dst, g, GUG::RB, lane);
+            stage_row(dst + GUG::CHB, g + UP_OFF, GUG::RB, lane);
+        }
+        cp_commit();
+    }
+    cp_wait<0>();
+}
+
+// =====================================================================================================================
+// down projection
+// =====================================================================================================================
+typedef Geom<DN_QT, DN_KIN> DNG;
+constexpr int DN_TBL = (DN_QT == QT_IQ3_S) ? GRID_TABLE_BYTES : 0;
+constexpr int DN_NST = DN_STAGES + (NP_MAX > 1 ? 1 : 0);
+constexpr int DN_STG = DNG::CHB;
+constexpr int DN_SMEM = DN_TBL + DN_WPB * DN_NST * DN_STG + 16;
+static_assert(DN_KIN == GU_ROWS, "down rows take d_ff values");
+static_assert(DN_ROWS == GU_KIN, "down has d_model rows");
+
+__device__ __forceinline__ void dn_decode(u32 R, int lane, u32 lane4, SubW (&D)[DNG::SPL]) {
+#pragma unroll
+    for (int i = 0; i < DNG::SPL; ++i) {
+        const int s = lane + 32 * i;
+        if (s < DNG::NSUB) decode_sub<DN_QT>(R, s, lane4, D[i]);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(DN_WPB * 32, DN_MINB)
+expert_down(const u8* __restrict__ pool, i64 slot_bytes, const int* __restrict__ pairs,
+            const int* __restrict__ n_pairs_p, int max_pairs, const signed char* __restrict__ qhbuf,
+            const float* __restrict__ dhbuf, const u32* __restrict__ grid_g, float* __restrict__ out) {
+    constexpr i64 DN_OFF = 2 * (i64)GU_ROWS * GUG::RB;  // down rows follow gate and up
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const u32 lane4 = 4u * lane;
+    const int n_pairs = clamp_pairs(n_pairs_p, max_pairs);
+    const int W = gridDim.x * DN_WPB;
+    const int gw = blockIdx.x * DN_WPB + warp;
+    const int np = tile_size(n_pairs, DN_ROWS, W);
+    const int items = (n_pairs + np - 1) / np * DN_ROWS;
+    const u32 sb = smem_base();
+    const u32 wst = DN_TBL + warp * DN_NST * DN_STG;
+
+#pragma unroll 1
+    for (int k = 0; k < DN_STAGES; ++k) {
+        const int it = gw + k * W;
+        if (it < items) {
+            const int tile = it / DN_ROWS, row = it - tile * DN_ROWS;
+            const int slot = __ldg(pairs + 2 * (tile * np) + 1);
+            stage_row(sb + wst + k * DN_STG, pool + (i64)slot * slot_bytes + DN_OFF + (i64)row * DNG::RB, DNG::RB,
+                      lane);
+        }
+        cp_commit();
+    }
+    if (DN_QT == QT_IQ3_S) fill_grid(grid_g);
+    __syncthreads();
+
+#pragma unroll 1
+    for (int k = 0;; ++k) {
+        const int it = gw + k * W;
+        if (it >= items) break;
+        const int st = k % DN_STAGES;
+        cp_wait<DN_STAGES - 1>();
+        __syncwarp();
+
+        const int tile = it / DN_ROWS, row = it - tile * DN_ROWS;
+        const int p0 = tile * np;
+        const int p1 = (p0 + np < n_pairs) ? p0 + np : n_pairs;
+        int cur = __ldg(pairs + 2 * p0 + 1);
+        const u32 R0 = wst + st * DN_STG +
+                       (u32)(((u64)pool + (u64)((i64)cur * slot_bytes + DN_OFF + (i64)row * DNG::RB)) & 15);
+        SubW D[DNG::SPL];
+        dn_decode(R0, lane, lane4, D);
+
+#pragma unroll 1
+        for (int p = p0; p < p1; ++p) {
+            const int slot = __ldg(pairs + 2 * p + 1);
+            if (NP_MAX > 1 && slot != cur) {
+                const u32 xs = wst + DN_STAGES * DN_STG;
+                __syncwarp();
+                const u32 off = stage_row(sb + xs, pool + (i64)slot * slot_bytes + DN_OFF + (i64)row * DNG::RB,
+                                          DNG::RB, lane);
+                cp_commit();
+                cp_wait<0>();
+                __syncwarp();
+                dn_decode(xs + off, lane, lane4, D);
+                cur = slot;
+            }
+            const signed char* qrow = qhbuf + (i64)p * DN_KIN;
+            const float* drow = dhbuf + (i64)p * DNG::NSUB;
+            float acc = 0.0f;
+#pragma unroll
+            for (int i = 0; i < DNG::SPL; ++i) {
+                const int s = lane + 32 * i;
+                float t = 0.0f;
+                if (s < DNG::NSUB) {
+                    Act A;
+                    load_act<DN_QT == QT_Q4_K>(qrow, drow, s, A);
+                    t = sub_term<DN_QT>(D[i], A);
+                }
+                acc = f_add(acc, t);
+            }
+            acc = lane_fold(acc);
+            if (lane == 0) out[(i64)p * DN_ROWS + row] = acc;
+        }
+
+        __syncwarp();
+        const int nx = it + DN_STAGES * W;
+        if (nx < items) {
+            const int tile2 = nx / DN_ROWS, row2 = nx - tile2 * DN_ROWS;
+            const int slot2 = __ldg(pairs + 2 * (tile2 * np) + 1);
+            stage_row(sb + wst + st * DN_STG, pool + (i64)slot2 * slot_bytes + DN_OFF + (i64)row2 * DNG::RB,
+                      DNG::RB, lane);
+        }
+        cp_commit();
+    }
+    cp_wait<0>();
+}
+
+// =====================================================================================================================
+// activation quantisation, combine, layout query
+// =====================================================================================================================
+// x: n_groups groups of 32 floats -> q (same layout, int8), d (one per group). One warp per group.
+extern "C" __global__ void quantize_rows(const float* __restrict__ x, signed char* __restrict__ q,
+                                         float* __restrict__ d, int n_groups) {
+    const int lane = threadIdx.x & 31;
+    const int g = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (g >= n_groups) return;  // whole warps leave together
+    quant32(x[(i64)g * 32 + lane], lane, q + (i64)g * 32, d + g);
+}
+
+// y: (T, K, D) router order, w: (T, K) -> out (T, D)
+extern "C" __global__ void combine_k(const float* __restrict__ y, const float* __restrict__ w,
+                                     float* __restrict__ out, int T, int K, int D) {
+    const i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (i64)T * D) return;
+    const int t = (int)(idx / D), i = (int)(idx - (i64)t * D);
+    float acc = 0.0f;
+    for (int j = 0; j < K; ++j) acc = f_add(acc, f_mul(w[t * K + j], y[((i64)t * K + j) * D + i]));
+    out[idx] = acc;
+}
+
+// What the host needs to size launches (one source of truth for the layout).
+extern "C" __global__ void layout_info(int* __restrict__ o) {
+    if (threadIdx.x == 0 && blockIdx.x == 0) {
+        o[0] = GU_SMEM;
+        o[1] = DN_SMEM;
+        o[2] = GUG::RB;
+        o[3] = DNG::RB;
+        o[4] = GU_STG;
+        o[5] = DN_STG;
+        o[6] = GU_NST;
+        o[7] = DN_NST;
+        o[8] = GRID_TABLE_BYTES;
+        o[9] = GUG::SPL;
+        o[10] = DNG::SPL;
+    }
+}

@@ -1,0 +1,282 @@
+"""CuPy wrapper of the bit-exact GPU expert kernels (experts.cu): quantise, gate/up + SwiGLU, down, combine.
+
+Every output is bit-identical to stratad.engine.canonical (quantize_act, expert, combine): see experts.cu.
+
+    k = ExpertKernels(d_model, d_ff, "IQ3_S", "IQ3_S", max_pairs)
+    k.quantize(x, qa, da)                                # x (T, d_model) f32 -> qa int8 (T, d_model), da (T, d_model/32)
+    k.run(pool.data.ptr, pairs, n_pairs, qa, da, out)    # pairs int32 (max_pairs, 2) = (token, slot); n_pairs int32 (1,)
+    k.combine(out[:T*K].reshape(T, K, d_model), w, y)    # router-order weighted sum
+
+All launches have fixed grids and read n_pairs on the device, so quantize/run/combine can be captured in a CUDA
+graph and replayed with new pair lists. A slot is one expert's raw GGUF bytes: gate rows (d_ff x row_bytes(d_model)),
+up rows, down rows (d_model x row_bytes(d_ff)); slots are `slot_stride` bytes apart (default `slot_bytes`).
+For prefill, sort pairs by slot: consecutive pairs on one slot share one fetch and decode of each row.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from stratad.engine import canonical
+from stratad.model.quants import EXPERT_TYPES, fmt, iq3s_grid, parse_type
+
+from .compile import load_module
+
+try:
+    from gguf import GGMLQuantizationType as _T
+except ImportError:  # pragma: no cover
+    _T = None
+
+SOURCE = "experts.cu"
+GRID_REPL_BYTES = 512 * 32 * 4
+GRID_SHARED_BYTES = 512 * 4
+
+
+def _qtype(q):
+    t = parse_type(q) if isinstance(q, str) else _T(int(q))
+    if t not in EXPERT_TYPES:
+        raise ValueError(f"{t.name} is not an expert type the GPU kernels support ({[e.name for e in EXPERT_TYPES]})")
+    return t
+
+
+def _f32hex(v) -> str:
+    return float(np.float32(v)).hex() + "f"
+
+
+def exp_defines() -> list[tuple[str, str]]:
+    """canonical.exp's constants as -D values (hex floats: exact)."""
+    c = canonical
+    d = [("EXP_LOG2E", _f32hex(c.LOG2E)), ("EXP_LN2_HI", _f32hex(c.LN2_HI)), ("EXP_LN2_LO", _f32hex(c.LN2_LO))]
+    d += [(f"EXP_C{i}", _f32hex(v)) for i, v in enumerate(c.EXP_POLY)]
+    if len(c.EXP_POLY) != 8:
+        raise RuntimeError("experts.cu's exp evaluates an 8-coefficient polynomial; canonical.EXP_POLY changed")
+    return d
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """Launch shape of the two expert kernels (defaults measured on the H200; see docs/perf-notes.md)."""
+
+    gu_warps: int = 16          # warps per block, gate/up
+    gu_min_blocks: int = 1      # blocks per SM (register budget: 65536 / (32 * warps * blocks))
+    gu_stages: int = 3          # rows in flight per warp (cp.async depth); lowered automatically to fit
+    dn_warps: int = 16
+    dn_min_blocks: int = 2
+    dn_stages: int = 4
+    grid_repl: int = 1          # IQ3_S grid table: 1 = one copy per lane (64 KB, no bank conflicts), 0 = shared 2 KB
+    pair_tile_max: int = 16     # most pairs sharing one row fetch (power of two; 1 = off)
+    tile_items: int = 4         # a tile grows only while every warp keeps >= this many items
+
+
+def _geom(qt, kin: int) -> dict:
+    f = fmt(qt)
+    rb = f.row_bytes(kin)
+    nch = (rb + 14 + 15) // 16
+    return {"rb": rb, "chb": nch * 16 + 16, "nsub": kin // 32, "spl": (kin // 32 + 31) // 32}
+
+
+class ExpertKernels:
+    """The GPU expert path of one layer shape (d_model, d_ff, gate/up type, down type) for up to max_pairs pairs."""
+
+    def __init__(self, d_model: int, d_ff: int, qtype_gate_up, qtype_down, max_pairs: int, *,
+                 slot_stride: int | None = None, tuning: Tuning | None = None, device=None):
+        import cupy
+
+        self.cp = cupy
+        self.d_model, self.d_ff, self.max_pairs = int(d_model), int(d_ff), int(max_pairs)
+        self.qt_gu, self.qt_dn = _qtype(qtype_gate_up), _qtype(qtype_down)
+        if self.d_model % 32 or self.d_ff % 32:
+            raise ValueError("d_model and d_ff must be multiples of 32")
+        if self.max_pairs < 1:
+            raise ValueError("max_pairs must be >= 1")
+        self.tuning = tuning or Tuning()
+        t = self.tuning
+        if t.pair_tile_max < 1 or t.pair_tile_max & (t.pair_tile_max - 1):
+            raise ValueError("pair_tile_max must be a power of two")
+        self.gate_bytes = self.d_ff * fmt(self.qt_gu).row_bytes(self.d_model)
+        self.down_bytes = self.d_model * fmt(self.qt_dn).row_bytes(self.d_ff)
+        self.slot_bytes = self.slot_bytes_of(self.d_model, self.d_ff, self.qt_gu, self.qt_dn)
+        self.slot_stride = self.slot_bytes if slot_stride is None else int(slot_stride)
+        if self.slot_stride < self.slot_bytes or self.slot_stride % 16:
+            raise ValueError(f"slot_stride must be >= {self.slot_bytes} and a multiple of 16")
+
+        self.device = cupy.cuda.Device(device) if device is not None else cupy.cuda.Device()
+        with self.device:
+            attrs = self.device.attributes
+            self.n_sm = int(attrs.get("MultiProcessorCount") or
+                            cupy.cuda.runtime.getDeviceProperties(self.device.id)["multiProcessorCount"])
+            smem_block = int(attrs.get("MaxSharedMemoryPerBlockOptin", 232448))
+            smem_sm = int(attrs.get("MaxSharedMemoryPerMultiprocessor", 233472))
+            self._plan(smem_block, smem_sm)
+            defines = [
+                ("GU_QT", int(self.qt_gu)), ("GU_KIN", self.d_model), ("GU_ROWS", self.d_ff),
+                ("DN_QT", int(self.qt_dn)), ("DN_KIN", self.d_ff), ("DN_ROWS", self.d_model),
+                ("GU_WPB", self.gu_warps), ("GU_MINB", self.gu_blocks), ("GU_STAGES", self.gu_stages),
+                ("DN_WPB", self.dn_warps), ("DN_MINB", self.dn_blocks), ("DN_STAGES", self.dn_stages),
+                ("NP_MAX", t.pair_tile_max), ("TILE_ITEMS", t.tile_items), ("GRID_REPL", t.grid_repl),
+            ] + exp_defines()
+            self.defines = defines
+            self.module, self.build = load_module(SOURCE, defines, device=self.device.id, return_info=True)
+            self._k_gu = self.module.get_function("expert_gateup")
+            self._k_dn = self.module.get_function("expert_down")
+            self._k_q = self.module.get_function("quantize_rows")
+            self._k_c = self.module.get_function("combine_k")
+            self._check_layout()
+            self._k_gu.max_dynamic_shared_size_bytes = self.gu_smem
+            self._k_dn.max_dynamic_shared_size_bytes = self.dn_smem
+
+            g = iq3s_grid()
+            if int(g.min()) < 1:  # the kernel's byte negation ((m ^ 0xff) + 1) needs magnitudes >= 1
+                raise RuntimeError("IQ3_S grid has a zero magnitude")
+            self.grid = cupy.asarray(np.ascontiguousarray(g).view(np.uint32).reshape(512))
+            P, F = self.max_pairs, self.d_ff
+            self.h = cupy.empty((P, F), cupy.float32)
+            self.qh = cupy.empty((P, F), cupy.int8)
+            self.dh = cupy.empty((P, F // 32), cupy.float32)
+            self.counters = cupy.zeros((P, F // 32), cupy.uint32)
+
+    # ---- sizes --------------------------------------------------------------------------------------------------
+    @staticmethod
+    def slot_bytes_of(d_model: int, d_ff: int, qtype_gate_up, qtype_down) -> int:
+        """Raw bytes of one expert: gate and up (d_ff rows of d_model values), down (d_model rows of d_ff values)."""
+        return 2 * d_ff * fmt(_qtype(qtype_gate_up)).row_bytes(d_model) + d_model * fmt(_qtype(qtype_down)).row_bytes(d_ff)
+
+    def pack_slot(self, gate: np.ndarray, up: np.ndarray, down: np.ndarray) -> np.ndarray:
+        """One slot's bytes (uint8, slot_stride) from the three raw matrices (uint8 (rows, row_bytes))."""
+        out = np.zeros(self.slot_stride, np.uint8)
+        parts = [np.ascontiguousarray(m).view(np.uint8).reshape(-1) for m in (gate, up, down)]
+        want = [self.gate_bytes, self.gate_bytes, self.down_bytes]
+        off = 0
+        for p, n in zip(parts, want):
+            if p.size != n:
+                raise ValueError(f"matrix has {p.size} bytes, expected {n}")
+            out[off:off + n] = p
+            off += n
+        return out
+
+    def _plan(self, smem_block: int, smem_sm: int) -> None:
+        t = self.tuning
+        gg, dg = _geom(self.qt_gu, self.d_model), _geom(self.qt_dn, self.d_ff)
+        extra = 1 if t.pair_tile_max > 1 else 0
+        tbl = GRID_REPL_BYTES if t.grid_repl else GRID_SHARED_BYTES
+
+        def fit(qt, stg, warps, stages, blocks):
+            table = tbl if qt == _T.IQ3_S else 0
+            while True:
+                smem = table + warps * (stages + extra) * stg + 16
+                if smem <= smem_block and blocks * (smem + 1024) <= smem_sm:
+                    return warps, stages, blocks, smem
+                if blocks > 1:
+                    blocks -= 1
+                elif stages > 2:
+                    stages -= 1
+                elif warps > 1:
+                    warps //= 2
+                else:
+                    raise ValueError("rows too long for shared memory")
+
+        self.gu_warps, self.gu_stages, self.gu_blocks, self.gu_smem = fit(
+            self.qt_gu, 2 * gg["chb"], t.gu_warps, t.gu_stages, t.gu_min_blocks)
+        self.dn_warps, self.dn_stages, self.dn_blocks, self.dn_smem = fit(
+            self.qt_dn, dg["chb"], t.dn_warps, t.dn_stages, t.dn_min_blocks)
+        self.gu_grid = self.n_sm * self.gu_blocks
+        self.dn_grid = self.n_sm * self.dn_blocks
+
+    def _check_layout(self) -> None:
+        cp = self.cp
+        info = cp.zeros(16, cp.int32)
+        self.module.get_function("layout_info")((1,), (32,), (info,))
+        v = info.get()
+        if (int(v[0]), int(v[1])) != (self.gu_smem, self.dn_smem):
+            raise RuntimeError(f"shared memory plan mismatch: kernel {v[:2]}, host {(self.gu_smem, self.dn_smem)}")
+
+    def describe(self) -> dict:
+        return {"gate_up": {"qtype": self.qt_gu.name, "grid": self.gu_grid, "warps": self.gu_warps,
+                            "stages": self.gu_stages, "smem": self.gu_smem},
+                "down": {"qtype": self.qt_dn.name, "grid": self.dn_grid, "warps": self.dn_warps,
+                         "stages": self.dn_stages, "smem": self.dn_smem},
+                "tuning": self.tuning.__dict__, "slot_bytes": self.slot_bytes, "slot_stride": self.slot_stride,
+                "build": self.build}
+
+    # ---- launches -----------------------------------------------------------------------------------------------
+    def _stream(self, stream):
+        return stream if stream is not None else contextlib.nullcontext()
+
+    def _need(self, a, dtype, shape, name):
+        cp = self.cp
+        if not isinstance(a, cp.ndarray) or a.dtype != dtype or not a.flags.c_contiguous:
+            raise TypeError(f"{name} must be a C-contiguous cupy {np.dtype(dtype).name} array")
+        if shape is not None and tuple(a.shape) != tuple(shape):
+            raise ValueError(f"{name} has shape {a.shape}, expected {shape}")
+
+    def quantize(self, x, qa, da, stream=None) -> None:
+        """x float32 (T, d_model) -> qa int8 (T, d_model), da float32 (T, d_model/32) (canonical.quantize_act)."""
+        cp = self.cp
+        self._need(x, cp.float32, None, "x")
+        if x.ndim != 2 or x.shape[1] % 32:
+            raise ValueError("x must be (T, n) with n a multiple of 32")
+        T, n = x.shape
+        self._need(qa, cp.int8, (T, n), "qa")
+        self._need(da, cp.float32, (T, n // 32), "da")
+        groups = T * n // 32
+        if groups == 0:
+            return
+        with self._stream(stream):
+            self._k_q(((groups + 7) // 8,), (256,), (x, qa, da, np.int32(groups)))
+
+    def run_gate_up(self, pool_ptr: int, pairs, n_pairs, qa, da, stream=None) -> None:
+        cp = self.cp
+        self._check_run_args(pool_ptr, pairs, n_pairs)
+        self._need(qa, cp.int8, None, "qa")
+        self._need(da, cp.float32, None, "da")
+        if qa.ndim != 2 or qa.shape[1] != self.d_model or tuple(da.shape) != (qa.shape[0], self.d_model // 32):
+            raise ValueError("qa must be (T, d_model) and da (T, d_model/32)")
+        with self._stream(stream):
+            self._k_gu((self.gu_grid,), (self.gu_warps * 32,),
+                       (np.uint64(pool_ptr), np.int64(self.slot_stride), pairs, n_pairs, np.int32(self.max_pairs),
+                        qa, da, self.grid, self.h, self.qh, self.dh, self.counters),
+                       shared_mem=self.gu_smem)
+
+    def run_down(self, pool_ptr: int, pairs, n_pairs, out, stream=None) -> None:
+        cp = self.cp
+        self._check_run_args(pool_ptr, pairs, n_pairs)
+        self._need(out, cp.float32, (self.max_pairs, self.d_model), "out")
+        with self._stream(stream):
+            self._k_dn((self.dn_grid,), (self.dn_warps * 32,),
+                       (np.uint64(pool_ptr), np.int64(self.slot_stride), pairs, n_pairs, np.int32(self.max_pairs),
+                        self.qh, self.dh, self.grid, out),
+                       shared_mem=self.dn_smem)
+
+    def run(self, pool_ptr: int, pairs, n_pairs, qa, da, out, stream=None) -> None:
+        """out[p] = canonical.expert(slot pairs[p,1], qa/da row pairs[p,0]) for p < n_pairs[0] (device count)."""
+        self.run_gate_up(pool_ptr, pairs, n_pairs, qa, da, stream)
+        self.run_down(pool_ptr, pairs, n_pairs, out, stream)
+
+    def _check_run_args(self, pool_ptr, pairs, n_pairs) -> None:
+        cp = self.cp
+        if int(pool_ptr) % 16:
+            raise ValueError("pool_ptr must be 16-byte aligned")
+        self._need(pairs, cp.int32, (self.max_pairs, 2), "pairs")
+        self._need(n_pairs, cp.int32, (1,), "n_pairs")
+
+    def combine(self, outputs, weights, out, stream=None) -> None:
+        """outputs (T, k, d_model) in router order, weights (T, k) -> out (T, d_model) (canonical.combine)."""
+        cp = self.cp
+        self._need(outputs, cp.float32, None, "outputs")
+        if outputs.ndim != 3:
+            raise ValueError("outputs must be (T, k, d)")
+        T, K, D = outputs.shape
+        self._need(weights, cp.float32, (T, K), "weights")
+        self._need(out, cp.float32, (T, D), "out")
+        n = T * D
+        if n == 0:
+            return
+        with self._stream(stream):
+            self._k_c(((n + 255) // 256,), (256,), (outputs, weights, out, np.int32(T), np.int32(K), np.int32(D)))
+
+    def reset(self, stream=None) -> None:
+        """Zero the group counters (only needed if a launch was aborted midway)."""
+        with self._stream(stream):
+            self.counters.fill(0)

@@ -1,0 +1,230 @@
+#!/usr/bin/env python3
+"""Time the GPU expert kernels (lane/kernels/experts.py) at the a3b shape and compare with copy bandwidth.
+
+Cases (max_pairs = 256 for all, so one captured graph serves every size; n_pairs lives on the device):
+  decode8    one token x 8 experts (8 distinct slots)            - decode
+  tok8x8     8 tokens x 8 experts, router order (~64 slots)      - small prefill chunk
+  tok32x8    32 tokens x 8 experts, router order (~110 slots)    - prefill chunk
+  shared256  32 tokens all on the same 8 slots, sorted by slot   - weight reuse across pairs
+Each timed unit is a CUDA graph of --reps runs over different pair lists (rotating over a pool of --slots experts,
+more than the L2 holds), replayed --iters times between CUDA events; time per run = total / (iters * reps).
+Bytes = distinct slots a run touches x slot bytes (the weights; activations are < 0.1 %). The copy ceiling is a
+device-to-device memcpy of 1 GiB, counting bytes read plus written. Prints a table last; --json writes everything.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from stratad.engine import canonical  # noqa: E402
+from stratad.model.quants import decode_int, parse_type, random_rows  # noqa: E402
+
+F32 = np.float32
+VARIANTS = {
+    "default": {},
+    "grid-shared": {"grid_repl": 0},
+    "grid-shared-24w": {"grid_repl": 0, "gu_warps": 8, "gu_min_blocks": 3},
+    "dn-1blk": {"dn_min_blocks": 1},
+    "notile": {"pair_tile_max": 1},
+}
+
+
+def copy_bandwidth(cp, nbytes=1 << 30, iters=10):
+    a = cp.empty(nbytes, cp.uint8)
+    a.view(cp.uint32)[:] = cp.arange(nbytes // 4, dtype=cp.uint32) * np.uint32(2654435761)
+    b = cp.empty_like(a)
+    s = cp.cuda.Stream(non_blocking=True)
+    e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+    with s:
+        for _ in range(2):
+            b.data.copy_from_device_async(a.data, nbytes, s)
+        res = []
+        for _ in range(3):
+            e0.record(s)
+            for _ in range(iters):
+                b.data.copy_from_device_async(a.data, nbytes, s)
+            e1.record(s)
+            e1.synchronize()
+            res.append(2 * nbytes * iters / (cp.cuda.get_elapsed_time(e0, e1) * 1e-3) / 1e9)
+    del a, b
+    return max(res), res
+
+
+def make_pairs(rng, case, perm, r, max_pairs):
+    n_slots = len(perm)
+    if case == "decode8":
+        slots = perm[(8 * r) % n_slots:(8 * r) % n_slots + 8]
+        pr = [(0, int(s)) for s in slots]
+    elif case in ("tok8x8", "tok32x8"):
+        nt = 8 if case == "tok8x8" else 32
+        pr = [(t, int(s)) for t in range(nt) for s in rng.choice(n_slots, 8, replace=False)]
+    elif case == "shared256":
+        slots = perm[(8 * r) % n_slots:(8 * r) % n_slots + 8]
+        pr = sorted([(t, int(s)) for t in range(32) for s in slots], key=lambda p: p[1])
+    else:
+        raise ValueError(case)
+    a = np.full((max_pairs, 2), -1, np.int32)
+    a[:len(pr)] = pr
+    return a, len(pr), len({p[1] for p in pr})
+
+
+def time_graph(cp, stream, fns, iters, repeats=2):
+    with stream:
+        stream.begin_capture()
+        for f in fns:
+            f()
+        g = stream.end_capture()
+        for _ in range(3):
+            g.launch(stream)
+        stream.synchronize()
+        e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+        out = []
+        for _ in range(repeats):
+            e0.record(stream)
+            for _ in range(iters):
+                g.launch(stream)
+            e1.record(stream)
+            e1.synchronize()
+            out.append(cp.cuda.get_elapsed_time(e0, e1))
+    return out  # ms per `iters` launches
+
+
+def bench_type(cp, qt, variant, args, copy_bw, rng):
+    from lane.kernels.experts import ExpertKernels, Tuning
+
+    d_model, d_ff, max_pairs = args.d_model, args.d_ff, 256
+    k = ExpertKernels(d_model, d_ff, qt, qt, max_pairs, tuning=Tuning(**VARIANTS[variant]))
+    n_uniq = 16
+    uniq = []
+    for _ in range(n_uniq):
+        uniq.append((random_rows(qt, rng, d_ff, d_model, 1 / np.sqrt(d_model)),
+                     random_rows(qt, rng, d_ff, d_model, 1 / np.sqrt(d_model)),
+                     random_rows(qt, rng, d_model, d_ff, 1 / np.sqrt(d_ff))))
+    uniq_dev = cp.asarray(np.stack([k.pack_slot(*m) for m in uniq]))
+    pool = cp.empty((args.slots, k.slot_stride), cp.uint8)
+    for s in range(args.slots):
+        pool[s] = uniq_dev[s % n_uniq]
+    T_ = 32
+    x = rng.standard_normal((T_, d_model), dtype=F32)
+    qa = cp.empty((T_, d_model), cp.int8)
+    da = cp.empty((T_, d_model // 32), cp.float32)
+    k.quantize(cp.asarray(x), qa, da)
+    out = cp.full((max_pairs, d_model), np.nan, cp.float32)
+    stream = cp.cuda.Stream(non_blocking=True)
+    res = {"qtype": qt.name, "variant": variant, "layout": k.describe(), "cases": {}}
+
+    # exactness spot check on the a3b shape: one decode set against canonical.expert
+    perm = rng.permutation(args.slots)
+    pr, n, _ = make_pairs(rng, "decode8", perm, 0, max_pairs)
+    pairs = cp.asarray(pr)
+    n_dev = cp.asarray(np.array([n], np.int32))
+    k.run(pool.data.ptr, pairs, n_dev, qa, da, out)
+    cp.cuda.get_current_stream().synchronize()
+    qa_ref, da_ref = canonical.quantize_act(x)
+    ref = np.stack([canonical.expert(*(decode_int(qt, m) for m in uniq[s % n_uniq]), qa_ref[t:t + 1], da_ref[t:t + 1])[0]
+                    for t, s in pr[:n]])
+    got = out.get()[:n]
+    res["exact_decode8"] = bool(np.array_equal(got.view(np.uint32), ref.view(np.uint32)))
+
+    for case in args.cases.split(","):
+        sets = [make_pairs(rng, case, perm, r, max_pairs) for r in range(args.reps)]
+        pairs_l = [cp.asarray(s[0]) for s in sets]
+        n_dev = cp.asarray(np.array([sets[0][1]], np.int32))
+        distinct = float(np.mean([s[2] for s in sets]))
+        runs = [lambda p=p: k.run(pool.data.ptr, p, n_dev, qa, da, out, stream=stream) for p in pairs_l]
+        gus = [lambda p=p: k.run_gate_up(pool.data.ptr, p, n_dev, qa, da, stream=stream) for p in pairs_l]
+        dns = [lambda p=p: k.run_down(pool.data.ptr, p, n_dev, out, stream=stream) for p in pairs_l]
+        t_run = time_graph(cp, stream, runs, args.iters)
+        t_gu = time_graph(cp, stream, gus, args.iters)
+        t_dn = time_graph(cp, stream, dns, args.iters)
+        per = args.iters * args.reps
+        us = [t * 1e3 / per for t in t_run]
+        us_gu = [t * 1e3 / per for t in t_gu]
+        us_dn = [t * 1e3 / per for t in t_dn]
+        b_all = distinct * k.slot_bytes
+        b_gu = distinct * 2 * k.gate_bytes
+        b_dn = distinct * k.down_bytes
+        best = min(us)
+        res["cases"][case] = {
+            "n_pairs": sets[0][1], "distinct_slots": distinct, "bytes": b_all,
+            "us_run": us, "us_gate_up": us_gu, "us_down": us_dn,
+            "GBps": b_all / (best * 1e-6) / 1e9, "GBps_gate_up": b_gu / (min(us_gu) * 1e-6) / 1e9,
+            "GBps_down": b_dn / (min(us_dn) * 1e-6) / 1e9,
+            "floor_us": b_all / (copy_bw * 1e9) * 1e6,
+        }
+        res["cases"][case]["frac_copy"] = res["cases"][case]["GBps"] / copy_bw
+    stream.synchronize()
+    del pool, uniq_dev
+    cp.get_default_memory_pool().free_all_blocks()
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", default=None, help="write all results here")
+    ap.add_argument("--types", default="IQ3_S,Q4_K,Q8_0")
+    ap.add_argument("--variants", default="default", help=f"comma list of {list(VARIANTS)}; 'type:variant' "
+                                                           "restricts one to a type")
+    ap.add_argument("--cases", default="decode8,tok8x8,tok32x8,shared256")
+    ap.add_argument("--slots", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=16)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--d-model", type=int, default=2048)
+    ap.add_argument("--d-ff", type=int, default=768)
+    args = ap.parse_args()
+
+    import cupy as cp
+
+    dev = cp.cuda.Device()
+    props = cp.cuda.runtime.getDeviceProperties(dev.id)
+    info = {"device": props["name"].decode() if isinstance(props["name"], bytes) else props["name"],
+            "sm": dev.attributes["MultiProcessorCount"], "cupy": cp.__version__,
+            "cuda_runtime": cp.cuda.runtime.runtimeGetVersion(), "driver": cp.cuda.runtime.driverGetVersion()}
+    try:
+        info["nvidia_smi"] = subprocess.run(
+            ["nvidia-smi", "--query-gpu=clocks.sm,clocks.mem,clocks.max.sm,power.draw,temperature.gpu",
+             "--format=csv,noheader"], capture_output=True, text=True, timeout=20).stdout.strip()
+    except Exception as e:  # noqa: BLE001
+        info["nvidia_smi"] = repr(e)
+    copy_bw, copy_all = copy_bandwidth(cp)
+    info["copy_GBps"] = copy_bw
+    info["copy_GBps_runs"] = copy_all
+    rng = np.random.default_rng(int(time.time()))
+    results = []
+    for tname in args.types.split(","):
+        qt = parse_type(tname)
+        for v in args.variants.split(","):
+            if ":" in v:
+                vt, v = v.split(":")
+                if vt != tname:
+                    continue
+            t0 = time.time()
+            r = bench_type(cp, qt, v, args, copy_bw, rng)
+            r["wall_s"] = time.time() - t0
+            results.append(r)
+            print(json.dumps({"type": tname, "variant": v, "exact": r["exact_decode8"],
+                              **{c: round(d["us_run"][0], 2) for c, d in r["cases"].items()}}), flush=True)
+    doc = {"info": info, "args": vars(args), "results": results}
+    if args.json:
+        Path(args.json).write_text(json.dumps(doc, indent=1))
+    print(f"\n{info['device']}  copy {copy_bw:.0f} GB/s (read+write)  {info.get('nvidia_smi', '')}")
+    print(f"{'type':6} {'variant':16} {'case':10} {'pairs':>5} {'slots':>6} {'us/run':>8} {'gu us':>7} {'dn us':>7} "
+          f"{'GB/s':>6} {'gu GB/s':>7} {'dn GB/s':>7} {'%copy':>6} {'floor':>6} exact")
+    for r in results:
+        for c, d in r["cases"].items():
+            print(f"{r['qtype']:6} {r['variant']:16} {c:10} {d['n_pairs']:5d} {d['distinct_slots']:6.1f} "
+                  f"{min(d['us_run']):8.2f} {min(d['us_gate_up']):7.2f} {min(d['us_down']):7.2f} {d['GBps']:6.0f} "
+                  f"{d['GBps_gate_up']:7.0f} {d['GBps_down']:7.0f} {100 * d['frac_copy']:5.1f}% "
+                  f"{d['floor_us']:6.2f} {r['exact_decode8']}")
+
+
+if __name__ == "__main__":
+    main()

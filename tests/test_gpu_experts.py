@@ -1,0 +1,258 @@
+"""GPU expert kernels (lane/kernels/experts.cu) against stratad.engine.canonical, bit for bit.
+
+Run on the device machine: `python3 -m pytest -q -m gpu tests/test_gpu_experts.py`. Without CuPy or a CUDA device the
+GPU tests skip. Every comparison is of the float32 bit patterns (so -0.0 != +0.0), on fresh random inputs; outputs
+are poisoned with NaN first so an unwritten element cannot pass.
+"""
+from __future__ import annotations
+
+import re
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+
+from stratad.engine import canonical
+from stratad.model.quants import decode_int, random_rows
+
+pytestmark = pytest.mark.gpu
+
+F32 = np.float32
+CU = Path(__file__).resolve().parents[1] / "lane" / "kernels" / "experts.cu"
+
+
+@pytest.fixture(scope="module")
+def cp():
+    try:
+        import cupy
+    except Exception:  # noqa: BLE001 - any import failure means no GPU path here
+        pytest.skip("cupy is not installed")
+    try:
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            pytest.skip("no CUDA device")
+    except Exception:  # noqa: BLE001
+        pytest.skip("no CUDA device")
+    return cupy
+
+
+def bits_equal(got: np.ndarray, want: np.ndarray) -> tuple[bool, str]:
+    got, want = np.ascontiguousarray(got, F32), np.ascontiguousarray(want, F32)
+    if got.shape != want.shape:
+        return False, f"shape {got.shape} != {want.shape}"
+    g, w = got.view(np.uint32), want.view(np.uint32)
+    bad = g != w
+    if not bad.any():
+        return True, ""
+    idx = np.argwhere(bad)[:5]
+    ex = ", ".join(f"{tuple(i)}: {got[tuple(i)]!r} vs {want[tuple(i)]!r}" for i in idx)
+    ulp = np.abs(g[bad].astype(np.int64) - w[bad].astype(np.int64)).max()
+    return False, f"{int(bad.sum())} of {bad.size} differ (max {ulp} ulp): {ex}"
+
+
+def assert_bits(got, want, what):
+    ok, msg = bits_equal(got, want)
+    assert ok, f"{what}: {msg}"
+
+
+# ---- CPU-side checks (no GPU needed) ----------------------------------------------------------------------------
+
+
+def test_cu_exp_constants_are_canonical():
+    """experts.cu's built-in defaults of canonical.exp's constants are the same float32 values (experts.py also
+    passes them as defines, so this guards standalone builds of the source)."""
+    src = CU.read_text()
+    vals = dict(re.findall(r"#define (EXP_\w+) (\S+)", src))
+    want = {"EXP_LOG2E": canonical.LOG2E, "EXP_LN2_HI": canonical.LN2_HI, "EXP_LN2_LO": canonical.LN2_LO}
+    want.update({f"EXP_C{i}": v for i, v in enumerate(canonical.EXP_POLY)})
+    for name, v in want.items():
+        assert F32(float.fromhex(vals[name].rstrip("f"))) == v, name
+
+
+# ---- helpers ------------------------------------------------------------------------------------------------------
+
+
+def make_slots(rng, n_slots, d_model, d_ff, qgu, qdn):
+    """Random valid experts: [(gate_raw, up_raw, down_raw)], scaled so gate/up outputs are O(1) (silu sees both
+    signs and large magnitudes) and so are the down outputs."""
+    slots = []
+    for _ in range(n_slots):
+        s = float(rng.uniform(0.5, 2.0))
+        slots.append((random_rows(qgu, rng, d_ff, d_model, s / np.sqrt(d_model)),
+                      random_rows(qgu, rng, d_ff, d_model, s / np.sqrt(d_model)),
+                      random_rows(qdn, rng, d_model, d_ff, 1.0 / np.sqrt(d_ff))))
+    return slots
+
+
+def random_x(rng, T_, n):
+    """Activations with per-group magnitudes over several decades, one all-zero group and one with exact ties."""
+    x = rng.standard_normal((T_, n), dtype=F32)
+    x *= np.exp(rng.uniform(-4, 2, size=(T_, n // 32, 1))).astype(F32).repeat(32, axis=2).reshape(T_, n)
+    x[0, :32] = 0.0
+    if T_ > 1:
+        x[1, :32] = F32(0.5) * np.arange(-16, 16, dtype=F32)  # amax 8 -> q = rint(x * 127/8): several .5 ties
+        x[1, 0] = F32(127.0)
+        x[1, 1:8] = np.array([2.5, -3.5, 0.5, -0.5, 1.5, -126.5, 4.5], F32)  # d = 1 exactly: ties to even
+    return x
+
+
+def reference(slots, qgu, qdn, pairs, qa, da):
+    """canonical h (silu(gate) * up), qh, dh and expert outputs for every pair, grouped by slot."""
+    n = len(pairs)
+    d_ff = slots[0][0].shape[0]
+    d_model = slots[0][2].shape[0]
+    h = np.zeros((n, d_ff), F32)
+    out = np.zeros((n, d_model), F32)
+    for s in sorted(set(int(p[1]) for p in pairs)):
+        idx = [i for i, p in enumerate(pairs) if int(p[1]) == s]
+        toks = [int(pairs[i][0]) for i in idx]
+        g, u, dn = (decode_int(q, m) for q, m in zip((qgu, qgu, qdn), slots[s]))
+        hh = canonical.silu(canonical.qdot(g, qa[toks], da[toks])) * canonical.qdot(u, qa[toks], da[toks])
+        h[idx] = hh
+        out[idx] = canonical.expert(g, u, dn, qa[toks], da[toks])
+    qh, dh = canonical.quantize_act(h)
+    return h, qh.reshape(n, d_ff), dh, out
+
+
+def run_case(cp, rng, qgu, qdn, d_model, d_ff, n_slots, n_tokens, n_pairs, max_pairs, sort_by_slot=False,
+             tuning=None, check_intermediates=True):
+    from lane.kernels.experts import ExpertKernels
+
+    k = ExpertKernels(d_model, d_ff, qgu, qdn, max_pairs, tuning=tuning)
+    slots = make_slots(rng, n_slots, d_model, d_ff, qgu, qdn)
+    pool = cp.asarray(np.stack([k.pack_slot(*m) for m in slots]))
+    x = random_x(rng, n_tokens, d_model)
+    qa_ref, da_ref = canonical.quantize_act(x)
+    qa_ref = qa_ref.reshape(n_tokens, d_model)
+
+    xg = cp.asarray(x)
+    qa = cp.empty((n_tokens, d_model), cp.int8)
+    da = cp.full((n_tokens, d_model // 32), np.nan, cp.float32)
+    k.quantize(xg, qa, da)
+    np.testing.assert_array_equal(qa.get(), qa_ref)
+    assert_bits(da.get(), da_ref, "quantize da")
+
+    pairs_np = np.stack([rng.integers(0, n_tokens, n_pairs), rng.integers(0, n_slots, n_pairs)], 1).astype(np.int32)
+    if sort_by_slot:
+        pairs_np = pairs_np[np.argsort(pairs_np[:, 1], kind="stable")]
+    pad = np.full((max_pairs, 2), -1, np.int32)  # rows past n_pairs hold garbage: the kernels must not read them
+    pad[:n_pairs] = pairs_np
+    pairs = cp.asarray(pad)
+    n_dev = cp.asarray(np.array([n_pairs], np.int32))
+    out = cp.full((max_pairs, d_model), np.nan, cp.float32)
+    k.h.fill(np.nan)
+    k.run(pool.data.ptr, pairs, n_dev, qa, da, out)
+    cp.cuda.get_current_stream().synchronize()
+
+    h_ref, qh_ref, dh_ref, out_ref = reference(slots, qgu, qdn, pairs_np, qa_ref.reshape(n_tokens, -1, 32), da_ref)
+    if check_intermediates:
+        assert_bits(k.h[:n_pairs].get(), h_ref, f"h {qgu}/{qdn}")
+        np.testing.assert_array_equal(k.qh[:n_pairs].get(), qh_ref)
+        assert_bits(k.dh[:n_pairs].get(), dh_ref, "dh")
+    o = out.get()
+    assert_bits(o[:n_pairs], out_ref, f"expert output {qgu}/{qdn} d_model={d_model} d_ff={d_ff}")
+    assert np.isnan(o[n_pairs:]).all(), "rows past n_pairs were written"
+    assert int(k.counters.sum()) == 0, "group counters were not reset"
+    return k
+
+
+# ---- GPU tests ----------------------------------------------------------------------------------------------------
+
+SHAPES = [
+    # (gate/up type, down type, d_model, d_ff, slots, tokens, pairs, max_pairs)
+    ("IQ3_S", "IQ3_S", 2048, 768, 10, 4, 24, 32),   # the a3b shape
+    ("Q4_K", "Q4_K", 2048, 768, 10, 4, 24, 32),
+    ("Q8_0", "Q8_0", 2048, 768, 10, 4, 24, 32),
+    ("IQ3_S", "Q4_K", 1280, 512, 6, 3, 17, 20),     # 40 sub-blocks per gate row: a partial second lane chunk
+    ("Q8_0", "IQ3_S", 512, 1024, 6, 3, 17, 20),     # down rows of exactly 32 sub-blocks
+    ("Q4_K", "Q8_0", 256, 96, 5, 3, 9, 9),          # tiny rows (8 and 3 sub-blocks), n_pairs == max_pairs
+]
+
+
+@pytest.mark.parametrize("qgu,qdn,d_model,d_ff,n_slots,n_tok,n_pairs,max_pairs", SHAPES,
+                         ids=[f"{s[0]}-{s[1]}-{s[2]}x{s[3]}" for s in SHAPES])
+def test_expert_bits(cp, qgu, qdn, d_model, d_ff, n_slots, n_tok, n_pairs, max_pairs):
+    run_case(cp, np.random.default_rng(zlib.crc32(f"{qgu}{qdn}{d_model}".encode())), getattr(T, qgu), getattr(T, qdn),
+             d_model, d_ff, n_slots, n_tok, n_pairs, max_pairs)
+
+
+@pytest.mark.parametrize("sort_by_slot", [True, False], ids=["sorted", "unsorted"])
+@pytest.mark.parametrize("qt", ["IQ3_S", "Q4_K", "Q8_0"])
+def test_pair_tiles(cp, qt, sort_by_slot):
+    """Many pairs on few slots: tiles of several pairs share one row fetch; unsorted pairs switch slots mid-tile."""
+    k = run_case(cp, np.random.default_rng(7), getattr(T, qt), getattr(T, qt), 256, 256, 5, 16, 1000, 1024,
+                 sort_by_slot=sort_by_slot, check_intermediates=False)
+    assert k.tuning.pair_tile_max > 1
+
+
+def test_variants(cp):
+    """The other launch shapes the benchmark compares compute the same bits."""
+    from lane.kernels.experts import Tuning
+
+    rng = np.random.default_rng(11)
+    for t in (Tuning(grid_repl=0), Tuning(pair_tile_max=1), Tuning(gu_warps=8, gu_min_blocks=3, grid_repl=0),
+              Tuning(dn_min_blocks=1), Tuning(gu_stages=2, dn_stages=2, dn_min_blocks=1)):
+        run_case(cp, rng, T.IQ3_S, T.IQ3_S, 2048, 768, 6, 4, 20, 24, tuning=t)
+    run_case(cp, rng, T.IQ3_S, T.IQ3_S, 256, 256, 4, 8, 700, 800, sort_by_slot=False, tuning=Tuning(grid_repl=0),
+             check_intermediates=False)
+
+
+def test_combine_bits(cp):
+    from lane.kernels.experts import ExpertKernels
+
+    rng = np.random.default_rng(3)
+    k = ExpertKernels(256, 256, "IQ3_S", "IQ3_S", 8)
+    for T_, K, D in ((5, 8, 2048), (3, 4, 256), (1, 1, 32)):
+        y = (rng.standard_normal((T_, K, D), dtype=F32) * rng.uniform(0.01, 10, (T_, K, 1)).astype(F32)).astype(F32)
+        w = rng.dirichlet(np.ones(K), T_).astype(F32)
+        out = cp.full((T_, D), np.nan, cp.float32)
+        k.combine(cp.asarray(y), cp.asarray(w), out)
+        assert_bits(out.get(), canonical.combine(w, y), f"combine {T_}x{K}x{D}")
+
+
+def test_graph_replay(cp):
+    """quantize + run + combine captured once in a CUDA graph, replayed with new inputs, pair lists and counts."""
+    from lane.kernels.experts import ExpertKernels
+
+    rng = np.random.default_rng(5)
+    d_model, d_ff, K, TT, P = 512, 256, 4, 6, 32
+    qt = T.IQ3_S
+    k = ExpertKernels(d_model, d_ff, qt, qt, P)
+    slots = make_slots(rng, 9, d_model, d_ff, qt, qt)
+    pool = cp.asarray(np.stack([k.pack_slot(*m) for m in slots]))
+    x = cp.empty((TT, d_model), cp.float32)
+    qa = cp.empty((TT, d_model), cp.int8)
+    da = cp.empty((TT, d_model // 32), cp.float32)
+    pairs = cp.zeros((P, 2), cp.int32)
+    n_dev = cp.zeros((1,), cp.int32)
+    out = cp.empty((P, d_model), cp.float32)
+    w = cp.empty((TT, K), cp.float32)
+    y = cp.empty((TT, d_model), cp.float32)
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        k.quantize(x, qa, da, stream=stream)
+        k.run(pool.data.ptr, pairs, n_dev, qa, da, out, stream=stream)
+        k.combine(out[:TT * K].reshape(TT, K, d_model), w, y, stream=stream)
+        graph = stream.end_capture()
+    for n_tok in (6, 2):  # a full batch, then fewer tokens: same graph, smaller device-side count
+        xs = random_x(rng, TT, d_model)
+        experts = np.stack([rng.choice(len(slots), K, replace=False) for _ in range(TT)])
+        pr = np.zeros((P, 2), np.int32)
+        pr[:TT * K, 0] = np.repeat(np.arange(TT), K)
+        pr[:TT * K, 1] = experts.reshape(-1)
+        ww = rng.dirichlet(np.ones(K), TT).astype(F32)
+        x.set(xs)
+        pairs.set(pr)
+        n_dev.set(np.array([n_tok * K], np.int32))
+        w.set(ww)
+        out.fill(np.nan)
+        graph.launch(stream)
+        stream.synchronize()
+        qa_ref, da_ref = canonical.quantize_act(xs)
+        _, _, _, out_ref = reference(slots, qt, qt, pr[:n_tok * K], qa_ref, da_ref)
+        o = out.get()
+        assert_bits(o[:n_tok * K], out_ref, f"graph replay outputs ({n_tok} tokens)")
+        yr = canonical.combine(ww[:n_tok], out_ref.reshape(n_tok, K, d_model))
+        assert_bits(y.get()[:n_tok], yr, "graph replay combine")
