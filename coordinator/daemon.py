@@ -20,7 +20,7 @@ from coordinator.lanes import LaneHandle, Supervisor, lane_argv
 from coordinator.pool import CardPool
 from coordinator.runtime import RuntimeDir
 from protos import messages as M
-from protos.codec import FrameError, decode, encode
+from protos.codec import FrameError, decode, encode, peek
 from stratad import sd_notify
 from stratad.config import DaemonConfig
 from stratad.model.gguf_file import ModelFile
@@ -28,6 +28,7 @@ from stratad.model.slot_layout import slot_bytes
 
 log = logging.getLogger("stratad.coordinator")
 POLL_MS = 50
+TOKEN_PREFIX = b'{"v":%d,"type":"tokens",' % M.PROTOCOL_VERSION  # how a lane's TokenChunk frame begins
 
 
 @dataclass
@@ -345,12 +346,14 @@ class Coordinator:
         if h is None or len(parts) != 2 or h.proc is None:
             log.warning("message from unknown or dead lane %r dropped", parts[0])
             return
+        h.last_seen = time.monotonic()
+        if parts[1].startswith(TOKEN_PREFIX):  # the hot path: relay the lane's chunk to its client as it is
+            return self._relay_tokens(h, parts[1])
         try:
             msg = decode(parts[1], M.LaneToCoordinator)
         except FrameError as e:
             log.error("lane %d sent a bad frame: %s", h.lane, e)
             return
-        h.last_seen = time.monotonic()
         if isinstance(msg, M.LaneHello):
             if msg.model_hash != self.model.header_hash:
                 log.error("lane %d attached a different model (hash %s)", h.lane, msg.model_hash[:12])
@@ -366,14 +369,10 @@ class Coordinator:
             self.pool.on_ack(h.lane, msg.epoch)
         elif isinstance(msg, M.Loaded):
             self.pool.on_loaded(h.lane, msg.epoch)
-        elif isinstance(msg, (M.TokenChunk, M.Done, M.Error)):
+        elif isinstance(msg, (M.Done, M.Error)):
             r = self.requests.get(msg.req_id or "")
             if r is None or r.lane is not h:
                 return  # a request already failed or cancelled here
-            if isinstance(msg, M.TokenChunk):
-                if not self._reply(r.sock, r.client, msg):
-                    self._cancel_request(r)  # the client went away: free the lane
-                return
             if isinstance(msg, M.Done):
                 msg = msg.model_copy(update={"stats": msg.stats.model_copy(
                     update={"queue_s": r.t_assigned - r.t_arrival})})
@@ -382,6 +381,15 @@ class Coordinator:
             h.req_id = None
             self.pool.request_finished(h.lane)
             self._dispatch()
+
+    def _relay_tokens(self, h: LaneHandle, frame: bytes) -> None:
+        r = self.requests.get(peek(frame).get("req_id", ""))
+        if r is None or r.lane is not h:
+            return  # a request already failed or cancelled here
+        try:
+            r.sock.send_multipart([r.client, frame])
+        except zmq.ZMQError:  # the client went away: free the lane
+            self._cancel_request(r)
 
     # ---- status ---------------------------------------------------------------------------------------------
     def status(self) -> M.Status:

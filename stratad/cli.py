@@ -59,6 +59,37 @@ def _serve(a) -> int:
         return 2
 
 
+def _bench(a) -> int:
+    import datetime
+
+    from stratad.bench import hardware
+
+    model = a.model
+    if model is None:
+        from pathlib import Path
+
+        from stratad.model.generator import make_model
+
+        model = str(Path(a.cache_dir) / f"{a.preset}-{a.expert_quant}-skew{a.router_skew:g}.gguf")
+        if not Path(model).exists():
+            Path(a.cache_dir).mkdir(parents=True, exist_ok=True)
+            make_model(model, a.preset, a.expert_quant, "Q8_0", a.router_skew, 0)
+    if a.scenario == "overhead":
+        from stratad.bench import overhead
+
+        out = overhead.run(model, tokens=a.tokens, repeats=a.repeats)
+    else:
+        print(f"error: scenario {a.scenario} needs GPU lanes, which this build does not have yet", file=sys.stderr)
+        return 2
+    out = {"date": datetime.date.today().isoformat(), "hardware": hardware.describe(gpu=False)} | out
+    text = json.dumps(out, indent=2)
+    if a.json:
+        with open(a.json, "w") as f:
+            f.write(text + "\n")
+    print(text)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="stratad", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -95,6 +126,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--mutual-help", action="store_true")
     s.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     s.set_defaults(fn=_serve)
+
+    b = sub.add_parser("bench", help="measure; JSON with hardware, floor and fraction reached")
+    b.add_argument("--scenario", choices=["overhead", "engine", "seed"], default="overhead")
+    b.add_argument("--model", help="GGUF to use; default: generate --preset into --cache-dir")
+    b.add_argument("--preset", choices=["tiny", "a3b"], default="tiny")
+    b.add_argument("--expert-quant", default="IQ3_S", choices=["IQ3_S", "Q4_K", "Q8_0"])
+    b.add_argument("--router-skew", type=float, default=1.0)
+    b.add_argument("--cache-dir", default=str(__import__("pathlib").Path.home() / ".cache" / "stratad"))
+    b.add_argument("--tokens", type=int, default=128)
+    b.add_argument("--repeats", type=int, default=5)
+    b.add_argument("--json", help="also write the JSON here")
+    b.set_defaults(fn=_bench)
     return p
 
 
