@@ -143,6 +143,12 @@ class Stream(_StreamState):
             if self.finish_reason is not None:
                 self.close()
 
+    def wait_accepted(self) -> M.Accepted:
+        """Block until the daemon has accepted (queued or started) the request; raises its error if refused."""
+        while self.accepted is None:
+            self.apply(self._recv())
+        return self.accepted
+
     def cancel(self) -> None:
         if not self.sock.closed:
             self.sock.send(encode(M.Cancel(req_id=self.req_id)))

@@ -76,10 +76,7 @@ def test_third_request_is_queued_then_served(daemon):
         assert all(next(iter(s)).tokens for s in busy)  # both lanes are generating
         third = c.generate(messages=CHAT_B, max_tokens=20, req_id="q2")
         it3 = iter(third)
-        deadline = time.monotonic() + 10
-        while third.accepted is None and time.monotonic() < deadline:
-            third.apply(third._recv())  # the Accepted reply arrives at once; tokens only after a lane frees
-        assert third.accepted.queue_position == 1
+        assert third.wait_accepted().queue_position == 1  # tokens come only once a lane frees
         assert daemon.status().queue == ("q2",)
         busy[0].cancel()
         first3 = next(it3)
@@ -316,5 +313,24 @@ def test_curve_tcp_listener(tiny_model_path, tmp_path):
         plain.send(encode(M.StatusRequest()))
         assert not plain.poll(1500)  # an unauthenticated client gets nothing
         plain.close(0)
+    finally:
+        d.stop()
+
+
+def test_full_queue_is_refused_and_nothing_accepted_is_lost(tiny_model_path, tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("queue_limit = 1\n")
+    d = Daemon(tiny_model_path, tmp_path / "run", cards="cpu", config=cfg).start()
+    try:
+        with d.client() as c:
+            running = c.generate(messages=CHAT_A, max_tokens=60)
+            next(iter(running))
+            queued = c.generate(messages=CHAT_B, max_tokens=5)
+            assert queued.wait_accepted().queue_position == 1
+            with pytest.raises(RequestError) as e:
+                c.generate(messages=CHAT_B, max_tokens=5).result()
+            assert e.value.code == M.ErrorCode.QUEUE_FULL and "queue is full" in e.value.message
+            running.result()
+            assert queued.result() is not None and queued.finish_reason in ("length", "stop")
     finally:
         d.stop()
