@@ -1,0 +1,38 @@
+"""Shared test set-up: the `slow` marker's opt-in, and a tiny model built once per session."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+SLOW_ENV = "STRATAD_SLOW"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `slow` (the full a3b shape: minutes, ~14 GB of disk) run only with STRATAD_SLOW=1."""
+    if os.environ.get(SLOW_ENV) == "1":
+        return
+    skip = pytest.mark.skip(reason=f"slow test: set {SLOW_ENV}=1 to run it")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(tmp_path_factory):
+    """The tiny preset (IQ3_S experts, Q8_0 dense, router skew 1.0, seed 0), generated once for the session."""
+    from stratad.model.generator import make_model
+
+    path = tmp_path_factory.mktemp("models") / "tiny.gguf"
+    make_model(path, "tiny", expert_quant="IQ3_S", dense_quant="Q8_0", router_skew=1.0, seed=0)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_model_path):
+    """The session's tiny model, opened once (read-only: do not close it in a test)."""
+    from stratad.model.gguf_file import ModelFile
+
+    m = ModelFile(tiny_model_path)
+    yield m
+    m.close()

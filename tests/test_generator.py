@@ -1,0 +1,215 @@
+"""The model generator (`stratad make-model`): every quant combination loads and generates, output is a pure
+function of the seed, the router skew makes expert popularity uneven, activations stay well-scaled; the CLI."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+
+from stratad.engine.reference import ReferenceEngine, Trace
+from stratad.engine.sampling import SamplingParams
+from stratad.model import quants
+from stratad.model.config import PRESETS
+from stratad.model.generator import make_model
+from stratad.model.gguf_file import ModelFile
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = PRESETS["tiny"]
+PROMPT = "The expert cache on the cards holds the popular experts; the rest run on the CPU pool. " * 4
+
+EXPERT_QUANTS = ["IQ3_S", "Q4_K", "Q8_0"]
+DENSE_QUANTS = ["Q8_0", "F16", "BF16", "F32"]
+
+
+@pytest.fixture(scope="module")
+def skewed_models(tmp_path_factory):
+    d = tmp_path_factory.mktemp("skew")
+    out = {}
+    for skew in (0.0, 2.0):
+        out[skew] = d / f"skew{skew}.gguf"
+        make_model(out[skew], "tiny", router_skew=skew, seed=4)
+    return out
+
+
+@pytest.mark.parametrize("dense", DENSE_QUANTS)
+@pytest.mark.parametrize("experts", EXPERT_QUANTS)
+def test_each_quant_loads_and_generates(tmp_path, experts, dense):
+    p = tmp_path / "m.gguf"
+    rep = make_model(p, "tiny", experts, dense, router_skew=1.0, seed=1)
+    assert rep["path"] == str(p) and rep["bytes"] == p.stat().st_size and rep["seconds"] >= 0
+    assert not Path(f"{p}.part").exists()
+    m = ModelFile(p)
+    assert m.config == TINY
+    assert m.expert_type(0, "gate") == T[experts] and m.expert_type(3, "down") == T[experts]
+    for name in ("token_embd.weight", "output.weight", "blk.2.attn_v.weight"):
+        assert m.info(name).qtype == T[dense]
+    assert m.info("blk.0.ffn_gate_inp.weight").qtype == T.F32  # the router stays F32, as llama.cpp leaves it
+    # file size: the tensors' bytes plus a small header
+    tensor_bytes = sum(ti.nbytes for ti in m.tensors.values())
+    assert tensor_bytes < m.size < tensor_bytes + (1 << 20)
+    eng = ReferenceEngine(m, "canonical")
+    prompt = m.tokenizer.encode("Hello experts")
+    out = list(eng.generate(prompt, SamplingParams(max_tokens=4)))
+    assert 1 <= len(out) <= 4 and all(0 <= t < TINY.vocab_size for t in out)
+    logits = eng.forward(prompt, eng.new_kv())
+    assert np.all(np.isfinite(logits)) and logits.std() > 0.1
+    m.close()
+
+
+def test_unsupported_quant_choices(tmp_path):
+    with pytest.raises(ValueError, match="expert quant F16 not supported"):
+        make_model(tmp_path / "a.gguf", "tiny", "F16")
+    with pytest.raises(ValueError, match="dense quant IQ3_S not supported"):
+        make_model(tmp_path / "b.gguf", "tiny", "IQ3_S", "IQ3_S")
+    with pytest.raises(ValueError, match="unsupported tensor type Q5_K"):
+        make_model(tmp_path / "c.gguf", "tiny", "Q5_K")
+    import dataclasses
+
+    odd = dataclasses.replace(TINY, d_model=288)  # not a whole number of 256-value IQ3_S blocks
+    with pytest.raises(ValueError, match="IQ3_S rows must be multiples of 256 values, got 288"):
+        make_model(tmp_path / "d.gguf", odd, "IQ3_S")
+    assert not list(tmp_path.iterdir())  # nothing left behind, not even a .part file
+
+
+def test_same_seed_same_bytes(tmp_path):
+    a, b, c = tmp_path / "a.gguf", tmp_path / "b.gguf", tmp_path / "c.gguf"
+    make_model(a, "tiny", router_skew=1.0, seed=7)
+    make_model(b, "tiny", router_skew=1.0, seed=7)
+    make_model(c, "tiny", router_skew=1.0, seed=8)
+    da, db, dc = a.read_bytes(), b.read_bytes(), c.read_bytes()
+    assert da == db
+    assert len(dc) == len(da) and dc != da
+    ma, mc = ModelFile(a), ModelFile(c)
+    for name in ("token_embd.weight", "blk.0.ffn_up_exps.weight", "blk.3.attn_q.weight"):
+        assert not np.array_equal(ma.raw(name), mc.raw(name)), name
+    ma.close()
+    mc.close()
+
+
+def _routing(path: Path) -> tuple[list[float], list[float]]:
+    """Per layer: the most popular expert's share of the routed slots, and the popularity entropy (nats)."""
+    m = ModelFile(path)
+    eng = ReferenceEngine(m, "canonical")
+    ids = m.tokenizer.encode(PROMPT)
+    assert 90 <= len(ids) <= 130
+    trace = Trace()
+    eng.forward(ids, eng.new_kv(), trace=trace)
+    assert len(trace.ids) == TINY.n_layer
+    top, ent = [], []
+    for layer_ids in trace.ids:
+        assert layer_ids.shape == (len(ids), TINY.n_expert_used)
+        counts = np.bincount(layer_ids.ravel(), minlength=TINY.n_expert)
+        p = counts / counts.sum()
+        top.append(float(p.max()))
+        ent.append(float(-(p[p > 0] * np.log(p[p > 0])).sum()))
+    m.close()
+    return top, ent
+
+
+def test_router_skew_makes_popularity_uneven(skewed_models):
+    """Measured (seed 4, 101 tokens, top-4 of 16): the top expert takes ~11-14 % of the routed slots per layer
+    with skew 0, ~20-25 % with skew 2 (25 % is the ceiling: a token picks an expert once)."""
+    top0, ent0 = _routing(skewed_models[0.0])
+    top2, ent2 = _routing(skewed_models[2.0])
+    print(f"[router skew] top-expert share per layer: skew 0 {np.round(top0, 3).tolist()}, "
+          f"skew 2 {np.round(top2, 3).tolist()}")
+    assert np.mean(top2) > 1.5 * np.mean(top0)
+    assert min(top2) > max(top0)
+    assert np.mean(ent2) < np.mean(ent0) - 0.3
+    assert max(top0) < 0.2  # without skew, no expert dominates
+
+
+def test_hidden_state_rms_bounded(tiny_model):
+    """Measured for tiny (skew 1): the residual stream's RMS grows slowly, ~1.1 after layer 0 to ~1.35 after 3."""
+    eng = ReferenceEngine(tiny_model, "canonical")
+    trace = Trace()
+    eng.forward(tiny_model.tokenizer.encode(PROMPT), eng.new_kv(), trace=trace)
+    rms = np.array(trace.rms)
+    print(f"[tiny] hidden RMS per layer {np.round(rms, 3).tolist()}")
+    assert len(rms) == TINY.n_layer
+    assert np.all((rms > 0.5) & (rms < 4.0))
+    assert np.all(rms[1:] / rms[:-1] < 1.5) and np.all(rms[1:] / rms[:-1] > 0.67)
+
+
+def test_tensor_rms_as_documented(tiny_model):
+    """Projection weights have RMS 1/sqrt(fan_in) (output projections damped by half)."""
+    d, ff = TINY.d_model, TINY.d_ff_expert
+    want = {"blk.1.attn_q.weight": 1 / np.sqrt(d), "blk.1.attn_output.weight": 0.5 / np.sqrt(TINY.q_dim),
+            "blk.1.ffn_gate_exps.weight": 1 / np.sqrt(d), "blk.1.ffn_down_exps.weight": 1 / np.sqrt(ff)}
+    for name, rms in want.items():
+        ti = tiny_model.info(name)
+        v = quants.dequantize(ti.qtype, tiny_model.raw(name)).astype(np.float64)
+        assert np.sqrt(np.mean(v * v)) == pytest.approx(rms, rel=0.08), name
+
+
+# ---- the command line -----------------------------------------------------------------------------------------
+
+
+def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.run([sys.executable, "-m", "stratad.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO, env=env)
+
+
+def test_cli_make_model_and_generate(tmp_path):
+    out = tmp_path / "cli.gguf"
+    r = cli("make-model", "--preset", "tiny", "--expert-quant", "Q4_K", "--dense-quant", "F16",
+            "--router-skew", "1.5", "--seed", "3", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(r.stdout)
+    assert rep["path"] == str(out) and rep["bytes"] == out.stat().st_size
+    # the same as the library call
+    lib = tmp_path / "lib.gguf"
+    make_model(lib, "tiny", "Q4_K", "F16", router_skew=1.5, seed=3)
+    assert lib.read_bytes() == out.read_bytes()
+
+    r = cli("generate", "Tell me about the experts.", "--model", str(out), "--max-tokens", "6")
+    assert r.returncode == 0, r.stderr
+    m = ModelFile(out)
+    tok = m.tokenizer
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Tell me about the experts."}]))
+    want = list(ReferenceEngine(m, "canonical").generate(prompt, SamplingParams(max_tokens=6)))
+    assert r.stdout.rstrip("\n") == tok.decode(want, skip_special=True)
+    assert f"[{len(prompt)} prompt tokens, {len(want)} generated" in r.stderr
+    assert "tok/s" in r.stderr and "canonical experts" in r.stderr
+    m.close()
+
+
+def test_cli_generate_raw_sampled_float(tiny_model_path):
+    args = ("generate", "once upon a time", "--model", str(tiny_model_path), "--raw", "--max-tokens", "5",
+            "--temperature", "0.8", "--top-k", "40", "--top-p", "0.9", "--seed", "11", "--experts", "float")
+    r1, r2 = cli(*args), cli(*args)
+    assert r1.returncode == 0, r1.stderr
+    assert r1.stdout == r2.stdout  # seeded sampling is reproducible
+    assert "float experts" in r1.stderr
+
+
+def test_cli_generate_bad_file(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_text("not a model\n")
+    r = cli("generate", "hi", "--model", str(bad))
+    assert r.returncode == 2
+    assert r.stderr.strip() == f"error: {bad}: not a GGUF file (bad magic)"
+    assert "Traceback" not in r.stderr and r.stdout == ""
+    r = cli("generate", "hi", "--model", str(tmp_path / "missing.gguf"))
+    assert r.returncode == 2 and f"{tmp_path / 'missing.gguf'}: no such model file" in r.stderr
+
+
+def test_cli_generate_bad_params(tiny_model_path):
+    r = cli("generate", "hi", "--model", str(tiny_model_path), "--top-p", "0", "--max-tokens", "0")
+    assert r.returncode == 2
+    assert "top_p must be in (0, 1]" in r.stderr and "max_tokens must be at least 1" in r.stderr
+
+
+def test_cli_make_model_rejects_unknown_choice(tmp_path):
+    r = cli("make-model", "--preset", "huge", "--out", str(tmp_path / "x.gguf"))
+    assert r.returncode == 2 and "invalid choice" in r.stderr
+    r = cli("make-model", "--expert-quant", "Q5_K", "--out", str(tmp_path / "x.gguf"))
+    assert r.returncode == 2 and "invalid choice" in r.stderr
+    assert not (tmp_path / "x.gguf").exists()

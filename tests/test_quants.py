@@ -1,0 +1,236 @@
+"""Our block decoders (stratad.model.quants) against gguf.quants.dequantize, the reference for every format."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as T
+from gguf import quants as gq
+
+from stratad.model import quants
+
+ALL_TYPES = list(quants.FORMATS)
+QUANTISED = [t for t in ALL_TYPES if quants.FORMATS[t].quantised]
+# random bytes hold NaN / inf scales: both implementations warn about the NaNs they (rightly) produce
+IGNORE_NAN_WARNINGS = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning",
+                                                 "ignore:overflow encountered:RuntimeWarning")
+# (rows, values per row): several blocks per row, and 3-D (expert-like) inputs are covered below
+SHAPES = [(1, 256), (7, 512), (16, 768)]
+
+
+def _ids(ts):
+    return [t.name for t in ts]
+
+
+def as_bytes(a: np.ndarray) -> np.ndarray:
+    """Rows as the reader hands them over: uint8 (..., row_bytes)."""
+    a = np.ascontiguousarray(a)
+    return a.view(np.uint8).reshape(a.shape[:-1] + (-1,))
+
+
+def assert_bits_equal(ours: np.ndarray, ref: np.ndarray) -> None:
+    """float32 arrays equal bit for bit, except that any NaN matches any NaN (payloads are not specified)."""
+    assert ours.dtype == np.float32 and ref.dtype == np.float32
+    assert ours.shape == ref.shape
+    nan_o, nan_r = np.isnan(ours), np.isnan(ref)
+    assert np.array_equal(nan_o, nan_r), f"NaN positions differ at {np.argwhere(nan_o != nan_r)[:5].tolist()}"
+    ok = ~nan_o
+    bits_o, bits_r = ours.view(np.uint32)[ok], ref.view(np.uint32)[ok]
+    bad = np.flatnonzero(bits_o != bits_r)
+    assert bad.size == 0, (f"{bad.size} values differ, first: ours {ours[ok][bad[0]]!r} "
+                           f"ref {ref[ok][bad[0]]!r}")
+
+
+def gguf_dequantize(qtype: T, raw: np.ndarray) -> np.ndarray:
+    out = gq.dequantize(np.ascontiguousarray(raw), qtype)
+    return np.ascontiguousarray(out, dtype=np.float32)
+
+
+def random_bytes(rng: np.random.Generator, qtype: T, rows: int, n: int) -> np.ndarray:
+    nbytes = quants.fmt(qtype).row_bytes(n)
+    return np.frombuffer(rng.bytes(rows * nbytes), np.uint8).reshape(rows, nbytes).copy()
+
+
+# ---- formats ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=_ids(ALL_TYPES))
+def test_format_sizes_match_gguf(qtype):
+    f = quants.fmt(qtype)
+    assert (f.block_values, f.block_bytes) == GGML_QUANT_SIZES[qtype]
+    for n in (256, 512, 2048):
+        assert f.row_bytes(n) == gq.quant_shape_to_byte_shape((n,), qtype)[0]
+
+
+def test_supported_type_sets():
+    assert set(quants.EXPERT_TYPES) == {T.IQ3_S, T.Q4_K, T.Q8_0}
+    assert set(quants.DENSE_TYPES) == {T.Q8_0, T.F16, T.BF16, T.F32}
+
+
+# ---- random_rows output ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=_ids(ALL_TYPES))
+@pytest.mark.parametrize("rows,n", SHAPES)
+def test_random_rows_dequantize_matches_gguf(qtype, rows, n):
+    rng = np.random.default_rng([1, int(qtype), rows, n])
+    data = quants.random_rows(qtype, rng, rows, n, rms=0.05)
+    raw = as_bytes(data)
+    assert raw.shape == (rows, quants.fmt(qtype).row_bytes(n))
+    ours = quants.dequantize(qtype, raw)
+    assert ours.shape == (rows, n)
+    assert_bits_equal(ours, gguf_dequantize(qtype, raw))
+    # the array random_rows returns (floats for the float types) decodes the same as its bytes
+    assert_bits_equal(quants.dequantize(qtype, data), ours)
+    assert np.all(np.isfinite(ours))
+
+
+@pytest.mark.parametrize("qtype", QUANTISED, ids=_ids(QUANTISED))
+def test_dequantize_3d_expert_tensor(qtype):
+    """Expert tensors are (n_expert, rows, row_bytes): leading dimensions are kept."""
+    rng = np.random.default_rng(3)
+    raw = quants.random_rows(qtype, rng, 4 * 8, 512, rms=0.1).reshape(4, 8, -1)
+    ours = quants.dequantize(qtype, raw)
+    assert ours.shape == (4, 8, 512)
+    assert_bits_equal(ours, gguf_dequantize(qtype, raw.reshape(32, -1)).reshape(4, 8, 512))
+    ib = quants.decode_int(qtype, raw)
+    assert ib.q.shape == (4, 8, 16, 32) and ib.scale.shape == (4, 8, 16)
+
+
+# ---- fully random bytes ----------------------------------------------------------------------------------------
+
+
+@IGNORE_NAN_WARNINGS
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=_ids(ALL_TYPES))
+def test_random_bytes_dequantize_matches_gguf(qtype):
+    """Any bit pattern, scales included: f16 scales that are NaN, inf, subnormal or negative."""
+    rng = np.random.default_rng([2, int(qtype)])
+    raw = random_bytes(rng, qtype, 64, 1024)
+    ours = quants.dequantize(qtype, raw)
+    ref = gguf_dequantize(qtype, raw)
+    assert_bits_equal(ours, ref)
+    assert np.isnan(ref).any(), "the NaN cases were not exercised"
+
+
+@IGNORE_NAN_WARNINGS
+@pytest.mark.parametrize("qtype", QUANTISED, ids=_ids(QUANTISED))
+def test_special_f16_scales(qtype):
+    """Blocks whose f16 scale(s) are exactly NaN, +inf, -inf, 0, -0 and the smallest subnormal."""
+    specials = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, 6e-8, 65504.0], np.float16).view(np.uint8).reshape(-1, 2)
+    f = quants.fmt(qtype)
+    rng = np.random.default_rng([4, int(qtype)])
+    raw = random_bytes(rng, qtype, len(specials) * 2, f.block_values)
+    for i, s in enumerate(specials):
+        raw[2 * i, 0:2] = s  # d
+        raw[2 * i + 1, 0:2] = s
+        if qtype == T.Q4_K:
+            raw[2 * i + 1, 2:4] = s  # dmin as well
+    assert_bits_equal(quants.dequantize(qtype, raw), gguf_dequantize(qtype, raw))
+
+
+# ---- the integer view ------------------------------------------------------------------------------------------
+
+
+def _reconstruct(ib: quants.IntBlocks) -> np.ndarray:
+    v = ib.scale[..., None] * ib.q.astype(np.float32)
+    if ib.minimum is not None:
+        v = v - ib.minimum[..., None]
+    return v.reshape(v.shape[:-2] + (-1,))
+
+
+@IGNORE_NAN_WARNINGS
+@pytest.mark.parametrize("qtype", QUANTISED, ids=_ids(QUANTISED))
+@pytest.mark.parametrize("source", ["random_rows", "random_bytes"])
+def test_decode_int_reconstructs_gguf_dequantize(qtype, source):
+    rng = np.random.default_rng([5, int(qtype), source == "random_rows"])
+    rows, n = 24, 768
+    raw = (as_bytes(quants.random_rows(qtype, rng, rows, n, rms=0.3)) if source == "random_rows"
+           else random_bytes(rng, qtype, rows, n))
+    ib = quants.decode_int(qtype, raw)
+    nsub = n // quants.SUB
+    assert ib.q.dtype == np.int8 and ib.q.shape == (rows, nsub, quants.SUB)
+    assert ib.scale.dtype == np.float32 and ib.scale.shape == (rows, nsub)
+    if qtype == T.Q4_K:
+        assert ib.minimum is not None and ib.minimum.dtype == np.float32 and ib.minimum.shape == (rows, nsub)
+        assert ib.q.min() >= 0 and ib.q.max() <= 15
+    else:
+        assert ib.minimum is None
+    if qtype == T.IQ3_S:
+        mag = np.abs(ib.q.astype(np.int32))
+        assert np.all(mag % 2 == 1) and mag.max() <= 15  # grid values are 1, 3, ..., 15
+    if qtype == T.Q8_0 and source == "random_rows":
+        assert ib.q.min() >= -127  # the symmetric range llama.cpp's quantiser produces
+    assert_bits_equal(_reconstruct(ib), gguf_dequantize(qtype, raw))
+
+
+def test_iq3s_grid_is_the_format_table():
+    g = quants.iq3s_grid()
+    assert g.shape == (512, 4) and g.dtype == np.int8
+    assert set(np.unique(g).tolist()) <= {1, 3, 5, 7, 9, 11, 13, 15}
+    assert g[0].tolist() == [1, 1, 1, 1]  # iq3s_grid[0] = 0x01010101 in ggml-common.h
+
+
+@pytest.mark.parametrize("qtype", [T.F32, T.F16, T.BF16], ids=["F32", "F16", "BF16"])
+def test_decode_int_rejects_float_types(qtype):
+    with pytest.raises(ValueError, match="float type"):
+        quants.decode_int(qtype, np.zeros((1, quants.fmt(qtype).row_bytes(32)), np.uint8))
+
+
+# ---- random_rows statistics ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=_ids(ALL_TYPES))
+@pytest.mark.parametrize("rms", [0.02, 1.0])
+def test_random_rows_rms_close_to_target(qtype, rms):
+    rng = np.random.default_rng([6, int(qtype)])
+    v = quants.dequantize(qtype, quants.random_rows(qtype, rng, 64, 2048, rms)).astype(np.float64)
+    measured = np.sqrt(np.mean(v * v))
+    assert measured == pytest.approx(rms, rel=0.06), f"{qtype.name}: RMS {measured:.4g}, target {rms}"
+    assert abs(v.mean()) < 0.03 * rms  # centred
+    # rows are alike, not a few large rows and many empty ones
+    row_rms = np.sqrt(np.mean(v * v, axis=1))
+    assert row_rms.min() > 0.8 * rms and row_rms.max() < 1.25 * rms
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=_ids(ALL_TYPES))
+def test_random_rows_reproducible(qtype):
+    a = quants.random_rows(qtype, np.random.default_rng(7), 4, 512, 1.0)
+    b = quants.random_rows(qtype, np.random.default_rng(7), 4, 512, 1.0)
+    c = quants.random_rows(qtype, np.random.default_rng(8), 4, 512, 1.0)
+    assert np.array_equal(as_bytes(a), as_bytes(b))
+    assert not np.array_equal(as_bytes(a), as_bytes(c))
+
+
+# ---- errors ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("qtype,n", [(T.Q4_K, 100), (T.Q4_K, 288), (T.IQ3_S, 32), (T.IQ3_S, 384), (T.Q8_0, 48)])
+def test_row_size_not_whole_blocks(qtype, n):
+    f = quants.fmt(qtype)
+    with pytest.raises(ValueError, match=rf"{qtype.name} rows must be multiples of {f.block_values} values, got {n}"):
+        f.row_bytes(n)
+    with pytest.raises(ValueError, match=rf"multiples of {f.block_values}"):
+        quants.random_rows(qtype, np.random.default_rng(0), 2, n, 1.0)
+
+
+def test_row_bytes_values():
+    assert quants.fmt(T.Q8_0).row_bytes(256) == 8 * 34
+    assert quants.fmt(T.Q4_K).row_bytes(2048) == 8 * 144
+    assert quants.fmt(T.IQ3_S).row_bytes(768) == 3 * 110
+    assert quants.fmt(T.F32).row_bytes(3) == 12
+    assert quants.fmt(T.BF16).row_bytes(5) == 10
+
+
+@pytest.mark.parametrize("qtype", [T.Q5_K, T.Q6_K, T.Q4_0, T.IQ2_XXS])
+def test_unsupported_type_named(qtype):
+    with pytest.raises(ValueError, match=rf"unsupported tensor type {qtype.name}"):
+        quants.fmt(qtype)
+    with pytest.raises(ValueError, match=rf"unsupported tensor type {qtype.name}"):
+        quants.parse_type(qtype.name.lower())
+
+
+def test_parse_type():
+    assert quants.parse_type("iq3_s") is T.IQ3_S
+    assert quants.parse_type("Q8_0") is T.Q8_0
+    with pytest.raises(ValueError, match="unknown tensor type 'Q9_9'"):
+        quants.parse_type("Q9_9")
