@@ -358,7 +358,8 @@ class Coordinator:
             if msg.model_hash != self.model.header_hash:
                 log.error("lane %d attached a different model (hash %s)", h.lane, msg.model_hash[:12])
                 return
-            self._to_lane(h, self.pool.placement(h.lane))
+            warm = self.cfg.warmup_tokens if h.lane == 0 and h.restarts == 0 and not self.cfg.profile else 0
+            self._to_lane(h, self.pool.placement(h.lane, warm))
         elif isinstance(msg, M.Heartbeat):
             h.status = msg.status
             if not h.ready and msg.status.role != M.Role.STARTING:

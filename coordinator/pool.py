@@ -69,8 +69,8 @@ class CardPool:
         return w + PRIOR * self.profile + 1e-9 * (self.profile == 0)
 
     # ---- events ---------------------------------------------------------------------------------------------
-    def placement(self, lane: int) -> M.Placement:
-        return M.Placement(epoch=self.epochs.epoch, n_slots=self.n_slots,
+    def placement(self, lane: int, warmup_tokens: int = 0) -> M.Placement:
+        return M.Placement(epoch=self.epochs.epoch, n_slots=self.n_slots, warmup_tokens=warmup_tokens,
                            experts=tuple(x for x in self.epochs.contents[lane] if x is not None))
 
     def lane_ready(self, lane: int, restarted: bool) -> None:

@@ -25,6 +25,7 @@ from stratad import shm
 from stratad.engine.generation import Generation
 from stratad.engine.sampling import SamplingParams
 from stratad.model.gguf_file import ModelFile
+from stratad.model.tokenizer import warmup_text
 from stratad.model.slot_layout import slot_bytes
 
 log = logging.getLogger("stratad.lane")
@@ -114,6 +115,16 @@ class Lane:
         counts = shm.Segment(counts_name, c.n_layer * c.n_expert * 8, create=True)
         self.segments.append(counts)
         self.card = NumpyCard(self.model, pool, counts.array(np.float64, shape=(c.n_layer, c.n_expert)))
+        if placement.warmup_tokens:
+            self.warm_up(placement.warmup_tokens)
+
+    def warm_up(self, n: int) -> None:
+        """Route the built-in text through the card once: its live expert counts seed the first placement."""
+        tokens = self.model.tokenizer.encode(warmup_text())[:min(n, self.a.context_length)]
+        t0 = time.monotonic()
+        self.card.forward(tokens, self.card.new_kv(), logits="none")
+        self.card.counters = Counters()  # the warm-up is no request's work
+        log.info("lane %d: routing warm-up of %d tokens in %.2f s", self.lane, len(tokens), time.monotonic() - t0)
 
     # ---- serving --------------------------------------------------------------------------------------------
     def handle(self, msg) -> None:

@@ -205,6 +205,7 @@ class Placement(_Msg):
     epoch: int
     n_slots: int = Field(ge=0)
     experts: tuple[tuple[int, int], ...]  # (layer, expert)
+    warmup_tokens: int = 0  # run this many tokens of the built-in text first, to seed the live expert counts
 
 
 class CardView(BaseModel):

@@ -622,3 +622,8 @@ def _main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(_main())
+
+
+def warmup_text() -> str:
+    """Prose to route through a model once at start (the built-in corpus), to seed the expert counts."""
+    return CORPUS_PATH.read_text(encoding="utf-8")
