@@ -3,15 +3,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
-import subprocess
 import sys
-import tempfile
 import threading
-import time
 
-from stratad.client import Client, DaemonUnavailable
 from stratad.ctl import status_table
+from stratad.local_daemon import LocalDaemon
 
 CHATS = [
     [{"role": "user", "content": "Tell me about the experts on the cards."}],
@@ -38,23 +34,11 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=48)
     a = p.parse_args(argv)
     cards = a.cards or _cards()
-    rt = tempfile.mkdtemp(prefix="stratad-demo-")
-    print(f"starting stratad on cards {cards} (runtime dir {rt})")
-    daemon = subprocess.Popen([sys.executable, "-m", "stratad.cli", "serve", "--model", a.model, "--cards", cards,
-                               "--runtime-dir", rt, "--expert-cache", "0.5", "--log-level", "warning"])
+    daemon = LocalDaemon(a.model, cards, args=["--expert-cache", "0.5", "--log-level", "warning"])
+    print(f"starting stratad on cards {cards} (runtime dir {daemon.runtime_dir})")
+    daemon.start()
     try:
-        with Client(runtime_dir=rt, timeout_s=2) as c:
-            deadline = time.monotonic() + 120
-            while True:
-                try:
-                    if all(ln.role.value not in ("starting", "down") for ln in c.status().lanes):
-                        break
-                except DaemonUnavailable:
-                    pass
-                if daemon.poll() is not None or time.monotonic() > deadline:
-                    print("the daemon did not come up", file=sys.stderr)
-                    return 1
-                time.sleep(0.2)
+        with daemon.client() as c:
             outs: dict[int, list[str]] = {0: [], 1: []}
             streams = {}
 
@@ -77,8 +61,8 @@ def main(argv=None) -> int:
                       f"{st.experts_card}/{st.experts_peer}/{st.experts_cpu}")
             print("\n$ stratactl status\n" + status_table(c.status()))
     finally:
-        daemon.send_signal(signal.SIGTERM)
-        rc = daemon.wait(60)
+        rc = daemon.stop()
+        rt = daemon.runtime_dir
         print(f"\nstratad stopped (exit {rc}); runtime dir left: {sorted(os.listdir(rt)) if os.path.isdir(rt) else []}")
     return 0
 

@@ -6,18 +6,16 @@ measures what a user sees: time to first chunk and chunks per second after it.
 from __future__ import annotations
 
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 
 import numpy as np
 
 from lane.numpy_card import NumpyCard
 from lane.slot_pool import SlotPool
-from stratad.client import Client, DaemonUnavailable
+from stratad.client import Client
 from stratad.engine.generation import Generation
 from stratad.engine.sampling import SamplingParams
+from stratad.local_daemon import LocalDaemon
 from stratad.model.gguf_file import ModelFile
 from stratad.model.slot_layout import slot_bytes
 
@@ -63,20 +61,9 @@ def _through_daemon(client: Client, n: int) -> tuple[float, float]:
 def run(model_path: str, tokens: int = 128, repeats: int = 5) -> dict:
     model = ModelFile(model_path)
     prompt = model.tokenizer.encode(PROMPT)
-    rt = tempfile.mkdtemp(prefix="stratad-bench-")
-    daemon = subprocess.Popen([sys.executable, "-m", "stratad.cli", "serve", "--model", model_path, "--cards", "cpu",
-                               "--runtime-dir", rt, "--expert-cache", "1.0", "--log-level", "warning"])
+    daemon = LocalDaemon(model_path, "cpu", args=["--expert-cache", "1.0", "--log-level", "warning"]).start()
     try:
-        with Client(runtime_dir=rt, timeout_s=2) as c:
-            deadline = time.monotonic() + 120
-            while True:
-                try:
-                    if all(ln.role.value not in ("starting", "down") for ln in c.status().lanes):
-                        break
-                except DaemonUnavailable:
-                    if daemon.poll() is not None or time.monotonic() > deadline:
-                        raise
-                time.sleep(0.2)
+        with daemon.client() as c:
             card = _card(model)
             _through_daemon(c, 8)  # warm-up: decoded-expert caches, first-call costs
             _in_process(card, prompt, 8)
@@ -85,8 +72,7 @@ def run(model_path: str, tokens: int = 128, repeats: int = 5) -> dict:
                 ip.append(_in_process(card, prompt, tokens))
                 dm.append(_through_daemon(c, tokens))
     finally:
-        daemon.terminate()
-        daemon.wait(60)
+        daemon.stop()
     ip_ttft, ip_tps = statistics.median(x[0] for x in ip), statistics.median(x[1] for x in ip)
     dm_ttft, dm_tps = statistics.median(x[0] for x in dm), statistics.median(x[1] for x in dm)
     return {
