@@ -153,6 +153,11 @@ def test_header_hash(tmp_path, tiny_model, tiny_model_path):
     m = ModelFile(q4)
     assert m.header_hash != h
     m.close()
+    reseeded = tmp_path / "seed7.gguf"
+    generator.make_model(reseeded, "tiny", "IQ3_S", router_skew=1.0, seed=7)  # only the weights differ
+    m = ModelFile(reseeded)
+    assert m.header_hash != h
+    m.close()
 
 
 def test_tied_output(tmp_path):

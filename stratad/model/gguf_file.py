@@ -23,6 +23,7 @@ from stratad.model.errors import ModelFormatError
 
 GGUF_MAGIC = b"GGUF"
 NORM_TYPES = (T.F32, T.F16, T.BF16)
+HASH_SAMPLE = 4096
 
 
 def expected_tensors(c: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[T, ...]]]:
@@ -186,10 +187,14 @@ class ModelFile:
 
     @cached_property
     def header_hash(self) -> str:
-        """sha256 of everything before the tensor data: metadata and tensor table identify the model."""
+        """Identity of the model: sha256 of the metadata, the tensor table, the size and a sample of every
+        tensor's bytes (its first and last 4 KiB), so a file regenerated with other weights differs."""
         h = hashlib.sha256()
         with open(self.path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
             h.update(m[: self.reader.data_offset])
+            for ti in sorted(self.tensors.values(), key=lambda t: t.offset):
+                h.update(m[ti.offset:ti.offset + min(ti.nbytes, HASH_SAMPLE)])
+                h.update(m[max(ti.offset, ti.offset + ti.nbytes - HASH_SAMPLE):ti.offset + ti.nbytes])
         h.update(str(self.size).encode())
         return h.hexdigest()
 
