@@ -1,0 +1,198 @@
+"""The CPU pool computes exactly canonical.expert's bits, straight from raw GGUF bytes, for any thread count."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+
+from lane.cpu_pool import CpuPool, LayerJobs
+from stratad.engine import canonical
+from stratad.model.quants import decode_int, random_rows
+
+F32 = np.float32
+TINY = (256, 256)  # (d_model, d_ff)
+A3B = (2048, 768)
+
+
+@pytest.fixture(scope="module")
+def seed():
+    """Fresh random inputs on every run; the seed is printed so that a failure can be replayed."""
+    s = int(np.random.SeedSequence().entropy % (1 << 63))
+    print(f"test_cpu_pool seed {s}")
+    return s
+
+
+@pytest.fixture(scope="module")
+def pools():
+    ps = {1: CpuPool(1), 2: CpuPool(2), "threads-1": CpuPool(1, mode="threads"), "threads-2": CpuPool(2, mode="threads")}
+    yield ps
+    for p in ps.values():
+        p.close()
+
+
+def make_layer(rng, types, n_expert, d_model, d_ff, rms=(0.02, 0.02, 0.02)):
+    tg, tu, td = types
+    gate = np.stack([random_rows(tg, rng, d_ff, d_model, rms[0]) for _ in range(n_expert)])
+    up = np.stack([random_rows(tu, rng, d_ff, d_model, rms[1]) for _ in range(n_expert)])
+    down = np.stack([random_rows(td, rng, d_model, d_ff, rms[2]) for _ in range(n_expert)])
+    return gate, up, down
+
+
+def make_tokens(rng, n_tok, d_model):
+    """Activations of very different magnitudes; token 0 has one all-zero block (d == 0), the last is all zeros
+    when there are 3 or more (then h == 0 and the down projection quantises blocks with d == 0 too)."""
+    x = rng.standard_normal((n_tok, d_model)).astype(F32)
+    x *= (10.0 ** rng.uniform(-3, 2, size=(n_tok, 1))).astype(F32)
+    x[0, 32:64] = 0
+    if n_tok >= 3:
+        x[-1] = 0
+    return canonical.quantize_act(x)
+
+
+def reference(types, layer, pairs, qa, da):
+    gate, up, down = layer
+    out = np.empty((len(pairs), down.shape[1]), F32)
+    for i, (t, e) in enumerate(pairs):
+        w = [decode_int(ty, m[e]) for ty, m in zip(types, layer)]
+        out[i] = canonical.expert(*w, qa[t:t + 1], da[t:t + 1])[0]
+    return out
+
+
+def assert_bits(got, want):
+    assert got.dtype == np.float32 and got.shape == want.shape
+    same = got.view(np.uint32) == want.view(np.uint32)
+    if not same.all():
+        i = np.argwhere(~same)[0]
+        raise AssertionError(f"{(~same).sum()} of {same.size} outputs differ, first at {tuple(i)}: "
+                             f"{got[tuple(i)]!r} vs canonical {want[tuple(i)]!r}")
+    assert np.array_equal(got, want)
+
+
+def run_all(pools, jobs):
+    """Every pool configuration gives the same bits; returns the 1-thread result."""
+    outs = {k: p.run(jobs) for k, p in pools.items()}
+    for k, o in outs.items():
+        assert_bits(o, outs[1])
+    return outs[1]
+
+
+@pytest.mark.parametrize("qtype", [T.IQ3_S, T.Q4_K, T.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("shape", [TINY, A3B], ids=["tiny", "a3b"])
+def test_bit_exact_vs_canonical(pools, seed, qtype, shape):
+    d_model, d_ff = shape
+    rng = np.random.default_rng([seed, int(qtype), d_model])
+    types = (qtype,) * 3
+    layer = make_layer(rng, types, 6, d_model, d_ff)
+    qa, da = make_tokens(rng, 3, d_model)
+    # several experts, one token each (the single-token path) ...
+    pairs = np.array([(0, 4), (1, 1), (2, 5), (1, 3)], np.int32)
+    jobs = LayerJobs(*layer, *map(int, types), pairs, qa, da)
+    assert_bits(run_all(pools, jobs), reference(types, layer, pairs, qa, da))
+    assert np.all(da[0, 1] == 0) and np.all(da[2] == 0)
+
+
+@pytest.mark.parametrize("qtype", [T.IQ3_S, T.Q4_K, T.Q8_0], ids=lambda t: t.name)
+def test_exp_clamp_large_inputs(pools, seed, qtype):
+    """Gate values far beyond the exp clamp (|g| > 88) on both sides, and large h in the down projection."""
+    d_model, d_ff = TINY
+    rng = np.random.default_rng([seed, int(qtype), 7])
+    types = (qtype,) * 3
+    layer = make_layer(rng, types, 3, d_model, d_ff, rms=(2.0, 2.0, 0.5))
+    x = (rng.standard_normal((2, d_model)) * 300).astype(F32)
+    qa, da = canonical.quantize_act(x)
+    g = canonical.qdot(decode_int(qtype, layer[0][0]), qa, da)
+    assert (g > 88).any() and (g < -87).any()  # the test does reach the clamp
+    pairs = np.array([(0, 0), (1, 0), (1, 2)], np.int32)
+    jobs = LayerJobs(*layer, *map(int, types), pairs, qa, da)
+    out = run_all(pools, jobs)
+    assert np.isfinite(out).all()
+    assert_bits(out, reference(types, layer, pairs, qa, da))
+
+
+def test_multi_token_multi_expert(pools, seed):
+    """A layer's job list for several tokens with shared experts: grouping (each weight row read once for all its
+    tokens) gives the same bits as each pair alone and as canonical.expert."""
+    d_model, d_ff = A3B
+    rng = np.random.default_rng([seed, 11])
+    types = (T.IQ3_S,) * 3
+    layer = make_layer(rng, types, 8, d_model, d_ff)
+    qa, da = make_tokens(rng, 4, d_model)
+    ids = np.array([[3, 1, 6, 0], [1, 3, 2, 7], [6, 1, 5, 3], [0, 2, 1, 4]])  # top-4 of 8, tokens share experts
+    pairs = np.stack([np.repeat(np.arange(4), 4), ids.reshape(-1)], axis=1).astype(np.int32)
+    jobs = LayerJobs(*layer, *map(int, types), pairs, qa, da)
+    out = run_all(pools, jobs)
+    assert_bits(out, reference(types, layer, pairs, qa, da))
+    alone = np.concatenate([pools[2].run(LayerJobs(*layer, *map(int, types), pairs[i:i + 1], qa, da))
+                            for i in range(len(pairs))])
+    assert_bits(out, alone)
+    assert not np.any(out[pairs[:, 0] == 3])  # the all-zero token
+
+
+@pytest.mark.parametrize("types", [(T.Q4_K, T.IQ3_S, T.Q8_0), (T.Q8_0, T.Q8_0, T.Q4_K), (T.IQ3_S, T.Q8_0, T.IQ3_S)],
+                         ids=lambda ts: "-".join(t.name for t in ts))
+def test_mixed_types_several_tokens(pools, seed, types):
+    """Gate, up and down of different types (different row sizes), with tokens sharing experts (Q4_K and Q8_0
+    multi-token paths)."""
+    d_model, d_ff = TINY
+    rng = np.random.default_rng([seed, 13, *map(int, types)])
+    layer = make_layer(rng, types, 4, d_model, d_ff)
+    qa, da = make_tokens(rng, 3, d_model)
+    pairs = np.array([(0, 2), (1, 2), (2, 2), (1, 0), (0, 3), (2, 0)], np.int32)
+    jobs = LayerJobs(*layer, *map(int, types), pairs, qa, da)
+    assert_bits(run_all(pools, jobs), reference(types, layer, pairs, qa, da))
+
+
+def test_q8_0_rows_not_multiple_of_256(pools, seed):
+    """Q8_0 rows of 288 values: 8 blocks in the vector path, the 9th on the scalar path."""
+    d_model, d_ff = 288, 96
+    rng = np.random.default_rng([seed, 17])
+    types = (T.Q8_0,) * 3
+    layer = make_layer(rng, types, 3, d_model, d_ff)
+    qa, da = make_tokens(rng, 2, d_model)
+    pairs = np.array([(0, 1), (1, 1), (1, 2)], np.int32)
+    jobs = LayerJobs(*layer, *map(int, types), pairs, qa, da)
+    assert_bits(run_all(pools, jobs), reference(types, layer, pairs, qa, da))
+
+
+def test_from_model_file(pools, tiny_model):
+    """Straight from the model file's read-only mapping (the arena's bytes), every expert of a layer."""
+    m, layer = tiny_model, 1
+    rng = np.random.default_rng(5)
+    qa, da = canonical.quantize_act(rng.standard_normal((2, m.config.d_model)).astype(F32))
+    pairs = np.array([(t, e) for e in range(m.config.n_expert) for t in range(2)], np.int32)
+    jobs = LayerJobs.from_model(m, layer, pairs, qa, da)
+    assert not jobs.gate.flags.writeable
+    types = tuple(m.expert_type(layer, k) for k in ("gate", "up", "down"))
+    assert_bits(run_all(pools, jobs), reference(types, (jobs.gate, jobs.up, jobs.down), pairs, qa, da))
+
+
+def test_empty_and_bad_jobs(pools):
+    rng = np.random.default_rng(0)
+    types = (T.Q8_0,) * 3
+    layer = make_layer(rng, types, 2, 256, 256)
+    qa, da = make_tokens(rng, 1, 256)
+    out = pools[2].run(LayerJobs(*layer, *map(int, types), np.zeros((0, 2), np.int32), qa, da))
+    assert out.shape == (0, 256)
+    with pytest.raises(ValueError, match="out of range"):
+        pools[1].run(LayerJobs(*layer, *map(int, types), np.array([[0, 2]], np.int32), qa, da))
+    with pytest.raises(ValueError, match="down"):
+        pools[1].run(LayerJobs(*layer, *map(int, types[:2]), int(T.IQ3_S), np.array([[0, 1]], np.int32), qa, da))
+    with pytest.raises(ValueError, match="qa"):
+        pools[1].run(LayerJobs(*layer, *map(int, types), np.array([[0, 1]], np.int32), qa[:, :4], da))
+
+
+def test_concurrent_callers(pools, seed):
+    """Several Python threads may call pools at once (the prange mode serialises them), same bits."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    rng = np.random.default_rng([seed, 19])
+    types = (T.IQ3_S,) * 3
+    layer = make_layer(rng, types, 4, *TINY)
+    qa, da = make_tokens(rng, 2, TINY[0])
+    pairs = np.array([(0, 1), (1, 3), (1, 1)], np.int32)
+    jobs = LayerJobs(*layer, *map(int, types), pairs, qa, da)
+    want = pools[1].run(jobs)
+    with ThreadPoolExecutor(4) as ex:
+        outs = list(ex.map(lambda k: pools[k].run(jobs), [2, "threads-2", 2, 1, 2, "threads-2"] * 3))
+    for o in outs:
+        assert_bits(o, want)
