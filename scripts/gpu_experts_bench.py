@@ -28,12 +28,15 @@ from stratad.engine import canonical  # noqa: E402
 from stratad.model.quants import decode_int, parse_type, random_rows  # noqa: E402
 
 F32 = np.float32
-VARIANTS = {
+VARIANTS = {  # Tuning overrides (lane/kernels/experts.py); tests/test_gpu_experts.py checks each one's bits
     "default": {},
-    "grid-shared": {"grid_repl": 0},
-    "grid-shared-24w": {"grid_repl": 0, "gu_warps": 8, "gu_min_blocks": 3},
-    "dn-1blk": {"dn_min_blocks": 1},
-    "notile": {"pair_tile_max": 1},
+    "iq3-slow": {"iq3_fast": 0},
+    "repl": {"grid_repl": 1},
+    "repl-gu32w": {"grid_repl": 1, "gu_warps": 32, "gu_min_blocks": 1},
+    "gu8w": {"gu_warps": 8, "gu_min_blocks": 3},
+    "gu32w": {"gu_warps": 32, "gu_min_blocks": 1},
+    "deep": {"gu_stages": 2, "dn_stages": 4, "dn_rows": 8},
+    "dn8r": {"dn_rows": 8},
 }
 
 

@@ -6,17 +6,16 @@
 // canonical lane order: lane l adds the terms of sub-blocks l, l+32, ... to 0.0f in order, then the lanes are
 // folded with __shfl_down_sync offsets 16, 8, 4, 2, 1, which is numpy's half-split fold in canonical.lane_sum.
 //
-// Kernels (all persistent: a fixed grid whose warps loop over work items; n_pairs is read on the device, so the
-// launches are CUDA-graph safe):
-//   expert_gateup : item = (tile of pairs, row r < d_ff). The warp stages gate row r and up row r of the tile's
-//                   slot in shared memory (cp.async, GU_STAGES deep per warp), decodes its sub-blocks once and
-//                   dots them with each pair's activation; lane 0 writes h = silu(gate) * up. The warp that writes
-//                   the 32nd row of a 32-row group (a per-(pair, group) counter) quantises the group (qh, dh).
-//   expert_down   : item = (tile of pairs, row r < d_model); out[p, r] = canonical dot of down row r with qh[p].
+// Kernels (persistent: fixed grids whose blocks/warps loop over work items; n_pairs is read on the device, so the
+// launches are CUDA-graph safe and blocks past the count do nothing):
+//   expert_gateup : block item = (pair, 32-row group of d_ff); each warp stages its rows of gate and up in shared
+//                   memory (cp.async, GU_STAGES items deep), decodes and dots them with the pair's activation,
+//                   lane 0 writes h = silu(gate) * up; the block then quantises the group (qh, dh). No atomics.
+//   expert_down   : warp item = (pair, DN_R rows of d_model); out[p, r] = canonical dot of down row r with qh[p].
 //   quantize_rows : x (groups of 32 floats) -> q int8, d float (canonical.quantize_act).
 //   combine_k     : out[t, i] = sum_j w[t, j] * y[t, j, i] in router order from 0.0f (canonical.combine).
-// A tile is up to NP_MAX consecutive pairs (chosen on the device from n_pairs): when consecutive pairs share a slot
-// (prefill, pairs sorted by slot) the row is fetched and decoded once for all of them.
+// Within a warp, several rows are decoded and summed as independent chains (ILP); the activation sub-blocks are
+// loaded once per item, before waiting for the weights.
 //
 // Weight formats (GGML type numbers): 21 = IQ3_S (110 B / 256), 12 = Q4_K (144 B / 256), 8 = Q8_0 (34 B / 32).
 
@@ -52,25 +51,25 @@ typedef unsigned long long u64;
 #define DN_WPB 16
 #endif
 #ifndef GU_STAGES
-#define GU_STAGES 3
+#define GU_STAGES 1
 #endif
 #ifndef DN_STAGES
-#define DN_STAGES 4
+#define DN_STAGES 2
 #endif
 #ifndef GU_MINB
-#define GU_MINB 1
+#define GU_MINB 2
 #endif
 #ifndef DN_MINB
-#define DN_MINB 1
+#define DN_MINB 2
 #endif
-#ifndef NP_MAX
-#define NP_MAX 16
-#endif
-#ifndef TILE_ITEMS
-#define TILE_ITEMS 4
+#ifndef DN_R
+#define DN_R 4
 #endif
 #ifndef GRID_REPL
-#define GRID_REPL 1
+#define GRID_REPL 0
+#endif
+#ifndef IQ3_FAST
+#define IQ3_FAST 1
 #endif
 // canonical.exp constants (experts.py passes the values of canonical.py; these defaults are the same bits)
 #ifndef EXP_LOG2E
@@ -134,6 +133,11 @@ __device__ __forceinline__ float h2f(u32 bits16) {
 }
 __device__ __forceinline__ float f_neg(float a) { return __int_as_float(__float_as_int(a) ^ 0x80000000); }
 __device__ __forceinline__ float f_abs(float a) { return __int_as_float(__float_as_int(a) & 0x7fffffff); }
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 c) {
+    u32 r;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+    return r;
+}
 
 // canonical.exp: clip, n = rint(x log2e), two-part ln2 reduction, Horner polynomial, times 2^n
 __device__ __forceinline__ float c_exp(float x) {
@@ -204,8 +208,6 @@ template <int QT, int KIN> struct Geom {
     static constexpr int NSUB = KIN / 32;                 // canonical sub-blocks per row
     static constexpr int SPL = (NSUB + 31) / 32;          // sub-blocks per lane
     static constexpr int RB = KIN / QF<QT>::BV * QF<QT>::BB;  // row bytes
-    static constexpr int NCH = (RB + 14 + 15) / 16;       // most 16-byte chunks a 2-aligned row can touch
-    static constexpr int CHB = NCH * 16 + 16;             // staged bytes per row (+16: decoders over-read <= 4)
 };
 
 constexpr int GRID_TABLE_BYTES = GRID_REPL ? 512 * 32 * 4 : 512 * 4;
@@ -299,14 +301,21 @@ template <> __device__ __forceinline__ void decode_sub<QT_IQ3_S>(u32 R, int s, u
     }
 }
 
-// Activation sub-block: 32 int8 (4 per word), its scale, and (Q4_K) the sum of its integers.
+// Activation sub-block: 32 int8 (4 per word), its scale; (Q4_K) the sum of its integers; (IQ3_S fast path) the
+// bytes negated, so that a weight's sign bit can select a or -a.
 struct Act {
     u32 a[8];
+    u32 na[8];
     float d;
     int asum;
 };
 
-template <bool ASUM>
+template <int QT> struct ActNeeds {
+    static constexpr bool ASUM = QT == QT_Q4_K;
+    static constexpr bool NEG = QT == QT_IQ3_S && IQ3_FAST;
+};
+
+template <int QT>
 __device__ __forceinline__ void load_act(const signed char* __restrict__ q, const float* __restrict__ d, int s,
                                          Act& A) {
     const uint4* p = reinterpret_cast<const uint4*>(q + 32 * s);
@@ -315,9 +324,13 @@ __device__ __forceinline__ void load_act(const signed char* __restrict__ q, cons
     A.a[4] = y.x; A.a[5] = y.y; A.a[6] = y.z; A.a[7] = y.w;
     A.d = __ldg(d + s);
     A.asum = 0;
-    if (ASUM) {
+    if (ActNeeds<QT>::ASUM) {
 #pragma unroll
         for (int k = 0; k < 8; ++k) A.asum = __dp4a((int)A.a[k], 0x01010101, A.asum);
+    }
+    if (ActNeeds<QT>::NEG) {
+#pragma unroll
+        for (int k = 0; k < 8; ++k) A.na[k] = __vneg4(A.a[k]);  // |q| <= 127: no overflow
     }
 }
 
@@ -329,6 +342,53 @@ template <int QT> __device__ __forceinline__ float sub_term(const SubW& w, const
     float t = f_mul(f_mul(w.sc, A.d), i2f(isum));
     if (QT == QT_Q4_K) t = f_sub(t, f_mul(f_mul(w.mn, A.d), i2f(A.asum)));
     return t;
+}
+
+// IQ3_S term without materialising signed weights: isum = sum_k dp4a(|w|_k, sign_k ? -a_k : a_k).
+// Grid indices of 2 groups come out of one prmt (qs byte | qh bit << 8 in each 16-bit half); the 4 sign bits of a
+// group are moved to the byte msbs by one multiply and widened to byte masks by prmt's sign-replicate mode.
+__device__ __forceinline__ float iq3s_term_fast(u32 R, int s, u32 lane4, const Act& A) {
+    const u32 j = (u32)s & 7u;
+    const u32 B = R + 110u * ((u32)s >> 3);
+    const float d = h2f(sm_u16(B));
+    const u32 qo = B + 2u + 8u * j;
+    const u32 sh = (qo & 3u) * 8u;
+    const u32 qa = qo & ~3u;
+    const u32 w0 = sm_u32(qa), w1 = sm_u32(qa + 4u), w2 = sm_u32(qa + 8u);
+    const u32 qs0 = __funnelshift_r(w0, w1, sh), qs1 = __funnelshift_r(w1, w2, sh);
+    const u32 sa = (B + 74u + 4u * j) & ~3u;
+    const u32 sg = __funnelshift_r(sm_u32(sa), sm_u32(sa + 4u), sh);
+    const u32 qh = sm_u8(B + 66u + j);
+    const u32 nib = (sm_u8(B + 106u + (j >> 1)) >> (4u * (j & 1u))) & 15u;
+    const u32 hl = ((qh & 15u) * 0x00204081u) & 0x01010101u;  // qh bits 0..3 -> bit 0 of bytes 0..3
+    const u32 hh = ((qh >> 4) * 0x00204081u) & 0x01010101u;   // qh bits 4..7
+    const u32 P[4] = {prmt(qs0, hl, 0x5140u), prmt(qs0, hl, 0x7362u), prmt(qs1, hh, 0x5140u),
+                      prmt(qs1, hh, 0x7362u)};  // [idx 2m | idx 2m+1 << 16]
+    int isum = 0;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+        const u32 pw = P[k >> 1];
+#if GRID_REPL
+        const u32 addr = ((k & 1) ? ((pw >> 9) & 0xff80u) : ((pw << 7) & 0xff80u)) | lane4;
+#else
+        const u32 addr = (k & 1) ? ((pw >> 14) & 0x7fcu) : ((pw << 2) & 0x7fcu);
+#endif
+        const u32 mag = sm_u32(addr);
+        const u32 m = prmt(((sg >> (4 * k)) & 15u) * 0x10204080u, 0u, 0xba98u);  // 0xff where the weight is < 0
+        const u32 as = (A.a[k] & ~m) | (A.na[k] & m);
+        isum = __dp4a((int)mag, (int)as, isum);
+    }
+    (void)lane4;
+    const float sc = f_mul(d, i2f((int)(1u + 2u * nib)));
+    return f_mul(f_mul(sc, A.d), i2f(isum));
+}
+
+// Decode sub-block s of the row at shared offset R and return its canonical term against A.
+template <int QT> __device__ __forceinline__ float sub_dot(u32 R, int s, u32 lane4, const Act& A) {
+    if (QT == QT_IQ3_S && IQ3_FAST) return iq3s_term_fast(R, s, lane4, A);
+    SubW w;
+    decode_sub<QT>(R, s, lane4, w);
+    return sub_term<QT>(w, A);
 }
 
 // Warp-cooperative 16-byte cp.async of the aligned chunks covering [g, g + rb) into shared address sdst.
@@ -345,66 +405,55 @@ __device__ __forceinline__ int clamp_pairs(const int* __restrict__ n_pairs_p, in
     return n < 0 ? 0 : (n > max_pairs ? max_pairs : n);
 }
 
-// Pairs per tile: the largest power of two <= NP_MAX that still leaves every warp >= TILE_ITEMS items.
-__device__ __forceinline__ int tile_size(int n_pairs, int rows, int W) {
-    int np = 1;
-#if NP_MAX > 1
-    const i64 work = (i64)n_pairs * rows;
-    while (np * 2 <= NP_MAX && work >= (i64)np * 2 * TILE_ITEMS * W) np *= 2;
-#endif
-    return np;
-}
 
 // =====================================================================================================================
-// gate + up + SwiGLU (+ quantisation of h, by the last warp of each 32-row group)
+// gate + up + SwiGLU + quantisation of h
 // =====================================================================================================================
+// Block item = (pair p, 32-row group g of d_ff). Warp w owns rows g*32 + w*GU_R .. + GU_R - 1 (GU_R = 32 / GU_WPB):
+// it stages those gate rows and up rows (two contiguous byte ranges) with cp.async, loads the pair's activation
+// into registers while they land, then for each of its sub-blocks decodes all 2*GU_R rows and accumulates the
+// canonical terms in 2*GU_R independent chains, folds them together and lane 0 computes the GU_R values of h.
+// The 32 values of the group meet in shared memory; after one __syncthreads warp 0 quantises them (qh, dh).
 typedef Geom<GU_QT, GU_KIN> GUG;
+constexpr int GU_R = 32 / GU_WPB;
+static_assert(GU_R * GU_WPB == 32, "GU_WPB must divide 32");
+constexpr int GU_RANGE = GU_R * GUG::RB;                       // bytes of one warp's rows of one matrix
+constexpr int GU_CHB = (GU_RANGE + 14 + 15) / 16 * 16 + 16;    // staged bytes per matrix (+16: decoder over-read)
 constexpr int GU_TBL = (GU_QT == QT_IQ3_S) ? GRID_TABLE_BYTES : 0;
-constexpr int GU_NST = GU_STAGES + (NP_MAX > 1 ? 1 : 0);
-constexpr int GU_STG = 2 * GUG::CHB;
-constexpr int GU_SMEM = GU_TBL + GU_WPB * GU_NST * GU_STG + 16;
+constexpr int GU_STG = 2 * GU_CHB;
+constexpr int GU_HS = 2 * 32 * 4;                              // h of the group, double-buffered by item parity
+constexpr int GU_SMEM = GU_TBL + GU_HS + GU_WPB * GU_STAGES * GU_STG + 16;
 static_assert(GU_ROWS % 32 == 0, "d_ff must be a multiple of 32");
 
-__device__ __forceinline__ void gu_decode(u32 R, int lane, u32 lane4, SubW (&G)[GUG::SPL], SubW (&U)[GUG::SPL]) {
-#pragma unroll
-    for (int i = 0; i < GUG::SPL; ++i) {
-        const int s = lane + 32 * i;
-        if (s < GUG::NSUB) {
-            decode_sub<GU_QT>(R, s, lane4, G[i]);
-            decode_sub<GU_QT>(R + GUG::CHB, s, lane4, U[i]);
-        }
-    }
+__device__ __forceinline__ void gu_issue(u32 sdst, const u8* __restrict__ pool, i64 slot_bytes,
+                                         const int* __restrict__ pairs, int it, int warp, int lane) {
+    constexpr int NG = GU_ROWS / 32;
+    const int p = it / NG, grp = it - p * NG;
+    const int slot = __ldg(pairs + 2 * p + 1);
+    const u8* g = pool + (i64)slot * slot_bytes + (i64)(grp * 32 + warp * GU_R) * GUG::RB;
+    stage_row(sdst, g, GU_RANGE, lane);
+    stage_row(sdst + GU_CHB, g + (i64)GU_ROWS * GUG::RB, GU_RANGE, lane);
 }
 
 extern "C" __global__ void __launch_bounds__(GU_WPB * 32, GU_MINB)
 expert_gateup(const u8* __restrict__ pool, i64 slot_bytes, const int* __restrict__ pairs,
               const int* __restrict__ n_pairs_p, int max_pairs, const signed char* __restrict__ qa,
               const float* __restrict__ da, const u32* __restrict__ grid_g, float* __restrict__ hbuf,
-              signed char* __restrict__ qhbuf, float* __restrict__ dhbuf, u32* __restrict__ counters) {
+              signed char* __restrict__ qhbuf, float* __restrict__ dhbuf) {
     constexpr int NG = GU_ROWS / 32;
-    constexpr i64 UP_OFF = (i64)GU_ROWS * GUG::RB;
+    constexpr int SPL = GUG::SPL, NSUB = GUG::NSUB;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const u32 lane4 = 4u * lane;
     const int n_pairs = clamp_pairs(n_pairs_p, max_pairs);
-    const int W = gridDim.x * GU_WPB;
-    const int gw = blockIdx.x * GU_WPB + warp;
-    const int np = tile_size(n_pairs, GU_ROWS, W);
-    const int items = (n_pairs + np - 1) / np * GU_ROWS;
+    const int NB = gridDim.x;
+    const int items = n_pairs * NG;
     const u32 sb = smem_base();
-    const u32 wst = GU_TBL + warp * GU_NST * GU_STG;  // this warp's stages (shared offset)
+    const u32 wst = GU_TBL + GU_HS + warp * GU_STAGES * GU_STG;  // this warp's stages (shared offset)
 
-    // prologue: put the first GU_STAGES items' rows in flight before anything else
 #pragma unroll 1
-    for (int k = 0; k < GU_STAGES; ++k) {
-        const int it = gw + k * W;
-        if (it < items) {
-            const int tile = it / GU_ROWS, row = it - tile * GU_ROWS;
-            const int slot = __ldg(pairs + 2 * (tile * np) + 1);
-            const u8* g = pool + (i64)slot * slot_bytes + (i64)row * GUG::RB;
-            const u32 dst = sb + wst + k * GU_STG;
-            stage_row(dst, g, GUG::RB, lane);
-            stage_row(dst + GUG::CHB, g + UP_OFF, GUG::RB, lane);
-        }
+    for (int k = 0; k < GU_STAGES; ++k) {  // rows in flight before anything else
+        const int it = blockIdx.x + k * NB;
+        if (it < items) gu_issue(sb + wst + k * GU_STG, pool, slot_bytes, pairs, it, warp, lane);
         cp_commit();
     }
     if (GU_QT == QT_IQ3_S) fill_grid(grid_g);
@@ -412,82 +461,69 @@ expert_gateup(const u8* __restrict__ pool, i64 slot_bytes, const int* __restrict
 
 #pragma unroll 1
     for (int k = 0;; ++k) {
-        const int it = gw + k * W;
-        if (it >= items) break;
+        const int it = blockIdx.x + k * NB;
+        if (it >= items) break;  // block-uniform
         const int st = k % GU_STAGES;
+        const int p = it / NG, grp = it - p * NG;
+        const int tok = __ldg(pairs + 2 * p);
+        const int slot = __ldg(pairs + 2 * p + 1);
+        const int row0 = grp * 32 + warp * GU_R;
+
+        Act A[SPL];  // the activation loads overlap the wait for the weights
+#pragma unroll
+        for (int i = 0; i < SPL; ++i) {
+            const int s = lane + 32 * i;
+            if (s < NSUB) load_act<GU_QT>(qa + (i64)tok * GU_KIN, da + (i64)tok * NSUB, s, A[i]);
+        }
         cp_wait<GU_STAGES - 1>();
         __syncwarp();
 
-        const int tile = it / GU_ROWS, row = it - tile * GU_ROWS;
-        const int p0 = tile * np;
-        const int p1 = (p0 + np < n_pairs) ? p0 + np : n_pairs;
-        int cur = __ldg(pairs + 2 * p0 + 1);
-        const u32 R0 = wst + st * GU_STG + (u32)(((u64)pool + (u64)((i64)cur * slot_bytes + (i64)row * GUG::RB)) & 15);
-        SubW G[GUG::SPL], U[GUG::SPL];
-        gu_decode(R0, lane, lane4, G, U);
-
-#pragma unroll 1
-        for (int p = p0; p < p1; ++p) {
-            const int tok = __ldg(pairs + 2 * p);
-            const int slot = __ldg(pairs + 2 * p + 1);
-            if (NP_MAX > 1 && slot != cur) {  // warp-uniform: load and decode this slot's rows now
-                const u8* g = pool + (i64)slot * slot_bytes + (i64)row * GUG::RB;
-                const u32 xs = wst + GU_STAGES * GU_STG;
-                __syncwarp();
-                const u32 off = stage_row(sb + xs, g, GUG::RB, lane);
-                stage_row(sb + xs + GUG::CHB, g + UP_OFF, GUG::RB, lane);
-                cp_commit();
-                cp_wait<0>();
-                __syncwarp();
-                gu_decode(xs + off, lane, lane4, G, U);
-                cur = slot;
-            }
-            const signed char* qrow = qa + (i64)tok * GU_KIN;
-            const float* drow = da + (i64)tok * GUG::NSUB;
-            float ag = 0.0f, au = 0.0f;
+        const u32 Rg = wst + st * GU_STG +
+                       (u32)(((u64)pool + (u64)((i64)slot * slot_bytes + (i64)row0 * GUG::RB)) & 15);
+        const u32 Ru = Rg + GU_CHB;
+        float ag[GU_R], au[GU_R];
 #pragma unroll
-            for (int i = 0; i < GUG::SPL; ++i) {
-                const int s = lane + 32 * i;
+        for (int r = 0; r < GU_R; ++r) ag[r] = au[r] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < SPL; ++i) {
+            const int s = lane + 32 * i;
+#pragma unroll
+            for (int r = 0; r < GU_R; ++r) {
                 float tg = 0.0f, tu = 0.0f;
-                if (s < GUG::NSUB) {
-                    Act A;
-                    load_act<GU_QT == QT_Q4_K>(qrow, drow, s, A);
-                    tg = sub_term<GU_QT>(G[i], A);
-                    tu = sub_term<GU_QT>(U[i], A);
+                if (s < NSUB) {
+                    tg = sub_dot<GU_QT>(Rg + r * GUG::RB, s, lane4, A[i]);
+                    tu = sub_dot<GU_QT>(Ru + r * GUG::RB, s, lane4, A[i]);
                 }
-                ag = f_add(ag, tg);
-                au = f_add(au, tu);
-            }
-            ag = lane_fold(ag);
-            au = lane_fold(au);
-            float* hrow = hbuf + (i64)p * GU_ROWS;
-            u32 old = 0;
-            if (lane == 0) {
-                hrow[row] = f_mul(c_silu(ag), au);
-                __threadfence();
-                old = atomicAdd(counters + p * NG + (row >> 5), 1u);
-            }
-            old = __shfl_sync(FULL_MASK, old, 0);
-            if (old == 31u) {  // this warp completed the group: quantise it
-                __threadfence();
-                const int g0 = row & ~31;
-                const float v = __ldcg(hrow + g0 + lane);
-                quant32(v, lane, qhbuf + (i64)p * GU_ROWS + g0, dhbuf + (i64)p * NG + (row >> 5));
-                if (lane == 0) counters[p * NG + (row >> 5)] = 0u;
+                ag[r] = f_add(ag[r], tg);
+                au[r] = f_add(au[r], tu);
             }
         }
-
+#pragma unroll
+        for (int o = 16; o; o >>= 1) {
+#pragma unroll
+            for (int r = 0; r < GU_R; ++r) {
+                ag[r] = f_add(ag[r], __shfl_down_sync(FULL_MASK, ag[r], o));
+                au[r] = f_add(au[r], __shfl_down_sync(FULL_MASK, au[r], o));
+            }
+        }
+        float* hs = reinterpret_cast<float*>(g_smem + GU_TBL + (k & 1) * 128);
+        if (lane == 0) {
+#pragma unroll
+            for (int r = 0; r < GU_R; ++r) {
+                const float hv = f_mul(c_silu(ag[r]), au[r]);
+                hs[warp * GU_R + r] = hv;
+                hbuf[(i64)p * GU_ROWS + row0 + r] = hv;
+            }
+        }
         __syncwarp();  // every lane is done reading stage st
-        const int nx = it + GU_STAGES * W;
-        if (nx < items) {
-            const int tile2 = nx / GU_ROWS, row2 = nx - tile2 * GU_ROWS;
-            const int slot2 = __ldg(pairs + 2 * (tile2 * np) + 1);
-            const u8* g = pool + (i64)slot2 * slot_bytes + (i64)row2 * GUG::RB;
-            const u32 dst = sb + wst + st * GU_STG;
-            stage_row(dst, g, GUG::RB, lane);
-            stage_row(dst + GUG::CHB, g + UP_OFF, GUG::RB, lane);
+        {
+            const int nx = it + GU_STAGES * NB;
+            if (nx < items) gu_issue(sb + wst + st * GU_STG, pool, slot_bytes, pairs, nx, warp, lane);
+            cp_commit();
         }
-        cp_commit();
+        __syncthreads();  // the group's 32 values of h are in hs
+        if (warp == 0)
+            quant32(hs[lane], lane, qhbuf + (i64)p * GU_ROWS + grp * 32, dhbuf + (i64)p * NG + grp);
     }
     cp_wait<0>();
 }
@@ -495,46 +531,47 @@ expert_gateup(const u8* __restrict__ pool, i64 slot_bytes, const int* __restrict
 // =====================================================================================================================
 // down projection
 // =====================================================================================================================
+// Warp item = (pair p, DN_R consecutive rows of d_model): stage the rows (one contiguous range), load qh[p]/dh[p]
+// into registers meanwhile, DN_R independent canonical sums, folded together; lane 0 writes the DN_R outputs.
 typedef Geom<DN_QT, DN_KIN> DNG;
+static_assert(DN_ROWS % DN_R == 0, "DN_R must divide d_model");
+constexpr int DN_RANGE = DN_R * DNG::RB;
+constexpr int DN_CHB = (DN_RANGE + 14 + 15) / 16 * 16 + 16;
 constexpr int DN_TBL = (DN_QT == QT_IQ3_S) ? GRID_TABLE_BYTES : 0;
-constexpr int DN_NST = DN_STAGES + (NP_MAX > 1 ? 1 : 0);
-constexpr int DN_STG = DNG::CHB;
-constexpr int DN_SMEM = DN_TBL + DN_WPB * DN_NST * DN_STG + 16;
+constexpr int DN_STG = DN_CHB;
+constexpr int DN_SMEM = DN_TBL + DN_WPB * DN_STAGES * DN_STG + 16;
 static_assert(DN_KIN == GU_ROWS, "down rows take d_ff values");
 static_assert(DN_ROWS == GU_KIN, "down has d_model rows");
 
-__device__ __forceinline__ void dn_decode(u32 R, int lane, u32 lane4, SubW (&D)[DNG::SPL]) {
-#pragma unroll
-    for (int i = 0; i < DNG::SPL; ++i) {
-        const int s = lane + 32 * i;
-        if (s < DNG::NSUB) decode_sub<DN_QT>(R, s, lane4, D[i]);
-    }
+__device__ __forceinline__ void dn_issue(u32 sdst, const u8* __restrict__ pool, i64 slot_bytes,
+                                         const int* __restrict__ pairs, int it, int lane) {
+    constexpr int NC = DN_ROWS / DN_R;
+    constexpr i64 DN_OFF = 2 * (i64)GU_ROWS * GUG::RB;  // down rows follow gate and up
+    const int p = it / NC, c = it - p * NC;
+    const int slot = __ldg(pairs + 2 * p + 1);
+    stage_row(sdst, pool + (i64)slot * slot_bytes + DN_OFF + (i64)c * DN_RANGE, DN_RANGE, lane);
 }
 
 extern "C" __global__ void __launch_bounds__(DN_WPB * 32, DN_MINB)
 expert_down(const u8* __restrict__ pool, i64 slot_bytes, const int* __restrict__ pairs,
             const int* __restrict__ n_pairs_p, int max_pairs, const signed char* __restrict__ qhbuf,
             const float* __restrict__ dhbuf, const u32* __restrict__ grid_g, float* __restrict__ out) {
-    constexpr i64 DN_OFF = 2 * (i64)GU_ROWS * GUG::RB;  // down rows follow gate and up
+    constexpr int NC = DN_ROWS / DN_R;
+    constexpr i64 DN_OFF = 2 * (i64)GU_ROWS * GUG::RB;
+    constexpr int SPL = DNG::SPL, NSUB = DNG::NSUB;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const u32 lane4 = 4u * lane;
     const int n_pairs = clamp_pairs(n_pairs_p, max_pairs);
     const int W = gridDim.x * DN_WPB;
     const int gw = blockIdx.x * DN_WPB + warp;
-    const int np = tile_size(n_pairs, DN_ROWS, W);
-    const int items = (n_pairs + np - 1) / np * DN_ROWS;
+    const int items = n_pairs * NC;
     const u32 sb = smem_base();
-    const u32 wst = DN_TBL + warp * DN_NST * DN_STG;
+    const u32 wst = DN_TBL + warp * DN_STAGES * DN_STG;
 
 #pragma unroll 1
     for (int k = 0; k < DN_STAGES; ++k) {
         const int it = gw + k * W;
-        if (it < items) {
-            const int tile = it / DN_ROWS, row = it - tile * DN_ROWS;
-            const int slot = __ldg(pairs + 2 * (tile * np) + 1);
-            stage_row(sb + wst + k * DN_STG, pool + (i64)slot * slot_bytes + DN_OFF + (i64)row * DNG::RB, DNG::RB,
-                      lane);
-        }
+        if (it < items) dn_issue(sb + wst + k * DN_STG, pool, slot_bytes, pairs, it, lane);
         cp_commit();
     }
     if (DN_QT == QT_IQ3_S) fill_grid(grid_g);
@@ -545,58 +582,45 @@ expert_down(const u8* __restrict__ pool, i64 slot_bytes, const int* __restrict__
         const int it = gw + k * W;
         if (it >= items) break;
         const int st = k % DN_STAGES;
+        const int p = it / NC, c = it - p * NC;
+        const int slot = __ldg(pairs + 2 * p + 1);
+        Act A[SPL];
+#pragma unroll
+        for (int i = 0; i < SPL; ++i) {
+            const int s = lane + 32 * i;
+            if (s < NSUB) load_act<DN_QT>(qhbuf + (i64)p * DN_KIN, dhbuf + (i64)p * NSUB, s, A[i]);
+        }
         cp_wait<DN_STAGES - 1>();
         __syncwarp();
 
-        const int tile = it / DN_ROWS, row = it - tile * DN_ROWS;
-        const int p0 = tile * np;
-        const int p1 = (p0 + np < n_pairs) ? p0 + np : n_pairs;
-        int cur = __ldg(pairs + 2 * p0 + 1);
         const u32 R0 = wst + st * DN_STG +
-                       (u32)(((u64)pool + (u64)((i64)cur * slot_bytes + DN_OFF + (i64)row * DNG::RB)) & 15);
-        SubW D[DNG::SPL];
-        dn_decode(R0, lane, lane4, D);
-
-#pragma unroll 1
-        for (int p = p0; p < p1; ++p) {
-            const int slot = __ldg(pairs + 2 * p + 1);
-            if (NP_MAX > 1 && slot != cur) {
-                const u32 xs = wst + DN_STAGES * DN_STG;
-                __syncwarp();
-                const u32 off = stage_row(sb + xs, pool + (i64)slot * slot_bytes + DN_OFF + (i64)row * DNG::RB,
-                                          DNG::RB, lane);
-                cp_commit();
-                cp_wait<0>();
-                __syncwarp();
-                dn_decode(xs + off, lane, lane4, D);
-                cur = slot;
-            }
-            const signed char* qrow = qhbuf + (i64)p * DN_KIN;
-            const float* drow = dhbuf + (i64)p * DNG::NSUB;
-            float acc = 0.0f;
+                       (u32)(((u64)pool + (u64)((i64)slot * slot_bytes + DN_OFF + (i64)c * DN_RANGE)) & 15);
+        float acc[DN_R];
 #pragma unroll
-            for (int i = 0; i < DNG::SPL; ++i) {
-                const int s = lane + 32 * i;
+        for (int r = 0; r < DN_R; ++r) acc[r] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < SPL; ++i) {
+            const int s = lane + 32 * i;
+#pragma unroll
+            for (int r = 0; r < DN_R; ++r) {
                 float t = 0.0f;
-                if (s < DNG::NSUB) {
-                    Act A;
-                    load_act<DN_QT == QT_Q4_K>(qrow, drow, s, A);
-                    t = sub_term<DN_QT>(D[i], A);
-                }
-                acc = f_add(acc, t);
+                if (s < NSUB) t = sub_dot<DN_QT>(R0 + r * DNG::RB, s, lane4, A[i]);
+                acc[r] = f_add(acc[r], t);
             }
-            acc = lane_fold(acc);
-            if (lane == 0) out[(i64)p * DN_ROWS + row] = acc;
         }
-
+#pragma unroll
+        for (int o = 16; o; o >>= 1) {
+#pragma unroll
+            for (int r = 0; r < DN_R; ++r) acc[r] = f_add(acc[r], __shfl_down_sync(FULL_MASK, acc[r], o));
+        }
+        if (lane == 0) {
+            float* o = out + (i64)p * DN_ROWS + (i64)c * DN_R;
+#pragma unroll
+            for (int r = 0; r < DN_R; ++r) o[r] = acc[r];
+        }
         __syncwarp();
         const int nx = it + DN_STAGES * W;
-        if (nx < items) {
-            const int tile2 = nx / DN_ROWS, row2 = nx - tile2 * DN_ROWS;
-            const int slot2 = __ldg(pairs + 2 * (tile2 * np) + 1);
-            stage_row(sb + wst + st * DN_STG, pool + (i64)slot2 * slot_bytes + DN_OFF + (i64)row2 * DNG::RB,
-                      DNG::RB, lane);
-        }
+        if (nx < items) dn_issue(sb + wst + st * DN_STG, pool, slot_bytes, pairs, nx, lane);
         cp_commit();
     }
     cp_wait<0>();
@@ -634,8 +658,8 @@ extern "C" __global__ void layout_info(int* __restrict__ o) {
         o[3] = DNG::RB;
         o[4] = GU_STG;
         o[5] = DN_STG;
-        o[6] = GU_NST;
-        o[7] = DN_NST;
+        o[6] = GU_R;
+        o[7] = DN_R;
         o[8] = GRID_TABLE_BYTES;
         o[9] = GUG::SPL;
         o[10] = DNG::SPL;

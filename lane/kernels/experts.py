@@ -10,7 +10,7 @@ Every output is bit-identical to stratad.engine.canonical (quantize_act, expert,
 All launches have fixed grids and read n_pairs on the device, so quantize/run/combine can be captured in a CUDA
 graph and replayed with new pair lists. A slot is one expert's raw GGUF bytes: gate rows (d_ff x row_bytes(d_model)),
 up rows, down rows (d_model x row_bytes(d_ff)); slots are `slot_stride` bytes apart (default `slot_bytes`).
-For prefill, sort pairs by slot: consecutive pairs on one slot share one fetch and decode of each row.
+Intermediates (h, qh, dh; max_pairs rows each) belong to the instance: one instance per concurrent stream.
 """
 from __future__ import annotations
 
@@ -59,22 +59,21 @@ def exp_defines() -> list[tuple[str, str]]:
 class Tuning:
     """Launch shape of the two expert kernels (defaults measured on the H200; see docs/perf-notes.md)."""
 
-    gu_warps: int = 16          # warps per block, gate/up
-    gu_min_blocks: int = 1      # blocks per SM (register budget: 65536 / (32 * warps * blocks))
-    gu_stages: int = 3          # rows in flight per warp (cp.async depth); lowered automatically to fit
-    dn_warps: int = 16
+    gu_warps: int = 16          # warps per gate/up block; a block owns a 32-row group, so each warp has 32/gu_warps rows
+    gu_min_blocks: int = 2      # gate/up blocks per SM (register cap 65536 / (32 * warps * blocks)); lowered to fit
+    gu_stages: int = 1          # block items in flight per warp (cp.async depth)
+    dn_warps: int = 16          # warps per down block
     dn_min_blocks: int = 2
-    dn_stages: int = 4
-    grid_repl: int = 1          # IQ3_S grid table: 1 = one copy per lane (64 KB, no bank conflicts), 0 = shared 2 KB
-    pair_tile_max: int = 16     # most pairs sharing one row fetch (power of two; 1 = off)
-    tile_items: int = 4         # a tile grows only while every warp keeps >= this many items
+    dn_stages: int = 2
+    dn_rows: int = 4            # down rows per warp item (independent sums in flight)
+    grid_repl: int = 0          # IQ3_S grid table: 1 = one copy per lane (64 KB, no bank conflicts), 0 = shared 2 KB
+    iq3_fast: int = 1           # IQ3_S: apply signs to the activation (prmt) instead of to the weights
 
 
-def _geom(qt, kin: int) -> dict:
-    f = fmt(qt)
-    rb = f.row_bytes(kin)
-    nch = (rb + 14 + 15) // 16
-    return {"rb": rb, "chb": nch * 16 + 16, "nsub": kin // 32, "spl": (kin // 32 + 31) // 32}
+def _staged(qt, kin: int, rows: int) -> int:
+    """Shared bytes experts.cu stages for `rows` consecutive rows of kin values (mirror of GU_CHB / DN_CHB)."""
+    rng = rows * fmt(qt).row_bytes(kin)
+    return (rng + 14 + 15) // 16 * 16 + 16
 
 
 class ExpertKernels:
@@ -93,8 +92,10 @@ class ExpertKernels:
             raise ValueError("max_pairs must be >= 1")
         self.tuning = tuning or Tuning()
         t = self.tuning
-        if t.pair_tile_max < 1 or t.pair_tile_max & (t.pair_tile_max - 1):
-            raise ValueError("pair_tile_max must be a power of two")
+        if t.gu_warps not in (1, 2, 4, 8, 16, 32):
+            raise ValueError("gu_warps must divide 32")
+        if self.d_model % t.dn_rows:
+            raise ValueError("dn_rows must divide d_model")
         self.gate_bytes = self.d_ff * fmt(self.qt_gu).row_bytes(self.d_model)
         self.down_bytes = self.d_model * fmt(self.qt_dn).row_bytes(self.d_ff)
         self.slot_bytes = self.slot_bytes_of(self.d_model, self.d_ff, self.qt_gu, self.qt_dn)
@@ -115,7 +116,7 @@ class ExpertKernels:
                 ("DN_QT", int(self.qt_dn)), ("DN_KIN", self.d_ff), ("DN_ROWS", self.d_model),
                 ("GU_WPB", self.gu_warps), ("GU_MINB", self.gu_blocks), ("GU_STAGES", self.gu_stages),
                 ("DN_WPB", self.dn_warps), ("DN_MINB", self.dn_blocks), ("DN_STAGES", self.dn_stages),
-                ("NP_MAX", t.pair_tile_max), ("TILE_ITEMS", t.tile_items), ("GRID_REPL", t.grid_repl),
+                ("DN_R", t.dn_rows), ("GRID_REPL", t.grid_repl), ("IQ3_FAST", t.iq3_fast),
             ] + exp_defines()
             self.defines = defines
             self.module, self.build = load_module(SOURCE, defines, device=self.device.id, return_info=True)
@@ -135,7 +136,6 @@ class ExpertKernels:
             self.h = cupy.empty((P, F), cupy.float32)
             self.qh = cupy.empty((P, F), cupy.int8)
             self.dh = cupy.empty((P, F // 32), cupy.float32)
-            self.counters = cupy.zeros((P, F // 32), cupy.uint32)
 
     # ---- sizes --------------------------------------------------------------------------------------------------
     @staticmethod
@@ -158,29 +158,25 @@ class ExpertKernels:
 
     def _plan(self, smem_block: int, smem_sm: int) -> None:
         t = self.tuning
-        gg, dg = _geom(self.qt_gu, self.d_model), _geom(self.qt_dn, self.d_ff)
-        extra = 1 if t.pair_tile_max > 1 else 0
         tbl = GRID_REPL_BYTES if t.grid_repl else GRID_SHARED_BYTES
 
-        def fit(qt, stg, warps, stages, blocks):
-            table = tbl if qt == _T.IQ3_S else 0
-            while True:
-                smem = table + warps * (stages + extra) * stg + 16
-                if smem <= smem_block and blocks * (smem + 1024) <= smem_sm:
-                    return warps, stages, blocks, smem
-                if blocks > 1:
-                    blocks -= 1
-                elif stages > 2:
-                    stages -= 1
-                elif warps > 1:
-                    warps //= 2
-                else:
-                    raise ValueError("rows too long for shared memory")
+        def fit(qt, fixed, stg, warps, stages, blocks):
+            smem = (tbl if qt == _T.IQ3_S else 0) + fixed + warps * stages * stg + 16
+            while stages > 1 and smem > smem_block:
+                stages -= 1
+                smem = (tbl if qt == _T.IQ3_S else 0) + fixed + warps * stages * stg + 16
+            if smem > smem_block:
+                raise ValueError(f"rows too long for shared memory ({smem} bytes per block)")
+            blocks = max(1, min(blocks, smem_sm // (smem + 1024)))
+            return stages, blocks, smem
 
-        self.gu_warps, self.gu_stages, self.gu_blocks, self.gu_smem = fit(
-            self.qt_gu, 2 * gg["chb"], t.gu_warps, t.gu_stages, t.gu_min_blocks)
-        self.dn_warps, self.dn_stages, self.dn_blocks, self.dn_smem = fit(
-            self.qt_dn, dg["chb"], t.dn_warps, t.dn_stages, t.dn_min_blocks)
+        gu_stg = 2 * _staged(self.qt_gu, self.d_model, 32 // t.gu_warps)
+        dn_stg = _staged(self.qt_dn, self.d_ff, t.dn_rows)
+        self.gu_warps, self.dn_warps = t.gu_warps, t.dn_warps
+        self.gu_stages, self.gu_blocks, self.gu_smem = fit(self.qt_gu, 256, gu_stg, t.gu_warps, t.gu_stages,
+                                                           t.gu_min_blocks)
+        self.dn_stages, self.dn_blocks, self.dn_smem = fit(self.qt_dn, 0, dn_stg, t.dn_warps, t.dn_stages,
+                                                           t.dn_min_blocks)
         self.gu_grid = self.n_sm * self.gu_blocks
         self.dn_grid = self.n_sm * self.dn_blocks
 
@@ -236,7 +232,7 @@ class ExpertKernels:
         with self._stream(stream):
             self._k_gu((self.gu_grid,), (self.gu_warps * 32,),
                        (np.uint64(pool_ptr), np.int64(self.slot_stride), pairs, n_pairs, np.int32(self.max_pairs),
-                        qa, da, self.grid, self.h, self.qh, self.dh, self.counters),
+                        qa, da, self.grid, self.h, self.qh, self.dh),
                        shared_mem=self.gu_smem)
 
     def run_down(self, pool_ptr: int, pairs, n_pairs, out, stream=None) -> None:
@@ -276,7 +272,3 @@ class ExpertKernels:
         with self._stream(stream):
             self._k_c(((n + 255) // 256,), (256,), (outputs, weights, out, np.int32(T), np.int32(K), np.int32(D)))
 
-    def reset(self, stream=None) -> None:
-        """Zero the group counters (only needed if a launch was aborted midway)."""
-        with self._stream(stream):
-            self.counters.fill(0)
