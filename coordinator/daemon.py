@@ -21,7 +21,7 @@ from coordinator.pool import CardPool
 from coordinator.runtime import RuntimeDir
 from protos import messages as M
 from protos.codec import FrameError, decode, encode, peek
-from stratad import sd_notify
+from stratad import sd_notify, threads
 from stratad.config import DaemonConfig
 from stratad.model.gguf_file import ModelFile
 from stratad.model.slot_layout import slot_bytes
@@ -88,7 +88,8 @@ class Coordinator:
             self.client_socks.append(self._tcp_socket())
         for p in self.rt.path.glob("*.sock"):
             p.chmod(0o600)
-        self.sup = Supervisor(self.cards, self._lane_argv, self.rt.shm_prefix, self.cfg.lane_timeout_s)
+        self.sup = Supervisor(self.cards, self._lane_argv, self.rt.shm_prefix, self.cfg.lane_timeout_s,
+                              threads.per_lane(self.cfg.cpu_threads, len(self.cards)))
         self.sup.start_all()
         log.info("model %s: %d layers x %d experts, slot %.2f MiB, %d slots per card (%s), %d cards %s",
                  self.model.path, c.n_layer, c.n_expert, self.slot_bytes / 2**20, self.n_slots,

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from protos import messages as M
 from stratad import shm
+from stratad.threads import env_with as threads_env
 
 log = logging.getLogger("stratad.coordinator")
 
@@ -44,14 +45,15 @@ class LaneHandle:
 
 
 class Supervisor:
-    def __init__(self, cards: list[str], argv_for, shm_prefix: str, timeout_s: float):
+    def __init__(self, cards: list[str], argv_for, shm_prefix: str, timeout_s: float, threads: int):
         self.lanes = [LaneHandle(i, c) for i, c in enumerate(cards)]
+        self.threads = threads
         self.argv_for = argv_for  # lane -> argv
         self.shm_prefix = shm_prefix
         self.timeout_s = timeout_s
 
     def start(self, h: LaneHandle) -> None:
-        h.proc = subprocess.Popen(self.argv_for(h), stdin=subprocess.DEVNULL, env=child_env())
+        h.proc = subprocess.Popen(self.argv_for(h), stdin=subprocess.DEVNULL, env=child_env(self.threads))
         h.pid, h.ready, h.req_id, h.last_seen = h.proc.pid, False, None, time.monotonic()
         h.set_role(M.Role.STARTING)
         log.info("lane %d (card %s) started, pid %d", h.lane, h.card, h.pid)
@@ -123,8 +125,9 @@ def lane_argv(h: LaneHandle, *, endpoint: str, model: str, model_hash: str, shm_
             "--context-length", str(context_length), "--heartbeat-s", str(heartbeat_s), "--log-level", log_level]
 
 
-def child_env() -> dict[str, str]:
-    """The daemon's environment minus systemd's notification variables: only the coordinator speaks to systemd."""
+def child_env(threads: int) -> dict[str, str]:
+    """The daemon's environment minus systemd's notification variables (only the coordinator speaks to systemd),
+    with each lane's compute threads capped so that lanes share the cores instead of oversubscribing them."""
     env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")}
     env.setdefault("PYTHONUNBUFFERED", "1")
-    return env
+    return threads_env(threads, env)

@@ -164,12 +164,15 @@ class Lane:
         before = self.card.counters.copy()
         finish = None
         gen = None
+        io_s = 0.0
         try:
             gen = self.gen = Generation(self.card, self.model.tokenizer, list(a.tokens), params,
                                         self.a.context_length, digest=a.digest)
             for tok, text in gen:
+                t0 = time.perf_counter()
                 self.send(M.TokenChunk(req_id=a.req_id, tokens=() if tok is None else (tok,), text=text))
                 self.poll_between_tokens()
+                io_s += time.perf_counter() - t0
             finish = gen.finish_reason
         except Cancelled:
             finish = "cancelled"
@@ -185,7 +188,8 @@ class Lane:
                 done = M.Done(req_id=a.req_id, finish_reason=finish, stats=M.RequestStats(
                     prompt_tokens=len(a.tokens), generated_tokens=gen.generated, ttft_s=gen.ttft_s,
                     decode_tok_s=gen.decode_tok_s, lane=self.lane, experts_card=used.card, experts_peer=used.peer,
-                    experts_cpu=used.cpu, logits_sha256=gen.digest.hexdigest() if gen.digest else None))
+                    experts_cpu=used.cpu, logits_sha256=gen.digest.hexdigest() if gen.digest else None,
+                    lane_io_s=io_s))
             self.beat(force=True)  # before Done: a status read right after the Done sees this request's figures
             if done is not None:
                 self.send(done)

@@ -106,6 +106,7 @@ class RequestStats(BaseModel):
     experts_peer: int = 0  # on other cards
     experts_cpu: int = 0  # on the CPU pool
     logits_sha256: str | None = None  # with Generate.digest
+    lane_io_s: float = 0.0  # time the lane spent on the daemon's messaging (sending chunks, reading control)
 
 
 class Done(_Msg):

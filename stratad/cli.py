@@ -77,7 +77,7 @@ def _bench(a) -> int:
     if a.scenario == "overhead":
         from stratad.bench import overhead
 
-        out = overhead.run(model, tokens=a.tokens, repeats=a.repeats)
+        out = overhead.run(model, tokens=a.tokens, repeats=a.repeats, threads=a.threads)
     else:
         print(f"error: scenario {a.scenario} needs GPU lanes, which this build does not have yet", file=sys.stderr)
         return 2
@@ -136,6 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--cache-dir", default=str(__import__("pathlib").Path.home() / ".cache" / "stratad"))
     b.add_argument("--tokens", type=int, default=128)
     b.add_argument("--repeats", type=int, default=5)
+    b.add_argument("--threads", type=int, default=1, help="compute threads of the lane and of the in-process side")
     b.add_argument("--json", help="also write the JSON here")
     b.set_defaults(fn=_bench)
     return p
