@@ -71,7 +71,7 @@ class DaemonConfig(BaseModel):
     heartbeat_s: float = Field(1.0, gt=0)
     lane_timeout_s: float = Field(30.0, gt=0, description="a lane silent this long is declared dead")
     stop_grace_s: float = Field(5.0, ge=0, description="on SIGTERM, how long in-flight requests may finish")
-    cpu_threads: int = Field(0, ge=0, description="CPU-pool threads per lane; 0: cores / lanes")
+    cpu_threads: int = Field(0, ge=0, description="compute threads per lane (CPU pool, numpy); 0: cores / lanes")
     profile: str | None = Field(None, description="expert profile: per-(layer, expert) counts, .npy")
     warmup_tokens: int = Field(256, ge=0, description="without a profile: routing warm-up tokens run by lane 0")
     tcp: str | None = Field(None, description="opt-in TCP listener, e.g. tcp://0.0.0.0:5555; needs CURVE keys")
