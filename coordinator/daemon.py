@@ -51,6 +51,7 @@ class Coordinator:
         self.rt = RuntimeDir(cfg.runtime_dir)
         self.t_start = time.time()
         self.stopping = False
+        self.exit_code = 0
         self.stop_deadline = 0.0
         self.ready_sent = False
         self.requests: dict[str, Request] = {}
@@ -175,11 +176,11 @@ class Coordinator:
                 sd_notify.notify("WATCHDOG=1")
                 last_wd = time.monotonic()
             if self.stopping and self._stop_step():
-                return 0
+                return self.exit_code
 
     def _tick(self) -> None:
         for h, why in self.sup.reap():
-            log.error("%s; restarting it", why)
+            log.error(h.failed or f"{why}; restarting it")
             if h.req_id and h.req_id in self.requests:
                 self._fail(self.requests[h.req_id], M.ErrorCode.LANE_FAILED,
                            f"{why} while serving this request; the lane is being restarted")
@@ -189,7 +190,11 @@ class Coordinator:
             self.sup.restart_due()
             self.pool.tick(time.monotonic())
             self._dispatch()
-        if not self.ready_sent and all(h.ready for h in self.sup.lanes):
+        if all(h.failed for h in self.sup.lanes):
+            log.error("no lane could be started; stopping")
+            self.exit_code = 3
+            self.request_stop()
+        if not self.ready_sent and all(h.ready or h.failed for h in self.sup.lanes):
             self.ready_sent = True
             sd_notify.notify(f"READY=1\nSTATUS=serving on {len(self.cards)} cards")
             log.info("ready: %d lanes up, clients at %s", len(self.cards), self.rt.client_endpoint)
@@ -397,7 +402,7 @@ class Coordinator:
     def status(self) -> M.Status:
         lanes = []
         for h in self.sup.lanes:
-            base = h.status or M.LaneStatus(lane=h.lane, card=h.card, role=h.role)
+            base = h.status or M.LaneStatus(lane=h.lane, card=h.card, role=h.role, failed=h.failed)
             role = self.pool.roles.role(h.lane) if h.ready else (M.Role.DOWN if h.proc is None else M.Role.STARTING)
             lanes.append(base.model_copy(update={"role": role, "pid": h.pid, "req_id": h.req_id,
                                                  "restarts": h.restarts,

@@ -16,6 +16,7 @@ from stratad.threads import env_with as threads_env
 log = logging.getLogger("stratad.coordinator")
 
 RESTART_BACKOFF_S = (0.0, 1.0, 2.0, 5.0, 10.0)
+MAX_START_FAILURES = 3  # a lane that dies this many times in a row before serving is given up on
 
 
 @dataclass
@@ -30,6 +31,8 @@ class LaneHandle:
     status: M.LaneStatus | None = None
     restarts: int = 0
     restart_at: float = 0.0  # when a dead lane may be started again
+    start_failures: int = 0  # deaths before becoming ready, in a row
+    failed: str | None = None  # why the lane was given up on
     pid: int = 0
 
     @property
@@ -84,11 +87,14 @@ class Supervisor:
                 h.proc.kill()
                 h.proc.wait()
             if why:
-                self.mark_dead(h)
+                self.mark_dead(h, why)
                 dead.append((h, why))
         return dead
 
-    def mark_dead(self, h: LaneHandle) -> None:
+    def mark_dead(self, h: LaneHandle, why: str = "") -> None:
+        h.start_failures = 0 if h.ready else h.start_failures + 1
+        if h.start_failures >= MAX_START_FAILURES:
+            h.failed = f"{why}; it failed to start {h.start_failures} times in a row, so it is not restarted"
         h.proc, h.ready = None, False
         h.set_role(M.Role.DOWN)
         h.status = None
@@ -99,7 +105,7 @@ class Supervisor:
     def restart_due(self) -> None:
         now = time.monotonic()
         for h in self.lanes:
-            if h.proc is None and h.role == M.Role.DOWN and now >= h.restart_at:
+            if h.proc is None and h.role == M.Role.DOWN and not h.failed and now >= h.restart_at:
                 self.start(h)
 
     def stop_all(self, timeout_s: float = 5.0) -> None:

@@ -142,6 +142,7 @@ class LaneStatus(BaseModel):
     epoch: int = 0  # the directory epoch of the lane's current view
     restarts: int = 0
     role_since: float = 0.0  # unix time of the last role change
+    failed: str | None = None  # why the coordinator gave up restarting this lane
 
 
 class CardStatus(BaseModel):

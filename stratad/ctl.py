@@ -26,6 +26,8 @@ def status_table(st) -> str:
                      f"{(ln.req_id or '-')[:14]:<14} {ln.tok_s:>7.1f} {_pct(ln.share_card):>6} "
                      f"{_pct(ln.share_peer):>6} {_pct(ln.share_cpu):>6}  {ln.slots_used:>5}/{ln.slots_total:<5} "
                      f"{ln.restarts:>8}")
+        if ln.failed:
+            lines.append(f"{'':>6}FAILED: {ln.failed}")
         if ln.share_by_peer:
             lines.append(f"{'':>6}peer work by card: " + ", ".join(f"card {c} {_pct(x).strip()}"
                                                                 for c, x in ln.share_by_peer))

@@ -334,3 +334,11 @@ def test_full_queue_is_refused_and_nothing_accepted_is_lost(tiny_model_path, tmp
             assert queued.result() is not None and queued.finish_reason in ("length", "stop")
     finally:
         d.stop()
+
+
+def test_lane_that_cannot_start_is_given_up_with_a_clear_error(tiny_model_path, tmp_path):
+    """A GPU card on a machine without one: the lane fails at start; after a few tries the daemon says why."""
+    r = run_serve(["--model", str(tiny_model_path), "--cards", "7", "--runtime-dir", str(tmp_path / "rt")], timeout=60)
+    assert r.returncode == 3
+    assert "failed to start 3 times" in r.stderr and "no lane could be started" in r.stderr
+    assert not list(shm.SHM_DIR.glob(shm.prefix_for(tmp_path / "rt").lstrip("/") + "*"))
