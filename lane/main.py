@@ -17,7 +17,8 @@ import time
 import numpy as np
 import zmq
 
-from lane.numpy_card import Counters, NumpyCard
+from lane.counters import Counters
+from lane.numpy_card import NumpyCard
 from lane.slot_pool import SlotPool
 from protos import messages as M
 from protos.codec import FrameError, decode, encode
@@ -100,21 +101,24 @@ class Lane:
 
     # ---- card -----------------------------------------------------------------------------------------------
     def build_card(self, placement: M.Placement) -> None:
-        if self.a.card != "cpu":
-            raise SystemExit(f"lane {self.lane}: GPU card {self.a.card} is not supported by this build yet")
-        n = placement.n_slots
-        name = f"{self.a.shm_prefix}lane{self.lane}-slots"
-        shm.unlink(name)  # a previous incarnation of this lane that was killed
-        seg = shm.Segment(name, max(1, n * slot_bytes(self.model)), create=True)
-        self.segments.append(seg)
-        pool = SlotPool(self.model, seg.array(), n)
-        pool.fill(list(placement.experts))
         c = self.model.config
         counts_name = f"{self.a.shm_prefix}lane{self.lane}-counts"
-        shm.unlink(counts_name)
+        shm.unlink(counts_name)  # a previous incarnation of this lane that was killed
         counts = shm.Segment(counts_name, c.n_layer * c.n_expert * 8, create=True)
         self.segments.append(counts)
-        self.card = NumpyCard(self.model, pool, counts.array(np.float64, shape=(c.n_layer, c.n_expert)))
+        live = counts.array(np.float64, shape=(c.n_layer, c.n_expert))
+        n = placement.n_slots
+        if self.a.card == "cpu":
+            name = f"{self.a.shm_prefix}lane{self.lane}-slots"
+            shm.unlink(name)
+            seg = shm.Segment(name, max(1, n * slot_bytes(self.model)), create=True)
+            self.segments.append(seg)
+            self.card = NumpyCard(self.model, SlotPool(self.model, seg.array(), n), live)
+        else:
+            from lane.cupy_card import CupyCard  # CUDA only where a GPU card is asked for
+
+            self.card = CupyCard(self.model, int(self.a.card), n, self.a.context_length, live, self.a.cpu_threads)
+        self.card.pool.fill(list(placement.experts))
         if placement.warmup_tokens:
             self.warm_up(placement.warmup_tokens)
 
@@ -237,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shm-prefix", required=True)
     p.add_argument("--context-length", type=int, required=True)
     p.add_argument("--heartbeat-s", type=float, default=1.0)
+    p.add_argument("--cpu-threads", type=int, default=0)
     p.add_argument("--startup-timeout-s", type=float, default=120.0)
     p.add_argument("--log-level", default="info")
     a = p.parse_args(argv)

@@ -7,10 +7,10 @@ from the arena. All run the canonical expert function: the output bits do not de
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass, field
 
 import numpy as np
 
+from lane.counters import Counters
 from lane.slot_pool import SlotPool
 from protos import messages as M
 from stratad import shm
@@ -19,36 +19,6 @@ from stratad.engine.reference import ReferenceEngine
 from stratad.model import quants
 from stratad.model.gguf_file import ModelFile
 from stratad.model.slot_layout import KINDS, expert_bytes, split_slot
-
-
-@dataclass
-class Counters:
-    card: int = 0
-    peer: int = 0
-    cpu: int = 0
-    by_peer: dict[int, int] = field(default_factory=dict)  # card -> experts computed there
-
-    def add(self, other: "Counters") -> None:
-        self.card += other.card
-        self.peer += other.peer
-        self.cpu += other.cpu
-        for c, n in other.by_peer.items():
-            self.by_peer[c] = self.by_peer.get(c, 0) + n
-
-    def minus(self, before: "Counters") -> "Counters":
-        return Counters(self.card - before.card, self.peer - before.peer, self.cpu - before.cpu,
-                        {c: n - before.by_peer.get(c, 0) for c, n in self.by_peer.items()})
-
-    def copy(self) -> "Counters":
-        return Counters(self.card, self.peer, self.cpu, dict(self.by_peer))
-
-    @property
-    def total(self) -> int:
-        return self.card + self.peer + self.cpu
-
-    def shares(self) -> tuple[float, float, float]:
-        t = self.total or 1
-        return self.card / t, self.peer / t, self.cpu / t
 
 
 class PeerCard:

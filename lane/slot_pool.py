@@ -1,7 +1,8 @@
 """A card's expert cache: fixed-size slots, each one expert's raw GGUF bytes (gate rows, up rows, down rows).
 
 The table maps (layer, expert) -> slot (or -1). The bytes live wherever the card keeps them: a shared-memory
-segment for a CPU card (so that other lanes can read them, as GPU lanes open a peer's VRAM through CUDA IPC).
+segment for a CPU card (so that other lanes can read them, as GPU lanes open a peer's VRAM through CUDA IPC), a
+CuPy array in VRAM for a GPU card (the buffer only needs numpy-style slicing and assignment from host arrays).
 """
 from __future__ import annotations
 
@@ -17,8 +18,7 @@ class SlotPool:
         self.model = model
         self.slot_bytes = slot_bytes(model)
         self.n_slots = n_slots
-        self.data = buffer[: n_slots * self.slot_bytes].reshape(n_slots, self.slot_bytes) if n_slots else \
-            np.zeros((0, self.slot_bytes), np.uint8)
+        self.data = buffer[: max(1, n_slots) * self.slot_bytes].reshape(-1, self.slot_bytes)
         self.table = np.full((c.n_layer, c.n_expert), -1, np.int32)
         self.holds = np.full((n_slots, 2), -1, np.int32)  # slot -> (layer, expert)
         self.loads = 0  # experts copied in since start (initial fill and swaps)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Iterator, Protocol
 
 import numpy as np
+from threadpoolctl import ThreadpoolController
 
 from stratad.engine import canonical
 from stratad.engine.generation import Generation
@@ -18,6 +19,7 @@ from stratad.model import quants
 from stratad.model.gguf_file import ModelFile
 
 F32 = np.float32
+_BLAS = ThreadpoolController()
 
 
 def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
@@ -194,6 +196,12 @@ class ReferenceEngine:
 
     def forward(self, tokens, kv: KVCache, logits: str = "last", trace: Trace | None = None) -> np.ndarray:
         """Run new tokens (appended to kv). logits: "last" (1, vocab), "all" (T, vocab) or "none"."""
+        # a multi-threaded BLAS splits sums differently with its thread count: one thread keeps the bits the
+        # same in every process (lanes, the reference in a test), whatever the machine's cores
+        with _BLAS.limit(limits=1, user_api="blas"):
+            return self._forward(tokens, kv, logits, trace)
+
+    def _forward(self, tokens, kv: KVCache, logits: str, trace: Trace | None) -> np.ndarray:
         tokens = np.asarray(tokens, np.int64)
         x = self.embed(tokens)
         for i in range(self.c.n_layer):

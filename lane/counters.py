@@ -1,0 +1,34 @@
+"""Where a lane's expert work ran: its own card, each peer card, the CPU pool."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Counters:
+    card: int = 0
+    peer: int = 0
+    cpu: int = 0
+    by_peer: dict[int, int] = field(default_factory=dict)  # card -> experts computed there
+
+    def add(self, other: "Counters") -> None:
+        self.card += other.card
+        self.peer += other.peer
+        self.cpu += other.cpu
+        for c, n in other.by_peer.items():
+            self.by_peer[c] = self.by_peer.get(c, 0) + n
+
+    def minus(self, before: "Counters") -> "Counters":
+        return Counters(self.card - before.card, self.peer - before.peer, self.cpu - before.cpu,
+                        {c: n - before.by_peer.get(c, 0) for c, n in self.by_peer.items()})
+
+    def copy(self) -> "Counters":
+        return Counters(self.card, self.peer, self.cpu, dict(self.by_peer))
+
+    @property
+    def total(self) -> int:
+        return self.card + self.peer + self.cpu
+
+    def shares(self) -> tuple[float, float, float]:
+        t = self.total or 1
+        return self.card / t, self.peer / t, self.cpu / t
