@@ -28,7 +28,8 @@ class GpuKV:
     def __init__(self, card: "CupyCard"):
         self.card = card
         self.length = 0
-        card.pos.fill(0)
+        with card.device, card.stream:
+            card.pos.fill(0)
 
 
 class CupyCard:
@@ -40,7 +41,8 @@ class CupyCard:
         self.model = model
         self.device = cp.cuda.Device(device)
         self.device.use()
-        self.stream = cp.cuda.Stream(non_blocking=True)
+        # a blocking stream: slot loads issued on the default stream between tokens are ordered before compute
+        self.stream = cp.cuda.Stream()
         self.max_ctx = -(-min(context_length, c.context_length) // 64) * 64
         self.counters = Counters()
         self.counts = counts if counts is not None else np.zeros((c.n_layer, c.n_expert))
@@ -67,7 +69,7 @@ class CupyCard:
         self.rope = D.RopeTable(self.max_ctx, c.head_dim, c.rope_base)
         self.attn = D.DecodeAttention(c.n_head, c.n_head_kv, c.head_dim, self.max_ctx, max_T=PREFILL_CHUNK)
         self.pos = cp.zeros((1,), cp.int32)
-        self.pool = SlotPool(model, cp.zeros(max(1, n_slots) * slot_bytes(model), cp.uint8), n_slots)
+        self.pool = SlotPool(model, cp.zeros(max(1, n_slots) * slot_bytes(model), cp.uint8), n_slots, cp.asarray)
         self.experts = GpuExperts(model, self.pool, PREFILL_CHUNK, cpu_threads, self.stream)
 
     # ---- the Card interface ---------------------------------------------------------------------------------

@@ -7,6 +7,8 @@ are combined in router order on the card.
 """
 from __future__ import annotations
 
+import os
+
 import cupy as cp
 import numpy as np
 
@@ -30,7 +32,7 @@ class GpuExperts:
             if key not in self.kernels:
                 self.kernels[key] = ExpertKernels(c.d_model, c.d_ff_expert, key[0], key[1], max_pairs,
                                                   slot_stride=pool.slot_bytes)
-        self.cpu = CpuPool(cpu_threads)
+        self.cpu = CpuPool(cpu_threads or os.cpu_count() or 1)
         self.qa = cp.empty((max_tokens, c.d_model), cp.int8)
         self.da = cp.empty((max_tokens, c.d_model // 32), cp.float32)
         self.pairs = cp.zeros((max_pairs, 2), cp.int32)
@@ -47,23 +49,23 @@ class GpuExperts:
         kern = self.kernels[(self.model.expert_type(layer, "gate"), self.model.expert_type(layer, "down"))]
         with self.stream:
             kern.quantize(h, self.qa[:T], self.da[:T], stream=self.stream)
-            host_ids = cp.asnumpy(ids, stream=self.stream)  # the one sync of the layer
+            host_ids = cp.asnumpy(ids, stream=self.stream)  # the layer's one wait for the card
         np.add.at(counts[layer], host_ids.reshape(-1), 1.0)
         slots = self.pool.table[layer][host_ids]  # (T, k)
-        on_card = slots >= 0
+        on_card, miss = slots >= 0, slots < 0
+        n_card, n_cpu = int(on_card.sum()), int(miss.sum())
         tok = np.repeat(np.arange(T, dtype=np.int32), k).reshape(T, k)
-        card_pairs = np.stack([tok[on_card], slots[on_card]], axis=1).astype(np.int32)
-        n_card = len(card_pairs)
         with self.stream:
-            if n_card:
-                self.pairs[:n_card].set(card_pairs, stream=self.stream)
-                self.n_pairs.set(np.array([n_card], np.int32), stream=self.stream)
-                kern.run(self.pool.data.data.ptr, self.pairs, self.n_pairs, self.qa, self.da, self.rows, stream=self.stream)
-            miss = ~on_card
-            n_cpu = int(miss.sum())
-            if n_cpu:  # overlaps the card's kernels
+            if n_cpu:  # the quantised input comes down before the card's own experts are queued
                 qa = cp.asnumpy(self.qa[:T], stream=self.stream).reshape(T, -1, 32)
                 da = cp.asnumpy(self.da[:T], stream=self.stream)
+            if n_card:
+                card_pairs = np.stack([tok[on_card], slots[on_card]], axis=1).astype(np.int32)
+                self.pairs[:n_card].set(card_pairs, stream=self.stream)
+                self.n_pairs.set(np.array([n_card], np.int32), stream=self.stream)
+                kern.run(self.pool.data.data.ptr, self.pairs, self.n_pairs, self.qa, self.da, self.rows,
+                         stream=self.stream)
+            if n_cpu:  # runs while the card computes its own experts
                 cpu_pairs = np.stack([tok[miss], host_ids[miss]], axis=1).astype(np.int32)
                 cpu_rows = self.cpu.run(LayerJobs.from_model(self.model, layer, cpu_pairs, qa, da))
             out = self.outputs[:T]

@@ -13,7 +13,8 @@ from stratad.model.slot_layout import expert_bytes, slot_bytes, split_slot
 
 
 class SlotPool:
-    def __init__(self, model: ModelFile, buffer: np.ndarray, n_slots: int):
+    def __init__(self, model: ModelFile, buffer, n_slots: int, asarray=np.asarray):
+        """buffer: numpy (shared memory) or cupy (VRAM) bytes; asarray moves host bytes to where buffer is."""
         c = model.config
         self.model = model
         self.slot_bytes = slot_bytes(model)
@@ -22,6 +23,7 @@ class SlotPool:
         self.table = np.full((c.n_layer, c.n_expert), -1, np.int32)
         self.holds = np.full((n_slots, 2), -1, np.int32)  # slot -> (layer, expert)
         self.loads = 0  # experts copied in since start (initial fill and swaps)
+        self.asarray = asarray
 
     @property
     def used(self) -> int:
@@ -32,11 +34,8 @@ class SlotPool:
         old_l, old_e = self.holds[slot]
         if old_l >= 0:
             self.table[old_l, old_e] = -1
-        off = 0
-        for part in expert_bytes(self.model, layer, e):
-            flat = part.reshape(-1)
-            self.data[slot, off:off + flat.size] = flat
-            off += flat.size
+        raw = np.concatenate([part.reshape(-1) for part in expert_bytes(self.model, layer, e)])
+        self.data[slot, : raw.size] = self.asarray(raw)
         self.holds[slot] = (layer, e)
         self.table[layer, e] = slot
         self.loads += 1

@@ -74,14 +74,21 @@ def _bench(a) -> int:
         if not Path(model).exists():
             Path(a.cache_dir).mkdir(parents=True, exist_ok=True)
             make_model(model, a.preset, a.expert_quant, "Q8_0", a.router_skew, 0)
+    gpu = a.scenario == "engine"
     if a.scenario == "overhead":
         from stratad.bench import overhead
 
         out = overhead.run(model, tokens=a.tokens, repeats=a.repeats, threads=a.threads)
+    elif a.scenario == "engine":
+        from stratad.bench import engine
+
+        out = engine.run(model, fractions=[float(x) for x in a.fractions.split(",")],
+                         contexts=[int(x) for x in a.contexts.split(",")], tokens=a.tokens)
     else:
-        print(f"error: scenario {a.scenario} needs GPU lanes, which this build does not have yet", file=sys.stderr)
+        print("error: the seed scenario needs GPU lanes with peer computation (CUDA IPC), not built yet",
+              file=sys.stderr)
         return 2
-    out = {"date": datetime.date.today().isoformat(), "hardware": hardware.describe(gpu=False)} | out
+    out = {"date": datetime.date.today().isoformat(), "hardware": hardware.describe(gpu=gpu)} | out
     text = json.dumps(out, indent=2)
     if a.json:
         with open(a.json, "w") as f:
@@ -137,6 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--tokens", type=int, default=128)
     b.add_argument("--repeats", type=int, default=5)
     b.add_argument("--threads", type=int, default=1, help="compute threads of the lane and of the in-process side")
+    b.add_argument("--fractions", default="1.0,0.5,0.25", help="engine: expert-cache fractions")
+    b.add_argument("--contexts", default="1024", help="engine: prompt lengths")
     b.add_argument("--json", help="also write the JSON here")
     b.set_defaults(fn=_bench)
     return p

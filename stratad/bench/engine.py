@@ -1,0 +1,93 @@
+"""One lane's engine on one GPU card: prompt reading and decode speed at several expert-cache fractions.
+
+The floor of a decode token is the bytes it must move (the routed experts' weights + every dense matrix + the
+context's KV) over the card's measured copy bandwidth; experts computed on the CPU pool move over host memory
+instead, so the floor here counts card-resident expert bytes only and the CPU share is reported beside it.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import psutil
+
+from stratad.engine.generation import Generation
+from stratad.engine.sampling import SamplingParams
+from stratad.model.gguf_file import ModelFile
+from stratad.model.slot_layout import KINDS
+
+
+def copy_bandwidth(cp, nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy, bytes read + written per second (best of several)."""
+    a = cp.ones(nbytes // 4, cp.float32)
+    b = cp.empty_like(a)
+    best = float("inf")
+    for _ in range(6):
+        s, e = cp.cuda.Event(), cp.cuda.Event()
+        s.record()
+        b[...] = a
+        e.record()
+        e.synchronize()
+        best = min(best, cp.cuda.get_elapsed_time(s, e) / 1e3)
+    del a, b
+    return 2 * nbytes / best
+
+
+def _bytes_per_token(model: ModelFile, context: int, resident_share: float) -> int:
+    c = model.config
+    expert = sum(model.expert_raw(0, k, 0).nbytes for k in KINDS)
+    dense = sum(ti.nbytes for name, ti in model.tensors.items() if "_exps" not in name and name != "token_embd.weight")
+    kv = c.n_layer * context * c.kv_dim * 2 * 2  # fp16 K and V
+    return int(c.n_layer * c.n_expert_used * expert * resident_share + dense + kv)
+
+
+def run(model_path: str, fractions=(1.0, 0.5, 0.25), contexts=(1024,), tokens: int = 128) -> dict:
+    import cupy as cp
+
+    from lane.cupy_card import CupyCard
+
+    model = ModelFile(model_path)
+    c = model.config
+    bw = copy_bandwidth(cp)
+    total = c.n_layer * c.n_expert
+    results = []
+    warm = model.tokenizer.encode(model.tokenizer.apply_chat_template([{"role": "user", "content": "warm up"}]))
+    for frac in fractions:
+        n_slots = int(frac * total)
+        card = CupyCard(model, 0, n_slots, max(contexts) + tokens + 64)
+        # routing profile of this model: the card's own counts after a warm-up pass with every expert on the CPU
+        card.forward(warm * 8, card.new_kv(), logits="none")
+        order = np.lexsort((np.arange(total), -card.counts.reshape(-1)))
+        card.pool.fill([(int(i // c.n_expert), int(i % c.n_expert)) for i in order[:n_slots]])
+        for ctx in contexts:
+            rng = np.random.default_rng(ctx)
+            prompt = list(rng.integers(0, 2000, size=ctx))
+            card.forward(prompt[:64], card.new_kv(), logits="none")  # compile / warm
+            before = (card.counters.card, card.counters.cpu)
+            cp.cuda.runtime.deviceSynchronize()
+            t0 = time.perf_counter()
+            kv = card.new_kv()
+            card.forward(prompt, kv, logits="last")
+            t_prefill = time.perf_counter() - t0
+            g = Generation(card, model.tokenizer, prompt, SamplingParams(max_tokens=tokens), ctx + tokens + 64)
+            n = sum(1 for t, _ in g if t is not None)
+            on_card, on_cpu = card.counters.card - before[0], card.counters.cpu - before[1]
+            share = on_card / max(1, on_card + on_cpu)
+            floor_s = _bytes_per_token(model, ctx, share) / bw
+            tps = g.decode_tok_s
+            free, total_mem = cp.cuda.runtime.memGetInfo()
+            results.append({
+                "cache_fraction": frac, "context": ctx, "generated": n,
+                "prefill_tok_s": round(ctx / t_prefill, 1), "ttft_s": round(g.ttft_s, 4),
+                "decode_tok_s": round(tps, 1), "hit_rate": round(share, 4), "cpu_share": round(1 - share, 4),
+                "floor_ms_per_token": round(floor_s * 1e3, 4),
+                "floor_tok_s": round(1 / floor_s, 1), "fraction_of_floor": round(tps * floor_s, 4),
+                "vram_used_gib": round((total_mem - free) / 2**30, 2),
+                "host_rss_gib": round(psutil.Process().memory_info().rss / 2**30, 2),
+            })
+            print(results[-1], flush=True)
+        del card
+        cp.get_default_memory_pool().free_all_blocks()
+    return {"scenario": "engine", "model": str(model_path), "copy_bandwidth_tb_s": round(bw / 1e12, 3),
+            "floor": "bytes per decode token (card-resident routed experts + dense + KV) / copy bandwidth",
+            "results": results}
