@@ -1,0 +1,1333 @@
+// stratad dense-path GPU kernels (one sequence): mat-vec / batched GEMM over GGUF rows, RMSNorm, fused q/k
+// RMSNorm + RoPE + KV append, split-K decode attention + combine, router (softmax -> top-k), argmax, top-k/top-p
+// sampling and embedding lookup. Wrappers and numpy references: dense.py beside this file.
+//
+// All activations are float32. Nothing reads a host-side, data-dependent size: positions / lengths / tokens are
+// read from device memory, grids are fixed, so every launch can be captured in a CUDA graph and replayed.
+//
+// Exactness notes (what is bit-identical to the numpy reference, and why):
+//  * rms_norm: numpy's float32 mean is a pairwise sum (8 accumulators over leaves of <= 128 values, leaves
+//    combined as a binary tree); we evaluate the same tree (host passes the leaf plan), then /n, +eps, sqrt,
+//    x/s, *w are single IEEE operations (explicit .rn PTX) -> bit-identical to reference.rms_norm.
+//  * rope: cos/sin come from a host table computed exactly like reference.rope; a*cos - b*sin is two .rn
+//    multiplies and one .rn subtract as numpy does -> q after norm+rope is bit-identical.
+//  * embed: dequantisation (f16 * int8 in f32 is exact) -> bit-identical to quants.dequantize.
+//  * matvec / GEMM / attention / softmax: float32 (or fp16 tensor-core) sums in another order than BLAS/numpy:
+//    measured tolerances in docs/perf-notes.md.
+//
+// GGML type numbers: F32 = 0, F16 = 1, Q8_0 = 8 (34-byte blocks {f16 d, int8 q[32]}), BF16 = 30.
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned char u8;
+typedef long long i64;
+typedef unsigned long long u64;
+
+#define QT_F32 0
+#define QT_F16 1
+#define QT_Q8_0 8
+#define QT_BF16 30
+
+#define NEG_INF __int_as_float(0xff800000)
+
+// ---- exact float helpers (explicit rounding; --fmad cannot touch them) --------------------------------------
+__device__ __forceinline__ float f_add(float a, float b) { float r; asm("add.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r; }
+__device__ __forceinline__ float f_sub(float a, float b) { float r; asm("sub.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r; }
+__device__ __forceinline__ float f_mul(float a, float b) { float r; asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r; }
+__device__ __forceinline__ float f_div(float a, float b) { float r; asm("div.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r; }
+__device__ __forceinline__ float f_sqrt(float a) { float r; asm("sqrt.rn.f32 %0, %1;" : "=f"(r) : "f"(a)); return r; }
+__device__ __forceinline__ float f_fma(float a, float b, float c) { float r; asm("fma.rn.f32 %0, %1, %2, %3;" : "=f"(r) : "f"(a), "f"(b), "f"(c)); return r; }
+__device__ __forceinline__ float f_ex2(float a) { float r; asm("ex2.approx.f32 %0, %1;" : "=f"(r) : "f"(a)); return r; }
+__device__ __forceinline__ float h2f(u16 h) { float r; asm("cvt.f32.f16 %0, %1;" : "=f"(r) : "h"(h)); return r; }
+__device__ __forceinline__ u16 f2h(float f) { u16 r; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(f)); return r; }
+__device__ __forceinline__ u16 f2bf(float f) { u16 r; asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f)); return r; }
+__device__ __forceinline__ float bf2f(u32 b) { return __int_as_float(b << 16); }
+// pack two floats into f16x2: lo in bits 0..15
+__device__ __forceinline__ u32 pack_h2(float lo, float hi) { u32 r; asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo)); return r; }
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 s) { u32 r; asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(s)); return r; }
+__device__ __forceinline__ u32 shf_r_clamp(u32 lo, u32 hi, u32 sh) { u32 r; asm("shf.r.clamp.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(lo), "r"(hi), "r"(sh)); return r; }
+
+// streaming 16-byte load of weights (read once: keep L1 for the activations)
+__device__ __forceinline__ uint4 ld_stream(const void* p) {
+    uint4 r;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    return r;
+}
+__device__ __forceinline__ uint2 ld_nc_u2(const void* p) {
+    uint2 r;
+    asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(p));
+    return r;
+}
+__device__ __forceinline__ void st_shared_v4(u32 addr, uint4 v) {
+    asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w));
+}
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u32 r;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"((u64)p));
+    return r;
+}
+
+// int8 lane k of word u (already xor 0x80808080) as an exact float: 2^23 + (q + 128) - (2^23 + 128)
+#define MAGIC_BIAS 8388736.0f
+__device__ __forceinline__ float i8f(u32 u, u32 k) { return f_sub(__int_as_float(prmt(u, 0x4B000000u, 0x7440u + k)), MAGIC_BIAS); }
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = f_add(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// one element (col) of a row in any dense type (slow paths: fallback mat-vec, GEMM tile loads, embed)
+__device__ __forceinline__ float load_elem(int qt, const u8* row, int col) {
+    if (qt == QT_Q8_0) {
+        const u8* b = row + (col >> 5) * 34;
+        u16 d = (u16)b[0] | ((u16)b[1] << 8);
+        return f_mul(h2f(d), (float)(signed char)b[2 + (col & 31)]);
+    } else if (qt == QT_F16) {
+        const u16* p = (const u16*)row;
+        return h2f(p[col]);
+    } else if (qt == QT_BF16) {
+        const u16* p = (const u16*)row;
+        return bf2f(p[col]);
+    }
+    return ((const float*)row)[col];
+}
+
+// =============================================================================================================
+// 1. mat-vec  y[r] = sum_c W[r, c] x[c] (+ res[r])
+// Block = 8 warps. A warp owns R rows (its "row group"); KS warps of a block split a row group's K dimension
+// (tiles round-robin) and are summed in shared memory in warp order (deterministic). Loads are 16-byte,
+// coalesced, several tiles in flight per warp (R * U = 4 row-tiles for Q8_0, 8 for the float types).
+// Q8_0 rows (34-byte blocks, 2-byte aligned quants) stream through a per-warp cp.async ring in shared memory
+// (tile = 32 blocks = 1088 bytes = 68 x 16 B; 8 row-tiles in flight per warp; launch with Q8_SMEM_BYTES of
+// dynamic shared memory), then lane l dots block l of a tile; needs row_bytes % 16 == 0 (cols % 256 == 0).
+// Float types read 16-byte chunks straight into registers (tile = 32 lanes * 16 bytes); row_bytes % 16 == 0.
+// y and res may alias (in-place residual add).
+// =============================================================================================================
+#define MV_WARPS 8
+#define Q8_TILE_BYTES 1088
+
+template <int R, int KS>
+__device__ __forceinline__ void mv_finish(float (&acc)[R], int rg, int rows, const float* res, float* y) {
+    __shared__ float red[MV_WARPS][R];
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[r] = warp_sum(acc[r]);
+    if (KS > 1) {
+        if (lane == 0) {
+#pragma unroll
+            for (int r = 0; r < R; ++r) red[w][r] = acc[r];
+        }
+        __syncthreads();
+        if ((w % KS) != 0) return;
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            float s = red[w][r];
+            for (int k = 1; k < KS; ++k) s = f_add(s, red[w + k][r]);
+            acc[r] = s;
+        }
+    }
+    if (lane == 0) {
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            int row = rg * R + r;
+            if (row < rows) y[row] = res ? f_add(acc[r], res[row]) : acc[r];
+        }
+    }
+}
+
+__device__ __forceinline__ void cp_async16(u32 saddr, const void* g) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(saddr), "l"(g) : "memory");
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+
+// Q8_0: a warp's items are (its R rows) x (one tile of 32 blocks); P = 8/R items in flight through a cp.async
+// ring in (dynamic) shared memory: 8 warps x 8 row-tiles x 1088 bytes = 69632 bytes per block.
+#define Q8_RING_TILES 8
+#define Q8_SMEM_BYTES (MV_WARPS * Q8_RING_TILES * Q8_TILE_BYTES)
+template <int R, int KS, int V>
+__device__ __forceinline__ void matvec_q8_0_body(const u8* __restrict__ W, int rows, int nb, i64 row_bytes,
+                                                 const float* __restrict__ x, const float* res, float* y) {
+    constexpr int P = Q8_RING_TILES / R;
+    extern __shared__ __align__(16) u8 q8_ring[];
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    const int rg = blockIdx.x * (MV_WARPS / KS) + w / KS;
+    const int ks = w % KS;
+    const int ntiles = (nb + 31) >> 5;
+    const int nitems = ks < ntiles ? (ntiles - ks + KS - 1) / KS : 0;
+    float acc[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[r] = 0.f;
+    u8* st = q8_ring + w * (Q8_RING_TILES * Q8_TILE_BYTES);
+    const u32 st_addr = smem_addr(st);
+
+    auto issue = [&](int i) {
+        if (i < nitems) {
+            const int tile = ks + i * KS;
+            const int nch = min(32, nb - tile * 32) * 34 / 16;
+            const u32 sb = st_addr + (i % P) * (R * Q8_TILE_BYTES);
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                const int row = rg * R + r;
+                if (row < rows) {
+                    const u8* src = W + (i64)row * row_bytes + (i64)tile * Q8_TILE_BYTES;
+#pragma unroll
+                    for (int c = 0; c < 3; ++c) {
+                        const int ch = lane + 32 * c;
+                        if (ch < nch) cp_async16(sb + r * Q8_TILE_BYTES + ch * 16, src + ch * 16);
+                    }
+                }
+            }
+        }
+        cp_commit();  // one group per item, empty past the end, so wait_group counts stay uniform
+    };
+#pragma unroll
+    for (int i = 0; i < P - 1; ++i) issue(i);
+    for (int i = 0; i < nitems; ++i) {
+        issue(i + P - 1);
+        cp_wait<P - 1>();
+        __syncwarp();
+        const int tile = ks + i * KS;
+        const int nbt = min(32, nb - tile * 32);
+        const u8* sbv = st + (i % P) * (R * Q8_TILE_BYTES);
+        if (V == 2) {
+            // 4 lanes per block, 8 values each: a warp step covers 8 blocks and its x reads are 1 KB contiguous
+            const int bl = lane >> 2, sub = lane & 3;
+#pragma unroll
+            for (int st4 = 0; st4 < 4; ++st4) {
+                const int b = st4 * 8 + bl;
+                if (b < nbt) {
+                    const float4* xp = (const float4*)(x + ((i64)tile * 32 + b) * 32 + 8 * sub);
+                    const float4 x0 = __ldg(xp), x1 = __ldg(xp + 1);
+#pragma unroll
+                    for (int r = 0; r < R; ++r) {
+                        const u32 boff = r * Q8_TILE_BYTES + 34 * b;
+                        const float d = h2f(*(const u16*)(sbv + boff));
+                        const u32 qoff = boff + 2 + 8 * sub;
+                        const u32* wp = (const u32*)(sbv + (qoff & ~3u));
+                        const u32 sh = 8 * (qoff & 3u);
+                        const u32 w0 = wp[0], w1 = wp[1];
+                        const u32 w2 = sh ? wp[2] : 0u;
+                        const u32 qa = shf_r_clamp(w0, w1, sh) ^ 0x80808080u;
+                        const u32 qb = shf_r_clamp(w1, w2, sh) ^ 0x80808080u;
+                        float a0 = f_mul(x0.x, i8f(qa, 0));
+                        float a1 = f_mul(x0.y, i8f(qa, 1));
+                        a0 = f_fma(x0.z, i8f(qa, 2), a0);
+                        a1 = f_fma(x0.w, i8f(qa, 3), a1);
+                        a0 = f_fma(x1.x, i8f(qb, 0), a0);
+                        a1 = f_fma(x1.y, i8f(qb, 1), a1);
+                        a0 = f_fma(x1.z, i8f(qb, 2), a0);
+                        a1 = f_fma(x1.w, i8f(qb, 3), a1);
+                        acc[r] = f_fma(d, f_add(a0, a1), acc[r]);
+                    }
+                }
+            }
+        } else if (lane < nbt) {
+            const float4* xp = (const float4*)(x + ((i64)tile * 32 + lane) * 32);
+            float4 xv[8];
+#pragma unroll
+            for (int j = 0; j < 8; ++j) xv[j] = __ldg(xp + j);
+            const u8* sb = sbv;
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                const u32 boff = r * Q8_TILE_BYTES + 34 * lane;
+                const u32* wp = (const u32*)(sb + (boff & ~3u));
+                const u32 s = boff & 3u;  // 0 or 2
+                u32 wd[9];
+#pragma unroll
+                for (int j = 0; j < 9; ++j) wd[j] = wp[j];
+                const float d = h2f((u16)(s ? (wd[0] >> 16) : (wd[0] & 0xffffu)));
+                const u32 sh = 8 * (s + 2);
+                float a0 = 0.f, a1 = 0.f;
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    const u32 q = shf_r_clamp(wd[j], wd[j + 1], sh) ^ 0x80808080u;
+                    const float4 xx = xv[j];
+                    a0 = f_fma(xx.x, i8f(q, 0), a0);
+                    a1 = f_fma(xx.y, i8f(q, 1), a1);
+                    a0 = f_fma(xx.z, i8f(q, 2), a0);
+                    a1 = f_fma(xx.w, i8f(q, 3), a1);
+                }
+                acc[r] = f_fma(d, f_add(a0, a1), acc[r]);
+            }
+        }
+        __syncwarp();  // stage i % P is refilled by the next iteration's issue
+    }
+    cp_wait<0>();
+    mv_finish<R, KS>(acc, rg, rows, res, y);
+}
+
+template <int QT, int R, int KS>
+__device__ __forceinline__ void matvec_float_body(const u8* __restrict__ W, int rows, int nchunk, i64 row_bytes,
+                                                  const float* __restrict__ x, const float* res, float* y) {
+    constexpr int U = 8 / R;
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    const int rg = blockIdx.x * (MV_WARPS / KS) + w / KS;
+    const int ks = w % KS;
+    const int ntiles = (nchunk + 31) >> 5;
+    float acc[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[r] = 0.f;
+    for (int it = ks; it < ntiles; it += KS * U) {
+        uint4 v[U][R];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int ch = (it + u * KS) * 32 + lane;
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                const int row = rg * R + r;
+                if (row < rows && ch < nchunk) v[u][r] = ld_stream(W + (i64)row * row_bytes + (i64)ch * 16);
+                else v[u][r] = make_uint4(0, 0, 0, 0);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int ch = (it + u * KS) * 32 + lane;
+            if (ch < nchunk) {
+                if (QT == QT_F32) {
+                    const float4 xx = __ldg((const float4*)x + ch);
+#pragma unroll
+                    for (int r = 0; r < R; ++r) {
+                        float a = acc[r];
+                        a = f_fma(xx.x, __int_as_float(v[u][r].x), a);
+                        a = f_fma(xx.y, __int_as_float(v[u][r].y), a);
+                        a = f_fma(xx.z, __int_as_float(v[u][r].z), a);
+                        a = f_fma(xx.w, __int_as_float(v[u][r].w), a);
+                        acc[r] = a;
+                    }
+                } else {
+                    const float4 x0 = __ldg((const float4*)x + 2 * ch), x1 = __ldg((const float4*)x + 2 * ch + 1);
+#pragma unroll
+                    for (int r = 0; r < R; ++r) {
+                        const uint4 q = v[u][r];
+                        float a = acc[r], b = 0.f;
+                        if (QT == QT_F16) {
+                            a = f_fma(x0.x, h2f((u16)(q.x & 0xffff)), a); b = f_fma(x0.y, h2f((u16)(q.x >> 16)), b);
+                            a = f_fma(x0.z, h2f((u16)(q.y & 0xffff)), a); b = f_fma(x0.w, h2f((u16)(q.y >> 16)), b);
+                            a = f_fma(x1.x, h2f((u16)(q.z & 0xffff)), a); b = f_fma(x1.y, h2f((u16)(q.z >> 16)), b);
+                            a = f_fma(x1.z, h2f((u16)(q.w & 0xffff)), a); b = f_fma(x1.w, h2f((u16)(q.w >> 16)), b);
+                        } else {
+                            a = f_fma(x0.x, __int_as_float(q.x << 16), a); b = f_fma(x0.y, __int_as_float(q.x & 0xffff0000u), b);
+                            a = f_fma(x0.z, __int_as_float(q.y << 16), a); b = f_fma(x0.w, __int_as_float(q.y & 0xffff0000u), b);
+                            a = f_fma(x1.x, __int_as_float(q.z << 16), a); b = f_fma(x1.y, __int_as_float(q.z & 0xffff0000u), b);
+                            a = f_fma(x1.z, __int_as_float(q.w << 16), a); b = f_fma(x1.w, __int_as_float(q.w & 0xffff0000u), b);
+                        }
+                        acc[r] = f_add(a, b);
+                    }
+                }
+            }
+        }
+    }
+    mv_finish<R, KS>(acc, rg, rows, res, y);
+}
+
+// ncu: Q8_0 -> blocks per row; float types -> 16-byte chunks per row
+#define MV_INST(NAME, QT, R, KS, QV)                                                                                \
+    extern "C" __global__ void __launch_bounds__(256, (QT == QT_Q8_0 ? 3 : 1)) NAME(const u8* __restrict__ W, int rows, int ncu,           \
+                                                           i64 row_bytes, const float* __restrict__ x,            \
+                                                           const float* res, float* y) {                          \
+        if (QT == QT_Q8_0) matvec_q8_0_body<R, KS, QV>(W, rows, ncu, row_bytes, x, res, y);                      \
+        else matvec_float_body<QT, R, KS>(W, rows, ncu, row_bytes, x, res, y);                                   \
+    }
+#define MV_PLANS(QN, QT, QV)                                                                                      \
+    MV_INST(matvec_##QN##_r4_k1, QT, 4, 1, QV)                                                                    \
+    MV_INST(matvec_##QN##_r2_k1, QT, 2, 1, QV)                                                                    \
+    MV_INST(matvec_##QN##_r1_k1, QT, 1, 1, QV)                                                                    \
+    MV_INST(matvec_##QN##_r1_k2, QT, 1, 2, QV)                                                                    \
+    MV_INST(matvec_##QN##_r1_k4, QT, 1, 4, QV)                                                                    \
+    MV_INST(matvec_##QN##_r1_k8, QT, 1, 8, QV)
+MV_PLANS(q8_0, QT_Q8_0, 2)    // Q8_0, 4 lanes per block (coalesced activation reads)
+MV_PLANS(q8_0v1, QT_Q8_0, 1)  // Q8_0, one lane per block (the first version)
+MV_PLANS(f16, QT_F16, 0)
+MV_PLANS(bf16, QT_BF16, 0)
+MV_PLANS(f32, QT_F32, 0)
+
+// any shape (unaligned rows, cols not a multiple of the fast paths' granules): one warp per row, scalar loads
+extern "C" __global__ void __launch_bounds__(256) matvec_generic(const u8* __restrict__ W, int qt, int rows, int cols,
+                                                                 i64 row_bytes, const float* __restrict__ x,
+                                                                 const float* res, float* y) {
+    const int lane = threadIdx.x & 31;
+    const int row = blockIdx.x * 8 + (threadIdx.x >> 5);
+    if (row >= rows) return;
+    const u8* rp = W + (i64)row * row_bytes;
+    float a = 0.f;
+    for (int c = lane; c < cols; c += 32) a = f_fma(load_elem(qt, rp, c), x[c], a);
+    a = warp_sum(a);
+    if (lane == 0) y[row] = res ? f_add(a, res[row]) : a;
+}
+
+// =============================================================================================================
+// 1b. batched: Y[t, r] = sum_c X[t, c] W[r, c] (+ res[t, r]), float32 SIMT GEMM (64 tokens x 64 rows per block,
+// K step 32, 4x4 per thread). The accurate path; dense.py also offers cuBLAS on dequantised fp16/bf16/f32 tiles.
+// Needs cols % 32 == 0.
+// =============================================================================================================
+#define GB 64
+#define GK 32
+extern "C" __global__ void __launch_bounds__(256) gemm_f32(const u8* __restrict__ W, int qt, int rows, int cols,
+                                                           i64 row_bytes, const float* __restrict__ X, i64 ldx, int T,
+                                                           const float* res, i64 ldr, float* Y, i64 ldy) {
+    __shared__ __align__(16) float As[GK][GB + 4];  // X tile, k-major
+    __shared__ __align__(16) float Bs[GK][GB + 4];  // W tile, k-major
+    const int tid = threadIdx.x, tx = tid & 15, ty = tid >> 4;
+    const int t0 = blockIdx.y * GB, r0 = blockIdx.x * GB;
+    float acc[4][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[i][j] = 0.f;
+    for (int k0 = 0; k0 < cols; k0 += GK) {
+        // X tile: 64 tokens x 32 cols = 512 float4, 2 per thread
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int idx = tid + 256 * h, tok = idx >> 3, c4 = idx & 7;
+            float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (t0 + tok < T) v = *(const float4*)(X + (i64)(t0 + tok) * ldx + k0 + 4 * c4);
+            As[4 * c4 + 0][tok] = v.x; As[4 * c4 + 1][tok] = v.y; As[4 * c4 + 2][tok] = v.z; As[4 * c4 + 3][tok] = v.w;
+        }
+        // W tile: 64 rows x 32 cols, thread = (row, 8 cols)
+        {
+            const int rr = tid >> 2, p = tid & 3, row = r0 + rr;
+            float v[8];
+            if (row < rows) {
+                const u8* rp = W + (i64)row * row_bytes;
+                if (qt == QT_Q8_0) {
+                    const u8* b = rp + (k0 >> 5) * 34;
+                    const float d = h2f((u16)b[0] | ((u16)b[1] << 8));
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) v[i] = f_mul(d, (float)(signed char)b[2 + 8 * p + i]);
+                } else if (qt == QT_F32) {
+                    const float4* fp = (const float4*)(rp + (i64)(k0 + 8 * p) * 4);
+                    float4 a = fp[0], c = fp[1];
+                    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = c.x; v[5] = c.y; v[6] = c.z; v[7] = c.w;
+                } else {
+                    const uint4 q = *(const uint4*)(rp + (i64)(k0 + 8 * p) * 2);
+                    const u32 wv[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        if (qt == QT_F16) { v[2 * i] = h2f((u16)(wv[i] & 0xffff)); v[2 * i + 1] = h2f((u16)(wv[i] >> 16)); }
+                        else { v[2 * i] = __int_as_float(wv[i] << 16); v[2 * i + 1] = __int_as_float(wv[i] & 0xffff0000u); }
+                    }
+                }
+            } else {
+#pragma unroll
+                for (int i = 0; i < 8; ++i) v[i] = 0.f;
+            }
+#pragma unroll
+            for (int i = 0; i < 8; ++i) Bs[8 * p + i][rr] = v[i];
+        }
+        __syncthreads();
+#pragma unroll 8
+        for (int k = 0; k < GK; ++k) {
+            const float4 a = *(const float4*)&As[k][ty * 4];
+            const float4 b = *(const float4*)&Bs[k][tx * 4];
+            const float av[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+#pragma unroll
+                for (int j = 0; j < 4; ++j) acc[i][j] = f_fma(av[i], bv[j], acc[i][j]);
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int t = t0 + ty * 4 + i;
+        if (t >= T) continue;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int r = r0 + tx * 4 + j;
+            if (r < rows) Y[(i64)t * ldy + r] = res ? f_add(acc[i][j], res[(i64)t * ldr + r]) : acc[i][j];
+        }
+    }
+}
+
+// dequantise rows to f16 (out_t 1), bf16 (30) or f32 (0); 8 consecutive elements per thread (cols % 8 == 0)
+extern "C" __global__ void dequant_rows(const u8* __restrict__ W, int qt, int rows, int cols, i64 row_bytes,
+                                        void* out, int out_t) {
+    const i64 g = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    const int gpr = cols >> 3;
+    if (g >= (i64)rows * gpr) return;
+    const int row = (int)(g / gpr), c0 = (int)(g % gpr) * 8;
+    const u8* rp = W + (i64)row * row_bytes;
+    float v[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = load_elem(qt, rp, c0 + i);
+    const i64 o = (i64)row * cols + c0;
+    if (out_t == QT_F32) {
+        float4* op = (float4*)((float*)out + o);
+        op[0] = make_float4(v[0], v[1], v[2], v[3]);
+        op[1] = make_float4(v[4], v[5], v[6], v[7]);
+    } else {
+        u32 h[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+            h[i] = out_t == QT_F16 ? pack_h2(v[2 * i], v[2 * i + 1])
+                                   : ((u32)f2bf(v[2 * i]) | ((u32)f2bf(v[2 * i + 1]) << 16));
+        *(uint4*)((u16*)out + o) = make_uint4(h[0], h[1], h[2], h[3]);
+    }
+}
+
+// float32 -> f16 / bf16 (n % 2 == 0)
+extern "C" __global__ void convert_f32(const float* __restrict__ x, i64 n, void* out, int out_t) {
+    const i64 i = ((i64)blockIdx.x * blockDim.x + threadIdx.x) * 2;
+    if (i >= n) return;
+    const float a = x[i], b = x[i + 1];
+    ((u32*)out)[i >> 1] = out_t == QT_F16 ? pack_h2(a, b) : ((u32)f2bf(a) | ((u32)f2bf(b) << 16));
+}
+
+// =============================================================================================================
+// 2. RMSNorm, numpy's exact summation tree.
+// numpy's float32 add.reduce over a contiguous row of n values (pairwise_sum): n < 8: sequential from 0;
+// n <= 128: 8 accumulators r[j] = a[j] + a[j+8] + ... over the first n - n%8 values, then
+// ((r0+r1)+(r2+r3))+((r4+r5)+(r6+r7)), then the n%8 leftovers sequentially; n > 128: split at
+// n2 = n/2 - (n/2)%8 and add the two halves' sums. The host passes that tree as NL equal leaves of L values
+// (NL a power of two, L <= 128); mode 0 = generic (not numpy's order) for other n.
+// =============================================================================================================
+
+// pairwise sum of squares of one leaf of L <= 128 values, by the 8 lanes j0..j0+7 of a warp (j = lane & 7).
+// returns the leaf sum in every one of those 8 lanes
+__device__ __forceinline__ float leaf_sq_sum(const float* a, int L, int j) {
+    if (L < 8) {
+        float s = 0.f;
+        for (int i = 0; i < L; ++i) s = f_add(s, f_mul(a[i], a[i]));
+        return s;
+    }
+    const int m = L - (L & 7);
+    float r = f_mul(a[j], a[j]);
+    for (int i = j + 8; i < m; i += 8) r = f_add(r, f_mul(a[i], a[i]));
+    r = f_add(r, __shfl_xor_sync(0xffffffffu, r, 1));
+    r = f_add(r, __shfl_xor_sync(0xffffffffu, r, 2));
+    r = f_add(r, __shfl_xor_sync(0xffffffffu, r, 4));
+    for (int i = m; i < L; ++i) r = f_add(r, f_mul(a[i], a[i]));
+    return r;
+}
+
+// rows of x (ldx apart) -> y (ldy apart). blockDim >= max(256, NL*8), multiple of 32. With `staged`, the row is
+// first copied with w to dynamic shared memory (8n bytes) by coalesced loads, so the summation chains wait on shared
+// memory, not on global latency.
+extern "C" __global__ void __launch_bounds__(1024) rms_norm_rows(const float* x, i64 ldx, const float* __restrict__ w,
+                                                                 float* y, i64 ldy, int n, int L, int NL, float eps,
+                                                                 int staged) {
+    extern __shared__ float xs[];
+    __shared__ float part[32];
+    __shared__ float s_inv;
+    const float* xg = x + (i64)blockIdx.x * ldx;
+    float* yr = y + (i64)blockIdx.x * ldy;
+    const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5, nw = blockDim.x >> 5;
+    if (staged) {  // x and w: one round of independent loads
+        for (int i = tid; i < n; i += blockDim.x) {
+            xs[i] = xg[i];
+            xs[n + i] = w[i];
+        }
+        __syncthreads();
+    }
+    const float* xr = staged ? xs : xg;
+    const float* wr = staged ? xs + n : w;
+    float sum;
+    if (L > 0) {
+        const int leaf = tid >> 3;
+        // every lane takes part in the shuffles (leaves past NL compute a copy of the last one, then drop it)
+        float s = leaf_sq_sum(xr + (i64)min(leaf, NL - 1) * L, L, lane & 7);
+        if (leaf >= NL) s = 0.f;
+        // leaves in a warp: lanes 0, 8, 16, 24 -> (l0+l1)+(l2+l3)
+        if (NL >= 2) s = f_add(s, __shfl_xor_sync(0xffffffffu, s, 8));
+        if (NL >= 4) s = f_add(s, __shfl_xor_sync(0xffffffffu, s, 16));
+        const int nwl = (NL + 3) >> 2;  // warps holding leaves
+        if (lane == 0 && wid < nwl) part[wid] = s;
+        __syncthreads();
+        if (wid == 0) {
+            float v = lane < nwl ? part[lane] : 0.f;
+            for (int o = 1; o < nwl; o <<= 1) {
+                const float u = __shfl_xor_sync(0xffffffffu, v, o);
+                v = f_add(v, u);
+            }
+            if (lane == 0) part[0] = v;
+        }
+        __syncthreads();
+        sum = part[0];
+    } else {
+        float s = 0.f;
+        for (int i = tid; i < n; i += blockDim.x) s = f_add(s, f_mul(xr[i], xr[i]));
+        s = warp_sum(s);
+        if (lane == 0) part[wid] = s;
+        __syncthreads();
+        if (wid == 0) {
+            float v = lane < nw ? part[lane] : 0.f;
+            v = warp_sum(v);
+            if (lane == 0) part[0] = v;
+        }
+        __syncthreads();
+        sum = part[0];
+    }
+    if (tid == 0) s_inv = f_sqrt(f_add(f_div(sum, (float)n), eps));
+    __syncthreads();
+    const float s = s_inv;
+    for (int i = tid; i < n; i += blockDim.x) yr[i] = f_mul(f_div(xr[i], s), wr[i]);
+}
+
+// =============================================================================================================
+// 3. fused per-head q/k RMSNorm + NEOX RoPE + KV append, T tokens at positions pos[0] + t.
+// qkv: (T, ld) rows = [q (n_head*hd) | k (n_kv*hd) | v (n_kv*hd)]. One warp per (token, head); heads
+// [0, n_head) are q (-> q_out (T, n_head, hd) f32), [n_head, n_head+n_kv) k (-> K cache), then v (-> V cache).
+// K cache (one layer): (n_kv, max_ctx, hd) f16.  V cache: transposed, (n_kv, hd, max_ctx) f16.
+// cos/sin tables: (max_ctx, hd/2) f32. hd <= 256, even.
+// =============================================================================================================
+__device__ __forceinline__ float head_sq_sum(const float* a, int n, int lane) {
+    // numpy pairwise order for n <= 256: one leaf (n <= 128) or two leaves split at n2
+    if (n <= 128) return __shfl_sync(0xffffffffu, leaf_sq_sum(a, n, lane & 7), 0);
+    int n2 = n >> 1;
+    n2 -= n2 & 7;
+    const float s0 = leaf_sq_sum(a, n2, lane & 7);
+    const float s1 = leaf_sq_sum(a + n2, n - n2, lane & 7);
+    return f_add(__shfl_sync(0xffffffffu, s0, 0), __shfl_sync(0xffffffffu, s1, 0));
+}
+
+extern "C" __global__ void __launch_bounds__(128) qk_norm_rope_kv(
+    const float* __restrict__ qkv, i64 ld, int T, const float* __restrict__ qnw, const float* __restrict__ knw,
+    float eps, const float* __restrict__ cos_t, const float* __restrict__ sin_t, const int* __restrict__ pos_p,
+    float* __restrict__ q_out, u16* __restrict__ kc, u16* __restrict__ vc, int n_head, int n_kv, int hd,
+    int max_ctx) {
+    const int lane = threadIdx.x & 31;
+    const int hh = blockIdx.x * 4 + (threadIdx.x >> 5);
+    const int t = blockIdx.y;
+    if (hh >= n_head + 2 * n_kv || t >= T) return;
+    __shared__ float hs[4][256];
+    const float* xg = qkv + (i64)t * ld + (i64)hh * hd;
+    float* x = hs[threadIdx.x >> 5];
+    for (int d = lane; d < hd; d += 32) x[d] = xg[d];
+    const int pos = pos_p[0] + t;
+    __syncwarp();
+    const int half = hd >> 1;
+    if (hh >= n_head + n_kv) {  // v: plain f16 copy into V^T
+        if (pos >= max_ctx) return;
+        const int kv = hh - n_head - n_kv;
+        for (int d = lane; d < hd; d += 32) vc[((i64)kv * hd + d) * max_ctx + pos] = f2h(x[d]);
+        return;
+    }
+    const bool is_q = hh < n_head;
+    const float* wn = is_q ? qnw : knw;
+    const int pc = min(pos, max_ctx - 1);
+    const float* ct = cos_t + (i64)pc * half;
+    const float* stb = sin_t + (i64)pc * half;
+    float wa[4], wb[4], cv[4], sv[4];  // prefetched before the norm (hd <= 256: <= 4 pairs per lane)
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+        const int i = lane + 32 * m;
+        if (i < half) { wa[m] = wn[i]; wb[m] = wn[i + half]; cv[m] = ct[i]; sv[m] = stb[i]; }
+    }
+    const float sum = head_sq_sum(x, hd, lane);
+    const float s = f_sqrt(f_add(f_div(sum, (float)hd), eps));
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+        const int i = lane + 32 * m;
+        if (i >= half) break;
+        const float a = f_mul(f_div(x[i], s), wa[m]);
+        const float b = f_mul(f_div(x[i + half], s), wb[m]);
+        const float c = cv[m], sn = sv[m];
+        const float oa = f_sub(f_mul(a, c), f_mul(b, sn));
+        const float ob = f_add(f_mul(b, c), f_mul(a, sn));
+        if (is_q) {
+            float* qo = q_out + ((i64)t * n_head + hh) * hd;
+            qo[i] = oa;
+            qo[i + half] = ob;
+        } else if (pos < max_ctx) {
+            u16* ko = kc + ((i64)(hh - n_head) * max_ctx + pos) * hd;
+            ko[i] = f2h(oa);
+            ko[i + half] = f2h(ob);
+        }
+    }
+}
+
+// pos[0] += T (end of a captured decode step)
+extern "C" __global__ void advance_pos(int* pos, int T) {
+    if (threadIdx.x == 0 && blockIdx.x == 0) pos[0] += T;
+}
+
+// =============================================================================================================
+// 4. decode attention, split-K ("flash decoding") on fp16 tensor cores (mma.m16n8k16, fp32 accumulate).
+// Grid (nsplit, n_kv, T), 4 warps per block. Token t attends to positions [0, pos[0] + t] of its kv head.
+// chunk = roundup64(max(chunk_min, ceil(len / nsplit))), block s covers [s*chunk, min(len, (s+1)*chunk));
+// blocks past ceil(len / chunk) exit. Warp w takes 16-position tiles w, w+4, ... of the block's range.
+//  S (heads x 8 positions) = Q (16 head rows: the group's heads, zero-padded) K^T: the k (head-dim) index is
+//  permuted identically in Q and K so that each thread loads whole 16-byte chunks of K rows; the positions of
+//  the two 8-column S tiles are interleaved so that the S accumulators become the P A-fragments of
+//  O (heads x hd) = P V, and each thread's B-fragment of V^T is 4 consecutive positions (8 bytes).
+// Online softmax in base 2 (scores * log2(e)/sqrt(hd)), P rounded to f16 and l summed from the rounded values.
+// The block merges its 4 warps and writes one partial (m, l, O unnormalised) per (t, kv head, split, head).
+// =============================================================================================================
+__device__ __forceinline__ void mma16816(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void attn_split_geom(int len, int nsplit, int chunk_min, int& chunk, int& nact) {
+    int c = (len + nsplit - 1) / nsplit;
+    c = max(c, chunk_min);
+    c = (c + 63) & ~63;
+    chunk = c;
+    nact = (len + c - 1) / c;
+}
+
+__device__ __forceinline__ u32 uget(const uint4& v, int m) { return m == 0 ? v.x : m == 1 ? v.y : m == 2 ? v.z : v.w; }
+
+template <int HD, bool G16, bool PIPE>
+__device__ __forceinline__ void attn_split_body(const float* __restrict__ q, const u16* __restrict__ kc,
+                                                const u16* __restrict__ vc, const int* __restrict__ pos_p, int n_head,
+                                                int n_kv, int max_ctx, int nsplit, int chunk_min, float scale_log2,
+                                                float* __restrict__ part_o, float* __restrict__ part_ml) {
+    constexpr int NJ = HD / 32;   // 16-byte chunks of a K row per thread
+    constexpr int KS = HD / 16;   // k-steps of QK^T
+    constexpr int NDT = HD / 8;   // dim tiles of PV
+    constexpr int ROWS = G16 ? 16 : 8;
+    __shared__ float sm_o[4][ROWS][HD];
+    __shared__ float sm_m[4][ROWS], sm_l[4][ROWS];
+
+    const int s = blockIdx.x, kvh = blockIdx.y, t = blockIdx.z;
+    const int group = n_head / n_kv;
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    const int g = lane >> 2, tq = lane & 3;
+
+    // ---- Q fragments (f16, permuted k) ----
+    u32 qa[KS][2], qb[KS][2];
+    {
+        const float* q0 = q + ((i64)t * n_head + (i64)kvh * group + g) * HD;
+        const float* q8 = q + ((i64)t * n_head + (i64)kvh * group + g + 8) * HD;
+        const bool v0 = g < group, v8 = G16 && (g + 8 < group);
+#pragma unroll
+        for (int ks = 0; ks < KS; ++ks) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int L = 2 * ks + e, j = L >> 2, m = L & 3;
+                const int d = 8 * (tq + 4 * j) + 2 * m;
+                qa[ks][e] = v0 ? pack_h2(q0[d], q0[d + 1]) : 0u;
+                qb[ks][e] = v8 ? pack_h2(q8[d], q8[d + 1]) : 0u;
+            }
+        }
+    }
+
+    // the position is read after the q loads were issued (independent latencies overlap)
+    int len = pos_p[0] + t + 1;
+    len = min(len, max_ctx);
+    int chunk, nact;
+    attn_split_geom(len, nsplit, chunk_min, chunk, nact);
+    if (s >= nact) return;
+    const int start = s * chunk, end = min(len, start + chunk);
+    const int ntile = (end - start + 15) >> 4;
+
+    float o[NDT][4];
+#pragma unroll
+    for (int i = 0; i < NDT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+    float m0 = NEG_INF, m8 = NEG_INF, l0 = 0.f, l8 = 0.f;
+
+    const u16* kbase = kc + (i64)kvh * max_ctx * HD;
+    const u16* vbase = vc + (i64)kvh * HD * max_ctx;
+
+    // ---- loads of one tile: K rows for the two S tiles, V^T 4 positions x NDT dims ----
+    auto load_tile = [&](int it, uint4 (&k)[2][NJ], uint2 (&v)[NDT]) {
+        const int p0 = start + 16 * it;
+#pragma unroll
+        for (int si = 0; si < 2; ++si) {
+            const int p = p0 + 4 * (g >> 1) + 2 * si + (g & 1);
+            const u16* kr = kbase + (i64)p * HD;
+#pragma unroll
+            for (int j = 0; j < NJ; ++j) k[si][j] = ld_stream(kr + 8 * (tq + 4 * j));
+        }
+#pragma unroll
+        for (int dt = 0; dt < NDT; ++dt) v[dt] = ld_nc_u2(vbase + (i64)(dt * 8 + g) * max_ctx + p0 + 4 * tq);
+    };
+    uint4 kv[2][NJ];
+    uint2 vv[NDT];
+    if (PIPE && w < ntile) load_tile(w, kv, vv);
+    for (int it = w; it < ntile; it += 4) {
+        const int p0 = start + 16 * it;
+        uint4 kn[2][NJ];
+        uint2 vn[NDT];
+        if (PIPE) {
+            if (it + 4 < ntile) load_tile(it + 4, kn, vn);  // next tile in flight while this one computes
+        } else {
+            load_tile(it, kv, vv);
+        }
+
+        // ---- S = Q K^T ----
+        float sc[2][4];
+#pragma unroll
+        for (int si = 0; si < 2; ++si) {
+            sc[si][0] = sc[si][1] = sc[si][2] = sc[si][3] = 0.f;
+#pragma unroll
+            for (int ks = 0; ks < KS; ++ks) {
+                const int j = ks >> 1, m = 2 * (ks & 1);
+                mma16816(sc[si], qa[ks][0], qb[ks][0], qa[ks][1], qb[ks][1], uget(kv[si][j], m), uget(kv[si][j], m + 1));
+            }
+        }
+        // ---- online softmax ----
+        float mx0 = NEG_INF, mx8 = NEG_INF;
+#pragma unroll
+        for (int si = 0; si < 2; ++si) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int p = p0 + 4 * tq + 2 * si + e;
+                const bool ok = p < end;
+                sc[si][e] = ok ? f_mul(sc[si][e], scale_log2) : NEG_INF;
+                sc[si][2 + e] = ok ? f_mul(sc[si][2 + e], scale_log2) : NEG_INF;
+                mx0 = fmaxf(mx0, sc[si][e]);
+                mx8 = fmaxf(mx8, sc[si][2 + e]);
+            }
+        }
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+        mx8 = fmaxf(mx8, __shfl_xor_sync(0xffffffffu, mx8, 1));
+        mx8 = fmaxf(mx8, __shfl_xor_sync(0xffffffffu, mx8, 2));
+        const float mn0 = fmaxf(m0, mx0), mn8 = fmaxf(m8, mx8);
+        const float al0 = f_ex2(f_sub(m0, mn0)), al8 = f_ex2(f_sub(m8, mn8));
+        m0 = mn0;
+        m8 = mn8;
+        u32 pa[2][2];  // [si][row half]: f16x2 of P
+        float ps0 = 0.f, ps8 = 0.f;
+#pragma unroll
+        for (int si = 0; si < 2; ++si) {
+            const u32 h0 = pack_h2(f_ex2(f_sub(sc[si][0], mn0)), f_ex2(f_sub(sc[si][1], mn0)));
+            const u32 h8 = pack_h2(f_ex2(f_sub(sc[si][2], mn8)), f_ex2(f_sub(sc[si][3], mn8)));
+            pa[si][0] = h0;
+            pa[si][1] = h8;
+            ps0 = f_add(ps0, f_add(h2f((u16)(h0 & 0xffff)), h2f((u16)(h0 >> 16))));
+            ps8 = f_add(ps8, f_add(h2f((u16)(h8 & 0xffff)), h2f((u16)(h8 >> 16))));
+        }
+        l0 = f_fma(l0, al0, ps0);
+        l8 = f_fma(l8, al8, ps8);
+        // ---- mask V past the end (cache contents there are arbitrary) ----
+        if (p0 + 16 > end) {
+            const int pb = p0 + 4 * tq;
+#pragma unroll
+            for (int dt = 0; dt < NDT; ++dt) {
+                if (pb + 0 >= end) vv[dt].x &= 0xffff0000u;
+                if (pb + 1 >= end) vv[dt].x &= 0x0000ffffu;
+                if (pb + 2 >= end) vv[dt].y &= 0xffff0000u;
+                if (pb + 3 >= end) vv[dt].y &= 0x0000ffffu;
+            }
+        }
+        // ---- O = O * alpha + P V ----
+#pragma unroll
+        for (int dt = 0; dt < NDT; ++dt) {
+            o[dt][0] = f_mul(o[dt][0], al0);
+            o[dt][1] = f_mul(o[dt][1], al0);
+            o[dt][2] = f_mul(o[dt][2], al8);
+            o[dt][3] = f_mul(o[dt][3], al8);
+            mma16816(o[dt], pa[0][0], pa[0][1], pa[1][0], pa[1][1], vv[dt].x, vv[dt].y);
+        }
+        if (PIPE) {
+#pragma unroll
+            for (int si = 0; si < 2; ++si)
+#pragma unroll
+                for (int j = 0; j < NJ; ++j) kv[si][j] = kn[si][j];
+#pragma unroll
+            for (int dt = 0; dt < NDT; ++dt) vv[dt] = vn[dt];
+        }
+    }
+    // ---- merge the 4 warps ----
+    l0 = f_add(l0, __shfl_xor_sync(0xffffffffu, l0, 1));
+    l0 = f_add(l0, __shfl_xor_sync(0xffffffffu, l0, 2));
+    l8 = f_add(l8, __shfl_xor_sync(0xffffffffu, l8, 1));
+    l8 = f_add(l8, __shfl_xor_sync(0xffffffffu, l8, 2));
+#pragma unroll
+    for (int dt = 0; dt < NDT; ++dt) {
+        sm_o[w][g][dt * 8 + 2 * tq] = o[dt][0];
+        sm_o[w][g][dt * 8 + 2 * tq + 1] = o[dt][1];
+        if (G16) {
+            sm_o[w][(g + 8) % ROWS][dt * 8 + 2 * tq] = o[dt][2];
+            sm_o[w][(g + 8) % ROWS][dt * 8 + 2 * tq + 1] = o[dt][3];
+        }
+    }
+    if (tq == 0) {
+        sm_m[w][g] = m0;
+        sm_l[w][g] = l0;
+        if (G16) {
+            sm_m[w][(g + 8) % ROWS] = m8;
+            sm_l[w][(g + 8) % ROWS] = l8;
+        }
+    }
+    __syncthreads();
+    const i64 pbase = (((i64)t * n_kv + kvh) * nsplit + s) * group;
+    for (int idx = threadIdx.x; idx < group * HD; idx += blockDim.x) {
+        const int h = idx / HD, d = idx % HD;
+        float M = sm_m[0][h];
+#pragma unroll
+        for (int ww = 1; ww < 4; ++ww) M = fmaxf(M, sm_m[ww][h]);
+        float acc = 0.f, lsum = 0.f;
+#pragma unroll
+        for (int ww = 0; ww < 4; ++ww) {
+            const float f = f_ex2(f_sub(sm_m[ww][h], M));
+            acc = f_fma(f, sm_o[ww][h][d], acc);
+            lsum = f_fma(f, sm_l[ww][h], lsum);
+        }
+        part_o[(pbase + h) * HD + d] = acc;
+        if (d == 0) {
+            part_ml[(pbase + h) * 2] = M;
+            part_ml[(pbase + h) * 2 + 1] = lsum;
+        }
+    }
+}
+
+#define ATTN_INST(HD, G16, PIPE, NAME)                                                                            \
+    extern "C" __global__ void __launch_bounds__(128) NAME(                                                       \
+        const float* __restrict__ q, const u16* __restrict__ kc, const u16* __restrict__ vc,                     \
+        const int* __restrict__ pos_p, int n_head, int n_kv, int max_ctx, int nsplit, int chunk_min,             \
+        float scale_log2, float* __restrict__ part_o, float* __restrict__ part_ml) {                             \
+        attn_split_body<HD, G16, PIPE>(q, kc, vc, pos_p, n_head, n_kv, max_ctx, nsplit, chunk_min, scale_log2,    \
+                                       part_o, part_ml);                                                          \
+    }
+ATTN_INST(64, false, false, attn_split_hd64_g8)
+ATTN_INST(64, true, false, attn_split_hd64_g16)
+ATTN_INST(128, false, false, attn_split_hd128_g8)
+ATTN_INST(128, true, false, attn_split_hd128_g16)
+ATTN_INST(64, false, true, attn_split_hd64_g8_pipe)
+ATTN_INST(64, true, true, attn_split_hd64_g16_pipe)
+ATTN_INST(128, false, true, attn_split_hd128_g8_pipe)
+ATTN_INST(128, true, true, attn_split_hd128_g16_pipe)
+
+// combine the splits: grid (n_head, T), block = 128 threads; out (T, n_head, hd) f32. Thread = (split group,
+// float4 of the head): 128 / (hd/4) groups stride over the splits, 4 loads in flight each, then summed in order.
+extern "C" __global__ void __launch_bounds__(128) attn_combine(const float* __restrict__ part_o,
+                                                               const float* __restrict__ part_ml,
+                                                               const int* __restrict__ pos_p, int n_head, int n_kv,
+                                                               int hd, int max_ctx, int nsplit, int chunk_min,
+                                                               float* __restrict__ out) {
+    extern __shared__ float wts[];  // nsplit
+    __shared__ float red[4];
+    __shared__ float s_M, s_L;
+    __shared__ float4 accs[128];
+    const int h = blockIdx.x, t = blockIdx.y, tid = threadIdx.x, lane = tid & 31, wid = tid >> 5;
+    const int group = n_head / n_kv, kvh = h / group, hj = h % group;
+    int len = min(pos_p[0] + t + 1, max_ctx);
+    int chunk, nact;
+    attn_split_geom(len, nsplit, chunk_min, chunk, nact);
+    const i64 base = ((i64)t * n_kv + kvh) * nsplit * group + hj;  // + s * group
+    float M = NEG_INF;
+    for (int s = tid; s < nact; s += blockDim.x) M = fmaxf(M, part_ml[(base + (i64)s * group) * 2]);
+    M = warp_max(M);
+    if (lane == 0) red[wid] = M;
+    __syncthreads();
+    if (tid == 0) s_M = fmaxf(fmaxf(red[0], red[1]), fmaxf(red[2], red[3]));
+    __syncthreads();
+    M = s_M;
+    float L = 0.f;
+    for (int s = tid; s < nact; s += blockDim.x) {
+        const float f = f_ex2(f_sub(part_ml[(base + (i64)s * group) * 2], M));
+        wts[s] = f;
+        L = f_fma(f, part_ml[(base + (i64)s * group) * 2 + 1], L);
+    }
+    L = warp_sum(L);
+    __syncthreads();
+    if (lane == 0) red[wid] = L;
+    __syncthreads();
+    if (tid == 0) s_L = f_add(f_add(red[0], red[1]), f_add(red[2], red[3]));
+    __syncthreads();
+    const float inv = f_div(1.f, s_L);
+    const int V4 = hd >> 2, SG = blockDim.x / V4;
+    const int c = tid % V4, sg = tid / V4;
+    float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+    const float* po = part_o + base * hd + 4 * c;
+    const i64 step = (i64)group * hd;
+    int s = sg;
+    for (; s + 3 * SG < nact; s += 4 * SG) {  // 4 independent loads in flight
+        const float4 v0 = *(const float4*)(po + s * step);
+        const float4 v1 = *(const float4*)(po + (s + SG) * step);
+        const float4 v2 = *(const float4*)(po + (s + 2 * SG) * step);
+        const float4 v3 = *(const float4*)(po + (s + 3 * SG) * step);
+        const float f0 = wts[s], f1 = wts[s + SG], f2 = wts[s + 2 * SG], f3 = wts[s + 3 * SG];
+        a0 = f_fma(f0, v0.x, a0); a1 = f_fma(f0, v0.y, a1); a2 = f_fma(f0, v0.z, a2); a3 = f_fma(f0, v0.w, a3);
+        a0 = f_fma(f1, v1.x, a0); a1 = f_fma(f1, v1.y, a1); a2 = f_fma(f1, v1.z, a2); a3 = f_fma(f1, v1.w, a3);
+        a0 = f_fma(f2, v2.x, a0); a1 = f_fma(f2, v2.y, a1); a2 = f_fma(f2, v2.z, a2); a3 = f_fma(f2, v2.w, a3);
+        a0 = f_fma(f3, v3.x, a0); a1 = f_fma(f3, v3.y, a1); a2 = f_fma(f3, v3.z, a2); a3 = f_fma(f3, v3.w, a3);
+    }
+    for (; s < nact; s += SG) {
+        const float4 v = *(const float4*)(po + s * step);
+        const float f = wts[s];
+        a0 = f_fma(f, v.x, a0); a1 = f_fma(f, v.y, a1); a2 = f_fma(f, v.z, a2); a3 = f_fma(f, v.w, a3);
+    }
+    accs[tid] = make_float4(a0, a1, a2, a3);
+    __syncthreads();
+    if (tid < V4) {
+        float4 r = accs[tid];
+        for (int k = 1; k < SG; ++k) {
+            const float4 u = accs[k * V4 + tid];
+            r.x = f_add(r.x, u.x); r.y = f_add(r.y, u.y); r.z = f_add(r.z, u.z); r.w = f_add(r.w, u.w);
+        }
+        *(float4*)(out + ((i64)t * n_head + h) * hd + 4 * tid) = make_float4(f_mul(r.x, inv), f_mul(r.y, inv),
+                                                                             f_mul(r.z, inv), f_mul(r.w, inv));
+    }
+}
+
+// combine the splits (first version: thread per dim, 2 loads in flight): grid (n_head, T), block 128
+extern "C" __global__ void __launch_bounds__(128) attn_combine_v1(const float* __restrict__ part_o,
+                                                               const float* __restrict__ part_ml,
+                                                               const int* __restrict__ pos_p, int n_head, int n_kv,
+                                                               int hd, int max_ctx, int nsplit, int chunk_min,
+                                                               float* __restrict__ out) {
+    extern __shared__ float wts[];  // nsplit
+    __shared__ float red[4];
+    __shared__ float s_M, s_L;
+    const int h = blockIdx.x, t = blockIdx.y, tid = threadIdx.x, lane = tid & 31, wid = tid >> 5;
+    const int group = n_head / n_kv, kvh = h / group, hj = h % group;
+    int len = min(pos_p[0] + t + 1, max_ctx);
+    int chunk, nact;
+    attn_split_geom(len, nsplit, chunk_min, chunk, nact);
+    const i64 base = ((i64)t * n_kv + kvh) * nsplit * group + hj;  // + s * group
+    float M = NEG_INF;
+    for (int s = tid; s < nact; s += blockDim.x) M = fmaxf(M, part_ml[(base + (i64)s * group) * 2]);
+    M = warp_max(M);
+    if (lane == 0) red[wid] = M;
+    __syncthreads();
+    if (tid == 0) s_M = fmaxf(fmaxf(red[0], red[1]), fmaxf(red[2], red[3]));
+    __syncthreads();
+    M = s_M;
+    float L = 0.f;
+    for (int s = tid; s < nact; s += blockDim.x) {
+        const float f = f_ex2(f_sub(part_ml[(base + (i64)s * group) * 2], M));
+        wts[s] = f;
+        L = f_fma(f, part_ml[(base + (i64)s * group) * 2 + 1], L);
+    }
+    L = warp_sum(L);
+    __syncthreads();
+    if (lane == 0) red[wid] = L;
+    __syncthreads();
+    if (tid == 0) s_L = f_add(f_add(red[0], red[1]), f_add(red[2], red[3]));
+    __syncthreads();
+    const float inv = f_div(1.f, s_L);
+    for (int d = tid; d < hd; d += blockDim.x) {
+        float a0 = 0.f, a1 = 0.f;
+        int s = 0;
+        for (; s + 1 < nact; s += 2) {
+            a0 = f_fma(wts[s], part_o[(base + (i64)s * group) * hd + d], a0);
+            a1 = f_fma(wts[s + 1], part_o[(base + (i64)(s + 1) * group) * hd + d], a1);
+        }
+        if (s < nact) a0 = f_fma(wts[s], part_o[(base + (i64)s * group) * hd + d], a0);
+        out[((i64)t * n_head + h) * hd + d] = f_mul(f_add(a0, a1), inv);
+    }
+}
+
+// =============================================================================================================
+// 5. router: softmax over n logits, top-k (descending, ties to the lower index), renormalised.
+// One warp per token. Ranking key: the float32 probability p_i = expf(x_i - max) / S, ties to the lower index,
+// as numpy ranks (also where exp underflows to 0: then the zeros tie and go by index, as in numpy). Sums use
+// numpy's pairwise order; exp is CUDA's expf (<= 2 ulp): ids differ from numpy only if its exp and ours round
+// two nearly equal logits to a different order / tie (not seen in 3600 random rows emulated).
+// n <= 1024, k <= 32.
+// =============================================================================================================
+__device__ float pw_sum_seq(const float* a, int n) {  // numpy pairwise_sum for n <= 128, one thread
+    if (n < 8) {
+        float s = 0.f;
+        for (int i = 0; i < n; ++i) s = f_add(s, a[i]);
+        return s;
+    }
+    float r[8];
+    for (int j = 0; j < 8; ++j) r[j] = a[j];
+    const int m = n - (n & 7);
+    for (int i = 8; i < m; i += 8)
+        for (int j = 0; j < 8; ++j) r[j] = f_add(r[j], a[i + j]);
+    float s = f_add(f_add(f_add(r[0], r[1]), f_add(r[2], r[3])), f_add(f_add(r[4], r[5]), f_add(r[6], r[7])));
+    for (int i = m; i < n; ++i) s = f_add(s, a[i]);
+    return s;
+}
+
+__device__ float pw_sum_tree(const float* a, int n) {  // general numpy pairwise_sum (recursive), one thread
+    if (n <= 128) return pw_sum_seq(a, n);
+    // iterative over the recursion with an explicit stack (depth <= 8 for n <= 32768)
+    int n2 = n >> 1;
+    n2 -= n2 & 7;
+    float s0, s1;
+    if (n2 <= 128) s0 = pw_sum_seq(a, n2);
+    else {
+        int m2 = n2 >> 1; m2 -= m2 & 7;
+        s0 = f_add(pw_sum_seq(a, m2), pw_sum_seq(a + m2, n2 - m2));  // n <= 512 covered exactly
+    }
+    const int r = n - n2;
+    if (r <= 128) s1 = pw_sum_seq(a + n2, r);
+    else {
+        int m2 = r >> 1; m2 -= m2 & 7;
+        s1 = f_add(pw_sum_seq(a + n2, m2), pw_sum_seq(a + n2 + m2, r - m2));
+    }
+    return f_add(s0, s1);
+}
+
+__device__ __forceinline__ u32 redux_max(u32 v) { u32 r; asm volatile("redux.sync.max.u32 %0, %1, 0xffffffff;" : "=r"(r) : "r"(v)); return r; }
+__device__ __forceinline__ u32 redux_min(u32 v) { u32 r; asm volatile("redux.sync.min.u32 %0, %1, 0xffffffff;" : "=r"(r) : "r"(v)); return r; }
+
+extern "C" __global__ void __launch_bounds__(32) route_topk(const float* __restrict__ logits, i64 ld, int n, int k,
+                                                            int* __restrict__ ids, float* __restrict__ wts) {
+    __shared__ float e[1024];
+    __shared__ float sel[32];
+    const int t = blockIdx.x, lane = threadIdx.x;
+    const float* x = logits + (i64)t * ld;
+    float mx = NEG_INF;
+    for (int i = lane; i < n; i += 32) mx = fmaxf(mx, x[i]);
+    mx = warp_max(mx);
+    for (int i = lane; i < n; i += 32) e[i] = expf(f_sub(x[i], mx));
+    __syncwarp();
+    float S = 0.f;
+    if (lane == 0) S = pw_sum_tree(e, n);
+    S = __shfl_sync(0xffffffffu, S, 0);
+    for (int i = lane; i < n; i += 32) e[i] = f_div(e[i], S);  // p
+    __syncwarp();
+    // top-k by (p desc, index asc): each lane's best untaken (p >= 0, so its bits order as u32), then two
+    // warp reductions (redux.sync): the largest p, and the lowest index holding it
+    u32 taken = 0;
+    int myid = 0;
+    for (int j = 0; j < k; ++j) {
+        u32 bb = 0, bi = 0xffffffffu;
+        int c = 0;
+        for (int i = lane; i < n; i += 32, ++c) {
+            if (taken & (1u << c)) continue;
+            const u32 pb = __float_as_uint(e[i]);
+            if (bi == 0xffffffffu || pb > bb) { bb = pb; bi = (u32)i; }
+        }
+        const u32 M = redux_max(bi == 0xffffffffu ? 0u : bb);
+        const u32 I = redux_min((bi != 0xffffffffu && bb == M) ? bi : 0xffffffffu);
+        if ((int)(I & 31u) == lane) taken |= 1u << (I >> 5);
+        if (lane == j) myid = (int)I;
+    }
+    if (lane < k) sel[lane] = e[myid];
+    __syncwarp();
+    float ws = 0.f;
+    if (lane == 0) ws = pw_sum_seq(sel, k);
+    ws = __shfl_sync(0xffffffffu, ws, 0);
+    if (lane < k) {
+        ids[(i64)t * k + lane] = myid;
+        wts[(i64)t * k + lane] = f_div(sel[lane], ws);
+    }
+}
+
+// first version (shuffle reductions per round)
+extern "C" __global__ void __launch_bounds__(32) route_topk_v1(const float* __restrict__ logits, i64 ld, int n, int k,
+                                                            int* __restrict__ ids, float* __restrict__ wts) {
+    __shared__ float e[1024];
+    __shared__ float sel[32];
+    const int t = blockIdx.x, lane = threadIdx.x;
+    const float* x = logits + (i64)t * ld;
+    float mx = NEG_INF;
+    for (int i = lane; i < n; i += 32) mx = fmaxf(mx, x[i]);
+    mx = warp_max(mx);
+    for (int i = lane; i < n; i += 32) e[i] = expf(f_sub(x[i], mx));
+    __syncwarp();
+    float S = 0.f;
+    if (lane == 0) S = pw_sum_tree(e, n);
+    S = __shfl_sync(0xffffffffu, S, 0);
+    for (int i = lane; i < n; i += 32) e[i] = f_div(e[i], S);  // p
+    __syncwarp();
+    // top-k by (p desc, index asc); taken items are marked by index in a bit set per lane (n/32 <= 32 each)
+    u32 taken = 0;
+    int myid = 0;
+    for (int j = 0; j < k; ++j) {
+        float bv = NEG_INF;
+        int bi = 0x7fffffff;
+        int c = 0;
+        for (int i = lane; i < n; i += 32, ++c) {
+            if (taken & (1u << c)) continue;
+            const float d = e[i];
+            if (d > bv || (d == bv && i < bi) || bi == 0x7fffffff) { bv = d; bi = i; }
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+            const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+            if (oi != 0x7fffffff && (bi == 0x7fffffff || ov > bv || (ov == bv && oi < bi))) { bv = ov; bi = oi; }
+        }
+        if (bi % 32 == lane) taken |= 1u << (bi / 32);
+        if (lane == j) myid = bi;
+    }
+    if (lane < k) sel[lane] = e[myid];
+    __syncwarp();
+    float ws = 0.f;
+    if (lane == 0) ws = pw_sum_seq(sel, k);
+    ws = __shfl_sync(0xffffffffu, ws, 0);
+    if (lane < k) {
+        ids[(i64)t * k + lane] = myid;
+        wts[(i64)t * k + lane] = f_div(sel[lane], ws);
+    }
+}
+
+// =============================================================================================================
+// 6. argmax (np.argmax: first index of the maximum; a NaN counts as the maximum) and top-k / top-p sampling.
+// Keys: u64 (order(x) << 32) | (0xffffffff - index), larger = better; order(): -0 -> +0, NaN above +inf.
+// =============================================================================================================
+__device__ __forceinline__ u64 sort_key(float v, int i) {
+    u32 b = __float_as_uint(v);
+    if (v != v) b = 0xffffffffu;
+    else {
+        if (b == 0x80000000u) b = 0;  // -0 == +0
+        b = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+    }
+    return ((u64)b << 32) | (u64)(0xffffffffu - (u32)i);
+}
+__device__ __forceinline__ int key_index(u64 k) { return (int)(0xffffffffu - (u32)(k & 0xffffffffu)); }
+
+__device__ __forceinline__ u64 warp_max_u64(u64 v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const u64 u = __shfl_xor_sync(0xffffffffu, v, o);
+        v = u > v ? u : v;
+    }
+    return v;
+}
+
+// grid NB blocks x 256 threads; the last block to finish reduces the NB partials and resets the counter
+extern "C" __global__ void __launch_bounds__(256) argmax_k(const float* __restrict__ x, int n, u64* part,
+                                                           u32* counter, int* out) {
+    __shared__ u64 red[8];
+    __shared__ bool last;
+    const int tid = threadIdx.x;
+    u64 best = 0;
+    for (int i = blockIdx.x * 256 + tid; i < n; i += gridDim.x * 256) {
+        const u64 k = sort_key(x[i], i);
+        best = k > best ? k : best;
+    }
+    best = warp_max_u64(best);
+    if ((tid & 31) == 0) red[tid >> 5] = best;
+    __syncthreads();
+    if (tid == 0) {
+        u64 b = red[0];
+        for (int i = 1; i < 8; ++i) b = red[i] > b ? red[i] : b;
+        part[blockIdx.x] = b;
+        __threadfence();
+        last = atomicAdd(counter, 1u) == gridDim.x - 1;
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    u64 b = 0;
+    for (int i = tid; i < gridDim.x; i += 256) {
+        const u64 v = ((volatile u64*)part)[i];
+        b = v > b ? v : b;
+    }
+    b = warp_max_u64(b);
+    if ((tid & 31) == 0) red[tid >> 5] = b;
+    __syncthreads();
+    if (tid == 0) {
+        u64 bb = red[0];
+        for (int i = 1; i < 8; ++i) bb = red[i] > bb ? red[i] : bb;
+        out[0] = key_index(bb);
+        *counter = 0;
+    }
+}
+
+// bitonic sort (descending) of M (power of two) u64 keys in shared memory by the whole block
+__device__ void bitonic_desc(u64* a, int M) {
+    for (int size = 2; size <= M; size <<= 1) {
+        for (int stride = size >> 1; stride > 0; stride >>= 1) {
+            __syncthreads();
+            for (int i = threadIdx.x; i < (M >> 1); i += blockDim.x) {
+                const int lo = 2 * i - (i & (stride - 1));
+                const int hi = lo + stride;
+                const bool desc = (lo & size) == 0;
+                const u64 x = a[lo], y = a[hi];
+                if ((x < y) == desc) { a[lo] = y; a[hi] = x; }
+            }
+        }
+    }
+    __syncthreads();
+}
+
+#define SAMPLE_KMAX 256
+#define SAMPLE_CHUNK 4096
+
+// stage 1: block b sorts logits [b*4096, (b+1)*4096) and writes its best 256 keys to cand[b*256 ...]
+extern "C" __global__ void __launch_bounds__(1024) topk_stage1(const float* __restrict__ x, int n, u64* cand) {
+    __shared__ u64 a[SAMPLE_CHUNK];
+    const int b0 = blockIdx.x * SAMPLE_CHUNK;
+    for (int i = threadIdx.x; i < SAMPLE_CHUNK; i += blockDim.x) a[i] = b0 + i < n ? sort_key(x[b0 + i], b0 + i) : 0ull;
+    bitonic_desc(a, SAMPLE_CHUNK);
+    for (int i = threadIdx.x; i < SAMPLE_KMAX; i += blockDim.x) cand[(i64)blockIdx.x * SAMPLE_KMAX + i] = a[i];
+}
+
+// stage 2 (one block of 1024): merge the sorted lists, then temperature / top-k / top-p / draw. params (float64):
+// [temperature, top_k, top_p, u]. The algorithm (mirrored by dense.sample_ref):
+//   K = top_k if 0 < top_k <= 256 else 256 (and <= n); candidates c_0..c_{K-1} = the K largest logits,
+//   ties to the lower index, in that order. temperature <= 0: token = c_0 (np.argmax).
+//   z_j = (double)logit(c_j) / temperature; e_j = exp(z_j - z_0); S_j = e_0 + ... + e_j (float64).
+//   keep = K if top_p >= 1 else 1 + first j with S_j >= top_p * S_{K-1};
+//   token = c_i, i = first j < keep with S_j > u * S_{keep-1} (i = keep-1 if none).
+extern "C" __global__ void __launch_bounds__(1024) topk_sample(const u64* __restrict__ cand, int nb,
+                                                               const float* __restrict__ x, int n,
+                                                               const double* __restrict__ params,
+                                                               int* __restrict__ out) {
+    extern __shared__ u64 a[];  // P lists of 256 sorted keys, P = next pow2 >= nb
+    __shared__ double S[SAMPLE_KMAX];
+    __shared__ int s_keep, s_pick;
+    int P = 1;
+    while (P < nb) P <<= 1;
+    for (int i = threadIdx.x; i < P * SAMPLE_KMAX; i += blockDim.x) a[i] = i < nb * SAMPLE_KMAX ? cand[i] : 0ull;
+    __syncthreads();
+    // merge tree: list j <- top 256 of lists j and j + half: c_i = max(A_i, B_255-i) is bitonic and holds them;
+    // a descending half-cleaner cascade (strides 128 .. 1) sorts it
+    for (int half = P >> 1; half >= 1; half >>= 1) {
+        for (int idx = threadIdx.x; idx < half * SAMPLE_KMAX; idx += blockDim.x) {
+            const int j = idx / SAMPLE_KMAX, i = idx % SAMPLE_KMAX;
+            const u64 A = a[j * SAMPLE_KMAX + i], B = a[(j + half) * SAMPLE_KMAX + SAMPLE_KMAX - 1 - i];
+            a[j * SAMPLE_KMAX + i] = A > B ? A : B;
+        }
+        __syncthreads();
+        for (int stride = SAMPLE_KMAX / 2; stride >= 1; stride >>= 1) {
+            for (int idx = threadIdx.x; idx < half * (SAMPLE_KMAX / 2); idx += blockDim.x) {
+                const int j = idx / (SAMPLE_KMAX / 2), i = idx % (SAMPLE_KMAX / 2);
+                const int lo = j * SAMPLE_KMAX + 2 * i - (i & (stride - 1)), hi = lo + stride;
+                const u64 x0 = a[lo], x1 = a[hi];
+                if (x0 < x1) { a[lo] = x1; a[hi] = x0; }
+            }
+            __syncthreads();
+        }
+    }
+    const double temp = params[0], topp = params[2], u = params[3];
+    const int topk = (int)params[1];
+    int K = (topk > 0 && topk <= SAMPLE_KMAX) ? topk : SAMPLE_KMAX;
+    K = min(K, n);
+    if (!(temp > 0.0)) {
+        if (threadIdx.x == 0) out[0] = key_index(a[0]);
+        return;
+    }
+    const int tid = threadIdx.x;
+    const double z0 = (double)x[key_index(a[0])] / temp;
+    if (tid < K) S[tid] = exp((double)x[key_index(a[tid])] / temp - z0);
+    __syncthreads();
+    if (tid == 0) {  // sequential prefix sum (np.cumsum order): non-decreasing, so each crossing below is unique
+        double acc = 0.0;
+        for (int i = 0; i < K; ++i) { acc += S[i]; S[i] = acc; }
+        s_keep = K;
+        s_pick = -1;
+    }
+    __syncthreads();
+    if (topp < 1.0 && tid < K) {
+        const double thr = topp * S[K - 1];
+        if (S[tid] >= thr && (tid == 0 || S[tid - 1] < thr)) s_keep = tid + 1;
+    }
+    __syncthreads();
+    const int keep = s_keep;
+    const double r = u * S[keep - 1];
+    if (tid < keep && S[tid] > r && (tid == 0 || S[tid - 1] <= r)) s_pick = tid;
+    __syncthreads();
+    if (tid == 0) out[0] = key_index(a[s_pick >= 0 ? s_pick : keep - 1]);
+}
+
+// =============================================================================================================
+// 7. embedding: out[t] = dequantised row tokens[t] of the table (a bad token id gives a NaN row).
+// =============================================================================================================
+extern "C" __global__ void __launch_bounds__(256) embed_rows(const u8* __restrict__ table, int qt, int vocab,
+                                                             int d, i64 row_bytes, const int* __restrict__ tokens,
+                                                             float* __restrict__ out) {
+    const int t = blockIdx.x;
+    const int tok = tokens[t];
+    float* o = out + (i64)t * d;
+    if (tok < 0 || tok >= vocab) {
+        for (int i = threadIdx.x; i < d; i += blockDim.x) o[i] = __int_as_float(0x7fc00000);
+        return;
+    }
+    const u8* rp = table + (i64)tok * row_bytes;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) o[i] = load_elem(qt, rp, i);
+}

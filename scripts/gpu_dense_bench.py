@@ -1,0 +1,369 @@
+#!/usr/bin/env python3
+"""Time the dense-path GPU kernels (lane/kernels/dense.py) at the a3b shape against the copy bandwidth.
+
+Each decode kernel is timed as a CUDA graph of launches replayed between CUDA events (median of --repeats), so
+launch overhead is the graph's (~1 us), not Python's. Weights smaller than ~3x the L2 are rotated over several
+copies inside the graph so every launch reads from DRAM. Attention runs over 48 layer caches (as a decode step
+does). Batched (prefill) GEMMs are event-timed eagerly (cuBLAS per-call temporaries cannot be captured).
+Floor = bytes that must move / measured copy bandwidth. Prints a table last; --json writes everything.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from gguf import GGMLQuantizationType as T  # noqa: E402
+
+from stratad.model import quants  # noqa: E402
+
+F32 = np.float32
+L2_BYTES = 60 << 20
+A3B = dict(d=2048, n_head=32, n_kv=4, hd=128, n_exp=128, k=8, vocab=151936, n_layer=48, max_ctx=131072)
+
+
+def copy_bandwidth(cp, nbytes=1 << 30, iters=10):
+    a = cp.empty(nbytes, cp.uint8)
+    a.view(cp.uint32)[:] = cp.arange(nbytes // 4, dtype=cp.uint32) * np.uint32(2654435761)
+    b = cp.empty_like(a)
+    s = cp.cuda.Stream(non_blocking=True)
+    e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+    res = []
+    with s:
+        for _ in range(2):
+            b.data.copy_from_device_async(a.data, nbytes, s)
+        for _ in range(3):
+            e0.record(s)
+            for _ in range(iters):
+                b.data.copy_from_device_async(a.data, nbytes, s)
+            e1.record(s)
+            e1.synchronize()
+            res.append(2 * nbytes * iters / (cp.cuda.get_elapsed_time(e0, e1) * 1e-3) / 1e9)
+    del a, b
+    return max(res), res
+
+
+def graph_us(cp, fns, iters=20, repeats=5):
+    """Median microseconds per call of fns (a list of launches captured as one graph)."""
+    cp.cuda.Device().synchronize()  # inputs were written on the null stream: let them land first
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        s.begin_capture()
+        for f in fns:
+            f(s)
+        g = s.end_capture()
+        for _ in range(3):
+            g.launch(s)
+        s.synchronize()
+        e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+        out = []
+        for _ in range(repeats):
+            e0.record(s)
+            for _ in range(iters):
+                g.launch(s)
+            e1.record(s)
+            e1.synchronize()
+            out.append(cp.cuda.get_elapsed_time(e0, e1) * 1e3 / (iters * len(fns)))
+    return float(np.median(out)), out
+
+
+def eager_us(cp, fn, iters=10, warm=3):
+    cp.cuda.Device().synchronize()
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        for _ in range(warm):
+            fn(s)
+        s.synchronize()
+        e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+        out = []
+        for _ in range(iters):
+            e0.record(s)
+            fn(s)
+            e1.record(s)
+            e1.synchronize()
+            out.append(cp.cuda.get_elapsed_time(e0, e1) * 1e3)
+    return float(np.median(out)), out
+
+
+def rand_raw(rng, qt, rows, cols):
+    raw = quants.random_rows(qt, rng, rows, cols, 1 / np.sqrt(cols))
+    return np.ascontiguousarray(raw).view(np.uint8).reshape(rows, -1)
+
+
+def weight_copies(D, cp, rng, qt, rows, cols, max_copies=16):
+    raw = rand_raw(rng, qt, rows, cols)
+    w0 = D.DenseWeight.upload(raw, qt, cols)
+    n = 1 if w0.nbytes >= 3 * L2_BYTES else min(max_copies, math.ceil(3 * L2_BYTES / w0.nbytes))
+    ws = [w0] + [D.DenseWeight(w0.data.copy(), qt, cols) for _ in range(n - 1)]
+    return ws
+
+
+def rec(name, us, nbytes, bw, **kw):
+    r = {"name": name, "us": us, "bytes": nbytes, "GBps": nbytes / (us * 1e-6) / 1e9 if us else None,
+         "floor_us": nbytes / (bw * 1e9) * 1e6}
+    r["frac_copy"] = r["GBps"] / bw if r["GBps"] else None
+    r.update(kw)
+    return r
+
+
+def bench_matvec(D, cp, rng, bw, out):
+    c = A3B
+    cases = [("q 2048->4096", T.Q8_0, 4096, 2048), ("k/v 2048->512", T.Q8_0, 512, 2048),
+             ("o 4096->2048", T.Q8_0, 2048, 4096), ("qkv 2048->5120", T.Q8_0, 5120, 2048),
+             ("router 2048->128", T.F32, 128, 2048), ("lm_head 2048->151936", T.Q8_0, c["vocab"], 2048),
+             ("q 2048->4096", T.F16, 4096, 2048), ("q 2048->4096", T.BF16, 4096, 2048),
+             ("q 2048->4096", T.F32, 4096, 2048), ("lm_head 2048->151936", T.F16, c["vocab"], 2048),
+             ("lm_head 2048->151936", T.BF16, c["vocab"], 2048)]
+    for name, qt, rows, cols in cases:
+        ws = weight_copies(D, cp, rng, qt, rows, cols)
+        x = cp.asarray(rng.standard_normal(cols, dtype=F32))
+        y = cp.empty(rows, cp.float32)
+        nbytes = ws[0].nbytes + 4 * (rows + cols)
+        default = ws[0].plan()
+        plans = D.PLANS if qt == T.Q8_0 or name.startswith("router") else [default]
+        variants = ["q8_0", "q8_0v1"] if qt == T.Q8_0 else [None]
+        res = {}
+        for v in variants:
+            for plan in plans:
+                us, _ = graph_us(cp, [lambda s, w=w, p=plan, v=v: D.matvec(w, x, y, plan=p, variant=v, stream=s)
+                                      for w in ws])
+                res[f"{v + ':' if v and v != D.Q8_VARIANT else ''}r{plan[0]}k{plan[1]}"] = us
+        best = min(res, key=res.get)
+        dkey = f"r{default[0]}k{default[1]}"
+        out.append(rec(f"matvec {name} {qt.name}", res[dkey], nbytes, bw, plan=dkey, plans=res, best=best,
+                       copies=len(ws)))
+        del ws
+        cp.get_default_memory_pool().free_all_blocks()
+
+
+def bench_batched(D, cp, rng, bw, out):
+    for name, rows, cols in [("q 2048->4096", 4096, 2048), ("k/v 2048->512", 512, 2048), ("o 4096->2048", 2048, 4096),
+                             ("qkv 2048->5120", 5120, 2048)]:
+        raw = rand_raw(rng, T.Q8_0, rows, cols)
+        W = D.DenseWeight.upload(raw, T.Q8_0, cols)
+        us, _ = eager_us(cp, lambda s: W.dequantized("f16", cache=False, stream=s))
+        out.append(rec(f"dequant->f16 {name}", us, W.nbytes + 2 * rows * cols, bw))
+        for Tn in (512, 2048):
+            X = cp.asarray(rng.standard_normal((Tn, cols), dtype=F32))
+            Y = cp.empty((Tn, rows), cp.float32)
+            flop = 2.0 * Tn * rows * cols
+            for method, cache in [("kernel", False), ("f16", True), ("f16", False), ("bf16", True), ("tf32", True),
+                                  ("sgemm", True)]:
+                W.drop_cache()
+                if cache:
+                    W.dequantized({"f16": "f16", "bf16": "bf16"}.get(method, "f32"))
+                us, _ = eager_us(cp, lambda s: D.dense_batched(W, X, Y, method=method, cache=cache, stream=s),
+                                 iters=5 if method == "kernel" else 10)
+                nbytes = W.nbytes + 4 * Tn * (rows + cols)
+                out.append(rec(f"batched {name} T={Tn} {method}{'' if cache or method == 'kernel' else ' +dequant'}",
+                               us, nbytes, bw, TFLOPs=flop / (us * 1e-6) / 1e12))
+            W.drop_cache()
+        del W
+        cp.get_default_memory_pool().free_all_blocks()
+
+
+def bench_small(D, cp, rng, bw, out):
+    c = A3B
+    d, nh, nkv, hd = c["d"], c["n_head"], c["n_kv"], c["hd"]
+    x = cp.asarray(rng.standard_normal((1, d), dtype=F32))
+    w = cp.asarray(rng.uniform(0.5, 1.5, d).astype(F32))
+    y = cp.empty_like(x)
+    us, _ = graph_us(cp, [lambda s: D.rms_norm(x, w, 1e-6, y, stream=s)] * 8)
+    out.append(rec("rms_norm d_model 2048", us, 3 * 4 * d, bw))
+    xh = cp.asarray(rng.standard_normal((nh, hd), dtype=F32))
+    wh = cp.asarray(rng.uniform(0.5, 1.5, hd).astype(F32))
+    yh = cp.empty_like(xh)
+    us, _ = graph_us(cp, [lambda s: D.rms_norm(xh, wh, 1e-6, yh, stream=s)] * 8)
+    out.append(rec("rms_norm per-head 32x128", us, 2 * 4 * nh * hd, bw))
+    rope = D.RopeTable(c["max_ctx"], hd, 1e6)
+    K, V = D.alloc_kv_cache(nkv, c["max_ctx"], hd)
+    qkv = cp.asarray(rng.standard_normal((1, (nh + 2 * nkv) * hd), dtype=F32))
+    q_out = cp.empty((1, nh, hd), cp.float32)
+    pos = cp.asarray(np.array([77777], np.int32))
+    us, _ = graph_us(cp, [lambda s: D.qk_norm_rope_kv(qkv, wh, wh, 1e-6, rope, pos, q_out, K, V, n_head=nh,
+                                                      n_kv=nkv, stream=s)] * 8)
+    out.append(rec("qk_norm_rope_kv T=1", us, 4 * qkv.size + 4 * q_out.size + 2 * 2 * nkv * hd, bw))
+    lg = cp.asarray(rng.standard_normal((1, c["n_exp"]), dtype=F32))
+    ids, wts = cp.empty((1, c["k"]), cp.int32), cp.empty((1, c["k"]), cp.float32)
+    for kern in ("route_topk", "route_topk_v1"):
+        us, _ = graph_us(cp, [lambda s, kern=kern: D.route(lg, c["k"], ids, wts, kernel=kern, stream=s)] * 8)
+        out.append(rec(f"route 128 -> top 8 ({kern})", us, 4 * 128, bw))
+    V_ = c["vocab"]
+    logits = cp.asarray(rng.standard_normal(V_, dtype=F32) * F32(3))
+    tok = cp.zeros(1, cp.int32)
+    am = D.Argmax(V_)
+    us, _ = graph_us(cp, [lambda s: am(logits, tok, stream=s)] * 8)
+    out.append(rec("argmax 151936", us, 4 * V_, bw))
+    smp = D.DeviceSampler(V_)
+    st1 = D.kernels().fn("topk_stage1")
+    us, _ = graph_us(cp, [lambda s: st1((smp.nb,), (1024,), (logits, np.int32(V_), smp.cand))] * 4)
+    out.append(rec("sample stage 1 (38 block sorts of 4096)", us, 4 * V_, bw))
+    for tk, tp in [(40, 0.9), (0, 1.0)]:
+        params = cp.asarray(D.sampling_params(0.7, tk, tp, 0.37))
+        us, _ = graph_us(cp, [lambda s: smp(logits, params, tok, stream=s)] * 4)
+        out.append(rec(f"sample 151936 top_k={tk} top_p={tp}", us, 4 * V_, bw))
+    raw = rand_raw(rng, T.Q8_0, 4096, d)
+    tab = D.DenseWeight.upload(raw, T.Q8_0, d)
+    toks = cp.asarray(np.array([1234], np.int32))
+    e = cp.empty((1, d), cp.float32)
+    us, _ = graph_us(cp, [lambda s: D.embed(tab, toks, e, stream=s)] * 8)
+    out.append(rec("embed Q8_0 row 2048", us, tab.row_bytes + 4 * d, bw))
+
+
+def bench_attention(D, cp, rng, bw, out, n_layers=48):
+    c = A3B
+    nh, nkv, hd, mc = c["n_head"], c["n_kv"], c["hd"], c["max_ctx"]
+    caches = []
+    for _ in range(n_layers):
+        K = cp.random.standard_normal((nkv, mc, hd), dtype=cp.float32).astype(cp.float16)
+        V = cp.random.standard_normal((nkv, hd, mc), dtype=cp.float32).astype(cp.float16)
+        caches.append((K, V))
+    q = cp.asarray(rng.standard_normal((1, nh, hd), dtype=F32))
+    o = cp.empty((1, nh * hd), cp.float32)
+    variants = [("pipe+v2", True, "attn_combine", 64), ("v1+v1", False, "attn_combine_v1", 64),
+                ("v1+v2", False, "attn_combine", 64), ("pipe+v1", True, "attn_combine_v1", 64),
+                ("pipe+v2 cmin256", True, "attn_combine", 256)]
+    for vname, pipe, comb, chunk_min in variants:
+        att = D.DecodeAttention(nh, nkv, hd, mc, chunk_min=chunk_min, pipelined=pipe, combine=comb)
+        for ctx in (1024, 8192, 32768, 65536, 131072):
+            if vname != "pipe+v2" and ctx == 65536:
+                continue
+            pos = cp.asarray(np.array([ctx - 1], np.int32))
+            us, _ = graph_us(cp, [lambda s, K=K, V=V: att(q, K, V, pos, o, stream=s) for K, V in caches], iters=5)
+            kv_bytes = ctx * nkv * hd * 2 * 2
+            out.append(rec(f"attention ctx={ctx} {vname}", us, kv_bytes, bw,
+                           nsplit=att.nsplit(1), capacity=att.capacity))
+    del caches
+    cp.get_default_memory_pool().free_all_blocks()
+
+
+def bench_decode_chain(D, cp, rng, bw, out, ctx=1024):
+    """One token's dense path over 48 layers (no experts): embed, per layer norm + fused qkv + q/k norm/rope/KV +
+    attention + o-proj (+res) + norm + router + route, then final norm + LM head + argmax."""
+    c = A3B
+    d, nh, nkv, hd, L = c["d"], c["n_head"], c["n_kv"], c["hd"], c["n_layer"]
+    mc = 4096
+    qkv_rows = (nh + 2 * nkv) * hd
+    Wqkv0 = D.DenseWeight.upload(rand_raw(rng, T.Q8_0, qkv_rows, d), T.Q8_0, d)
+    Wo0 = D.DenseWeight.upload(rand_raw(rng, T.Q8_0, d, nh * hd), T.Q8_0, nh * hd)
+    Wr0 = D.DenseWeight.upload(rand_raw(rng, T.F32, c["n_exp"], d), T.F32, d)
+    layers = []
+    for _ in range(L):
+        K, V = D.alloc_kv_cache(nkv, mc, hd)
+        K[...] = cp.random.standard_normal(K.shape, dtype=cp.float32).astype(cp.float16)
+        V[...] = cp.random.standard_normal(V.shape, dtype=cp.float32).astype(cp.float16)
+        layers.append((D.DenseWeight(Wqkv0.data.copy(), T.Q8_0, d), D.DenseWeight(Wo0.data.copy(), T.Q8_0, nh * hd),
+                       D.DenseWeight(Wr0.data.copy(), T.F32, d), K, V))
+    head = D.DenseWeight.upload(rand_raw(rng, T.Q8_0, c["vocab"], d), T.Q8_0, d)
+    nw = cp.asarray(rng.uniform(0.5, 1.5, d).astype(F32))
+    hw = cp.asarray(rng.uniform(0.5, 1.5, hd).astype(F32))
+    rope = D.RopeTable(mc, hd, 1e6)
+    att = D.DecodeAttention(nh, nkv, hd, mc)
+    am = D.Argmax(c["vocab"])
+    b = {n: cp.empty(s, cp.float32) for n, s in [("x", (1, d)), ("h", (1, d)), ("qkv", (1, qkv_rows)),
+                                                 ("q", (1, nh, hd)), ("a", (1, nh * hd)), ("lg", (1, c["n_exp"])),
+                                                 ("logits", (c["vocab"],))]}
+    b["x"][...] = cp.asarray(rng.standard_normal((1, d), dtype=F32))
+    ids, wts = cp.empty((1, c["k"]), cp.int32), cp.empty((1, c["k"]), cp.float32)
+    tok, pos = cp.asarray(np.array([5], np.int32)), cp.asarray(np.array([ctx - 1], np.int32))
+
+    def step(s):
+        D.embed(head, tok, b["x"], stream=s)
+        for Wqkv, Wo, Wr, K, V in layers:
+            D.rms_norm(b["x"], nw, 1e-6, b["h"], stream=s)
+            D.matvec(Wqkv, b["h"][0], b["qkv"][0], stream=s)
+            D.qk_norm_rope_kv(b["qkv"], hw, hw, 1e-6, rope, pos, b["q"], K, V, n_head=nh, n_kv=nkv, stream=s)
+            att(b["q"], K, V, pos, b["a"], stream=s)
+            D.matvec(Wo, b["a"][0], b["x"][0], residual=b["x"][0], stream=s)
+            D.rms_norm(b["x"], nw, 1e-6, b["h"], stream=s)
+            D.matvec(Wr, b["h"][0], b["lg"][0], stream=s)
+            D.route(b["lg"], c["k"], ids, wts, stream=s)
+        D.rms_norm(b["x"], nw, 1e-6, b["h"], stream=s)
+        D.matvec(head, b["h"][0], b["logits"], stream=s)
+        am(b["logits"], tok, stream=s)
+
+    us, runs = graph_us(cp, [step], iters=5)
+    nbytes = L * (Wqkv0.nbytes + Wo0.nbytes + Wr0.nbytes + ctx * nkv * hd * 4) + head.nbytes
+    out.append(rec(f"decode dense path, 48 layers, ctx={ctx} (no experts)", us, nbytes, bw,
+                   launches=1 + L * 9 + 3))
+    del layers
+    cp.get_default_memory_pool().free_all_blocks()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--sections", default="matvec,small,attention,chain,batched")
+    args = ap.parse_args()
+
+    import cupy as cp
+
+    from lane.kernels import dense as D
+
+    dev = cp.cuda.Device()
+    props = cp.cuda.runtime.getDeviceProperties(dev.id)
+    info = {"device": props["name"].decode() if isinstance(props["name"], bytes) else props["name"],
+            "sm": dev.attributes["MultiProcessorCount"], "cupy": cp.__version__,
+            "cuda_runtime": cp.cuda.runtime.runtimeGetVersion(), "driver": cp.cuda.runtime.driverGetVersion()}
+    try:
+        info["nvidia_smi"] = subprocess.run(
+            ["nvidia-smi", "--query-gpu=clocks.sm,clocks.mem,clocks.max.sm,power.draw,temperature.gpu",
+             "--format=csv,noheader"], capture_output=True, text=True, timeout=20).stdout.strip()
+    except Exception as e:  # noqa: BLE001
+        info["nvidia_smi"] = repr(e)
+    t0 = time.time()
+    m = D.kernels()
+    info["compile_s"] = time.time() - t0
+    info["build"] = m.build
+    regs = {}
+    for name in ["matvec_q8_0_r4_k1", "matvec_q8_0_r1_k1", "matvec_f16_r1_k1", "attn_split_hd128_g8", "attn_combine",
+                 "gemm_f32", "rms_norm_rows", "qk_norm_rope_kv", "topk_sample"]:
+        try:
+            f = m.fn(name)
+            regs[name] = {"regs": int(f.num_regs), "smem": int(f.shared_size_bytes),
+                          "local": int(f.local_size_bytes)}
+        except Exception as e:  # noqa: BLE001
+            regs[name] = repr(e)
+    info["kernels"] = regs
+    bw, bw_all = copy_bandwidth(cp)
+    info["copy_GBps"], info["copy_runs"] = bw, bw_all
+    rng = np.random.default_rng(0)
+    results, errors = [], {}
+    sections = {"matvec": bench_matvec, "small": bench_small, "attention": bench_attention,
+                "chain": bench_decode_chain, "batched": bench_batched}
+    for sec in args.sections.split(","):
+        t = time.time()
+        try:
+            sections[sec](D, cp, rng, bw, results)
+        except Exception:  # noqa: BLE001 - keep the other sections' numbers
+            errors[sec] = traceback.format_exc()
+            print(f"section {sec} failed:\n{errors[sec]}", file=sys.stderr)
+        info[f"{sec}_s"] = time.time() - t
+    doc = {"info": info, "results": results, "errors": errors}
+    if args.json:
+        Path(args.json).write_text(json.dumps(doc, indent=1))
+    print(f"\ncopy bandwidth {bw:.0f} GB/s; compile {info['compile_s']:.1f} s; {json.dumps(regs)}")
+    print(f"{'kernel':58s} {'us':>9s} {'floor':>8s} {'GB/s':>7s} {'%copy':>6s}  extra")
+    for r in results:
+        extra = {k: v for k, v in r.items() if k in ("plan", "best", "TFLOPs", "nsplit")}
+        if "plans" in r:
+            extra["plans"] = {k: round(v, 2) for k, v in r["plans"].items()}
+        if "TFLOPs" in extra:
+            extra["TFLOPs"] = round(extra["TFLOPs"], 1)
+        print(f"{r['name']:58s} {r['us']:9.2f} {r['floor_us']:8.2f} {r['GBps']:7.0f} {100 * r['frac_copy']:5.1f}%  "
+              f"{extra if extra else ''}")
+    if errors:
+        print("errors in:", list(errors))
+
+
+if __name__ == "__main__":
+    main()

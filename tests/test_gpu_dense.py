@@ -1,0 +1,495 @@
+"""GPU dense-path kernels (lane/kernels/dense.{cu,py}) against their numpy references.
+
+Run on the device machine: `python3 -m pytest -q -m gpu tests/test_gpu_dense.py`. Without CuPy or a CUDA device
+these tests skip. Inputs are fresh random data (never zeros); outputs are poisoned with NaN (or a sentinel) first so
+an unwritten element cannot pass; every test synchronises, so a faulting launch raises here.
+
+Tolerances (measured on the H200, docs/perf-notes.md "dense kernels"; the test prints the measured values):
+  rms_norm, q/k norm + RoPE, embed, argmax, router ids, sampler tokens: exact.
+  matvec / kernel GEMM: |y - y64| <= 1e-5 * (|W| @ |x|) elementwise (float32 sums in another order).
+  router weights: relative 2e-6 (CUDA expf vs numpy's exp).
+  attention: normwise 3e-3 against float64 on the f16 cache (q and P rounded to f16 for the tensor cores),
+  6e-3 against the float32 reference on unrounded K/V (f16 cache included).
+  cuBLAS GEMM: f16 3e-3, bf16 2e-2, tf32 5e-3 normwise; sgemm as the kernel.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+
+from stratad.engine import reference
+from stratad.model import quants
+
+pytestmark = pytest.mark.gpu
+
+F32 = np.float32
+DENSE = [T.Q8_0, T.F16, T.BF16, T.F32]
+MEASURED: dict[str, float] = {}
+
+
+@pytest.fixture(scope="module")
+def cp():
+    try:
+        import cupy
+    except Exception:  # noqa: BLE001 - any import failure means no GPU path here
+        pytest.skip("cupy is not installed")
+    try:
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            pytest.skip("no CUDA device")
+    except Exception:  # noqa: BLE001
+        pytest.skip("no CUDA device")
+    return cupy
+
+
+@pytest.fixture(scope="module")
+def D(cp):
+    from lane.kernels import dense
+
+    dense.kernels()
+    return dense
+
+
+@pytest.fixture(scope="module", autouse=True)
+def report_measured():
+    yield
+    if MEASURED:
+        print("\nmeasured errors:")
+        for k in sorted(MEASURED):
+            print(f"  {k:60s} {MEASURED[k]:.3e}")
+
+
+def note(key: str, v: float) -> float:
+    MEASURED[key] = max(MEASURED.get(key, 0.0), float(v))
+    return float(v)
+
+
+def sync(cp):
+    cp.cuda.Device().synchronize()
+
+
+def nan_like(cp, shape, dtype=np.float32):
+    return cp.full(shape, np.nan, dtype)
+
+
+def rand_weight(rng, qt, rows, cols, rms=None):
+    raw = quants.random_rows(qt, rng, rows, cols, rms or 1 / np.sqrt(cols))
+    if qt == T.Q8_0:  # include the -128 code the random generator avoids
+        b = raw.reshape(rows, -1, 34)
+        b[rng.integers(rows), rng.integers(b.shape[1]), 2 + rng.integers(32)] = 0x80
+    return np.ascontiguousarray(raw).view(np.uint8).reshape(rows, -1)
+
+
+def bound_err(y, W64, x64, r=None):
+    """max |y - y64| / (|W| @ |x|) elementwise."""
+    y64 = W64 @ x64 + (r.astype(np.float64) if r is not None else 0)
+    b = np.abs(W64) @ np.abs(x64) + (np.abs(r) if r is not None else 0) + 1e-30
+    return float(np.max(np.abs(y.astype(np.float64) - y64) / b))
+
+
+def normwise(y, ref):
+    ref = ref.astype(np.float64)
+    return float(np.linalg.norm(y.astype(np.float64) - ref) / np.linalg.norm(ref))
+
+
+# ---- 1. mat-vec ------------------------------------------------------------------------------------------------
+SHAPES = [(512, 2048), (4096, 2048), (2048, 4096), (128, 2048), (130, 256), (1000, 512)]
+
+
+@pytest.mark.parametrize("qt", DENSE, ids=lambda q: q.name)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_matvec(cp, D, qt, shape):
+    rng = np.random.default_rng(hash((int(qt), shape)) & 0xffff)
+    rows, cols = shape
+    raw = rand_weight(rng, qt, rows, cols)
+    W = D.DenseWeight.upload(raw, qt, cols)
+    assert W.fast
+    W64 = quants.dequantize(qt, raw).astype(np.float64)
+    x = rng.standard_normal(cols, dtype=F32) * F32(2)
+    r = rng.standard_normal(rows, dtype=F32)
+    xd, rd = cp.asarray(x), cp.asarray(r)
+    plans = D.PLANS if shape in ((512, 2048), (130, 256), (4096, 2048)) else [None]
+    variants = ["q8_0", "q8_0v1"] if qt == T.Q8_0 else [None]
+    for plan, variant in [(p, v) for p in plans for v in variants]:
+        y = nan_like(cp, rows)
+        D.matvec(W, xd, y, plan=plan, variant=variant)
+        sync(cp)
+        got = y.get()
+        assert np.isfinite(got).all(), plan
+        e = note(f"matvec {qt.name} bound-rel", bound_err(got, W64, x.astype(np.float64)))
+        assert e <= 1e-5, (plan, e)
+        # residual, out of place and in place
+        y = nan_like(cp, rows)
+        D.matvec(W, xd, y, residual=rd, plan=plan, variant=variant)
+        yi = rd.copy()
+        D.matvec(W, xd, yi, residual=yi, plan=plan, variant=variant)
+        sync(cp)
+        assert bound_err(y.get(), W64, x.astype(np.float64), r) <= 1e-5
+        assert np.array_equal(y.get(), yi.get())
+    note(f"matvec {qt.name} normwise vs numpy f32", normwise(got, D.matvec_ref(raw, qt, x)))
+
+
+@pytest.mark.parametrize("qt,cols", [(T.Q8_0, 96), (T.F16, 36), (T.BF16, 20), (T.F32, 10)],
+                         ids=lambda v: str(v))
+def test_matvec_generic(cp, D, qt, cols):
+    rng = np.random.default_rng(cols)
+    raw = rand_weight(rng, qt, 77, cols)
+    W = D.DenseWeight.upload(raw, qt, cols)
+    assert not W.fast
+    x = rng.standard_normal(cols, dtype=F32)
+    y = nan_like(cp, 77)
+    D.matvec(W, cp.asarray(x), y)
+    sync(cp)
+    assert bound_err(y.get(), quants.dequantize(qt, raw).astype(np.float64), x.astype(np.float64)) <= 1e-5
+
+
+# ---- 1b. batched -----------------------------------------------------------------------------------------------
+TOL_BATCHED = {"f16": 3e-3, "bf16": 2e-2, "tf32": 5e-3}
+
+
+@pytest.mark.parametrize("method", ["kernel", "f16", "bf16", "tf32", "sgemm"])
+@pytest.mark.parametrize("qt", [T.Q8_0, T.BF16, T.F32], ids=lambda q: q.name)
+def test_dense_batched(cp, D, method, qt):
+    rng = np.random.default_rng(7)
+    for rows, cols, Tn in [(512, 2048, 70), (256, 256, 1), (200, 512, 7)]:
+        raw = rand_weight(rng, qt, rows, cols)
+        W = D.DenseWeight.upload(raw, qt, cols)
+        W64 = quants.dequantize(qt, raw).astype(np.float64)
+        X = rng.standard_normal((Tn, cols), dtype=F32)
+        R = rng.standard_normal((Tn, rows), dtype=F32)
+        Y = nan_like(cp, (Tn, rows))
+        D.dense_batched(W, cp.asarray(X), Y, method=method)
+        Yr = nan_like(cp, (Tn, rows))
+        D.dense_batched(W, cp.asarray(X), Yr, residual=cp.asarray(R), method=method, cache=True)
+        sync(cp)
+        got, gotr = Y.get(), Yr.get()
+        assert np.isfinite(got).all() and np.isfinite(gotr).all()
+        if method in ("kernel", "sgemm"):
+            e = max(bound_err(got[t], W64, X[t].astype(np.float64)) for t in range(Tn))
+            note(f"batched {method} bound-rel", e)
+            assert e <= 1e-5
+            assert max(bound_err(gotr[t], W64, X[t].astype(np.float64), R[t]) for t in range(Tn)) <= 1e-5
+        else:
+            ref = X.astype(np.float64) @ W64.T
+            e = note(f"batched {method} normwise", normwise(got, ref))
+            assert e <= TOL_BATCHED[method]
+            assert normwise(gotr, ref + R) <= TOL_BATCHED[method]
+        W.drop_cache()
+
+
+# ---- 2. RMSNorm --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("n", [2048, 4096, 256, 128, 64, 16, 384])
+def test_rms_norm_exact(cp, D, n):
+    rng = np.random.default_rng(n)
+    assert D.pairwise_plan(n) is not None
+    for rows in (1, 3, 32):
+        x = rng.standard_normal((rows, n), dtype=F32) * rng.uniform(0.01, 30, size=(rows, 1)).astype(F32)
+        w = rng.uniform(0.5, 1.5, n).astype(F32)
+        y = nan_like(cp, (rows, n))
+        D.rms_norm(cp.asarray(x), cp.asarray(w), 1e-6, y)
+        sync(cp)
+        want = reference.rms_norm(x, w, 1e-6)
+        got = y.get()
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), \
+            f"{np.sum(got != want)} differ, max rel {np.max(np.abs(got - want) / np.abs(want))}"
+
+
+def test_rms_norm_generic(cp, D):
+    rng = np.random.default_rng(1)
+    n = 200
+    assert D.pairwise_plan(n) is None
+    x = rng.standard_normal((5, n), dtype=F32)
+    w = rng.uniform(0.5, 1.5, n).astype(F32)
+    y = nan_like(cp, (5, n))
+    D.rms_norm(cp.asarray(x), cp.asarray(w), 1e-6, y)
+    sync(cp)
+    want = reference.rms_norm(x, w, 1e-6)
+    e = note("rms_norm generic (n=200) max rel", np.max(np.abs(y.get() - want) / np.abs(want)))
+    assert e <= 1e-6
+
+
+# ---- 3. q/k norm + RoPE + KV append ------------------------------------------------------------------------------
+@pytest.mark.parametrize("cfg", [(32, 4, 128), (4, 2, 64)], ids=["a3b", "tiny"])
+@pytest.mark.parametrize("Tn,pos0", [(1, 0), (1, 1000), (5, 37)])
+def test_qk_norm_rope_kv(cp, D, cfg, Tn, pos0):
+    n_head, n_kv, hd = cfg
+    rng = np.random.default_rng(pos0 + Tn)
+    max_ctx = 2048
+    rope = D.RopeTable(max_ctx, hd, 1e6)
+    qkv = rng.standard_normal((Tn, (n_head + 2 * n_kv) * hd), dtype=F32) * F32(3)
+    qnw, knw = rng.uniform(0.5, 1.5, hd).astype(F32), rng.uniform(0.5, 1.5, hd).astype(F32)
+    K0 = rng.standard_normal((n_kv, max_ctx, hd)).astype(np.float16)
+    V0 = rng.standard_normal((n_kv, hd, max_ctx)).astype(np.float16)
+    Kc, Vc = cp.asarray(K0), cp.asarray(V0)
+    q_out = nan_like(cp, (Tn, n_head, hd))
+    pos = cp.asarray(np.array([pos0], np.int32))
+    D.qk_norm_rope_kv(cp.asarray(qkv), cp.asarray(qnw), cp.asarray(knw), 1e-6, rope, pos, q_out, Kc, Vc,
+                      n_head=n_head, n_kv=n_kv)
+    sync(cp)
+    q, k, v = D.qk_norm_rope_kv_ref(qkv, pos0, qnw, knw, 1e-6, 1e6, n_head, n_kv, hd)
+    assert np.array_equal(q_out.get().view(np.uint32), q.view(np.uint32))
+    K1, V1 = Kc.get(), Vc.get()
+    Kw, Vw = K0.copy(), V0.copy()
+    for t in range(Tn):
+        Kw[:, pos0 + t] = k[t].astype(np.float16)
+        Vw[:, :, pos0 + t] = v[t].astype(np.float16)
+    assert np.array_equal(K1.view(np.uint16), Kw.view(np.uint16))
+    assert np.array_equal(V1.view(np.uint16), Vw.view(np.uint16))
+
+
+# ---- 4. decode attention ------------------------------------------------------------------------------------------
+def _attn_case(cp, D, rng, n_head, n_kv, hd, max_ctx, L, Tn=1, q_scale=1.0, **kw):
+    """Random K/V (float32 and their f16 cache), positions >= L filled with NaN; returns (got, ref64_on_f16,
+    ref32_on_f32)."""
+    pos0 = L - Tn
+    Kf = rng.standard_normal((L, n_kv, hd), dtype=F32)
+    Vf = rng.standard_normal((L, n_kv, hd), dtype=F32)
+    q = rng.standard_normal((Tn, n_head, hd), dtype=F32) * F32(q_scale)
+    Kc = cp.full((n_kv, max_ctx, hd), np.nan, cp.float16)
+    Vc = cp.full((n_kv, hd, max_ctx), np.nan, cp.float16)
+    Kc[:, :L] = cp.asarray(Kf.transpose(1, 0, 2).astype(np.float16))
+    Vc[:, :, :L] = cp.asarray(Vf.transpose(1, 2, 0).astype(np.float16))
+    att = D.DecodeAttention(n_head, n_kv, hd, max_ctx, max_T=Tn, **kw)
+    out = nan_like(cp, (Tn, n_head * hd))
+    pos = cp.asarray(np.array([pos0], np.int32))
+    att(cp.asarray(q), Kc, Vc, pos, out, Tn)
+    sync(cp)
+    got = out.get()
+    K16 = Kf.astype(np.float16).astype(np.float64)
+    V16 = Vf.astype(np.float16).astype(np.float64)
+    ref64 = D.attention_ref(q.astype(np.float64), K16, V16, pos0)
+    ref32 = D.attention_ref(q, Kf, Vf, pos0)
+    return got, ref64, ref32
+
+
+ATTN_VARIANTS = [{"pipelined": True, "combine": "attn_combine"}, {"pipelined": False, "combine": "attn_combine_v1"},
+                 {"pipelined": False, "combine": "attn_combine"}, {"pipelined": True, "combine": "attn_combine_v1"}]
+
+
+@pytest.mark.parametrize("cfg", [(32, 4, 128), (4, 2, 64), (16, 1, 128), (8, 8, 64)],
+                         ids=["a3b", "tiny", "g16", "mha"])
+@pytest.mark.parametrize("L", [1, 15, 16, 17, 100, 1000, 5000])
+@pytest.mark.parametrize("var", ATTN_VARIANTS[:2], ids=["pipe-v2", "v1"])
+def test_attention(cp, D, cfg, L, var):
+    n_head, n_kv, hd = cfg
+    rng = np.random.default_rng(L * 7 + hd)
+    for q_scale in (1.0, 4.0):
+        got, ref64, ref32 = _attn_case(cp, D, rng, n_head, n_kv, hd, 8192, L, q_scale=q_scale, **var)
+        assert np.isfinite(got).all()
+        e = note(f"attention vs f64 on f16 cache (q x{q_scale:g})", normwise(got, ref64))
+        e2 = note(f"attention vs f32 reference, unrounded K/V (q x{q_scale:g})", normwise(got, ref32))
+        assert e <= 3e-3 and e2 <= 6e-3, (e, e2)
+
+
+@pytest.mark.parametrize("kw", [{"nsplit": 1}, {"nsplit": 7, "chunk_min": 16}, {"chunk_min": 1024}],
+                         ids=["nsplit1", "nsplit7", "chunk1024"])
+@pytest.mark.parametrize("var", ATTN_VARIANTS, ids=["pipe-v2", "v1", "v2", "pipe-v1"])
+def test_attention_splits(cp, D, kw, var):
+    rng = np.random.default_rng(3)
+    for L in (3001, 64, 80):
+        got, ref64, _ = _attn_case(cp, D, rng, 32, 4, 128, 8192, L, **kw, **var)
+        assert np.isfinite(got).all()
+        assert normwise(got, ref64) <= 3e-3
+
+
+@pytest.mark.parametrize("var", ATTN_VARIANTS[:2], ids=["pipe-v2", "v1"])
+def test_attention_prefill_tokens(cp, D, var):
+    rng = np.random.default_rng(4)
+    got, ref64, ref32 = _attn_case(cp, D, rng, 32, 4, 128, 4096, 700, Tn=9, **var)
+    assert np.isfinite(got).all()
+    assert normwise(got, ref64) <= 3e-3
+
+
+@pytest.mark.parametrize("var", ATTN_VARIANTS[:2], ids=["pipe-v2", "v1"])
+def test_attention_long(cp, D, var):
+    rng = np.random.default_rng(5)
+    got, ref64, _ = _attn_case(cp, D, rng, 32, 4, 128, 131072, 100003, q_scale=2.0, **var)
+    assert note("attention 100K vs f64 on f16 cache", normwise(got, ref64)) <= 3e-3
+
+
+# ---- 5. router ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("n,k", [(128, 8), (16, 4), (160, 8), (64, 1), (256, 16)])
+@pytest.mark.parametrize("kernel", ["route_topk", "route_topk_v1"])
+def test_route(cp, D, n, k, kernel):
+    rng = np.random.default_rng(n + k)
+    Tn = 9
+    x = rng.standard_normal((Tn, n), dtype=F32) * F32(2)
+    x[1, 5] = x[1, 9] = x[1].max() + 1  # tie at the top
+    x[2, :] = x[2, 0]  # all equal
+    x[3, 10:20] = x[3, 3]  # a tie run
+    x[4] *= F32(30)  # peaky
+    ids, w = cp.full((Tn, k), -1, cp.int32), nan_like(cp, (Tn, k))
+    D.route(cp.asarray(x), k, ids, w, kernel=kernel)
+    sync(cp)
+    want_ids, want_w = reference.route(x, k)
+    assert np.array_equal(ids.get(), want_ids.astype(np.int32))
+    got_w = w.get()
+    assert np.isfinite(got_w).all()
+    nz = want_w != 0  # numpy's exp underflowed to 0 for the others: ours must be (near) 0 too
+    assert np.all(np.abs(got_w[~nz]) <= 1e-30)
+    e = note("route weights max rel", np.max(np.abs(got_w[nz] - want_w[nz]) / np.abs(want_w[nz])))
+    assert e <= 2e-6
+
+
+# ---- 6. argmax and sampling --------------------------------------------------------------------------------------
+def test_argmax(cp, D):
+    rng = np.random.default_rng(11)
+    n = 151936
+    am = D.Argmax(n)
+    out = cp.full(1, -1, cp.int32)
+    cases = []
+    x = rng.standard_normal(n, dtype=F32)
+    cases.append(x.copy())
+    y = x.copy()
+    y[[5000, 100, 140000]] = y.max() + 1
+    cases.append(y)
+    y = x.copy()
+    y[[7, 99999]] = np.nan
+    cases.append(y)
+    y = np.full(n, -np.inf, F32)
+    cases.append(y)
+    y = -np.abs(x)
+    y[[3000, 20]] = -0.0
+    y[[50, 9000]] = 0.0
+    cases.append(y)
+    for c in cases:
+        out.fill(-1)
+        am(cp.asarray(c), out)
+        sync(cp)
+        assert int(out.get()[0]) == int(np.argmax(c))
+
+
+def test_sample(cp, D):
+    rng = np.random.default_rng(12)
+    for n in (151936, 1000):
+        s = D.DeviceSampler(n)
+        out = cp.full(1, -1, cp.int32)
+        for trial in range(6):
+            x = rng.standard_normal(n, dtype=F32) * F32(3)
+            if trial == 1:
+                x[[10, 20, 30]] = x.max()  # ties at the top
+            xd = cp.asarray(x)
+            for temp, tk, tp in [(0.0, 0, 1.0), (0.7, 40, 0.9), (1.0, 0, 1.0), (1.3, 1000, 0.3), (0.5, 1, 1.0),
+                                 (0.8, 256, 0.95)]:
+                for u in (0.0, rng.random(), rng.random(), 0.999999):
+                    params = cp.asarray(D.sampling_params(temp, tk, tp, u))
+                    out.fill(-1)
+                    s(xd, params, out)
+                    sync(cp)
+                    want = D.sample_ref(x, temp, tk, tp, u)
+                    assert int(out.get()[0]) == want, (n, trial, temp, tk, tp, u)
+                    if temp == 0:
+                        assert want == int(np.argmax(x))
+
+
+# ---- 7. embedding ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("qt", DENSE, ids=lambda q: q.name)
+def test_embed(cp, D, qt):
+    rng = np.random.default_rng(int(qt))
+    vocab, d = 1000, 2048
+    raw = rand_weight(rng, qt, vocab, d, rms=0.05)
+    tab = D.DenseWeight.upload(raw, qt, d)
+    toks = np.array([0, 999, 17, 500, 17], np.int32)
+    out = nan_like(cp, (len(toks), d))
+    D.embed(tab, cp.asarray(toks), out)
+    sync(cp)
+    want = D.embed_ref(raw, qt, toks)
+    assert np.array_equal(out.get().view(np.uint32), want.view(np.uint32))
+    bad = cp.zeros((1, d), cp.float32)
+    D.embed(tab, cp.asarray(np.array([vocab], np.int32)), bad)
+    sync(cp)
+    assert np.isnan(bad.get()).all()
+
+
+# ---- a decode step captured in a CUDA graph, replayed with the position advancing on the device -------------------
+def test_graph_decode_step(cp, D):
+    """embed -> norm -> qkv -> q/k norm+rope+KV -> attention -> o-proj (+res) -> norm -> router -> route -> LM
+    head -> argmax -> advance pos: captured once, replayed 6 times; equal to the same launches run eagerly, and
+    the token / ids equal a numpy forward of the same (expert-free) step within tolerance."""
+    rng = np.random.default_rng(21)
+    d, n_head, n_kv, hd, n_exp, k, vocab, max_ctx = 256, 4, 2, 64, 16, 4, 1000, 256
+    qd, kd = n_head * hd, n_kv * hd
+    raws = {
+        "emb": rand_weight(rng, T.Q8_0, vocab, d, rms=0.5),
+        "qkv": rand_weight(rng, T.Q8_0, qd + 2 * kd, d),
+        "o": rand_weight(rng, T.Q8_0, d, qd),
+        "router": rand_weight(rng, T.F32, n_exp, d),
+        "head": rand_weight(rng, T.Q8_0, vocab, d),
+    }
+    qts = {"emb": T.Q8_0, "qkv": T.Q8_0, "o": T.Q8_0, "router": T.F32, "head": T.Q8_0}
+    Wd = {n: D.DenseWeight.upload(r, qts[n], d if n != "o" else qd) for n, r in raws.items()}
+    nw = {n: rng.uniform(0.5, 1.5, m).astype(F32) for n, m in [("attn", d), ("q", hd), ("k", hd), ("ffn", d),
+                                                                 ("out", d)]}
+    nwd = {n: cp.asarray(v) for n, v in nw.items()}
+    rope = D.RopeTable(max_ctx, hd, 1e6)
+    att = D.DecodeAttention(n_head, n_kv, hd, max_ctx)
+    am = D.Argmax(vocab)
+
+    def buffers():
+        b = {"tok": cp.asarray(np.array([3], np.int32)), "pos": cp.zeros(1, cp.int32)}
+        b["K"], b["V"] = D.alloc_kv_cache(n_kv, max_ctx, hd)
+        for name, shape in [("x", (1, d)), ("h", (1, d)), ("qkv", (1, qd + 2 * kd)), ("q", (1, n_head, hd)),
+                            ("a", (1, qd)), ("h2", (1, d)), ("lg", (1, n_exp)), ("hf", (1, d)), ("logits", (vocab,))]:
+            b[name] = nan_like(cp, shape)
+        b["ids"], b["w"] = cp.full((1, k), -1, cp.int32), nan_like(cp, (1, k))
+        return b
+
+    def step(b, s=None):
+        D.embed(Wd["emb"], b["tok"], b["x"], stream=s)
+        D.rms_norm(b["x"], nwd["attn"], 1e-6, b["h"], stream=s)
+        D.matvec(Wd["qkv"], b["h"][0], b["qkv"][0], stream=s)
+        D.qk_norm_rope_kv(b["qkv"], nwd["q"], nwd["k"], 1e-6, rope, b["pos"], b["q"], b["K"], b["V"],
+                          n_head=n_head, n_kv=n_kv, stream=s)
+        att(b["q"], b["K"], b["V"], b["pos"], b["a"], stream=s)
+        D.matvec(Wd["o"], b["a"][0], b["x"][0], residual=b["x"][0], stream=s)
+        D.rms_norm(b["x"], nwd["ffn"], 1e-6, b["h2"], stream=s)
+        D.matvec(Wd["router"], b["h2"][0], b["lg"][0], stream=s)
+        D.route(b["lg"], k, b["ids"], b["w"], stream=s)
+        D.rms_norm(b["x"], nwd["out"], 1e-6, b["hf"], stream=s)
+        D.matvec(Wd["head"], b["hf"][0], b["logits"], stream=s)
+        am(b["logits"], b["tok"], stream=s)
+        D.advance_pos(b["pos"], 1, stream=s)
+
+    # eager
+    be = buffers()
+    eager = []
+    for _ in range(6):
+        step(be)
+        sync(cp)
+        eager.append((int(be["tok"].get()[0]), be["ids"].get().copy(), be["logits"].get().copy()))
+    # graph
+    bg = buffers()
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        s.begin_capture()
+        step(bg, s)
+        g = s.end_capture()
+    graph = []
+    for _ in range(6):
+        g.launch(s)
+        s.synchronize()
+        graph.append((int(bg["tok"].get()[0]), bg["ids"].get().copy(), bg["logits"].get().copy()))
+    for (t1, i1, l1), (t2, i2, l2) in zip(eager, graph):
+        assert t1 == t2 and np.array_equal(i1, i2) and np.array_equal(l1.view(np.uint32), l2.view(np.uint32))
+    assert int(bg["pos"].get()[0]) == 6
+
+    # numpy forward of the same step (float32 reference pieces)
+    Wf = {n: quants.dequantize(qts[n], r) for n, r in raws.items()}
+    tok, K, V = 3, np.zeros((0, n_kv, hd), F32), np.zeros((0, n_kv, hd), F32)
+    for i in range(6):
+        x = Wf["emb"][tok][None]
+        h = reference.rms_norm(x, nw["attn"], 1e-6)
+        qkv = h @ Wf["qkv"].T
+        q, kk, v = D.qk_norm_rope_kv_ref(qkv, i, nw["q"], nw["k"], 1e-6, 1e6, n_head, n_kv, hd)
+        K, V = np.concatenate([K, kk]), np.concatenate([V, v])
+        a = D.attention_ref(q, K, V, i)
+        x = x + a @ Wf["o"].T
+        ids, _ = reference.route(reference.rms_norm(x, nw["ffn"], 1e-6) @ Wf["router"].T, k)
+        logits = (reference.rms_norm(x, nw["out"], 1e-6) @ Wf["head"].T)[0]
+        gt, gi, gl = graph[i]
+        note("graph step logits normwise vs numpy", normwise(gl, logits))
+        assert normwise(gl, logits) <= 6e-3
+        srt = np.sort(logits)
+        if srt[-1] - srt[-2] > 1e-2 * np.abs(srt[-1]):  # a clear winner must match
+            assert gt == int(np.argmax(logits))
+        tok = gt  # follow the GPU's token so both sides see the same inputs
