@@ -36,3 +36,18 @@ def tiny_model(tiny_model_path):
     m = ModelFile(tiny_model_path)
     yield m
     m.close()
+
+
+@pytest.fixture(scope="session")
+def cp():
+    """CuPy, or a skip where there is no CUDA device (CI): the GPU tests' entry point."""
+    try:
+        import cupy
+    except Exception:  # noqa: BLE001 - any import failure means no GPU path here
+        pytest.skip("cupy is not installed")
+    try:
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            pytest.skip("no CUDA device")
+    except Exception:  # noqa: BLE001
+        pytest.skip("no CUDA device")
+    return cupy

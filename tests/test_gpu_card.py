@@ -4,21 +4,21 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-cp = pytest.importorskip("cupy")
-try:
-    cp.cuda.runtime.getDeviceCount()
-except Exception:  # noqa: BLE001
-    pytest.skip("no CUDA device", allow_module_level=True)
-
-from lane.cupy_card import CupyCard  # noqa: E402
-from stratad.engine.generation import Generation  # noqa: E402
-from stratad.engine.reference import ReferenceEngine  # noqa: E402
-from stratad.engine.sampling import SamplingParams  # noqa: E402
-from stratad.model.generator import make_model  # noqa: E402
-from stratad.model.gguf_file import ModelFile  # noqa: E402
+from stratad.engine.generation import Generation
+from stratad.engine.reference import ReferenceEngine
+from stratad.engine.sampling import SamplingParams
+from stratad.model.generator import make_model
+from stratad.model.gguf_file import ModelFile
 
 pytestmark = pytest.mark.gpu
 PROMPT = "The first chat talks about caches and slots, and the second one about routing."
+
+
+@pytest.fixture(scope="module")
+def CupyCard(cp):
+    from lane.cupy_card import CupyCard
+
+    return CupyCard
 
 
 @pytest.fixture(scope="module", params=["IQ3_S", "Q4_K", "Q8_0"])
@@ -34,7 +34,7 @@ def experts_by_rank(m: ModelFile) -> list[tuple[int, int]]:
     return [tuple(x) for x in rng.permutation([(layer, e) for layer in range(c.n_layer) for e in range(c.n_expert)])]
 
 
-def run(card: CupyCard, m: ModelFile, n: int, swap_every: int = 0):
+def run(card, m: ModelFile, n: int, swap_every: int = 0):
     """Greedy generation; with swap_every, the slot contents are reshuffled between tokens (adaptive swaps)."""
     g = Generation(card, m.tokenizer, m.tokenizer.encode(PROMPT), SamplingParams(max_tokens=n),
                    m.config.context_length, digest=True)
@@ -55,7 +55,7 @@ def run(card: CupyCard, m: ModelFile, n: int, swap_every: int = 0):
     return toks, g.digest.hexdigest(), card.counters
 
 
-def test_placement_never_changes_a_bit(model):
+def test_placement_never_changes_a_bit(model, CupyCard):
     c = model.config
     total = c.n_layer * c.n_expert
     results = {}
@@ -76,7 +76,7 @@ def test_placement_never_changes_a_bit(model):
     assert digest == digests[1.0] and counters.card > 0 and counters.cpu > 0
 
 
-def test_logits_close_to_the_float_reference(model):
+def test_logits_close_to_the_float_reference(model, CupyCard):
     """fp16 KV cache, int8 activations in the experts and a different summation order: measured, then bounded."""
     c = model.config
     card = CupyCard(model, 0, c.n_layer * c.n_expert, 4096)

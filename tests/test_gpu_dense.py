@@ -29,20 +29,6 @@ MEASURED: dict[str, float] = {}
 
 
 @pytest.fixture(scope="module")
-def cp():
-    try:
-        import cupy
-    except Exception:  # noqa: BLE001 - any import failure means no GPU path here
-        pytest.skip("cupy is not installed")
-    try:
-        if cupy.cuda.runtime.getDeviceCount() < 1:
-            pytest.skip("no CUDA device")
-    except Exception:  # noqa: BLE001
-        pytest.skip("no CUDA device")
-    return cupy
-
-
-@pytest.fixture(scope="module")
 def D(cp):
     from lane.kernels import dense
 

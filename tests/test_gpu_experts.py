@@ -23,20 +23,6 @@ F32 = np.float32
 CU = Path(__file__).resolve().parents[1] / "lane" / "kernels" / "experts.cu"
 
 
-@pytest.fixture(scope="module")
-def cp():
-    try:
-        import cupy
-    except Exception:  # noqa: BLE001 - any import failure means no GPU path here
-        pytest.skip("cupy is not installed")
-    try:
-        if cupy.cuda.runtime.getDeviceCount() < 1:
-            pytest.skip("no CUDA device")
-    except Exception:  # noqa: BLE001
-        pytest.skip("no CUDA device")
-    return cupy
-
-
 def bits_equal(got: np.ndarray, want: np.ndarray) -> tuple[bool, str]:
     got, want = np.ascontiguousarray(got, F32), np.ascontiguousarray(want, F32)
     if got.shape != want.shape:
