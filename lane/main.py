@@ -169,10 +169,13 @@ class Lane:
         finish = None
         gen = None
         io_s = 0.0
+        prompt_done = None  # counters once the prompt is read
         try:
             gen = self.gen = Generation(self.card, self.model.tokenizer, list(a.tokens), params,
                                         self.a.context_length, digest=a.digest)
             for tok, text in gen:
+                if prompt_done is None:
+                    prompt_done = self.card.counters.copy()
                 t0 = time.perf_counter()
                 self.send(M.TokenChunk(req_id=a.req_id, tokens=() if tok is None else (tok,), text=text))
                 self.poll_between_tokens()
@@ -184,6 +187,7 @@ class Lane:
             self.send(M.Error(req_id=a.req_id, code=M.ErrorCode.BAD_REQUEST, message=str(e)))
         finally:
             used = self.card.counters.minus(before)
+            decode = self.card.counters.minus(prompt_done or self.card.counters)
             self.req_id, self.gen = None, None
             done = None
             if finish is not None and gen is not None:
@@ -192,7 +196,8 @@ class Lane:
                 done = M.Done(req_id=a.req_id, finish_reason=finish, stats=M.RequestStats(
                     prompt_tokens=len(a.tokens), generated_tokens=gen.generated, ttft_s=gen.ttft_s,
                     decode_tok_s=gen.decode_tok_s, lane=self.lane, experts_card=used.card, experts_peer=used.peer,
-                    experts_cpu=used.cpu, logits_sha256=gen.digest.hexdigest() if gen.digest else None,
+                    experts_cpu=used.cpu, decode_experts_card=decode.card, decode_experts_peer=decode.peer,
+                    decode_experts_cpu=decode.cpu, logits_sha256=gen.digest.hexdigest() if gen.digest else None,
                     lane_io_s=io_s))
             self.beat(force=True)  # before Done: a status read right after the Done sees this request's figures
             if done is not None:

@@ -105,6 +105,9 @@ class RequestStats(BaseModel):
     experts_card: int = 0  # expert computations on the lane's own card
     experts_peer: int = 0  # on other cards
     experts_cpu: int = 0  # on the CPU pool
+    decode_experts_card: int = 0  # the same, counting only the decode steps (after the prompt)
+    decode_experts_peer: int = 0
+    decode_experts_cpu: int = 0
     logits_sha256: str | None = None  # with Generate.digest
     lane_io_s: float = 0.0  # time the lane spent on the daemon's messaging (sending chunks, reading control)
 

@@ -11,7 +11,7 @@ from stratad.model.errors import ModelFormatError
 def _make_model(a) -> int:
     from stratad.model.generator import make_model
 
-    rep = make_model(a.out, a.preset, a.expert_quant, a.dense_quant, a.router_skew, a.seed)
+    rep = make_model(a.out, a.preset, a.expert_quant, a.dense_quant, a.router_skew, a.seed, a.topics)
     print(json.dumps(rep))
     return 0
 
@@ -70,10 +70,11 @@ def _bench(a) -> int:
 
         from stratad.model.generator import make_model
 
-        model = str(Path(a.cache_dir) / f"{a.preset}-{a.expert_quant}-skew{a.router_skew:g}.gguf")
+        topics = "-topics2" if a.scenario == "seed" else ""
+        model = str(Path(a.cache_dir) / f"{a.preset}-{a.expert_quant}-skew{a.router_skew:g}{topics}.gguf")
         if not Path(model).exists():
             Path(a.cache_dir).mkdir(parents=True, exist_ok=True)
-            make_model(model, a.preset, a.expert_quant, "Q8_0", a.router_skew, 0)
+            make_model(model, a.preset, a.expert_quant, "Q8_0", a.router_skew, 0, topics=2 if a.scenario == "seed" else 1)
     gpu = a.scenario == "engine"
     if a.scenario == "overhead":
         from stratad.bench import overhead
@@ -85,9 +86,10 @@ def _bench(a) -> int:
         out = engine.run(model, fractions=[float(x) for x in a.fractions.split(",")],
                          contexts=[int(x) for x in a.contexts.split(",")], tokens=a.tokens)
     else:
-        print("error: the seed scenario needs GPU lanes with peer computation (CUDA IPC), not built yet",
-              file=sys.stderr)
-        return 2
+        from stratad.bench import seed
+
+        out = seed.run(model, cards=a.cards, cache=a.cache_fraction, prompt_tokens=int(a.contexts.split(",")[0]),
+                       tokens=a.tokens)
     out = {"date": datetime.date.today().isoformat(), "hardware": hardware.describe(gpu=gpu)} | out
     text = json.dumps(out, indent=2)
     if a.json:
@@ -102,11 +104,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
 
     m = sub.add_parser("make-model", help="write a qwen3moe GGUF with random, well-scaled weights")
-    m.add_argument("--preset", choices=["tiny", "a3b"], default="tiny")
+    m.add_argument("--preset", choices=["tiny", "mini", "a3b"], default="tiny")
     m.add_argument("--expert-quant", default="IQ3_S", choices=["IQ3_S", "Q4_K", "Q8_0"])
     m.add_argument("--dense-quant", default="Q8_0", choices=["Q8_0", "F16", "BF16", "F32"])
     m.add_argument("--router-skew", type=float, default=0.0, help="Zipf-like expert popularity (0: none)")
     m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--topics", type=int, choices=[1, 2], default=1,
+                   help="2: even / odd token ids are two kinds of traffic with different hot experts")
     m.add_argument("--out", required=True)
     m.set_defaults(fn=_make_model)
 
@@ -137,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="measure; JSON with hardware, floor and fraction reached")
     b.add_argument("--scenario", choices=["overhead", "engine", "seed"], default="overhead")
     b.add_argument("--model", help="GGUF to use; default: generate --preset into --cache-dir")
-    b.add_argument("--preset", choices=["tiny", "a3b"], default="tiny")
+    b.add_argument("--preset", choices=["tiny", "mini", "a3b"], default="tiny")
     b.add_argument("--expert-quant", default="IQ3_S", choices=["IQ3_S", "Q4_K", "Q8_0"])
     b.add_argument("--router-skew", type=float, default=1.0)
     b.add_argument("--cache-dir", default=str(__import__("pathlib").Path.home() / ".cache" / "stratad"))
@@ -145,7 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeats", type=int, default=5)
     b.add_argument("--threads", type=int, default=1, help="compute threads of the lane and of the in-process side")
     b.add_argument("--fractions", default="1.0,0.5,0.25", help="engine: expert-cache fractions")
-    b.add_argument("--contexts", default="1024", help="engine: prompt lengths")
+    b.add_argument("--contexts", default="1024", help="engine: prompt lengths; seed: the first is the prompt length")
+    b.add_argument("--cards", default="cpu,cpu", help="seed: the cards")
+    b.add_argument("--cache-fraction", type=float, default=0.475, help="seed: each card's share of all experts")
     b.add_argument("--json", help="also write the JSON here")
     b.set_defaults(fn=_bench)
     return p

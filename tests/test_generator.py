@@ -213,3 +213,23 @@ def test_cli_make_model_rejects_unknown_choice(tmp_path):
     r = cli("make-model", "--expert-quant", "Q5_K", "--out", str(tmp_path / "x.gguf"))
     assert r.returncode == 2 and "invalid choice" in r.stderr
     assert not (tmp_path / "x.gguf").exists()
+
+
+def test_two_topics_keep_their_kind_and_route_to_different_experts(tmp_path):
+    """topics=2: a chat of even ids stays even, one of odd ids stays odd, and they use different hot experts."""
+    path = tmp_path / "topics.gguf"
+    make_model(path, "tiny", router_skew=1.5, topics=2)
+    m = ModelFile(path)
+    eng = ReferenceEngine(m, "canonical")
+    dist = []
+    for topic in (0, 1):
+        prompt = list(range(2 + topic, 400, 2))[:40]
+        out = list(eng.generate(prompt, SamplingParams(max_tokens=60, temperature=0.7, seed=3)))
+        assert len(out) == 60 and all(t % 2 == topic for t in out)
+        tr = Trace()
+        eng.forward(prompt + out, eng.new_kv(), logits="none", trace=tr)
+        counts = np.bincount(np.concatenate([i.ravel() for i in tr.ids]), minlength=16).astype(float)
+        dist.append(counts / counts.sum())
+    assert np.minimum(*dist).sum() < 0.8  # the two kinds of traffic overlap far from fully
+    with pytest.raises(ValueError, match="router skew"):
+        make_model(tmp_path / "x.gguf", "tiny", topics=2)

@@ -68,6 +68,9 @@ PRESETS = {
     # small enough for CI and the demo (a few MB), still a real MoE: 16 experts, top 4, several layers
     "tiny": ModelConfig(n_layer=4, d_model=256, n_head=4, n_head_kv=2, head_dim=64, n_expert=16, n_expert_used=4,
                         d_ff_expert=256, vocab_size=1024, context_length=8192),
+    # tiny's width with a3b's routing (64 experts, top 8) and more layers: placement and shares on CPU cards
+    "mini": ModelConfig(n_layer=8, d_model=256, n_head=4, n_head_kv=2, head_dim=64, n_expert=64, n_expert_used=8,
+                        d_ff_expert=256, vocab_size=1024, context_length=8192),
     # Qwen3-30B-A3B
     "a3b": ModelConfig(n_layer=48, d_model=2048, n_head=32, n_head_kv=4, head_dim=128, n_expert=128,
                        n_expert_used=8, d_ff_expert=768, vocab_size=151936, context_length=131072),

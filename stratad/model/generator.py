@@ -5,6 +5,8 @@ Scales keep the hidden state well-conditioned through every layer: each projecti
 grows slowly with depth. Router skew: every token's embedding carries a constant component on dimension 0
 (real models have such "massive activation" dimensions); router column 0 gives expert e the logit bonus
 skew * (-log(1 + rank_e)) along it, with a per-layer random ranking, so popularity is Zipf-like per layer.
+With two topics, dimensions 1 and 2 carry the token's topic with their own rankings, so two chats of different
+topics have different hot experts (the seed's two-chat measurement needs that).
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from stratad.model.writer import TensorSource, row_chunks, write_model
 CHUNK_BYTES = 64 << 20  # rows generated per write: bounds peak memory
 SKEW_DIM_VALUE = 3.0  # constant embedding component on dimension 0
 OUT_DAMP = 0.5  # attention / expert output projections: keeps the residual growth slow
+TOPIC_STICKINESS = 8.0  # LM-head weight on the topic dimensions
 
 
 def _seed(seed: int, name: str) -> np.random.Generator:
@@ -43,29 +46,59 @@ def _fixed(name: str, qtype: T, values: np.ndarray) -> TensorSource:
     return TensorSource.of(name, qtype, values)
 
 
-def _embedding(c: ModelConfig, qtype: T, seed: int, skew: float) -> TensorSource:
-    name = "token_embd.weight"
-    if skew == 0:
-        return _random(name, qtype, (c.vocab_size, c.d_model), 1.0, seed)
-    per = max(1, (CHUNK_BYTES // 4) // c.d_model)
+def _float_rows(name: str, qtype: T, shape: tuple[int, int], rms: float, seed: int, columns) -> TensorSource:
+    """Gaussian rows with some columns set by `columns(block, first_row)`, then encoded as `qtype`."""
+    per = max(1, (CHUNK_BYTES // 4) // shape[1])
 
     def make(rng):
         def rows(s, k):
-            v = rng.standard_normal((k, c.d_model), dtype=np.float32)
-            v[:, 0] = SKEW_DIM_VALUE
+            v = rng.standard_normal((k, shape[1]), dtype=np.float32) * np.float32(rms)
+            columns(v, s)
             return TensorSource.of(name, qtype, v).chunks()[0]
         return rows
 
-    return TensorSource(name, qtype, (c.vocab_size, c.d_model),
-                        lambda: row_chunks(c.vocab_size, per, make(_seed(seed, name))))
+    return TensorSource(name, qtype, shape, lambda: row_chunks(shape[0], per, make(_seed(seed, name))))
 
 
-def _router(c: ModelConfig, layer: int, seed: int, skew: float) -> np.ndarray:
+def _topic(first: int, k: int) -> np.ndarray:
+    """Token classes of rows first..first+k: even ids are topic A, odd ids topic B."""
+    return (np.arange(first, first + k) % 2).astype(bool)
+
+
+def _embedding(c: ModelConfig, qtype: T, seed: int, skew: float, topics: int) -> TensorSource:
+    name = "token_embd.weight"
+    if skew == 0:
+        return _random(name, qtype, (c.vocab_size, c.d_model), 1.0, seed)
+
+    def columns(v, s):
+        v[:, 0] = SKEW_DIM_VALUE
+        if topics == 2:  # the token's topic on its own dimension: 1 for A, 2 for B
+            b = _topic(s, len(v))
+            v[:, 1] = np.where(b, 0.0, SKEW_DIM_VALUE)
+            v[:, 2] = np.where(b, SKEW_DIM_VALUE, 0.0)
+
+    return _float_rows(name, qtype, (c.vocab_size, c.d_model), 1.0, seed, columns)
+
+
+def _lm_head(c: ModelConfig, qtype: T, seed: int, topics: int) -> TensorSource:
+    name, rms = "output.weight", 3.0 / np.sqrt(c.d_model)
+    if topics != 2:
+        return _random(name, qtype, (c.vocab_size, c.d_model), rms, seed)
+
+    def columns(v, s):  # a topic-A context favours topic-A tokens and B favours B: a chat keeps its topic
+        b = _topic(s, len(v))
+        v[:, 1] = np.where(b, -TOPIC_STICKINESS, TOPIC_STICKINESS)
+        v[:, 2] = -v[:, 1]
+
+    return _float_rows(name, qtype, (c.vocab_size, c.d_model), rms, seed, columns)
+
+
+def _router(c: ModelConfig, layer: int, seed: int, skew: float, topics: int) -> np.ndarray:
     rng = _seed(seed, f"router.{layer}")
     w = rng.standard_normal((c.n_expert, c.d_model), dtype=np.float32) / np.float32(np.sqrt(c.d_model))
     if skew:
-        rank = rng.permutation(c.n_expert)
-        w[:, 0] = skew * -np.log1p(rank) / SKEW_DIM_VALUE
+        for dim in range(1 + (topics == 2) * 2):  # dimension 0: all traffic; 1, 2: each topic's own ranking
+            w[:, dim] = skew * -np.log1p(rng.permutation(c.n_expert)) / SKEW_DIM_VALUE
     return w
 
 
@@ -73,11 +106,12 @@ def _norm(rng_name: str, n: int, seed: int) -> np.ndarray:
     return (1.0 + 0.05 * _seed(seed, rng_name).standard_normal(n)).astype(np.float32)
 
 
-def model_tensors(c: ModelConfig, expert_q: T, dense_q: T, skew: float, seed: int) -> list[TensorSource]:
+def model_tensors(c: ModelConfig, expert_q: T, dense_q: T, skew: float, seed: int,
+                  topics: int = 1) -> list[TensorSource]:
     d, ff, E = c.d_model, c.d_ff_expert, c.n_expert
-    ts = [_embedding(c, dense_q, seed, skew),
+    ts = [_embedding(c, dense_q, seed, skew, topics),
           _fixed("output_norm.weight", T.F32, _norm("output_norm", d, seed)),
-          _random("output.weight", dense_q, (c.vocab_size, d), 3.0 / np.sqrt(d), seed)]
+          _lm_head(c, dense_q, seed, topics)]
     for i in range(c.n_layer):
         b = f"blk.{i}."
         ts += [
@@ -90,7 +124,7 @@ def model_tensors(c: ModelConfig, expert_q: T, dense_q: T, skew: float, seed: in
             _fixed(b + "attn_k_norm.weight", T.F32, _norm(b + "attn_k_norm", c.head_dim, seed)),
             _fixed(b + "ffn_norm.weight", T.F32, _norm(b + "ffn_norm", d, seed)),
             # llama.cpp's quantiser leaves the router in F32 too
-            _fixed(b + "ffn_gate_inp.weight", T.F32, _router(c, i, seed, skew)),
+            _fixed(b + "ffn_gate_inp.weight", T.F32, _router(c, i, seed, skew, topics)),
             _random(b + "ffn_gate_exps.weight", expert_q, (E, ff, d), 1 / np.sqrt(d), seed),
             _random(b + "ffn_up_exps.weight", expert_q, (E, ff, d), 1 / np.sqrt(d), seed),
             _random(b + "ffn_down_exps.weight", expert_q, (E, d, ff), 2 * OUT_DAMP / np.sqrt(ff), seed),
@@ -99,8 +133,13 @@ def model_tensors(c: ModelConfig, expert_q: T, dense_q: T, skew: float, seed: in
 
 
 def make_model(out: str | os.PathLike, preset: str | ModelConfig = "tiny", expert_quant: str = "IQ3_S",
-               dense_quant: str = "Q8_0", router_skew: float = 0.0, seed: int = 0) -> dict:
-    """Write the model; returns a small report (path, bytes, seconds)."""
+               dense_quant: str = "Q8_0", router_skew: float = 0.0, seed: int = 0, topics: int = 1) -> dict:
+    """Write the model; returns a small report (path, bytes, seconds). topics=2: two kinds of traffic with
+    different hot experts (even / odd token ids), each chat keeping to the kind its prompt has."""
+    if topics not in (1, 2):
+        raise ValueError(f"topics must be 1 or 2, got {topics}")
+    if topics == 2 and not router_skew:
+        raise ValueError("topics=2 needs a router skew (it gives each topic its own hot experts)")
     from stratad.model.tokenizer import build_vocab
 
     c = preset if isinstance(preset, ModelConfig) else PRESETS[preset]
@@ -115,6 +154,6 @@ def make_model(out: str | os.PathLike, preset: str | ModelConfig = "tiny", exper
         quants.fmt(eq).row_bytes(n)
         quants.fmt(dq).row_bytes(n)
     t0 = time.monotonic()
-    write_model(out, c, model_tensors(c, eq, dq, router_skew, seed), build_vocab(c.vocab_size),
+    write_model(out, c, model_tensors(c, eq, dq, router_skew, seed, topics), build_vocab(c.vocab_size),
                 name=f"stratad-{preset if isinstance(preset, str) else 'custom'}-{eq.name}", file_type=eq)
     return {"path": str(out), "bytes": os.path.getsize(out), "seconds": round(time.monotonic() - t0, 2)}

@@ -1,0 +1,88 @@
+"""The seed's table: one chat on lead + peer, two chats on independent lanes, two chats with mutual help.
+
+Two chats of different topics (a model made with topics=2: even / odd token ids route to different hot experts),
+each card's cache a fraction of all experts (default 0.475: two cards together 95 %). For each mode and chat:
+decode tok/s, time to first token, and the share of decode-step expert work on the own card, on peer cards and on
+the CPU. Every mode first runs a short round of the same traffic, so that placement has followed it (it adapts
+from live counts), then measures.
+"""
+from __future__ import annotations
+
+import tempfile
+import threading
+import time
+
+import numpy as np
+
+from stratad.local_daemon import LocalDaemon
+
+
+def _prompt(topic: int, n: int, seed: int) -> list[int]:
+    rng = np.random.default_rng(seed)
+    return [int(t) for t in 2 * rng.integers(1, 500, size=n) + topic]  # even ids: topic A, odd: topic B
+
+
+def _chats(d: LocalDaemon, topics: list[int], prompt_tokens: int, tokens: int) -> list[dict]:
+    out: list[dict] = [{} for _ in topics]
+
+    def go(i, topic):
+        with d.client(stream_timeout_s=1800) as c:
+            t0 = time.monotonic()
+            s = c.generate(tokens=_prompt(topic, prompt_tokens, 100 + i), max_tokens=tokens, temperature=0.7,
+                           seed=i)
+            s.result()
+            st = s.stats
+            dec = st.decode_experts_card + st.decode_experts_peer + st.decode_experts_cpu or 1
+            out[i] = {"topic": "AB"[topic], "lane": st.lane, "generated": st.generated_tokens,
+                      "decode_tok_s": round(st.decode_tok_s, 2), "ttft_s": round(st.ttft_s, 3),
+                      "wall_s": round(time.monotonic() - t0, 2),
+                      "share_own_card": round(st.decode_experts_card / dec, 4),
+                      "share_peer": round(st.decode_experts_peer / dec, 4),
+                      "share_cpu": round(st.decode_experts_cpu / dec, 4),
+                      "share_some_card": round(1 - st.decode_experts_cpu / dec, 4)}
+
+    ts = [threading.Thread(target=go, args=(i, t)) for i, t in enumerate(topics)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return out
+
+
+def _mode(model: str, cards: str, cache: float, mutual: bool, topics: list[int], prompt_tokens: int, tokens: int,
+          settle_s: float) -> list[dict]:
+    conf = tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False)
+    conf.write(f"mutual_help = {str(mutual).lower()}\nrejoin_idle_s = 3600.0\nreplan_interval_s = 0.5\n")
+    conf.close()
+    d = LocalDaemon(model, cards, args=["--expert-cache", str(cache), "--log-level", "warning"],
+                    config=conf.name).start()
+    try:
+        _chats(d, topics, prompt_tokens, tokens)  # the traffic once: live counts, placement follows
+        time.sleep(settle_s)
+        return _chats(d, topics, prompt_tokens, tokens)
+    finally:
+        d.stop()
+
+
+def run(model_path: str, cards: str = "cpu,cpu", cache: float = 0.475, prompt_tokens: int = 1024,
+        tokens: int = 128, settle_s: float = 3.0) -> dict:
+    n_cards = len(cards.split(","))
+    modes = {
+        "1_one_chat_lead_peer": _mode(model_path, cards, cache, False, [0], prompt_tokens, tokens, settle_s),
+        "2_two_chats_independent": _mode(model_path, cards, cache, False, [0, 1], prompt_tokens, tokens, settle_s),
+        "3_two_chats_mutual_help": _mode(model_path, cards, cache, True, [0, 1], prompt_tokens, tokens, settle_s),
+    }
+    together = {m: round(sum(c["decode_tok_s"] for c in chats), 2) for m, chats in modes.items()}
+    mode1 = modes["1_one_chat_lead_peer"][0]["decode_tok_s"]
+    return {
+        "scenario": "seed", "model": str(model_path), "cards": cards,
+        "cache_fraction_per_card": cache, "cache_fraction_all_cards": round(min(1.0, cache * n_cards), 3),
+        "prompt_tokens": prompt_tokens, "generated_tokens": tokens, "modes": modes,
+        "decode_tok_s_together": together,
+        "targets": {"mode3_share_some_card_min": 0.95,
+                    "mode3_share_some_card": [c["share_some_card"] for c in modes["3_two_chats_mutual_help"]],
+                    "mode2_share_some_card": [c["share_some_card"] for c in modes["2_two_chats_independent"]],
+                    "mode3_speed_vs_mode1": [round(c["decode_tok_s"] / mode1, 3)
+                                             for c in modes["3_two_chats_mutual_help"]]},
+        "floor": "shares: the pooled coverage of the cards; speeds on CPU cards are not a GPU result",
+    }
