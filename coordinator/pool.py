@@ -39,6 +39,7 @@ class CardPool:
         self.replan_interval_s, self.replan_min_gain = replan_interval_s, replan_min_gain
         self.last_replan = 0.0
         self.replan_pending = False
+        self.planned_for: tuple | None = None
         self.sent_roles: list[M.Role | None] = [None] * n_cards
         self.role_log: deque[M.RoleEvent] = deque(maxlen=ROLE_LOG)
         self.role_since = [time.time()] * n_cards
@@ -133,13 +134,19 @@ class CardPool:
                 self.role_log.append(M.RoleEvent(time=self.role_since[i], lane=i, role=r))
                 self.send(i, M.RoleChange(role=r, epoch=self.epochs.epoch))
         self._send_views()
-        self._replan(min_gain=None)
+        # a new group structure (split, rejoin, a lane up or down) needs a new placement now; a request starting
+        # or ending inside a group only shifts the weights: that waits for a clear gain (no churn per request)
+        self._replan(min_gain=None if self._structure() != self.planned_for else self.replan_min_gain)
+
+    def _structure(self) -> tuple:
+        return tuple(map(tuple, self.roles.groups())), tuple(self.ready)
 
     def _replan(self, min_gain: float | None) -> None:
         if self.epochs.busy:
             self.replan_pending = True
             return
         self.replan_pending = False
+        self.planned_for = self._structure()
         groups = self.roles.groups()
         weights = [self._group_weights(g) for g in groups]
         target = directory.plan(groups, weights, self.n_slots, self.epochs.contents)
@@ -161,7 +168,7 @@ class CardPool:
         if done:
             self._send_views()
             if self.replan_pending:
-                self._replan(min_gain=None)
+                self._replan(min_gain=None if self._structure() != self.planned_for else self.replan_min_gain)
 
     def _send_views(self) -> None:
         vis = self.epochs.visible()
