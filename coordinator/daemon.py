@@ -69,10 +69,7 @@ class Coordinator:
         self.tokenizer = self.model.tokenizer
         c = self.model.config
         self.context_length = min(self.cfg.context_length, c.context_length)
-        self.cards = list(self.cfg.cards) or ["cpu", "cpu"]
-        if not self.cfg.cards:
-            log.warning("no --cards given and no GPU lane support detected: running on %d CPU cards",
-                        len(self.cards))
+        self.cards = list(self.cfg.cards) or detect_cards()
         self.slot_bytes = slot_bytes(self.model)
         self.n_slots = self._slots_per_card()
         self.profile = self._profile()
@@ -418,6 +415,22 @@ class Coordinator:
         return M.Status(model=str(self.model.path), uptime_s=time.time() - self.t_start, lanes=tuple(lanes),
                         cards=tuple(cards), queue=tuple(self.queue), queue_limit=self.cfg.queue_limit,
                         epoch=self.pool.epochs.epoch, role_log=tuple(self.pool.role_log))
+
+
+def detect_cards() -> list[str]:
+    """Every CUDA device when CuPy sees any; else two CPU cards (and the log says so)."""
+    try:
+        import cupy
+
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:  # noqa: BLE001 - no cupy, no driver, no device: all mean "no GPU"
+        log.warning("no --cards given and no GPU found (%s): running on 2 CPU cards", type(e).__name__)
+        return ["cpu", "cpu"]
+    if n == 0:
+        log.warning("no --cards given and no GPU found: running on 2 CPU cards")
+        return ["cpu", "cpu"]
+    log.info("no --cards given: using GPUs %s", ",".join(map(str, range(n))))
+    return [str(i) for i in range(n)]
 
 
 def serve(cfg: DaemonConfig) -> int:
