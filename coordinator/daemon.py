@@ -11,7 +11,6 @@ import signal
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import zmq

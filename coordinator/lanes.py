@@ -43,9 +43,6 @@ class LaneHandle:
     def free(self) -> bool:
         return self.ready and self.req_id is None
 
-    def set_role(self, role: M.Role) -> None:
-        self.role = role
-
 
 class Supervisor:
     def __init__(self, cards: list[str], argv_for, shm_prefix: str, timeout_s: float, threads: int):
@@ -58,7 +55,7 @@ class Supervisor:
     def start(self, h: LaneHandle) -> None:
         h.proc = subprocess.Popen(self.argv_for(h), stdin=subprocess.DEVNULL, env=child_env(self.threads))
         h.pid, h.ready, h.req_id, h.last_seen = h.proc.pid, False, None, time.monotonic()
-        h.set_role(M.Role.STARTING)
+        h.role = M.Role.STARTING
         log.info("lane %d (card %s) started, pid %d", h.lane, h.card, h.pid)
 
     def start_all(self) -> None:
@@ -96,7 +93,7 @@ class Supervisor:
         if h.start_failures >= MAX_START_FAILURES:
             h.failed = f"{why}; it failed to start {h.start_failures} times in a row, so it is not restarted"
         h.proc, h.ready = None, False
-        h.set_role(M.Role.DOWN)
+        h.role = M.Role.DOWN
         h.status = None
         shm.unlink_prefix(f"{self.shm_prefix}lane{h.lane}-")  # whatever the dead lane could not release
         h.restart_at = time.monotonic() + RESTART_BACKOFF_S[min(h.restarts, len(RESTART_BACKOFF_S) - 1)]
