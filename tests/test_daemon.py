@@ -237,6 +237,9 @@ def test_bad_config_and_missing_model(tmp_path, tiny_model_path):
     assert r.returncode == 2 and "expert_cache" in r.stderr
     r = run_serve(["--model", str(tmp_path / "nope.gguf"), "--cards", "cpu", "--runtime-dir", str(tmp_path / "rt")])
     assert r.returncode == 2 and "no such model file" in r.stderr
+    cfg.write_text(f'model = "{tiny_model_path}"\ntcp = "tcp://127.0.0.1:25999"\n')  # TCP without CURVE keys
+    r = run_serve(["--config", str(cfg), "--cards", "cpu", "--runtime-dir", str(tmp_path / "rt")])
+    assert r.returncode == 2 and "CURVE" in r.stderr
     assert not list(shm.SHM_DIR.glob(shm.prefix_for(tmp_path / "rt").lstrip("/") + "*"))
 
 
