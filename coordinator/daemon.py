@@ -368,7 +368,7 @@ class Coordinator:
             if not h.ready and msg.status.role != M.Role.STARTING:
                 h.ready = True
                 log.info("lane %d ready (%d/%d slots)", h.lane, msg.status.slots_used, msg.status.slots_total)
-                self.pool.lane_ready(h.lane, restarted=h.restarts > 0)
+                self.pool.lane_ready(h.lane, restarted=h.restarts > 0, status=msg.status)
         elif isinstance(msg, M.EpochAck):
             self.pool.on_ack(h.lane, msg.epoch)
         elif isinstance(msg, M.Loaded):

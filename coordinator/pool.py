@@ -35,6 +35,7 @@ class CardPool:
         self.epochs = Epochs(n_cards, n_slots)
         self.ready = [False] * n_cards
         self.generation = [0] * n_cards
+        self.pools: list[tuple[str, str]] = [("", "")] * n_cards  # per card: (pool, device) as its lane reported
         self.counts: list[shm.Segment | None] = [None] * n_cards
         self.replan_interval_s, self.replan_min_gain = replan_interval_s, replan_min_gain
         self.last_replan = 0.0
@@ -49,9 +50,6 @@ class CardPool:
                                               self.epochs.contents)
 
     # ---- names ----------------------------------------------------------------------------------------------
-    def pool_name(self, lane: int) -> str:
-        return f"{self.prefix}lane{lane}-slots"
-
     def counts_name(self, lane: int) -> str:
         return f"{self.prefix}lane{lane}-counts"
 
@@ -74,8 +72,9 @@ class CardPool:
         return M.Placement(epoch=self.epochs.epoch, n_slots=self.n_slots, warmup_tokens=warmup_tokens,
                            experts=tuple(x for x in self.epochs.contents[lane] if x is not None))
 
-    def lane_ready(self, lane: int, restarted: bool) -> None:
+    def lane_ready(self, lane: int, restarted: bool, status: M.LaneStatus) -> None:
         self.ready[lane] = True
+        self.pools[lane] = (status.pool, status.device)
         if self.counts[lane] is not None:
             self.counts[lane].close()
         try:
@@ -175,7 +174,8 @@ class CardPool:
         for i in range(self.n):
             if not self.ready[i]:
                 continue
-            cards = tuple(M.CardView(card=c, pool=self.pool_name(c), generation=self.generation[c],
+            cards = tuple(M.CardView(card=c, pool=self.pools[c][0], device=self.pools[c][1],
+                                     generation=self.generation[c],
                                      experts=tuple((x[0], x[1], s) for s, x in enumerate(vis[c]) if x is not None))
                           for c in self.roles.cards_for(i)[1:] if self.ready[c])
             self.send(i, M.View(epoch=self.epochs.epoch, cards=cards))  # an unreachable lane's death is noticed

@@ -1,7 +1,8 @@
 """A GPU card: the qwen3moe forward on one CUDA device with the kernels of lane/kernels, for one sequence.
 
 Dense weights stay in their GGUF encoding on the card (mat-vecs read Q8_0 / F16 / BF16 / F32 rows directly); the
-experts the card holds sit in its VRAM slot pool; the others run on the CPU pool (lane/gpu_experts.py). Prompts
+experts the card holds sit in its VRAM slot pool, exported to the other lanes through a CUDA IPC handle; experts
+another card holds run there, the rest on the CPU pool (lane/gpu_experts.py). Prompts
 are read in chunks (cuBLAS on dequantised tiles for the projections), decode is one token a step. Same
 interface as the numpy card: new_kv(), forward(tokens, kv, logits) -> host logits, pool, counters, counts.
 """
@@ -69,7 +70,15 @@ class CupyCard:
         self.rope = D.RopeTable(self.max_ctx, c.head_dim, c.rope_base)
         self.attn = D.DecodeAttention(c.n_head, c.n_head_kv, c.head_dim, self.max_ctx, max_T=PREFILL_CHUNK)
         self.pos = cp.zeros((1,), cp.int32)
-        self.pool = SlotPool(model, cp.zeros(max(1, n_slots) * slot_bytes(model), cp.uint8), n_slots, cp.asarray)
+        # the slot pool is its own cudaMalloc (not a memory-pool sub-allocation), so that its CUDA IPC handle
+        # opens at the pool's first byte in other lanes
+        nbytes = max(1, n_slots) * slot_bytes(model)
+        self._pool_mem = cp.cuda.Memory(nbytes)
+        buf = cp.ndarray((nbytes,), cp.uint8, cp.cuda.MemoryPointer(self._pool_mem, 0))
+        buf.fill(0)
+        self.pool = SlotPool(model, buf, n_slots, cp.asarray)
+        self.pool_ident = bytes(cp.cuda.runtime.ipcGetMemHandle(self._pool_mem.ptr)).hex()
+        self.device_ident = "cuda:" + cp.cuda.runtime.deviceGetPCIBusId(device)
         self.experts = GpuExperts(model, self.pool, PREFILL_CHUNK, cpu_threads, self.stream)
 
     # ---- the Card interface ---------------------------------------------------------------------------------
@@ -77,11 +86,14 @@ class CupyCard:
         return GpuKV(self)
 
     def set_view(self, view: M.View) -> None:
-        """Peer cards are not computed from on GPU lanes yet: their experts run on this card's CPU pool."""
+        """Compute from these other cards' slots from the next token on (peers on this same GPU; see gpu_experts)."""
+        with self.device:
+            self.experts.set_view(view, self.device_ident)
         self.epoch = view.epoch
 
     def close(self) -> None:
-        self.stream.synchronize()
+        with self.device:
+            self.experts.close()
 
     def forward(self, tokens, kv: GpuKV, logits: str = "last"):
         tokens = np.asarray(tokens, np.int32)

@@ -91,7 +91,9 @@ class Lane:
                             share_cpu=c[2], slots_used=pool.used if pool else 0,
                             share_by_peer=tuple((k, n / total) for k, n in sorted(counters.by_peer.items())),
                             slots_total=pool.n_slots if pool else 0, slots_loaded=pool.loads if pool else 0,
-                            epoch=self.card.epoch if self.card else 0, role_since=self.role_since)
+                            epoch=self.card.epoch if self.card else 0, role_since=self.role_since,
+                            pool=self.card.pool_ident if self.card else "",
+                            device=self.card.device_ident if self.card else "")
 
     def beat(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -113,7 +115,7 @@ class Lane:
             shm.unlink(name)
             seg = shm.Segment(name, max(1, n * slot_bytes(self.model)), create=True)
             self.segments.append(seg)
-            self.card = NumpyCard(self.model, SlotPool(self.model, seg.array(), n), live)
+            self.card = NumpyCard(self.model, SlotPool(self.model, seg.array(), n), live, pool_ident=name)
         else:
             from lane.cupy_card import CupyCard  # CUDA only where a GPU card is asked for
 

@@ -33,10 +33,13 @@ class PeerCard:
 
 class NumpyCard:
     kind = "cpu"
+    device_ident = "cpu"
     HALF_LIFE_TOKENS = 256  # live expert counts decay so placement follows the current traffic
 
-    def __init__(self, model: ModelFile, pool: SlotPool, counts: np.ndarray | None = None, decoded_cache: int = 512):
+    def __init__(self, model: ModelFile, pool: SlotPool, counts: np.ndarray | None = None, decoded_cache: int = 512,
+                 pool_ident: str = ""):
         c = model.config
+        self.pool_ident = pool_ident  # the shared segment other lanes attach
         self.model, self.pool = model, pool
         self.engine = ReferenceEngine(model, experts=self.experts)
         self.counters = Counters()  # since start

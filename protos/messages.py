@@ -146,6 +146,8 @@ class LaneStatus(BaseModel):
     restarts: int = 0
     role_since: float = 0.0  # unix time of the last role change
     failed: str | None = None  # why the coordinator gave up restarting this lane
+    pool: str = ""  # how other lanes reach this card's slot pool: segment name (CPU) or CUDA IPC handle, hex (GPU)
+    device: str = ""  # where the pool lives: "cpu" or "cuda:<PCI bus id>"
 
 
 class CardStatus(BaseModel):
@@ -218,7 +220,8 @@ class CardView(BaseModel):
     which expert sits in which slot."""
     model_config = ConfigDict(extra="forbid", frozen=True)
     card: int
-    pool: str  # segment name (CPU card) or serialized IPC handle (GPU card)
+    pool: str  # segment name (CPU card) or CUDA IPC handle, hex (GPU card)
+    device: str = ""  # "cpu" or "cuda:<PCI bus id>"
     generation: int  # the owning lane's incarnation: a restarted lane has a new pool
     experts: tuple[tuple[int, int, int], ...]  # (layer, expert, slot)
 
