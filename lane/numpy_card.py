@@ -1,16 +1,18 @@
 """The CPU "virtual card": the numpy reference forward, with each expert computed from where it is placed.
 
 Experts in the card's slot pool are computed from the slot's bytes; experts another card holds (its View) from
-that card's slot pool, a shared-memory segment (the CPU cards' stand-in for CUDA IPC); the others by the CPU pool
-from the arena. All run the canonical expert function: the output bits do not depend on placement (DESIGN.md).
+that card's slot pool, a shared-memory segment (the CPU cards' stand-in for CUDA IPC); the others by the numba
+CPU pool (lane/cpu_pool.py, the GPU lanes' too) straight from the arena. All run the canonical expert function: the output bits do not depend on placement (DESIGN.md).
 """
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 
 import numpy as np
 
 from lane.counters import Counters
+from lane.cpu_pool import CpuPool, LayerJobs
 from lane.slot_pool import SlotPool
 from protos import messages as M
 from stratad import shm
@@ -18,7 +20,7 @@ from stratad.engine import canonical
 from stratad.engine.reference import ReferenceEngine
 from stratad.model import quants
 from stratad.model.gguf_file import ModelFile
-from stratad.model.slot_layout import KINDS, expert_bytes, split_slot
+from stratad.model.slot_layout import KINDS, split_slot
 
 
 class PeerCard:
@@ -49,6 +51,8 @@ class NumpyCard:
         self.peer_slot = np.full((c.n_layer, c.n_expert), -1, np.int32)
         self.epoch = 0
         self._decoded: OrderedDict = OrderedDict()  # (card, generation, slot, layer, expert) -> IntBlocks x3
+        # experts no card holds: the numba CPU pool, straight from the arena (the GPU lanes' CPU pool too)
+        self.cpu_pool = CpuPool(int(os.environ.get("NUMBA_NUM_THREADS", "1")))
         self._cap = decoded_cache
 
     def set_view(self, view: M.View) -> None:
@@ -80,7 +84,7 @@ class NumpyCard:
         if card >= 0:
             p, s = self.peers[card], int(self.peer_slot[layer, e])
             return card, (card, p.generation, s, layer, e), lambda: split_slot(self.model, layer, p.data[s])
-        return "cpu", (-2, 0, 0, layer, e), lambda: expert_bytes(self.model, layer, e)
+        return "cpu", None, None  # computed by the CPU pool, not decoded here
 
     def _blocks(self, layer: int, e: int):
         where, key, mats = self._source(layer, e)
@@ -100,11 +104,21 @@ class NumpyCard:
         np.add.at(self.counts[layer], ids.reshape(-1), 1.0)
         qa, da = canonical.quantize_act(x)
         out = np.zeros(ids.shape + (x.shape[-1],), np.float32)
+        miss = np.zeros(ids.shape, bool)
         for e in np.unique(ids):
             t, j = np.nonzero(ids == e)
-            blocks, where = self._blocks(layer, int(e))
+            where, _, _ = self._source(layer, int(e))
+            if where == "cpu":  # the CPU pool takes the whole layer's misses in one call, below
+                miss[t, j] = True
+                continue
+            blocks, _ = self._blocks(layer, int(e))
             out[t, j] = canonical.expert(*blocks, qa[t], da[t])
             self._count(where, len(t))
+        if miss.any():
+            t, j = np.nonzero(miss)
+            pairs = np.stack([t, ids[t, j]], axis=1).astype(np.int32)
+            out[t, j] = self.cpu_pool.run(LayerJobs.from_model(self.model, layer, pairs, qa, da))
+            self._count("cpu", len(t))
         return out
 
     def _count(self, where, n: int) -> None:
