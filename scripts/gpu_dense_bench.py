@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import subprocess
 import sys
 import time
 import traceback
@@ -29,27 +28,6 @@ from stratad.model import quants  # noqa: E402
 F32 = np.float32
 L2_BYTES = 60 << 20
 A3B = dict(d=2048, n_head=32, n_kv=4, hd=128, n_exp=128, k=8, vocab=151936, n_layer=48, max_ctx=131072)
-
-
-def copy_bandwidth(cp, nbytes=1 << 30, iters=10):
-    a = cp.empty(nbytes, cp.uint8)
-    a.view(cp.uint32)[:] = cp.arange(nbytes // 4, dtype=cp.uint32) * np.uint32(2654435761)
-    b = cp.empty_like(a)
-    s = cp.cuda.Stream(non_blocking=True)
-    e0, e1 = cp.cuda.Event(), cp.cuda.Event()
-    res = []
-    with s:
-        for _ in range(2):
-            b.data.copy_from_device_async(a.data, nbytes, s)
-        for _ in range(3):
-            e0.record(s)
-            for _ in range(iters):
-                b.data.copy_from_device_async(a.data, nbytes, s)
-            e1.record(s)
-            e1.synchronize()
-            res.append(2 * nbytes * iters / (cp.cuda.get_elapsed_time(e0, e1) * 1e-3) / 1e9)
-    del a, b
-    return max(res), res
 
 
 def graph_us(cp, fns, iters=20, repeats=5):
@@ -307,19 +285,11 @@ def main():
 
     import cupy as cp
 
+    from stratad.bench.hardware import gpu_copy_bandwidth, gpu_info
+
     from lane.kernels import dense as D
 
-    dev = cp.cuda.Device()
-    props = cp.cuda.runtime.getDeviceProperties(dev.id)
-    info = {"device": props["name"].decode() if isinstance(props["name"], bytes) else props["name"],
-            "sm": dev.attributes["MultiProcessorCount"], "cupy": cp.__version__,
-            "cuda_runtime": cp.cuda.runtime.runtimeGetVersion(), "driver": cp.cuda.runtime.driverGetVersion()}
-    try:
-        info["nvidia_smi"] = subprocess.run(
-            ["nvidia-smi", "--query-gpu=clocks.sm,clocks.mem,clocks.max.sm,power.draw,temperature.gpu",
-             "--format=csv,noheader"], capture_output=True, text=True, timeout=20).stdout.strip()
-    except Exception as e:  # noqa: BLE001
-        info["nvidia_smi"] = repr(e)
+    info = gpu_info(cp)
     t0 = time.time()
     m = D.kernels()
     info["compile_s"] = time.time() - t0
@@ -334,7 +304,7 @@ def main():
         except Exception as e:  # noqa: BLE001
             regs[name] = repr(e)
     info["kernels"] = regs
-    bw, bw_all = copy_bandwidth(cp)
+    bw, bw_all = gpu_copy_bandwidth(cp)
     info["copy_GBps"], info["copy_runs"] = bw, bw_all
     rng = np.random.default_rng(0)
     results, errors = [], {}

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -38,27 +37,6 @@ VARIANTS = {  # Tuning overrides (lane/kernels/experts.py); tests/test_gpu_exper
     "deep": {"gu_stages": 2, "dn_stages": 4, "dn_rows": 8},
     "dn8r": {"dn_rows": 8},
 }
-
-
-def copy_bandwidth(cp, nbytes=1 << 30, iters=10):
-    a = cp.empty(nbytes, cp.uint8)
-    a.view(cp.uint32)[:] = cp.arange(nbytes // 4, dtype=cp.uint32) * np.uint32(2654435761)
-    b = cp.empty_like(a)
-    s = cp.cuda.Stream(non_blocking=True)
-    e0, e1 = cp.cuda.Event(), cp.cuda.Event()
-    with s:
-        for _ in range(2):
-            b.data.copy_from_device_async(a.data, nbytes, s)
-        res = []
-        for _ in range(3):
-            e0.record(s)
-            for _ in range(iters):
-                b.data.copy_from_device_async(a.data, nbytes, s)
-            e1.record(s)
-            e1.synchronize()
-            res.append(2 * nbytes * iters / (cp.cuda.get_elapsed_time(e0, e1) * 1e-3) / 1e9)
-    del a, b
-    return max(res), res
 
 
 def make_pairs(rng, case, perm, r, max_pairs):
@@ -186,18 +164,10 @@ def main():
 
     import cupy as cp
 
-    dev = cp.cuda.Device()
-    props = cp.cuda.runtime.getDeviceProperties(dev.id)
-    info = {"device": props["name"].decode() if isinstance(props["name"], bytes) else props["name"],
-            "sm": dev.attributes["MultiProcessorCount"], "cupy": cp.__version__,
-            "cuda_runtime": cp.cuda.runtime.runtimeGetVersion(), "driver": cp.cuda.runtime.driverGetVersion()}
-    try:
-        info["nvidia_smi"] = subprocess.run(
-            ["nvidia-smi", "--query-gpu=clocks.sm,clocks.mem,clocks.max.sm,power.draw,temperature.gpu",
-             "--format=csv,noheader"], capture_output=True, text=True, timeout=20).stdout.strip()
-    except Exception as e:  # noqa: BLE001
-        info["nvidia_smi"] = repr(e)
-    copy_bw, copy_all = copy_bandwidth(cp)
+    from stratad.bench.hardware import gpu_copy_bandwidth, gpu_info
+
+    info = gpu_info(cp)
+    copy_bw, copy_all = gpu_copy_bandwidth(cp)
     info["copy_GBps"] = copy_bw
     info["copy_GBps_runs"] = copy_all
     rng = np.random.default_rng(int(time.time()))

@@ -11,26 +11,11 @@ import time
 import numpy as np
 import psutil
 
+from stratad.bench.hardware import gpu_copy_bandwidth
 from stratad.engine.generation import Generation
 from stratad.engine.sampling import SamplingParams
 from stratad.model.gguf_file import ModelFile
 from stratad.model.slot_layout import KINDS
-
-
-def copy_bandwidth(cp, nbytes: int = 2 << 30) -> float:
-    """Device-to-device copy, bytes read + written per second (best of several)."""
-    a = cp.ones(nbytes // 4, cp.float32)
-    b = cp.empty_like(a)
-    best = float("inf")
-    for _ in range(6):
-        s, e = cp.cuda.Event(), cp.cuda.Event()
-        s.record()
-        b[...] = a
-        e.record()
-        e.synchronize()
-        best = min(best, cp.cuda.get_elapsed_time(s, e) / 1e3)
-    del a, b
-    return 2 * nbytes / best
 
 
 def _bytes_per_token(model: ModelFile, context: int, resident_share: float) -> int:
@@ -48,7 +33,7 @@ def run(model_path: str, fractions=(1.0, 0.5, 0.25), contexts=(1024,), tokens: i
 
     model = ModelFile(model_path)
     c = model.config
-    bw = copy_bandwidth(cp)
+    bw = gpu_copy_bandwidth(cp)[0] * 1e9
     total = c.n_layer * c.n_expert
     results = []
     warm = model.tokenizer.encode(model.tokenizer.apply_chat_template([{"role": "user", "content": "warm up"}]))

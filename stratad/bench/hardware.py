@@ -32,15 +32,53 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def gpu_copy_bandwidth(cp, nbytes: int = 1 << 30, iters: int = 10) -> tuple[float, list[float]]:
+    """Device-to-device copy rate in GB/s (bytes read + written), on non-constant data: (best, each of 3 runs)."""
+    a = cp.empty(nbytes, cp.uint8)
+    a.view(cp.uint32)[:] = cp.arange(nbytes // 4, dtype=cp.uint32) * np.uint32(2654435761)
+    b = cp.empty_like(a)
+    s = cp.cuda.Stream(non_blocking=True)
+    e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+    res = []
+    with s:
+        for _ in range(2):
+            b.data.copy_from_device_async(a.data, nbytes, s)
+        for _ in range(3):
+            e0.record(s)
+            for _ in range(iters):
+                b.data.copy_from_device_async(a.data, nbytes, s)
+            e1.record(s)
+            e1.synchronize()
+            res.append(2 * nbytes * iters / (cp.cuda.get_elapsed_time(e0, e1) * 1e-3) / 1e9)
+    del a, b
+    return max(res), res
+
+
+def gpu_info(cp) -> dict:
+    """The current CUDA device, its software and (where nvidia-smi answers) its clocks and power now."""
+    import subprocess
+
+    dev = cp.cuda.Device()
+    props = cp.cuda.runtime.getDeviceProperties(dev.id)
+    name = props["name"]
+    info = {"device": name.decode() if isinstance(name, bytes) else name,
+            "sm": dev.attributes["MultiProcessorCount"], "gpu_memory_gib": round(props["totalGlobalMem"] / 2**30, 1),
+            "gpu_count": cp.cuda.runtime.getDeviceCount(), "cupy": cp.__version__,
+            "cuda_runtime": cp.cuda.runtime.runtimeGetVersion(), "driver": cp.cuda.runtime.driverGetVersion()}
+    try:
+        info["nvidia_smi"] = subprocess.run(
+            ["nvidia-smi", "--query-gpu=clocks.sm,clocks.mem,clocks.max.sm,power.draw,temperature.gpu",
+             "--format=csv,noheader"], capture_output=True, text=True, timeout=20).stdout.strip()
+    except Exception as e:  # noqa: BLE001 - informational only
+        info["nvidia_smi"] = repr(e)
+    return info
+
+
 def describe(gpu: bool = False) -> dict:
     hw = {"cpu": cpu_name(), "cores": os.cpu_count(), "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
           "host_copy_gbs": round(host_bandwidth_gbs(), 1), "python": platform.python_version()}
     if gpu:
         import cupy
 
-        dev = cupy.cuda.Device()
-        props = cupy.cuda.runtime.getDeviceProperties(dev.id)
-        hw |= {"gpu": props["name"].decode(), "gpu_count": cupy.cuda.runtime.getDeviceCount(),
-               "gpu_memory_gib": round(props["totalGlobalMem"] / 2**30, 1),
-               "cuda_runtime": cupy.cuda.runtime.runtimeGetVersion()}
+        hw |= gpu_info(cupy)
     return hw
