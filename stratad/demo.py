@@ -34,7 +34,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=48)
     a = p.parse_args(argv)
     cards = a.cards or _cards()
-    daemon = LocalDaemon(a.model, cards, args=["--expert-cache", "0.5", "--log-level", "warning"])
+    # mutual help: both chats compute each expert on whichever card holds it (the point of stratad)
+    daemon = LocalDaemon(a.model, cards, args=["--expert-cache", "0.5", "--mutual-help", "--log-level", "warning"])
     print(f"starting stratad on cards {cards} (runtime dir {daemon.runtime_dir})")
     daemon.start()
     try:
