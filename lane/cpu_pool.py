@@ -732,14 +732,18 @@ class CpuPool:
             for f in futs:
                 f.result()
 
-    def run(self, jobs: LayerJobs) -> np.ndarray:
-        """float32 (n_pairs, d_model): canonical.expert of each (token, expert) pair, in the pairs' order."""
+    def run(self, jobs: LayerJobs, out: np.ndarray | None = None) -> np.ndarray:
+        """float32 (n_pairs, d_model): canonical.expert of each (token, expert) pair, in the pairs' order (into
+        out, a C-contiguous float32 (n_pairs, d_model) array, when given: e.g. pinned memory a GPU reads)."""
         _check(jobs)
         pairs = np.ascontiguousarray(jobs.pairs, np.int32)
         n_pairs = pairs.shape[0]
         d_ff = jobs.gate.shape[1]
         d_model = jobs.down.shape[1]
-        out = np.empty((n_pairs, d_model), F32)
+        if out is None:
+            out = np.empty((n_pairs, d_model), F32)
+        elif out.dtype != F32 or out.shape != (n_pairs, d_model) or not out.flags.c_contiguous:
+            raise ValueError(f"out must be C-contiguous float32 ({n_pairs}, {d_model})")
         if n_pairs == 0:
             return out
         # group the pairs by expert (each weight row is then read once for all its tokens)

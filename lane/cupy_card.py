@@ -1,10 +1,14 @@
 """A GPU card: the qwen3moe forward on one CUDA device with the kernels of lane/kernels, for one sequence.
 
-Dense weights stay in their GGUF encoding on the card (mat-vecs read Q8_0 / F16 / BF16 / F32 rows directly); the
-experts the card holds sit in its VRAM slot pool, exported to the other lanes through a CUDA IPC handle; experts
-another card holds run there, the rest on the CPU pool (lane/gpu_experts.py). Prompts
-are read in chunks (cuBLAS on dequantised tiles for the projections), decode is one token a step. Same
-interface as the numpy card: new_kv(), forward(tokens, kv, logits) -> host logits, pool, counters, counts.
+Dense weights stay in their GGUF encoding on the card (mat-vecs read Q8_0 / F16 / BF16 / F32 rows directly; prompt
+chunks use cuBLAS on a dequantised fp16 copy made once); the experts the card holds sit in its VRAM slot pool,
+exported to the other lanes through a CUDA IPC handle; experts another card holds run there, the rest on the CPU
+pool (lane/gpu_experts.py). Same interface as the numpy card: new_kv(), forward(tokens, kv, logits) -> host
+logits, pool, counters, counts.
+
+A step is a list of launch-only operations with host breaks where the CPU pool serves a layer's misses; a prompt
+chunk runs the list directly, a decode step replays it as CUDA graphs captured once per placement shape: one graph
+when the card and its peers hold every expert, one per layer otherwise (the host serves the misses in between).
 """
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ import cupy as cp
 import numpy as np
 
 from lane.counters import Counters
-from lane.gpu_experts import GpuExperts
+from lane.gpu_experts import D2H, GpuExperts, pinned
 from lane.slot_pool import SlotPool
 from lane.kernels import dense as D
 from protos import messages as M
@@ -33,11 +37,37 @@ class GpuKV:
             card.pos.fill(0)
 
 
+class Work:
+    """One step's buffers for T tokens (the decode step's stay put: its graphs point at them)."""
+
+    def __init__(self, c, T: int, logit_rows: int):
+        self.T = T
+        self.tokens = cp.zeros((T,), cp.int32)
+        self.x, self.h = cp.empty((T, c.d_model), cp.float32), cp.empty((T, c.d_model), cp.float32)
+        self.qkv = cp.empty((T, c.q_dim + 2 * c.kv_dim), cp.float32)
+        self.q = cp.empty((T, c.n_head, c.head_dim), cp.float32)
+        self.att = cp.empty((T, c.q_dim), cp.float32)
+        self.router = cp.empty((T, c.n_expert), cp.float32)
+        self.ids = cp.empty((c.n_layer, T, c.n_expert_used), cp.int32)
+        self.w = cp.empty((T, c.n_expert_used), cp.float32)
+        self.hl = cp.empty((max(1, logit_rows), c.d_model), cp.float32)
+        self.logits = cp.empty((max(1, logit_rows), c.vocab_size), cp.float32)
+        self.ids_h = pinned(self.ids.shape, np.int32)
+        self.logits_h = pinned(self.logits.shape, np.float32)
+
+
+class Break:
+    """A host break in a step: the CPU pool serves this layer's misses."""
+
+    def __init__(self, layer: int):
+        self.layer = layer
+
+
 class CupyCard:
     kind = "gpu"
 
     def __init__(self, model: ModelFile, device: int, n_slots: int, context_length: int,
-                 counts: np.ndarray | None = None, cpu_threads: int = 0):
+                 counts: np.ndarray | None = None, cpu_threads: int = 0, graphs: bool = True):
         c = self.c = model.config
         self.model = model
         self.device = cp.cuda.Device(device)
@@ -48,6 +78,7 @@ class CupyCard:
         self.counters = Counters()
         self.counts = counts if counts is not None else np.zeros((c.n_layer, c.n_expert))
         self.epoch = 0
+        self.graphs = graphs
         up = D.DenseWeight.upload
 
         def w(name):
@@ -79,7 +110,9 @@ class CupyCard:
         self.pool = SlotPool(model, buf, n_slots, cp.asarray)
         self.pool_ident = bytes(cp.cuda.runtime.ipcGetMemHandle(self._pool_mem.ptr)).hex()
         self.device_ident = "cuda:" + cp.cuda.runtime.deviceGetPCIBusId(device)
-        self.experts = GpuExperts(model, self.pool, PREFILL_CHUNK, cpu_threads, self.stream)
+        self.experts = GpuExperts(model, self.pool, PREFILL_CHUNK, cpu_threads, self.stream, self.device_ident)
+        self.decode_work = Work(c, 1, 1)
+        self._graphs: tuple | None = None  # (key, [(graph, layer served after it or None)])
 
     # ---- the Card interface ---------------------------------------------------------------------------------
     def new_kv(self) -> GpuKV:
@@ -88,12 +121,13 @@ class CupyCard:
     def set_view(self, view: M.View) -> None:
         """Compute from these other cards' slots from the next token on (peers on this same GPU; see gpu_experts)."""
         with self.device:
-            self.experts.set_view(view, self.device_ident)
+            self.experts.set_view(view)
         self.epoch = view.epoch
 
     def close(self) -> None:
         with self.device:
             self.experts.close()
+            self._graphs = None
 
     def forward(self, tokens, kv: GpuKV, logits: str = "last"):
         tokens = np.asarray(tokens, np.int32)
@@ -102,42 +136,107 @@ class CupyCard:
                              f"{self.max_ctx}")
         outs = []
         with self.device, self.stream:
+            self.experts.refresh()
             for s in range(0, len(tokens), PREFILL_CHUNK):
-                x = self._step(tokens[s:s + PREFILL_CHUNK], kv)
-                if logits == "all" or (logits == "last" and s + PREFILL_CHUNK >= len(tokens)):
-                    outs.append(self._lm_head(x if logits == "all" else x[-1:]))
-            if logits == "none":
-                return None
-            return cp.asnumpy(cp.concatenate(outs), stream=self.stream)
+                chunk = tokens[s:s + PREFILL_CHUNK]
+                last = s + PREFILL_CHUNK >= len(tokens)
+                rows = len(chunk) if logits == "all" else int(logits == "last" and last)
+                if len(chunk) == 1 and rows <= 1 and self.graphs:
+                    outs.append(self._decode(int(chunk[0]), kv, rows))
+                else:
+                    outs.append(self._chunk(chunk, kv, rows))
+        return None if logits == "none" else np.concatenate([o for o in outs if o is not None])
 
-    # ---- one chunk through every layer -------------------------------------------------------------------------
-    def _proj(self, W: D.DenseWeight, X: cp.ndarray, residual: cp.ndarray | None = None) -> cp.ndarray:
-        """X W^T (+ residual, in place): the mat-vec kernel for one token, cuBLAS on dequantised tiles for more."""
+    # ---- a step as operations -----------------------------------------------------------------------------------
+    def _ops(self, w: Work, logit_rows: int) -> list:
+        """The step for w.T tokens: callables that only launch work on the card's stream, and Breaks."""
+        export = not self.experts.full
+        ops = [lambda: D.embed(self.embed_w, w.tokens, w.x, stream=self.stream)]
+        for i in range(self.c.n_layer):
+            ops.append(lambda i=i: self._attend_and_route(i, w, export))
+            if export:
+                ops.append(Break(i))
+            ops.append(lambda i=i: self.experts.back(i, w.w, w.x))
+        ops.append(lambda: self._finish(w, logit_rows))
+        return ops
+
+    def _proj(self, W: D.DenseWeight, X: cp.ndarray, Y: cp.ndarray, residual: cp.ndarray | None = None) -> None:
+        """Y = X W^T (+ residual; Y may be residual): the mat-vec kernel for one token, cuBLAS fp16 for more."""
         if X.shape[0] == 1:
             r = None if residual is None else residual[0]
-            return D.matvec(W, X[0], r, residual=r, stream=self.stream).reshape(1, -1)
-        return D.dense_batched(W, X, residual, residual=residual, stream=self.stream)
+            D.matvec(W, X[0], Y[0], residual=r, stream=self.stream)
+        else:
+            D.dense_batched(W, X, Y, residual=residual, cache=True, stream=self.stream)
 
-    def _step(self, tokens: np.ndarray, kv: GpuKV) -> cp.ndarray:
-        c, T = self.c, len(tokens)
-        x = D.embed(self.embed_w, cp.asarray(tokens), stream=self.stream)
-        q = cp.empty((T, c.n_head, c.head_dim), cp.float32)
-        att = cp.empty((T, c.q_dim), cp.float32)
-        self.counts *= 0.5 ** (T / HALF_LIFE_TOKENS)
-        for i, L in enumerate(self.layers):
-            h = D.rms_norm(x, L["attn_norm"], c.rms_eps, stream=self.stream)
-            qkv = self._proj(L["qkv"], h)
-            D.qk_norm_rope_kv(qkv, L["q_norm"], L["k_norm"], c.rms_eps, self.rope, self.pos, q, *L["kv"],
-                              n_head=c.n_head, n_kv=c.n_head_kv, stream=self.stream)
-            self.attn(q, *L["kv"], self.pos, att, T, stream=self.stream)
-            x = self._proj(L["o"], att, residual=x)
-            h = D.rms_norm(x, L["ffn_norm"], c.rms_eps, stream=self.stream)
-            ids, wts = D.route(self._proj(L["router"], h), c.n_expert_used, stream=self.stream)
-            x += self.experts(i, h, ids, wts, self.counters, self.counts)
-        D.advance_pos(self.pos, T, stream=self.stream)
-        kv.length += T
-        return x
+    def _attend_and_route(self, i: int, w: Work, export: bool) -> None:
+        c, L, s = self.c, self.layers[i], self.stream
+        D.rms_norm(w.x, L["attn_norm"], c.rms_eps, w.h, stream=s)
+        self._proj(L["qkv"], w.h, w.qkv)
+        D.qk_norm_rope_kv(w.qkv, L["q_norm"], L["k_norm"], c.rms_eps, self.rope, self.pos, w.q, *L["kv"],
+                          n_head=c.n_head, n_kv=c.n_head_kv, stream=s)
+        self.attn(w.q, *L["kv"], self.pos, w.att, w.T, stream=s)
+        self._proj(L["o"], w.att, w.x, residual=w.x)
+        D.rms_norm(w.x, L["ffn_norm"], c.rms_eps, w.h, stream=s)
+        self._proj(L["router"], w.h, w.router)
+        D.route(w.router, c.n_expert_used, w.ids[i], w.w, stream=s)
+        self.experts.front(i, w.h, w.ids[i], export)
 
-    def _lm_head(self, x: cp.ndarray) -> cp.ndarray:
-        h = D.rms_norm(x, self.out_norm, self.c.rms_eps, stream=self.stream)
-        return self._proj(self.out_w, h)
+    def _finish(self, w: Work, logit_rows: int) -> None:
+        s, rt = self.stream, cp.cuda.runtime
+        D.advance_pos(self.pos, w.T, stream=s)
+        if logit_rows:
+            D.rms_norm(w.x[w.T - logit_rows:], self.out_norm, self.c.rms_eps, w.hl, stream=s)
+            self._proj(self.out_w, w.hl, w.logits)
+            rt.memcpyAsync(w.logits_h.ctypes.data, w.logits.data.ptr, w.logits.nbytes, D2H, s.ptr)
+        rt.memcpyAsync(w.ids_h.ctypes.data, w.ids.data.ptr, w.ids.nbytes, D2H, s.ptr)
+
+    def _done(self, w: Work, kv: GpuKV, logit_rows: int):
+        """After a step's launches: wait for the card, count where the experts ran, hand out the logits."""
+        self.stream.synchronize()
+        self.counts *= 0.5 ** (w.T / HALF_LIFE_TOKENS)
+        self.experts.tally(w.ids_h, self.counters, self.counts)
+        kv.length += w.T
+        return w.logits_h[:logit_rows].copy() if logit_rows else None
+
+    # ---- running a step -----------------------------------------------------------------------------------------
+    def _chunk(self, tokens: np.ndarray, kv: GpuKV, logit_rows: int):
+        """A prompt chunk: the operations run directly."""
+        w = Work(self.c, len(tokens), logit_rows)
+        w.tokens.set(tokens, stream=self.stream)
+        for op in self._ops(w, logit_rows):
+            if isinstance(op, Break):
+                self.experts.serve(op.layer, w.T)
+            else:
+                op()
+        return self._done(w, kv, logit_rows)
+
+    def _decode(self, token: int, kv: GpuKV, logit_rows: int):
+        """One token: replay the captured step (captured again when the placement's shape changed)."""
+        w = self.decode_work
+        key = (self.experts.full, self.experts.sources_key())
+        if self._graphs is None or self._graphs[0] != key:
+            self._graphs = (key, self._capture(self._ops(w, 1)))
+        w.tokens.set(np.array([token], np.int32), stream=self.stream)
+        for graph, served in self._graphs[1]:
+            graph.launch(self.stream)
+            if served is not None:
+                self.experts.serve(served, 1)
+        return self._done(w, kv, logit_rows)
+
+    def _capture(self, ops: list) -> list:
+        """Capture the operations between Breaks as graphs: [(graph, layer to serve after it, or None)]."""
+        segments, current = [], []
+        for op in ops + [None]:
+            if op is None or isinstance(op, Break):
+                s = self.stream
+                s.begin_capture()
+                try:
+                    for f in current:
+                        f()
+                finally:
+                    graph = s.end_capture()
+                segments.append((graph, op.layer if op is not None else None))
+                current = []
+            else:
+                current.append(op)
+        return segments

@@ -1,63 +1,101 @@
 """A GPU card's MoE step: each routed expert computed where it is — the card's slots, another card's slots or the
-CPU pool.
+CPU pool — with no per-expert Python and, when the card and its peers hold every expert, no host involvement.
 
 All run the canonical expert function (GPU kernels of lane/kernels/experts.cu, numba kernels of lane/cpu_pool.py),
-so the bits do not depend on placement. Per layer: the routed ids come to the host (one small copy), the card's
-and the peers' hits are launched at once, the CPU pool computes the misses while they run, its rows go back up,
-and the outputs are combined in router order on the card. Another card's slot pool is opened through its CUDA IPC
-handle (from the View the coordinator sends); this version computes with peers on the same device (two logical
-cards on one GPU); a peer on another GPU is not used yet and its experts run on the CPU pool.
+so the bits do not depend on placement. A layer is two halves around the host:
+  front : quantise the input, build_pairs on the device (per source: this card, each peer pool on this GPU; the
+          rest is the CPU's miss list in mapped host memory), then, if the CPU may have work, copy the quantised
+          input to pinned host memory and ring the doorbell; then the expert kernels of every source.
+  serve : (host, only when some expert is on no card) wait for the doorbell, run the misses on the CPU pool into
+          pinned host rows — while the card's kernels run.
+  back  : combine in router order into the residual, card rows and host rows through the row map.
+front and back only launch kernels with fixed grids (counts are read on the device), so the card captures them
+in CUDA graphs. Tables (expert -> source, slot) live on the device and are refreshed between steps.
+Another card's pool is opened through its CUDA IPC handle (from the coordinator's View); peers on other GPUs are
+not used yet: their experts run on the CPU pool.
 """
 from __future__ import annotations
 
 import os
+import time
 
 import cupy as cp
 import numpy as np
 
 from lane.cpu_pool import CpuPool, LayerJobs
-from lane.kernels.experts import ExpertKernels
+from lane.kernels.experts import MAX_SOURCES, ExpertKernels
 from lane.slot_pool import SlotPool
 from stratad.model.gguf_file import ModelFile
 
+D2H = 2  # cudaMemcpyDeviceToHost
+
+
+def pinned(shape, dtype) -> np.ndarray:
+    """A numpy array in page-locked host memory (with unified addressing its address is valid on the device)."""
+    n = int(np.prod(shape))
+    mem = cp.cuda.alloc_pinned_memory(max(16, n * np.dtype(dtype).itemsize))
+    return np.frombuffer(mem, dtype, n).reshape(shape)
+
 
 class GpuExperts:
-    def __init__(self, model: ModelFile, pool: SlotPool, max_tokens: int, cpu_threads: int, stream: cp.cuda.Stream):
+    def __init__(self, model: ModelFile, pool: SlotPool, max_tokens: int, cpu_threads: int, stream: cp.cuda.Stream,
+                 own_device: str):
         c = model.config
-        self.model, self.c, self.pool, self.stream = model, c, pool, stream
+        self.model, self.c, self.pool, self.stream, self.own_device = model, c, pool, stream, own_device
         self.k, self.max_tokens = c.n_expert_used, max_tokens
-        max_pairs = max_tokens * self.k
+        P = self.max_pairs = max_tokens * self.k
         self.kernels = {}
         for layer in range(c.n_layer):
-            key = (model.expert_type(layer, "gate"), model.expert_type(layer, "down"))
+            key = self._key(layer)
             if model.expert_type(layer, "up") != key[0]:
                 raise ValueError(f"layer {layer}: gate and up experts of different types are not supported on GPU")
             if key not in self.kernels:
-                self.kernels[key] = ExpertKernels(c.d_model, c.d_ff_expert, key[0], key[1], max_pairs,
+                self.kernels[key] = ExpertKernels(c.d_model, c.d_ff_expert, key[0], key[1], P,
                                                   slot_stride=pool.slot_bytes)
         self.cpu = CpuPool(cpu_threads or os.cpu_count() or 1)
         self.qa = cp.empty((max_tokens, c.d_model), cp.int8)
         self.da = cp.empty((max_tokens, c.d_model // 32), cp.float32)
-        self.pairs = cp.zeros((max_pairs, 2), cp.int32)
-        self.n_pairs = cp.zeros((1,), cp.int32)
-        self.rows = cp.empty((max_pairs, c.d_model), cp.float32)  # one launch's results, in pair order
-        self.peers: dict[int, tuple[int, str, int]] = {}  # card -> (generation, IPC handle, opened pointer)
+        # expert -> (source, slot), on the device for build_pairs and on the host for the counters
+        self.src = cp.full((c.n_layer, c.n_expert), -1, cp.int32)
+        self.slot = cp.full((c.n_layer, c.n_expert), -1, cp.int32)
+        self.h_src = np.full((c.n_layer, c.n_expert), -1, np.int32)
+        self.pairs = cp.zeros((MAX_SOURCES, P, 2), cp.int32)
+        self.n_pairs = cp.zeros((MAX_SOURCES,), cp.int32)
+        self.rowmap = cp.zeros((P,), cp.int32)
+        self.rows = None  # (sources, P, d_model): each source's results, sized when the sources are known
+        # the host's side: miss list, quantised input and result rows in pinned memory, and the doorbell
+        self.miss, self.n_miss = pinned((P, 2), np.int32), pinned((1,), np.int32)
+        self.qa_h, self.da_h = pinned((max_tokens, c.d_model), np.int8), pinned((max_tokens, c.d_model // 32),
+                                                                                 np.float32)
+        self.host_rows = pinned((P, c.d_model), np.float32)
+        self.bell = pinned((1,), np.uint32)
+        self.bell[0] = 0
+        self.counter = cp.zeros((1,), cp.uint32)
+        self.rings = 0
+        # peers: card -> (generation, IPC handle, opened pointer); their tables from the last View
+        self.peers: dict[int, tuple[int, str, int]] = {}
         self.peer_card = np.full((c.n_layer, c.n_expert), -1, np.int32)
         self.peer_slot = np.full((c.n_layer, c.n_expert), -1, np.int32)
-        self.outputs = cp.empty((max_tokens, self.k, c.d_model), cp.float32)  # router order
+        self.sources: list[tuple[int | None, int]] = []  # (card, pool pointer); source 0 is this card
+        self._version = None
+        self._view_version = 0
+        self.full = False
 
-    # ---- peers ----------------------------------------------------------------------------------------------
-    def set_view(self, view, own_device: str) -> None:
-        """Use these other cards' slots from now on (between tokens: nothing in flight uses the old ones)."""
+    def _key(self, layer: int):
+        return self.model.expert_type(layer, "gate"), self.model.expert_type(layer, "down")
+
+    # ---- placement ------------------------------------------------------------------------------------------
+    def set_view(self, view) -> None:
+        """Use these other cards' slots from the next step on (nothing in flight uses the old ones)."""
         self.stream.synchronize()
-        same = {cv.card: cv for cv in view.cards if cv.device == own_device and cv.pool}
+        same = {cv.card: cv for cv in view.cards if cv.device == self.own_device and cv.pool}
         for card, (gen, handle, ptr) in list(self.peers.items()):
             if card not in same or same[card].generation != gen or same[card].pool != handle:
                 cp.cuda.runtime.ipcCloseMemHandle(ptr)
                 del self.peers[card]
         self.peer_card[:] = -1
         self.peer_slot[:] = -1
-        for cv in same.values():
+        for cv in list(same.values())[: MAX_SOURCES - 1]:
             if cv.card not in self.peers:
                 try:
                     ptr = cp.cuda.runtime.ipcOpenMemHandle(bytes.fromhex(cv.pool))
@@ -66,58 +104,91 @@ class GpuExperts:
                 self.peers[cv.card] = (cv.generation, cv.pool, ptr)
             for layer, e, slot in cv.experts:
                 self.peer_card[layer, e], self.peer_slot[layer, e] = cv.card, slot
+        self._view_version += 1
+
+    def refresh(self) -> None:
+        """Bring the device tables up to the pool's slots and the view (between steps, on the card's stream)."""
+        version = (self.pool.loads, self._view_version)
+        if version == self._version:
+            return
+        self.sources = [(None, self.pool.data.data.ptr)] + [(card, ptr) for card, (_, _, ptr) in self.peers.items()]
+        src = np.where(self.pool.table >= 0, 0, -1).astype(np.int32)
+        slot = self.pool.table.copy()
+        for s, (card, _) in enumerate(self.sources[1:], start=1):
+            m = (src < 0) & (self.peer_card == card)
+            src[m], slot[m] = s, self.peer_slot[m]
+        self.src.set(src, stream=self.stream)
+        self.slot.set(slot, stream=self.stream)
+        self.h_src = src
+        self.full = bool((src >= 0).all())
+        S, d = len(self.sources), self.c.d_model
+        if self.rows is None or self.rows.shape[0] != S:
+            self.rows = cp.empty((S, self.max_pairs, d), cp.float32)
+        self._version = version
+
+    def sources_key(self) -> tuple:
+        """What a captured step depends on besides the tables: the pool pointers and the row buffer."""
+        return tuple(ptr for _, ptr in self.sources) + (self.rows.data.ptr,)
+
+    # ---- one layer ------------------------------------------------------------------------------------------
+    def front(self, layer: int, h: cp.ndarray, ids: cp.ndarray, export: bool) -> None:
+        """h (T, d_model) normalised input, ids (T, k) router choice: route and launch the cards' experts."""
+        T, s = h.shape[0], self.stream
+        kern = self.kernels[self._key(layer)]
+        S = len(self.sources)
+        kern.quantize(h, self.qa[:T], self.da[:T], stream=s)
+        kern.build_pairs(ids, self.src[layer], self.slot[layer], self.pairs[:S], self.n_pairs[:S], self.rowmap,
+                         self.miss.ctypes.data, self.n_miss.ctypes.data, stream=s)
+        if export:
+            rt = cp.cuda.runtime
+            rt.memcpyAsync(self.qa_h.ctypes.data, self.qa.data.ptr, T * self.qa.shape[1], D2H, s.ptr)
+            rt.memcpyAsync(self.da_h.ctypes.data, self.da.data.ptr, T * self.da.shape[1] * 4, D2H, s.ptr)
+            kern.ring(self.counter, self.bell.ctypes.data, stream=s)
+        for i, (_, ptr) in enumerate(self.sources):
+            kern.run(ptr, self.pairs[i], self.n_pairs[i:i + 1], self.qa, self.da, self.rows[i], stream=s)
+
+    def serve(self, layer: int, T: int) -> None:
+        """Host: after the layer's doorbell, compute its CPU misses into the pinned rows (the card keeps going)."""
+        self.rings += 1
+        self._wait(self.rings & 0xFFFFFFFF)
+        n = int(self.n_miss[0])
+        if n:
+            jobs = LayerJobs.from_model(self.model, layer, self.miss[:n], self.qa_h[:T].reshape(T, -1, 32),
+                                        self.da_h[:T])
+            self.cpu.run(jobs, out=self.host_rows[:n])
+
+    def back(self, layer: int, weights: cp.ndarray, x: cp.ndarray) -> None:
+        """x (T, d_model) += the routed experts' outputs, weighted in router order."""
+        self.kernels[self._key(layer)].combine_rows(self.rows, self.host_rows.ctypes.data, self.rowmap, weights, x,
+                                                    stream=self.stream)
+
+    def _wait(self, want: int) -> None:
+        bell, spins = self.bell, 0
+        while bell[0] != want:
+            spins += 1
+            if spins % 1024 == 0 and self.stream.done and bell[0] != want:
+                self.stream.synchronize()  # surfaces a device error, if that is why the bell is silent
+                raise RuntimeError(f"the card finished without ringing the doorbell (want {want}, "
+                                   f"bell {int(bell[0])})")
+
+    # ---- bookkeeping ----------------------------------------------------------------------------------------
+    def tally(self, ids: np.ndarray, counters, counts: np.ndarray) -> None:
+        """ids (n_layer, T, k) of a finished step: where each expert ran (counters), live routing counts."""
+        L = self.c.n_layer
+        layer = np.broadcast_to(np.arange(L)[:, None, None], ids.shape)
+        np.add.at(counts, (layer, ids), 1.0)
+        where = self.h_src[layer, ids]
+        counters.card += int((where == 0).sum())
+        counters.cpu += int((where < 0).sum())
+        for s, (card, _) in enumerate(self.sources[1:], start=1):
+            n = int((where == s).sum())
+            if n:
+                counters.peer += n
+                counters.by_peer[card] = counters.by_peer.get(card, 0) + n
 
     def close(self) -> None:
         self.stream.synchronize()
         for _, _, ptr in self.peers.values():
             cp.cuda.runtime.ipcCloseMemHandle(ptr)
         self.peers.clear()
-
-    # ---- compute --------------------------------------------------------------------------------------------
-    def __call__(self, layer: int, h: cp.ndarray, ids: cp.ndarray, weights: cp.ndarray, counters,
-                 counts: np.ndarray) -> cp.ndarray:
-        """h (T, d_model) normalised input, ids / weights (T, k) router output -> combined output (T, d_model).
-        Counts where each expert ran (counters) and the live routing counts (counts, for placement)."""
-        T, k = ids.shape
-        kern = self.kernels[(self.model.expert_type(layer, "gate"), self.model.expert_type(layer, "down"))]
-        with self.stream:
-            kern.quantize(h, self.qa[:T], self.da[:T], stream=self.stream)
-            host_ids = cp.asnumpy(ids, stream=self.stream)  # the layer's one wait for the card
-        np.add.at(counts[layer], host_ids.reshape(-1), 1.0)
-        slots = self.pool.table[layer][host_ids]  # (T, k)
-        peer = np.where(slots < 0, self.peer_card[layer][host_ids], -1)
-        peer_slots = self.peer_slot[layer][host_ids]
-        tok = np.repeat(np.arange(T, dtype=np.int32), k).reshape(T, k)
-        # (device pointer of a slot pool, which pairs, their slots, where they count)
-        launches = [(self.pool.data.data.ptr, slots >= 0, slots, "card")]
-        launches += [(ptr, peer == card, peer_slots, card) for card, (_, _, ptr) in self.peers.items()]
-        miss = (slots < 0) & (peer < 0)
-        n_cpu = int(miss.sum())
-        out = self.outputs[:T]
-        flat = out.reshape(T * k, -1)  # rows in (token, router position) order, as the masks enumerate them
-        with self.stream:
-            if n_cpu:  # the quantised input comes down before the cards' experts are queued
-                qa = cp.asnumpy(self.qa[:T], stream=self.stream).reshape(T, -1, 32)
-                da = cp.asnumpy(self.da[:T], stream=self.stream)
-            for ptr, mask, where_slots, where in launches:
-                n = int(mask.sum())
-                if not n:
-                    continue
-                pairs = np.stack([tok[mask], where_slots[mask]], axis=1).astype(np.int32)
-                self.pairs[:n].set(pairs, stream=self.stream)
-                self.n_pairs.set(np.array([n], np.int32), stream=self.stream)
-                kern.run(ptr, self.pairs, self.n_pairs, self.qa, self.da, self.rows, stream=self.stream)
-                flat[cp.asarray(np.flatnonzero(mask))] = self.rows[:n]  # in stream order, before the next launch
-                if where == "card":
-                    counters.card += n
-                else:
-                    counters.peer += n
-                    counters.by_peer[where] = counters.by_peer.get(where, 0) + n
-            if n_cpu:  # runs while the cards compute their experts
-                cpu_pairs = np.stack([tok[miss], host_ids[miss]], axis=1).astype(np.int32)
-                cpu_rows = self.cpu.run(LayerJobs.from_model(self.model, layer, cpu_pairs, qa, da))
-                flat[cp.asarray(np.flatnonzero(miss))] = cp.asarray(cpu_rows)
-            y = cp.empty((T, self.c.d_model), cp.float32)
-            kern.combine(out, weights, y, stream=self.stream)
-        counters.cpu += n_cpu
-        return y
+        self.cpu.close()

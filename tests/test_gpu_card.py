@@ -68,6 +68,9 @@ def test_placement_never_changes_a_bit(model, CupyCard):
             assert results[frac][2].cpu == 0
         if frac == 0.0:
             assert results[frac][2].card == 0
+    card = CupyCard(model, 0, total // 2, 4096, graphs=False)  # every step run directly, no CUDA graphs
+    card.pool.fill(experts_by_rank(model)[: total // 2])
+    results["eager"] = run(card, model, 40)
     digests = {f: r[1] for f, r in results.items()}
     assert len(set(digests.values())) == 1, digests
     card = CupyCard(model, 0, total // 2, 4096)

@@ -14,6 +14,9 @@
 //   expert_down   : warp item = (pair, DN_R rows of d_model); out[p, r] = canonical dot of down row r with qh[p].
 //   quantize_rows : x (groups of 32 floats) -> q int8, d float (canonical.quantize_act).
 //   combine_k     : out[t, i] = sum_j w[t, j] * y[t, j, i] in router order from 0.0f (canonical.combine).
+//   combine_rows  : the same into the residual, rows found through a row map (card results or host rows).
+//   build_pairs   : a layer's routed ids -> pair lists per source (card, peers), row map, CPU miss list.
+//   ring          : the doorbell the host waits on before serving the CPU misses.
 // Within a warp, several rows are decoded and summed as independent chains (ILP); the activation sub-blocks are
 // loaded once per item, before waiting for the weights.
 //
@@ -647,6 +650,94 @@ extern "C" __global__ void combine_k(const float* __restrict__ y, const float* _
     float acc = 0.0f;
     for (int j = 0; j < K; ++j) acc = f_add(acc, f_mul(w[t * K + j], y[((i64)t * K + j) * D + i]));
     out[idx] = acc;
+}
+
+// combine_k into the residual with rows found through a row map (the MoE step's last launch):
+// x[t, i] += sum_j w[t, j] * row(rowmap[t*K + j])[i], in router order from 0.0f (canonical.combine, then the
+// residual add). rowmap r >= 0: rows[r] (a card's results); r < 0: host_rows[-1 - r] (the CPU pool's results in
+// mapped pinned host memory).
+extern "C" __global__ void combine_rows(const float* __restrict__ rows, const float* __restrict__ host_rows,
+                                        const int* __restrict__ rowmap, const float* __restrict__ w,
+                                        float* __restrict__ x, int T, int K, int D) {
+    const i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (i64)T * D) return;
+    const int t = (int)(idx / D), i = (int)(idx - (i64)t * D);
+    float acc = 0.0f;
+    for (int j = 0; j < K; ++j) {
+        const int r = rowmap[t * K + j];
+        const float v = r >= 0 ? rows[(i64)r * D + i] : host_rows[(i64)(-1 - r) * D + i];
+        acc = f_add(acc, f_mul(w[t * K + j], v));
+    }
+    x[idx] = f_add(x[idx], acc);
+}
+
+// One layer's routed entries (ids: n = T*K expert ids, token = entry / K) -> where each is computed. src[e]: the
+// source holding expert e (0 = this card, 1.. = peers' slot pools, -1 = none: the CPU pool), slot[e]: its slot
+// there. Writes per source s a pair list pairs[s] = (token, slot) grouped by expert (tokens of one expert are
+// neighbours, so its weights are read while still in L2) with its count n_pairs[s]; rowmap[entry] = s * max_pairs
+// + pair (the row the expert kernels write) or -1 - m for the m-th CPU miss; miss[m] = (token, expert) and
+// n_miss (mapped host memory: the host reads them after the doorbell). One block; pair order within an expert is
+// whatever the atomics give (each row depends on its own pair only).
+#define MAX_SOURCES 8
+extern "C" __global__ void build_pairs(const int* __restrict__ ids, int n, int K, const int* __restrict__ src,
+                                       const int* __restrict__ slot, int n_expert, int n_src, int max_pairs,
+                                       int* __restrict__ pairs, int* __restrict__ n_pairs, int* __restrict__ rowmap,
+                                       int* __restrict__ miss, int* __restrict__ n_miss) {
+    extern __shared__ int sh[];  // count[n_expert], cursor[n_expert]
+    int* count = sh;
+    int* cursor = sh + n_expert;
+    __shared__ int misses;
+    for (int e = threadIdx.x; e < n_expert; e += blockDim.x) count[e] = 0;
+    if (threadIdx.x == 0) misses = 0;
+    __syncthreads();
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const int e = ids[i];
+        if (e >= 0 && e < n_expert && src[e] >= 0) atomicAdd(&count[e], 1);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int base[MAX_SOURCES];
+        for (int s = 0; s < MAX_SOURCES; ++s) base[s] = 0;
+        for (int e = 0; e < n_expert; ++e) {
+            const int s = src[e];
+            if (s >= 0 && s < n_src) {
+                cursor[e] = base[s];
+                base[s] += count[e];
+            }
+        }
+        for (int s = 0; s < n_src; ++s) n_pairs[s] = base[s];
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const int e = ids[i];
+        const int s = (e >= 0 && e < n_expert) ? src[e] : -1;
+        if (s >= 0 && s < n_src) {
+            const int r = s * max_pairs + atomicAdd(&cursor[e], 1);
+            pairs[2 * r] = i / K;
+            pairs[2 * r + 1] = slot[e];
+            rowmap[i] = r;
+        } else {
+            const int m = atomicAdd(&misses, 1);
+            miss[2 * m] = i / K;
+            miss[2 * m + 1] = e;  // an id out of range reaches the CPU pool, which names it
+            rowmap[i] = -1 - m;
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        *n_miss = misses;
+        __threadfence_system();
+    }
+}
+
+// The doorbell: everything before it in the stream is done and visible to the host when *bell changes to the
+// next value of *counter (device memory, so replays of a captured graph ring with increasing values).
+extern "C" __global__ void ring(unsigned int* __restrict__ counter, volatile unsigned int* __restrict__ bell) {
+    __threadfence_system();
+    const unsigned int v = *counter + 1u;
+    *counter = v;
+    __threadfence_system();
+    *bell = v;
 }
 
 // What the host needs to size launches (one source of truth for the layout).

@@ -6,6 +6,9 @@ Every output is bit-identical to stratad.engine.canonical (quantize_act, expert,
     k.quantize(x, qa, da)                                # x (T, d_model) f32 -> qa int8 (T, d_model), da (T, d_model/32)
     k.run(pool.data.ptr, pairs, n_pairs, qa, da, out)    # pairs int32 (max_pairs, 2) = (token, slot); n_pairs int32 (1,)
     k.combine(out[:T*K].reshape(T, K, d_model), w, y)    # router-order weighted sum
+    k.build_pairs(ids, src, slot, pairs, n_pairs, rowmap, miss_ptr, n_miss_ptr)  # routed ids -> per-source pairs
+    k.combine_rows(rows, host_rows_ptr, rowmap, w, x)    # x += combine, rows through the row map
+    k.ring(counter, bell_ptr)                            # doorbell for the host
 
 All launches have fixed grids and read n_pairs on the device, so quantize/run/combine can be captured in a CUDA
 graph and replayed with new pair lists. A slot is one expert's raw GGUF bytes: gate rows (d_ff x row_bytes(d_model)),
@@ -124,6 +127,7 @@ class ExpertKernels:
             self._k_dn = self.module.get_function("expert_down")
             self._k_q = self.module.get_function("quantize_rows")
             self._k_c = self.module.get_function("combine_k")
+            self._extra = {}
             self._check_layout()
             self._k_gu.max_dynamic_shared_size_bytes = self.gu_smem
             self._k_dn.max_dynamic_shared_size_bytes = self.dn_smem
@@ -272,3 +276,79 @@ class ExpertKernels:
         with self._stream(stream):
             self._k_c(((n + 255) // 256,), (256,), (outputs, weights, out, np.int32(T), np.int32(K), np.int32(D)))
 
+
+    # ---- routing to sources (the MoE step around run) ------------------------------------------------------
+    def build_pairs(self, ids, src, slot, pairs, n_pairs, rowmap, miss_ptr: int, n_miss_ptr: int,
+                    stream=None) -> None:
+        """ids int32 (T, K) of one layer; src / slot int32 (n_expert,): which source holds each expert (0 = this
+        card, s = the s-th peer pool, -1 = none) and its slot there. pairs int32 (S, max_pairs, 2) and n_pairs
+        (S,) per source; rowmap int32 (T*K,); miss / n_miss: int32 (T*K, 2) and (1,) at host-mapped addresses.
+        See build_pairs_ref for the contract."""
+        cp = self.cp
+        self._need(ids, cp.int32, None, "ids")
+        n_expert = int(src.shape[0])
+        self._need(src, cp.int32, (n_expert,), "src")
+        self._need(slot, cp.int32, (n_expert,), "slot")
+        S = int(pairs.shape[0])
+        if not 1 <= S <= MAX_SOURCES:
+            raise ValueError(f"1 to {MAX_SOURCES} sources")
+        self._need(pairs, cp.int32, (S, self.max_pairs, 2), "pairs")
+        self._need(n_pairs, cp.int32, (S,), "n_pairs")
+        n = int(ids.size)
+        if n > self.max_pairs:
+            raise ValueError(f"{n} routed entries > max_pairs {self.max_pairs}")
+        self._need(rowmap, cp.int32, None, "rowmap")
+        if rowmap.size < n:
+            raise ValueError("rowmap too small")
+        with self._stream(stream):
+            self._fn("build_pairs")((1,), (1024,), (ids, np.int32(n), np.int32(ids.shape[-1]), src, slot,
+                                                    np.int32(n_expert), np.int32(S), np.int32(self.max_pairs), pairs,
+                                                    n_pairs, rowmap, np.uint64(miss_ptr), np.uint64(n_miss_ptr)),
+                                    shared_mem=8 * n_expert)
+
+    def combine_rows(self, rows, host_rows_ptr: int, rowmap, w, x, stream=None) -> None:
+        """x (T, d_model) += router-order sum of w[t, j] * row(rowmap[t*K + j]) (see combine_rows_ref)."""
+        cp = self.cp
+        self._need(rows, cp.float32, None, "rows")
+        T, K = w.shape
+        self._need(w, cp.float32, (T, K), "w")
+        self._need(x, cp.float32, (T, self.d_model), "x")
+        self._need(rowmap, cp.int32, None, "rowmap")
+        n = T * self.d_model
+        with self._stream(stream):
+            self._fn("combine_rows")(((n + 255) // 256,), (256,),
+                                     (rows, np.uint64(host_rows_ptr), rowmap, w, x, np.int32(T), np.int32(K),
+                                      np.int32(self.d_model)))
+
+    def ring(self, counter, bell_ptr: int, stream=None) -> None:
+        """*bell = ++*counter once everything before it in the stream is done (counter: device uint32 (1,))."""
+        with self._stream(stream):
+            self._fn("ring")((1,), (1,), (counter, np.uint64(bell_ptr)))
+
+    def _fn(self, name: str):
+        f = self._extra.get(name)
+        if f is None:
+            f = self._extra[name] = self.module.get_function(name)
+        return f
+
+
+MAX_SOURCES = 8  # experts.cu's MAX_SOURCES
+
+
+def build_pairs_ref(ids: np.ndarray, src: np.ndarray, slot: np.ndarray) -> list[tuple[int, int, int]]:
+    """Where each routed entry of ids (T, K) is computed, in entry order: (source, token, slot) for a card or
+    peer (source >= 0), (-1, token, expert) for the CPU pool. The kernel's pair lists and miss list hold exactly
+    these, each source's pairs grouped by expert in ascending expert order (order within an expert is free), and
+    its row map sends entry i to the row of its own pair."""
+    K = ids.shape[-1]
+    out = []
+    for i, e in enumerate(np.asarray(ids).reshape(-1)):
+        s = int(src[e]) if 0 <= e < len(src) else -1
+        out.append((s, i // K, int(slot[e])) if s >= 0 else (-1, i // K, int(e)))
+    return out
+
+
+def combine_rows_ref(x: np.ndarray, w: np.ndarray, rows: list[np.ndarray]) -> np.ndarray:
+    """x + canonical.combine(w, outputs) with outputs[t, j] = rows[t * K + j] (each a d_model row)."""
+    T, K = w.shape
+    return x + canonical.combine(w, np.stack(rows).reshape(T, K, -1))
