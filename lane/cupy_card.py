@@ -42,6 +42,7 @@ class Work:
 
     def __init__(self, c, T: int, logit_rows: int):
         self.T = T
+        self.pos0 = 0  # where a prompt chunk starts (host side; decode steps read the device's pos)
         self.tokens = cp.zeros((T,), cp.int32)
         self.x, self.h = cp.empty((T, c.d_model), cp.float32), cp.empty((T, c.d_model), cp.float32)
         self.qkv = cp.empty((T, c.q_dim + 2 * c.kv_dim), cp.float32)
@@ -99,7 +100,8 @@ class CupyCard:
                 q_norm=f32(b + "attn_q_norm.weight"), k_norm=f32(b + "attn_k_norm.weight"),
                 kv=D.alloc_kv_cache(c.n_head_kv, self.max_ctx, c.head_dim)))
         self.rope = D.RopeTable(self.max_ctx, c.head_dim, c.rope_base)
-        self.attn = D.DecodeAttention(c.n_head, c.n_head_kv, c.head_dim, self.max_ctx, max_T=PREFILL_CHUNK)
+        self.attn = D.DecodeAttention(c.n_head, c.n_head_kv, c.head_dim, self.max_ctx)
+        self.prefill_attn = D.PrefillAttention(c.n_head, c.n_head_kv, c.head_dim, self.max_ctx)
         self.pos = cp.zeros((1,), cp.int32)
         # the slot pool is its own cudaMalloc (not a memory-pool sub-allocation), so that its CUDA IPC handle
         # opens at the pool's first byte in other lanes
@@ -174,7 +176,10 @@ class CupyCard:
         self._proj(L["qkv"], w.h, w.qkv)
         D.qk_norm_rope_kv(w.qkv, L["q_norm"], L["k_norm"], c.rms_eps, self.rope, self.pos, w.q, *L["kv"],
                           n_head=c.n_head, n_kv=c.n_head_kv, stream=s)
-        self.attn(w.q, *L["kv"], self.pos, w.att, w.T, stream=s)
+        if w.T == 1:  # pos on the device: graph-safe
+            self.attn(w.q, *L["kv"], self.pos, w.att, 1, stream=s)
+        else:  # a prompt chunk, run eagerly: the host knows where it starts
+            self.prefill_attn(w.q, *L["kv"], w.pos0, w.att, stream=s)
         self._proj(L["o"], w.att, w.x, residual=w.x)
         D.rms_norm(w.x, L["ffn_norm"], c.rms_eps, w.h, stream=s)
         self._proj(L["router"], w.h, w.router)
@@ -202,6 +207,7 @@ class CupyCard:
     def _chunk(self, tokens: np.ndarray, kv: GpuKV, logit_rows: int):
         """A prompt chunk: the operations run directly."""
         w = Work(self.c, len(tokens), logit_rows)
+        w.pos0 = kv.length
         w.tokens.set(tokens, stream=self.stream)
         for op in self._ops(w, logit_rows):
             if isinstance(op, Break):

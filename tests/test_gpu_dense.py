@@ -224,7 +224,7 @@ def test_qk_norm_rope_kv(cp, D, cfg, Tn, pos0):
 
 
 # ---- 4. decode attention ------------------------------------------------------------------------------------------
-def _attn_case(cp, D, rng, n_head, n_kv, hd, max_ctx, L, Tn=1, q_scale=1.0, **kw):
+def _attn_case(cp, D, rng, n_head, n_kv, hd, max_ctx, L, Tn=1, q_scale=1.0, prefill=False, **kw):
     """Random K/V (float32 and their f16 cache), positions >= L filled with NaN; returns (got, ref64_on_f16,
     ref32_on_f32)."""
     pos0 = L - Tn
@@ -235,10 +235,12 @@ def _attn_case(cp, D, rng, n_head, n_kv, hd, max_ctx, L, Tn=1, q_scale=1.0, **kw
     Vc = cp.full((n_kv, hd, max_ctx), np.nan, cp.float16)
     Kc[:, :L] = cp.asarray(Kf.transpose(1, 0, 2).astype(np.float16))
     Vc[:, :, :L] = cp.asarray(Vf.transpose(1, 2, 0).astype(np.float16))
-    att = D.DecodeAttention(n_head, n_kv, hd, max_ctx, max_T=Tn, **kw)
     out = nan_like(cp, (Tn, n_head * hd))
-    pos = cp.asarray(np.array([pos0], np.int32))
-    att(cp.asarray(q), Kc, Vc, pos, out, Tn)
+    if prefill:
+        D.PrefillAttention(n_head, n_kv, hd, max_ctx)(cp.asarray(q), Kc, Vc, pos0, out)
+    else:
+        att = D.DecodeAttention(n_head, n_kv, hd, max_ctx, max_T=Tn, **kw)
+        att(cp.asarray(q), Kc, Vc, cp.asarray(np.array([pos0], np.int32)), out, Tn)
     sync(cp)
     got = out.get()
     K16 = Kf.astype(np.float16).astype(np.float64)
@@ -291,6 +293,18 @@ def test_attention_long(cp, D, var):
     rng = np.random.default_rng(5)
     got, ref64, _ = _attn_case(cp, D, rng, 32, 4, 128, 131072, 100003, q_scale=2.0, **var)
     assert note("attention 100K vs f64 on f16 cache", normwise(got, ref64)) <= 3e-3
+
+
+@pytest.mark.parametrize("cfg,L,Tn", [((32, 4, 128), 300, 300), ((32, 4, 128), 5000, 256), ((4, 2, 64), 77, 13),
+                                        ((8, 8, 64), 1000, 1), ((32, 4, 128), 40000, 64)],
+                         ids=["a3b-first-chunk", "a3b-later-chunk", "tiny", "mha-one", "a3b-40K"])
+def test_prefill_attention(cp, D, cfg, L, Tn):
+    """Tensor-core prefill attention (fp16 Q and P, float32 accumulation) against float64 on the f16 cache."""
+    rng = np.random.default_rng(L + Tn)
+    for q_scale in (1.0, 4.0):
+        got, ref64, _ = _attn_case(cp, D, rng, *cfg, 65536, L, Tn=Tn, q_scale=q_scale, prefill=True)
+        assert np.isfinite(got).all()
+        assert note(f"prefill attention {cfg} L={L} T={Tn} (q x{q_scale:g}) vs f64", normwise(got, ref64)) <= 1e-2
 
 
 # ---- 5. router ---------------------------------------------------------------------------------------------------

@@ -1331,3 +1331,66 @@ extern "C" __global__ void __launch_bounds__(256) embed_rows(const u8* __restric
     const u8* rp = table + (i64)tok * row_bytes;
     for (int i = threadIdx.x; i < d; i += blockDim.x) o[i] = load_elem(qt, rp, i);
 }
+
+// =============================================================================================================
+// 8. prefill attention (a prompt chunk of T tokens at positions pos0 .. pos0+T-1 over the whole cached prefix):
+// cuBLAS fp16 tensor-core GEMMs for Q K^T and P V (dense.py: PrefillAttention), around these three kernels.
+// Per kv head h the query rows are r = t * group + j (head h * group + j of token t).
+// =============================================================================================================
+// q (T, n_head, hd) f32 -> qp (n_kv, T * group, hd) f16, times scale (softmax's 1/sqrt(hd), applied before the
+// fp16 rounding so scores need no scaling).
+extern "C" __global__ void attn_q_pack(const float* __restrict__ q, int T, int n_head, int n_kv, int hd,
+                                       float scale, u16* __restrict__ qp) {
+    const i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    const i64 n = (i64)T * n_head * hd;
+    if (idx >= n) return;
+    const int d = (int)(idx % hd);
+    const int head = (int)((idx / hd) % n_head);
+    const int t = (int)(idx / ((i64)hd * n_head));
+    const int g = n_head / n_kv, h = head / g, j = head - h * g;
+    qp[(((i64)h * T + t) * g + j) * hd + d] = f2h(f_mul(q[idx], scale));
+}
+
+// scores (n_kv, T * group, S) f32 -> p (same shape) f16: causal softmax of each row; row r = (t, j) sees keys
+// 0 .. pos0 + t, later keys get 0. Grid (T * group, n_kv), 256 threads.
+extern "C" __global__ void __launch_bounds__(256) attn_softmax_rows(const float* __restrict__ scores, int T, int group,
+                                                                    int S, int pos0, u16* __restrict__ p) {
+    const int r = blockIdx.x, h = blockIdx.y;
+    const i64 base = ((i64)h * T * group + r) * S;
+    const int limit = pos0 + r / group + 1;
+    const float* row = scores + base;
+    __shared__ float red[32];
+    float m = NEG_INF;
+    for (int i = threadIdx.x; i < limit; i += blockDim.x) m = fmaxf(m, row[i]);
+    for (int o = 16; o; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = m;
+    __syncthreads();
+    m = red[0];
+    for (int w = 1; w < (int)(blockDim.x >> 5); ++w) m = fmaxf(m, red[w]);
+    __syncthreads();
+    const float LOG2E = 1.4426950408889634f;
+    float s = 0.f;
+    for (int i = threadIdx.x; i < limit; i += blockDim.x) s += f_ex2((row[i] - m) * LOG2E);
+    for (int o = 16; o; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = s;
+    __syncthreads();
+    s = 0.f;
+    for (int w = 0; w < (int)(blockDim.x >> 5); ++w) s += red[w];
+    const float inv = 1.0f / s;
+    u16* out = p + base;
+    for (int i = threadIdx.x; i < S; i += blockDim.x)
+        out[i] = i < limit ? f2h(f_ex2((row[i] - m) * LOG2E) * inv) : (u16)0;
+}
+
+// o (n_kv, T * group, hd) f32 -> out (T, n_head * hd) f32
+extern "C" __global__ void attn_o_unpack(const float* __restrict__ o, int T, int n_head, int n_kv, int hd,
+                                         float* __restrict__ out) {
+    const i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    const i64 n = (i64)T * n_head * hd;
+    if (idx >= n) return;
+    const int d = (int)(idx % hd);
+    const int head = (int)((idx / hd) % n_head);
+    const int t = (int)(idx / ((i64)hd * n_head));
+    const int g = n_head / n_kv, h = head / g, j = head - h * g;
+    out[idx] = o[(((i64)h * T + t) * g + j) * hd + d];
+}

@@ -683,11 +683,15 @@ extern "C" __global__ void build_pairs(const int* __restrict__ ids, int n, int K
                                        const int* __restrict__ slot, int n_expert, int n_src, int max_pairs,
                                        int* __restrict__ pairs, int* __restrict__ n_pairs, int* __restrict__ rowmap,
                                        int* __restrict__ miss, int* __restrict__ n_miss) {
-    extern __shared__ int sh[];  // count[n_expert], cursor[n_expert]
+    extern __shared__ int sh[];  // count[n_expert], cursor[n_expert], source[n_expert]
     int* count = sh;
     int* cursor = sh + n_expert;
+    int* source = sh + 2 * n_expert;
     __shared__ int misses;
-    for (int e = threadIdx.x; e < n_expert; e += blockDim.x) count[e] = 0;
+    for (int e = threadIdx.x; e < n_expert; e += blockDim.x) {
+        count[e] = 0;
+        source[e] = src[e];  // the serial scan below then reads shared memory only
+    }
     if (threadIdx.x == 0) misses = 0;
     __syncthreads();
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
@@ -699,7 +703,7 @@ extern "C" __global__ void build_pairs(const int* __restrict__ ids, int n, int K
         int base[MAX_SOURCES];
         for (int s = 0; s < MAX_SOURCES; ++s) base[s] = 0;
         for (int e = 0; e < n_expert; ++e) {
-            const int s = src[e];
+            const int s = source[e];
             if (s >= 0 && s < n_src) {
                 cursor[e] = base[s];
                 base[s] += count[e];

@@ -304,7 +304,7 @@ class ExpertKernels:
             self._fn("build_pairs")((1,), (1024,), (ids, np.int32(n), np.int32(ids.shape[-1]), src, slot,
                                                     np.int32(n_expert), np.int32(S), np.int32(self.max_pairs), pairs,
                                                     n_pairs, rowmap, np.uint64(miss_ptr), np.uint64(n_miss_ptr)),
-                                    shared_mem=8 * n_expert)
+                                    shared_mem=12 * n_expert)
 
     def combine_rows(self, rows, host_rows_ptr: int, rowmap, w, x, stream=None) -> None:
         """x (T, d_model) += router-order sum of w[t, j] * row(rowmap[t*K + j]) (see combine_rows_ref)."""
