@@ -75,7 +75,7 @@ def _bench(a) -> int:
         if not Path(model).exists():
             Path(a.cache_dir).mkdir(parents=True, exist_ok=True)
             make_model(model, a.preset, a.expert_quant, "Q8_0", a.router_skew, 0, topics=2 if a.scenario == "seed" else 1)
-    gpu = a.scenario == "engine"
+    gpu = a.scenario == "engine" or (a.scenario == "seed" and any(c != "cpu" for c in a.cards.split(",")))
     if a.scenario == "overhead":
         from stratad.bench import overhead
 

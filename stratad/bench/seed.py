@@ -16,6 +16,8 @@ import numpy as np
 
 from stratad.local_daemon import LocalDaemon
 
+SETTLE_PROMPT = 2048
+
 
 def _prompt(topic: int, n: int, seed: int) -> list[int]:
     rng = np.random.default_rng(seed)
@@ -52,12 +54,14 @@ def _chats(d: LocalDaemon, topics: list[int], prompt_tokens: int, tokens: int) -
 def _mode(model: str, cards: str, cache: float, mutual: bool, topics: list[int], prompt_tokens: int, tokens: int,
           settle_s: float) -> list[dict]:
     conf = tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False)
-    conf.write(f"mutual_help = {str(mutual).lower()}\nrejoin_idle_s = 3600.0\nreplan_interval_s = 0.5\n")
+    conf.write(f"mutual_help = {str(mutual).lower()}\nrejoin_idle_s = 3600.0\nreplan_interval_s = 0.5\n"
+               f"context_length = {prompt_tokens + tokens + 64}\n")
     conf.close()
     d = LocalDaemon(model, cards, args=["--expert-cache", str(cache), "--log-level", "warning"],
                     config=conf.name).start()
     try:
-        _chats(d, topics, prompt_tokens, tokens)  # the traffic once: live counts, placement follows
+        # the traffic once, with shorter prompts (same topics): live counts, placement follows
+        _chats(d, topics, min(prompt_tokens, SETTLE_PROMPT), tokens)
         time.sleep(settle_s)
         return _chats(d, topics, prompt_tokens, tokens)
     finally:
@@ -66,7 +70,10 @@ def _mode(model: str, cards: str, cache: float, mutual: bool, topics: list[int],
 
 def run(model_path: str, cards: str = "cpu,cpu", cache: float = 0.475, prompt_tokens: int = 1024,
         tokens: int = 128, settle_s: float = 3.0) -> dict:
-    n_cards = len(cards.split(","))
+    card_list = cards.split(",")
+    n_cards = len(card_list)
+    gpus = [c for c in card_list if c != "cpu"]
+    shared = len(gpus) != len(set(gpus))
     modes = {
         "1_one_chat_lead_peer": _mode(model_path, cards, cache, False, [0], prompt_tokens, tokens, settle_s),
         "2_two_chats_independent": _mode(model_path, cards, cache, False, [0, 1], prompt_tokens, tokens, settle_s),
@@ -85,4 +92,6 @@ def run(model_path: str, cards: str = "cpu,cpu", cache: float = 0.475, prompt_to
                     "mode3_speed_vs_mode1": [round(c["decode_tok_s"] / mode1, 3)
                                              for c in modes["3_two_chats_mutual_help"]]},
         "floor": "shares: the pooled coverage of the cards; speeds on CPU cards are not a GPU result",
+        "note": ("logical cards sharing one GPU: the shares are meaningful, the speeds are not a two-card result"
+                 if shared else "one card per device"),
     }
