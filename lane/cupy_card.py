@@ -115,6 +115,7 @@ class CupyCard:
         self.experts = GpuExperts(model, self.pool, PREFILL_CHUNK, cpu_threads, self.stream, self.device_ident)
         self.decode_work = Work(c, 1, 1)
         self._graphs: tuple | None = None  # (key, [(graph, layer served after it or None)])
+        self.on_chunk = None  # called between prompt chunks (the lane's heartbeat: long prompts take a while)
 
     # ---- the Card interface ---------------------------------------------------------------------------------
     def new_kv(self) -> GpuKV:
@@ -147,6 +148,8 @@ class CupyCard:
                     outs.append(self._decode(int(chunk[0]), kv, rows))
                 else:
                     outs.append(self._chunk(chunk, kv, rows))
+                if self.on_chunk is not None and not last:
+                    self.on_chunk()
         return None if logits == "none" else np.concatenate([o for o in outs if o is not None])
 
     # ---- a step as operations -----------------------------------------------------------------------------------

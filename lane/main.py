@@ -120,6 +120,7 @@ class Lane:
             from lane.cupy_card import CupyCard  # CUDA only where a GPU card is asked for
 
             self.card = CupyCard(self.model, int(self.a.card), n, self.a.context_length, live, self.a.cpu_threads)
+            self.card.on_chunk = self.beat
         self.card.pool.fill(list(placement.experts))
         if placement.warmup_tokens:
             self.warm_up(placement.warmup_tokens)
