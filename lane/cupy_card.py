@@ -25,6 +25,7 @@ from stratad.model.slot_layout import slot_bytes
 
 PREFILL_CHUNK = 256
 HALF_LIFE_TOKENS = 256
+MAX_CAPTURED = 4
 
 
 class GpuKV:
@@ -114,7 +115,9 @@ class CupyCard:
         self.device_ident = "cuda:" + cp.cuda.runtime.deviceGetPCIBusId(device)
         self.experts = GpuExperts(model, self.pool, PREFILL_CHUNK, cpu_threads, self.stream, self.device_ident)
         self.decode_work = Work(c, 1, 1)
-        self._graphs: tuple | None = None  # (key, [(graph, layer served after it or None)])
+        # captured decode steps by placement shape: [(graph, layer served after it or None)]; coverage flips
+        # between complete and not as slots swap, so both shapes stay captured
+        self._graphs: dict[tuple, list] = {}
         self.on_chunk = None  # called between prompt chunks (the lane's heartbeat: long prompts take a while)
 
     # ---- the Card interface ---------------------------------------------------------------------------------
@@ -130,7 +133,7 @@ class CupyCard:
     def close(self) -> None:
         with self.device:
             self.experts.close()
-            self._graphs = None
+            self._graphs.clear()
 
     def forward(self, tokens, kv: GpuKV, logits: str = "last"):
         tokens = np.asarray(tokens, np.int32)
@@ -223,10 +226,12 @@ class CupyCard:
         """One token: replay the captured step (captured again when the placement's shape changed)."""
         w = self.decode_work
         key = (self.experts.full, self.experts.sources_key())
-        if self._graphs is None or self._graphs[0] != key:
-            self._graphs = (key, self._capture(self._ops(w, 1)))
+        if key not in self._graphs:
+            if len(self._graphs) >= MAX_CAPTURED:
+                self._graphs.clear()  # peers came and went: the old pointers are gone
+            self._graphs[key] = self._capture(self._ops(w, 1))
         w.tokens.set(np.array([token], np.int32), stream=self.stream)
-        for graph, served in self._graphs[1]:
+        for graph, served in self._graphs[key]:
             graph.launch(self.stream)
             if served is not None:
                 self.experts.serve(served, 1)

@@ -28,23 +28,44 @@ class SamplingParams:
         return out
 
 
+NUCLEUS_PROBE = 1024  # top-p: the nucleus is looked for among this many top tokens first (a full sort if wider)
+
+
+def top_order(x: np.ndarray, m: int) -> np.ndarray:
+    """Indices of the m largest values of x, by value descending, ties to the lower index (O(n) + O(m log m))."""
+    n = x.shape[0]
+    idx = np.arange(n) if m >= n else np.argpartition(-x, m - 1)[:m]
+    return idx[np.lexsort((idx, -x[idx]))]
+
+
 class Sampler:
+    """Without a top-k or top-p limit the token comes from the inverse CDF over the vocabulary in index order (no
+    sort: a sort of 152K logits costs more than a GPU decode step); with one, only the candidates are sorted."""
+
     def __init__(self, params: SamplingParams):
         self.p = params
         self.rng = np.random.default_rng(params.seed)
 
     def __call__(self, logits: np.ndarray) -> int:
-        logits = np.asarray(logits, np.float64)
-        if self.p.temperature == 0:
-            return int(np.argmax(logits))
-        order = np.argsort(-logits, kind="stable")
-        if self.p.top_k:
-            order = order[: self.p.top_k]
-        z = logits[order] / self.p.temperature
-        prob = np.exp(z - z[0])
-        prob /= prob.sum()
-        if self.p.top_p < 1:
-            keep = int(np.searchsorted(np.cumsum(prob), self.p.top_p)) + 1
-            order, prob = order[:keep], prob[:keep] / prob[:keep].sum()
-        i = int(np.searchsorted(np.cumsum(prob), self.rng.random(), side="right"))
-        return int(order[min(i, len(order) - 1)])
+        x = np.asarray(logits, np.float64).reshape(-1)
+        n, temp = x.shape[0], self.p.temperature
+        if temp == 0:
+            return int(np.argmax(x))
+        u = self.rng.random()
+        k = self.p.top_k if 0 < self.p.top_k < n else n
+        if k == n and self.p.top_p >= 1:
+            c = np.cumsum(np.exp((x - x.max()) / temp))
+            return int(min(np.searchsorted(c, u * c[-1], side="right"), n - 1))
+        for m in ((k,) if k < n else (min(n, NUCLEUS_PROBE), n)):
+            order = top_order(x, m)
+            z = x[order] / temp
+            prob = np.exp(z - z[0])
+            if self.p.top_p >= 1:
+                break
+            total = prob.sum() if k < n else np.exp(x / temp - z[0]).sum()  # top-p is of the whole distribution
+            reach = np.flatnonzero(np.cumsum(prob) >= self.p.top_p * total)
+            if reach.size:
+                order, prob = order[: reach[0] + 1], prob[: reach[0] + 1]
+                break
+        c = np.cumsum(prob)
+        return int(order[min(np.searchsorted(c, u * c[-1], side="right"), len(order) - 1)])
