@@ -1,0 +1,122 @@
+#!/usr/bin/env python3
+"""Where a GPU lane's decode step spends its time (lane/cupy_card.py), on a generated or given model.
+
+For each cache fraction: a prompt is read, then
+  step     the whole decode step as the card replays it (CUDA graphs; host serves between layers when experts are
+           missing), ms per token over --tokens tokens, host clock;
+  eager    the same step with graphs off (every launch from Python), ms per token;
+  ops      each operation of the step captured alone as a graph and replayed --iters times between CUDA events
+           (GPU time of its kernels without launch gaps), summed by kind over the 48 layers;
+  serve    the host part between layers (doorbell wait, CPU pool, next launch): step time minus the graphs'
+           device time, per layer.
+Prints a table last; --json writes everything.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from stratad.model.generator import make_model  # noqa: E402
+from stratad.model.gguf_file import ModelFile  # noqa: E402
+
+
+def graph_time_ms(cp, stream, fn, iters: int) -> float:
+    """Median device time of fn's launches, captured once and replayed."""
+    stream.begin_capture()
+    try:
+        fn()
+    finally:
+        g = stream.end_capture()
+    g.launch(stream)
+    times = []
+    for _ in range(iters):
+        a, b = cp.cuda.Event(), cp.cuda.Event()
+        a.record(stream)
+        g.launch(stream)
+        b.record(stream)
+        b.synchronize()
+        times.append(cp.cuda.get_elapsed_time(a, b))
+    return float(np.median(times))
+
+
+def profile(path: str, fraction: float, context: int, tokens: int, iters: int) -> dict:
+    import cupy as cp
+
+    from lane.cupy_card import Break, CupyCard
+
+    model = ModelFile(path)
+    c = model.config
+    total = c.n_layer * c.n_expert
+    n = int(fraction * total)
+    rng = np.random.default_rng(0)
+    prompt = [int(t) for t in rng.integers(0, 2000, size=context)]
+    out = {"fraction": fraction, "context": context}
+    for graphs in (True, False):
+        card = CupyCard(model, 0, n, context + tokens + iters + 64, graphs=graphs)
+        card.forward(prompt[:512], card.new_kv(), logits="none")  # routing profile with nothing resident
+        order = np.lexsort((np.arange(total), -card.counts.reshape(-1)))
+        card.pool.fill([(int(i // c.n_expert), int(i % c.n_expert)) for i in order[:n]])
+        kv = card.new_kv()
+        card.forward(prompt, kv, logits="last")
+        card.forward([1], kv)  # capture
+        cp.cuda.runtime.deviceSynchronize()
+        t = time.perf_counter()
+        for i in range(tokens):
+            card.forward([int(prompt[i])], kv)
+        out["step_ms" if graphs else "eager_ms"] = (time.perf_counter() - t) / tokens * 1e3
+        if graphs:
+            w = card.decode_work
+            # the operations, in order: embed, (attend + route + front, back) x layers, finish
+            ops = [op for op in card._ops(w, 1) if not isinstance(op, Break)]
+            with card.device, card.stream:
+                t_each = [graph_time_ms(cp, card.stream, op, iters) for op in ops]
+            L = c.n_layer
+            out["embed_ms"] = t_each[0]
+            out["attend_route_front_ms"] = float(sum(t_each[1:1 + 2 * L:2]))
+            out["back_ms"] = float(sum(t_each[2:2 + 2 * L:2]))
+            out["finish_ms"] = t_each[-1]
+            out["device_sum_ms"] = float(sum(t_each))
+            out["full_coverage"] = card.experts.full
+            out["host_per_layer_us"] = (out["step_ms"] - out["device_sum_ms"]) / L * 1e3
+            cnt = card.counters
+            out["cpu_share"] = cnt.cpu / max(1, cnt.total)
+        card.close()
+        del card
+        cp.get_default_memory_pool().free_all_blocks()
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--model", help="GGUF file (default: generate the a3b IQ3_S preset)")
+    p.add_argument("--fractions", default="1.0,0.5")
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--json")
+    a = p.parse_args()
+    path = a.model
+    if path is None:
+        path = "/tmp/a3b-iq3s-skew1.gguf"
+        if not Path(path).exists():
+            make_model(path, "a3b", expert_quant="IQ3_S", router_skew=1.0)
+    rows = [profile(path, float(f), a.context, a.tokens, a.iters) for f in a.fractions.split(",")]
+    if a.json:
+        Path(a.json).write_text(json.dumps(rows, indent=2) + "\n")
+    keys = ["fraction", "step_ms", "eager_ms", "device_sum_ms", "attend_route_front_ms", "back_ms", "finish_ms",
+            "host_per_layer_us", "cpu_share"]
+    print(" | ".join(keys))
+    for r in rows:
+        print(" | ".join(f"{r[k]:.3f}" if isinstance(r[k], float) else str(r[k]) for k in keys))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
