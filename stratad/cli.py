@@ -89,7 +89,7 @@ def _bench(a) -> int:
         from stratad.bench import seed
 
         out = seed.run(model, cards=a.cards, cache=a.cache_fraction, prompt_tokens=int(a.contexts.split(",")[0]),
-                       tokens=a.tokens)
+                       tokens=a.tokens, modes=a.modes)
     out = {"date": datetime.date.today().isoformat(), "hardware": hardware.describe(gpu=gpu)} | out
     text = json.dumps(out, indent=2)
     if a.json:
@@ -152,6 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--contexts", default="1024", help="engine: prompt lengths; seed: the first is the prompt length")
     b.add_argument("--cards", default="cpu,cpu", help="seed: the cards")
     b.add_argument("--cache-fraction", type=float, default=0.475, help="seed: each card's share of all experts")
+    b.add_argument("--modes", default="1,2,3", help="seed: which modes (1 lead + peer, 2 independent, 3 mutual help)")
     b.add_argument("--json", help="also write the JSON here")
     b.set_defaults(fn=_bench)
     return p

@@ -1,0 +1,31 @@
+"""The benchmarks run end to end on CPU cards and report what they promise (figures are not asserted: speed is
+measured, not tested)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from stratad.model.generator import make_model
+
+
+def test_seed_bench_modes_and_shares(tmp_path):
+    """Two chats of different topics on two CPU cards: the JSON names each requested mode, each chat's shares
+    add up, the pooled modes keep the work on the cards, and modes can be run in separate jobs."""
+    model = tmp_path / "tiny-topics.gguf"
+    make_model(model, "tiny", router_skew=1.5, topics=2)
+    out = tmp_path / "seed.json"
+    r = subprocess.run([sys.executable, "-m", "stratad.cli", "bench", "--scenario", "seed", "--model", str(model),
+                        "--cards", "cpu,cpu", "--contexts", "48", "--tokens", "12", "--modes", "1,3",
+                        "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    d = json.loads(out.read_text())
+    assert set(d["modes"]) == {"1_one_chat_lead_peer", "3_two_chats_mutual_help"}
+    assert [c["topic"] for c in d["modes"]["3_two_chats_mutual_help"]] == ["A", "B"]
+    for chats in d["modes"].values():
+        for c in chats:
+            assert c["generated"] == 12
+            assert abs(c["share_own_card"] + c["share_peer"] + c["share_cpu"] - 1) < 1e-3
+            assert c["share_peer"] > 0  # the other card's cache is used in both pooled modes
+    assert len(d["targets"]["mode3_speed_vs_mode1"]) == 2
+    assert d["note"] == "one card per device" and d["hardware"]["cores"] >= 1
