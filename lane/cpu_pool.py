@@ -470,6 +470,35 @@ def _act_sums(qa, asum):
         asum[b] = np.float32(s)
 
 
+@njit(nogil=True, cache=True)
+def _group(pairs, n_expert, n_tokens, gpairs, gstart, gexp):
+    """Pairs grouped by expert, in expert order and, within an expert, in pair order (a counting sort):
+    gpairs = pair indices, group g = gpairs[gstart[g]:gstart[g + 1]] of expert gexp[g]. Returns (groups,
+    largest group), or (-1, 0) if a token or expert index is out of range."""
+    start = np.zeros(n_expert + 1, np.int64)
+    for i in range(pairs.shape[0]):
+        t, e = pairs[i, 0], pairs[i, 1]
+        if t < 0 or t >= n_tokens or e < 0 or e >= n_expert:
+            return -1, 0
+        start[e + 1] += 1
+    ngrp = 0
+    maxg = 0
+    for e in range(n_expert):
+        size = start[e + 1]
+        if size:
+            gstart[ngrp] = start[e]
+            gexp[ngrp] = e
+            ngrp += 1
+            maxg = max(maxg, size)
+        start[e + 1] += start[e]
+    gstart[ngrp] = pairs.shape[0]
+    for i in range(pairs.shape[0]):
+        e = pairs[i, 1]
+        gpairs[start[e]] = i
+        start[e] += 1
+    return ngrp, maxg
+
+
 CHUNK = 64  # rows per _rows call
 
 
@@ -664,9 +693,7 @@ def _check(jobs: LayerJobs) -> None:
     p = np.asarray(jobs.pairs)
     if p.ndim != 2 or p.shape[1] != 2 or p.dtype.kind not in "iu":
         raise ValueError(f"pairs: expected integer (n_pairs, 2), got {p.dtype} {p.shape}")
-    if p.size and (p[:, 0].min() < 0 or p[:, 0].max() >= jobs.qa.shape[0] or p[:, 1].min() < 0
-                   or p[:, 1].max() >= ne):
-        raise ValueError("pairs: token or expert index out of range")
+    # token and expert indices are checked while grouping (_group)
 
 
 _PRANGE_LOCK = threading.Lock()
@@ -747,13 +774,11 @@ class CpuPool:
         if n_pairs == 0:
             return out
         # group the pairs by expert (each weight row is then read once for all its tokens)
-        gpairs = np.argsort(pairs[:, 1], kind="stable").astype(np.int64)
-        ex = pairs[gpairs, 1]
-        cut = np.flatnonzero(ex[1:] != ex[:-1]) + 1
-        gstart = np.concatenate(([0], cut, [n_pairs])).astype(np.int64)
-        gexp = ex[gstart[:-1]].astype(np.int64)
-        maxg = int(np.diff(gstart).max())
-        ngrp = gexp.shape[0]
+        gpairs, gstart, gexp = np.empty(n_pairs, np.int64), np.empty(n_pairs + 1, np.int64), np.empty(n_pairs, np.int64)
+        ngrp, maxg = _group(pairs, jobs.gate.shape[0], jobs.qa.shape[0], gpairs, gstart, gexp)
+        if ngrp < 0:
+            raise ValueError("pairs: token or expert index out of range")
+        gstart, gexp = gstart[:ngrp + 1], gexp[:ngrp]
         pair_tok = pairs[:, 0].astype(np.int64)
         qa = np.ascontiguousarray(jobs.qa).reshape(-1)
         da = np.ascontiguousarray(jobs.da).reshape(-1)
