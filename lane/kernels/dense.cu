@@ -1339,16 +1339,20 @@ extern "C" __global__ void __launch_bounds__(256) embed_rows(const u8* __restric
 // =============================================================================================================
 // q (T, n_head, hd) f32 -> qp (n_kv, T * group, hd) f16, times scale (softmax's 1/sqrt(hd), applied before the
 // fp16 rounding so scores need no scaling).
-extern "C" __global__ void attn_q_pack(const float* __restrict__ q, int T, int n_head, int n_kv, int hd,
-                                       float scale, u16* __restrict__ qp) {
-    const i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-    const i64 n = (i64)T * n_head * hd;
-    if (idx >= n) return;
+// element idx of a (T, n_head, hd) array -> its place in (n_kv, T * group, hd)
+__device__ __forceinline__ i64 kv_major(i64 idx, int T, int n_head, int n_kv, int hd) {
     const int d = (int)(idx % hd);
     const int head = (int)((idx / hd) % n_head);
     const int t = (int)(idx / ((i64)hd * n_head));
     const int g = n_head / n_kv, h = head / g, j = head - h * g;
-    qp[(((i64)h * T + t) * g + j) * hd + d] = f2h(f_mul(q[idx], scale));
+    return (((i64)h * T + t) * g + j) * hd + d;
+}
+
+extern "C" __global__ void attn_q_pack(const float* __restrict__ q, int T, int n_head, int n_kv, int hd,
+                                       float scale, u16* __restrict__ qp) {
+    const i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (i64)T * n_head * hd) return;
+    qp[kv_major(idx, T, n_head, n_kv, hd)] = f2h(f_mul(q[idx], scale));
 }
 
 // scores (n_kv, T * group, S) f32 -> p (same shape) f16: causal softmax of each row; row r = (t, j) sees keys
@@ -1386,11 +1390,6 @@ extern "C" __global__ void __launch_bounds__(256) attn_softmax_rows(const float*
 extern "C" __global__ void attn_o_unpack(const float* __restrict__ o, int T, int n_head, int n_kv, int hd,
                                          float* __restrict__ out) {
     const i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-    const i64 n = (i64)T * n_head * hd;
-    if (idx >= n) return;
-    const int d = (int)(idx % hd);
-    const int head = (int)((idx / hd) % n_head);
-    const int t = (int)(idx / ((i64)hd * n_head));
-    const int g = n_head / n_kv, h = head / g, j = head - h * g;
-    out[idx] = o[(((i64)h * T + t) * g + j) * hd + d];
+    if (idx >= (i64)T * n_head * hd) return;
+    out[idx] = o[kv_major(idx, T, n_head, n_kv, hd)];
 }
