@@ -5,7 +5,8 @@ All run the canonical expert function (GPU kernels of lane/kernels/experts.cu, n
 so the bits do not depend on placement. A layer is two halves around the host:
   front : quantise the input, build_pairs on the device (per source: this card, each peer pool on this GPU; the
           rest is the CPU's miss list in mapped host memory), then, if the CPU may have work, copy the quantised
-          input to pinned host memory and ring the doorbell; then the expert kernels of every source.
+          input to pinned host memory and ring the doorbell; then the expert kernels of every source (for a
+          prompt chunk the tiled ones: a weight decoded once for all of an expert's tokens).
   serve : (host, only when some expert is on no card) wait for the doorbell, run the misses on the CPU pool into
           pinned host rows — while the card's kernels run.
   back  : combine in router order into the residual, card rows and host rows through the row map.
@@ -23,7 +24,7 @@ import cupy as cp
 import numpy as np
 
 from lane.cpu_pool import CpuPool, LayerJobs
-from lane.kernels.experts import MAX_SOURCES, ExpertKernels
+from lane.kernels.experts import MAX_SOURCES, ExpertKernels, max_tiles
 from lane.slot_pool import SlotPool
 from stratad.model.gguf_file import ModelFile
 
@@ -61,6 +62,10 @@ class GpuExperts:
         self.h_src = np.full((c.n_layer, c.n_expert), -1, np.int32)
         self.pairs = cp.zeros((MAX_SOURCES, P, 2), cp.int32)
         self.n_pairs = cp.zeros((MAX_SOURCES,), cp.int32)
+        # prompt chunks: each source's pairs cut into tiles of one expert (the tiled kernels decode a weight once
+        # for all of a tile's tokens)
+        self.tiles = cp.zeros((MAX_SOURCES, max_tiles(P, c.n_expert), 2), cp.int32)
+        self.n_tiles = cp.zeros((MAX_SOURCES,), cp.int32)
         self.rowmap = cp.zeros((P,), cp.int32)
         self.rows = None  # (sources, P, d_model): each source's results, sized when the sources are known
         # the host's side: miss list, quantised input and result rows in pinned memory, and the doorbell
@@ -137,15 +142,21 @@ class GpuExperts:
         kern = self.kernels[self._key(layer)]
         S = len(self.sources)
         kern.quantize(h, self.qa[:T], self.da[:T], stream=s)
+        tiled = T > 1
         kern.build_pairs(ids, self.src[layer], self.slot[layer], self.pairs[:S], self.n_pairs[:S], self.rowmap,
-                         self.miss.ctypes.data, self.n_miss.ctypes.data, stream=s)
+                         self.miss.ctypes.data, self.n_miss.ctypes.data, self.tiles[:S] if tiled else None,
+                         self.n_tiles[:S] if tiled else None, stream=s)
         if export:
             rt = cp.cuda.runtime
             rt.memcpyAsync(self.qa_h.ctypes.data, self.qa.data.ptr, T * self.qa.shape[1], D2H, s.ptr)
             rt.memcpyAsync(self.da_h.ctypes.data, self.da.data.ptr, T * self.da.shape[1] * 4, D2H, s.ptr)
             kern.ring(self.counter, self.bell.ctypes.data, stream=s)
         for i, (_, ptr) in enumerate(self.sources):
-            kern.run(ptr, self.pairs[i], self.n_pairs[i:i + 1], self.qa, self.da, self.rows[i], stream=s)
+            if tiled:
+                kern.run_tiled(ptr, self.pairs[i], self.tiles[i], self.n_tiles[i:i + 1], self.qa, self.da,
+                               self.rows[i], stream=s)
+            else:
+                kern.run(ptr, self.pairs[i], self.n_pairs[i:i + 1], self.qa, self.da, self.rows[i], stream=s)
 
     def serve(self, layer: int, T: int) -> None:
         """Host: after the layer's doorbell, compute its CPU misses into the pinned rows (the card keeps going)."""

@@ -101,8 +101,24 @@ def reference(slots, qgu, qdn, pairs, qa, da):
     return h, qh.reshape(n, d_ff), dh, out
 
 
+def host_tiles(pairs_np: np.ndarray, max_tiles: int) -> tuple[np.ndarray, int]:
+    """(first pair, count <= TILE_P) tiles of runs of equal slots, as build_pairs cuts them; -1 rows after."""
+    from lane.kernels.experts import TILE_P
+
+    tiles, i, n = [], 0, len(pairs_np)
+    while i < n:
+        j = i
+        while j < n and pairs_np[j, 1] == pairs_np[i, 1] and j - i < TILE_P:
+            j += 1
+        tiles.append((i, j - i))
+        i = j
+    out = np.full((max_tiles, 2), -1, np.int32)
+    out[:len(tiles)] = tiles
+    return out, len(tiles)
+
+
 def run_case(cp, rng, qgu, qdn, d_model, d_ff, n_slots, n_tokens, n_pairs, max_pairs, sort_by_slot=False,
-             tuning=None, check_intermediates=True):
+             tuning=None, check_intermediates=True, tiled=False):
     from lane.kernels.experts import ExpertKernels
 
     k = ExpertKernels(d_model, d_ff, qgu, qdn, max_pairs, tuning=tuning)
@@ -120,7 +136,7 @@ def run_case(cp, rng, qgu, qdn, d_model, d_ff, n_slots, n_tokens, n_pairs, max_p
     assert_bits(da.get(), da_ref, "quantize da")
 
     pairs_np = np.stack([rng.integers(0, n_tokens, n_pairs), rng.integers(0, n_slots, n_pairs)], 1).astype(np.int32)
-    if sort_by_slot:
+    if sort_by_slot or tiled:
         pairs_np = pairs_np[np.argsort(pairs_np[:, 1], kind="stable")]
     pad = np.full((max_pairs, 2), -1, np.int32)  # rows past n_pairs hold garbage: the kernels must not read them
     pad[:n_pairs] = pairs_np
@@ -128,7 +144,13 @@ def run_case(cp, rng, qgu, qdn, d_model, d_ff, n_slots, n_tokens, n_pairs, max_p
     n_dev = cp.asarray(np.array([n_pairs], np.int32))
     out = cp.full((max_pairs, d_model), np.nan, cp.float32)
     k.h.fill(np.nan)
-    k.run(pool.data.ptr, pairs, n_dev, qa, da, out)
+    if tiled:
+        from lane.kernels.experts import max_tiles
+
+        tl, n_t = host_tiles(pairs_np, max_tiles(max_pairs, n_slots))
+        k.run_tiled(pool.data.ptr, pairs, cp.asarray(tl), cp.asarray(np.array([n_t], np.int32)), qa, da, out)
+    else:
+        k.run(pool.data.ptr, pairs, n_dev, qa, da, out)
     cp.cuda.get_current_stream().synchronize()
 
     h_ref, qh_ref, dh_ref, out_ref = reference(slots, qgu, qdn, pairs_np, qa_ref.reshape(n_tokens, -1, 32), da_ref)
@@ -178,6 +200,22 @@ def test_many_pairs_few_slots(cp, qt, sort_by_slot):
     """A prefill-sized batch: 1000 pairs over 5 slots and 16 tokens, so blocks loop over many items."""
     run_case(cp, np.random.default_rng(7), getattr(T, qt), getattr(T, qt), 256, 256, 5, 16, 1000, 1024,
              sort_by_slot=sort_by_slot, check_intermediates=(qt == "IQ3_S"))
+
+
+@pytest.mark.parametrize("qgu,qdn,d_model,d_ff,n_slots,n_tok,n_pairs,max_pairs", SHAPES,
+                         ids=[f"{s[0]}-{s[1]}-{s[2]}x{s[3]}" for s in SHAPES])
+def test_tiled_expert_bits(cp, qgu, qdn, d_model, d_ff, n_slots, n_tok, n_pairs, max_pairs):
+    """The tiled kernels (a weight sub-block decoded once per tile of up to TILE_P pairs of one expert) give
+    canonical's bits, for tiles of every length 1 .. TILE_P."""
+    run_case(cp, np.random.default_rng(zlib.crc32(f"tiled{qgu}{qdn}{d_model}".encode())), getattr(T, qgu),
+             getattr(T, qdn), d_model, d_ff, n_slots, n_tok, n_pairs, max_pairs, tiled=True)
+
+
+@pytest.mark.parametrize("qt", ["IQ3_S", "Q4_K", "Q8_0"])
+def test_tiled_prefill_batch(cp, qt):
+    """A prompt chunk's shape: 1000 pairs over 5 slots and 16 tokens: long runs cut into full tiles."""
+    run_case(cp, np.random.default_rng(8), getattr(T, qt), getattr(T, qt), 256, 256, 5, 16, 1000, 1024, tiled=True,
+             check_intermediates=(qt == "IQ3_S"))
 
 
 def test_variants(cp):
@@ -255,7 +293,7 @@ def test_build_pairs_rowmap_and_combine_rows(cp):
     """Routed ids -> per-source pair lists (grouped by expert), row map and CPU miss list in mapped host memory;
     combine_rows through that map adds exactly canonical.combine to the residual; the doorbell counts up."""
     from lane.gpu_experts import pinned
-    from lane.kernels.experts import ExpertKernels, build_pairs_ref, combine_rows_ref
+    from lane.kernels.experts import TILE_P, ExpertKernels, build_pairs_ref, combine_rows_ref, max_tiles
 
     rng = np.random.default_rng(13)
     d_model, K, n_expert, S = 256, 8, 64, 3
@@ -272,10 +310,20 @@ def test_build_pairs_rowmap_and_combine_rows(cp):
         rowmap = cp.full((P,), 1 << 30, cp.int32)
         miss[:] = -7
         n_miss[0] = -7
+        mt = max_tiles(P, n_expert)
+        tiles = cp.full((S, mt, 2), -7, cp.int32)
+        n_tiles = cp.full((S,), -7, cp.int32)
         k.build_pairs(cp.asarray(ids), cp.asarray(src), cp.asarray(slot), pairs, n_pairs, rowmap,
-                      miss.ctypes.data, n_miss.ctypes.data)
+                      miss.ctypes.data, n_miss.ctypes.data, tiles, n_tiles)
         cp.cuda.get_current_stream().synchronize()
         got_pairs, got_n, rm = pairs.get(), n_pairs.get(), rowmap.get()[:T_ * K]
+        for s_ in range(S):  # the tiles cover each source's pairs in order, one expert's pairs each
+            tl = tiles.get()[s_, :int(n_tiles.get()[s_])]
+            assert tl[:, 1].min(initial=1) >= 1 and tl[:, 1].max(initial=1) <= TILE_P
+            assert np.array_equal(np.concatenate([np.arange(a, a + c) for a, c in tl] or [np.zeros(0, int)]),
+                                  np.arange(int(got_n[s_])))
+            for a, c in tl:
+                assert len(set(got_pairs[s_, a:a + c, 1].tolist())) == 1
         want = build_pairs_ref(ids, src, slot)
         assert int(got_n.sum()) + int(n_miss[0]) == T_ * K
         assert len(set(rm.tolist())) == T_ * K, "two entries share a row"

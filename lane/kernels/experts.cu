@@ -318,7 +318,7 @@ template <int QT> struct ActNeeds {
     static constexpr bool NEG = QT == QT_IQ3_S && IQ3_FAST;
 };
 
-template <int QT>
+template <int QT, bool NEG = ActNeeds<QT>::NEG>
 __device__ __forceinline__ void load_act(const signed char* __restrict__ q, const float* __restrict__ d, int s,
                                          Act& A) {
     const uint4* p = reinterpret_cast<const uint4*>(q + 32 * s);
@@ -331,7 +331,7 @@ __device__ __forceinline__ void load_act(const signed char* __restrict__ q, cons
 #pragma unroll
         for (int k = 0; k < 8; ++k) A.asum = __dp4a((int)A.a[k], 0x01010101, A.asum);
     }
-    if (ActNeeds<QT>::NEG) {
+    if (NEG) {
 #pragma unroll
         for (int k = 0; k < 8; ++k) A.na[k] = __vneg4(A.a[k]);  // |q| <= 127: no overflow
     }
@@ -428,14 +428,19 @@ constexpr int GU_HS = 2 * 32 * 4;                              // h of the group
 constexpr int GU_SMEM = GU_TBL + GU_HS + GU_WPB * GU_STAGES * GU_STG + 16;
 static_assert(GU_ROWS % 32 == 0, "d_ff must be a multiple of 32");
 
+// stage this warp's gate and up rows of 32-row group grp of the expert in `slot`
+__device__ __forceinline__ void gu_stage(u32 sdst, const u8* __restrict__ pool, i64 slot_bytes, int slot, int grp,
+                                         int warp, int lane) {
+    const u8* g = pool + (i64)slot * slot_bytes + (i64)(grp * 32 + warp * GU_R) * GUG::RB;
+    stage_row(sdst, g, GU_RANGE, lane);
+    stage_row(sdst + GU_CHB, g + (i64)GU_ROWS * GUG::RB, GU_RANGE, lane);
+}
+
 __device__ __forceinline__ void gu_issue(u32 sdst, const u8* __restrict__ pool, i64 slot_bytes,
                                          const int* __restrict__ pairs, int it, int warp, int lane) {
     constexpr int NG = GU_ROWS / 32;
     const int p = it / NG, grp = it - p * NG;
-    const int slot = __ldg(pairs + 2 * p + 1);
-    const u8* g = pool + (i64)slot * slot_bytes + (i64)(grp * 32 + warp * GU_R) * GUG::RB;
-    stage_row(sdst, g, GU_RANGE, lane);
-    stage_row(sdst + GU_CHB, g + (i64)GU_ROWS * GUG::RB, GU_RANGE, lane);
+    gu_stage(sdst, pool, slot_bytes, __ldg(pairs + 2 * p + 1), grp, warp, lane);
 }
 
 extern "C" __global__ void __launch_bounds__(GU_WPB * 32, GU_MINB)
@@ -546,13 +551,18 @@ constexpr int DN_SMEM = DN_TBL + DN_WPB * DN_STAGES * DN_STG + 16;
 static_assert(DN_KIN == GU_ROWS, "down rows take d_ff values");
 static_assert(DN_ROWS == GU_KIN, "down has d_model rows");
 
+// stage chunk c (DN_R rows) of the down rows of the expert in `slot`
+__device__ __forceinline__ void dn_stage(u32 sdst, const u8* __restrict__ pool, i64 slot_bytes, int slot, int c,
+                                         int lane) {
+    constexpr i64 DN_OFF = 2 * (i64)GU_ROWS * GUG::RB;  // down rows follow gate and up
+    stage_row(sdst, pool + (i64)slot * slot_bytes + DN_OFF + (i64)c * DN_RANGE, DN_RANGE, lane);
+}
+
 __device__ __forceinline__ void dn_issue(u32 sdst, const u8* __restrict__ pool, i64 slot_bytes,
                                          const int* __restrict__ pairs, int it, int lane) {
     constexpr int NC = DN_ROWS / DN_R;
-    constexpr i64 DN_OFF = 2 * (i64)GU_ROWS * GUG::RB;  // down rows follow gate and up
     const int p = it / NC, c = it - p * NC;
-    const int slot = __ldg(pairs + 2 * p + 1);
-    stage_row(sdst, pool + (i64)slot * slot_bytes + DN_OFF + (i64)c * DN_RANGE, DN_RANGE, lane);
+    dn_stage(sdst, pool, slot_bytes, __ldg(pairs + 2 * p + 1), c, lane);
 }
 
 extern "C" __global__ void __launch_bounds__(DN_WPB * 32, DN_MINB)
@@ -630,6 +640,230 @@ expert_down(const u8* __restrict__ pool, i64 slot_bytes, const int* __restrict__
 }
 
 // =====================================================================================================================
+// tiled variants, for prompt chunks: an item is a tile of up to TILE_P pairs of one expert (consecutive in the pair
+// list: build_pairs groups pairs by expert), so each staged weight sub-block is decoded once for all of the tile's
+// tokens instead of once per pair. Per (token, row) the canonical terms are added in the same lane order (sub-block
+// lane, lane + 32, ... from 0.0f) and folded the same way as in the per-pair kernels: the same bits.
+// tiles: (first pair, count) per tile, n_tiles read on the device.
+// =====================================================================================================================
+#ifndef TILE_P
+#define TILE_P 8
+#endif
+constexpr int GUT_HS = 2 * TILE_P * 32 * 4;  // h of the tile's tokens for the group, double-buffered
+constexpr int GUT_SMEM = GU_TBL + GUT_HS + GU_WPB * GU_STAGES * GU_STG + 16;
+static_assert(GU_WPB >= TILE_P, "one warp quantises each token of a tile");
+
+__device__ __forceinline__ int tile_slot(const int* __restrict__ pairs, const int* __restrict__ tiles, int tile) {
+    return __ldg(pairs + 2 * __ldg(tiles + 2 * tile) + 1);
+}
+
+extern "C" __global__ void __launch_bounds__(GU_WPB * 32, 1)
+expert_gateup_tiled(const u8* __restrict__ pool, i64 slot_bytes, const int* __restrict__ pairs,
+                    const int* __restrict__ tiles, const int* __restrict__ n_tiles_p, int max_tiles,
+                    const signed char* __restrict__ qa, const float* __restrict__ da, const u32* __restrict__ grid_g,
+                    float* __restrict__ hbuf, signed char* __restrict__ qhbuf, float* __restrict__ dhbuf) {
+    constexpr int NG = GU_ROWS / 32;
+    constexpr int SPL = GUG::SPL, NSUB = GUG::NSUB;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const u32 lane4 = 4u * lane;
+    const int n_tiles = clamp_pairs(n_tiles_p, max_tiles);
+    const int NB = gridDim.x;
+    const int items = n_tiles * NG;
+    const u32 sb = smem_base();
+    const u32 wst = GU_TBL + GUT_HS + warp * GU_STAGES * GU_STG;
+
+#pragma unroll 1
+    for (int k = 0; k < GU_STAGES; ++k) {
+        const int it = blockIdx.x + k * NB;
+        if (it < items) gu_stage(sb + wst + k * GU_STG, pool, slot_bytes, tile_slot(pairs, tiles, it / NG), it % NG,
+                                 warp, lane);
+        cp_commit();
+    }
+    if (GU_QT == QT_IQ3_S) fill_grid(grid_g);
+    __syncthreads();
+
+#pragma unroll 1
+    for (int k = 0;; ++k) {
+        const int it = blockIdx.x + k * NB;
+        if (it >= items) break;  // block-uniform
+        const int st = k % GU_STAGES;
+        const int tile = it / NG, grp = it - tile * NG;
+        const int p0 = __ldg(tiles + 2 * tile);
+        const int cnt = min(max(__ldg(tiles + 2 * tile + 1), 0), TILE_P);
+        const int slot = __ldg(pairs + 2 * p0 + 1);
+        const int row0 = grp * 32 + warp * GU_R;
+        cp_wait<GU_STAGES - 1>();
+        __syncwarp();
+
+        const u32 Rg = wst + st * GU_STG +
+                       (u32)(((u64)pool + (u64)((i64)slot * slot_bytes + (i64)row0 * GUG::RB)) & 15);
+        const u32 Ru = Rg + GU_CHB;
+        float ag[TILE_P][GU_R], au[TILE_P][GU_R];
+#pragma unroll
+        for (int t = 0; t < TILE_P; ++t)
+#pragma unroll
+            for (int r = 0; r < GU_R; ++r) ag[t][r] = au[t][r] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < SPL; ++i) {
+            const int s = lane + 32 * i;
+#pragma unroll
+            for (int r = 0; r < GU_R; ++r) {
+                SubW wg, wu;
+                if (s < NSUB) {
+                    decode_sub<GU_QT>(Rg + r * GUG::RB, s, lane4, wg);
+                    decode_sub<GU_QT>(Ru + r * GUG::RB, s, lane4, wu);
+                }
+#pragma unroll
+                for (int t = 0; t < TILE_P; ++t) {
+                    if (t < cnt) {  // warp-uniform
+                        float tg = 0.0f, tu = 0.0f;
+                        if (s < NSUB) {
+                            const int tok = __ldg(pairs + 2 * (p0 + t));
+                            Act A;
+                            load_act<GU_QT, false>(qa + (i64)tok * GU_KIN, da + (i64)tok * NSUB, s, A);
+                            tg = sub_term<GU_QT>(wg, A);
+                            tu = sub_term<GU_QT>(wu, A);
+                        }
+                        ag[t][r] = f_add(ag[t][r], tg);
+                        au[t][r] = f_add(au[t][r], tu);
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int o = 16; o; o >>= 1) {
+#pragma unroll
+            for (int t = 0; t < TILE_P; ++t)
+#pragma unroll
+                for (int r = 0; r < GU_R; ++r) {
+                    ag[t][r] = f_add(ag[t][r], __shfl_down_sync(FULL_MASK, ag[t][r], o));
+                    au[t][r] = f_add(au[t][r], __shfl_down_sync(FULL_MASK, au[t][r], o));
+                }
+        }
+        float* hs = reinterpret_cast<float*>(g_smem + GU_TBL + (k & 1) * TILE_P * 128);
+        if (lane == 0) {
+#pragma unroll
+            for (int t = 0; t < TILE_P; ++t) {
+                if (t < cnt) {
+#pragma unroll
+                    for (int r = 0; r < GU_R; ++r) {
+                        const float hv = f_mul(c_silu(ag[t][r]), au[t][r]);
+                        hs[t * 32 + warp * GU_R + r] = hv;
+                        hbuf[(i64)(p0 + t) * GU_ROWS + row0 + r] = hv;
+                    }
+                }
+            }
+        }
+        __syncwarp();  // every lane is done reading stage st
+        {
+            const int nx = it + GU_STAGES * NB;
+            if (nx < items) gu_stage(sb + wst + st * GU_STG, pool, slot_bytes, tile_slot(pairs, tiles, nx / NG),
+                                     nx % NG, warp, lane);
+            cp_commit();
+        }
+        __syncthreads();  // the tile's h values of the group are in hs
+        if (warp < cnt)
+            quant32(hs[warp * 32 + lane], lane, qhbuf + (i64)(p0 + warp) * GU_ROWS + grp * 32,
+                    dhbuf + (i64)(p0 + warp) * NG + grp);
+    }
+    cp_wait<0>();
+}
+
+extern "C" __global__ void __launch_bounds__(DN_WPB * 32, 1)
+expert_down_tiled(const u8* __restrict__ pool, i64 slot_bytes, const int* __restrict__ pairs,
+                  const int* __restrict__ tiles, const int* __restrict__ n_tiles_p, int max_tiles,
+                  const signed char* __restrict__ qhbuf, const float* __restrict__ dhbuf,
+                  const u32* __restrict__ grid_g, float* __restrict__ out) {
+    constexpr int NC = DN_ROWS / DN_R;
+    constexpr i64 DN_OFF = 2 * (i64)GU_ROWS * GUG::RB;
+    constexpr int SPL = DNG::SPL, NSUB = DNG::NSUB;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const u32 lane4 = 4u * lane;
+    const int n_tiles = clamp_pairs(n_tiles_p, max_tiles);
+    const int W = gridDim.x * DN_WPB;
+    const int gw = blockIdx.x * DN_WPB + warp;
+    const int items = n_tiles * NC;
+    const u32 sb = smem_base();
+    const u32 wst = DN_TBL + warp * DN_STAGES * DN_STG;
+
+#pragma unroll 1
+    for (int k = 0; k < DN_STAGES; ++k) {
+        const int it = gw + k * W;
+        if (it < items) dn_stage(sb + wst + k * DN_STG, pool, slot_bytes, tile_slot(pairs, tiles, it / NC), it % NC,
+                                 lane);
+        cp_commit();
+    }
+    if (DN_QT == QT_IQ3_S) fill_grid(grid_g);
+    __syncthreads();
+
+#pragma unroll 1
+    for (int k = 0;; ++k) {
+        const int it = gw + k * W;
+        if (it >= items) break;
+        const int st = k % DN_STAGES;
+        const int tile = it / NC, c = it - tile * NC;
+        const int p0 = __ldg(tiles + 2 * tile);
+        const int cnt = min(max(__ldg(tiles + 2 * tile + 1), 0), TILE_P);
+        const int slot = __ldg(pairs + 2 * p0 + 1);
+        cp_wait<DN_STAGES - 1>();
+        __syncwarp();
+
+        const u32 R0 = wst + st * DN_STG +
+                       (u32)(((u64)pool + (u64)((i64)slot * slot_bytes + DN_OFF + (i64)c * DN_RANGE)) & 15);
+        float acc[TILE_P][DN_R];
+#pragma unroll
+        for (int t = 0; t < TILE_P; ++t)
+#pragma unroll
+            for (int r = 0; r < DN_R; ++r) acc[t][r] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < SPL; ++i) {
+            const int s = lane + 32 * i;
+#pragma unroll
+            for (int r = 0; r < DN_R; ++r) {
+                SubW w;
+                if (s < NSUB) decode_sub<DN_QT>(R0 + r * DNG::RB, s, lane4, w);
+#pragma unroll
+                for (int t = 0; t < TILE_P; ++t) {
+                    if (t < cnt) {
+                        float tt = 0.0f;
+                        if (s < NSUB) {
+                            const int p = p0 + t;
+                            Act A;
+                            load_act<DN_QT, false>(qhbuf + (i64)p * DN_KIN, dhbuf + (i64)p * NSUB, s, A);
+                            tt = sub_term<DN_QT>(w, A);
+                        }
+                        acc[t][r] = f_add(acc[t][r], tt);
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int o = 16; o; o >>= 1) {
+#pragma unroll
+            for (int t = 0; t < TILE_P; ++t)
+#pragma unroll
+                for (int r = 0; r < DN_R; ++r) acc[t][r] = f_add(acc[t][r], __shfl_down_sync(FULL_MASK, acc[t][r], o));
+        }
+        if (lane == 0) {
+#pragma unroll
+            for (int t = 0; t < TILE_P; ++t) {
+                if (t < cnt) {
+                    float* o = out + (i64)(p0 + t) * DN_ROWS + (i64)c * DN_R;
+#pragma unroll
+                    for (int r = 0; r < DN_R; ++r) o[r] = acc[t][r];
+                }
+            }
+        }
+        __syncwarp();
+        const int nx = it + DN_STAGES * W;
+        if (nx < items) dn_stage(sb + wst + st * DN_STG, pool, slot_bytes, tile_slot(pairs, tiles, nx / NC), nx % NC,
+                                 lane);
+        cp_commit();
+    }
+    cp_wait<0>();
+}
+
+// =====================================================================================================================
 // activation quantisation, combine, layout query
 // =====================================================================================================================
 // x: n_groups groups of 32 floats -> q (same layout, int8), d (one per group). One warp per group.
@@ -676,13 +910,15 @@ extern "C" __global__ void combine_rows(const float* __restrict__ rows, const fl
 // there. Writes per source s a pair list pairs[s] = (token, slot) grouped by expert (tokens of one expert are
 // neighbours, so its weights are read while still in L2) with its count n_pairs[s]; rowmap[entry] = s * max_pairs
 // + pair (the row the expert kernels write) or -1 - m for the m-th CPU miss; miss[m] = (token, expert) and
-// n_miss (mapped host memory: the host reads them after the doorbell). One block; pair order within an expert is
-// whatever the atomics give (each row depends on its own pair only).
+// n_miss (mapped host memory: the host reads them after the doorbell). With tile_p > 0 also each source's tiles
+// (first pair, count <= tile_p; an expert's pairs cut into tiles) for the tiled kernels. One block; pair order
+// within an expert is whatever the atomics give (each row depends on its own pair only).
 #define MAX_SOURCES 8
 extern "C" __global__ void build_pairs(const int* __restrict__ ids, int n, int K, const int* __restrict__ src,
                                        const int* __restrict__ slot, int n_expert, int n_src, int max_pairs,
                                        int* __restrict__ pairs, int* __restrict__ n_pairs, int* __restrict__ rowmap,
-                                       int* __restrict__ miss, int* __restrict__ n_miss) {
+                                       int* __restrict__ miss, int* __restrict__ n_miss, int tile_p,
+                                       int* __restrict__ tiles, int* __restrict__ n_tiles, int max_tiles) {
     extern __shared__ int sh[];  // count[n_expert], cursor[n_expert], source[n_expert]
     int* count = sh;
     int* cursor = sh + n_expert;
@@ -700,16 +936,27 @@ extern "C" __global__ void build_pairs(const int* __restrict__ ids, int n, int K
     }
     __syncthreads();
     if (threadIdx.x == 0) {
-        int base[MAX_SOURCES];
-        for (int s = 0; s < MAX_SOURCES; ++s) base[s] = 0;
+        int base[MAX_SOURCES], nt[MAX_SOURCES];
+        for (int s = 0; s < MAX_SOURCES; ++s) base[s] = nt[s] = 0;
         for (int e = 0; e < n_expert; ++e) {
             const int s = source[e];
             if (s >= 0 && s < n_src) {
                 cursor[e] = base[s];
+                for (int off = 0; tile_p > 0 && off < count[e]; off += tile_p) {  // tiles of tile_p pairs
+                    if (nt[s] < max_tiles) {
+                        int* tl = tiles + 2 * ((i64)s * max_tiles + nt[s]);
+                        tl[0] = base[s] + off;
+                        tl[1] = min(tile_p, count[e] - off);
+                    }
+                    ++nt[s];
+                }
                 base[s] += count[e];
             }
         }
-        for (int s = 0; s < n_src; ++s) n_pairs[s] = base[s];
+        for (int s = 0; s < n_src; ++s) {
+            n_pairs[s] = base[s];
+            if (tile_p > 0) n_tiles[s] = min(nt[s], max_tiles);
+        }
     }
     __syncthreads();
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
@@ -758,5 +1005,7 @@ extern "C" __global__ void layout_info(int* __restrict__ o) {
         o[8] = GRID_TABLE_BYTES;
         o[9] = GUG::SPL;
         o[10] = DNG::SPL;
+        o[11] = GUT_SMEM;
+        o[12] = TILE_P;
     }
 }

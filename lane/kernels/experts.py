@@ -9,6 +9,7 @@ Every output is bit-identical to stratad.engine.canonical (quantize_act, expert,
     k.build_pairs(ids, src, slot, pairs, n_pairs, rowmap, miss_ptr, n_miss_ptr)  # routed ids -> per-source pairs
     k.combine_rows(rows, host_rows_ptr, rowmap, w, x)    # x += combine, rows through the row map
     k.ring(counter, bell_ptr)                            # doorbell for the host
+    k.run_tiled(pool.data.ptr, pairs, tiles, n_tiles, qa, da, out)  # run() for expert-grouped pairs in tiles
 
 All launches have fixed grids and read n_pairs on the device, so quantize/run/combine can be captured in a CUDA
 graph and replayed with new pair lists. A slot is one expert's raw GGUF bytes: gate rows (d_ff x row_bytes(d_model)),
@@ -125,12 +126,16 @@ class ExpertKernels:
             self.module, self.build = load_module(SOURCE, defines, device=self.device.id, return_info=True)
             self._k_gu = self.module.get_function("expert_gateup")
             self._k_dn = self.module.get_function("expert_down")
+            self._k_gut = self.module.get_function("expert_gateup_tiled")
+            self._k_dnt = self.module.get_function("expert_down_tiled")
             self._k_q = self.module.get_function("quantize_rows")
             self._k_c = self.module.get_function("combine_k")
             self._extra = {}
             self._check_layout()
             self._k_gu.max_dynamic_shared_size_bytes = self.gu_smem
             self._k_dn.max_dynamic_shared_size_bytes = self.dn_smem
+            self._k_gut.max_dynamic_shared_size_bytes = self.gut_smem
+            self._k_dnt.max_dynamic_shared_size_bytes = self.dn_smem
 
             g = iq3s_grid()
             if int(g.min()) < 1:  # the kernel's byte negation ((m ^ 0xff) + 1) needs magnitudes >= 1
@@ -183,14 +188,19 @@ class ExpertKernels:
                                                            t.dn_min_blocks)
         self.gu_grid = self.n_sm * self.gu_blocks
         self.dn_grid = self.n_sm * self.dn_blocks
+        # tiled kernels: the same staging, h of TILE_P tokens per group instead of one (experts.cu: GUT_SMEM)
+        self.gut_smem = self.gu_smem - 2 * 32 * 4 + 2 * TILE_P * 32 * 4
+        if self.gut_smem > smem_block:
+            raise ValueError(f"tiled gate/up needs {self.gut_smem} bytes of shared memory per block")
 
     def _check_layout(self) -> None:
         cp = self.cp
         info = cp.zeros(16, cp.int32)
         self.module.get_function("layout_info")((1,), (32,), (info,))
         v = info.get()
-        if (int(v[0]), int(v[1])) != (self.gu_smem, self.dn_smem):
-            raise RuntimeError(f"shared memory plan mismatch: kernel {v[:2]}, host {(self.gu_smem, self.dn_smem)}")
+        want = (self.gu_smem, self.dn_smem, self.gut_smem, TILE_P)
+        if (int(v[0]), int(v[1]), int(v[11]), int(v[12])) != want:
+            raise RuntimeError(f"shared memory plan mismatch: kernel {v[[0, 1, 11, 12]]}, host {want}")
 
     def describe(self) -> dict:
         return {"gate_up": {"qtype": self.qt_gu.name, "grid": self.gu_grid, "warps": self.gu_warps,
@@ -254,6 +264,25 @@ class ExpertKernels:
         self.run_gate_up(pool_ptr, pairs, n_pairs, qa, da, stream)
         self.run_down(pool_ptr, pairs, n_pairs, out, stream)
 
+    def run_tiled(self, pool_ptr: int, pairs, tiles, n_tiles, qa, da, out, stream=None) -> None:
+        """run() for pairs grouped by expert and cut into tiles (int32 (max_tiles, 2) of (first pair, count <=
+        TILE_P), n_tiles int32 (1,) on the device, as build_pairs makes them): each weight sub-block is decoded
+        once per tile. Same bits as run(); for prompt chunks, where an expert has several tokens."""
+        cp = self.cp
+        self._check_run_args(pool_ptr, pairs, n_tiles)
+        if tiles.ndim != 2 or tiles.shape[1] != 2:
+            raise ValueError("tiles must be (max_tiles, 2)")
+        self._need(tiles, cp.int32, None, "tiles")
+        self._need(qa, cp.int8, None, "qa")
+        self._need(da, cp.float32, None, "da")
+        self._need(out, cp.float32, (self.max_pairs, self.d_model), "out")
+        common = (np.uint64(pool_ptr), np.int64(self.slot_stride), pairs, tiles, n_tiles, np.int32(tiles.shape[0]))
+        with self._stream(stream):
+            self._k_gut((2 * self.n_sm,), (self.gu_warps * 32,),
+                        common + (qa, da, self.grid, self.h, self.qh, self.dh), shared_mem=self.gut_smem)
+            self._k_dnt((2 * self.n_sm,), (self.dn_warps * 32,),
+                        common + (self.qh, self.dh, self.grid, out), shared_mem=self.dn_smem)
+
     def _check_run_args(self, pool_ptr, pairs, n_pairs) -> None:
         cp = self.cp
         if int(pool_ptr) % 16:
@@ -279,10 +308,11 @@ class ExpertKernels:
 
     # ---- routing to sources (the MoE step around run) ------------------------------------------------------
     def build_pairs(self, ids, src, slot, pairs, n_pairs, rowmap, miss_ptr: int, n_miss_ptr: int,
-                    stream=None) -> None:
+                    tiles=None, n_tiles=None, stream=None) -> None:
         """ids int32 (T, K) of one layer; src / slot int32 (n_expert,): which source holds each expert (0 = this
         card, s = the s-th peer pool, -1 = none) and its slot there. pairs int32 (S, max_pairs, 2) and n_pairs
-        (S,) per source; rowmap int32 (T*K,); miss / n_miss: int32 (T*K, 2) and (1,) at host-mapped addresses.
+        (S,) per source; rowmap int32 (T*K,); miss / n_miss: int32 (T*K, 2) and (1,) at host-mapped addresses;
+        tiles int32 (S, max_tiles, 2) and n_tiles (S,): each source's tiles for run_tiled (optional).
         See build_pairs_ref for the contract."""
         cp = self.cp
         self._need(ids, cp.int32, None, "ids")
@@ -300,10 +330,19 @@ class ExpertKernels:
         self._need(rowmap, cp.int32, None, "rowmap")
         if rowmap.size < n:
             raise ValueError("rowmap too small")
+        tile_p, max_tiles = 0, 0
+        if tiles is not None:
+            max_tiles = int(tiles.shape[1])
+            self._need(tiles, cp.int32, (S, max_tiles, 2), "tiles")
+            self._need(n_tiles, cp.int32, (S,), "n_tiles")
+            tile_p = TILE_P
         with self._stream(stream):
             self._fn("build_pairs")((1,), (1024,), (ids, np.int32(n), np.int32(ids.shape[-1]), src, slot,
                                                     np.int32(n_expert), np.int32(S), np.int32(self.max_pairs), pairs,
-                                                    n_pairs, rowmap, np.uint64(miss_ptr), np.uint64(n_miss_ptr)),
+                                                    n_pairs, rowmap, np.uint64(miss_ptr), np.uint64(n_miss_ptr),
+                                                    np.int32(tile_p), tiles if tiles is not None else np.uint64(0),
+                                                    n_tiles if n_tiles is not None else np.uint64(0),
+                                                    np.int32(max_tiles)),
                                     shared_mem=12 * n_expert)
 
     def combine_rows(self, rows, host_rows_ptr: int, rowmap, w, x, stream=None) -> None:
@@ -333,6 +372,12 @@ class ExpertKernels:
 
 
 MAX_SOURCES = 8  # experts.cu's MAX_SOURCES
+TILE_P = 8  # experts.cu's TILE_P: pairs of one expert per tile in the tiled kernels
+
+
+def max_tiles(max_pairs: int, n_expert: int) -> int:
+    """Tiles build_pairs can make from max_pairs pairs over n_expert experts (each expert's last tile may be short)."""
+    return -(-max_pairs // TILE_P) + n_expert
 
 
 def build_pairs_ref(ids: np.ndarray, src: np.ndarray, slot: np.ndarray) -> list[tuple[int, int, int]]:
