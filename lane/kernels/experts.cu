@@ -651,7 +651,6 @@ expert_down(const u8* __restrict__ pool, i64 slot_bytes, const int* __restrict__
 #endif
 constexpr int GUT_HS = 2 * TILE_P * 32 * 4;  // h of the tile's tokens for the group, double-buffered
 constexpr int GUT_SMEM = GU_TBL + GUT_HS + GU_WPB * GU_STAGES * GU_STG + 16;
-static_assert(GU_WPB >= TILE_P, "one warp quantises each token of a tile");
 
 __device__ __forceinline__ int tile_slot(const int* __restrict__ pairs, const int* __restrict__ tiles, int tile) {
     return __ldg(pairs + 2 * __ldg(tiles + 2 * tile) + 1);
@@ -762,9 +761,9 @@ expert_gateup_tiled(const u8* __restrict__ pool, i64 slot_bytes, const int* __re
             cp_commit();
         }
         __syncthreads();  // the tile's h values of the group are in hs
-        if (warp < cnt)
-            quant32(hs[warp * 32 + lane], lane, qhbuf + (i64)(p0 + warp) * GU_ROWS + grp * 32,
-                    dhbuf + (i64)(p0 + warp) * NG + grp);
+        for (int t = warp; t < cnt; t += GU_WPB)  // warp-uniform
+            quant32(hs[t * 32 + lane], lane, qhbuf + (i64)(p0 + t) * GU_ROWS + grp * 32,
+                    dhbuf + (i64)(p0 + t) * NG + grp);
     }
     cp_wait<0>();
 }
