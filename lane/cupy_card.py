@@ -110,7 +110,9 @@ class CupyCard:
         self._pool_mem = cp.cuda.Memory(nbytes)
         buf = cp.ndarray((nbytes,), cp.uint8, cp.cuda.MemoryPointer(self._pool_mem, 0))
         buf.fill(0)
-        self.pool = SlotPool(model, buf, n_slots, cp.asarray)
+        self.pool = SlotPool(model, buf, n_slots, self._write_slot)
+        self.copy_stream = cp.cuda.Stream(non_blocking=True)  # slot copies run beside the compute stream
+        self._staging = pinned((self.pool.slot_bytes,), np.uint8)
         self.pool_ident = bytes(cp.cuda.runtime.ipcGetMemHandle(self._pool_mem.ptr)).hex()
         self.device_ident = "cuda:" + cp.cuda.runtime.deviceGetPCIBusId(device)
         self.experts = GpuExperts(model, self.pool, PREFILL_CHUNK, cpu_threads, self.stream, self.device_ident)
@@ -119,6 +121,14 @@ class CupyCard:
         # between complete and not as slots swap, so both shapes stay captured
         self._graphs: dict[tuple, list] = {}
         self.on_chunk = None  # called between prompt chunks (the lane's heartbeat: long prompts take a while)
+
+    def _write_slot(self, dst: cp.ndarray, raw: np.ndarray) -> None:
+        """Host bytes into a slot through pinned staging on the copy stream (the slot loader's thread, or the
+        fill at start): decode steps keep running meanwhile."""
+        with self.device:
+            self._staging[: raw.size] = raw
+            dst.set(self._staging[: raw.size], stream=self.copy_stream)
+            self.copy_stream.synchronize()
 
     # ---- the Card interface ---------------------------------------------------------------------------------
     def new_kv(self) -> GpuKV:

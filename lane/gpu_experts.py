@@ -113,7 +113,7 @@ class GpuExperts:
 
     def refresh(self) -> None:
         """Bring the device tables up to the pool's slots and the view (between steps, on the card's stream)."""
-        version = (self.pool.loads, self._view_version)
+        version = (self.pool.version, self._view_version)
         if version == self._version:
             return
         self.sources = [(None, self.pool.data.data.ptr)] + [(card, ptr) for card, (_, _, ptr) in self.peers.items()]

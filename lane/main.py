@@ -19,6 +19,7 @@ import zmq
 
 from lane.counters import Counters
 from lane.numpy_card import NumpyCard
+from lane.slot_loader import SlotLoader
 from lane.slot_pool import SlotPool
 from protos import messages as M
 from protos.codec import FrameError, decode, encode
@@ -58,6 +59,7 @@ class Lane:
         self.model = ModelFile(a.model)
         self.segments: list[shm.Segment] = []
         self.card = None
+        self.loader: SlotLoader | None = None
         self.req_id: str | None = None
         self.gen: Generation | None = None  # the request in progress
         self.tok_s = 0.0
@@ -122,6 +124,7 @@ class Lane:
             self.card = CupyCard(self.model, int(self.a.card), n, self.a.context_length, live, self.a.cpu_threads)
             self.card.on_chunk = self.beat
         self.card.pool.fill(list(placement.experts))
+        self.loader = SlotLoader(self.card.pool)
         if placement.warmup_tokens:
             self.warm_up(placement.warmup_tokens)
 
@@ -143,10 +146,8 @@ class Lane:
         elif isinstance(msg, M.View):
             self.card.set_view(msg)
             self.send(M.EpochAck(epoch=msg.epoch))
-        elif isinstance(msg, M.Load):
-            for slot, layer, e in msg.slots:
-                self.card.pool.load(slot, layer, e)
-            self.send(M.Loaded(epoch=msg.epoch))
+        elif isinstance(msg, M.Load):  # copies run in the background; Loaded once they have landed
+            self.loader.begin(msg.epoch, msg.slots)
         elif isinstance(msg, M.Cancel):
             if msg.req_id == self.req_id:
                 raise Cancelled()
@@ -156,11 +157,16 @@ class Lane:
             else:
                 self.serve(msg)
 
+    def report_loads(self) -> None:
+        for epoch in self.loader.landed():
+            self.send(M.Loaded(epoch=epoch))
+
     def poll_between_tokens(self) -> None:
         while (msg := self.recv(0)) is not None:
             self.handle(msg)
             if self.stopping:
                 raise Cancelled()
+        self.report_loads()
         self.beat()
 
     def serve(self, a: M.Assign) -> None:
@@ -221,16 +227,19 @@ class Lane:
         self.role = M.Role.SOLO
         self.beat(force=True)
         while not self.stopping:
-            msg = self.recv(int(self.a.heartbeat_s * 1000))
+            msg = self.recv(2 if self.loader.busy else int(self.a.heartbeat_s * 1000))
             if msg is not None:
                 try:
                     self.handle(msg)
                 except Cancelled:
                     pass
+            self.report_loads()
             self.beat()
         return 0
 
     def close(self) -> None:
+        if self.loader is not None:
+            self.loader.close()
         if self.card is not None:
             self.card.close()
         for s in self.segments:
