@@ -23,7 +23,7 @@ from protos import messages as M
 from stratad.model.gguf_file import ModelFile
 from stratad.model.slot_layout import slot_bytes
 
-PREFILL_CHUNK = 256
+PREFILL_CHUNK = 1024  # prompt tokens per step: an expert's weights are read once per chunk, by the card or the CPU
 HALF_LIFE_TOKENS = 256
 MAX_CAPTURED = 4
 

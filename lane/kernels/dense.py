@@ -555,6 +555,8 @@ class PrefillAttention:
     the card reads long prompts in chunks. Same arguments as DecodeAttention but pos0 is a host int: prompts are
     read eagerly, not in graphs. Measured error against attention_ref: tests/test_gpu_dense.py."""
 
+    QUERY_BLOCK = 256  # tokens per pair of GEMMs (at 128K context the scores of 256 tokens take 6 GB)
+
     def __init__(self, n_head: int, n_kv: int, head_dim: int, max_ctx: int, *, device=None):
         self.m = kernels(device)
         if n_head % n_kv:
@@ -564,18 +566,24 @@ class PrefillAttention:
         self.scale = np.float32(1.0 / math.sqrt(head_dim))
 
     def __call__(self, q, k_cache, v_cache, pos0: int, out, *, stream=None) -> None:
+        Tn, hd = int(q.shape[0]), self.hd
+        if not (Tn >= 1 and int(pos0) + Tn <= self.max_ctx):
+            raise ValueError(f"positions {pos0}..{int(pos0) + Tn - 1} outside the cache of {self.max_ctx}")
+        _need(q, np.float32, (Tn, self.n_head, hd), "q")
+        _need(k_cache, np.float16, (self.n_kv, self.max_ctx, hd), "k_cache")
+        _need(v_cache, np.float16, (self.n_kv, hd, self.max_ctx), "v_cache")
+        _need(out, np.float32, (Tn, self.n_head * hd), "out")
+        for t in range(0, Tn, self.QUERY_BLOCK):  # bounds the scores' memory: QUERY_BLOCK x group x S per kv head
+            n = min(self.QUERY_BLOCK, Tn - t)
+            self._block(q[t:t + n], k_cache, v_cache, int(pos0) + t, out[t:t + n], stream)
+
+    def _block(self, q, k_cache, v_cache, pos0: int, out, stream) -> None:
         from cupy_backends.cuda.libs import cublas
 
         m = self.m
         cp = m.cp
         Tn = int(q.shape[0])
-        S, G, hd, nkv = int(pos0) + Tn, self.group, self.hd, self.n_kv
-        if not (Tn >= 1 and S <= self.max_ctx):
-            raise ValueError(f"positions {pos0}..{S - 1} outside the cache of {self.max_ctx}")
-        _need(q, np.float32, (Tn, self.n_head, hd), "q")
-        _need(k_cache, np.float16, (nkv, self.max_ctx, hd), "k_cache")
-        _need(v_cache, np.float16, (nkv, hd, self.max_ctx), "v_cache")
-        _need(out, np.float32, (Tn, self.n_head * hd), "out")
+        S, G, hd, nkv = pos0 + Tn, self.group, self.hd, self.n_kv
         R = Tn * G  # query rows per kv head
         n = Tn * self.n_head * hd
         with _on(stream):
