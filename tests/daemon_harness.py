@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import os
+import threading
+import time
 from pathlib import Path
 
 from stratad import shm
@@ -33,3 +35,25 @@ class Daemon(LocalDaemon):
         segs = [str(p) for p in shm.SHM_DIR.glob(shm.prefix_for(self.runtime_dir).lstrip("/") + "*")]
         socks = [str(p) for p in self.runtime_dir.glob("*.sock")]
         return segs + socks
+
+
+class RoleWatch:
+    """Samples the lanes' (role, busy) while a test runs."""
+
+    def __init__(self, d: Daemon):
+        self.d, self.seen, self.stop = d, [], threading.Event()
+        self.t = threading.Thread(target=self.run)
+
+    def run(self):
+        while not self.stop.is_set():
+            st = self.d.status()
+            self.seen.append(tuple((ln.role.value, ln.req_id is not None) for ln in st.lanes))
+            time.sleep(0.02)
+
+    def __enter__(self):
+        self.t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.t.join()

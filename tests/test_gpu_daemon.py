@@ -1,14 +1,19 @@
 """GPU lanes through the daemon (device only): two logical cards on one GPU, peers through CUDA IPC.
 
-Greedy generations are bit-identical (logits digests) across solo, lead + peer, independent lanes and mutual help.
+Greedy generations are bit-identical (logits digests) to a solo GPU card holding every expert, across lead + peer,
+independent lanes, mutual help, a split and a rejoin in the middle of a generation, adaptive swaps while the other
+lane computes, and a peer lane killed mid-generation.
 """
 from __future__ import annotations
 
+import os
+import signal
 import threading
+import time
 
 import pytest
 
-from daemon_harness import Daemon
+from daemon_harness import Daemon, RoleWatch
 from stratad.model.generator import make_model
 
 pytestmark = pytest.mark.gpu
@@ -22,48 +27,136 @@ def model(tmp_path_factory, cp):
     return path
 
 
-def run(d: Daemon, names: list[str], n: int = 48) -> dict:
-    out = {}
-
-    def go(name):
-        with d.client(stream_timeout_s=600) as c:
-            s = c.generate(tokens=PROMPTS[name], max_tokens=n, digest=True)
-            s.result()
-            out[name] = s.stats
-
-    ts = [threading.Thread(target=go, args=(nm,)) for nm in names]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(600)
-    return out
-
-
-def start(model, tmp_path, cards: str, cache: str, mutual: bool) -> Daemon:
-    conf = tmp_path / f"{cards}-{mutual}.toml"
-    conf.write_text(f"mutual_help = {str(mutual).lower()}\nrejoin_idle_s = 3600.0\n")
-    return Daemon(model, tmp_path / f"run-{cards}-{mutual}", cards=cards, config=conf,
+def start(model, tmp_path, cards: str, cache: str, **cfg) -> Daemon:
+    cfg = {"mutual_help": False, "rejoin_idle_s": 3600.0} | cfg
+    conf = tmp_path / f"{cards}-{len(list(tmp_path.iterdir()))}.toml"
+    conf.write_text("".join(f"{k} = {str(v).lower() if isinstance(v, bool) else v}\n" for k, v in cfg.items()))
+    return Daemon(model, tmp_path / f"run-{conf.stem}", cards=cards, config=conf,
                   extra=["--expert-cache", cache]).start(timeout_s=300)
 
 
-def test_modes_bit_identical_on_gpu_cards(model, tmp_path):
-    solo = start(model, tmp_path, "0", "1.0", False)
+@pytest.fixture(scope="module")
+def want(model, tmp_path_factory):
+    """digest(name, n): a solo GPU card with every expert cached, n greedy tokens (kept running for the module)."""
+    solo = start(model, tmp_path_factory.mktemp("solo"), "0", "1.0")
+    memo = {}
+
+    def digest(name: str, n: int) -> str:
+        if (name, n) not in memo:
+            with solo.client(stream_timeout_s=600) as c:
+                s = c.generate(tokens=PROMPTS[name], max_tokens=n, digest=True)
+                s.result()
+                memo[name, n] = s.stats.logits_sha256
+        return memo[name, n]
+
+    yield digest
+    solo.stop()
+
+
+def run(d: Daemon, jobs: list[tuple[str, int]]) -> dict:
+    """The chats at once, the first already streaming when the others start (so a peer splits off)."""
+    out, errors, first = {}, [], threading.Event()
+
+    def go(name, n, k):
+        try:
+            with d.client(stream_timeout_s=600) as c:
+                s = c.generate(tokens=PROMPTS[name], max_tokens=n, digest=True)
+                for i, _ in enumerate(s):
+                    if k == 0 and i == 2:
+                        first.set()
+                out[name] = s.stats
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+        finally:
+            first.set()
+
+    ts = [threading.Thread(target=go, args=(name, n, k)) for k, (name, n) in enumerate(jobs)]
+    for k, t in enumerate(ts):
+        t.start()
+        if k == 0 and len(ts) > 1:
+            first.wait(300)
+    for t in ts:
+        t.join(600)
+    assert not errors, errors
+    return out
+
+
+def test_modes_bit_identical_on_gpu_cards(model, tmp_path, want):
+    pair = start(model, tmp_path, "0,0", "0.3")
     try:
-        want = {k: v.logits_sha256 for k, v in run(solo, ["A"]).items()} | \
-            {k: v.logits_sha256 for k, v in run(solo, ["B"]).items()}
-    finally:
-        solo.stop()
-    pair = start(model, tmp_path, "0,0", "0.3", False)
-    try:
-        one = run(pair, ["A"])  # lead + peer: the idle card lends its slots through CUDA IPC
-        assert one["A"].logits_sha256 == want["A"] and one["A"].experts_peer > 0
-        two = run(pair, ["A", "B"])  # independent lanes
-        assert all(two[k].logits_sha256 == want[k] for k in "AB")
+        one = run(pair, [("A", 48)])  # lead + peer: the idle card lends its slots through CUDA IPC
+        assert one["A"].logits_sha256 == want("A", 48) and one["A"].experts_peer > 0
+        two = run(pair, [("A", 96), ("B", 48)])  # B splits a peer off in the middle of A
+        assert two["A"].logits_sha256 == want("A", 96) and two["B"].logits_sha256 == want("B", 48)
     finally:
         pair.stop()
-    mutual = start(model, tmp_path, "0,0", "0.3", True)
+    mutual = start(model, tmp_path, "0,0", "0.3", mutual_help=True)
     try:
-        two = run(mutual, ["A", "B"])
-        assert all(two[k].logits_sha256 == want[k] and two[k].experts_peer > 0 for k in "AB")
+        two = run(mutual, [("A", 48), ("B", 48)])
+        assert all(two[k].logits_sha256 == want(k, 48) and two[k].experts_peer > 0 for k in "AB")
     finally:
         mutual.stop()
+
+
+def test_rejoin_mid_generation_on_gpu_cards(model, tmp_path, want):
+    d = start(model, tmp_path, "0,0", "0.3", rejoin_idle_s=0.3)
+    try:
+        with RoleWatch(d) as w, d.client(stream_timeout_s=600) as c:
+            a = c.generate(tokens=PROMPTS["A"], max_tokens=3000, digest=True)
+            it = iter(a)
+            next(it)
+            b = c.generate(tokens=PROMPTS["B"], max_tokens=5, digest=True)  # splits a peer off, then idles
+            b.result()
+            deadline, cancelled = time.monotonic() + 120, False
+            for _ in it:  # A goes on until B's lane has rejoined it as a peer
+                rejoined = any(("lead", True) in s and ("peer", False) in s for s in w.seen[-3:])
+                if not cancelled and (rejoined or time.monotonic() > deadline):
+                    a.cancel()
+                    cancelled = True
+            seen = w.seen
+        assert b.stats.logits_sha256 == want("B", 5)
+        assert a.stats.logits_sha256 == want("A", a.stats.generated_tokens)
+        split = seen.index(next(s for s in seen if ("solo", True) in s))
+        assert any(("lead", True) in s and ("peer", False) in s for s in seen[split:]), seen[-5:]
+    finally:
+        d.stop()
+
+
+def test_adaptive_swaps_while_other_lane_computes_on_gpu_cards(model, tmp_path, want):
+    """Slots are reloaded in the background (copy stream) while both lanes compute from both pools."""
+    d = start(model, tmp_path, "0,0", "0.3", mutual_help=True, replan_interval_s=0.05, replan_min_gain=0.0)
+    try:
+        before = sum(ln.slots_loaded for ln in d.status().lanes)
+        out = run(d, [("A", 150), ("B", 150)])
+        assert sum(ln.slots_loaded for ln in d.status().lanes) > before
+        assert d.status().epoch > 4
+        assert all(out[k].logits_sha256 == want(k, 150) and out[k].experts_peer > 0 for k in "AB")
+    finally:
+        d.stop()
+
+
+def test_peer_lane_killed_mid_generation_on_gpu_cards(model, tmp_path, want):
+    d = start(model, tmp_path, "0,0", "0.3", rejoin_idle_s=0.2)
+    try:
+        res = {}
+
+        def go():
+            with d.client(stream_timeout_s=600) as c:
+                s = c.generate(tokens=PROMPTS["A"], max_tokens=300, digest=True)
+                s.result()
+                res["A"] = s.stats
+
+        t = threading.Thread(target=go)
+        t.start()
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not any(ln.req_id for ln in d.status().lanes):
+            time.sleep(0.02)
+        peer = next(ln for ln in d.status().lanes if ln.req_id is None)
+        time.sleep(0.5)
+        os.kill(peer.pid, signal.SIGKILL)
+        t.join(600)
+        assert res["A"].logits_sha256 == want("A", 300)
+        d.wait_ready(300, restarts=1)
+        assert d.status().lanes[peer.lane].restarts == 1
+    finally:
+        d.stop()

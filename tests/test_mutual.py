@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from daemon_harness import Daemon
+from daemon_harness import Daemon, RoleWatch
 from stratad.engine.generation import Generation
 from stratad.engine.reference import ReferenceEngine
 from stratad.engine.sampling import SamplingParams
@@ -78,28 +78,6 @@ def run_all(d: Daemon, jobs: list[tuple[str, int]], stagger_first: bool = True) 
         t.join(120)
     assert not errors, errors
     return out
-
-
-class RoleWatch:
-    """Samples the lanes' (role, busy) while a test runs."""
-
-    def __init__(self, d: Daemon):
-        self.d, self.seen, self.stop = d, [], threading.Event()
-        self.t = threading.Thread(target=self.run)
-
-    def run(self):
-        while not self.stop.is_set():
-            st = self.d.status()
-            self.seen.append(tuple((ln.role.value, ln.req_id is not None) for ln in st.lanes))
-            time.sleep(0.02)
-
-    def __enter__(self):
-        self.t.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.stop.set()
-        self.t.join()
 
 
 def test_solo_card_matches_reference(tiny_model_path, tmp_path, ref):
