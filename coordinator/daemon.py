@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import zmq
 
+from coordinator import profile_store
 from coordinator.lanes import LaneHandle, Supervisor, lane_argv
 from coordinator.pool import CardPool
 from coordinator.runtime import RuntimeDir
@@ -71,7 +72,10 @@ class Coordinator:
         self.cards = list(self.cfg.cards) or detect_cards()
         self.slot_bytes = slot_bytes(self.model)
         self.n_slots = self._slots_per_card()
+        self.state_file = (profile_store.path_for(self.cfg.state_dir, self.model.header_hash)
+                           if self.cfg.state_dir else None)
         self.profile = self._profile()
+        self.last_profile_save = time.monotonic()
         self.pool = CardPool(len(self.cards), self.n_slots, (c.n_layer, c.n_expert), self.profile,
                              self.rt.shm_prefix, self._send_lane, self.cfg.mutual_help, self.cfg.rejoin_idle_s,
                              self.cfg.replan_interval_s, self.cfg.replan_min_gain)
@@ -99,13 +103,36 @@ class Coordinator:
         return max(0, min(total, n))
 
     def _profile(self) -> np.ndarray:
+        """The starting profile: the configured file, else the one saved by an earlier run, else none (lane 0's
+        routing warm-up seeds the counts). Sets profile_source for status."""
         c = self.model.config
-        if not self.cfg.profile:
-            return np.zeros((c.n_layer, c.n_expert))
-        p = np.load(self.cfg.profile)
-        if p.shape != (c.n_layer, c.n_expert):
-            raise ValueError(f"profile {self.cfg.profile} has shape {p.shape}, expected {(c.n_layer, c.n_expert)}")
-        return p
+        shape = (c.n_layer, c.n_expert)
+        if self.cfg.profile:
+            p = np.load(self.cfg.profile)
+            if p.shape != shape:
+                raise ValueError(f"profile {self.cfg.profile} has shape {p.shape}, expected {shape}")
+            self.profile_source = f"file {self.cfg.profile}"
+            return p
+        if self.state_file is not None:
+            p = profile_store.load(self.state_file, shape)
+            if p is not None and p.any():
+                self.profile_source = f"saved {self.state_file}"
+                log.info("starting from the expert profile saved at %s", self.state_file)
+                return p
+        self.profile_source = "routing warm-up" if self.cfg.warmup_tokens else "none"
+        return np.zeros(shape)
+
+    def _save_profile(self) -> None:
+        if self.state_file is None:
+            return
+        learned = self.pool.learned()
+        if not learned.any():
+            return
+        try:
+            profile_store.save(self.state_file, learned)
+        except OSError as e:  # a full or read-only disk must not stop serving
+            log.warning("could not save the expert profile to %s: %s", self.state_file, e)
+        self.last_profile_save = time.monotonic()
 
     def _lane_argv(self, h: LaneHandle) -> list[str]:
         return lane_argv(h, endpoint=self.rt.lane_endpoint, model=str(self.model.path),
@@ -187,6 +214,8 @@ class Coordinator:
             self.sup.restart_due()
             self.pool.tick(time.monotonic())
             self._dispatch()
+            if time.monotonic() - self.last_profile_save >= self.cfg.profile_save_s:
+                self._save_profile()
         if all(h.failed for h in self.sup.lanes):
             log.error("no lane could be started; stopping")
             self.exit_code = 3
@@ -203,6 +232,7 @@ class Coordinator:
             return False
         for r in busy:
             self._fail(r, M.ErrorCode.SHUTTING_DOWN, "the daemon stopped before this request finished")
+        self._save_profile()  # while the lanes' counts are still attached
         for h in self.sup.lanes:
             self._to_lane(h, M.Shutdown(reason="daemon stopping"))
         self.sup.stop_all()
@@ -361,7 +391,7 @@ class Coordinator:
             if msg.model_hash != self.model.header_hash:
                 log.error("lane %d attached a different model (hash %s)", h.lane, msg.model_hash[:12])
                 return
-            warm = self.cfg.warmup_tokens if h.lane == 0 and h.restarts == 0 and not self.cfg.profile else 0
+            warm = self.cfg.warmup_tokens if h.lane == 0 and h.restarts == 0 and not self.profile.any() else 0
             self._to_lane(h, self.pool.placement(h.lane, warm))
         elif isinstance(msg, M.Heartbeat):
             h.status = msg.status
@@ -413,7 +443,8 @@ class Coordinator:
                                       memory_total=self.n_slots * self.slot_bytes, used_by=self.pool.users(i)))
         return M.Status(model=str(self.model.path), uptime_s=time.time() - self.t_start, lanes=tuple(lanes),
                         cards=tuple(cards), queue=tuple(self.queue), queue_limit=self.cfg.queue_limit,
-                        epoch=self.pool.epochs.epoch, role_log=tuple(self.pool.role_log))
+                        epoch=self.pool.epochs.epoch, role_log=tuple(self.pool.role_log),
+                        profile=self.profile_source)
 
 
 def detect_cards() -> list[str]:

@@ -67,6 +67,12 @@ class CardPool:
         w = sum((self.live(j) for j in (busy or members)), np.zeros(self.shape))
         return w + PRIOR * self.profile + 1e-9 * (self.profile == 0)
 
+    def learned(self) -> np.ndarray:
+        """What the cards have seen: every lane's live counts (each normalised) over the starting profile."""
+        w = sum((self.live(j) for j in range(self.n)), np.zeros(self.shape)) + PRIOR * self.profile
+        s = w.sum()
+        return w / s if s > 0 else w
+
     # ---- events ---------------------------------------------------------------------------------------------
     def placement(self, lane: int, warmup_tokens: int = 0) -> M.Placement:
         return M.Placement(epoch=self.epochs.epoch, n_slots=self.n_slots, warmup_tokens=warmup_tokens,

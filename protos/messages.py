@@ -176,6 +176,7 @@ class Status(_Msg):
     queue_limit: int
     epoch: int = 0
     role_log: tuple[RoleEvent, ...] = ()  # the latest role changes, oldest first
+    profile: str = ""  # where the starting expert profile came from (a file, a saved run, a warm-up, none)
 
 
 # ---- coordinator <-> lane -----------------------------------------------------------------------------------

@@ -73,6 +73,9 @@ class DaemonConfig(BaseModel):
     stop_grace_s: float = Field(5.0, ge=0, description="on SIGTERM, how long in-flight requests may finish")
     cpu_threads: int = Field(0, ge=0, description="compute threads per lane (CPU pool, numpy); 0: cores / lanes")
     profile: str | None = Field(None, description="expert profile: per-(layer, expert) counts, .npy")
+    state_dir: str | None = Field(None, description="keeps the learned expert profile between runs (the systemd "
+                                                    "unit: /var/lib/stratad); unset: nothing is kept")
+    profile_save_s: float = Field(300.0, gt=0, description="how often the learned profile is saved while serving")
     warmup_tokens: int = Field(256, ge=0, description="without a profile: routing warm-up tokens run by lane 0")
     tcp: str | None = Field(None, description="opt-in TCP listener, e.g. tcp://0.0.0.0:5555; needs CURVE keys")
     curve_secret_key_file: str | None = None

@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 
+import numpy as np
 import pytest
 import zmq
 
@@ -345,3 +346,38 @@ def test_lane_that_cannot_start_is_given_up_with_a_clear_error(tiny_model_path, 
     assert r.returncode == 3
     assert "failed to start 3 times" in r.stderr and "no lane could be started" in r.stderr
     assert not list(shm.SHM_DIR.glob(shm.prefix_for(tmp_path / "rt").lstrip("/") + "*"))
+
+
+def test_learned_profile_kept_between_runs(tiny_model_path, tmp_path):
+    """With state_dir, a graceful stop saves what the cards learned; the next start fills the caches from it (no
+    warm-up), and status says where the profile came from. A file that does not fit is ignored, not fatal."""
+    state = tmp_path / "state"
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'state_dir = "{state}"\nprofile_save_s = 3600.0\n')
+    d = Daemon(tiny_model_path, tmp_path / "run1", cards="cpu", config=cfg).start()
+    try:
+        assert d.status().profile == "routing warm-up"
+        with d.client() as c:
+            c.generate(prompt="Learn which experts this traffic uses.", max_tokens=12).result()
+    finally:
+        assert d.stop() == 0
+    saved = list(state.glob("profile-*.npy"))
+    assert len(saved) == 1 and not list(state.glob("*.tmp"))
+    p = np.load(saved[0])
+    m = ModelFile(tiny_model_path)
+    assert p.shape == (m.config.n_layer, m.config.n_expert) and p.sum() == pytest.approx(1.0) and (p > 0).any()
+
+    d = Daemon(tiny_model_path, tmp_path / "run2", cards="cpu", config=cfg).start()
+    try:
+        assert d.status().profile == f"saved {saved[0]}"
+        assert "routing warm-up" not in d.log_text()
+    finally:
+        d.stop()
+
+    np.save(saved[0], np.ones((2, 3)))  # another model's shape: ignored with a warning
+    d = Daemon(tiny_model_path, tmp_path / "run3", cards="cpu", config=cfg).start()
+    try:
+        assert d.status().profile == "routing warm-up"
+        assert "starting without it" in d.log_text()
+    finally:
+        d.stop()
