@@ -167,8 +167,9 @@ class CupyCard:
 
     # ---- a step as operations -----------------------------------------------------------------------------------
     def _ops(self, w: Work, logit_rows: int) -> list:
-        """The step for w.T tokens: callables that only launch work on the card's stream, and Breaks."""
-        export = not self.experts.full
+        """The step for w.T tokens: callables that only launch work on the card's stream, and Breaks (a decode
+        step's layers whose misses the CPU pool serves; a prompt chunk stages them on the card instead)."""
+        export = not self.experts.full and w.T == 1
         ops = [lambda: D.embed(self.embed_w, w.tokens, w.x, stream=self.stream)]
         for i in range(self.c.n_layer):
             ops.append(lambda i=i: self._attend_and_route(i, w, export))

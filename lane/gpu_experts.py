@@ -5,10 +5,12 @@ All run the canonical expert function (GPU kernels of lane/kernels/experts.cu, n
 so the bits do not depend on placement. A layer is two halves around the host:
   front : quantise the input, build_pairs on the device (per source: this card, each peer pool on this GPU; the
           rest is the CPU's miss list in mapped host memory), then, if the CPU may have work, copy the quantised
-          input to pinned host memory and ring the doorbell; then the expert kernels of every source (for a
-          prompt chunk the tiled ones: a weight decoded once for all of an expert's tokens).
-  serve : (host, only when some expert is on no card) wait for the doorbell, run the misses on the CPU pool into
-          pinned host rows — while the card's kernels run.
+          input to pinned host memory and ring the doorbell; then the expert kernels of every source. A prompt
+          chunk (T > 1, run eagerly) instead copies the layer's experts that no card holds into staging slots on
+          the card (one more source: its tokens share each expert's bytes, which cross the bus once) and runs the
+          tiled kernels (a weight decoded once for all of an expert's tokens).
+  serve : (host, decode steps with some expert on no card) wait for the doorbell, run the misses on the CPU pool
+          into pinned host rows — while the card's kernels run.
   back  : combine in router order into the residual, card rows and host rows through the row map.
 front and back only launch kernels with fixed grids (counts are read on the device), so the card captures them
 in CUDA graphs. Tables (expert -> source, slot) live on the device and are refreshed between steps.
@@ -17,8 +19,8 @@ not used yet: their experts run on the CPU pool.
 """
 from __future__ import annotations
 
+import logging
 import os
-import time
 
 import cupy as cp
 import numpy as np
@@ -27,8 +29,11 @@ from lane.cpu_pool import CpuPool, LayerJobs
 from lane.kernels.experts import MAX_SOURCES, ExpertKernels, max_tiles
 from lane.slot_pool import SlotPool
 from stratad.model.gguf_file import ModelFile
+from stratad.model.slot_layout import expert_bytes
 
-D2H = 2  # cudaMemcpyDeviceToHost
+log = logging.getLogger("stratad.lane")
+H2D, D2H = 1, 2  # cudaMemcpyHostToDevice, cudaMemcpyDeviceToHost
+HOST_REGISTER_READ_ONLY = 8  # cudaHostRegisterReadOnly
 
 
 def pinned(shape, dtype) -> np.ndarray:
@@ -67,12 +72,21 @@ class GpuExperts:
         self.tiles = cp.zeros((MAX_SOURCES, max_tiles(P, c.n_expert), 2), cp.int32)
         self.n_tiles = cp.zeros((MAX_SOURCES,), cp.int32)
         self.rowmap = cp.zeros((P,), cp.int32)
-        self.rows = None  # (sources, P, d_model): each source's results, sized when the sources are known
-        # the host's side: miss list, quantised input and result rows in pinned memory, and the doorbell
-        self.miss, self.n_miss = pinned((P, 2), np.int32), pinned((1,), np.int32)
-        self.qa_h, self.da_h = pinned((max_tokens, c.d_model), np.int8), pinned((max_tokens, c.d_model // 32),
-                                                                                 np.float32)
-        self.host_rows = pinned((P, c.d_model), np.float32)
+        self.rows = None  # (sources + staging, P, d_model): each source's results, sized when the sources are known
+        # prompt chunks: the layer's routed experts that no card holds are copied into staging slots and computed
+        # here (one more source), instead of by the CPU pool: a chunk's tokens share each expert's bytes
+        self._stage_mem = cp.cuda.Memory(c.n_expert * pool.slot_bytes)
+        self.src_staged = cp.empty((c.n_expert,), cp.int32)
+        self.slot_staged = cp.empty((c.n_expert,), cp.int32)
+        self.staged: dict[int, np.ndarray] = {}  # layer -> experts staged in this step (they count as the card's)
+        self.h_slot = np.full((c.n_layer, c.n_expert), -1, np.int32)
+        self._arena_locked: bool | None = None
+        self._lock_arena()  # at start: pinning a large file takes seconds, not to be spent inside a request
+        # the host's side of a decode step: miss list, quantised input and result rows in pinned memory, and the
+        # doorbell (prompt chunks stage their misses on the card)
+        self.miss, self.n_miss = pinned((self.k, 2), np.int32), pinned((1,), np.int32)
+        self.qa_h, self.da_h = pinned((1, c.d_model), np.int8), pinned((1, c.d_model // 32), np.float32)
+        self.host_rows = pinned((self.k, c.d_model), np.float32)
         self.bell = pinned((1,), np.uint32)
         self.bell[0] = 0
         self.counter = cp.zeros((1,), cp.uint32)
@@ -100,7 +114,7 @@ class GpuExperts:
                 del self.peers[card]
         self.peer_card[:] = -1
         self.peer_slot[:] = -1
-        for cv in list(same.values())[: MAX_SOURCES - 1]:
+        for cv in list(same.values())[: MAX_SOURCES - 2]:  # sources: this card, peers, the staging slots
             if cv.card not in self.peers:
                 try:
                     ptr = cp.cuda.runtime.ipcOpenMemHandle(bytes.fromhex(cv.pool))
@@ -124,11 +138,11 @@ class GpuExperts:
             src[m], slot[m] = s, self.peer_slot[m]
         self.src.set(src, stream=self.stream)
         self.slot.set(slot, stream=self.stream)
-        self.h_src = src
+        self.h_src, self.h_slot = src, slot
         self.full = bool((src >= 0).all())
         S, d = len(self.sources), self.c.d_model
-        if self.rows is None or self.rows.shape[0] != S:
-            self.rows = cp.empty((S, self.max_pairs, d), cp.float32)
+        if self.rows is None or self.rows.shape[0] != S + 1:
+            self.rows = cp.empty((S + 1, self.max_pairs, d), cp.float32)
         self._version = version
 
     def sources_key(self) -> tuple:
@@ -137,32 +151,74 @@ class GpuExperts:
 
     # ---- one layer ------------------------------------------------------------------------------------------
     def front(self, layer: int, h: cp.ndarray, ids: cp.ndarray, export: bool) -> None:
-        """h (T, d_model) normalised input, ids (T, k) router choice: route and launch the cards' experts."""
+        """h (T, d_model) normalised input, ids (T, k) router choice: route and launch the cards' experts. A
+        prompt chunk (T > 1, run eagerly) first stages the experts no card holds; a decode step leaves them to
+        the CPU pool (export: the doorbell for serve)."""
         T, s = h.shape[0], self.stream
         kern = self.kernels[self._key(layer)]
-        S = len(self.sources)
+        sources = list(self.sources)
+        src, slot = self.src[layer], self.slot[layer]
+        if T > 1 and not self.full:
+            src, slot = self._stage(layer, ids)
+            sources.append((None, self._stage_mem.ptr))
+        S = len(sources)
         kern.quantize(h, self.qa[:T], self.da[:T], stream=s)
         tiled = T > 1
-        kern.build_pairs(ids, self.src[layer], self.slot[layer], self.pairs[:S], self.n_pairs[:S], self.rowmap,
-                         self.miss.ctypes.data, self.n_miss.ctypes.data, self.tiles[:S] if tiled else None,
+        kern.build_pairs(ids, src, slot, self.pairs[:S], self.n_pairs[:S], self.rowmap,
+                         self.miss.ctypes.data, self.n_miss.ctypes.data, self.miss.shape[0],
+                         self.tiles[:S] if tiled else None,
                          self.n_tiles[:S] if tiled else None, stream=s)
         if export:
             rt = cp.cuda.runtime
             rt.memcpyAsync(self.qa_h.ctypes.data, self.qa.data.ptr, T * self.qa.shape[1], D2H, s.ptr)
             rt.memcpyAsync(self.da_h.ctypes.data, self.da.data.ptr, T * self.da.shape[1] * 4, D2H, s.ptr)
             kern.ring(self.counter, self.bell.ctypes.data, stream=s)
-        for i, (_, ptr) in enumerate(self.sources):
+        for i, (_, ptr) in enumerate(sources):
             if tiled:
                 kern.run_tiled(ptr, self.pairs[i], self.tiles[i], self.n_tiles[i:i + 1], self.qa, self.da,
                                self.rows[i], stream=s)
             else:
                 kern.run(ptr, self.pairs[i], self.n_pairs[i:i + 1], self.qa, self.da, self.rows[i], stream=s)
 
+    def _stage(self, layer: int, ids: cp.ndarray) -> tuple[cp.ndarray, cp.ndarray]:
+        """Copy the layer's routed experts that no card holds into the staging slots (straight from the arena,
+        page-locked where the driver allows); returns the layer's (source, slot) rows pointing at them."""
+        routed = np.unique(cp.asnumpy(ids, stream=self.stream))  # the chunk's one wait for the card per layer
+        missing = routed[self.h_src[layer][routed] < 0]
+        self.staged[layer] = missing
+        if not missing.size:
+            return self.src[layer], self.slot[layer]
+        rt, base, stride = cp.cuda.runtime, self._stage_mem.ptr, self.pool.slot_bytes
+        for j, e in enumerate(missing.tolist()):
+            off = 0
+            for part in expert_bytes(self.model, layer, e):
+                rt.memcpyAsync(base + j * stride + off, part.ctypes.data, part.nbytes, H2D, self.stream.ptr)
+                off += part.nbytes
+        src, slot = self.h_src[layer].copy(), self.h_slot[layer].copy()
+        src[missing], slot[missing] = len(self.sources), np.arange(missing.size, dtype=np.int32)
+        self.src_staged.set(src, stream=self.stream)
+        self.slot_staged.set(slot, stream=self.stream)
+        return self.src_staged, self.slot_staged
+
+    def _lock_arena(self) -> None:
+        """Page-lock the model mapping once, read-only, so staged experts copy by DMA at full link speed."""
+        if self._arena_locked is not None:
+            return
+        m = self.model.mapping
+        try:
+            cp.cuda.runtime.hostRegister(m.ctypes.data, m.size, HOST_REGISTER_READ_ONLY)
+            self._arena_locked = True
+        except cp.cuda.runtime.CUDARuntimeError as e:  # copies still work, through the driver's staging
+            log.info("arena not page-locked (%s): streamed experts copy from pageable memory", e)
+            self._arena_locked = False
+
     def serve(self, layer: int, T: int) -> None:
         """Host: after the layer's doorbell, compute its CPU misses into the pinned rows (the card keeps going)."""
         self.rings += 1
         self._wait(self.rings & 0xFFFFFFFF)
         n = int(self.n_miss[0])
+        if n > self.miss.shape[0]:  # a decode step has at most k misses; more means bad router ids
+            raise RuntimeError(f"layer {layer}: {n} experts to compute on the CPU for one token")
         if n:
             jobs = LayerJobs.from_model(self.model, layer, self.miss[:n], self.qa_h[:T].reshape(T, -1, 32),
                                         self.da_h[:T])
@@ -189,6 +245,9 @@ class GpuExperts:
         layer = np.broadcast_to(np.arange(L)[:, None, None], ids.shape)
         np.add.at(counts, (layer, ids), 1.0)
         where = self.h_src[layer, ids]
+        for lyr, experts in self.staged.items():  # computed on this card from staged bytes
+            where[lyr][np.isin(ids[lyr], experts)] = 0
+        self.staged.clear()
         counters.card += int((where == 0).sum())
         counters.cpu += int((where < 0).sum())
         for s, (card, _) in enumerate(self.sources[1:], start=1):
@@ -203,3 +262,6 @@ class GpuExperts:
             cp.cuda.runtime.ipcCloseMemHandle(ptr)
         self.peers.clear()
         self.cpu.close()
+        if self._arena_locked:
+            cp.cuda.runtime.hostUnregister(self.model.mapping.ctypes.data)
+            self._arena_locked = None

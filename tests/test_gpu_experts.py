@@ -314,7 +314,7 @@ def test_build_pairs_rowmap_and_combine_rows(cp):
         tiles = cp.full((S, mt, 2), -7, cp.int32)
         n_tiles = cp.full((S,), -7, cp.int32)
         k.build_pairs(cp.asarray(ids), cp.asarray(src), cp.asarray(slot), pairs, n_pairs, rowmap,
-                      miss.ctypes.data, n_miss.ctypes.data, tiles, n_tiles)
+                      miss.ctypes.data, n_miss.ctypes.data, P, tiles, n_tiles)
         cp.cuda.get_current_stream().synchronize()
         got_pairs, got_n, rm = pairs.get(), n_pairs.get(), rowmap.get()[:T_ * K]
         for s_ in range(S):  # the tiles cover each source's pairs in order, one expert's pairs each

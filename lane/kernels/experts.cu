@@ -916,7 +916,7 @@ extern "C" __global__ void combine_rows(const float* __restrict__ rows, const fl
 extern "C" __global__ void build_pairs(const int* __restrict__ ids, int n, int K, const int* __restrict__ src,
                                        const int* __restrict__ slot, int n_expert, int n_src, int max_pairs,
                                        int* __restrict__ pairs, int* __restrict__ n_pairs, int* __restrict__ rowmap,
-                                       int* __restrict__ miss, int* __restrict__ n_miss, int tile_p,
+                                       int* __restrict__ miss, int* __restrict__ n_miss, int max_miss, int tile_p,
                                        int* __restrict__ tiles, int* __restrict__ n_tiles, int max_tiles) {
     extern __shared__ int sh[];  // count[n_expert], cursor[n_expert], source[n_expert]
     int* count = sh;
@@ -968,8 +968,10 @@ extern "C" __global__ void build_pairs(const int* __restrict__ ids, int n, int K
             rowmap[i] = r;
         } else {
             const int m = atomicAdd(&misses, 1);
-            miss[2 * m] = i / K;
-            miss[2 * m + 1] = e;  // an id out of range reaches the CPU pool, which names it
+            if (m < max_miss) {  // the host's list has room for max_miss; more is reported by the count
+                miss[2 * m] = i / K;
+                miss[2 * m + 1] = e;  // an id out of range reaches the CPU pool, which names it
+            }
             rowmap[i] = -1 - m;
         }
     }

@@ -307,11 +307,12 @@ class ExpertKernels:
 
 
     # ---- routing to sources (the MoE step around run) ------------------------------------------------------
-    def build_pairs(self, ids, src, slot, pairs, n_pairs, rowmap, miss_ptr: int, n_miss_ptr: int,
+    def build_pairs(self, ids, src, slot, pairs, n_pairs, rowmap, miss_ptr: int, n_miss_ptr: int, max_miss: int,
                     tiles=None, n_tiles=None, stream=None) -> None:
         """ids int32 (T, K) of one layer; src / slot int32 (n_expert,): which source holds each expert (0 = this
         card, s = the s-th peer pool, -1 = none) and its slot there. pairs int32 (S, max_pairs, 2) and n_pairs
-        (S,) per source; rowmap int32 (T*K,); miss / n_miss: int32 (T*K, 2) and (1,) at host-mapped addresses;
+        (S,) per source; rowmap int32 (T*K,); miss / n_miss: int32 (max_miss, 2) and (1,) at host-mapped
+        addresses (n_miss counts every miss, the list holds the first max_miss);
         tiles int32 (S, max_tiles, 2) and n_tiles (S,): each source's tiles for run_tiled (optional).
         See build_pairs_ref for the contract."""
         cp = self.cp
@@ -340,7 +341,7 @@ class ExpertKernels:
             self._fn("build_pairs")((1,), (1024,), (ids, np.int32(n), np.int32(ids.shape[-1]), src, slot,
                                                     np.int32(n_expert), np.int32(S), np.int32(self.max_pairs), pairs,
                                                     n_pairs, rowmap, np.uint64(miss_ptr), np.uint64(n_miss_ptr),
-                                                    np.int32(tile_p), tiles if tiles is not None else np.uint64(0),
+                                                    np.int32(max_miss), np.int32(tile_p), tiles if tiles is not None else np.uint64(0),
                                                     n_tiles if n_tiles is not None else np.uint64(0),
                                                     np.int32(max_tiles)),
                                     shared_mem=12 * n_expert)

@@ -169,6 +169,11 @@ class ModelFile:
             name = "token_embd.weight"
         return self.tensors[name]
 
+    @property
+    def mapping(self) -> np.ndarray:
+        """The whole file, mapped read-only (uint8): the arena every lane reads expert bytes from."""
+        return self._map
+
     def raw(self, name: str) -> np.ndarray:
         """uint8 view (..., row_bytes) of a tensor's bytes in the file mapping."""
         ti = self.info(name)
