@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# One step of the GPU verification and measurement plan, sized for one device call (< 600 s each), results under
+# $OUT (the device tool brings them back). Run from the repository root on the device machine, after installing
+# the wheels (see ../shared/device/README.md):
+#   bash scripts/device_run.sh tests     # the GPU test files (kernels, card, daemon), a summary line each
+#   bash scripts/device_run.sh engine    # a3b IQ3_S: decode profile, engine bench at 1K / 32K / 64K
+#   bash scripts/device_run.sh seed13    # the seed table at 60K prompts, modes 1 and 3 (two logical cards)
+#   bash scripts/device_run.sh seed2     # the same, mode 2
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+A3B=/tmp/a3b-iq3s-skew1.gguf
+SEED=/tmp/a3b-iq3s-skew0.7-topics2.gguf
+
+model() {  # path preset args...
+    [ -f "$1" ] || python3 -m stratad.cli make-model --preset a3b --expert-quant IQ3_S --out "$@" | tail -1
+}
+
+case "${1:-}" in
+tests)
+    for f in tests/test_gpu_experts.py tests/test_gpu_dense.py tests/test_gpu_card.py tests/test_gpu_daemon.py; do
+        timeout 280 python3 -m pytest -q -x -m gpu -p no:cacheprovider "$f" > "$OUT/$(basename "$f" .py).log" 2>&1
+        echo "$f: rc=$? $(tail -1 "$OUT/$(basename "$f" .py).log")"
+    done
+    ;;
+engine)
+    model "$A3B" --router-skew 1.0
+    timeout 150 python3 scripts/gpu_decode_profile.py --model "$A3B" --fractions 1.0,0.5 --json "$OUT/profile.json" \
+        2>&1 | tail -4
+    timeout 250 python3 -m stratad.cli bench --scenario engine --model "$A3B" --fractions 1.0,0.5 \
+        --contexts 1024,32768,65536 --json "$OUT/engine.json" 2>&1 | grep "^{'" | cut -c1-200
+    timeout 120 python3 -m stratad.cli bench --scenario engine --model "$A3B" --fractions 0.25 \
+        --contexts 1024,32768 --json "$OUT/engine-0.25.json" 2>&1 | grep "^{'" | cut -c1-200
+    ;;
+seed13 | seed2)
+    model "$SEED" --router-skew 0.7 --topics 2
+    modes=$([ "$1" = seed13 ] && echo 1,3 || echo 2)
+    timeout 500 python3 -m stratad.cli bench --scenario seed --model "$SEED" --cards 0,0 --cache-fraction 0.475 \
+        --contexts 61440 --tokens 96 --modes "$modes" --json "$OUT/seed-$modes.json" > "$OUT/seed-$modes.log" 2>&1
+    echo "rc=$?"
+    python3 -c "
+import json, sys
+d = json.load(open(sys.argv[1]))
+for m, cs in d['modes'].items():
+    for c in cs:
+        print(m, c['topic'], c['decode_tok_s'], 'ttft', c['ttft_s'], 'some card', c['share_some_card'])
+" "$OUT/seed-$modes.json" 2>&1 | tail -6
+    ;;
+*)
+    echo "usage: $0 tests|engine|seed13|seed2" >&2
+    exit 2
+    ;;
+esac
