@@ -12,10 +12,13 @@
 //                   memory (cp.async, GU_STAGES items deep), decodes and dots them with the pair's activation,
 //                   lane 0 writes h = silu(gate) * up; the block then quantises the group (qh, dh). No atomics.
 //   expert_down   : warp item = (pair, DN_R rows of d_model); out[p, r] = canonical dot of down row r with qh[p].
+//   expert_gateup_tiled, expert_down_tiled : the same with an item per tile of up to TILE_P pairs of one expert
+//                   (prompt chunks): a staged weight sub-block is decoded once for all of the tile's tokens.
 //   quantize_rows : x (groups of 32 floats) -> q int8, d float (canonical.quantize_act).
 //   combine_k     : out[t, i] = sum_j w[t, j] * y[t, j, i] in router order from 0.0f (canonical.combine).
 //   combine_rows  : the same into the residual, rows found through a row map (card results or host rows).
-//   build_pairs   : a layer's routed ids -> pair lists per source (card, peers), row map, CPU miss list.
+//   build_pairs   : a layer's routed ids -> pair lists per source (card, peers, staging), row map, CPU miss list,
+//                   tiles.
 //   ring          : the doorbell the host waits on before serving the CPU misses.
 // Within a warp, several rows are decoded and summed as independent chains (ILP); the activation sub-blocks are
 // loaded once per item, before waiting for the weights.
@@ -410,13 +413,43 @@ __device__ __forceinline__ int clamp_pairs(const int* __restrict__ n_pairs_p, in
 
 
 // =====================================================================================================================
-// gate + up + SwiGLU + quantisation of h
+// gate + up + SwiGLU + quantisation of h, and the down projection
 // =====================================================================================================================
-// Block item = (pair p, 32-row group g of d_ff). Warp w owns rows g*32 + w*GU_R .. + GU_R - 1 (GU_R = 32 / GU_WPB):
-// it stages those gate rows and up rows (two contiguous byte ranges) with cp.async, loads the pair's activation
-// into registers while they land, then for each of its sub-blocks decodes all 2*GU_R rows and accumulates the
-// canonical terms in 2*GU_R independent chains, folds them together and lane 0 computes the GU_R values of h.
-// The 32 values of the group meet in shared memory; after one __syncthreads warp 0 quantises them (qh, dh).
+// Both kernels work on tiles: a tile is TP pairs of one expert, consecutive in the pair list. TP = 1 (decode: the
+// tile is the pair itself, its activation loaded while its weights land, the IQ3_S terms taken on the fast path);
+// TP = TILE_P (prompt chunks: build_pairs groups pairs by expert and cuts them into tiles (first pair, count), and
+// each staged weight sub-block is decoded once for all of the tile's tokens). Per (token, row) the canonical terms
+// are added in the same lane order (sub-block lane, lane + 32, ... from 0.0f) and folded the same way, so both
+// give the same bits.
+#ifndef TILE_P
+#define TILE_P 8
+#endif
+
+template <int TP> struct Tile {  // tile t -> (first pair, count)
+    static __device__ __forceinline__ void get(const int* __restrict__ tiles, int t, int& p0, int& cnt) {
+        p0 = __ldg(tiles + 2 * t);
+        cnt = min(max(__ldg(tiles + 2 * t + 1), 0), TP);
+    }
+};
+template <> struct Tile<1> {
+    static __device__ __forceinline__ void get(const int* __restrict__, int t, int& p0, int& cnt) {
+        p0 = t;
+        cnt = 1;
+    }
+};
+
+template <int TP>
+__device__ __forceinline__ int tile_slot(const int* __restrict__ pairs, const int* __restrict__ tiles, int t) {
+    int p0, cnt;
+    Tile<TP>::get(tiles, t, p0, cnt);
+    return __ldg(pairs + 2 * p0 + 1);
+}
+
+// Block item = (tile, 32-row group g of d_ff). Warp w owns rows g*32 + w*GU_R .. + GU_R - 1 (GU_R = 32 / GU_WPB):
+// it stages those gate rows and up rows (two contiguous byte ranges) with cp.async, then for each of its sub-blocks
+// decodes all 2*GU_R rows and accumulates the canonical terms of each token in independent chains, folds them
+// and lane 0 computes the values of h. The group's values meet in shared memory; after one __syncthreads warps
+// quantise them (qh, dh), a token each.
 typedef Geom<GU_QT, GU_KIN> GUG;
 constexpr int GU_R = 32 / GU_WPB;
 static_assert(GU_R * GU_WPB == 32, "GU_WPB must divide 32");
@@ -424,8 +457,12 @@ constexpr int GU_RANGE = GU_R * GUG::RB;                       // bytes of one w
 constexpr int GU_CHB = (GU_RANGE + 14 + 15) / 16 * 16 + 16;    // staged bytes per matrix (+16: decoder over-read)
 constexpr int GU_TBL = (GU_QT == QT_IQ3_S) ? GRID_TABLE_BYTES : 0;
 constexpr int GU_STG = 2 * GU_CHB;
-constexpr int GU_HS = 2 * 32 * 4;                              // h of the group, double-buffered by item parity
-constexpr int GU_SMEM = GU_TBL + GU_HS + GU_WPB * GU_STAGES * GU_STG + 16;
+template <int TP> struct GuSmem {
+    static constexpr int HS = 2 * TP * 32 * 4;  // h of the group's tokens, double-buffered by item parity
+    static constexpr int BYTES = GU_TBL + HS + GU_WPB * GU_STAGES * GU_STG + 16;
+};
+constexpr int GU_SMEM = GuSmem<1>::BYTES;
+constexpr int GUT_SMEM = GuSmem<TILE_P>::BYTES;
 static_assert(GU_ROWS % 32 == 0, "d_ff must be a multiple of 32");
 
 // stage this warp's gate and up rows of 32-row group grp of the expert in `slot`
@@ -436,231 +473,13 @@ __device__ __forceinline__ void gu_stage(u32 sdst, const u8* __restrict__ pool, 
     stage_row(sdst + GU_CHB, g + (i64)GU_ROWS * GUG::RB, GU_RANGE, lane);
 }
 
-__device__ __forceinline__ void gu_issue(u32 sdst, const u8* __restrict__ pool, i64 slot_bytes,
-                                         const int* __restrict__ pairs, int it, int warp, int lane) {
-    constexpr int NG = GU_ROWS / 32;
-    const int p = it / NG, grp = it - p * NG;
-    gu_stage(sdst, pool, slot_bytes, __ldg(pairs + 2 * p + 1), grp, warp, lane);
-}
-
-extern "C" __global__ void __launch_bounds__(GU_WPB * 32, GU_MINB)
-expert_gateup(const u8* __restrict__ pool, i64 slot_bytes, const int* __restrict__ pairs,
-              const int* __restrict__ n_pairs_p, int max_pairs, const signed char* __restrict__ qa,
-              const float* __restrict__ da, const u32* __restrict__ grid_g, float* __restrict__ hbuf,
-              signed char* __restrict__ qhbuf, float* __restrict__ dhbuf) {
-    constexpr int NG = GU_ROWS / 32;
-    constexpr int SPL = GUG::SPL, NSUB = GUG::NSUB;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const u32 lane4 = 4u * lane;
-    const int n_pairs = clamp_pairs(n_pairs_p, max_pairs);
-    const int NB = gridDim.x;
-    const int items = n_pairs * NG;
-    const u32 sb = smem_base();
-    const u32 wst = GU_TBL + GU_HS + warp * GU_STAGES * GU_STG;  // this warp's stages (shared offset)
-
-#pragma unroll 1
-    for (int k = 0; k < GU_STAGES; ++k) {  // rows in flight before anything else
-        const int it = blockIdx.x + k * NB;
-        if (it < items) gu_issue(sb + wst + k * GU_STG, pool, slot_bytes, pairs, it, warp, lane);
-        cp_commit();
-    }
-    if (GU_QT == QT_IQ3_S) fill_grid(grid_g);
-    __syncthreads();
-
-#pragma unroll 1
-    for (int k = 0;; ++k) {
-        const int it = blockIdx.x + k * NB;
-        if (it >= items) break;  // block-uniform
-        const int st = k % GU_STAGES;
-        const int p = it / NG, grp = it - p * NG;
-        const int tok = __ldg(pairs + 2 * p);
-        const int slot = __ldg(pairs + 2 * p + 1);
-        const int row0 = grp * 32 + warp * GU_R;
-
-        Act A[SPL];  // the activation loads overlap the wait for the weights
-#pragma unroll
-        for (int i = 0; i < SPL; ++i) {
-            const int s = lane + 32 * i;
-            if (s < NSUB) load_act<GU_QT>(qa + (i64)tok * GU_KIN, da + (i64)tok * NSUB, s, A[i]);
-        }
-        cp_wait<GU_STAGES - 1>();
-        __syncwarp();
-
-        const u32 Rg = wst + st * GU_STG +
-                       (u32)(((u64)pool + (u64)((i64)slot * slot_bytes + (i64)row0 * GUG::RB)) & 15);
-        const u32 Ru = Rg + GU_CHB;
-        float ag[GU_R], au[GU_R];
-#pragma unroll
-        for (int r = 0; r < GU_R; ++r) ag[r] = au[r] = 0.0f;
-#pragma unroll
-        for (int i = 0; i < SPL; ++i) {
-            const int s = lane + 32 * i;
-#pragma unroll
-            for (int r = 0; r < GU_R; ++r) {
-                float tg = 0.0f, tu = 0.0f;
-                if (s < NSUB) {
-                    tg = sub_dot<GU_QT>(Rg + r * GUG::RB, s, lane4, A[i]);
-                    tu = sub_dot<GU_QT>(Ru + r * GUG::RB, s, lane4, A[i]);
-                }
-                ag[r] = f_add(ag[r], tg);
-                au[r] = f_add(au[r], tu);
-            }
-        }
-#pragma unroll
-        for (int o = 16; o; o >>= 1) {
-#pragma unroll
-            for (int r = 0; r < GU_R; ++r) {
-                ag[r] = f_add(ag[r], __shfl_down_sync(FULL_MASK, ag[r], o));
-                au[r] = f_add(au[r], __shfl_down_sync(FULL_MASK, au[r], o));
-            }
-        }
-        float* hs = reinterpret_cast<float*>(g_smem + GU_TBL + (k & 1) * 128);
-        if (lane == 0) {
-#pragma unroll
-            for (int r = 0; r < GU_R; ++r) {
-                const float hv = f_mul(c_silu(ag[r]), au[r]);
-                hs[warp * GU_R + r] = hv;
-                hbuf[(i64)p * GU_ROWS + row0 + r] = hv;
-            }
-        }
-        __syncwarp();  // every lane is done reading stage st
-        {
-            const int nx = it + GU_STAGES * NB;
-            if (nx < items) gu_issue(sb + wst + st * GU_STG, pool, slot_bytes, pairs, nx, warp, lane);
-            cp_commit();
-        }
-        __syncthreads();  // the group's 32 values of h are in hs
-        if (warp == 0)
-            quant32(hs[lane], lane, qhbuf + (i64)p * GU_ROWS + grp * 32, dhbuf + (i64)p * NG + grp);
-    }
-    cp_wait<0>();
-}
-
-// =====================================================================================================================
-// down projection
-// =====================================================================================================================
-// Warp item = (pair p, DN_R consecutive rows of d_model): stage the rows (one contiguous range), load qh[p]/dh[p]
-// into registers meanwhile, DN_R independent canonical sums, folded together; lane 0 writes the DN_R outputs.
-typedef Geom<DN_QT, DN_KIN> DNG;
-static_assert(DN_ROWS % DN_R == 0, "DN_R must divide d_model");
-constexpr int DN_RANGE = DN_R * DNG::RB;
-constexpr int DN_CHB = (DN_RANGE + 14 + 15) / 16 * 16 + 16;
-constexpr int DN_TBL = (DN_QT == QT_IQ3_S) ? GRID_TABLE_BYTES : 0;
-constexpr int DN_STG = DN_CHB;
-constexpr int DN_SMEM = DN_TBL + DN_WPB * DN_STAGES * DN_STG + 16;
-static_assert(DN_KIN == GU_ROWS, "down rows take d_ff values");
-static_assert(DN_ROWS == GU_KIN, "down has d_model rows");
-
-// stage chunk c (DN_R rows) of the down rows of the expert in `slot`
-__device__ __forceinline__ void dn_stage(u32 sdst, const u8* __restrict__ pool, i64 slot_bytes, int slot, int c,
-                                         int lane) {
-    constexpr i64 DN_OFF = 2 * (i64)GU_ROWS * GUG::RB;  // down rows follow gate and up
-    stage_row(sdst, pool + (i64)slot * slot_bytes + DN_OFF + (i64)c * DN_RANGE, DN_RANGE, lane);
-}
-
-__device__ __forceinline__ void dn_issue(u32 sdst, const u8* __restrict__ pool, i64 slot_bytes,
-                                         const int* __restrict__ pairs, int it, int lane) {
-    constexpr int NC = DN_ROWS / DN_R;
-    const int p = it / NC, c = it - p * NC;
-    dn_stage(sdst, pool, slot_bytes, __ldg(pairs + 2 * p + 1), c, lane);
-}
-
-extern "C" __global__ void __launch_bounds__(DN_WPB * 32, DN_MINB)
-expert_down(const u8* __restrict__ pool, i64 slot_bytes, const int* __restrict__ pairs,
-            const int* __restrict__ n_pairs_p, int max_pairs, const signed char* __restrict__ qhbuf,
-            const float* __restrict__ dhbuf, const u32* __restrict__ grid_g, float* __restrict__ out) {
-    constexpr int NC = DN_ROWS / DN_R;
-    constexpr i64 DN_OFF = 2 * (i64)GU_ROWS * GUG::RB;
-    constexpr int SPL = DNG::SPL, NSUB = DNG::NSUB;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const u32 lane4 = 4u * lane;
-    const int n_pairs = clamp_pairs(n_pairs_p, max_pairs);
-    const int W = gridDim.x * DN_WPB;
-    const int gw = blockIdx.x * DN_WPB + warp;
-    const int items = n_pairs * NC;
-    const u32 sb = smem_base();
-    const u32 wst = DN_TBL + warp * DN_STAGES * DN_STG;
-
-#pragma unroll 1
-    for (int k = 0; k < DN_STAGES; ++k) {
-        const int it = gw + k * W;
-        if (it < items) dn_issue(sb + wst + k * DN_STG, pool, slot_bytes, pairs, it, lane);
-        cp_commit();
-    }
-    if (DN_QT == QT_IQ3_S) fill_grid(grid_g);
-    __syncthreads();
-
-#pragma unroll 1
-    for (int k = 0;; ++k) {
-        const int it = gw + k * W;
-        if (it >= items) break;
-        const int st = k % DN_STAGES;
-        const int p = it / NC, c = it - p * NC;
-        const int slot = __ldg(pairs + 2 * p + 1);
-        Act A[SPL];
-#pragma unroll
-        for (int i = 0; i < SPL; ++i) {
-            const int s = lane + 32 * i;
-            if (s < NSUB) load_act<DN_QT>(qhbuf + (i64)p * DN_KIN, dhbuf + (i64)p * NSUB, s, A[i]);
-        }
-        cp_wait<DN_STAGES - 1>();
-        __syncwarp();
-
-        const u32 R0 = wst + st * DN_STG +
-                       (u32)(((u64)pool + (u64)((i64)slot * slot_bytes + DN_OFF + (i64)c * DN_RANGE)) & 15);
-        float acc[DN_R];
-#pragma unroll
-        for (int r = 0; r < DN_R; ++r) acc[r] = 0.0f;
-#pragma unroll
-        for (int i = 0; i < SPL; ++i) {
-            const int s = lane + 32 * i;
-#pragma unroll
-            for (int r = 0; r < DN_R; ++r) {
-                float t = 0.0f;
-                if (s < NSUB) t = sub_dot<DN_QT>(R0 + r * DNG::RB, s, lane4, A[i]);
-                acc[r] = f_add(acc[r], t);
-            }
-        }
-#pragma unroll
-        for (int o = 16; o; o >>= 1) {
-#pragma unroll
-            for (int r = 0; r < DN_R; ++r) acc[r] = f_add(acc[r], __shfl_down_sync(FULL_MASK, acc[r], o));
-        }
-        if (lane == 0) {
-            float* o = out + (i64)p * DN_ROWS + (i64)c * DN_R;
-#pragma unroll
-            for (int r = 0; r < DN_R; ++r) o[r] = acc[r];
-        }
-        __syncwarp();
-        const int nx = it + DN_STAGES * W;
-        if (nx < items) dn_issue(sb + wst + st * DN_STG, pool, slot_bytes, pairs, nx, lane);
-        cp_commit();
-    }
-    cp_wait<0>();
-}
-
-// =====================================================================================================================
-// tiled variants, for prompt chunks: an item is a tile of up to TILE_P pairs of one expert (consecutive in the pair
-// list: build_pairs groups pairs by expert), so each staged weight sub-block is decoded once for all of the tile's
-// tokens instead of once per pair. Per (token, row) the canonical terms are added in the same lane order (sub-block
-// lane, lane + 32, ... from 0.0f) and folded the same way as in the per-pair kernels: the same bits.
-// tiles: (first pair, count) per tile, n_tiles read on the device.
-// =====================================================================================================================
-#ifndef TILE_P
-#define TILE_P 8
-#endif
-constexpr int GUT_HS = 2 * TILE_P * 32 * 4;  // h of the tile's tokens for the group, double-buffered
-constexpr int GUT_SMEM = GU_TBL + GUT_HS + GU_WPB * GU_STAGES * GU_STG + 16;
-
-__device__ __forceinline__ int tile_slot(const int* __restrict__ pairs, const int* __restrict__ tiles, int tile) {
-    return __ldg(pairs + 2 * __ldg(tiles + 2 * tile) + 1);
-}
-
-extern "C" __global__ void __launch_bounds__(GU_WPB * 32, 1)
-expert_gateup_tiled(const u8* __restrict__ pool, i64 slot_bytes, const int* __restrict__ pairs,
-                    const int* __restrict__ tiles, const int* __restrict__ n_tiles_p, int max_tiles,
-                    const signed char* __restrict__ qa, const float* __restrict__ da, const u32* __restrict__ grid_g,
-                    float* __restrict__ hbuf, signed char* __restrict__ qhbuf, float* __restrict__ dhbuf) {
+template <int TP>
+__device__ __forceinline__ void gateup_body(const u8* __restrict__ pool, i64 slot_bytes, const int* __restrict__ pairs,
+                                            const int* __restrict__ tiles, const int* __restrict__ n_tiles_p,
+                                            int max_tiles, const signed char* __restrict__ qa,
+                                            const float* __restrict__ da, const u32* __restrict__ grid_g,
+                                            float* __restrict__ hbuf, signed char* __restrict__ qhbuf,
+                                            float* __restrict__ dhbuf) {
     constexpr int NG = GU_ROWS / 32;
     constexpr int SPL = GUG::SPL, NSUB = GUG::NSUB;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -669,13 +488,13 @@ expert_gateup_tiled(const u8* __restrict__ pool, i64 slot_bytes, const int* __re
     const int NB = gridDim.x;
     const int items = n_tiles * NG;
     const u32 sb = smem_base();
-    const u32 wst = GU_TBL + GUT_HS + warp * GU_STAGES * GU_STG;
+    const u32 wst = GU_TBL + GuSmem<TP>::HS + warp * GU_STAGES * GU_STG;  // this warp's stages (shared offset)
 
 #pragma unroll 1
-    for (int k = 0; k < GU_STAGES; ++k) {
+    for (int k = 0; k < GU_STAGES; ++k) {  // rows in flight before anything else
         const int it = blockIdx.x + k * NB;
-        if (it < items) gu_stage(sb + wst + k * GU_STG, pool, slot_bytes, tile_slot(pairs, tiles, it / NG), it % NG,
-                                 warp, lane);
+        if (it < items) gu_stage(sb + wst + k * GU_STG, pool, slot_bytes, tile_slot<TP>(pairs, tiles, it / NG),
+                                 it % NG, warp, lane);
         cp_commit();
     }
     if (GU_QT == QT_IQ3_S) fill_grid(grid_g);
@@ -687,19 +506,29 @@ expert_gateup_tiled(const u8* __restrict__ pool, i64 slot_bytes, const int* __re
         if (it >= items) break;  // block-uniform
         const int st = k % GU_STAGES;
         const int tile = it / NG, grp = it - tile * NG;
-        const int p0 = __ldg(tiles + 2 * tile);
-        const int cnt = min(max(__ldg(tiles + 2 * tile + 1), 0), TILE_P);
+        int p0, cnt;
+        Tile<TP>::get(tiles, tile, p0, cnt);
         const int slot = __ldg(pairs + 2 * p0 + 1);
         const int row0 = grp * 32 + warp * GU_R;
+
+        Act A[TP == 1 ? SPL : 1];  // one pair: its activation loads overlap the wait for the weights
+        if (TP == 1) {
+            const int tok = __ldg(pairs + 2 * p0);
+#pragma unroll
+            for (int i = 0; i < SPL; ++i) {
+                const int s = lane + 32 * i;
+                if (s < NSUB) load_act<GU_QT>(qa + (i64)tok * GU_KIN, da + (i64)tok * NSUB, s, A[i]);
+            }
+        }
         cp_wait<GU_STAGES - 1>();
         __syncwarp();
 
         const u32 Rg = wst + st * GU_STG +
                        (u32)(((u64)pool + (u64)((i64)slot * slot_bytes + (i64)row0 * GUG::RB)) & 15);
         const u32 Ru = Rg + GU_CHB;
-        float ag[TILE_P][GU_R], au[TILE_P][GU_R];
+        float ag[TP][GU_R], au[TP][GU_R];
 #pragma unroll
-        for (int t = 0; t < TILE_P; ++t)
+        for (int t = 0; t < TP; ++t)
 #pragma unroll
             for (int r = 0; r < GU_R; ++r) ag[t][r] = au[t][r] = 0.0f;
 #pragma unroll
@@ -707,24 +536,34 @@ expert_gateup_tiled(const u8* __restrict__ pool, i64 slot_bytes, const int* __re
             const int s = lane + 32 * i;
 #pragma unroll
             for (int r = 0; r < GU_R; ++r) {
-                SubW wg, wu;
-                if (s < NSUB) {
-                    decode_sub<GU_QT>(Rg + r * GUG::RB, s, lane4, wg);
-                    decode_sub<GU_QT>(Ru + r * GUG::RB, s, lane4, wu);
-                }
+                if (TP == 1) {
+                    float tg = 0.0f, tu = 0.0f;
+                    if (s < NSUB) {
+                        tg = sub_dot<GU_QT>(Rg + r * GUG::RB, s, lane4, A[i % (TP == 1 ? SPL : 1)]);
+                        tu = sub_dot<GU_QT>(Ru + r * GUG::RB, s, lane4, A[i % (TP == 1 ? SPL : 1)]);
+                    }
+                    ag[0][r] = f_add(ag[0][r], tg);
+                    au[0][r] = f_add(au[0][r], tu);
+                } else {
+                    SubW wg, wu;
+                    if (s < NSUB) {
+                        decode_sub<GU_QT>(Rg + r * GUG::RB, s, lane4, wg);
+                        decode_sub<GU_QT>(Ru + r * GUG::RB, s, lane4, wu);
+                    }
 #pragma unroll
-                for (int t = 0; t < TILE_P; ++t) {
-                    if (t < cnt) {  // warp-uniform
-                        float tg = 0.0f, tu = 0.0f;
-                        if (s < NSUB) {
-                            const int tok = __ldg(pairs + 2 * (p0 + t));
-                            Act A;
-                            load_act<GU_QT, false>(qa + (i64)tok * GU_KIN, da + (i64)tok * NSUB, s, A);
-                            tg = sub_term<GU_QT>(wg, A);
-                            tu = sub_term<GU_QT>(wu, A);
+                    for (int t = 0; t < TP; ++t) {
+                        if (t < cnt) {  // warp-uniform
+                            float tg = 0.0f, tu = 0.0f;
+                            if (s < NSUB) {
+                                const int tok = __ldg(pairs + 2 * (p0 + t));
+                                Act B;
+                                load_act<GU_QT, false>(qa + (i64)tok * GU_KIN, da + (i64)tok * NSUB, s, B);
+                                tg = sub_term<GU_QT>(wg, B);
+                                tu = sub_term<GU_QT>(wu, B);
+                            }
+                            ag[t][r] = f_add(ag[t][r], tg);
+                            au[t][r] = f_add(au[t][r], tu);
                         }
-                        ag[t][r] = f_add(ag[t][r], tg);
-                        au[t][r] = f_add(au[t][r], tu);
                     }
                 }
             }
@@ -732,17 +571,17 @@ expert_gateup_tiled(const u8* __restrict__ pool, i64 slot_bytes, const int* __re
 #pragma unroll
         for (int o = 16; o; o >>= 1) {
 #pragma unroll
-            for (int t = 0; t < TILE_P; ++t)
+            for (int t = 0; t < TP; ++t)
 #pragma unroll
                 for (int r = 0; r < GU_R; ++r) {
                     ag[t][r] = f_add(ag[t][r], __shfl_down_sync(FULL_MASK, ag[t][r], o));
                     au[t][r] = f_add(au[t][r], __shfl_down_sync(FULL_MASK, au[t][r], o));
                 }
         }
-        float* hs = reinterpret_cast<float*>(g_smem + GU_TBL + (k & 1) * TILE_P * 128);
+        float* hs = reinterpret_cast<float*>(g_smem + GU_TBL + (k & 1) * TP * 128);
         if (lane == 0) {
 #pragma unroll
-            for (int t = 0; t < TILE_P; ++t) {
+            for (int t = 0; t < TP; ++t) {
                 if (t < cnt) {
 #pragma unroll
                     for (int r = 0; r < GU_R; ++r) {
@@ -756,11 +595,11 @@ expert_gateup_tiled(const u8* __restrict__ pool, i64 slot_bytes, const int* __re
         __syncwarp();  // every lane is done reading stage st
         {
             const int nx = it + GU_STAGES * NB;
-            if (nx < items) gu_stage(sb + wst + st * GU_STG, pool, slot_bytes, tile_slot(pairs, tiles, nx / NG),
+            if (nx < items) gu_stage(sb + wst + st * GU_STG, pool, slot_bytes, tile_slot<TP>(pairs, tiles, nx / NG),
                                      nx % NG, warp, lane);
             cp_commit();
         }
-        __syncthreads();  // the tile's h values of the group are in hs
+        __syncthreads();  // the group's values of h are in hs
         for (int t = warp; t < cnt; t += GU_WPB)  // warp-uniform
             quant32(hs[t * 32 + lane], lane, qhbuf + (i64)(p0 + t) * GU_ROWS + grp * 32,
                     dhbuf + (i64)(p0 + t) * NG + grp);
@@ -768,13 +607,48 @@ expert_gateup_tiled(const u8* __restrict__ pool, i64 slot_bytes, const int* __re
     cp_wait<0>();
 }
 
-extern "C" __global__ void __launch_bounds__(DN_WPB * 32, 1)
-expert_down_tiled(const u8* __restrict__ pool, i64 slot_bytes, const int* __restrict__ pairs,
-                  const int* __restrict__ tiles, const int* __restrict__ n_tiles_p, int max_tiles,
-                  const signed char* __restrict__ qhbuf, const float* __restrict__ dhbuf,
-                  const u32* __restrict__ grid_g, float* __restrict__ out) {
+extern "C" __global__ void __launch_bounds__(GU_WPB * 32, GU_MINB)
+expert_gateup(const u8* __restrict__ pool, i64 slot_bytes, const int* __restrict__ pairs,
+              const int* __restrict__ n_pairs_p, int max_pairs, const signed char* __restrict__ qa,
+              const float* __restrict__ da, const u32* __restrict__ grid_g, float* __restrict__ hbuf,
+              signed char* __restrict__ qhbuf, float* __restrict__ dhbuf) {
+    gateup_body<1>(pool, slot_bytes, pairs, nullptr, n_pairs_p, max_pairs, qa, da, grid_g, hbuf, qhbuf, dhbuf);
+}
+
+extern "C" __global__ void __launch_bounds__(GU_WPB * 32, 1)
+expert_gateup_tiled(const u8* __restrict__ pool, i64 slot_bytes, const int* __restrict__ pairs,
+                    const int* __restrict__ tiles, const int* __restrict__ n_tiles_p, int max_tiles,
+                    const signed char* __restrict__ qa, const float* __restrict__ da, const u32* __restrict__ grid_g,
+                    float* __restrict__ hbuf, signed char* __restrict__ qhbuf, float* __restrict__ dhbuf) {
+    gateup_body<TILE_P>(pool, slot_bytes, pairs, tiles, n_tiles_p, max_tiles, qa, da, grid_g, hbuf, qhbuf, dhbuf);
+}
+
+// Warp item = (tile, DN_R consecutive rows of d_model): stage the rows (one contiguous range), DN_R independent
+// canonical sums per token, folded together; lane 0 writes the outputs.
+typedef Geom<DN_QT, DN_KIN> DNG;
+static_assert(DN_ROWS % DN_R == 0, "DN_R must divide d_model");
+constexpr int DN_RANGE = DN_R * DNG::RB;
+constexpr int DN_CHB = (DN_RANGE + 14 + 15) / 16 * 16 + 16;
+constexpr int DN_TBL = (DN_QT == QT_IQ3_S) ? GRID_TABLE_BYTES : 0;
+constexpr int DN_STG = DN_CHB;
+constexpr int DN_SMEM = DN_TBL + DN_WPB * DN_STAGES * DN_STG + 16;
+static_assert(DN_KIN == GU_ROWS, "down rows take d_ff values");
+static_assert(DN_ROWS == GU_KIN, "down has d_model rows");
+constexpr i64 DN_OFF = 2 * (i64)GU_ROWS * GUG::RB;  // down rows follow gate and up
+
+// stage chunk c (DN_R rows) of the down rows of the expert in `slot`
+__device__ __forceinline__ void dn_stage(u32 sdst, const u8* __restrict__ pool, i64 slot_bytes, int slot, int c,
+                                         int lane) {
+    stage_row(sdst, pool + (i64)slot * slot_bytes + DN_OFF + (i64)c * DN_RANGE, DN_RANGE, lane);
+}
+
+template <int TP>
+__device__ __forceinline__ void down_body(const u8* __restrict__ pool, i64 slot_bytes, const int* __restrict__ pairs,
+                                          const int* __restrict__ tiles, const int* __restrict__ n_tiles_p,
+                                          int max_tiles, const signed char* __restrict__ qhbuf,
+                                          const float* __restrict__ dhbuf, const u32* __restrict__ grid_g,
+                                          float* __restrict__ out) {
     constexpr int NC = DN_ROWS / DN_R;
-    constexpr i64 DN_OFF = 2 * (i64)GU_ROWS * GUG::RB;
     constexpr int SPL = DNG::SPL, NSUB = DNG::NSUB;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const u32 lane4 = 4u * lane;
@@ -788,8 +662,8 @@ expert_down_tiled(const u8* __restrict__ pool, i64 slot_bytes, const int* __rest
 #pragma unroll 1
     for (int k = 0; k < DN_STAGES; ++k) {
         const int it = gw + k * W;
-        if (it < items) dn_stage(sb + wst + k * DN_STG, pool, slot_bytes, tile_slot(pairs, tiles, it / NC), it % NC,
-                                 lane);
+        if (it < items) dn_stage(sb + wst + k * DN_STG, pool, slot_bytes, tile_slot<TP>(pairs, tiles, it / NC),
+                                 it % NC, lane);
         cp_commit();
     }
     if (DN_QT == QT_IQ3_S) fill_grid(grid_g);
@@ -801,17 +675,25 @@ expert_down_tiled(const u8* __restrict__ pool, i64 slot_bytes, const int* __rest
         if (it >= items) break;
         const int st = k % DN_STAGES;
         const int tile = it / NC, c = it - tile * NC;
-        const int p0 = __ldg(tiles + 2 * tile);
-        const int cnt = min(max(__ldg(tiles + 2 * tile + 1), 0), TILE_P);
+        int p0, cnt;
+        Tile<TP>::get(tiles, tile, p0, cnt);
         const int slot = __ldg(pairs + 2 * p0 + 1);
+        Act A[TP == 1 ? SPL : 1];
+        if (TP == 1) {
+#pragma unroll
+            for (int i = 0; i < SPL; ++i) {
+                const int s = lane + 32 * i;
+                if (s < NSUB) load_act<DN_QT>(qhbuf + (i64)p0 * DN_KIN, dhbuf + (i64)p0 * NSUB, s, A[i]);
+            }
+        }
         cp_wait<DN_STAGES - 1>();
         __syncwarp();
 
         const u32 R0 = wst + st * DN_STG +
                        (u32)(((u64)pool + (u64)((i64)slot * slot_bytes + DN_OFF + (i64)c * DN_RANGE)) & 15);
-        float acc[TILE_P][DN_R];
+        float acc[TP][DN_R];
 #pragma unroll
-        for (int t = 0; t < TILE_P; ++t)
+        for (int t = 0; t < TP; ++t)
 #pragma unroll
             for (int r = 0; r < DN_R; ++r) acc[t][r] = 0.0f;
 #pragma unroll
@@ -819,19 +701,25 @@ expert_down_tiled(const u8* __restrict__ pool, i64 slot_bytes, const int* __rest
             const int s = lane + 32 * i;
 #pragma unroll
             for (int r = 0; r < DN_R; ++r) {
-                SubW w;
-                if (s < NSUB) decode_sub<DN_QT>(R0 + r * DNG::RB, s, lane4, w);
+                if (TP == 1) {
+                    float t1 = 0.0f;
+                    if (s < NSUB) t1 = sub_dot<DN_QT>(R0 + r * DNG::RB, s, lane4, A[i % (TP == 1 ? SPL : 1)]);
+                    acc[0][r] = f_add(acc[0][r], t1);
+                } else {
+                    SubW w;
+                    if (s < NSUB) decode_sub<DN_QT>(R0 + r * DNG::RB, s, lane4, w);
 #pragma unroll
-                for (int t = 0; t < TILE_P; ++t) {
-                    if (t < cnt) {
-                        float tt = 0.0f;
-                        if (s < NSUB) {
-                            const int p = p0 + t;
-                            Act A;
-                            load_act<DN_QT, false>(qhbuf + (i64)p * DN_KIN, dhbuf + (i64)p * NSUB, s, A);
-                            tt = sub_term<DN_QT>(w, A);
+                    for (int t = 0; t < TP; ++t) {
+                        if (t < cnt) {
+                            float tt = 0.0f;
+                            if (s < NSUB) {
+                                const int p = p0 + t;
+                                Act B;
+                                load_act<DN_QT, false>(qhbuf + (i64)p * DN_KIN, dhbuf + (i64)p * NSUB, s, B);
+                                tt = sub_term<DN_QT>(w, B);
+                            }
+                            acc[t][r] = f_add(acc[t][r], tt);
                         }
-                        acc[t][r] = f_add(acc[t][r], tt);
                     }
                 }
             }
@@ -839,13 +727,13 @@ expert_down_tiled(const u8* __restrict__ pool, i64 slot_bytes, const int* __rest
 #pragma unroll
         for (int o = 16; o; o >>= 1) {
 #pragma unroll
-            for (int t = 0; t < TILE_P; ++t)
+            for (int t = 0; t < TP; ++t)
 #pragma unroll
                 for (int r = 0; r < DN_R; ++r) acc[t][r] = f_add(acc[t][r], __shfl_down_sync(FULL_MASK, acc[t][r], o));
         }
         if (lane == 0) {
 #pragma unroll
-            for (int t = 0; t < TILE_P; ++t) {
+            for (int t = 0; t < TP; ++t) {
                 if (t < cnt) {
                     float* o = out + (i64)(p0 + t) * DN_ROWS + (i64)c * DN_R;
 #pragma unroll
@@ -855,11 +743,26 @@ expert_down_tiled(const u8* __restrict__ pool, i64 slot_bytes, const int* __rest
         }
         __syncwarp();
         const int nx = it + DN_STAGES * W;
-        if (nx < items) dn_stage(sb + wst + st * DN_STG, pool, slot_bytes, tile_slot(pairs, tiles, nx / NC), nx % NC,
-                                 lane);
+        if (nx < items) dn_stage(sb + wst + st * DN_STG, pool, slot_bytes, tile_slot<TP>(pairs, tiles, nx / NC),
+                                 nx % NC, lane);
         cp_commit();
     }
     cp_wait<0>();
+}
+
+extern "C" __global__ void __launch_bounds__(DN_WPB * 32, DN_MINB)
+expert_down(const u8* __restrict__ pool, i64 slot_bytes, const int* __restrict__ pairs,
+            const int* __restrict__ n_pairs_p, int max_pairs, const signed char* __restrict__ qhbuf,
+            const float* __restrict__ dhbuf, const u32* __restrict__ grid_g, float* __restrict__ out) {
+    down_body<1>(pool, slot_bytes, pairs, nullptr, n_pairs_p, max_pairs, qhbuf, dhbuf, grid_g, out);
+}
+
+extern "C" __global__ void __launch_bounds__(DN_WPB * 32, 1)
+expert_down_tiled(const u8* __restrict__ pool, i64 slot_bytes, const int* __restrict__ pairs,
+                  const int* __restrict__ tiles, const int* __restrict__ n_tiles_p, int max_tiles,
+                  const signed char* __restrict__ qhbuf, const float* __restrict__ dhbuf,
+                  const u32* __restrict__ grid_g, float* __restrict__ out) {
+    down_body<TILE_P>(pool, slot_bytes, pairs, tiles, n_tiles_p, max_tiles, qhbuf, dhbuf, grid_g, out);
 }
 
 // =====================================================================================================================
