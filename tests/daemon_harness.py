@@ -57,3 +57,28 @@ class RoleWatch:
     def __exit__(self, *exc):
         self.stop.set()
         self.t.join()
+
+
+def split_then_rejoin(d: Daemon, first: dict, second: dict, timeout_s: float = 60.0):
+    """A long request A; B splits a peer off while A streams and then idles; A goes on until B's lane has
+    rejoined it as a peer (or timeout_s), then is cancelled. first / second: generate() arguments.
+    Returns (A's stream, B's stream, the roles seen)."""
+    with RoleWatch(d) as w, d.client(stream_timeout_s=600) as c:
+        a = c.generate(max_tokens=3000, digest=True, **first)
+        it = iter(a)
+        next(it)
+        b = c.generate(max_tokens=5, digest=True, **second)
+        b.result()
+        deadline, cancelled = time.monotonic() + timeout_s, False
+        for _ in it:
+            rejoined = any(("lead", True) in s and ("peer", False) in s for s in w.seen[-3:])
+            if not cancelled and (rejoined or time.monotonic() > deadline):
+                a.cancel()
+                cancelled = True
+        return a, b, w.seen
+
+
+def rejoined_after_split(seen) -> bool:
+    split = seen.index(next(s for s in seen if ("solo", True) in s))
+    return any(("lead", True) in s and ("peer", False) in s for s in seen[split:])
+

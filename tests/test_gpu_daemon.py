@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from daemon_harness import Daemon, RoleWatch
+from daemon_harness import Daemon, rejoined_after_split, split_then_rejoin
 from stratad.model.generator import make_model
 
 pytestmark = pytest.mark.gpu
@@ -101,23 +101,10 @@ def test_modes_bit_identical_on_gpu_cards(model, tmp_path, want):
 def test_rejoin_mid_generation_on_gpu_cards(model, tmp_path, want):
     d = start(model, tmp_path, "0,0", "0.3", rejoin_idle_s=0.3)
     try:
-        with RoleWatch(d) as w, d.client(stream_timeout_s=600) as c:
-            a = c.generate(tokens=PROMPTS["A"], max_tokens=3000, digest=True)
-            it = iter(a)
-            next(it)
-            b = c.generate(tokens=PROMPTS["B"], max_tokens=5, digest=True)  # splits a peer off, then idles
-            b.result()
-            deadline, cancelled = time.monotonic() + 120, False
-            for _ in it:  # A goes on until B's lane has rejoined it as a peer
-                rejoined = any(("lead", True) in s and ("peer", False) in s for s in w.seen[-3:])
-                if not cancelled and (rejoined or time.monotonic() > deadline):
-                    a.cancel()
-                    cancelled = True
-            seen = w.seen
+        a, b, seen = split_then_rejoin(d, {"tokens": PROMPTS["A"]}, {"tokens": PROMPTS["B"]}, timeout_s=120)
         assert b.stats.logits_sha256 == want("B", 5)
         assert a.stats.logits_sha256 == want("A", a.stats.generated_tokens)
-        split = seen.index(next(s for s in seen if ("solo", True) in s))
-        assert any(("lead", True) in s and ("peer", False) in s for s in seen[split:]), seen[-5:]
+        assert rejoined_after_split(seen), seen[-5:]
     finally:
         d.stop()
 

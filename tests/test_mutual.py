@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from daemon_harness import Daemon, RoleWatch
+from daemon_harness import Daemon, RoleWatch, rejoined_after_split, split_then_rejoin
 from stratad.engine.generation import Generation
 from stratad.engine.reference import ReferenceEngine
 from stratad.engine.sampling import SamplingParams
@@ -112,23 +112,10 @@ def test_lead_peer_then_split_independent_lanes(tiny_model_path, tmp_path, ref):
 def test_rejoin_mid_generation(tiny_model_path, tmp_path, ref):
     d = start(tiny_model_path, tmp_path, rejoin_idle_s=0.3)
     try:
-        with RoleWatch(d) as w, d.client() as c:
-            a = c.generate(prompt=PROMPTS["A"], max_tokens=3000, digest=True)
-            it = iter(a)
-            next(it)
-            b = c.generate(prompt=PROMPTS["B"], max_tokens=5, digest=True)  # splits a peer off, then idles
-            b.result()
-            deadline, cancelled = time.monotonic() + 60, False
-            for _ in it:  # A goes on until B's lane has rejoined it as a peer
-                rejoined = any(("lead", True) in s and ("peer", False) in s for s in w.seen[-3:])
-                if not cancelled and (rejoined or time.monotonic() > deadline):
-                    a.cancel()
-                    cancelled = True
-            seen = w.seen
+        a, b, seen = split_then_rejoin(d, {"prompt": PROMPTS["A"]}, {"prompt": PROMPTS["B"]})
         assert b.stats.logits_sha256 == ref("B", 5)
         assert a.stats.logits_sha256 == ref("A", a.stats.generated_tokens)
-        split = seen.index(next(s for s in seen if ("solo", True) in s))
-        assert any(("lead", True) in s and ("peer", False) in s for s in seen[split:]), seen[-5:]
+        assert rejoined_after_split(seen), seen[-5:]
     finally:
         d.stop()
 
