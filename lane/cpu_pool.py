@@ -34,6 +34,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from stratad.bench import hardware
 from stratad.model.quants import SUB, fmt, iq3s_grid
 
 F32 = np.float32
@@ -827,35 +828,6 @@ def _random_layer(qtype: int, n_expert: int, d_model: int, d_ff: int, seed: int 
     return gate, up, down
 
 
-def host_copy_bandwidth(nbytes: int = 1 << 30, repeat: int = 5) -> float:
-    """GB/s of one big numpy copy (bytes read + bytes written), single-threaded."""
-    a = np.ones(nbytes, np.uint8)
-    b = np.empty_like(a)
-    np.copyto(b, a)
-    best = 1e9
-    for _ in range(repeat):
-        t = time.perf_counter()
-        np.copyto(b, a)
-        best = min(best, time.perf_counter() - t)
-    return 2 * nbytes / best / 1e9
-
-
-def host_read_bandwidth(threads: int, nbytes: int = 1 << 30, repeat: int = 5) -> float:
-    """GB/s of reading nbytes (numpy uint64 sums) split across `threads` threads: what the pool could stream."""
-    x = np.ones(nbytes // 8, np.uint64)
-    n = x.shape[0]
-    with ThreadPoolExecutor(threads) as ex:
-        def once():
-            list(ex.map(lambda c: x[c * n // threads:(c + 1) * n // threads].sum(), range(threads)))  # GIL released
-        once()
-        best = 1e9
-        for _ in range(repeat):
-            t = time.perf_counter()
-            once()
-            best = min(best, time.perf_counter() - t)
-    return nbytes / best / 1e9
-
-
 def bench_cpu_pool(threads: int | None = None, qtype: int = IQ3_S, n_expert: int = 128, experts_per_token: int = 8,
                    tokens: int = 1, d_model: int = 2048, d_ff: int = 768, repeat: int = 30,
                    modes=("prange", "threads"), seed: int = 0, layer=None, bandwidth: bool = True) -> dict:
@@ -893,8 +865,8 @@ def bench_cpu_pool(threads: int | None = None, qtype: int = IQ3_S, n_expert: int
         res["modes"][mode] = {"ms": float(np.median(times)) * 1e3, "gb_s": nb / float(np.median(times)) / 1e9,
                      "best_gb_s": nb / min(times) / 1e9}
     if bandwidth:
-        res["host_copy_gb_s_1thread"] = host_copy_bandwidth()
-        res["host_read_gb_s"] = host_read_bandwidth(threads)
+        res["host_copy_gb_s_1thread"] = hardware.host_bandwidth_gbs()
+        res["host_read_gb_s"] = hardware.host_read_bandwidth(threads)
     return res
 
 

@@ -6,12 +6,12 @@ instead, so the floor here counts card-resident expert bytes only and the CPU sh
 """
 from __future__ import annotations
 
-import time
+import os
 
 import numpy as np
 import psutil
 
-from stratad.bench.hardware import gpu_copy_bandwidth
+from stratad.bench.hardware import gpu_copy_bandwidth, host_read_bandwidth
 from stratad.engine.generation import Generation
 from stratad.engine.sampling import SamplingParams
 from stratad.model.gguf_file import ModelFile
@@ -34,6 +34,8 @@ def run(model_path: str, fractions=(1.0, 0.5, 0.25), contexts=(1024,), tokens: i
     model = ModelFile(model_path)
     c = model.config
     bw = gpu_copy_bandwidth(cp)[0] * 1e9
+    host_read = host_read_bandwidth(os.cpu_count() or 1)
+    expert_bytes = sum(model.expert_raw(0, k, 0).nbytes for k in KINDS)
     total = c.n_layer * c.n_expert
     results = []
     profile = None
@@ -61,12 +63,16 @@ def run(model_path: str, fractions=(1.0, 0.5, 0.25), contexts=(1024,), tokens: i
             floor_s = _bytes_per_token(model, ctx, share) / bw
             tps = g.decode_tok_s
             free, total_mem = cp.cuda.runtime.memGetInfo()
+            # the CPU pool's decode traffic: its experts' bytes per token x tokens per second, against what the
+            # host's cores can read at all (the CPU share's own ceiling)
+            cpu_gb_s = on_cpu / max(1, n - 1) * expert_bytes * tps / 1e9
             results.append({
                 "cache_fraction": frac, "context": ctx, "generated": n,
                 "prefill_tok_s": round(ctx / g.ttft_s, 1), "ttft_s": round(g.ttft_s, 4),
                 "decode_tok_s": round(tps, 1), "hit_rate": round(share, 4), "cpu_share": round(1 - share, 4),
                 "floor_ms_per_token": round(floor_s * 1e3, 4),
                 "floor_tok_s": round(1 / floor_s, 1), "fraction_of_floor": round(tps * floor_s, 4),
+                "cpu_expert_gb_s": round(cpu_gb_s, 2), "cpu_fraction_of_host_read": round(cpu_gb_s / host_read, 3),
                 "vram_used_gib": round((total_mem - free) / 2**30, 2),
                 "host_rss_gib": round(psutil.Process().memory_info().rss / 2**30, 2),
             })
@@ -75,5 +81,6 @@ def run(model_path: str, fractions=(1.0, 0.5, 0.25), contexts=(1024,), tokens: i
         del card
         cp.get_default_memory_pool().free_all_blocks()
     return {"scenario": "engine", "model": str(model_path), "copy_bandwidth_tb_s": round(bw / 1e12, 3),
+            "host_read_gb_s": round(host_read, 1),
             "floor": "bytes per decode token (card-resident routed experts + dense + KV) / copy bandwidth",
             "results": results}

@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import platform
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import psutil
@@ -19,6 +20,22 @@ def host_bandwidth_gbs(nbytes: int = 512 << 20, repeats: int = 5) -> float:
         np.copyto(b, a)
         best = min(best, time.perf_counter() - t)
     return 2 * a.nbytes / best / 1e9
+
+
+def host_read_bandwidth(threads: int, nbytes: int = 1 << 30, repeat: int = 5) -> float:
+    """GB/s of reading nbytes (numpy uint64 sums) split across `threads` threads: what the pool could stream."""
+    x = np.ones(nbytes // 8, np.uint64)
+    n = x.shape[0]
+    with ThreadPoolExecutor(threads) as ex:
+        def once():
+            list(ex.map(lambda c: x[c * n // threads:(c + 1) * n // threads].sum(), range(threads)))  # GIL released
+        once()
+        best = 1e9
+        for _ in range(repeat):
+            t = time.perf_counter()
+            once()
+            best = min(best, time.perf_counter() - t)
+    return nbytes / best / 1e9
 
 
 def cpu_name() -> str:
