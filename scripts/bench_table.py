@@ -1,0 +1,45 @@
+#!/usr/bin/env python3
+"""Markdown tables from `stratad bench --json` files (engine or seed), for README.md and the perf notes.
+
+    python3 scripts/bench_table.py docs/bench/2026-12-02-h200-engine-a3b-iq3s.json [more.json ...]
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+
+def engine_rows(d: dict) -> list[str]:
+    out = ["| experts on the card | context | decode tok/s | floor tok/s | of floor | prefill tok/s | TTFT s | "
+           "on the card | CPU GB/s |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in d["results"]:
+        out.append(f"| {r['cache_fraction']:.0%} | {r['context'] // 1024}K | {r['decode_tok_s']:.0f} | "
+                   f"{r['floor_tok_s']:.0f} | {r['fraction_of_floor']:.0%} | {r['prefill_tok_s']:.0f} | "
+                   f"{r['ttft_s']:.2f} | {r['hit_rate']:.0%} | {r.get('cpu_expert_gb_s', float('nan')):.1f} |")  # nan: not measured then
+    return out
+
+
+def seed_rows(d: dict) -> list[str]:
+    out = [f"{d['cards']}, {d['cache_fraction_per_card']:.1%} of the experts per card, {d['prompt_tokens']}-token "
+           f"prompts ({d.get('note', 'one card per device')})", "",
+           "| mode | chat | on some card | own / peer / CPU | decode tok/s | TTFT s |", "|---|---|---|---|---|---|"]
+    for mode, chats in d["modes"].items():
+        for c in chats:
+            out.append(f"| {mode} | {c['topic']} | {c['share_some_card']:.3f} | {c['share_own_card']:.2f} / "
+                       f"{c['share_peer']:.2f} / {c['share_cpu']:.3f} | {c['decode_tok_s']:.1f} | {c['ttft_s']:.2f} |")
+    return out
+
+
+def main(paths: list[str]) -> int:
+    for p in paths:
+        with open(p) as f:
+            d = json.load(f)
+        hw = d.get("hardware", {})
+        print(f"{p}: {d.get('date', '?')}, {hw.get('device', hw.get('cpu', '?'))}")
+        print("\n".join(engine_rows(d) if d["scenario"] == "engine" else seed_rows(d)))
+        print()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
