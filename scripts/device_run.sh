@@ -3,7 +3,8 @@
 # $OUT (the device tool brings them back). Run from the repository root on the device machine, after installing
 # the wheels (see ../shared/device/README.md):
 #   bash scripts/device_run.sh tests     # the GPU test files (kernels, card, daemon), a summary line each
-#   bash scripts/device_run.sh engine    # a3b IQ3_S: decode profile, engine bench at 1K / 32K / 64K
+#   bash scripts/device_run.sh profile   # a3b IQ3_S: where a decode step's time goes, without and with PDL
+#   bash scripts/device_run.sh engine    # a3b IQ3_S: the engine bench at 1K / 32K / 64K
 #   bash scripts/device_run.sh seed13    # the seed table at 60K prompts, modes 1 and 3 (two logical cards)
 #   bash scripts/device_run.sh seed2     # the same, mode 2
 set -u
@@ -18,15 +19,21 @@ model() {  # path preset args...
 
 case "${1:-}" in
 tests)
-    for f in tests/test_gpu_experts.py tests/test_gpu_dense.py tests/test_gpu_card.py tests/test_gpu_daemon.py; do
+    for f in tests/test_gpu_experts.py tests/test_gpu_dense.py tests/test_gpu_card.py tests/test_gpu_pdl.py \
+             tests/test_gpu_daemon.py; do
         timeout 280 python3 -m pytest -q -x -m gpu -p no:cacheprovider "$f" > "$OUT/$(basename "$f" .py).log" 2>&1
         echo "$f: rc=$? $(tail -1 "$OUT/$(basename "$f" .py).log")"
     done
     ;;
-engine)
+profile)
     model "$A3B" --router-skew 1.0
     timeout 150 python3 scripts/gpu_decode_profile.py --model "$A3B" --fractions 1.0,0.5 --json "$OUT/profile.json" \
         2>&1 | tail -4
+    STRATAD_PDL=1 timeout 90 python3 scripts/gpu_decode_profile.py --model "$A3B" --fractions 1.0 \
+        --json "$OUT/profile-pdl.json" 2>&1 | tail -2
+    ;;
+engine)
+    model "$A3B" --router-skew 1.0
     timeout 250 python3 -m stratad.cli bench --scenario engine --model "$A3B" --fractions 1.0,0.5 \
         --contexts 1024,32768,65536 --json "$OUT/engine.json" 2>&1 | grep "^{'" | cut -c1-200
     timeout 120 python3 -m stratad.cli bench --scenario engine --model "$A3B" --fractions 0.25 \
@@ -47,7 +54,7 @@ for m, cs in d['modes'].items():
 " "$OUT/seed-$modes.json" 2>&1 | tail -6
     ;;
 *)
-    echo "usage: $0 tests|engine|seed13|seed2" >&2
+    echo "usage: $0 tests|profile|engine|seed13|seed2" >&2
     exit 2
     ;;
 esac
