@@ -47,10 +47,11 @@ class Sampler:
         self.rng = np.random.default_rng(params.seed)
 
     def __call__(self, logits: np.ndarray) -> int:
+        temp = self.p.temperature
+        if temp == 0:  # on the logits as they are: float64 holds every float32 exactly, so the index is the same
+            return int(np.argmax(logits))
         x = np.asarray(logits, np.float64).reshape(-1)
-        n, temp = x.shape[0], self.p.temperature
-        if temp == 0:
-            return int(np.argmax(x))
+        n = x.shape[0]
         u = self.rng.random()
         k = self.p.top_k if 0 < self.p.top_k < n else n
         if k == n and self.p.top_p >= 1:
