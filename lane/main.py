@@ -122,7 +122,7 @@ class Lane:
             from lane.cupy_card import CupyCard  # CUDA only where a GPU card is asked for
 
             self.card = CupyCard(self.model, int(self.a.card), n, self.a.context_length, live, self.a.cpu_threads)
-            self.card.on_chunk = self.beat
+            self.card.on_chunk = self.between_chunks
         self.card.pool.fill(list(placement.experts))
         self.loader = SlotLoader(self.card.pool)
         if placement.warmup_tokens:
@@ -160,6 +160,13 @@ class Lane:
     def report_loads(self) -> None:
         for epoch in self.loader.landed():
             self.send(M.Loaded(epoch=epoch))
+
+    def between_chunks(self) -> None:
+        """Between a long prompt's chunks: heartbeats, and slot loads that have landed (the card's table for this
+        prompt was taken at its start: new slots are used from the next step, dropped ones were dropped before)."""
+        if self.loader is not None:
+            self.report_loads()
+        self.beat()
 
     def poll_between_tokens(self) -> None:
         while (msg := self.recv(0)) is not None:
