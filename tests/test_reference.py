@@ -259,3 +259,13 @@ def test_generate_rejects_over_context(tiny_model):
     # exactly at the limit is accepted (not run to the end here: the check comes before any work)
     g = eng.generate([1] * 100, SamplingParams(max_tokens=ctx - 100))
     assert next(iter(g)) >= 0
+
+
+def test_wide_nucleus_beyond_the_probe():
+    """A nucleus wider than the candidates looked at first (flat logits over 5000 tokens, top_p 0.9): the whole
+    order is used, ties go to the lower index, and tokens past the probe are drawn."""
+    from stratad.engine.sampling import NUCLEUS_PROBE
+
+    lg = np.zeros(5000, F32)
+    draws = _draws(SamplingParams(temperature=1.0, top_p=0.9, seed=4), lg, 400)
+    assert max(draws) < 4500 and max(draws) > NUCLEUS_PROBE
