@@ -221,9 +221,9 @@ class CupyCard:
         return w.logits_h[:logit_rows].copy() if logit_rows else None
 
     # ---- running a step -----------------------------------------------------------------------------------------
-    def _chunk(self, tokens: np.ndarray, kv: GpuKV, logit_rows: int):
-        """A prompt chunk: the operations run directly."""
-        w = Work(self.c, len(tokens), logit_rows)
+    def _chunk(self, tokens: np.ndarray, kv: GpuKV, logit_rows: int, w: Work | None = None):
+        """A prompt chunk (or a decode step that cannot be replayed): the operations run directly."""
+        w = w or Work(self.c, len(tokens), logit_rows)
         w.pos0 = kv.length
         w.tokens.set(tokens, stream=self.stream)
         for op in self._ops(w, logit_rows):
@@ -234,8 +234,11 @@ class CupyCard:
         return self._done(w, kv, logit_rows)
 
     def _decode(self, token: int, kv: GpuKV, logit_rows: int):
-        """One token: replay the captured step (captured again when the placement's shape changed)."""
+        """One token: replay the captured step (captured again when the placement's shape changed). With a peer
+        on another GPU the step runs directly (its work is on that GPU's stream)."""
         w = self.decode_work
+        if self.experts.remote:
+            return self._chunk(np.array([token], np.int32), kv, logit_rows, w)
         key = (self.experts.full, self.experts.sources_key())
         if key not in self._graphs:
             if len(self._graphs) >= MAX_CAPTURED:

@@ -14,8 +14,8 @@ so the bits do not depend on placement. A layer is two halves around the host:
   back  : combine in router order into the residual, card rows and host rows through the row map.
 front and back only launch kernels with fixed grids (counts are read on the device), so the card captures them
 in CUDA graphs. Tables (expert -> source, slot) live on the device and are refreshed between steps.
-Another card's pool is opened through its CUDA IPC handle (from the coordinator's View); peers on other GPUs are
-not used yet: their experts run on the CPU pool.
+Another card's pool is opened through its CUDA IPC handle (from the coordinator's View): on this GPU its experts
+run here; on another GPU they run there (RemotePool), the input going over and the result rows coming back.
 """
 from __future__ import annotations
 
@@ -41,6 +41,89 @@ def pinned(shape, dtype) -> np.ndarray:
     n = int(np.prod(shape))
     mem = cp.cuda.alloc_pinned_memory(max(16, n * np.dtype(dtype).itemsize))
     return np.frombuffer(mem, dtype, n).reshape(shape)
+
+
+class PeerPool:
+    """Another card's slot pool on this GPU, opened through its CUDA IPC handle: its experts run here."""
+
+    remote = False
+
+    def __init__(self, card: int, generation: int, handle: str):
+        self.card, self.generation, self.handle = card, generation, handle
+        self.ptr = cp.cuda.runtime.ipcOpenMemHandle(bytes.fromhex(handle))
+
+    def close(self) -> None:
+        cp.cuda.runtime.ipcCloseMemHandle(self.ptr)
+
+
+class RemotePool(PeerPool):
+    """A peer card's slot pool on another GPU, computed there: the pool is opened on its device, the layer's
+    quantised input and pair list are copied over, that device's expert kernels run on its own stream and the
+    result rows come back (cudaMemcpyPeer: over NVLink / PCIe P2P where the cards have it, through host memory
+    otherwise), while this card computes its own experts. Steps with a remote peer run without CUDA graphs."""
+
+    remote = True
+
+    def __init__(self, card: int, generation: int, handle: str, device: int, experts: "GpuExperts"):
+        self.device = device
+        self.here = experts.stream.device_id
+        with cp.cuda.Device(device):
+            super().__init__(card, generation, handle)
+            for a, b in ((self.here, device), (device, self.here)):
+                if a != b and cp.cuda.runtime.deviceCanAccessPeer(a, b):
+                    with cp.cuda.Device(a):
+                        try:
+                            cp.cuda.runtime.deviceEnablePeerAccess(b)
+                        except cp.cuda.runtime.CUDARuntimeError:  # already enabled
+                            pass
+            c, P = experts.c, experts.max_pairs
+            self.stream = cp.cuda.Stream(non_blocking=True)
+            self.kernels = {key: ExpertKernels(c.d_model, c.d_ff_expert, key[0], key[1], P,
+                                               slot_stride=experts.pool.slot_bytes) for key in experts.kernels}
+            self.qa, self.da = cp.empty_like(experts.qa), cp.empty_like(experts.da)
+            self.pairs, self.n_pairs = cp.empty((P, 2), cp.int32), cp.empty((1,), cp.int32)
+            self.tiles, self.n_tiles = cp.empty(experts.tiles.shape[1:], cp.int32), cp.empty((1,), cp.int32)
+            self.rows = cp.empty((P, c.d_model), cp.float32)
+            self.done = cp.cuda.Event(disable_timing=True)
+        with cp.cuda.Device(self.here):
+            self.start = cp.cuda.Event(disable_timing=True)
+
+    def compute(self, key, s: int, T: int, tiled: bool, ex: "GpuExperts") -> None:
+        """Source s's pairs of this layer (built on this card) computed on the peer's GPU, rows back into
+        ex.rows[s]; this card's stream waits for them before the combine."""
+        rt, here, there = cp.cuda.runtime, self.here, self.device
+        self.start.record(ex.stream)
+        self.stream.wait_event(self.start)
+        copies = [(self.qa, ex.qa, T * ex.qa.shape[1]), (self.da, ex.da, T * ex.da.shape[1] * 4),
+                  (self.pairs, ex.pairs[s], T * ex.k * 8), (self.n_pairs, ex.n_pairs[s:s + 1], 4)]
+        if tiled:
+            copies += [(self.tiles, ex.tiles[s], self.tiles.nbytes), (self.n_tiles, ex.n_tiles[s:s + 1], 4)]
+        with cp.cuda.Device(there):
+            for dst, src, n in copies:
+                rt.memcpyPeerAsync(dst.data.ptr, there, src.data.ptr, here, n, self.stream.ptr)
+            k = self.kernels[key]
+            if tiled:
+                k.run_tiled(self.ptr, self.pairs, self.tiles, self.n_tiles, self.qa, self.da, self.rows,
+                            stream=self.stream)
+            else:
+                k.run(self.ptr, self.pairs, self.n_pairs, self.qa, self.da, self.rows, stream=self.stream)
+            rt.memcpyPeerAsync(ex.rows[s].data.ptr, here, self.rows.data.ptr, there, T * ex.k * self.rows.shape[1] * 4,
+                               self.stream.ptr)
+            self.done.record(self.stream)
+        ex.stream.wait_event(self.done)
+
+    def close(self) -> None:
+        with cp.cuda.Device(self.device):
+            self.stream.synchronize()
+            super().close()
+
+
+def device_index(bus_id: str) -> int | None:
+    """The CUDA device with this PCI bus id (as lanes report it, after "cuda:"), or None."""
+    for i in range(cp.cuda.runtime.getDeviceCount()):
+        if cp.cuda.runtime.deviceGetPCIBusId(i).lower() == bus_id.lower():
+            return i
+    return None
 
 
 class GpuExperts:
@@ -91,11 +174,11 @@ class GpuExperts:
         self.bell[0] = 0
         self.counter = cp.zeros((1,), cp.uint32)
         self.rings = 0
-        # peers: card -> (generation, IPC handle, opened pointer); their tables from the last View
-        self.peers: dict[int, tuple[int, str, int]] = {}
+        # peers: card -> its opened pool; their tables from the last View
+        self.peers: dict[int, PeerPool] = {}
         self.peer_card = np.full((c.n_layer, c.n_expert), -1, np.int32)
         self.peer_slot = np.full((c.n_layer, c.n_expert), -1, np.int32)
-        self.sources: list[tuple[int | None, int]] = []  # (card, pool pointer); source 0 is this card
+        self.sources: list[tuple] = []  # (card, pool pointer, PeerPool or None); source 0 is this card
         self._version = None
         self._view_version = 0
         self.full = False
@@ -105,35 +188,54 @@ class GpuExperts:
 
     # ---- placement ------------------------------------------------------------------------------------------
     def set_view(self, view) -> None:
-        """Use these other cards' slots from the next step on (nothing in flight uses the old ones)."""
+        """Use these other cards' slots from the next step on (nothing in flight uses the old ones). Peers on this
+        GPU are computed here; peers on another GPU there (RemotePool; STRATAD_PEERS_AS_REMOTE=1 treats same-GPU
+        peers that way too, to test that path on one GPU)."""
         self.stream.synchronize()
-        same = {cv.card: cv for cv in view.cards if cv.device == self.own_device and cv.pool}
-        for card, (gen, handle, ptr) in list(self.peers.items()):
-            if card not in same or same[card].generation != gen or same[card].pool != handle:
-                cp.cuda.runtime.ipcCloseMemHandle(ptr)
+        cards = {cv.card: cv for cv in view.cards if cv.pool and cv.device.startswith("cuda:")}
+        for card, p in list(self.peers.items()):
+            cv = cards.get(card)
+            if cv is None or cv.generation != p.generation or cv.pool != p.handle:
+                p.close()
                 del self.peers[card]
         self.peer_card[:] = -1
         self.peer_slot[:] = -1
-        for cv in list(same.values())[: MAX_SOURCES - 2]:  # sources: this card, peers, the staging slots
+        for cv in list(cards.values())[: MAX_SOURCES - 2]:  # sources: this card, peers, the staging slots
             if cv.card not in self.peers:
                 try:
-                    ptr = cp.cuda.runtime.ipcOpenMemHandle(bytes.fromhex(cv.pool))
-                except cp.cuda.runtime.CUDARuntimeError:  # the peer is gone: its experts run on the CPU
+                    self.peers[cv.card] = self._open(cv)
+                except cp.cuda.runtime.CUDARuntimeError as e:  # the peer is gone: its experts run on the CPU
+                    log.info("card %d's pool could not be opened (%s)", cv.card, e)
                     continue
-                self.peers[cv.card] = (cv.generation, cv.pool, ptr)
+                if self.peers[cv.card] is None:
+                    del self.peers[cv.card]
+                    continue
             for layer, e, slot in cv.experts:
                 self.peer_card[layer, e], self.peer_slot[layer, e] = cv.card, slot
         self._view_version += 1
+
+    def _open(self, cv) -> PeerPool | None:
+        if cv.device == self.own_device and os.environ.get("STRATAD_PEERS_AS_REMOTE") != "1":
+            return PeerPool(cv.card, cv.generation, cv.pool)
+        dev = device_index(cv.device[len("cuda:"):])
+        if dev is None:  # not a GPU this process can see
+            return None
+        return RemotePool(cv.card, cv.generation, cv.pool, dev, self)
+
+    @property
+    def remote(self) -> bool:
+        """A peer on another GPU is in use (its steps are not captured in graphs)."""
+        return any(p.remote for p in self.peers.values())
 
     def refresh(self) -> None:
         """Bring the device tables up to the pool's slots and the view (between steps, on the card's stream)."""
         version = (self.pool.version, self._view_version)
         if version == self._version:
             return
-        self.sources = [(None, self.pool.data.data.ptr)] + [(card, ptr) for card, (_, _, ptr) in self.peers.items()]
+        self.sources = [(None, self.pool.data.data.ptr, None)] + [(card, p.ptr, p) for card, p in self.peers.items()]
         src = np.where(self.pool.table >= 0, 0, -1).astype(np.int32)
         slot = self.pool.table.copy()
-        for s, (card, _) in enumerate(self.sources[1:], start=1):
+        for s, (card, _, _) in enumerate(self.sources[1:], start=1):
             m = (src < 0) & (self.peer_card == card)
             src[m], slot[m] = s, self.peer_slot[m]
         self.src.set(src, stream=self.stream)
@@ -147,7 +249,7 @@ class GpuExperts:
 
     def sources_key(self) -> tuple:
         """What a captured step depends on besides the tables: the pool pointers and the row buffer."""
-        return tuple(ptr for _, ptr in self.sources) + (self.rows.data.ptr,)
+        return tuple(ptr for _, ptr, _ in self.sources) + (self.rows.data.ptr,)
 
     # ---- one layer ------------------------------------------------------------------------------------------
     def front(self, layer: int, h: cp.ndarray, ids: cp.ndarray, export: bool) -> None:
@@ -160,7 +262,7 @@ class GpuExperts:
         src, slot = self.src[layer], self.slot[layer]
         if T > 1 and not self.full:
             src, slot = self._stage(layer, ids)
-            sources.append((None, self._stage_mem.ptr))
+            sources.append((None, self._stage_mem.ptr, None))
         S = len(sources)
         kern.quantize(h, self.qa[:T], self.da[:T], stream=s)
         tiled = T > 1
@@ -173,7 +275,12 @@ class GpuExperts:
             rt.memcpyAsync(self.qa_h.ctypes.data, self.qa.data.ptr, T * self.qa.shape[1], D2H, s.ptr)
             rt.memcpyAsync(self.da_h.ctypes.data, self.da.data.ptr, T * self.da.shape[1] * 4, D2H, s.ptr)
             kern.ring(self.counter, self.bell.ctypes.data, stream=s)
-        for i, (_, ptr) in enumerate(sources):
+        for i, (_, ptr, p) in enumerate(sources):  # peers on other GPUs first: they start while this card works
+            if p is not None and p.remote:
+                p.compute(self._key(layer), i, T, tiled, self)
+        for i, (_, ptr, p) in enumerate(sources):
+            if p is not None and p.remote:
+                continue
             if tiled:
                 kern.run_tiled(ptr, self.pairs[i], self.tiles[i], self.n_tiles[i:i + 1], self.qa, self.da,
                                self.rows[i], stream=s)
@@ -250,7 +357,7 @@ class GpuExperts:
         self.staged.clear()
         counters.card += int((where == 0).sum())
         counters.cpu += int((where < 0).sum())
-        for s, (card, _) in enumerate(self.sources[1:], start=1):
+        for s, (card, _, _) in enumerate(self.sources[1:], start=1):
             n = int((where == s).sum())
             if n:
                 counters.peer += n
@@ -258,8 +365,8 @@ class GpuExperts:
 
     def close(self) -> None:
         self.stream.synchronize()
-        for _, _, ptr in self.peers.values():
-            cp.cuda.runtime.ipcCloseMemHandle(ptr)
+        for p in self.peers.values():
+            p.close()
         self.peers.clear()
         self.cpu.close()
         if self._arena_locked:

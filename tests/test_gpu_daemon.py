@@ -98,6 +98,20 @@ def test_modes_bit_identical_on_gpu_cards(model, tmp_path, want):
         mutual.stop()
 
 
+def test_peer_computed_on_its_own_gpu(model, tmp_path, want, monkeypatch):
+    """The path for a peer on another GPU (pool opened on its device, input copied over, rows back, no graphs),
+    taken here between two logical cards of one GPU: the bits are those of the solo card."""
+    monkeypatch.setenv("STRATAD_PEERS_AS_REMOTE", "1")
+    d = start(model, tmp_path, "0,0", "0.3", mutual_help=True)
+    try:
+        one = run(d, [("A", 48)])
+        assert one["A"].logits_sha256 == want("A", 48) and one["A"].experts_peer > 0
+        two = run(d, [("A", 48), ("B", 48)])
+        assert all(two[k].logits_sha256 == want(k, 48) and two[k].experts_peer > 0 for k in "AB")
+    finally:
+        d.stop()
+
+
 def test_rejoin_mid_generation_on_gpu_cards(model, tmp_path, want):
     d = start(model, tmp_path, "0,0", "0.3", rejoin_idle_s=0.3)
     try:
