@@ -3,7 +3,8 @@
 # $OUT (the device tool brings them back). Run from the repository root on the device machine, after installing
 # the wheels (see ../shared/device/README.md):
 #   bash scripts/device_run.sh tests     # GPU tests: expert kernels, the card, PDL (a summary line each)
-#   bash scripts/device_run.sh tests2    # GPU tests: dense kernels, the daemon
+#   bash scripts/device_run.sh tests2    # GPU tests: dense kernels
+#   bash scripts/device_run.sh tests3    # GPU tests: the daemon (modes, split / rejoin, swaps, a killed peer)
 #   bash scripts/device_run.sh profile   # a3b IQ3_S: where a decode step's time goes, without and with PDL
 #   bash scripts/device_run.sh engine    # a3b IQ3_S: the engine bench at 1K / 32K / 64K
 #   bash scripts/device_run.sh seed13    # the seed table at 60K prompts, modes 1 and 3 (two logical cards)
@@ -19,11 +20,12 @@ model() {  # path preset args...
 }
 
 case "${1:-}" in
-tests | tests2)
+tests | tests2 | tests3)
     files="tests/test_gpu_experts.py tests/test_gpu_card.py tests/test_gpu_pdl.py"
-    [ "$1" = tests2 ] && files="tests/test_gpu_dense.py tests/test_gpu_daemon.py"
+    [ "$1" = tests2 ] && files="tests/test_gpu_dense.py"
+    [ "$1" = tests3 ] && files="tests/test_gpu_daemon.py"
     for f in $files; do
-        timeout 280 python3 -m pytest -q -x -m gpu -p no:cacheprovider "$f" > "$OUT/$(basename "$f" .py).log" 2>&1
+        timeout 540 python3 -m pytest -q -m gpu -p no:cacheprovider "$f" > "$OUT/$(basename "$f" .py).log" 2>&1
         echo "$f: rc=$? $(tail -1 "$OUT/$(basename "$f" .py).log")"
     done
     ;;
@@ -56,7 +58,7 @@ for m, cs in d['modes'].items():
 " "$OUT/seed-$modes.json" 2>&1 | tail -6
     ;;
 *)
-    echo "usage: $0 tests|tests2|profile|engine|seed13|seed2" >&2
+    echo "usage: $0 tests|tests2|tests3|profile|engine|seed13|seed2" >&2
     exit 2
     ;;
 esac
