@@ -10,20 +10,22 @@ class Counters:
     peer: int = 0
     cpu: int = 0
     by_peer: dict[int, int] = field(default_factory=dict)  # card -> experts computed there
+    staged: int = 0  # expert copies made to the card for prompt chunks (their computations count as card)
 
     def add(self, other: "Counters") -> None:
         self.card += other.card
         self.peer += other.peer
         self.cpu += other.cpu
+        self.staged += other.staged
         for c, n in other.by_peer.items():
             self.by_peer[c] = self.by_peer.get(c, 0) + n
 
     def minus(self, before: "Counters") -> "Counters":
         return Counters(self.card - before.card, self.peer - before.peer, self.cpu - before.cpu,
-                        {c: n - before.by_peer.get(c, 0) for c, n in self.by_peer.items()})
+                        {c: n - before.by_peer.get(c, 0) for c, n in self.by_peer.items()}, self.staged - before.staged)
 
     def copy(self) -> "Counters":
-        return Counters(self.card, self.peer, self.cpu, dict(self.by_peer))
+        return Counters(self.card, self.peer, self.cpu, dict(self.by_peer), self.staged)
 
     @property
     def total(self) -> int:

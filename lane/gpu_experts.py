@@ -354,6 +354,7 @@ class GpuExperts:
         where = self.h_src[layer, ids]
         for lyr, experts in self.staged.items():  # computed on this card from staged bytes
             where[lyr][np.isin(ids[lyr], experts)] = 0
+            counters.staged += int(experts.size)
         self.staged.clear()
         counters.card += int((where == 0).sum())
         counters.cpu += int((where < 0).sum())

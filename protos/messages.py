@@ -108,6 +108,8 @@ class RequestStats(BaseModel):
     decode_experts_card: int = 0  # the same, counting only the decode steps (after the prompt)
     decode_experts_peer: int = 0
     decode_experts_cpu: int = 0
+    experts_staged: int = 0  # expert copies made to the card for the prompt (GPU cards: experts no card holds)
+    expert_bytes: int = 0  # bytes of one expert's weights (the largest layer's): counts x this = bytes moved
     logits_sha256: str | None = None  # with Generate.digest
     lane_io_s: float = 0.0  # time the lane spent on the daemon's messaging (sending chunks, reading control)
 

@@ -22,6 +22,7 @@ from stratad.client import AsyncClient, Client, DaemonUnavailable, RequestError
 from stratad.engine.reference import ReferenceEngine
 from stratad.engine.sampling import SamplingParams
 from stratad.model.gguf_file import ModelFile
+from stratad.model.slot_layout import slot_bytes
 
 CHAT_A = [{"role": "user", "content": "Tell me about the experts on the cards."}]
 CHAT_B = [{"role": "user", "content": "Why do two chats share one pool of slots?"}]
@@ -67,6 +68,7 @@ def test_two_concurrent_clients_on_two_lanes_match_reference(daemon, reference):
         st = s.stats
         assert st.generated_tokens == len(s.tokens)
         assert st.experts_card > 0 and st.experts_cpu > 0  # half the experts cached: both paths used
+        assert st.expert_bytes == slot_bytes(reference[0]) and st.experts_staged == 0  # CPU cards stage nothing
         assert st.experts_card + st.experts_peer + st.experts_cpu == \
             (st.prompt_tokens + st.generated_tokens - 1) * 4 * 4 or s.finish_reason == "stop"
 
@@ -195,7 +197,7 @@ def test_stratactl(daemon):
     assert [ln["card"] for ln in js["lanes"]] == ["cpu", "cpu"]
     out = subprocess.run(base + ["generate", "hi", "--max-tokens", "5"], capture_output=True, text=True, env=env,
                          timeout=30)
-    assert out.returncode == 0 and "tok/s" in out.stderr
+    assert out.returncode == 0 and "tok/s" in out.stderr and "GiB read" in out.stderr
 
 
 def test_lane_killed_mid_generation(daemon):
