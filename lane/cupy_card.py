@@ -16,7 +16,7 @@ import cupy as cp
 import numpy as np
 
 from lane.counters import Counters
-from lane.gpu_experts import D2H, GpuExperts, pinned
+from lane.gpu_experts import D2H, H2D, GpuExperts, pinned
 from lane.slot_pool import SlotPool
 from lane.kernels import dense as D
 from protos import messages as M
@@ -112,7 +112,6 @@ class CupyCard:
         buf.fill(0)
         self.pool = SlotPool(model, buf, n_slots, self._write_slot)
         self.copy_stream = cp.cuda.Stream(non_blocking=True)  # slot copies run beside the compute stream
-        self._staging = pinned((self.pool.slot_bytes,), np.uint8)
         self.pool_ident = bytes(cp.cuda.runtime.ipcGetMemHandle(self._pool_mem.ptr)).hex()
         self.device_ident = "cuda:" + cp.cuda.runtime.deviceGetPCIBusId(device)
         self.experts = GpuExperts(model, self.pool, PREFILL_CHUNK, cpu_threads, self.stream, self.device_ident)
@@ -122,12 +121,15 @@ class CupyCard:
         self._graphs: dict[tuple, list] = {}
         self.on_chunk = None  # called between prompt chunks (the lane's heartbeat: long prompts take a while)
 
-    def _write_slot(self, dst: cp.ndarray, raw: np.ndarray) -> None:
-        """Host bytes into a slot through pinned staging on the copy stream (the slot loader's thread, or the
-        fill at start): decode steps keep running meanwhile."""
+    def _write_slot(self, dst: cp.ndarray, parts: list[np.ndarray]) -> None:
+        """An expert's matrices into a slot, straight from the (page-locked) arena on the copy stream (the slot
+        loader's thread, or the fill at start): decode steps keep running meanwhile."""
         with self.device:
-            self._staging[: raw.size] = raw
-            dst.set(self._staging[: raw.size], stream=self.copy_stream)
+            off = 0
+            for part in parts:
+                cp.cuda.runtime.memcpyAsync(dst.data.ptr + off, part.ctypes.data, part.nbytes, H2D,
+                                            self.copy_stream.ptr)
+                off += part.nbytes
             self.copy_stream.synchronize()
 
     # ---- the Card interface ---------------------------------------------------------------------------------

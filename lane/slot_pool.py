@@ -14,13 +14,18 @@ from stratad.model.gguf_file import ModelFile
 from stratad.model.slot_layout import expert_bytes, slot_bytes, split_slot
 
 
-def host_write(dst, raw: np.ndarray) -> None:
-    dst[...] = raw
+def host_write(dst, parts: list[np.ndarray]) -> None:
+    """The expert's matrices one after the other at the start of a slot (numpy memory)."""
+    off = 0
+    for part in parts:
+        dst[off:off + part.nbytes] = part.reshape(-1)
+        off += part.nbytes
 
 
 class SlotPool:
     def __init__(self, model: ModelFile, buffer, n_slots: int, write=host_write):
-        """buffer: numpy (shared memory) or cupy (VRAM) bytes; write(slot view, host bytes) copies into it."""
+        """buffer: numpy (shared memory) or cupy (VRAM) bytes; write(slot view, the expert's matrices in the
+        arena) copies them into a slot."""
         c = model.config
         self.model = model
         self.slot_bytes = slot_bytes(model)
@@ -45,8 +50,7 @@ class SlotPool:
 
     def write_bytes(self, slot: int, layer: int, e: int) -> None:
         """Copy an expert from the arena into a slot (any thread; the slot must have been dropped)."""
-        raw = np.concatenate([part.reshape(-1) for part in expert_bytes(self.model, layer, e)])
-        self.write(self.data[slot, : raw.size], raw)
+        self.write(self.data[slot], expert_bytes(self.model, layer, e))
 
     def land(self, slot: int, layer: int, e: int) -> None:
         old = self.table[layer, e]

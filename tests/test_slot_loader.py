@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from lane.slot_loader import SlotLoader
-from lane.slot_pool import SlotPool
+from lane.slot_pool import SlotPool, host_write
 from stratad.model.slot_layout import expert_bytes, slot_bytes
 
 
@@ -29,9 +29,9 @@ def wait_landed(loader: SlotLoader, timeout_s: float = 10.0) -> list[int]:
 def test_loads_land_after_their_bytes(tiny_model):
     gate = threading.Event()
 
-    def slow_write(dst, raw):  # the copy waits until the test lets it go
+    def slow_write(dst, parts):  # the copy waits until the test lets it go
         gate.wait(10)
-        dst[...] = raw
+        host_write(dst, parts)
 
     pool = pool_of(tiny_model, 4, slow_write)
     gate.set()
@@ -57,7 +57,7 @@ def test_loads_land_after_their_bytes(tiny_model):
 
 
 def test_a_failed_copy_is_an_error(tiny_model):
-    def broken(dst, raw):
+    def broken(dst, parts):
         raise OSError("device lost")
 
     pool = pool_of(tiny_model, 2)
