@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -664,13 +665,26 @@ class LayerJobs:
 
     @classmethod
     def from_model(cls, model, layer: int, pairs, qa, da) -> "LayerJobs":
-        ts = [model.raw(f"blk.{layer}.ffn_{k}_exps.weight") for k in ("gate", "up", "down")]
-        ty = [int(model.expert_type(layer, k)) for k in ("gate", "up", "down")]
-        return cls(*ts, *ty, np.asarray(pairs, np.int32).reshape(-1, 2), qa, da)
+        return cls(*_layer_tensors(model, layer), np.asarray(pairs, np.int32).reshape(-1, 2), qa, da)
 
 
-def _check(jobs: LayerJobs) -> None:
-    """Shapes, types and indices: the kernels do no bounds checks, so everything they touch is verified here."""
+_LAYERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> layer -> its expert tensors
+
+
+def _layer_tensors(model, layer: int) -> tuple:
+    """(gate, up, down, their type codes) of a layer, made once per model: plain ndarray views of the mapping (a
+    np.memmap slice costs tens of microseconds, and the same objects let CpuPool reuse its checks)."""
+    per_model = _LAYERS.setdefault(model, {})
+    t = per_model.get(layer)
+    if t is None:
+        kinds = ("gate", "up", "down")
+        t = per_model[layer] = (*(model.raw(f"blk.{layer}.ffn_{k}_exps.weight").view(np.ndarray) for k in kinds),
+                                *(int(model.expert_type(layer, k)) for k in kinds))
+    return t
+
+
+def _check_tensors(jobs: LayerJobs) -> None:
+    """Shapes and types of the weights: the kernels do no bounds checks, so everything they touch is verified."""
     for name in ("gate", "up", "down"):
         if getattr(jobs, name).ndim != 3:
             raise ValueError(f"{name}: expected (n_expert, rows, row_bytes), got shape {getattr(jobs, name).shape}")
@@ -687,6 +701,10 @@ def _check(jobs: LayerJobs) -> None:
             raise ValueError(f"{name}: row of {arr.shape[2]} bytes is not {n} values of type {t}")
         if not arr.flags.c_contiguous:
             raise ValueError(f"{name}: must be C-contiguous")
+
+
+def _check_inputs(jobs: LayerJobs, d_model: int) -> None:
+    """The activations and the pair list (token and expert indices are checked while grouping, in _group)."""
     if jobs.qa.dtype != np.int8 or jobs.qa.shape[1:] != (d_model // SUB, SUB):
         raise ValueError(f"qa: expected int8 (n_tok, {d_model // SUB}, {SUB}), got {jobs.qa.dtype} {jobs.qa.shape}")
     if jobs.da.dtype != np.float32 or jobs.da.shape != jobs.qa.shape[:2]:
@@ -694,7 +712,6 @@ def _check(jobs: LayerJobs) -> None:
     p = np.asarray(jobs.pairs)
     if p.ndim != 2 or p.shape[1] != 2 or p.dtype.kind not in "iu":
         raise ValueError(f"pairs: expected integer (n_pairs, 2), got {p.dtype} {p.shape}")
-    # token and expert indices are checked while grouping (_group)
 
 
 _PRANGE_LOCK = threading.Lock()
@@ -733,6 +750,7 @@ class CpuPool:
             threads = min(threads, numba.config.NUMBA_NUM_THREADS)
         self.threads = threads
         self.mode = mode
+        self._checked: dict[tuple, tuple] = {}
         self._ex = ThreadPoolExecutor(threads - 1, thread_name_prefix="cpu-pool") \
             if mode == "threads" and threads > 1 else None
 
@@ -760,14 +778,27 @@ class CpuPool:
             for f in futs:
                 f.result()
 
+    def _weights(self, jobs: LayerJobs) -> tuple:
+        """The layer's weights checked and flattened, once per set of tensor objects (LayerJobs.from_model hands
+        out the same ones every call): (gate, up, down flat read-only, d_ff, d_model)."""
+        key = (id(jobs.gate), id(jobs.up), id(jobs.down), jobs.gate_type, jobs.up_type, jobs.down_type)
+        hit = self._checked.get(key)
+        if hit is None:
+            _check_tensors(jobs)
+            if len(self._checked) >= 1024:  # callers that pass new arrays each time
+                self._checked.clear()
+            hit = self._checked[key] = ((jobs.gate, jobs.up, jobs.down),  # kept alive: the ids stay theirs
+                                        tuple(_flat_readonly(x) for x in (jobs.gate, jobs.up, jobs.down)),
+                                        jobs.gate.shape[1], jobs.down.shape[1])
+        return (*hit[1], hit[2], hit[3])
+
     def run(self, jobs: LayerJobs, out: np.ndarray | None = None) -> np.ndarray:
         """float32 (n_pairs, d_model): canonical.expert of each (token, expert) pair, in the pairs' order (into
         out, a C-contiguous float32 (n_pairs, d_model) array, when given: e.g. pinned memory a GPU reads)."""
-        _check(jobs)
+        gate, up, down, d_ff, d_model = self._weights(jobs)
+        _check_inputs(jobs, d_model)
         pairs = np.ascontiguousarray(jobs.pairs, np.int32)
         n_pairs = pairs.shape[0]
-        d_ff = jobs.gate.shape[1]
-        d_model = jobs.down.shape[1]
         if out is None:
             out = np.empty((n_pairs, d_model), F32)
         elif out.dtype != F32 or out.shape != (n_pairs, d_model) or not out.flags.c_contiguous:
@@ -790,7 +821,6 @@ class CpuPool:
         dh = np.empty(n_pairs * d_ff // SUB, F32)
         hsum = np.empty(n_pairs * d_ff // SUB, F32)
         tg, tu, td = int(jobs.gate_type), int(jobs.up_type), int(jobs.down_type)
-        gate, up, down = (_flat_readonly(x) for x in (jobs.gate, jobs.up, jobs.down))
         rb_g, rb_u, rb_d = jobs.gate.shape[2], jobs.up.shape[2], jobs.down.shape[2]
         flat = out.reshape(-1)
         if self.mode == "prange":
