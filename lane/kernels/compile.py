@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import tempfile
 import threading
 from pathlib import Path
@@ -55,6 +56,13 @@ def _nvrtc_cubin(source: str, name: str, options: tuple[str, ...]) -> bytes:
         nvrtc.destroyProgram(prog)
 
 
+def _source(path: Path) -> str:
+    """The kernel source with its `#include "x.cuh"` lines replaced by those files (beside it): NVRTC needs no
+    include path, and the cache key (a hash of this text) covers the shared code too."""
+    return re.sub(r'^#include "([\w.]+\.cuh)"$', lambda m: (path.parent / m.group(1)).read_text(), path.read_text(),
+                  flags=re.M)
+
+
 def load_module(filename: str, defines=(), *, device=None, return_info: bool = False):
     """cupy.RawModule of `filename` (a .cu beside this file) for `device` (default: the current one).
 
@@ -71,7 +79,7 @@ def load_module(filename: str, defines=(), *, device=None, return_info: bool = F
         mod = _cache.get(key)
         if mod is not None:
             return (mod, module_info[key]) if return_info else mod
-        source = path.read_text()
+        source = _source(path)
         options = BASE_OPTIONS + (f"--gpu-architecture=sm_{cc}",) + defs
         with dev:
             try:

@@ -17,11 +17,7 @@
 //
 // GGML type numbers: F32 = 0, F16 = 1, Q8_0 = 8 (34-byte blocks {f16 d, int8 q[32]}), BF16 = 30.
 
-typedef unsigned int u32;
-typedef unsigned short u16;
-typedef unsigned char u8;
-typedef long long i64;
-typedef unsigned long long u64;
+#include "common.cuh"
 
 #define QT_F32 0
 #define QT_F16 1
@@ -31,19 +27,6 @@ typedef unsigned long long u64;
 #define NEG_INF __int_as_float(0xff800000)
 
 // ---- exact float helpers (explicit rounding; --fmad cannot touch them) --------------------------------------
-// Programmatic dependent launch (lane/kernels/launch.py): a kernel may be resident before its predecessor in the
-// stream has finished; it waits here until the predecessor has completed and its writes are visible, then lets its
-// own dependent launch. Under a normal launch both are no-ops.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#define PDL_ENTRY() asm volatile("griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;" ::: "memory")
-#else
-#define PDL_ENTRY() do { } while (0)
-#endif
-
-__device__ __forceinline__ float f_add(float a, float b) { float r; asm("add.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r; }
-__device__ __forceinline__ float f_sub(float a, float b) { float r; asm("sub.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r; }
-__device__ __forceinline__ float f_mul(float a, float b) { float r; asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r; }
-__device__ __forceinline__ float f_div(float a, float b) { float r; asm("div.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r; }
 __device__ __forceinline__ float f_sqrt(float a) { float r; asm("sqrt.rn.f32 %0, %1;" : "=f"(r) : "f"(a)); return r; }
 __device__ __forceinline__ float f_fma(float a, float b, float c) { float r; asm("fma.rn.f32 %0, %1, %2, %3;" : "=f"(r) : "f"(a), "f"(b), "f"(c)); return r; }
 __device__ __forceinline__ float f_ex2(float a) { float r; asm("ex2.approx.f32 %0, %1;" : "=f"(r) : "f"(a)); return r; }
@@ -53,7 +36,6 @@ __device__ __forceinline__ u16 f2bf(float f) { u16 r; asm("cvt.rn.bf16.f32 %0, %
 __device__ __forceinline__ float bf2f(u32 b) { return __int_as_float(b << 16); }
 // pack two floats into f16x2: lo in bits 0..15
 __device__ __forceinline__ u32 pack_h2(float lo, float hi) { u32 r; asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo)); return r; }
-__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 s) { u32 r; asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(s)); return r; }
 __device__ __forceinline__ u32 shf_r_clamp(u32 lo, u32 hi, u32 sh) { u32 r; asm("shf.r.clamp.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(lo), "r"(hi), "r"(sh)); return r; }
 
 // streaming 16-byte load of weights (read once: keep L1 for the activations)
@@ -151,12 +133,6 @@ __device__ __forceinline__ void mv_finish(float (&acc)[R], int rg, int rows, con
     }
 }
 
-__device__ __forceinline__ void cp_async16(u32 saddr, const void* g) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(saddr), "l"(g) : "memory");
-}
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
 // Q8_0: a warp's items are (its R rows) x (one tile of 32 blocks); P = 8/R items in flight through a cp.async
 // ring in (dynamic) shared memory: 8 warps x 8 row-tiles x 1088 bytes = 69632 bytes per block.

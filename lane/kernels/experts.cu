@@ -25,11 +25,7 @@
 //
 // Weight formats (GGML type numbers): 21 = IQ3_S (110 B / 256), 12 = Q4_K (144 B / 256), 8 = Q8_0 (34 B / 32).
 
-typedef unsigned int u32;
-typedef unsigned short u16;
-typedef unsigned char u8;
-typedef long long i64;
-typedef unsigned long long u64;
+#include "common.cuh"
 
 // ---- compile-time configuration (experts.py passes all of these; defaults allow a standalone nvcc check) ----
 #ifndef GU_QT
@@ -124,19 +120,6 @@ typedef unsigned long long u64;
 #define QT_IQ3_S 21
 
 // ---- exact float32 arithmetic (IEEE round-to-nearest-even, subnormals kept, never contracted) ----------------
-// Programmatic dependent launch (lane/kernels/launch.py): a kernel may be resident before its predecessor in the
-// stream has finished; it waits here until the predecessor has completed and its writes are visible, then lets its
-// own dependent launch. Under a normal launch both are no-ops.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#define PDL_ENTRY() asm volatile("griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;" ::: "memory")
-#else
-#define PDL_ENTRY() do { } while (0)
-#endif
-
-__device__ __forceinline__ float f_add(float a, float b) { float r; asm("add.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r; }
-__device__ __forceinline__ float f_sub(float a, float b) { float r; asm("sub.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r; }
-__device__ __forceinline__ float f_mul(float a, float b) { float r; asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r; }
-__device__ __forceinline__ float f_div(float a, float b) { float r; asm("div.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r; }
 __device__ __forceinline__ float f_rint(float a) { float r; asm("cvt.rni.f32.f32 %0, %1;" : "=f"(r) : "f"(a)); return r; }
 __device__ __forceinline__ float f_max(float a, float b) { float r; asm("max.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r; }
 __device__ __forceinline__ float i2f(int a) { float r; asm("cvt.rn.f32.s32 %0, %1;" : "=f"(r) : "r"(a)); return r; }
@@ -148,11 +131,6 @@ __device__ __forceinline__ float h2f(u32 bits16) {
 }
 __device__ __forceinline__ float f_neg(float a) { return __int_as_float(__float_as_int(a) ^ 0x80000000); }
 __device__ __forceinline__ float f_abs(float a) { return __int_as_float(__float_as_int(a) & 0x7fffffff); }
-__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 c) {
-    u32 r;
-    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
-    return r;
-}
 
 // canonical.exp: clip, n = rint(x log2e), two-part ln2 reduction, Horner polynomial, times 2^n
 __device__ __forceinline__ float c_exp(float x) {
@@ -205,12 +183,6 @@ __device__ __forceinline__ u32 sm_u16(u32 off) { return *reinterpret_cast<const 
 __device__ __forceinline__ u32 sm_u32(u32 off) { return *reinterpret_cast<const u32*>(g_smem + off); }
 __device__ __forceinline__ uint4 sm_u128(u32 off) { return *reinterpret_cast<const uint4*>(g_smem + off); }
 
-__device__ __forceinline__ void cp_async16(u32 saddr, const void* gptr) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(saddr), "l"(gptr) : "memory");
-}
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 
 // ---- formats -----------------------------------------------------------------------------------------------------
 template <int QT> struct QF;
