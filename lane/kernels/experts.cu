@@ -550,15 +550,12 @@ __device__ __forceinline__ void gateup_body(const u8* __restrict__ pool, i64 slo
             }
         }
 #pragma unroll
-        for (int o = 16; o; o >>= 1) {
+        for (int t = 0; t < TP; ++t)
 #pragma unroll
-            for (int t = 0; t < TP; ++t)
-#pragma unroll
-                for (int r = 0; r < GU_R; ++r) {
-                    ag[t][r] = f_add(ag[t][r], __shfl_down_sync(FULL_MASK, ag[t][r], o));
-                    au[t][r] = f_add(au[t][r], __shfl_down_sync(FULL_MASK, au[t][r], o));
-                }
-        }
+            for (int r = 0; r < GU_R; ++r) {
+                ag[t][r] = lane_fold(ag[t][r]);
+                au[t][r] = lane_fold(au[t][r]);
+            }
         float* hs = reinterpret_cast<float*>(g_smem + GU_TBL + (k & 1) * TP * 128);
         if (lane == 0) {
 #pragma unroll
@@ -708,12 +705,9 @@ __device__ __forceinline__ void down_body(const u8* __restrict__ pool, i64 slot_
             }
         }
 #pragma unroll
-        for (int o = 16; o; o >>= 1) {
+        for (int t = 0; t < TP; ++t)
 #pragma unroll
-            for (int t = 0; t < TP; ++t)
-#pragma unroll
-                for (int r = 0; r < DN_R; ++r) acc[t][r] = f_add(acc[t][r], __shfl_down_sync(FULL_MASK, acc[t][r], o));
-        }
+            for (int r = 0; r < DN_R; ++r) acc[t][r] = lane_fold(acc[t][r]);
         if (lane == 0) {
 #pragma unroll
             for (int t = 0; t < TP; ++t) {
