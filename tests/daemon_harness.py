@@ -82,3 +82,33 @@ def rejoined_after_split(seen) -> bool:
     split = seen.index(next(s for s in seen if ("solo", True) in s))
     return any(("lead", True) in s and ("peer", False) in s for s in seen[split:])
 
+
+def run_chats(d: Daemon, jobs: list[tuple[str, int]], request, stagger_first: bool = True,
+              timeout_s: float = 120.0) -> dict:
+    """The requests at once, each asking for a digest: request(name) gives generate()'s prompt arguments. With
+    stagger_first the first is already streaming when the others start (so a peer splits off). name -> stream."""
+    out, errors, first = {}, [], threading.Event()
+
+    def go(name, n, k):
+        try:
+            with d.client() as c:
+                s = c.generate(max_tokens=n, digest=True, **request(name))
+                for i, _ in enumerate(s):
+                    if k == 0 and i == 2:
+                        first.set()
+                out[name] = s
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+        finally:
+            first.set()
+
+    ts = [threading.Thread(target=go, args=(name, n, k)) for k, (name, n) in enumerate(jobs)]
+    for k, t in enumerate(ts):
+        t.start()
+        if k == 0 and stagger_first and len(ts) > 1:
+            first.wait(timeout_s / 2)
+    for t in ts:
+        t.join(timeout_s)
+    assert not errors, errors
+    return out
+

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from daemon_harness import Daemon, rejoined_after_split, split_then_rejoin
+from daemon_harness import Daemon, rejoined_after_split, run_chats, split_then_rejoin
 from stratad.model.generator import make_model
 
 pytestmark = pytest.mark.gpu
@@ -54,31 +54,8 @@ def want(model, tmp_path_factory):
 
 
 def run(d: Daemon, jobs: list[tuple[str, int]]) -> dict:
-    """The chats at once, the first already streaming when the others start (so a peer splits off)."""
-    out, errors, first = {}, [], threading.Event()
-
-    def go(name, n, k):
-        try:
-            with d.client(stream_timeout_s=600) as c:
-                s = c.generate(tokens=PROMPTS[name], max_tokens=n, digest=True)
-                for i, _ in enumerate(s):
-                    if k == 0 and i == 2:
-                        first.set()
-                out[name] = s.stats
-        except Exception as e:  # noqa: BLE001
-            errors.append(e)
-        finally:
-            first.set()
-
-    ts = [threading.Thread(target=go, args=(name, n, k)) for k, (name, n) in enumerate(jobs)]
-    for k, t in enumerate(ts):
-        t.start()
-        if k == 0 and len(ts) > 1:
-            first.wait(300)
-    for t in ts:
-        t.join(600)
-    assert not errors, errors
-    return out
+    """name -> the request's stats, the chats run at once (the first streaming before the others start)."""
+    return {k: s.stats for k, s in run_chats(d, jobs, lambda name: {"tokens": PROMPTS[name]}, timeout_s=600).items()}
 
 
 def test_modes_bit_identical_on_gpu_cards(model, tmp_path, want):

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from daemon_harness import Daemon, RoleWatch, rejoined_after_split, split_then_rejoin
+from daemon_harness import Daemon, RoleWatch, rejoined_after_split, run_chats, split_then_rejoin
 from stratad.engine.generation import Generation
 from stratad.engine.reference import ReferenceEngine
 from stratad.engine.sampling import SamplingParams
@@ -50,34 +50,7 @@ def start(tiny_model_path, tmp_path, cards="cpu,cpu", cache="0.3", **cfg) -> Dae
 
 
 def run_all(d: Daemon, jobs: list[tuple[str, int]], stagger_first: bool = True) -> dict:
-    """Run the prompts concurrently (the first one started and streaming before the others: a split)."""
-    out, errors = {}, []
-
-    def go(name, n, started=None):
-        try:
-            with d.client() as c:
-                s = c.generate(prompt=PROMPTS[name], max_tokens=n, digest=True)
-                for i, _ in enumerate(s):
-                    if started is not None and i == 2:
-                        started.set()
-                out[name] = s
-        except Exception as e:  # noqa: BLE001
-            errors.append(e)
-            if started is not None:
-                started.set()
-
-    ts = []
-    first = threading.Event()
-    for k, (name, n) in enumerate(jobs):
-        t = threading.Thread(target=go, args=(name, n, first if k == 0 and stagger_first else None))
-        t.start()
-        ts.append(t)
-        if k == 0 and stagger_first:
-            first.wait(30)
-    for t in ts:
-        t.join(120)
-    assert not errors, errors
-    return out
+    return run_chats(d, jobs, lambda name: {"prompt": PROMPTS[name]}, stagger_first)
 
 
 def test_solo_card_matches_reference(tiny_model_path, tmp_path, ref):
