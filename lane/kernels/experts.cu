@@ -321,6 +321,18 @@ __device__ __forceinline__ void load_act(const signed char* __restrict__ q, cons
     }
 }
 
+// This lane's activation sub-blocks (lane, lane + 32, ...) of row `row` of a (rows, KIN) quantised input.
+template <int QT, int KIN, int N>
+__device__ __forceinline__ void load_row_act(const signed char* __restrict__ q, const float* __restrict__ d, int row,
+                                             int lane, Act (&A)[N]) {
+    constexpr int NSUB = KIN / 32;
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+        const int s = lane + 32 * i;
+        if (s < NSUB) load_act<QT>(q + (i64)row * KIN, d + (i64)row * NSUB, s, A[i]);
+    }
+}
+
 // canonical term: (scale * d_act) * isum  [- (minimum * d_act) * asum]
 template <int QT> __device__ __forceinline__ float sub_term(const SubW& w, const Act& A) {
     int isum = 0;
@@ -493,14 +505,7 @@ __device__ __forceinline__ void gateup_body(const u8* __restrict__ pool, i64 slo
         const int row0 = grp * 32 + warp * GU_R;
 
         Act A[TP == 1 ? SPL : 1];  // one pair: its activation loads overlap the wait for the weights
-        if (TP == 1) {
-            const int tok = __ldg(pairs + 2 * p0);
-#pragma unroll
-            for (int i = 0; i < SPL; ++i) {
-                const int s = lane + 32 * i;
-                if (s < NSUB) load_act<GU_QT>(qa + (i64)tok * GU_KIN, da + (i64)tok * NSUB, s, A[i]);
-            }
-        }
+        if (TP == 1) load_row_act<GU_QT, GU_KIN>(qa, da, __ldg(pairs + 2 * p0), lane, A);
         cp_wait<GU_STAGES - 1>();
         __syncwarp();
 
@@ -659,13 +664,7 @@ __device__ __forceinline__ void down_body(const u8* __restrict__ pool, i64 slot_
         Tile<TP>::get(tiles, tile, p0, cnt);
         const int slot = __ldg(pairs + 2 * p0 + 1);
         Act A[TP == 1 ? SPL : 1];
-        if (TP == 1) {
-#pragma unroll
-            for (int i = 0; i < SPL; ++i) {
-                const int s = lane + 32 * i;
-                if (s < NSUB) load_act<DN_QT>(qhbuf + (i64)p0 * DN_KIN, dhbuf + (i64)p0 * NSUB, s, A[i]);
-            }
-        }
+        if (TP == 1) load_row_act<DN_QT, DN_KIN>(qhbuf, dhbuf, p0, lane, A);
         cp_wait<DN_STAGES - 1>();
         __syncwarp();
 
