@@ -15,12 +15,12 @@ from stratad.bench.hardware import gpu_copy_bandwidth, host_read_bandwidth
 from stratad.engine.generation import Generation
 from stratad.engine.sampling import SamplingParams
 from stratad.model.gguf_file import ModelFile
-from stratad.model.slot_layout import KINDS
+from stratad.model.slot_layout import slot_bytes
 
 
 def _bytes_per_token(model: ModelFile, context: int, resident_share: float) -> int:
     c = model.config
-    expert = sum(model.expert_raw(0, k, 0).nbytes for k in KINDS)
+    expert = slot_bytes(model)
     dense = sum(ti.nbytes for name, ti in model.tensors.items() if "_exps" not in name and name != "token_embd.weight")
     kv = c.n_layer * context * c.kv_dim * 2 * 2  # fp16 K and V
     return int(c.n_layer * c.n_expert_used * expert * resident_share + dense + kv)
@@ -35,7 +35,7 @@ def run(model_path: str, fractions=(1.0, 0.5, 0.25), contexts=(1024,), tokens: i
     c = model.config
     bw = gpu_copy_bandwidth(cp)[0] * 1e9
     host_read = host_read_bandwidth(os.cpu_count() or 1)
-    expert_bytes = sum(model.expert_raw(0, k, 0).nbytes for k in KINDS)
+    expert_bytes = slot_bytes(model)
     total = c.n_layer * c.n_expert
     results = []
     profile = None
