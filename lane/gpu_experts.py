@@ -25,6 +25,7 @@ import os
 import cupy as cp
 import numpy as np
 
+from lane import host_lock
 from lane.cpu_pool import CpuPool, LayerJobs
 from lane.kernels.experts import MAX_SOURCES, ExpertKernels, max_tiles
 from lane.slot_pool import SlotPool
@@ -33,7 +34,6 @@ from stratad.model.slot_layout import expert_bytes
 
 log = logging.getLogger("stratad.lane")
 H2D, D2H = 1, 2  # cudaMemcpyHostToDevice, cudaMemcpyDeviceToHost
-HOST_REGISTER_READ_ONLY = 8  # cudaHostRegisterReadOnly
 
 
 def pinned(shape, dtype) -> np.ndarray:
@@ -163,8 +163,8 @@ class GpuExperts:
         self.slot_staged = cp.empty((c.n_expert,), cp.int32)
         self.staged: dict[int, np.ndarray] = {}  # layer -> experts staged in this step (they count as the card's)
         self.h_slot = np.full((c.n_layer, c.n_expert), -1, np.int32)
-        self._arena_locked: bool | None = None
-        self._lock_arena()  # at start: pinning a large file takes seconds, not to be spent inside a request
+        # at start: pinning a large file takes seconds, not to be spent inside a request
+        self._arena_lock = host_lock.lock(self, model.mapping)
         # the host's side of a decode step: miss list, quantised input and result rows in pinned memory, and the
         # doorbell (prompt chunks stage their misses on the card)
         self.miss, self.n_miss = pinned((self.k, 2), np.int32), pinned((1,), np.int32)
@@ -307,18 +307,6 @@ class GpuExperts:
         self.slot_staged.set(slot, stream=self.stream)
         return self.src_staged, self.slot_staged
 
-    def _lock_arena(self) -> None:
-        """Page-lock the model mapping once, read-only, so staged experts copy by DMA at full link speed."""
-        if self._arena_locked is not None:
-            return
-        m = self.model.mapping
-        try:
-            cp.cuda.runtime.hostRegister(m.ctypes.data, m.size, HOST_REGISTER_READ_ONLY)
-            self._arena_locked = True
-        except cp.cuda.runtime.CUDARuntimeError as e:  # copies still work, through the driver's staging
-            log.info("arena not page-locked (%s): streamed experts copy from pageable memory", e)
-            self._arena_locked = False
-
     def serve(self, layer: int, T: int) -> None:
         """Host: after the layer's doorbell, compute its CPU misses into the pinned rows (the card keeps going)."""
         self.rings += 1
@@ -370,6 +358,5 @@ class GpuExperts:
             p.close()
         self.peers.clear()
         self.cpu.close()
-        if self._arena_locked:
-            cp.cuda.runtime.hostUnregister(self.model.mapping.ctypes.data)
-            self._arena_locked = None
+        if self._arena_lock is not None:
+            self._arena_lock()

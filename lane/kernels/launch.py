@@ -76,6 +76,7 @@ def launch(fn, grid, block, args, shared_mem: int = 0) -> None:
     ctypes.memmove(attr.value, ctypes.byref(ctypes.c_int(1)), 4)  # programmaticStreamSerializationAllowed = 1
     cfg = _Config(*_dim3(grid), *_dim3(block), int(shared_mem), cupy.cuda.get_current_stream().ptr,
                   ctypes.pointer(attr), 1)
-    rc = _cu().cuLaunchKernelEx(ctypes.byref(cfg), fn.ptr, ptrs, None)
+    handle = getattr(fn, "kernel", fn).ptr  # a RawKernel's CUfunction is its Function's; a Function's is its own
+    rc = _cu().cuLaunchKernelEx(ctypes.byref(cfg), handle, ptrs, None)
     if rc:
         raise RuntimeError(f"cuLaunchKernelEx failed with CUDA error {rc}")
