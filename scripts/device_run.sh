@@ -2,10 +2,10 @@
 # One step of the GPU verification and measurement plan, sized for one device call (< 600 s each), results under
 # $OUT (the device tool brings them back). Run from the repository root on the device machine, after installing
 # the wheels (see ../shared/device/README.md):
-#   bash scripts/device_run.sh tests     # GPU tests: expert kernels, the card, PDL (a summary line each)
+#   bash scripts/device_run.sh tests     # GPU tests: expert kernels, the card (a summary line each)
 #   bash scripts/device_run.sh tests2    # GPU tests: dense kernels
 #   bash scripts/device_run.sh tests3    # GPU tests: the daemon (modes, split / rejoin, swaps, a killed peer)
-#   bash scripts/device_run.sh profile   # a3b IQ3_S: where a decode step's time goes, without and with PDL
+#   bash scripts/device_run.sh profile   # a3b IQ3_S: where a decode step's time goes
 #   bash scripts/device_run.sh engine    # a3b IQ3_S: the engine bench at 1K / 32K / 64K
 #   bash scripts/device_run.sh seed13    # the seed table at 60K prompts, modes 1 and 3 (two logical cards)
 #   bash scripts/device_run.sh seed2     # the same, mode 2
@@ -21,7 +21,7 @@ model() {  # path preset args...
 
 case "${1:-}" in
 tests | tests2 | tests3)
-    files="tests/test_gpu_experts.py tests/test_gpu_card.py tests/test_gpu_pdl.py"
+    files="tests/test_gpu_experts.py tests/test_gpu_card.py"
     [ "$1" = tests2 ] && files="tests/test_gpu_dense.py"
     [ "$1" = tests3 ] && files="tests/test_gpu_daemon.py"
     for f in $files; do
@@ -32,9 +32,7 @@ tests | tests2 | tests3)
 profile)
     model "$A3B" --router-skew 1.0
     timeout 150 python3 scripts/gpu_decode_profile.py --model "$A3B" --fractions 1.0,0.5 --json "$OUT/profile.json" \
-        2>&1 | tail -4
-    STRATAD_PDL=1 timeout 90 python3 scripts/gpu_decode_profile.py --model "$A3B" --fractions 1.0 \
-        --json "$OUT/profile-pdl.json" 2>&1 | tail -2
+        2>&1 | tail -3
     ;;
 engine)
     model "$A3B" --router-skew 1.0
@@ -47,7 +45,7 @@ seed13 | seed2)
     model "$SEED" --router-skew 0.7 --topics 2
     modes=$([ "$1" = seed13 ] && echo 1,3 || echo 2)
     timeout 500 python3 -m stratad.cli bench --scenario seed --model "$SEED" --cards 0,0 --cache-fraction 0.475 \
-        --contexts 61440 --tokens 96 --modes "$modes" --json "$OUT/seed-$modes.json" > "$OUT/seed-$modes.log" 2>&1
+        --contexts 61440 --tokens 96 --modes "$modes" --json "$OUT/seed-${modes//,/}.json" > "$OUT/seed-${modes//,/}.log" 2>&1
     echo "rc=$?"
     python3 -c "
 import json, sys
@@ -55,7 +53,7 @@ d = json.load(open(sys.argv[1]))
 for m, cs in d['modes'].items():
     for c in cs:
         print(m, c['topic'], c['decode_tok_s'], 'ttft', c['ttft_s'], 'some card', c['share_some_card'])
-" "$OUT/seed-$modes.json" 2>&1 | tail -6
+" "$OUT/seed-${modes//,/}.json" 2>&1 | tail -6
     ;;
 *)
     echo "usage: $0 tests|tests2|tests3|profile|engine|seed13|seed2" >&2

@@ -27,7 +27,6 @@ from stratad.engine import canonical
 from stratad.model.quants import EXPERT_TYPES, fmt, iq3s_grid, parse_type
 
 from .compile import load_module
-from .launch import launch
 
 try:
     from gguf import GGMLQuantizationType as _T
@@ -235,7 +234,7 @@ class ExpertKernels:
         if groups == 0:
             return
         with self._stream(stream):
-            launch(self._k_q, ((groups + 7) // 8,), (256,), (x, qa, da, np.int32(groups)))
+            self._k_q(((groups + 7) // 8,), (256,), (x, qa, da, np.int32(groups)))
 
     def run_gate_up(self, pool_ptr: int, pairs, n_pairs, qa, da, stream=None) -> None:
         cp = self.cp
@@ -245,7 +244,7 @@ class ExpertKernels:
         if qa.ndim != 2 or qa.shape[1] != self.d_model or tuple(da.shape) != (qa.shape[0], self.d_model // 32):
             raise ValueError("qa must be (T, d_model) and da (T, d_model/32)")
         with self._stream(stream):
-            launch(self._k_gu, (self.gu_grid,), (self.gu_warps * 32,),
+            self._k_gu((self.gu_grid,), (self.gu_warps * 32,),
                        (np.uint64(pool_ptr), np.int64(self.slot_stride), pairs, n_pairs, np.int32(self.max_pairs),
                         qa, da, self.grid, self.h, self.qh, self.dh),
                        shared_mem=self.gu_smem)
@@ -255,7 +254,7 @@ class ExpertKernels:
         self._check_run_args(pool_ptr, pairs, n_pairs)
         self._need(out, cp.float32, (self.max_pairs, self.d_model), "out")
         with self._stream(stream):
-            launch(self._k_dn, (self.dn_grid,), (self.dn_warps * 32,),
+            self._k_dn((self.dn_grid,), (self.dn_warps * 32,),
                        (np.uint64(pool_ptr), np.int64(self.slot_stride), pairs, n_pairs, np.int32(self.max_pairs),
                         self.qh, self.dh, self.grid, out),
                        shared_mem=self.dn_smem)
@@ -279,9 +278,9 @@ class ExpertKernels:
         self._need(out, cp.float32, (self.max_pairs, self.d_model), "out")
         common = (np.uint64(pool_ptr), np.int64(self.slot_stride), pairs, tiles, n_tiles, np.int32(tiles.shape[0]))
         with self._stream(stream):
-            launch(self._k_gut, (2 * self.n_sm,), (self.gu_warps * 32,),
+            self._k_gut((2 * self.n_sm,), (self.gu_warps * 32,),
                         common + (qa, da, self.grid, self.h, self.qh, self.dh), shared_mem=self.gut_smem)
-            launch(self._k_dnt, (2 * self.n_sm,), (self.dn_warps * 32,),
+            self._k_dnt((2 * self.n_sm,), (self.dn_warps * 32,),
                         common + (self.qh, self.dh, self.grid, out), shared_mem=self.dn_smem)
 
     def _check_run_args(self, pool_ptr, pairs, n_pairs) -> None:
@@ -304,7 +303,7 @@ class ExpertKernels:
         if n == 0:
             return
         with self._stream(stream):
-            launch(self._k_c, ((n + 255) // 256,), (256,), (outputs, weights, out, np.int32(T), np.int32(K), np.int32(D)))
+            self._k_c(((n + 255) // 256,), (256,), (outputs, weights, out, np.int32(T), np.int32(K), np.int32(D)))
 
 
     # ---- routing to sources (the MoE step around run) ------------------------------------------------------
@@ -339,7 +338,7 @@ class ExpertKernels:
             self._need(n_tiles, cp.int32, (S,), "n_tiles")
             tile_p = TILE_P
         with self._stream(stream):
-            launch(self._fn("build_pairs"), (1,), (1024,), (ids, np.int32(n), np.int32(ids.shape[-1]), src, slot,
+            self._fn("build_pairs")((1,), (1024,), (ids, np.int32(n), np.int32(ids.shape[-1]), src, slot,
                                                     np.int32(n_expert), np.int32(S), np.int32(self.max_pairs), pairs,
                                                     n_pairs, rowmap, np.uint64(miss_ptr), np.uint64(n_miss_ptr),
                                                     np.int32(max_miss), np.int32(tile_p), tiles if tiles is not None else np.uint64(0),
@@ -357,14 +356,14 @@ class ExpertKernels:
         self._need(rowmap, cp.int32, None, "rowmap")
         n = T * self.d_model
         with self._stream(stream):
-            launch(self._fn("combine_rows"), ((n + 255) // 256,), (256,),
+            self._fn("combine_rows")(((n + 255) // 256,), (256,),
                                      (rows, np.uint64(host_rows_ptr), rowmap, w, x, np.int32(T), np.int32(K),
                                       np.int32(self.d_model)))
 
     def ring(self, counter, bell_ptr: int, stream=None) -> None:
         """*bell = ++*counter once everything before it in the stream is done (counter: device uint32 (1,))."""
         with self._stream(stream):
-            launch(self._fn("ring"), (1,), (1,), (counter, np.uint64(bell_ptr)))
+            self._fn("ring")((1,), (1,), (counter, np.uint64(bell_ptr)))
 
     def _fn(self, name: str):
         f = self._extra.get(name)
