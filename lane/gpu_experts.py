@@ -34,6 +34,7 @@ from stratad.model.slot_layout import expert_bytes
 
 log = logging.getLogger("stratad.lane")
 H2D, D2H = 1, 2  # cudaMemcpyHostToDevice, cudaMemcpyDeviceToHost
+CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM = 91  # cudaDevAttrCanUseHostPointerForRegisteredMem
 
 
 def pinned(shape, dtype) -> np.ndarray:
@@ -51,6 +52,9 @@ class PeerPool:
     def __init__(self, card: int, generation: int, handle: str):
         self.card, self.generation, self.handle = card, generation, handle
         self.ptr = cp.cuda.runtime.ipcOpenMemHandle(bytes.fromhex(handle))
+
+    def where(self, layer: int):
+        return self.ptr
 
     def close(self) -> None:
         cp.cuda.runtime.ipcCloseMemHandle(self.ptr)
@@ -118,6 +122,33 @@ class RemotePool(PeerPool):
             super().close()
 
 
+class ArenaSource:
+    """The experts no card holds, computed by this card's kernels reading the weights straight from the page-locked
+    arena over the bus (zero-copy): the same kernels as for a slot, so the same bits, with ~2 MB an expert crossing
+    the bus instead of the CPU pool computing it (config host_experts = "card")."""
+
+    remote = False
+    card = None
+    ptr = None
+
+    def __init__(self, model: ModelFile, kernels_of):
+        self.layouts = []
+        for layer in range(model.config.n_layer):
+            g, u, d = (model.raw(f"blk.{layer}.ffn_{k}_exps.weight") for k in ("gate", "up", "down"))
+            if g.strides[0] != u.strides[0]:
+                raise ValueError(f"layer {layer}: gate and up experts of different sizes")
+            self.layouts.append(kernels_of(layer).layout(g.ctypes.data, g.strides[0], u.ctypes.data, d.ctypes.data,
+                                                         d.strides[0]))
+
+    def where(self, layer: int):
+        return self.layouts[layer]
+
+    @staticmethod
+    def readable(device: int) -> bool:
+        """Kernels on this device can use host pointers of registered memory as they are (x86 and UVA: yes)."""
+        return bool(cp.cuda.runtime.deviceGetAttribute(CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM, device))
+
+
 def device_index(bus_id: str) -> int | None:
     """The CUDA device with this PCI bus id (as lanes report it, after "cuda:"), or None."""
     for i in range(cp.cuda.runtime.getDeviceCount()):
@@ -128,7 +159,7 @@ def device_index(bus_id: str) -> int | None:
 
 class GpuExperts:
     def __init__(self, model: ModelFile, pool: SlotPool, max_tokens: int, cpu_threads: int, stream: cp.cuda.Stream,
-                 own_device: str):
+                 own_device: str, host_experts: str = "cpu"):
         c = model.config
         self.model, self.c, self.pool, self.stream, self.own_device = model, c, pool, stream, own_device
         self.k, self.max_tokens = c.n_expert_used, max_tokens
@@ -165,6 +196,17 @@ class GpuExperts:
         self.h_slot = np.full((c.n_layer, c.n_expert), -1, np.int32)
         # at start: pinning a large file takes seconds, not to be spent inside a request
         self._arena_lock = host_lock.lock(self, model.mapping)
+        # decode steps: the experts no card holds run on the CPU pool, or on this card from the arena
+        if host_experts not in ("cpu", "card"):
+            raise ValueError(f"host_experts must be 'cpu' or 'card', not {host_experts!r}")
+        self.arena = None
+        if host_experts == "card":
+            try:
+                if self._arena_lock is None or not ArenaSource.readable(stream.device_id):
+                    raise ValueError("the arena is not page-locked and mapped for this GPU")
+                self.arena = ArenaSource(model, lambda layer: self.kernels[self._key(layer)])
+            except ValueError as e:
+                log.warning("host_experts = card: %s; the CPU pool computes the experts no card holds", e)
         # the host's side of a decode step: miss list, quantised input and result rows in pinned memory, and the
         # doorbell (prompt chunks stage their misses on the card)
         self.miss, self.n_miss = pinned((self.k, 2), np.int32), pinned((1,), np.int32)
@@ -182,6 +224,7 @@ class GpuExperts:
         self._version = None
         self._view_version = 0
         self.full = False
+        self.on_card = np.zeros((c.n_layer, c.n_expert), bool)
 
     def _key(self, layer: int):
         return self.model.expert_type(layer, "gate"), self.model.expert_type(layer, "down")
@@ -238,6 +281,12 @@ class GpuExperts:
         for s, (card, _, _) in enumerate(self.sources[1:], start=1):
             m = (src < 0) & (self.peer_card == card)
             src[m], slot[m] = s, self.peer_slot[m]
+        self.on_card = src >= 0  # in some card's slots (what prompt chunks do not stage)
+        if self.arena is not None:  # the rest: expert e of the layer's arena tensors
+            self.sources.append((None, None, self.arena))
+            m = src < 0
+            src[m] = len(self.sources) - 1
+            slot[m] = np.broadcast_to(np.arange(self.c.n_expert, dtype=np.int32), src.shape)[m]
         self.src.set(src, stream=self.stream)
         self.slot.set(slot, stream=self.stream)
         self.h_src, self.h_slot = src, slot
@@ -260,7 +309,7 @@ class GpuExperts:
         kern = self.kernels[self._key(layer)]
         sources = list(self.sources)
         src, slot = self.src[layer], self.slot[layer]
-        if T > 1 and not self.full:
+        if T > 1 and not self.on_card.all():
             src, slot = self._stage(layer, ids)
             sources.append((None, self._stage_mem.ptr, None))
         S = len(sources)
@@ -281,17 +330,18 @@ class GpuExperts:
         for i, (_, ptr, p) in enumerate(sources):
             if p is not None and p.remote:
                 continue
+            where = ptr if p is None else p.where(layer)
             if tiled:
-                kern.run_tiled(ptr, self.pairs[i], self.tiles[i], self.n_tiles[i:i + 1], self.qa, self.da,
+                kern.run_tiled(where, self.pairs[i], self.tiles[i], self.n_tiles[i:i + 1], self.qa, self.da,
                                self.rows[i], stream=s)
             else:
-                kern.run(ptr, self.pairs[i], self.n_pairs[i:i + 1], self.qa, self.da, self.rows[i], stream=s)
+                kern.run(where, self.pairs[i], self.n_pairs[i:i + 1], self.qa, self.da, self.rows[i], stream=s)
 
     def _stage(self, layer: int, ids: cp.ndarray) -> tuple[cp.ndarray, cp.ndarray]:
         """Copy the layer's routed experts that no card holds into the staging slots (straight from the arena,
         page-locked where the driver allows); returns the layer's (source, slot) rows pointing at them."""
         routed = np.unique(cp.asnumpy(ids, stream=self.stream))  # the chunk's one wait for the card per layer
-        missing = routed[self.h_src[layer][routed] < 0]
+        missing = routed[~self.on_card[layer][routed]]
         self.staged[layer] = missing
         if not missing.size:
             return self.src[layer], self.slot[layer]
@@ -346,8 +396,12 @@ class GpuExperts:
         self.staged.clear()
         counters.card += int((where == 0).sum())
         counters.cpu += int((where < 0).sum())
-        for s, (card, _, _) in enumerate(self.sources[1:], start=1):
+        for s, (card, _, p) in enumerate(self.sources[1:], start=1):
             n = int((where == s).sum())
+            if p is self.arena:  # weights from host memory, as for the CPU pool
+                counters.cpu += n
+                counters.host_read += n
+                continue
             if n:
                 counters.peer += n
                 counters.by_peer[card] = counters.by_peer.get(card, 0) + n

@@ -16,6 +16,7 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 READ_ONLY = 8  # cudaHostRegisterReadOnly: the device only reads, and read-only mappings can be registered
+MAPPED = 2  # cudaHostRegisterMapped: kernels may read the range directly (zero-copy)
 _users: dict[int, int] = {}  # start address -> users
 _lock = threading.Lock()
 
@@ -27,7 +28,7 @@ def lock(owner: object, mem: np.ndarray) -> weakref.finalize | None:
     with _lock:
         if ptr not in _users:
             try:
-                cp.cuda.runtime.hostRegister(ptr, mem.nbytes, READ_ONLY)
+                cp.cuda.runtime.hostRegister(ptr, mem.nbytes, READ_ONLY | MAPPED)
             except cp.cuda.runtime.CUDARuntimeError as e:
                 log.info("host range not page-locked (%s): copies from it go through the driver's staging", e)
                 return None

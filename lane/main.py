@@ -121,7 +121,8 @@ class Lane:
         else:
             from lane.cupy_card import CupyCard  # CUDA only where a GPU card is asked for
 
-            self.card = CupyCard(self.model, int(self.a.card), n, self.a.context_length, live, self.a.cpu_threads)
+            self.card = CupyCard(self.model, int(self.a.card), n, self.a.context_length, live, self.a.cpu_threads,
+                                 host_experts=self.a.host_experts)
             self.card.on_chunk = self.between_chunks
         self.card.pool.fill(list(placement.experts))
         self.loader = SlotLoader(self.card.pool)
@@ -267,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context-length", type=int, required=True)
     p.add_argument("--heartbeat-s", type=float, default=1.0)
     p.add_argument("--cpu-threads", type=int, default=0)
+    p.add_argument("--host-experts", choices=["cpu", "card"], default="cpu")
     p.add_argument("--startup-timeout-s", type=float, default=120.0)
     p.add_argument("--log-level", default="info")
     a = p.parse_args(argv)

@@ -7,6 +7,7 @@
 #   bash scripts/device_run.sh tests3    # GPU tests: the daemon (modes, split / rejoin, swaps, a killed peer)
 #   bash scripts/device_run.sh profile   # a3b IQ3_S: where a decode step's time goes
 #   bash scripts/device_run.sh engine    # a3b IQ3_S: the engine bench at 1K / 32K / 64K
+#   bash scripts/device_run.sh engine-card  # the same at 50 % / 25 % resident, decode's misses read from the arena
 #   bash scripts/device_run.sh seed13    # the seed table at 60K prompts, modes 1 and 3 (two logical cards)
 #   bash scripts/device_run.sh seed2     # the same, mode 2
 set -u
@@ -41,6 +42,11 @@ engine)
     timeout 120 python3 -m stratad.cli bench --scenario engine --model "$A3B" --fractions 0.25 \
         --contexts 1024,32768 --json "$OUT/engine-0.25.json" 2>&1 | grep "^{'" | cut -c1-200
     ;;
+engine-card)
+    model "$A3B" --router-skew 1.0
+    timeout 200 python3 -m stratad.cli bench --scenario engine --model "$A3B" --fractions 0.5,0.25 \
+        --contexts 1024,32768 --host-experts card --json "$OUT/engine-card.json" 2>&1 | grep "^{'" | cut -c1-260
+    ;;
 seed13 | seed2)
     model "$SEED" --router-skew 0.7 --topics 2
     modes=$([ "$1" = seed13 ] && echo 1,3 || echo 2)
@@ -56,7 +62,7 @@ for m, cs in d['modes'].items():
 " "$OUT/seed-${modes//,/}.json" 2>&1 | tail -6
     ;;
 *)
-    echo "usage: $0 tests|tests2|tests3|profile|engine|seed13|seed2" >&2
+    echo "usage: $0 tests|tests2|tests3|profile|engine|engine-card|seed13|seed2" >&2
     exit 2
     ;;
 esac

@@ -71,6 +71,13 @@ def test_placement_never_changes_a_bit(model, CupyCard):
     card = CupyCard(model, 0, total // 2, 4096, graphs=False)  # every step run directly, no CUDA graphs
     card.pool.fill(experts_by_rank(model)[: total // 2])
     results["eager"] = run(card, model, 40)
+    for frac in (0.5, 0.0):  # decode's experts not on the card read by the card from the page-locked arena
+        n = int(frac * total)
+        card = CupyCard(model, 0, n, 4096, host_experts="card")
+        card.pool.fill(experts_by_rank(model)[:n])
+        results[f"arena {frac}"] = run(card, model, 40)
+        cnt = results[f"arena {frac}"][2]
+        assert cnt.host_read > 0 and cnt.host_read == cnt.cpu, cnt  # none left to the CPU pool
     digests = {f: r[1] for f, r in results.items()}
     assert len(set(digests.values())) == 1, digests
     card = CupyCard(model, 0, total // 2, 4096)

@@ -26,7 +26,8 @@ def _bytes_per_token(model: ModelFile, context: int, resident_share: float) -> i
     return int(c.n_layer * c.n_expert_used * expert * resident_share + dense + kv)
 
 
-def run(model_path: str, fractions=(1.0, 0.5, 0.25), contexts=(1024,), tokens: int = 128) -> dict:
+def run(model_path: str, fractions=(1.0, 0.5, 0.25), contexts=(1024,), tokens: int = 128,
+        host_experts: str = "cpu") -> dict:
     import cupy as cp
 
     from lane.cupy_card import CupyCard
@@ -41,7 +42,7 @@ def run(model_path: str, fractions=(1.0, 0.5, 0.25), contexts=(1024,), tokens: i
     profile = None
     for frac in fractions:
         n_slots = int(frac * total)
-        card = CupyCard(model, 0, n_slots, max(contexts) + tokens + 64)
+        card = CupyCard(model, 0, n_slots, max(contexts) + tokens + 64, host_experts=host_experts)
         if profile is None:  # the model's routing profile: counts of a 512-token pass with every expert on the CPU
             card.forward(list(np.random.default_rng(0).integers(0, 2000, 512)), card.new_kv(), logits="none")
             profile = card.counts.copy()
@@ -56,23 +57,28 @@ def run(model_path: str, fractions=(1.0, 0.5, 0.25), contexts=(1024,), tokens: i
             g = Generation(card, model.tokenizer, prompt, SamplingParams(max_tokens=tokens), ctx + tokens + 64)
             steps = iter(g)
             next(steps)  # the prompt: the counters from here on are decode's
-            before = (card.counters.card, card.counters.cpu)
+            before = card.counters.copy()
             n = 1 + sum(1 for t, _ in steps if t is not None)
-            on_card, on_cpu = card.counters.card - before[0], card.counters.cpu - before[1]
-            share = on_card / max(1, on_card + on_cpu)
+            d = card.counters.minus(before)
+            on_card, on_cpu, read = d.card, d.cpu - d.host_read, d.host_read  # read: by the card from the arena
+            used = max(1, on_card + on_cpu + read)
+            share = on_card / used
             floor_s = _bytes_per_token(model, ctx, share) / bw
             tps = g.decode_tok_s
             free, total_mem = cp.cuda.runtime.memGetInfo()
             # the CPU pool's decode traffic: its experts' bytes per token x tokens per second, against what the
             # host's cores can read at all (the CPU share's own ceiling)
             cpu_gb_s = on_cpu / max(1, n - 1) * expert_bytes * tps / 1e9
+            bus_gb_s = read / max(1, n - 1) * expert_bytes * tps / 1e9
             results.append({
                 "cache_fraction": frac, "context": ctx, "generated": n,
                 "prefill_tok_s": round(ctx / g.ttft_s, 1), "ttft_s": round(g.ttft_s, 4),
-                "decode_tok_s": round(tps, 1), "hit_rate": round(share, 4), "cpu_share": round(1 - share, 4),
+                "decode_tok_s": round(tps, 1), "hit_rate": round(share, 4), "cpu_share": round(on_cpu / used, 4),
+                "host_read_share": round(read / used, 4),
                 "floor_ms_per_token": round(floor_s * 1e3, 4),
                 "floor_tok_s": round(1 / floor_s, 1), "fraction_of_floor": round(tps * floor_s, 4),
                 "cpu_expert_gb_s": round(cpu_gb_s, 2), "cpu_fraction_of_host_read": round(cpu_gb_s / host_read, 3),
+                "host_experts": host_experts, "bus_expert_gb_s": round(bus_gb_s, 2),
                 "vram_used_gib": round((total_mem - free) / 2**30, 2),
                 "host_rss_gib": round(psutil.Process().memory_info().rss / 2**30, 2),
             })
