@@ -15,7 +15,10 @@ so the bits do not depend on placement. A layer is two halves around the host:
 front and back only launch kernels with fixed grids (counts are read on the device), so the card captures them
 in CUDA graphs. Tables (expert -> source, slot) live on the device and are refreshed between steps.
 Another card's pool is opened through its CUDA IPC handle (from the coordinator's View): on this GPU its experts
-run here; on another GPU they run there (RemotePool), the input going over and the result rows coming back.
+run here; on another GPU they run there (RemotePool), the input going over and the result rows coming back. With
+host_experts = "card" the experts no card holds are one more source, the page-locked arena, read over the bus by
+this card's kernels (ArenaSource) instead of being computed by the CPU pool. Sources with a stream of their own
+(RemotePool, ArenaSource) are launched first and joined before the combine, so they overlap this card's work.
 """
 from __future__ import annotations
 
@@ -48,6 +51,7 @@ class PeerPool:
     """Another card's slot pool on this GPU, opened through its CUDA IPC handle: its experts run here."""
 
     remote = False
+    side = False  # computed by compute() on a stream of its own, joined by join() before the combine
 
     def __init__(self, card: int, generation: int, handle: str):
         self.card, self.generation, self.handle = card, generation, handle
@@ -67,6 +71,7 @@ class RemotePool(PeerPool):
     otherwise), while this card computes its own experts. Steps with a remote peer run without CUDA graphs."""
 
     remote = True
+    side = True
 
     def __init__(self, card: int, generation: int, handle: str, device: int, experts: "GpuExperts"):
         self.device = device
@@ -82,8 +87,7 @@ class RemotePool(PeerPool):
                             pass
             c, P = experts.c, experts.max_pairs
             self.stream = cp.cuda.Stream(non_blocking=True)
-            self.kernels = {key: ExpertKernels(c.d_model, c.d_ff_expert, key[0], key[1], P,
-                                               slot_stride=experts.pool.slot_bytes) for key in experts.kernels}
+            self.kernels = experts.new_kernels()
             self.qa, self.da = cp.empty_like(experts.qa), cp.empty_like(experts.da)
             self.pairs, self.n_pairs = cp.empty((P, 2), cp.int32), cp.empty((1,), cp.int32)
             self.tiles, self.n_tiles = cp.empty(experts.tiles.shape[1:], cp.int32), cp.empty((1,), cp.int32)
@@ -92,9 +96,9 @@ class RemotePool(PeerPool):
         with cp.cuda.Device(self.here):
             self.start = cp.cuda.Event(disable_timing=True)
 
-    def compute(self, key, s: int, T: int, tiled: bool, ex: "GpuExperts") -> None:
+    def compute(self, layer: int, key, s: int, T: int, tiled: bool, ex: "GpuExperts") -> None:
         """Source s's pairs of this layer (built on this card) computed on the peer's GPU, rows back into
-        ex.rows[s]; this card's stream waits for them before the combine."""
+        ex.rows[s] (join() before the combine)."""
         rt, here, there = cp.cuda.runtime, self.here, self.device
         self.start.record(ex.stream)
         self.stream.wait_event(self.start)
@@ -114,6 +118,9 @@ class RemotePool(PeerPool):
             rt.memcpyPeerAsync(ex.rows[s].data.ptr, here, self.rows.data.ptr, there, T * ex.k * self.rows.shape[1] * 4,
                                self.stream.ptr)
             self.done.record(self.stream)
+
+    def join(self, ex: "GpuExperts") -> None:
+        """This card's stream waits for the last compute() (issued after this card's own experts: they overlap)."""
         ex.stream.wait_event(self.done)
 
     def close(self) -> None:
@@ -127,21 +134,35 @@ class ArenaSource:
     arena over the bus (zero-copy): the same kernels as for a slot, so the same bits, with ~2 MB an expert crossing
     the bus instead of the CPU pool computing it (config host_experts = "card")."""
 
-    remote = False
-    card = None
-    ptr = None
+    side = True  # on a stream of its own: the bus reads overlap this card's own experts
 
-    def __init__(self, model: ModelFile, kernels_of):
+    def __init__(self, experts: "GpuExperts"):
+        model = experts.model
+        self.kernels = experts.new_kernels()  # intermediates of their own: they run beside the card's kernels
         self.layouts = []
         for layer in range(model.config.n_layer):
             g, u, d = (model.raw(f"blk.{layer}.ffn_{k}_exps.weight") for k in ("gate", "up", "down"))
             if g.strides[0] != u.strides[0]:
                 raise ValueError(f"layer {layer}: gate and up experts of different sizes")
-            self.layouts.append(kernels_of(layer).layout(g.ctypes.data, g.strides[0], u.ctypes.data, d.ctypes.data,
-                                                         d.strides[0]))
+            self.layouts.append(self.kernels[experts.key(layer)].layout(g.ctypes.data, g.strides[0], u.ctypes.data,
+                                                                       d.ctypes.data, d.strides[0]))
+        self.stream = cp.cuda.Stream(non_blocking=True)
+        self.start, self.done = cp.cuda.Event(disable_timing=True), cp.cuda.Event(disable_timing=True)
 
-    def where(self, layer: int):
-        return self.layouts[layer]
+    def compute(self, layer: int, key, s: int, T: int, tiled: bool, ex: "GpuExperts") -> None:
+        """Source s's pairs of this layer, from the arena, into ex.rows[s] (join() before the combine)."""
+        self.start.record(ex.stream)
+        self.stream.wait_event(self.start)
+        k, where = self.kernels[key], self.layouts[layer]
+        if tiled:
+            k.run_tiled(where, ex.pairs[s], ex.tiles[s], ex.n_tiles[s:s + 1], ex.qa, ex.da, ex.rows[s],
+                        stream=self.stream)
+        else:
+            k.run(where, ex.pairs[s], ex.n_pairs[s:s + 1], ex.qa, ex.da, ex.rows[s], stream=self.stream)
+        self.done.record(self.stream)
+
+    def join(self, ex: "GpuExperts") -> None:
+        ex.stream.wait_event(self.done)
 
     @staticmethod
     def readable(device: int) -> bool:
@@ -164,14 +185,10 @@ class GpuExperts:
         self.model, self.c, self.pool, self.stream, self.own_device = model, c, pool, stream, own_device
         self.k, self.max_tokens = c.n_expert_used, max_tokens
         P = self.max_pairs = max_tokens * self.k
-        self.kernels = {}
         for layer in range(c.n_layer):
-            key = self._key(layer)
-            if model.expert_type(layer, "up") != key[0]:
+            if model.expert_type(layer, "up") != self.key(layer)[0]:
                 raise ValueError(f"layer {layer}: gate and up experts of different types are not supported on GPU")
-            if key not in self.kernels:
-                self.kernels[key] = ExpertKernels(c.d_model, c.d_ff_expert, key[0], key[1], P,
-                                                  slot_stride=pool.slot_bytes)
+        self.kernels = self.new_kernels()
         self.cpu = CpuPool(cpu_threads or os.cpu_count() or 1)
         self.qa = cp.empty((max_tokens, c.d_model), cp.int8)
         self.da = cp.empty((max_tokens, c.d_model // 32), cp.float32)
@@ -204,7 +221,7 @@ class GpuExperts:
             try:
                 if self._arena_lock is None or not ArenaSource.readable(stream.device_id):
                     raise ValueError("the arena is not page-locked and mapped for this GPU")
-                self.arena = ArenaSource(model, lambda layer: self.kernels[self._key(layer)])
+                self.arena = ArenaSource(self)
             except ValueError as e:
                 log.warning("host_experts = card: %s; the CPU pool computes the experts no card holds", e)
         # the host's side of a decode step: miss list, quantised input and result rows in pinned memory, and the
@@ -226,8 +243,19 @@ class GpuExperts:
         self.full = False
         self.on_card = np.zeros((c.n_layer, c.n_expert), bool)
 
-    def _key(self, layer: int):
+    def key(self, layer: int):
+        """The layer's expert types (gate/up, down): which ExpertKernels instance computes it."""
         return self.model.expert_type(layer, "gate"), self.model.expert_type(layer, "down")
+
+    def new_kernels(self) -> dict:
+        """One ExpertKernels per layer shape (on the current device), each with its own intermediates."""
+        c, out = self.c, {}
+        for layer in range(c.n_layer):
+            key = self.key(layer)
+            if key not in out:
+                out[key] = ExpertKernels(c.d_model, c.d_ff_expert, key[0], key[1], self.max_pairs,
+                                         slot_stride=self.pool.slot_bytes)
+        return out
 
     # ---- placement ------------------------------------------------------------------------------------------
     def set_view(self, view) -> None:
@@ -306,7 +334,7 @@ class GpuExperts:
         prompt chunk (T > 1, run eagerly) first stages the experts no card holds; a decode step leaves them to
         the CPU pool (export: the doorbell for serve)."""
         T, s = h.shape[0], self.stream
-        kern = self.kernels[self._key(layer)]
+        kern = self.kernels[self.key(layer)]
         sources = list(self.sources)
         src, slot = self.src[layer], self.slot[layer]
         if T > 1 and not self.on_card.all():
@@ -324,11 +352,11 @@ class GpuExperts:
             rt.memcpyAsync(self.qa_h.ctypes.data, self.qa.data.ptr, T * self.qa.shape[1], D2H, s.ptr)
             rt.memcpyAsync(self.da_h.ctypes.data, self.da.data.ptr, T * self.da.shape[1] * 4, D2H, s.ptr)
             kern.ring(self.counter, self.bell.ctypes.data, stream=s)
-        for i, (_, ptr, p) in enumerate(sources):  # peers on other GPUs first: they start while this card works
-            if p is not None and p.remote:
-                p.compute(self._key(layer), i, T, tiled, self)
+        side = [(i, p) for i, (_, _, p) in enumerate(sources) if p is not None and p.side]
+        for i, p in side:  # peers on other GPUs and the arena first, on streams of their own, so that they overlap
+            p.compute(layer, self.key(layer), i, T, tiled, self)  # the experts this card computes below
         for i, (_, ptr, p) in enumerate(sources):
-            if p is not None and p.remote:
+            if p is not None and p.side:
                 continue
             where = ptr if p is None else p.where(layer)
             if tiled:
@@ -336,6 +364,8 @@ class GpuExperts:
                                self.rows[i], stream=s)
             else:
                 kern.run(where, self.pairs[i], self.n_pairs[i:i + 1], self.qa, self.da, self.rows[i], stream=s)
+        for _, p in side:
+            p.join(self)
 
     def _stage(self, layer: int, ids: cp.ndarray) -> tuple[cp.ndarray, cp.ndarray]:
         """Copy the layer's routed experts that no card holds into the staging slots (straight from the arena,
@@ -371,7 +401,7 @@ class GpuExperts:
 
     def back(self, layer: int, weights: cp.ndarray, x: cp.ndarray) -> None:
         """x (T, d_model) += the routed experts' outputs, weighted in router order."""
-        self.kernels[self._key(layer)].combine_rows(self.rows, self.host_rows.ctypes.data, self.rowmap, weights, x,
+        self.kernels[self.key(layer)].combine_rows(self.rows, self.host_rows.ctypes.data, self.rowmap, weights, x,
                                                     stream=self.stream)
 
     def _wait(self, want: int) -> None:
