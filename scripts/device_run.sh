@@ -5,7 +5,7 @@
 #   bash scripts/device_run.sh tests     # GPU tests: expert kernels, the card (a summary line each)
 #   bash scripts/device_run.sh tests2    # GPU tests: dense kernels
 #   bash scripts/device_run.sh tests3    # GPU tests: the daemon (modes, split / rejoin, swaps, a killed peer)
-#   bash scripts/device_run.sh profile   # a3b IQ3_S: where a decode step's time goes
+#   bash scripts/device_run.sh profile   # a3b IQ3_S: where a decode step's and a prompt's time goes
 #   bash scripts/device_run.sh engine    # a3b IQ3_S: the engine bench at 1K / 32K / 64K
 #   bash scripts/device_run.sh engine-card  # the same at 50 % / 25 % resident, decode's misses read from the arena
 #   bash scripts/device_run.sh seed13    # the seed table at 60K prompts, modes 1 and 3 (two logical cards)
@@ -34,6 +34,8 @@ profile)
     model "$A3B" --router-skew 1.0
     timeout 150 python3 scripts/gpu_decode_profile.py --model "$A3B" --fractions 1.0,0.5 --json "$OUT/profile.json" \
         2>&1 | tail -3
+    timeout 150 python3 scripts/gpu_prefill_profile.py --model "$A3B" --fractions 1.0,0.5 --contexts 1024,32768 \
+        --json "$OUT/prefill-profile.json" 2>&1 | tail -5
     ;;
 engine)
     model "$A3B" --router-skew 1.0
