@@ -257,7 +257,8 @@ class Lane:
         self.ctx.term()
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The lane's command line (coordinator/lanes.py's lane_argv writes it)."""
     p = argparse.ArgumentParser(prog="stratad-lane")
     p.add_argument("--lane", type=int, required=True)
     p.add_argument("--card", required=True)
@@ -271,7 +272,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host-experts", choices=["cpu", "card"], default="cpu")
     p.add_argument("--startup-timeout-s", type=float, default=120.0)
     p.add_argument("--log-level", default="info")
-    a = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), format=f"%(asctime)s lane{a.lane} %(levelname)s %(message)s")
     _die_with_parent()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
