@@ -57,9 +57,6 @@ class PeerPool:
         self.card, self.generation, self.handle = card, generation, handle
         self.ptr = cp.cuda.runtime.ipcOpenMemHandle(bytes.fromhex(handle))
 
-    def where(self, layer: int):
-        return self.ptr
-
     def close(self) -> None:
         cp.cuda.runtime.ipcCloseMemHandle(self.ptr)
 
@@ -358,12 +355,11 @@ class GpuExperts:
         for i, (_, ptr, p) in enumerate(sources):
             if p is not None and p.side:
                 continue
-            where = ptr if p is None else p.where(layer)
             if tiled:
-                kern.run_tiled(where, self.pairs[i], self.tiles[i], self.n_tiles[i:i + 1], self.qa, self.da,
+                kern.run_tiled(ptr, self.pairs[i], self.tiles[i], self.n_tiles[i:i + 1], self.qa, self.da,
                                self.rows[i], stream=s)
             else:
-                kern.run(where, self.pairs[i], self.n_pairs[i:i + 1], self.qa, self.da, self.rows[i], stream=s)
+                kern.run(ptr, self.pairs[i], self.n_pairs[i:i + 1], self.qa, self.da, self.rows[i], stream=s)
         for _, p in side:
             p.join(self)
 
