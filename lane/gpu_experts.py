@@ -329,7 +329,7 @@ class GpuExperts:
     def front(self, layer: int, h: cp.ndarray, ids: cp.ndarray, export: bool) -> None:
         """h (T, d_model) normalised input, ids (T, k) router choice: route and launch the cards' experts. A
         prompt chunk (T > 1, run eagerly) first stages the experts no card holds; a decode step leaves them to
-        the CPU pool (export: the doorbell for serve)."""
+        the arena source (host_experts = "card") or to the CPU pool (export: the doorbell for serve)."""
         T, s = h.shape[0], self.stream
         kern = self.kernels[self.key(layer)]
         sources = list(self.sources)
