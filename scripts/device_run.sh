@@ -2,10 +2,11 @@
 # One step of the GPU verification and measurement plan, sized for one device call (< 600 s each), results under
 # $OUT (the device tool brings them back). Run from the repository root on the device machine, after installing
 # the wheels (see ../shared/device/README.md):
-#   bash scripts/device_run.sh tests     # GPU tests: expert kernels, the card (a summary line each)
+#   bash scripts/device_run.sh tests     # GPU tests: expert kernels, the card, PDL (a summary line each)
 #   bash scripts/device_run.sh tests2    # GPU tests: dense kernels
 #   bash scripts/device_run.sh tests3    # GPU tests: the daemon (modes, split / rejoin, swaps, a killed peer)
-#   bash scripts/device_run.sh profile   # a3b IQ3_S: where a decode step's and a prompt's time goes
+#   bash scripts/device_run.sh profile   # a3b IQ3_S: where a decode step's time goes (with and without PDL),
+#                                        # and a prompt's
 #   bash scripts/device_run.sh engine    # a3b IQ3_S: the engine bench at 1K / 32K / 64K
 #   bash scripts/device_run.sh engine-card  # the same at 50 % / 25 % resident, decode's misses read from the arena
 #   bash scripts/device_run.sh seed13    # the seed table at 60K prompts, modes 1 and 3 (two logical cards)
@@ -24,7 +25,7 @@ model() {  # path preset args...
 
 case "${1:-}" in
 tests | tests2 | tests3)
-    files="tests/test_gpu_experts.py tests/test_gpu_card.py"
+    files="tests/test_gpu_experts.py tests/test_gpu_card.py tests/test_gpu_pdl.py"
     [ "$1" = tests2 ] && files="tests/test_gpu_dense.py"
     [ "$1" = tests3 ] && files="tests/test_gpu_daemon.py"
     for f in $files; do
@@ -36,6 +37,8 @@ profile)
     model "$A3B" --router-skew 1.0
     timeout 150 python3 scripts/gpu_decode_profile.py --model "$A3B" --fractions 1.0,0.5 --json "$OUT/profile.json" \
         2>&1 | tail -3
+    STRATAD_PDL=1 timeout 90 python3 scripts/gpu_decode_profile.py --model "$A3B" --fractions 1.0 \
+        --json "$OUT/profile-pdl.json" 2>&1 | tail -2
     timeout 150 python3 scripts/gpu_prefill_profile.py --model "$A3B" --fractions 1.0,0.5 --contexts 1024,32768 \
         --json "$OUT/prefill-profile.json" 2>&1 | tail -5
     ;;

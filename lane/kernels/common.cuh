@@ -1,11 +1,20 @@
-// What dense.cu and experts.cu share: integer types, exact float32 arithmetic, byte permute and cp.async.
-// compile.py inlines this file where a .cu says #include "common.cuh" (so the cubin cache key covers it); nvcc
-// finds it beside the source.
+// What dense.cu and experts.cu share: integer types, exact float32 arithmetic, byte permute, cp.async, and the
+// programmatic-dependent-launch entry every kernel begins with. compile.py inlines this file where a .cu says
+// #include "common.cuh" (so the cubin cache key covers it); nvcc finds it beside the source.
 typedef unsigned int u32;
 typedef unsigned short u16;
 typedef unsigned char u8;
 typedef long long i64;
 typedef unsigned long long u64;
+
+// Programmatic dependent launch (lane/kernels/launch.py): a kernel may be resident before its predecessor in the
+// stream has finished; it waits here until the predecessor has completed and its writes are visible, then lets its
+// own dependent launch. Under a normal launch both are no-ops.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define PDL_ENTRY() asm volatile("griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;" ::: "memory")
+#else
+#define PDL_ENTRY() do { } while (0)
+#endif
 
 // exact float32 arithmetic: IEEE round-to-nearest-even as explicit PTX, so --fmad / -ftz cannot change a bit
 __device__ __forceinline__ float f_add(float a, float b) { float r; asm("add.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r; }

@@ -318,7 +318,7 @@ __device__ __forceinline__ void matvec_float_body(const u8* __restrict__ W, int 
 #define MV_INST(NAME, QT, R, KS, QV)                                                                                \
     extern "C" __global__ void __launch_bounds__(256, (QT == QT_Q8_0 ? 3 : 1)) NAME(const u8* __restrict__ W, int rows, int ncu,           \
                                                            i64 row_bytes, const float* __restrict__ x,            \
-                                                           const float* res, float* y) {                          \
+                                                           const float* res, float* y) { PDL_ENTRY();                          \
         if (QT == QT_Q8_0) matvec_q8_0_body<R, KS, QV>(W, rows, ncu, row_bytes, x, res, y);                      \
         else matvec_float_body<QT, R, KS>(W, rows, ncu, row_bytes, x, res, y);                                   \
     }
@@ -339,6 +339,7 @@ MV_PLANS(f32, QT_F32, 0)
 extern "C" __global__ void __launch_bounds__(256) matvec_generic(const u8* __restrict__ W, int qt, int rows, int cols,
                                                                  i64 row_bytes, const float* __restrict__ x,
                                                                  const float* res, float* y) {
+    PDL_ENTRY();
     const int lane = threadIdx.x & 31;
     const int row = blockIdx.x * 8 + (threadIdx.x >> 5);
     if (row >= rows) return;
@@ -359,6 +360,7 @@ extern "C" __global__ void __launch_bounds__(256) matvec_generic(const u8* __res
 extern "C" __global__ void __launch_bounds__(256) gemm_f32(const u8* __restrict__ W, int qt, int rows, int cols,
                                                            i64 row_bytes, const float* __restrict__ X, i64 ldx, int T,
                                                            const float* res, i64 ldr, float* Y, i64 ldy) {
+    PDL_ENTRY();
     __shared__ __align__(16) float As[GK][GB + 4];  // X tile, k-major
     __shared__ __align__(16) float Bs[GK][GB + 4];  // W tile, k-major
     const int tid = threadIdx.x, tx = tid & 15, ty = tid >> 4;
@@ -436,6 +438,7 @@ extern "C" __global__ void __launch_bounds__(256) gemm_f32(const u8* __restrict_
 // dequantise rows to f16 (out_t 1), bf16 (30) or f32 (0); 8 consecutive elements per thread (cols % 8 == 0)
 extern "C" __global__ void dequant_rows(const u8* __restrict__ W, int qt, int rows, int cols, i64 row_bytes,
                                         void* out, int out_t) {
+    PDL_ENTRY();
     const i64 g = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     const int gpr = cols >> 3;
     if (g >= (i64)rows * gpr) return;
@@ -461,6 +464,7 @@ extern "C" __global__ void dequant_rows(const u8* __restrict__ W, int qt, int ro
 
 // float32 -> f16 / bf16 (n % 2 == 0)
 extern "C" __global__ void convert_f32(const float* __restrict__ x, i64 n, void* out, int out_t) {
+    PDL_ENTRY();
     const i64 i = ((i64)blockIdx.x * blockDim.x + threadIdx.x) * 2;
     if (i >= n) return;
     const float a = x[i], b = x[i + 1];
@@ -500,6 +504,7 @@ __device__ __forceinline__ float leaf_sq_sum(const float* a, int L, int j) {
 extern "C" __global__ void __launch_bounds__(1024) rms_norm_rows(const float* x, i64 ldx, const float* __restrict__ w,
                                                                  float* y, i64 ldy, int n, int L, int NL, float eps,
                                                                  int staged) {
+    PDL_ENTRY();
     extern __shared__ float xs[];
     __shared__ float part[32];
     __shared__ float s_inv;
@@ -579,6 +584,7 @@ extern "C" __global__ void __launch_bounds__(128) qk_norm_rope_kv(
     float eps, const float* __restrict__ cos_t, const float* __restrict__ sin_t, const int* __restrict__ pos_p,
     float* __restrict__ q_out, u16* __restrict__ kc, u16* __restrict__ vc, int n_head, int n_kv, int hd,
     int max_ctx) {
+    PDL_ENTRY();
     const int lane = threadIdx.x & 31;
     const int hh = blockIdx.x * 4 + (threadIdx.x >> 5);
     const int t = blockIdx.y;
@@ -632,6 +638,7 @@ extern "C" __global__ void __launch_bounds__(128) qk_norm_rope_kv(
 
 // pos[0] += T (end of a captured decode step)
 extern "C" __global__ void advance_pos(int* pos, int T) {
+    PDL_ENTRY();
     if (threadIdx.x == 0 && blockIdx.x == 0) pos[0] += T;
 }
 
@@ -865,7 +872,7 @@ __device__ __forceinline__ void attn_split_body(const float* __restrict__ q, con
     extern "C" __global__ void __launch_bounds__(128) NAME(                                                       \
         const float* __restrict__ q, const u16* __restrict__ kc, const u16* __restrict__ vc,                     \
         const int* __restrict__ pos_p, int n_head, int n_kv, int max_ctx, int nsplit, int chunk_min,             \
-        float scale_log2, float* __restrict__ part_o, float* __restrict__ part_ml) {                             \
+        float scale_log2, float* __restrict__ part_o, float* __restrict__ part_ml) { PDL_ENTRY();                             \
         attn_split_body<HD, G16, PIPE>(q, kc, vc, pos_p, n_head, n_kv, max_ctx, nsplit, chunk_min, scale_log2,    \
                                        part_o, part_ml);                                                          \
     }
@@ -885,6 +892,7 @@ extern "C" __global__ void __launch_bounds__(128) attn_combine(const float* __re
                                                                const int* __restrict__ pos_p, int n_head, int n_kv,
                                                                int hd, int max_ctx, int nsplit, int chunk_min,
                                                                float* __restrict__ out) {
+    PDL_ENTRY();
     extern __shared__ float wts[];  // nsplit
     __shared__ float red[4];
     __shared__ float s_M, s_L;
@@ -957,6 +965,7 @@ extern "C" __global__ void __launch_bounds__(128) attn_combine_v1(const float* _
                                                                const int* __restrict__ pos_p, int n_head, int n_kv,
                                                                int hd, int max_ctx, int nsplit, int chunk_min,
                                                                float* __restrict__ out) {
+    PDL_ENTRY();
     extern __shared__ float wts[];  // nsplit
     __shared__ float red[4];
     __shared__ float s_M, s_L;
@@ -1048,6 +1057,7 @@ __device__ __forceinline__ u32 redux_min(u32 v) { u32 r; asm volatile("redux.syn
 
 extern "C" __global__ void __launch_bounds__(32) route_topk(const float* __restrict__ logits, i64 ld, int n, int k,
                                                             int* __restrict__ ids, float* __restrict__ wts) {
+    PDL_ENTRY();
     __shared__ float e[1024];
     __shared__ float sel[32];
     const int t = blockIdx.x, lane = threadIdx.x;
@@ -1093,6 +1103,7 @@ extern "C" __global__ void __launch_bounds__(32) route_topk(const float* __restr
 // first version (shuffle reductions per round)
 extern "C" __global__ void __launch_bounds__(32) route_topk_v1(const float* __restrict__ logits, i64 ld, int n, int k,
                                                             int* __restrict__ ids, float* __restrict__ wts) {
+    PDL_ENTRY();
     __shared__ float e[1024];
     __shared__ float sel[32];
     const int t = blockIdx.x, lane = threadIdx.x;
@@ -1166,6 +1177,7 @@ __device__ __forceinline__ u64 warp_max_u64(u64 v) {
 // grid NB blocks x 256 threads; the last block to finish reduces the NB partials and resets the counter
 extern "C" __global__ void __launch_bounds__(256) argmax_k(const float* __restrict__ x, int n, u64* part,
                                                            u32* counter, int* out) {
+    PDL_ENTRY();
     __shared__ u64 red[8];
     __shared__ bool last;
     const int tid = threadIdx.x;
@@ -1225,6 +1237,7 @@ __device__ void bitonic_desc(u64* a, int M) {
 
 // stage 1: block b sorts logits [b*4096, (b+1)*4096) and writes its best 256 keys to cand[b*256 ...]
 extern "C" __global__ void __launch_bounds__(1024) topk_stage1(const float* __restrict__ x, int n, u64* cand) {
+    PDL_ENTRY();
     __shared__ u64 a[SAMPLE_CHUNK];
     const int b0 = blockIdx.x * SAMPLE_CHUNK;
     for (int i = threadIdx.x; i < SAMPLE_CHUNK; i += blockDim.x) a[i] = b0 + i < n ? sort_key(x[b0 + i], b0 + i) : 0ull;
@@ -1243,6 +1256,7 @@ extern "C" __global__ void __launch_bounds__(1024) topk_sample(const u64* __rest
                                                                const float* __restrict__ x, int n,
                                                                const double* __restrict__ params,
                                                                int* __restrict__ out) {
+    PDL_ENTRY();
     extern __shared__ u64 a[];  // P lists of 256 sorted keys, P = next pow2 >= nb
     __shared__ double S[SAMPLE_KMAX];
     __shared__ int s_keep, s_pick;
@@ -1306,6 +1320,7 @@ extern "C" __global__ void __launch_bounds__(1024) topk_sample(const u64* __rest
 extern "C" __global__ void __launch_bounds__(256) embed_rows(const u8* __restrict__ table, int qt, int vocab,
                                                              int d, i64 row_bytes, const int* __restrict__ tokens,
                                                              float* __restrict__ out) {
+    PDL_ENTRY();
     const int t = blockIdx.x;
     const int tok = tokens[t];
     float* o = out + (i64)t * d;
@@ -1335,6 +1350,7 @@ __device__ __forceinline__ i64 kv_major(i64 idx, int T, int n_head, int n_kv, in
 
 extern "C" __global__ void attn_q_pack(const float* __restrict__ q, int T, int n_head, int n_kv, int hd,
                                        float scale, u16* __restrict__ qp) {
+    PDL_ENTRY();
     const i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (i64)T * n_head * hd) return;
     qp[kv_major(idx, T, n_head, n_kv, hd)] = f2h(f_mul(q[idx], scale));
@@ -1344,6 +1360,7 @@ extern "C" __global__ void attn_q_pack(const float* __restrict__ q, int T, int n
 // 0 .. pos0 + t, later keys get 0. Grid (T * group, n_kv), 256 threads.
 extern "C" __global__ void __launch_bounds__(256) attn_softmax_rows(const float* __restrict__ scores, int T, int group,
                                                                     int S, int pos0, u16* __restrict__ p) {
+    PDL_ENTRY();
     const int r = blockIdx.x, h = blockIdx.y;
     const i64 base = ((i64)h * T * group + r) * S;
     const int limit = pos0 + r / group + 1;
@@ -1374,6 +1391,7 @@ extern "C" __global__ void __launch_bounds__(256) attn_softmax_rows(const float*
 // o (n_kv, T * group, hd) f32 -> out (T, n_head * hd) f32
 extern "C" __global__ void attn_o_unpack(const float* __restrict__ o, int T, int n_head, int n_kv, int hd,
                                          float* __restrict__ out) {
+    PDL_ENTRY();
     const i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (i64)T * n_head * hd) return;
     out[idx] = o[kv_major(idx, T, n_head, n_kv, hd)];

@@ -43,6 +43,7 @@ from stratad.engine import reference
 from stratad.model import quants
 
 from .compile import load_module
+from .launch import launch
 
 SOURCE = "dense.cu"
 F32 = np.float32
@@ -204,7 +205,7 @@ class DenseWeight:
         out = cp.empty((self.rows, self.cols), dtype)
         n = self.rows * (self.cols // 8)
         with _on(stream):
-            m.fn("dequant_rows")(((n + 255) // 256,), (256,),
+            launch(m.fn("dequant_rows"), ((n + 255) // 256,), (256,),
                                  (self.data, np.int32(int(self.qtype)), np.int32(self.rows), np.int32(self.cols),
                                   np.int64(self.row_bytes), out, np.int32(out_t)))
         if cache:
@@ -265,11 +266,11 @@ def matvec(W: DenseWeight, x, y=None, residual=None, *, plan: tuple[int, int] | 
             grid = -(-groups // (8 // KS))
             ncu = W.cols // 32 if q8 else W.row_bytes // 16
             qn = (variant or Q8_VARIANT) if q8 else QNAME[W.qtype]
-            m.fn(f"matvec_{qn}_r{R}_k{KS}")(
+            launch(m.fn(f"matvec_{qn}_r{R}_k{KS}"), 
                 (grid,), (256,), (W.data, np.int32(W.rows), np.int32(ncu), np.int64(W.row_bytes), x,
                                   _ptr(residual), y), shared_mem=Q8_SMEM_BYTES if q8 else 0)
         else:
-            m.fn("matvec_generic")((-(-W.rows // 8),), (256,),
+            launch(m.fn("matvec_generic"), (-(-W.rows // 8),), (256,),
                                    (W.data, np.int32(int(W.qtype)), np.int32(W.rows), np.int32(W.cols),
                                     np.int64(W.row_bytes), x, _ptr(residual), y))
     return y
@@ -319,7 +320,7 @@ def dense_batched(W: DenseWeight, X, Y=None, residual=None, *, method: str | Non
         if method == "kernel":
             if W.cols % 32:
                 raise ValueError("the kernel method needs cols % 32 == 0")
-            m.fn("gemm_f32")((-(-W.rows // 64), -(-Tn // 64)), (256,),
+            launch(m.fn("gemm_f32"), (-(-W.rows // 64), -(-Tn // 64)), (256,),
                              (W.data, np.int32(int(W.qtype)), np.int32(W.rows), np.int32(W.cols),
                               np.int64(W.row_bytes), X, np.int64(W.cols), np.int32(Tn), _ptr(residual),
                               np.int64(W.rows), Y, np.int64(W.rows)))
@@ -333,7 +334,7 @@ def dense_batched(W: DenseWeight, X, Y=None, residual=None, *, method: str | Non
         else:
             Xc = cp.empty((Tn, W.cols), cp.float16 if kind == "f16" else cp.uint16)
             n = Tn * W.cols
-            m.fn("convert_f32")(((n // 2 + 255) // 256,), (256,),
+            launch(m.fn("convert_f32"), ((n // 2 + 255) // 256,), (256,),
                                 (X, np.int64(n), Xc, np.int32(1 if kind == "f16" else 30)))
             xt = CUDA_R_16F if kind == "f16" else CUDA_R_16BF
         wt = {"f16": CUDA_R_16F, "bf16": CUDA_R_16BF, "f32": CUDA_R_32F}[kind]
@@ -400,7 +401,7 @@ def rms_norm(x, w, eps: float, y=None, *, stream=None):
         threads = max(256, -(-NL * 8 // 32) * 32)
     staged = 8 * n <= 48 * 1024
     with _on(stream):
-        m.fn("rms_norm_rows")((rows,), (threads,), (x, np.int64(n), w, y, np.int64(n), np.int32(n), np.int32(L),
+        launch(m.fn("rms_norm_rows"), (rows,), (threads,), (x, np.int64(n), w, y, np.int64(n), np.int32(n), np.int32(L),
                                                     np.int32(NL), np.float32(eps), np.int32(staged)),
                               shared_mem=8 * n if staged else 0)
     return y
@@ -461,7 +462,7 @@ def qk_norm_rope_kv(qkv, q_norm_w, k_norm_w, eps: float, rope: RopeTable, pos, q
         raise ValueError("head_dim must be even and <= 256, and the rope table must cover max_ctx")
     heads = n_head + 2 * n_kv
     with _on(stream):
-        m.fn("qk_norm_rope_kv")((-(-heads // 4), Tn), (128,),
+        launch(m.fn("qk_norm_rope_kv"), (-(-heads // 4), Tn), (128,),
                                 (qkv, np.int64(qkv.shape[1]), np.int32(Tn), q_norm_w, k_norm_w, np.float32(eps),
                                  rope.cos, rope.sin, pos, q_out, k_cache, v_cache, np.int32(n_head), np.int32(n_kv),
                                  np.int32(hd), np.int32(max_ctx)))
@@ -485,7 +486,7 @@ def advance_pos(pos, T_: int = 1, *, stream=None) -> None:
     """pos[0] += T on the device (capture it at the end of a decode step)."""
     m = kernels()
     with _on(stream):
-        m.fn("advance_pos")((1,), (1,), (pos, np.int32(T_)))
+        launch(m.fn("advance_pos"), (1,), (1,), (pos, np.int32(T_)))
 
 
 # =================================================================================================================
@@ -540,9 +541,9 @@ class DecodeAttention:
         common = (np.int32(self.n_head), np.int32(self.n_kv), np.int32(self.max_ctx), np.int32(ns),
                   np.int32(self.chunk_min))
         with _on(stream):
-            m.fn(self.name)((ns, self.n_kv, T_), (128,), (q, k_cache, v_cache, pos) + common +
+            launch(m.fn(self.name), (ns, self.n_kv, T_), (128,), (q, k_cache, v_cache, pos) + common +
                             (self.scale_log2, self.part_o, self.part_ml))
-            m.fn(self.combine)((self.n_head, T_), (128,),
+            launch(m.fn(self.combine), (self.n_head, T_), (128,),
                                  (self.part_o, self.part_ml, pos, np.int32(self.n_head), np.int32(self.n_kv),
                                   np.int32(self.hd), np.int32(self.max_ctx), np.int32(ns), np.int32(self.chunk_min),
                                   out), shared_mem=4 * ns)
@@ -591,7 +592,7 @@ class PrefillAttention:
             scores = cp.empty((nkv, R, S), cp.float32)
             p = cp.empty((nkv, R, S), cp.float16)
             o = cp.empty((nkv, R, hd), cp.float32)
-            m.fn("attn_q_pack")(((n + 255) // 256,), (256,), (q, np.int32(Tn), np.int32(self.n_head),
+            launch(m.fn("attn_q_pack"), ((n + 255) // 256,), (256,), (q, np.int32(Tn), np.int32(self.n_head),
                                                                np.int32(nkv), np.int32(hd), self.scale, qp))
             handle = cp.cuda.device.get_cublas_handle()
             cublas.setStream(handle, cp.cuda.get_current_stream().ptr)
@@ -603,14 +604,14 @@ class PrefillAttention:
                 cublas.gemmEx(handle, 1, 0, S, R, hd, one.ctypes.data, k_cache.data.ptr + h * kv_bytes,
                               CUDA_R_16F, hd, qp.data.ptr + h * R * hd * 2, CUDA_R_16F, hd, zero.ctypes.data,
                               scores.data.ptr + h * R * S * 4, CUDA_R_32F, S, CUBLAS_COMPUTE_32F, -1)
-            m.fn("attn_softmax_rows")((R, nkv), (256,), (scores, np.int32(Tn), np.int32(G), np.int32(S),
+            launch(m.fn("attn_softmax_rows"), (R, nkv), (256,), (scores, np.int32(Tn), np.int32(G), np.int32(S),
                                                           np.int32(pos0), p))
             for h in range(nkv):
                 # o_h^T (hd x R) = V_h (stored hd x max_ctx row-major = max_ctx x hd column-major)^T  p_h^T (S x R)
                 cublas.gemmEx(handle, 1, 0, hd, R, S, one.ctypes.data, v_cache.data.ptr + h * kv_bytes,
                               CUDA_R_16F, self.max_ctx, p.data.ptr + h * R * S * 2, CUDA_R_16F, S,
                               zero.ctypes.data, o.data.ptr + h * R * hd * 4, CUDA_R_32F, hd, CUBLAS_COMPUTE_32F, -1)
-            m.fn("attn_o_unpack")(((n + 255) // 256,), (256,), (o, np.int32(Tn), np.int32(self.n_head),
+            launch(m.fn("attn_o_unpack"), ((n + 255) // 256,), (256,), (o, np.int32(Tn), np.int32(self.n_head),
                                                                  np.int32(nkv), np.int32(hd), out))
 
 
@@ -656,7 +657,7 @@ def route(logits, k: int, ids=None, weights=None, *, kernel: str | None = None, 
     _need(ids, np.int32, (Tn, k), "ids")
     _need(weights, np.float32, (Tn, k), "weights")
     with _on(stream):
-        m.fn(kernel or ROUTE_KERNEL)((Tn,), (32,), (logits, np.int64(n), np.int32(n), np.int32(k), ids, weights))
+        launch(m.fn(kernel or ROUTE_KERNEL), (Tn,), (32,), (logits, np.int64(n), np.int32(n), np.int32(k), ids, weights))
     return ids, weights
 
 
@@ -682,7 +683,7 @@ class Argmax:
         _need(x, np.float32, (self.n,), "x")
         _need(out, np.int32, (1,), "out")
         with _on(stream):
-            self.m.fn("argmax_k")((self.blocks,), (256,), (x, np.int32(self.n), self.part, self.counter, out))
+            launch(self.m.fn("argmax_k"), (self.blocks,), (256,), (x, np.int32(self.n), self.part, self.counter, out))
 
 
 def argmax_ref(x: np.ndarray) -> int:
@@ -721,8 +722,8 @@ class DeviceSampler:
         _need(out, np.int32, (1,), "out")
         m = self.m
         with _on(stream):
-            m.fn("topk_stage1")((self.nb,), (1024,), (logits, np.int32(self.n), self.cand))
-            m.fn("topk_sample")((1,), (1024,), (self.cand, np.int32(self.nb), logits, np.int32(self.n), params, out),
+            launch(m.fn("topk_stage1"), (self.nb,), (1024,), (logits, np.int32(self.n), self.cand))
+            launch(m.fn("topk_sample"), (1,), (1024,), (self.cand, np.int32(self.nb), logits, np.int32(self.n), params, out),
                                 shared_mem=self.smem)
 
 
@@ -776,7 +777,7 @@ def embed(table: DenseWeight, tokens, out=None, *, stream=None):
         out = cp.empty((Tn, table.cols), cp.float32)
     _need(out, np.float32, (Tn, table.cols), "out")
     with _on(stream):
-        m.fn("embed_rows")((Tn,), (256,), (table.data, np.int32(int(table.qtype)), np.int32(table.rows),
+        launch(m.fn("embed_rows"), (Tn,), (256,), (table.data, np.int32(int(table.qtype)), np.int32(table.rows),
                                            np.int32(table.cols), np.int64(table.row_bytes), tokens, out))
     return out
 

@@ -598,6 +598,7 @@ expert_gateup(const u8* __restrict__ pool, i64 slot_bytes, i64 up_off, const int
               const int* __restrict__ n_pairs_p, int max_pairs, const signed char* __restrict__ qa,
               const float* __restrict__ da, const u32* __restrict__ grid_g, float* __restrict__ hbuf,
               signed char* __restrict__ qhbuf, float* __restrict__ dhbuf) {
+    PDL_ENTRY();
     gateup_body<1>(pool, slot_bytes, up_off, pairs, nullptr, n_pairs_p, max_pairs, qa, da, grid_g, hbuf, qhbuf, dhbuf);
 }
 
@@ -606,6 +607,7 @@ expert_gateup_tiled(const u8* __restrict__ pool, i64 slot_bytes, i64 up_off, con
                     const int* __restrict__ tiles, const int* __restrict__ n_tiles_p, int max_tiles,
                     const signed char* __restrict__ qa, const float* __restrict__ da, const u32* __restrict__ grid_g,
                     float* __restrict__ hbuf, signed char* __restrict__ qhbuf, float* __restrict__ dhbuf) {
+    PDL_ENTRY();
     gateup_body<TILE_P>(pool, slot_bytes, up_off, pairs, tiles, n_tiles_p, max_tiles, qa, da, grid_g, hbuf, qhbuf, dhbuf);
 }
 
@@ -731,6 +733,7 @@ extern "C" __global__ void __launch_bounds__(DN_WPB * 32, DN_MINB)
 expert_down(const u8* __restrict__ pool, i64 slot_bytes, const int* __restrict__ pairs,
             const int* __restrict__ n_pairs_p, int max_pairs, const signed char* __restrict__ qhbuf,
             const float* __restrict__ dhbuf, const u32* __restrict__ grid_g, float* __restrict__ out) {
+    PDL_ENTRY();
     down_body<1>(pool, slot_bytes, pairs, nullptr, n_pairs_p, max_pairs, qhbuf, dhbuf, grid_g, out);
 }
 
@@ -739,6 +742,7 @@ expert_down_tiled(const u8* __restrict__ pool, i64 slot_bytes, const int* __rest
                   const int* __restrict__ tiles, const int* __restrict__ n_tiles_p, int max_tiles,
                   const signed char* __restrict__ qhbuf, const float* __restrict__ dhbuf,
                   const u32* __restrict__ grid_g, float* __restrict__ out) {
+    PDL_ENTRY();
     down_body<TILE_P>(pool, slot_bytes, pairs, tiles, n_tiles_p, max_tiles, qhbuf, dhbuf, grid_g, out);
 }
 
@@ -748,6 +752,7 @@ expert_down_tiled(const u8* __restrict__ pool, i64 slot_bytes, const int* __rest
 // x: n_groups groups of 32 floats -> q (same layout, int8), d (one per group). One warp per group.
 extern "C" __global__ void quantize_rows(const float* __restrict__ x, signed char* __restrict__ q,
                                          float* __restrict__ d, int n_groups) {
+    PDL_ENTRY();
     const int lane = threadIdx.x & 31;
     const int g = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (g >= n_groups) return;  // whole warps leave together
@@ -757,6 +762,7 @@ extern "C" __global__ void quantize_rows(const float* __restrict__ x, signed cha
 // y: (T, K, D) router order, w: (T, K) -> out (T, D)
 extern "C" __global__ void combine_k(const float* __restrict__ y, const float* __restrict__ w,
                                      float* __restrict__ out, int T, int K, int D) {
+    PDL_ENTRY();
     const i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (i64)T * D) return;
     const int t = (int)(idx / D), i = (int)(idx - (i64)t * D);
@@ -772,6 +778,7 @@ extern "C" __global__ void combine_k(const float* __restrict__ y, const float* _
 extern "C" __global__ void combine_rows(const float* __restrict__ rows, const float* __restrict__ host_rows,
                                         const int* __restrict__ rowmap, const float* __restrict__ w,
                                         float* __restrict__ x, int T, int K, int D) {
+    PDL_ENTRY();
     const i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (i64)T * D) return;
     const int t = (int)(idx / D), i = (int)(idx - (i64)t * D);
@@ -798,6 +805,7 @@ extern "C" __global__ void build_pairs(const int* __restrict__ ids, int n, int K
                                        int* __restrict__ pairs, int* __restrict__ n_pairs, int* __restrict__ rowmap,
                                        int* __restrict__ miss, int* __restrict__ n_miss, int max_miss, int tile_p,
                                        int* __restrict__ tiles, int* __restrict__ n_tiles, int max_tiles) {
+    PDL_ENTRY();
     extern __shared__ int sh[];  // count[n_expert], cursor[n_expert], source[n_expert]
     int* count = sh;
     int* cursor = sh + n_expert;
@@ -865,6 +873,7 @@ extern "C" __global__ void build_pairs(const int* __restrict__ ids, int n, int K
 // The doorbell: everything before it in the stream is done and visible to the host when *bell changes to the
 // next value of *counter (device memory, so replays of a captured graph ring with increasing values).
 extern "C" __global__ void ring(unsigned int* __restrict__ counter, volatile unsigned int* __restrict__ bell) {
+    PDL_ENTRY();
     __threadfence_system();
     const unsigned int v = *counter + 1u;
     *counter = v;
@@ -874,6 +883,7 @@ extern "C" __global__ void ring(unsigned int* __restrict__ counter, volatile uns
 
 // What the host needs to size launches (one source of truth for the layout).
 extern "C" __global__ void layout_info(int* __restrict__ o) {
+    PDL_ENTRY();
     if (threadIdx.x == 0 && blockIdx.x == 0) {
         o[0] = GU_SMEM;
         o[1] = DN_SMEM;

@@ -28,6 +28,7 @@ from stratad.engine import canonical
 from stratad.model.quants import EXPERT_TYPES, fmt, iq3s_grid, parse_type
 
 from .compile import load_module
+from .launch import launch
 
 try:
     from gguf import GGMLQuantizationType as _T
@@ -247,7 +248,7 @@ class ExpertKernels:
         if groups == 0:
             return
         with self._stream(stream):
-            self._k_q(((groups + 7) // 8,), (256,), (x, qa, da, np.int32(groups)))
+            launch(self._k_q, ((groups + 7) // 8,), (256,), (x, qa, da, np.int32(groups)))
 
     # ---- where the experts are --------------------------------------------------------------------------------
     def slots(self, pool_ptr: int) -> Layout:
@@ -279,7 +280,7 @@ class ExpertKernels:
         if qa.ndim != 2 or qa.shape[1] != self.d_model or tuple(da.shape) != (qa.shape[0], self.d_model // 32):
             raise ValueError("qa must be (T, d_model) and da (T, d_model/32)")
         with self._stream(stream):
-            self._k_gu((self.gu_grid,), (self.gu_warps * 32,),
+            launch(self._k_gu, (self.gu_grid,), (self.gu_warps * 32,),
                        (np.uint64(lay.base), np.int64(lay.stride), np.int64(lay.up_off), pairs, n_pairs,
                         np.int32(self.max_pairs),
                         qa, da, self.grid, self.h, self.qh, self.dh),
@@ -291,7 +292,7 @@ class ExpertKernels:
         self._check_run_args(pairs, n_pairs)
         self._need(out, cp.float32, (self.max_pairs, self.d_model), "out")
         with self._stream(stream):
-            self._k_dn((self.dn_grid,), (self.dn_warps * 32,),
+            launch(self._k_dn, (self.dn_grid,), (self.dn_warps * 32,),
                        (np.uint64(lay.down), np.int64(lay.down_stride), pairs, n_pairs, np.int32(self.max_pairs),
                         self.qh, self.dh, self.grid, out),
                        shared_mem=self.dn_smem)
@@ -318,10 +319,10 @@ class ExpertKernels:
         self._need(out, cp.float32, (self.max_pairs, self.d_model), "out")
         common = (pairs, tiles, n_tiles, np.int32(tiles.shape[0]))
         with self._stream(stream):
-            self._k_gut((2 * self.n_sm,), (self.gu_warps * 32,),
+            launch(self._k_gut, (2 * self.n_sm,), (self.gu_warps * 32,),
                         (np.uint64(lay.base), np.int64(lay.stride), np.int64(lay.up_off)) + common +
                         (qa, da, self.grid, self.h, self.qh, self.dh), shared_mem=self.gut_smem)
-            self._k_dnt((2 * self.n_sm,), (self.dn_warps * 32,),
+            launch(self._k_dnt, (2 * self.n_sm,), (self.dn_warps * 32,),
                         (np.uint64(lay.down), np.int64(lay.down_stride)) + common +
                         (self.qh, self.dh, self.grid, out), shared_mem=self.dn_smem)
 
@@ -343,7 +344,7 @@ class ExpertKernels:
         if n == 0:
             return
         with self._stream(stream):
-            self._k_c(((n + 255) // 256,), (256,), (outputs, weights, out, np.int32(T), np.int32(K), np.int32(D)))
+            launch(self._k_c, ((n + 255) // 256,), (256,), (outputs, weights, out, np.int32(T), np.int32(K), np.int32(D)))
 
 
     # ---- routing to sources (the MoE step around run) ------------------------------------------------------
@@ -378,7 +379,7 @@ class ExpertKernels:
             self._need(n_tiles, cp.int32, (S,), "n_tiles")
             tile_p = TILE_P
         with self._stream(stream):
-            self._fn("build_pairs")((1,), (1024,), (ids, np.int32(n), np.int32(ids.shape[-1]), src, slot,
+            launch(self._fn("build_pairs"), (1,), (1024,), (ids, np.int32(n), np.int32(ids.shape[-1]), src, slot,
                                                     np.int32(n_expert), np.int32(S), np.int32(self.max_pairs), pairs,
                                                     n_pairs, rowmap, np.uint64(miss_ptr), np.uint64(n_miss_ptr),
                                                     np.int32(max_miss), np.int32(tile_p), tiles if tiles is not None else np.uint64(0),
@@ -396,14 +397,14 @@ class ExpertKernels:
         self._need(rowmap, cp.int32, None, "rowmap")
         n = T * self.d_model
         with self._stream(stream):
-            self._fn("combine_rows")(((n + 255) // 256,), (256,),
+            launch(self._fn("combine_rows"), ((n + 255) // 256,), (256,),
                                      (rows, np.uint64(host_rows_ptr), rowmap, w, x, np.int32(T), np.int32(K),
                                       np.int32(self.d_model)))
 
     def ring(self, counter, bell_ptr: int, stream=None) -> None:
         """*bell = ++*counter once everything before it in the stream is done (counter: device uint32 (1,))."""
         with self._stream(stream):
-            self._fn("ring")((1,), (1,), (counter, np.uint64(bell_ptr)))
+            launch(self._fn("ring"), (1,), (1,), (counter, np.uint64(bell_ptr)))
 
     def _fn(self, name: str):
         f = self._extra.get(name)
