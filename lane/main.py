@@ -214,7 +214,7 @@ class Lane:
                     prompt_tokens=len(a.tokens), generated_tokens=gen.generated, ttft_s=gen.ttft_s,
                     decode_tok_s=gen.decode_tok_s, lane=self.lane, experts_card=used.card, experts_peer=used.peer,
                     experts_cpu=used.cpu, decode_experts_card=decode.card, decode_experts_peer=decode.peer,
-                    decode_experts_cpu=decode.cpu, experts_staged=used.staged,
+                    decode_experts_cpu=decode.cpu, experts_staged=used.staged, experts_host_read=used.host_read,
                     expert_bytes=self.card.pool.slot_bytes, logits_sha256=gen.digest.hexdigest() if gen.digest else None,
                     lane_io_s=io_s))
             self.beat(force=True)  # before Done: a status read right after the Done sees this request's figures
