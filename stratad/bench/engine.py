@@ -2,7 +2,9 @@
 
 The floor of a decode token is the bytes it must move (the routed experts' weights + every dense matrix + the
 context's KV) over the card's measured copy bandwidth; experts computed on the CPU pool move over host memory
-instead, so the floor here counts card-resident expert bytes only and the CPU share is reported beside it.
+instead, so the floor here counts card-resident expert bytes only and the CPU share is reported beside it. With
+host_experts = "card" the experts no card holds cross the bus: their bytes over the measured page-locked upload
+rate are added to the floor.
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import os
 import numpy as np
 import psutil
 
-from stratad.bench.hardware import gpu_copy_bandwidth, host_read_bandwidth
+from stratad.bench.hardware import gpu_copy_bandwidth, gpu_upload_bandwidth, host_read_bandwidth
 from stratad.engine.generation import Generation
 from stratad.engine.sampling import SamplingParams
 from stratad.model.gguf_file import ModelFile
@@ -35,6 +37,7 @@ def run(model_path: str, fractions=(1.0, 0.5, 0.25), contexts=(1024,), tokens: i
     model = ModelFile(model_path)
     c = model.config
     bw = gpu_copy_bandwidth(cp)[0] * 1e9
+    bus = gpu_upload_bandwidth(cp)[0] * 1e9
     host_read = host_read_bandwidth(os.cpu_count() or 1)
     expert_bytes = slot_bytes(model)
     total = c.n_layer * c.n_expert
@@ -63,7 +66,7 @@ def run(model_path: str, fractions=(1.0, 0.5, 0.25), contexts=(1024,), tokens: i
             on_card, on_cpu, read = d.card, d.cpu - d.host_read, d.host_read  # read: by the card from the arena
             used = max(1, on_card + on_cpu + read)
             share = on_card / used
-            floor_s = _bytes_per_token(model, ctx, share) / bw
+            floor_s = _bytes_per_token(model, ctx, share) / bw + read / max(1, n - 1) * expert_bytes / bus
             tps = g.decode_tok_s
             free, total_mem = cp.cuda.runtime.memGetInfo()
             # the CPU pool's decode traffic: its experts' bytes per token x tokens per second, against what the
@@ -87,6 +90,8 @@ def run(model_path: str, fractions=(1.0, 0.5, 0.25), contexts=(1024,), tokens: i
         del card
         cp.get_default_memory_pool().free_all_blocks()
     return {"scenario": "engine", "model": str(model_path), "copy_bandwidth_tb_s": round(bw / 1e12, 3),
+            "upload_bandwidth_gb_s": round(bus / 1e9, 1),
             "host_read_gb_s": round(host_read, 1),
-            "floor": "bytes per decode token (card-resident routed experts + dense + KV) / copy bandwidth",
+            "floor": "bytes per decode token (card-resident routed experts + dense + KV) / copy bandwidth "
+                     "+ experts read from host memory by the card / upload bandwidth",
             "results": results}
