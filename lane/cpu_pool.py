@@ -88,6 +88,9 @@ _I8, _I32, _I64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
 # loads on AMD Zen (gathers are microcoded there: Zen 5 here was 12 % slower with them). Same bits either way; the
 # choice is a function of the host CPU model, which is part of numba's cache key, so cached code stays consistent.
 IQ3S_GATHER = not llvm_binding.get_host_cpu_name().startswith("znver")
+# Integer sub-block dots: with AVX-512 VNNI one vpdpbusd multiplies 64 unsigned by 64 signed bytes and adds each four
+# products into an int32 (two sub-blocks an instruction), else pmaddwd on bytes widened to 16 bits. Exact either way.
+VNNI = "+avx512vnni" in llvm_binding.get_host_cpu_features().flatten().split(",")
 
 
 def _i64(builder, v):
@@ -127,6 +130,13 @@ def _dot32(builder, w_i32, a_i8):
 
 def _iq3s_weights(context, builder, rowty, row, o, j, gty, grid):
     """<32 x i8> signed weights of IQ3_S sub-block j of the block at byte o of row."""
+    mag, neg = _iq3s_parts(context, builder, rowty, row, o, j, gty, grid)
+    return builder.select(neg, builder.sub(_const(_I8, [0] * 32), mag), mag)
+
+
+def _iq3s_parts(context, builder, rowty, row, o, j, gty, grid):
+    """IQ3_S sub-block j of the block at byte o of row: <32 x i8> magnitudes (grid values, 1..15) and the <32 x i1>
+    mask of the negative weights."""
     v8i32 = ir.VectorType(_I32, 8)
     j, o = _i64(builder, j), _i64(builder, o)
     qo = builder.add(builder.add(o, ir.Constant(_I64, 2)), builder.mul(j, ir.Constant(_I64, 8)))
@@ -161,7 +171,7 @@ def _iq3s_weights(context, builder, rowty, row, o, j, gty, grid):
                                  _const(_I32, [i // 8 for i in range(32)]))
     neg = builder.icmp_unsigned("!=", builder.and_(s32, _const(_I8, [1 << (i % 8) for i in range(32)])),
                                 _const(_I8, [0] * 32))
-    return builder.select(neg, builder.sub(_const(_I8, [0] * 32), mag), mag)
+    return mag, neg
 
 
 def _is_1d_bytes(*tys):
@@ -187,14 +197,50 @@ def _idot_i8(typingctx, w, wo, a, ao):
 # canonical code (8 consecutive sub-blocks land on 8 consecutive virtual lanes).
 
 
-def _isum8(builder, wext, aext):
-    """<8 x i32>: sum_v wext[j][v] * aext[j][v] for j < 8 (lists of <32 x i32>)."""
+def _isum8(builder, w8, a8, kind):
+    """<8 x i32>: sum_v w[j][v] * a[j][v] for j < 8, from <32 x i8> weights w8 and activations a8. kind: the
+    weights are "signed" (int8), "unsigned" (uint8, e.g. 4-bit values) or "mag" (uint8 magnitudes, with the
+    signs given as ("mag", negative-weight masks) and moved onto the activations: the same products)."""
+    if kind[0] == "mag":
+        zero = _const(_I8, [0] * 32)
+        a8 = [builder.select(n, builder.sub(zero, a), a) for n, a in zip(kind[1], a8)]  # |a| <= 127: no overflow
+        kind = ("unsigned",)
+    if VNNI:
+        return _tree8(builder, _partials_vnni(builder, w8, a8, kind[0] == "signed"), 8)
+    v32 = ir.VectorType(_I32, 32)
+    widen = builder.sext if kind[0] == "signed" else builder.zext
     qs = []
-    for w, a in zip(wext, aext):
-        p = builder.mul(w, a)
+    for w, a in zip(w8, a8):
+        p = builder.mul(widen(w, v32), builder.sext(a, v32))  # compiled to pmaddwd with the pair sums below
         qs.append(builder.add(builder.shuffle_vector(p, p, _const(_I32, range(0, 32, 2))),
                               builder.shuffle_vector(p, p, _const(_I32, range(1, 32, 2)))))
-    width = 16  # each vector: 16 // width groups of `width` partial sums
+    return _tree8(builder, qs, 16)
+
+
+def _partials_vnni(builder, w8, a8, signed):
+    """4 x <16 x i32>: sub-blocks 2m and 2m + 1 as 8 partial sums (of 4 products) each, by vpdpbusd (unsigned x
+    signed bytes). Signed weights are biased by 128 into unsigned and 128 * (sums of 4 activations) taken off."""
+    v16, v64 = ir.VectorType(_I32, 16), ir.VectorType(_I8, 64)
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16, [v16, v16, v16]),
+                                        "llvm.x86.avx512.vpdpbusd.512")
+    zero = ir.Constant(v16, [0] * 16)
+    both = _const(_I32, range(64))
+    out = []
+    for m in range(4):
+        w = builder.shuffle_vector(w8[2 * m], w8[2 * m + 1], both)
+        a = builder.bitcast(builder.shuffle_vector(a8[2 * m], a8[2 * m + 1], both), v16)
+        if signed:
+            w = builder.xor(w, ir.Constant(v64, [0x80] * 64))
+        p = builder.call(fn, [zero, builder.bitcast(w, v16), a])
+        if signed:
+            p = builder.sub(p, builder.call(fn, [zero, ir.Constant(v16, [0x80808080 - (1 << 32)] * 16), a]))
+        out.append(p)
+    return out
+
+
+def _tree8(builder, qs, width):
+    """<8 x i32> of 8 sub-block sums from vectors of 16 partial sums, each vector holding 16 // width sub-blocks'
+    `width` partials (in sub-block order): pairwise adds along a fixed shuffle tree."""
     while len(qs) > 1:
         half = width // 2
         first = [g * width + i for g in range(16 // width) for i in range(half)]
@@ -212,16 +258,14 @@ def _fload8(context, builder, aryty, ary, off):
     return builder.load(_vptr(context, builder, aryty, ary, off, ir.VectorType(ir.FloatType(), 8)), align=4)
 
 
-def _accumulate8(context, builder, sig, args, wext, first):
-    """Shared tail: args[first:] = (sbuf, mbuf, a, ao, da, asum, dao, acc, acco); mbuf is None-typed for no min."""
+def _accumulate8(context, builder, sig, args, w8, kind, first):
+    """Shared tail: args[first:] = (sbuf, mbuf, a, ao, da, asum, dao, acc, acco); mbuf is None-typed for no min.
+    w8: the 8 sub-blocks' <32 x i8> weights, kind as for _isum8."""
     sty, mty, aty, _, daty, asty, _, accty, _ = sig.args[first:]
     sbuf, mbuf, a, ao, da, asum, dao, acc, acco = args[first:]
-    v32 = ir.VectorType(_I32, 32)
-    aext = []
-    for j in range(8):
-        off = builder.add(_i64(builder, ao), ir.Constant(_I64, 32 * j))
-        aext.append(builder.sext(_vload(context, builder, aty, a, off, 32), v32))
-    isf = builder.sitofp(_isum8(builder, wext, aext), ir.VectorType(ir.FloatType(), 8))
+    a8 = [_vload(context, builder, aty, a, builder.add(_i64(builder, ao), ir.Constant(_I64, 32 * j)), 32)
+          for j in range(8)]
+    isf = builder.sitofp(_isum8(builder, w8, a8, kind), ir.VectorType(ir.FloatType(), 8))
     dav = _fload8(context, builder, daty, da, dao)
     t = builder.fmul(builder.fmul(_fload8(context, builder, sty, sbuf, ir.Constant(_I64, 0)), dav), isf)
     if not isinstance(mty, types.NoneType):
@@ -248,12 +292,10 @@ def _blk_i8(typingctx, w, wo, stride, sbuf, mbuf, a, ao, da, asum, dao, acc, acc
         return None
 
     def codegen(context, builder, sig, args):
-        v32 = ir.VectorType(_I32, 32)
         wo, st = _i64(builder, args[1]), _i64(builder, args[2])
-        wext = [builder.sext(_vload(context, builder, sig.args[0], args[0],
-                                    builder.add(wo, builder.mul(st, ir.Constant(_I64, j))), 32), v32)
-                for j in range(8)]
-        return _accumulate8(context, builder, sig, args, wext, 3)
+        w8 = [_vload(context, builder, sig.args[0], args[0], builder.add(wo, builder.mul(st, ir.Constant(_I64, j))),
+                     32) for j in range(8)]
+        return _accumulate8(context, builder, sig, args, w8, ("signed",), 3)
     return types.none(w, wo, stride, sbuf, mbuf, a, ao, da, asum, dao, acc, acco), codegen
 
 
@@ -265,14 +307,13 @@ def _blk_q4k(typingctx, w, wo, sbuf, mbuf, a, ao, da, asum, dao, acc, acco):
         return None
 
     def codegen(context, builder, sig, args):
-        v32 = ir.VectorType(_I32, 32)
-        wext = []
+        w8 = []
         for c in range(4):
             q = _vload(context, builder, sig.args[0], args[0],
                        builder.add(_i64(builder, args[1]), ir.Constant(_I64, 32 * c)), 32)
-            wext.append(builder.zext(builder.and_(q, _const(_I8, [15] * 32)), v32))
-            wext.append(builder.zext(builder.lshr(q, _const(_I8, [4] * 32)), v32))
-        return _accumulate8(context, builder, sig, args, wext, 2)
+            w8.append(builder.and_(q, _const(_I8, [15] * 32)))
+            w8.append(builder.lshr(q, _const(_I8, [4] * 32)))
+        return _accumulate8(context, builder, sig, args, w8, ("unsigned",), 2)
     return types.none(w, wo, sbuf, mbuf, a, ao, da, asum, dao, acc, acco), codegen
 
 
@@ -283,10 +324,9 @@ def _blk_iq3s(typingctx, w, wo, grid, sbuf, mbuf, a, ao, da, asum, dao, acc, acc
         return None
 
     def codegen(context, builder, sig, args):
-        v32 = ir.VectorType(_I32, 32)
-        wext = [builder.sext(_iq3s_weights(context, builder, sig.args[0], args[0], args[1], ir.Constant(_I64, j),
-                                           sig.args[2], args[2]), v32) for j in range(8)]
-        return _accumulate8(context, builder, sig, args, wext, 3)
+        parts = [_iq3s_parts(context, builder, sig.args[0], args[0], args[1], ir.Constant(_I64, j), sig.args[2],
+                             args[2]) for j in range(8)]
+        return _accumulate8(context, builder, sig, args, [m for m, _ in parts], ("mag", [n for _, n in parts]), 3)
     return types.none(w, wo, grid, sbuf, mbuf, a, ao, da, asum, dao, acc, acco), codegen
 
 
