@@ -216,7 +216,8 @@ class GpuExperts:
         self.arena = None
         if host_experts == "card":
             try:
-                if self._arena_lock is None or not ArenaSource.readable(stream.device_id):
+                if self._arena_lock is None or not self._arena_lock.mapped or \
+                        not ArenaSource.readable(stream.device_id):
                     raise ValueError("the arena is not page-locked and mapped for this GPU")
                 self.arena = ArenaSource(self)
             except ValueError as e:
@@ -439,4 +440,4 @@ class GpuExperts:
         self.peers.clear()
         self.cpu.close()
         if self._arena_lock is not None:
-            self._arena_lock()
+            self._arena_lock.release()
