@@ -201,11 +201,20 @@ class GpuExperts:
         self.n_tiles = cp.zeros((MAX_SOURCES,), cp.int32)
         self.rowmap = cp.zeros((P,), cp.int32)
         self.rows = None  # (sources + staging, P, d_model): each source's results, sized when the sources are known
-        # prompt chunks: the layer's routed experts that no card holds are copied into staging slots and computed
-        # here (one more source), instead of by the CPU pool: a chunk's tokens share each expert's bytes
-        self._stage_mem = cp.cuda.Memory(c.n_expert * pool.slot_bytes)
+        # prompt chunks: the layer's experts that no card holds are copied into staging slots and computed here
+        # (one more source), instead of by the CPU pool: a chunk's tokens share each expert's bytes. A large chunk
+        # routes to nearly every expert, so all of them are staged a layer ahead, on a copy stream, into the other
+        # of two buffers (the copies overlap the previous layer's work and need no wait for the router); a small
+        # chunk copies the routed ones after reading its router's choice
+        self._stage_mem = [cp.cuda.Memory(c.n_expert * pool.slot_bytes) for _ in range(2)]
+        self._stage_stream = cp.cuda.Stream(non_blocking=True)
+        self._landed = [cp.cuda.Event(disable_timing=True) for _ in range(2)]  # a buffer's copies are done
+        self._freed = [cp.cuda.Event(disable_timing=True) for _ in range(2)]  # the kernels reading it are done
+        self._ahead = None  # the layer last staged ahead
         self.src_staged = cp.empty((c.n_expert,), cp.int32)
         self.slot_staged = cp.empty((c.n_expert,), cp.int32)
+        self.src_ahead = cp.empty((c.n_layer, c.n_expert), cp.int32)  # tables with every off-card expert staged
+        self.slot_ahead = cp.empty((c.n_layer, c.n_expert), cp.int32)
         self.staged: dict[int, np.ndarray] = {}  # layer -> experts staged in this step (they count as the card's)
         self.h_slot = np.full((c.n_layer, c.n_expert), -1, np.int32)
         # at start: pinning a large file takes seconds, not to be spent inside a request
@@ -317,6 +326,11 @@ class GpuExperts:
         self.slot.set(slot, stream=self.stream)
         self.h_src, self.h_slot = src, slot
         self.full = bool((src >= 0).all())
+        src_a, slot_a = src.copy(), slot.copy()  # staging is the source after the others
+        src_a[~self.on_card] = len(self.sources)
+        slot_a[~self.on_card] = (np.cumsum(~self.on_card, axis=1) - 1)[~self.on_card]
+        self.src_ahead.set(src_a, stream=self.stream)
+        self.slot_ahead.set(slot_a, stream=self.stream)
         S, d = len(self.sources), self.c.d_model
         if self.rows is None or self.rows.shape[0] != S + 1:
             self.rows = cp.empty((S + 1, self.max_pairs, d), cp.float32)
@@ -335,9 +349,15 @@ class GpuExperts:
         kern = self.kernels[self.key(layer)]
         sources = list(self.sources)
         src, slot = self.src[layer], self.slot[layer]
+        buf = None
         if T > 1 and not self.on_card.all():
-            src, slot = self._stage(layer, ids)
-            sources.append((None, self._stage_mem.ptr, None))
+            if T * self.k >= 4 * self.c.n_expert:  # ~every expert routed: all of them staged, a layer ahead
+                buf = self._stage_ahead(layer)
+                src, slot = self.src_ahead[layer], self.slot_ahead[layer]
+            else:
+                buf = 0
+                src, slot = self._stage(layer, ids)
+            sources.append((None, self._stage_mem[buf].ptr, None))
         S = len(sources)
         kern.quantize(h, self.qa[:T], self.da[:T], stream=s)
         tiled = T > 1
@@ -363,6 +383,38 @@ class GpuExperts:
                 kern.run(ptr, self.pairs[i], self.n_pairs[i:i + 1], self.qa, self.da, self.rows[i], stream=s)
         for _, p in side:
             p.join(self)
+        if buf is not None:
+            self._freed[buf].record(s)
+
+    def _stage_ahead(self, layer: int) -> int:
+        """This card's stream waits for the layer's staged experts (copied now if they were not staged ahead);
+        the next layer's start copying into the other buffer. Returns the layer's buffer."""
+        if self._ahead != layer:  # the chunk's first layer
+            self._issue(layer)
+        self.stream.wait_event(self._landed[layer % 2])
+        if layer + 1 < self.c.n_layer:
+            self._issue(layer + 1)
+        return layer % 2
+
+    def _issue(self, layer: int) -> None:
+        """Copy every expert of the layer that no card holds into its buffer, on the staging stream, once the
+        kernels that last read that buffer are done."""
+        b, st = layer % 2, self._stage_stream
+        st.wait_event(self._freed[b])
+        missing = np.flatnonzero(~self.on_card[layer])
+        self._copy_experts(layer, missing, self._stage_mem[b].ptr, st)
+        self._landed[b].record(st)
+        self.staged[layer] = missing
+        self._ahead = layer
+
+    def _copy_experts(self, layer: int, experts: np.ndarray, base: int, stream: cp.cuda.Stream) -> None:
+        """Experts' bytes from the arena into consecutive staging slots at base (DMA where it is page-locked)."""
+        rt, stride = cp.cuda.runtime, self.pool.slot_bytes
+        for j, e in enumerate(experts.tolist()):
+            off = 0
+            for part in expert_bytes(self.model, layer, e):
+                rt.memcpyAsync(base + j * stride + off, part.ctypes.data, part.nbytes, H2D, stream.ptr)
+                off += part.nbytes
 
     def _stage(self, layer: int, ids: cp.ndarray) -> tuple[cp.ndarray, cp.ndarray]:
         """Copy the layer's routed experts that no card holds into the staging slots (straight from the arena,
@@ -372,12 +424,7 @@ class GpuExperts:
         self.staged[layer] = missing
         if not missing.size:
             return self.src[layer], self.slot[layer]
-        rt, base, stride = cp.cuda.runtime, self._stage_mem.ptr, self.pool.slot_bytes
-        for j, e in enumerate(missing.tolist()):
-            off = 0
-            for part in expert_bytes(self.model, layer, e):
-                rt.memcpyAsync(base + j * stride + off, part.ctypes.data, part.nbytes, H2D, self.stream.ptr)
-                off += part.nbytes
+        self._copy_experts(layer, missing, self._stage_mem[0].ptr, self.stream)
         src, slot = self.h_src[layer].copy(), self.h_slot[layer].copy()
         src[missing], slot[missing] = len(self.sources), np.arange(missing.size, dtype=np.int32)
         self.src_staged.set(src, stream=self.stream)
@@ -421,6 +468,7 @@ class GpuExperts:
             where[lyr][np.isin(ids[lyr], experts)] = 0
             counters.staged += int(experts.size)
         self.staged.clear()
+        self._ahead = None  # the next chunk stages its first layer afresh (the placement may have changed)
         counters.card += int((where == 0).sum())
         counters.cpu += int((where < 0).sum())
         for s, (card, _, p) in enumerate(self.sources[1:], start=1):

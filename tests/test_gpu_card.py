@@ -86,6 +86,24 @@ def test_placement_never_changes_a_bit(model, CupyCard):
     assert digest == digests[1.0] and counters.card > 0 and counters.cpu > 0
 
 
+def test_short_prompt_stages_only_routed_experts(model, CupyCard):
+    """A prompt too short to route to most experts copies only its routed ones after reading the router (longer
+    chunks stage every off-card expert a layer ahead): the same bits either way."""
+    c = model.config
+    total = c.n_layer * c.n_expert
+    short = model.tokenizer.encode(PROMPT)[: max(2, c.n_expert // c.n_expert_used)]  # T * k < 4 * n_expert
+    digests = {}
+    for frac in (1.0, 0.5, 0.0):
+        n = int(frac * total)
+        card = CupyCard(model, 0, n, 4096)
+        card.pool.fill(experts_by_rank(model)[:n])
+        g = Generation(card, model.tokenizer, short, SamplingParams(max_tokens=12), c.context_length, digest=True)
+        toks = [t for t, _ in g if t is not None]
+        digests[frac] = (toks, g.digest.hexdigest())
+        card.close()
+    assert len({d for _, d in digests.values()}) == 1, digests
+
+
 def test_logits_close_to_the_float_reference(model, CupyCard):
     """fp16 KV cache, fp16 Q and P in prompt attention, fp16 dense GEMMs for prompts, int8 activations in the
     experts and a different summation order: measured, then bounded. Measured on the H200 (2026-12-02): max
