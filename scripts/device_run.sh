@@ -11,6 +11,7 @@
 #   bash scripts/device_run.sh engine-card  # the same at 50 % / 25 % resident, decode's misses read from the arena
 #   bash scripts/device_run.sh seed13    # the seed table at 60K prompts, modes 1 and 3 (two logical cards)
 #   bash scripts/device_run.sh seed2     # the same, mode 2
+#   bash scripts/device_run.sh seed-card # modes 2 and 3 at 4K prompts, misses read by the card from host memory
 #   bash scripts/device_run.sh seed-mps  # modes 1 and 3 at 4K prompts without and with the CUDA MPS daemon (two
 #                                        # lanes' kernels on one GPU: time slices vs one shared context)
 set -u
@@ -68,6 +69,18 @@ for m, cs in d['modes'].items():
         print(m, c['topic'], c['decode_tok_s'], 'ttft', c['ttft_s'], 'some card', c['share_some_card'])
 " "$OUT/seed-${modes//,/}.json" 2>&1 | tail -6
     ;;
+seed-card)
+    model "$SEED" --router-skew 0.7 --topics 2
+    timeout 300 python3 -m stratad.cli bench --scenario seed --model "$SEED" --cards 0,0 --cache-fraction 0.475 \
+        --contexts 4096 --tokens 96 --modes 2,3 --host-experts card --json "$OUT/seed-4k-card.json" \
+        > "$OUT/seed-4k-card.log" 2>&1
+    python3 -c "
+import json, sys
+d = json.load(open(sys.argv[1]))
+for m, cs in d['modes'].items():
+    print(m, [(c['decode_tok_s'], c['share_some_card'], c['share_host_read']) for c in cs])
+" "$OUT/seed-4k-card.json"
+    ;;
 seed-mps)
     model "$SEED" --router-skew 0.7 --topics 2
     run() {
@@ -88,7 +101,7 @@ print(sys.argv[2], {m: [c['decode_tok_s'] for c in cs] for m, cs in d['modes'].i
     fi
     ;;
 *)
-    echo "usage: $0 tests|tests2|tests3|profile|engine|engine-card|seed13|seed2|seed-mps" >&2
+    echo "usage: $0 tests|tests2|tests3|profile|engine|engine-card|seed13|seed2|seed-card|seed-mps" >&2
     exit 2
     ;;
 esac
