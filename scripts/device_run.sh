@@ -54,6 +54,8 @@ engine-card)
     model "$A3B" --router-skew 1.0
     timeout 200 python3 -m stratad.cli bench --scenario engine --model "$A3B" --fractions 0.5,0.25 \
         --contexts 1024,32768 --host-experts card --json "$OUT/engine-card.json" 2>&1 | grep "^{'" | cut -c1-260
+    timeout 120 python3 scripts/gpu_decode_profile.py --model "$A3B" --fractions 0.5 --host-experts card \
+        --json "$OUT/profile-card.json" 2>&1 | tail -2
     ;;
 seed13 | seed2)
     model "$SEED" --router-skew 0.7 --topics 2
