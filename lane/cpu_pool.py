@@ -197,18 +197,17 @@ def _idot_i8(typingctx, w, wo, a, ao):
 # canonical code (8 consecutive sub-blocks land on 8 consecutive virtual lanes).
 
 
-def _isum8(builder, w8, a8, kind):
-    """<8 x i32>: sum_v w[j][v] * a[j][v] for j < 8, from <32 x i8> weights w8 and activations a8. kind: the
-    weights are "signed" (int8), "unsigned" (uint8, e.g. 4-bit values) or "mag" (uint8 magnitudes, with the
-    signs given as ("mag", negative-weight masks) and moved onto the activations: the same products)."""
-    if kind[0] == "mag":
+def _isum8(builder, w8, a8, signed: bool, neg=None):
+    """<8 x i32>: sum_v w[j][v] * a[j][v] for j < 8, from <32 x i8> weights w8 (int8 if signed, else uint8) and
+    activations a8. neg: masks of negative weights when w8 holds magnitudes; the signs move onto the activations
+    (the same products)."""
+    if neg is not None:
         zero = _const(_I8, [0] * 32)
-        a8 = [builder.select(n, builder.sub(zero, a), a) for n, a in zip(kind[1], a8)]  # |a| <= 127: no overflow
-        kind = ("unsigned",)
+        a8 = [builder.select(n, builder.sub(zero, a), a) for n, a in zip(neg, a8)]  # |a| <= 127: no overflow
     if VNNI:
-        return _tree8(builder, _partials_vnni(builder, w8, a8, kind[0] == "signed"), 8)
+        return _tree8(builder, _partials_vnni(builder, w8, a8, signed), 8)
     v32 = ir.VectorType(_I32, 32)
-    widen = builder.sext if kind[0] == "signed" else builder.zext
+    widen = builder.sext if signed else builder.zext
     qs = []
     for w, a in zip(w8, a8):
         p = builder.mul(widen(w, v32), builder.sext(a, v32))  # compiled to pmaddwd with the pair sums below
@@ -258,14 +257,14 @@ def _fload8(context, builder, aryty, ary, off):
     return builder.load(_vptr(context, builder, aryty, ary, off, ir.VectorType(ir.FloatType(), 8)), align=4)
 
 
-def _accumulate8(context, builder, sig, args, w8, kind, first):
+def _accumulate8(context, builder, sig, args, first, w8, signed: bool, neg=None):
     """Shared tail: args[first:] = (sbuf, mbuf, a, ao, da, asum, dao, acc, acco); mbuf is None-typed for no min.
-    w8: the 8 sub-blocks' <32 x i8> weights, kind as for _isum8."""
+    w8, signed, neg: the 8 sub-blocks' <32 x i8> weights as for _isum8."""
     sty, mty, aty, _, daty, asty, _, accty, _ = sig.args[first:]
     sbuf, mbuf, a, ao, da, asum, dao, acc, acco = args[first:]
     a8 = [_vload(context, builder, aty, a, builder.add(_i64(builder, ao), ir.Constant(_I64, 32 * j)), 32)
           for j in range(8)]
-    isf = builder.sitofp(_isum8(builder, w8, a8, kind), ir.VectorType(ir.FloatType(), 8))
+    isf = builder.sitofp(_isum8(builder, w8, a8, signed, neg), ir.VectorType(ir.FloatType(), 8))
     dav = _fload8(context, builder, daty, da, dao)
     t = builder.fmul(builder.fmul(_fload8(context, builder, sty, sbuf, ir.Constant(_I64, 0)), dav), isf)
     if not isinstance(mty, types.NoneType):
@@ -295,7 +294,7 @@ def _blk_i8(typingctx, w, wo, stride, sbuf, mbuf, a, ao, da, asum, dao, acc, acc
         wo, st = _i64(builder, args[1]), _i64(builder, args[2])
         w8 = [_vload(context, builder, sig.args[0], args[0], builder.add(wo, builder.mul(st, ir.Constant(_I64, j))),
                      32) for j in range(8)]
-        return _accumulate8(context, builder, sig, args, w8, ("signed",), 3)
+        return _accumulate8(context, builder, sig, args, 3, w8, signed=True)
     return types.none(w, wo, stride, sbuf, mbuf, a, ao, da, asum, dao, acc, acco), codegen
 
 
@@ -313,7 +312,7 @@ def _blk_q4k(typingctx, w, wo, sbuf, mbuf, a, ao, da, asum, dao, acc, acco):
                        builder.add(_i64(builder, args[1]), ir.Constant(_I64, 32 * c)), 32)
             w8.append(builder.and_(q, _const(_I8, [15] * 32)))
             w8.append(builder.lshr(q, _const(_I8, [4] * 32)))
-        return _accumulate8(context, builder, sig, args, w8, ("unsigned",), 2)
+        return _accumulate8(context, builder, sig, args, 2, w8, signed=False)
     return types.none(w, wo, sbuf, mbuf, a, ao, da, asum, dao, acc, acco), codegen
 
 
@@ -326,7 +325,8 @@ def _blk_iq3s(typingctx, w, wo, grid, sbuf, mbuf, a, ao, da, asum, dao, acc, acc
     def codegen(context, builder, sig, args):
         parts = [_iq3s_parts(context, builder, sig.args[0], args[0], args[1], ir.Constant(_I64, j), sig.args[2],
                              args[2]) for j in range(8)]
-        return _accumulate8(context, builder, sig, args, [m for m, _ in parts], ("mag", [n for _, n in parts]), 3)
+        return _accumulate8(context, builder, sig, args, 3, [m for m, _ in parts], signed=False,
+                            neg=[n for _, n in parts])
     return types.none(w, wo, grid, sbuf, mbuf, a, ao, da, asum, dao, acc, acco), codegen
 
 
