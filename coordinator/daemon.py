@@ -139,7 +139,8 @@ class Coordinator:
                          model_hash=self.model.header_hash, shm_prefix=self.rt.shm_prefix,
                          context_length=self.context_length, heartbeat_s=self.cfg.heartbeat_s,
                          log_level=self.cfg.log_level,
-                         cpu_threads=threads.per_lane(self.cfg.cpu_threads, len(self.cards)))
+                         cpu_threads=threads.per_lane(self.cfg.cpu_threads, len(self.cards)),
+                         host_experts=self.cfg.host_experts)
 
     def _client_socket(self, endpoint: str) -> zmq.Socket:
         s = self.ctx.socket(zmq.ROUTER)

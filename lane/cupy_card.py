@@ -69,7 +69,8 @@ class CupyCard:
     kind = "gpu"
 
     def __init__(self, model: ModelFile, device: int, n_slots: int, context_length: int,
-                 counts: np.ndarray | None = None, cpu_threads: int = 0, graphs: bool = True):
+                 counts: np.ndarray | None = None, cpu_threads: int = 0, graphs: bool = True,
+                 host_experts: str = "cpu"):
         c = self.c = model.config
         self.model = model
         self.device = cp.cuda.Device(device)
@@ -114,7 +115,8 @@ class CupyCard:
         self.copy_stream = cp.cuda.Stream(non_blocking=True)  # slot copies run beside the compute stream
         self.pool_ident = bytes(cp.cuda.runtime.ipcGetMemHandle(self._pool_mem.ptr)).hex()
         self.device_ident = "cuda:" + cp.cuda.runtime.deviceGetPCIBusId(device)
-        self.experts = GpuExperts(model, self.pool, PREFILL_CHUNK, cpu_threads, self.stream, self.device_ident)
+        self.experts = GpuExperts(model, self.pool, PREFILL_CHUNK, cpu_threads, self.stream, self.device_ident,
+                                  host_experts)
         self.decode_work = Work(c, 1, 1)
         # captured decode steps by placement shape: [(graph, layer served after it or None)]; coverage flips
         # between complete and not as slots swap, so both shapes stay captured

@@ -15,7 +15,10 @@ so the bits do not depend on placement. A layer is two halves around the host:
 front and back only launch kernels with fixed grids (counts are read on the device), so the card captures them
 in CUDA graphs. Tables (expert -> source, slot) live on the device and are refreshed between steps.
 Another card's pool is opened through its CUDA IPC handle (from the coordinator's View): on this GPU its experts
-run here; on another GPU they run there (RemotePool), the input going over and the result rows coming back.
+run here; on another GPU they run there (RemotePool), the input going over and the result rows coming back. With
+host_experts = "card" the experts no card holds are one more source, the page-locked arena, read over the bus by
+this card's kernels (ArenaSource) instead of being computed by the CPU pool. Sources with a stream of their own
+(RemotePool, ArenaSource) are launched first and joined before the combine, so they overlap this card's work.
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ from stratad.model.slot_layout import expert_bytes
 
 log = logging.getLogger("stratad.lane")
 H2D, D2H = 1, 2  # cudaMemcpyHostToDevice, cudaMemcpyDeviceToHost
+CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM = 91  # cudaDevAttrCanUseHostPointerForRegisteredMem
 
 
 def pinned(shape, dtype) -> np.ndarray:
@@ -47,6 +51,7 @@ class PeerPool:
     """Another card's slot pool on this GPU, opened through its CUDA IPC handle: its experts run here."""
 
     remote = False
+    side = False  # computed by compute() on a stream of its own, joined by join() before the combine
 
     def __init__(self, card: int, generation: int, handle: str):
         self.card, self.generation, self.handle = card, generation, handle
@@ -63,6 +68,7 @@ class RemotePool(PeerPool):
     otherwise), while this card computes its own experts. Steps with a remote peer run without CUDA graphs."""
 
     remote = True
+    side = True
 
     def __init__(self, card: int, generation: int, handle: str, device: int, experts: "GpuExperts"):
         self.device = device
@@ -78,8 +84,7 @@ class RemotePool(PeerPool):
                             pass
             c, P = experts.c, experts.max_pairs
             self.stream = cp.cuda.Stream(non_blocking=True)
-            self.kernels = {key: ExpertKernels(c.d_model, c.d_ff_expert, key[0], key[1], P,
-                                               slot_stride=experts.pool.slot_bytes) for key in experts.kernels}
+            self.kernels = experts.new_kernels()
             self.qa, self.da = cp.empty_like(experts.qa), cp.empty_like(experts.da)
             self.pairs, self.n_pairs = cp.empty((P, 2), cp.int32), cp.empty((1,), cp.int32)
             self.tiles, self.n_tiles = cp.empty(experts.tiles.shape[1:], cp.int32), cp.empty((1,), cp.int32)
@@ -88,9 +93,9 @@ class RemotePool(PeerPool):
         with cp.cuda.Device(self.here):
             self.start = cp.cuda.Event(disable_timing=True)
 
-    def compute(self, key, s: int, T: int, tiled: bool, ex: "GpuExperts") -> None:
+    def compute(self, layer: int, key, s: int, T: int, tiled: bool, ex: "GpuExperts") -> None:
         """Source s's pairs of this layer (built on this card) computed on the peer's GPU, rows back into
-        ex.rows[s]; this card's stream waits for them before the combine."""
+        ex.rows[s] (join() before the combine)."""
         rt, here, there = cp.cuda.runtime, self.here, self.device
         self.start.record(ex.stream)
         self.stream.wait_event(self.start)
@@ -110,12 +115,56 @@ class RemotePool(PeerPool):
             rt.memcpyPeerAsync(ex.rows[s].data.ptr, here, self.rows.data.ptr, there, T * ex.k * self.rows.shape[1] * 4,
                                self.stream.ptr)
             self.done.record(self.stream)
+
+    def join(self, ex: "GpuExperts") -> None:
+        """This card's stream waits for the last compute() (issued after this card's own experts: they overlap)."""
         ex.stream.wait_event(self.done)
 
     def close(self) -> None:
         with cp.cuda.Device(self.device):
             self.stream.synchronize()
             super().close()
+
+
+class ArenaSource:
+    """The experts no card holds, computed by this card's kernels reading the weights straight from the page-locked
+    arena over the bus (zero-copy): the same kernels as for a slot, so the same bits, with ~2 MB an expert crossing
+    the bus instead of the CPU pool computing it (config host_experts = "card")."""
+
+    side = True  # on a stream of its own: the bus reads overlap this card's own experts
+
+    def __init__(self, experts: "GpuExperts"):
+        model = experts.model
+        self.kernels = experts.new_kernels()  # intermediates of their own: they run beside the card's kernels
+        self.layouts = []
+        for layer in range(model.config.n_layer):
+            g, u, d = (model.raw(f"blk.{layer}.ffn_{k}_exps.weight") for k in ("gate", "up", "down"))
+            if g.strides[0] != u.strides[0]:
+                raise ValueError(f"layer {layer}: gate and up experts of different sizes")
+            self.layouts.append(self.kernels[experts.key(layer)].layout(g.ctypes.data, g.strides[0], u.ctypes.data,
+                                                                       d.ctypes.data, d.strides[0]))
+        self.stream = cp.cuda.Stream(non_blocking=True)
+        self.start, self.done = cp.cuda.Event(disable_timing=True), cp.cuda.Event(disable_timing=True)
+
+    def compute(self, layer: int, key, s: int, T: int, tiled: bool, ex: "GpuExperts") -> None:
+        """Source s's pairs of this layer, from the arena, into ex.rows[s] (join() before the combine)."""
+        self.start.record(ex.stream)
+        self.stream.wait_event(self.start)
+        k, where = self.kernels[key], self.layouts[layer]
+        if tiled:
+            k.run_tiled(where, ex.pairs[s], ex.tiles[s], ex.n_tiles[s:s + 1], ex.qa, ex.da, ex.rows[s],
+                        stream=self.stream)
+        else:
+            k.run(where, ex.pairs[s], ex.n_pairs[s:s + 1], ex.qa, ex.da, ex.rows[s], stream=self.stream)
+        self.done.record(self.stream)
+
+    def join(self, ex: "GpuExperts") -> None:
+        ex.stream.wait_event(self.done)
+
+    @staticmethod
+    def readable(device: int) -> bool:
+        """Kernels on this device can use host pointers of registered memory as they are (x86 and UVA: yes)."""
+        return bool(cp.cuda.runtime.deviceGetAttribute(CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM, device))
 
 
 def device_index(bus_id: str) -> int | None:
@@ -128,19 +177,15 @@ def device_index(bus_id: str) -> int | None:
 
 class GpuExperts:
     def __init__(self, model: ModelFile, pool: SlotPool, max_tokens: int, cpu_threads: int, stream: cp.cuda.Stream,
-                 own_device: str):
+                 own_device: str, host_experts: str = "cpu"):
         c = model.config
         self.model, self.c, self.pool, self.stream, self.own_device = model, c, pool, stream, own_device
         self.k, self.max_tokens = c.n_expert_used, max_tokens
         P = self.max_pairs = max_tokens * self.k
-        self.kernels = {}
         for layer in range(c.n_layer):
-            key = self._key(layer)
-            if model.expert_type(layer, "up") != key[0]:
+            if model.expert_type(layer, "up") != self.key(layer)[0]:
                 raise ValueError(f"layer {layer}: gate and up experts of different types are not supported on GPU")
-            if key not in self.kernels:
-                self.kernels[key] = ExpertKernels(c.d_model, c.d_ff_expert, key[0], key[1], P,
-                                                  slot_stride=pool.slot_bytes)
+        self.kernels = self.new_kernels()
         self.cpu = CpuPool(cpu_threads or os.cpu_count() or 1)
         self.qa = cp.empty((max_tokens, c.d_model), cp.int8)
         self.da = cp.empty((max_tokens, c.d_model // 32), cp.float32)
@@ -156,15 +201,36 @@ class GpuExperts:
         self.n_tiles = cp.zeros((MAX_SOURCES,), cp.int32)
         self.rowmap = cp.zeros((P,), cp.int32)
         self.rows = None  # (sources + staging, P, d_model): each source's results, sized when the sources are known
-        # prompt chunks: the layer's routed experts that no card holds are copied into staging slots and computed
-        # here (one more source), instead of by the CPU pool: a chunk's tokens share each expert's bytes
-        self._stage_mem = cp.cuda.Memory(c.n_expert * pool.slot_bytes)
+        # prompt chunks: the layer's experts that no card holds are copied into staging slots and computed here
+        # (one more source), instead of by the CPU pool: a chunk's tokens share each expert's bytes. A large chunk
+        # routes to nearly every expert, so all of them are staged a layer ahead, on a copy stream, into the other
+        # of two buffers (the copies overlap the previous layer's work and need no wait for the router); a small
+        # chunk copies the routed ones after reading its router's choice
+        self._stage_mem = [cp.cuda.Memory(c.n_expert * pool.slot_bytes) for _ in range(2)]
+        self._stage_stream = cp.cuda.Stream(non_blocking=True)
+        self._landed = [cp.cuda.Event(disable_timing=True) for _ in range(2)]  # a buffer's copies are done
+        self._freed = [cp.cuda.Event(disable_timing=True) for _ in range(2)]  # the kernels reading it are done
+        self._ahead = None  # the layer last staged ahead
         self.src_staged = cp.empty((c.n_expert,), cp.int32)
         self.slot_staged = cp.empty((c.n_expert,), cp.int32)
+        self.src_ahead = cp.empty((c.n_layer, c.n_expert), cp.int32)  # tables with every off-card expert staged
+        self.slot_ahead = cp.empty((c.n_layer, c.n_expert), cp.int32)
         self.staged: dict[int, np.ndarray] = {}  # layer -> experts staged in this step (they count as the card's)
         self.h_slot = np.full((c.n_layer, c.n_expert), -1, np.int32)
         # at start: pinning a large file takes seconds, not to be spent inside a request
         self._arena_lock = host_lock.lock(self, model.mapping)
+        # decode steps: the experts no card holds run on the CPU pool, or on this card from the arena
+        if host_experts not in ("cpu", "card"):
+            raise ValueError(f"host_experts must be 'cpu' or 'card', not {host_experts!r}")
+        self.arena = None
+        if host_experts == "card":
+            try:
+                if self._arena_lock is None or not self._arena_lock.mapped or \
+                        not ArenaSource.readable(stream.device_id):
+                    raise ValueError("the arena is not page-locked and mapped for this GPU")
+                self.arena = ArenaSource(self)
+            except ValueError as e:
+                log.warning("host_experts = card: %s; the CPU pool computes the experts no card holds", e)
         # the host's side of a decode step: miss list, quantised input and result rows in pinned memory, and the
         # doorbell (prompt chunks stage their misses on the card)
         self.miss, self.n_miss = pinned((self.k, 2), np.int32), pinned((1,), np.int32)
@@ -182,9 +248,21 @@ class GpuExperts:
         self._version = None
         self._view_version = 0
         self.full = False
+        self.on_card = np.zeros((c.n_layer, c.n_expert), bool)
 
-    def _key(self, layer: int):
+    def key(self, layer: int):
+        """The layer's expert types (gate/up, down): which ExpertKernels instance computes it."""
         return self.model.expert_type(layer, "gate"), self.model.expert_type(layer, "down")
+
+    def new_kernels(self) -> dict:
+        """One ExpertKernels per layer shape (on the current device), each with its own intermediates."""
+        c, out = self.c, {}
+        for layer in range(c.n_layer):
+            key = self.key(layer)
+            if key not in out:
+                out[key] = ExpertKernels(c.d_model, c.d_ff_expert, key[0], key[1], self.max_pairs,
+                                         slot_stride=self.pool.slot_bytes)
+        return out
 
     # ---- placement ------------------------------------------------------------------------------------------
     def set_view(self, view) -> None:
@@ -238,10 +316,21 @@ class GpuExperts:
         for s, (card, _, _) in enumerate(self.sources[1:], start=1):
             m = (src < 0) & (self.peer_card == card)
             src[m], slot[m] = s, self.peer_slot[m]
+        self.on_card = src >= 0  # in some card's slots (what prompt chunks do not stage)
+        if self.arena is not None:  # the rest: expert e of the layer's arena tensors
+            self.sources.append((None, None, self.arena))
+            m = src < 0
+            src[m] = len(self.sources) - 1
+            slot[m] = np.broadcast_to(np.arange(self.c.n_expert, dtype=np.int32), src.shape)[m]
         self.src.set(src, stream=self.stream)
         self.slot.set(slot, stream=self.stream)
         self.h_src, self.h_slot = src, slot
         self.full = bool((src >= 0).all())
+        src_a, slot_a = src.copy(), slot.copy()  # staging is the source after the others
+        src_a[~self.on_card] = len(self.sources)
+        slot_a[~self.on_card] = (np.cumsum(~self.on_card, axis=1) - 1)[~self.on_card]
+        self.src_ahead.set(src_a, stream=self.stream)
+        self.slot_ahead.set(slot_a, stream=self.stream)
         S, d = len(self.sources), self.c.d_model
         if self.rows is None or self.rows.shape[0] != S + 1:
             self.rows = cp.empty((S + 1, self.max_pairs, d), cp.float32)
@@ -255,14 +344,20 @@ class GpuExperts:
     def front(self, layer: int, h: cp.ndarray, ids: cp.ndarray, export: bool) -> None:
         """h (T, d_model) normalised input, ids (T, k) router choice: route and launch the cards' experts. A
         prompt chunk (T > 1, run eagerly) first stages the experts no card holds; a decode step leaves them to
-        the CPU pool (export: the doorbell for serve)."""
+        the arena source (host_experts = "card") or to the CPU pool (export: the doorbell for serve)."""
         T, s = h.shape[0], self.stream
-        kern = self.kernels[self._key(layer)]
+        kern = self.kernels[self.key(layer)]
         sources = list(self.sources)
         src, slot = self.src[layer], self.slot[layer]
-        if T > 1 and not self.full:
-            src, slot = self._stage(layer, ids)
-            sources.append((None, self._stage_mem.ptr, None))
+        buf = None
+        if T > 1 and not self.on_card.all():
+            if T * self.k >= 4 * self.c.n_expert:  # ~every expert routed: all of them staged, a layer ahead
+                buf = self._stage_ahead(layer)
+                src, slot = self.src_ahead[layer], self.slot_ahead[layer]
+            else:
+                buf = 0
+                src, slot = self._stage(layer, ids)
+            sources.append((None, self._stage_mem[buf].ptr, None))
         S = len(sources)
         kern.quantize(h, self.qa[:T], self.da[:T], stream=s)
         tiled = T > 1
@@ -275,32 +370,61 @@ class GpuExperts:
             rt.memcpyAsync(self.qa_h.ctypes.data, self.qa.data.ptr, T * self.qa.shape[1], D2H, s.ptr)
             rt.memcpyAsync(self.da_h.ctypes.data, self.da.data.ptr, T * self.da.shape[1] * 4, D2H, s.ptr)
             kern.ring(self.counter, self.bell.ctypes.data, stream=s)
-        for i, (_, ptr, p) in enumerate(sources):  # peers on other GPUs first: they start while this card works
-            if p is not None and p.remote:
-                p.compute(self._key(layer), i, T, tiled, self)
+        side = [(i, p) for i, (_, _, p) in enumerate(sources) if p is not None and p.side]
+        for i, p in side:  # peers on other GPUs and the arena first, on streams of their own, so that they overlap
+            p.compute(layer, self.key(layer), i, T, tiled, self)  # the experts this card computes below
         for i, (_, ptr, p) in enumerate(sources):
-            if p is not None and p.remote:
+            if p is not None and p.side:
                 continue
             if tiled:
                 kern.run_tiled(ptr, self.pairs[i], self.tiles[i], self.n_tiles[i:i + 1], self.qa, self.da,
                                self.rows[i], stream=s)
             else:
                 kern.run(ptr, self.pairs[i], self.n_pairs[i:i + 1], self.qa, self.da, self.rows[i], stream=s)
+        for _, p in side:
+            p.join(self)
+        if buf is not None:
+            self._freed[buf].record(s)
+
+    def _stage_ahead(self, layer: int) -> int:
+        """This card's stream waits for the layer's staged experts (copied now if they were not staged ahead);
+        the next layer's start copying into the other buffer. Returns the layer's buffer."""
+        if self._ahead != layer:  # the chunk's first layer
+            self._issue(layer)
+        self.stream.wait_event(self._landed[layer % 2])
+        if layer + 1 < self.c.n_layer:
+            self._issue(layer + 1)
+        return layer % 2
+
+    def _issue(self, layer: int) -> None:
+        """Copy every expert of the layer that no card holds into its buffer, on the staging stream, once the
+        kernels that last read that buffer are done."""
+        b, st = layer % 2, self._stage_stream
+        st.wait_event(self._freed[b])
+        missing = np.flatnonzero(~self.on_card[layer])
+        self._copy_experts(layer, missing, self._stage_mem[b].ptr, st)
+        self._landed[b].record(st)
+        self.staged[layer] = missing
+        self._ahead = layer
+
+    def _copy_experts(self, layer: int, experts: np.ndarray, base: int, stream: cp.cuda.Stream) -> None:
+        """Experts' bytes from the arena into consecutive staging slots at base (DMA where it is page-locked)."""
+        rt, stride = cp.cuda.runtime, self.pool.slot_bytes
+        for j, e in enumerate(experts.tolist()):
+            off = 0
+            for part in expert_bytes(self.model, layer, e):
+                rt.memcpyAsync(base + j * stride + off, part.ctypes.data, part.nbytes, H2D, stream.ptr)
+                off += part.nbytes
 
     def _stage(self, layer: int, ids: cp.ndarray) -> tuple[cp.ndarray, cp.ndarray]:
         """Copy the layer's routed experts that no card holds into the staging slots (straight from the arena,
         page-locked where the driver allows); returns the layer's (source, slot) rows pointing at them."""
         routed = np.unique(cp.asnumpy(ids, stream=self.stream))  # the chunk's one wait for the card per layer
-        missing = routed[self.h_src[layer][routed] < 0]
+        missing = routed[~self.on_card[layer][routed]]
         self.staged[layer] = missing
         if not missing.size:
             return self.src[layer], self.slot[layer]
-        rt, base, stride = cp.cuda.runtime, self._stage_mem.ptr, self.pool.slot_bytes
-        for j, e in enumerate(missing.tolist()):
-            off = 0
-            for part in expert_bytes(self.model, layer, e):
-                rt.memcpyAsync(base + j * stride + off, part.ctypes.data, part.nbytes, H2D, self.stream.ptr)
-                off += part.nbytes
+        self._copy_experts(layer, missing, self._stage_mem[0].ptr, self.stream)
         src, slot = self.h_src[layer].copy(), self.h_slot[layer].copy()
         src[missing], slot[missing] = len(self.sources), np.arange(missing.size, dtype=np.int32)
         self.src_staged.set(src, stream=self.stream)
@@ -321,7 +445,7 @@ class GpuExperts:
 
     def back(self, layer: int, weights: cp.ndarray, x: cp.ndarray) -> None:
         """x (T, d_model) += the routed experts' outputs, weighted in router order."""
-        self.kernels[self._key(layer)].combine_rows(self.rows, self.host_rows.ctypes.data, self.rowmap, weights, x,
+        self.kernels[self.key(layer)].combine_rows(self.rows, self.host_rows.ctypes.data, self.rowmap, weights, x,
                                                     stream=self.stream)
 
     def _wait(self, want: int) -> None:
@@ -344,10 +468,15 @@ class GpuExperts:
             where[lyr][np.isin(ids[lyr], experts)] = 0
             counters.staged += int(experts.size)
         self.staged.clear()
+        self._ahead = None  # the next chunk stages its first layer afresh (the placement may have changed)
         counters.card += int((where == 0).sum())
         counters.cpu += int((where < 0).sum())
-        for s, (card, _, _) in enumerate(self.sources[1:], start=1):
+        for s, (card, _, p) in enumerate(self.sources[1:], start=1):
             n = int((where == s).sum())
+            if p is self.arena:  # weights from host memory, as for the CPU pool
+                counters.cpu += n
+                counters.host_read += n
+                continue
             if n:
                 counters.peer += n
                 counters.by_peer[card] = counters.by_peer.get(card, 0) + n
@@ -359,4 +488,4 @@ class GpuExperts:
         self.peers.clear()
         self.cpu.close()
         if self._arena_lock is not None:
-            self._arena_lock()
+            self._arena_lock.release()

@@ -11,38 +11,58 @@ import logging
 import threading
 import weakref
 
-import cupy as cp
 import numpy as np
 
 log = logging.getLogger(__name__)
 READ_ONLY = 8  # cudaHostRegisterReadOnly: the device only reads, and read-only mappings can be registered
-_users: dict[int, int] = {}  # start address -> users
+MAPPED = 2  # cudaHostRegisterMapped: kernels may read the range directly (zero-copy)
+_users: dict[int, list] = {}  # start address -> [users, mapped]
 _lock = threading.Lock()
 
 
-def lock(owner: object, mem: np.ndarray) -> weakref.finalize | None:
-    """Page-lock mem for as long as owner lives; the handle returned releases it early (call it in close()).
+def _runtime():
+    import cupy
+
+    return cupy.cuda.runtime
+
+
+class Lock:
+    """A user's hold on a page-locked range: release() (or the owner's finalizer) gives it up; mapped says whether
+    kernels may read the range directly (else it is page-locked for copies only)."""
+
+    def __init__(self, owner: object, ptr: int, mapped: bool):
+        self.mapped = mapped
+        self.release = weakref.finalize(owner, _release, ptr)
+
+
+def lock(owner: object, mem: np.ndarray) -> Lock | None:
+    """Page-lock mem for as long as owner lives (mapped for kernels where the driver allows, else for copies only).
     None if the range stays pageable (copies from it still work, through the driver's staging)."""
-    ptr = mem.ctypes.data
+    ptr, rt = mem.ctypes.data, _runtime()
     with _lock:
         if ptr not in _users:
-            try:
-                cp.cuda.runtime.hostRegister(ptr, mem.nbytes, READ_ONLY)
-            except cp.cuda.runtime.CUDARuntimeError as e:
-                log.info("host range not page-locked (%s): copies from it go through the driver's staging", e)
+            for flags in (READ_ONLY | MAPPED, READ_ONLY):
+                try:
+                    rt.hostRegister(ptr, mem.nbytes, flags)
+                except rt.CUDARuntimeError as e:
+                    log.info("host range not page-locked with flags %d (%s)", flags, e)
+                    continue
+                _users[ptr] = [0, bool(flags & MAPPED)]
+                break
+            else:  # copies from it go through the driver's staging
                 return None
-            _users[ptr] = 0
-        _users[ptr] += 1
-    return weakref.finalize(owner, _release, ptr)
+        _users[ptr][0] += 1
+        return Lock(owner, ptr, _users[ptr][1])
 
 
 def _release(ptr: int) -> None:
     with _lock:
-        _users[ptr] -= 1
-        if _users[ptr]:
+        _users[ptr][0] -= 1
+        if _users[ptr][0]:
             return
         del _users[ptr]
+    rt = _runtime()
     try:
-        cp.cuda.runtime.hostUnregister(ptr)
-    except cp.cuda.runtime.CUDARuntimeError as e:  # the context is gone already (interpreter exit): nothing held
+        rt.hostUnregister(ptr)
+    except rt.CUDARuntimeError as e:  # the context is gone already (interpreter exit): nothing held
         log.debug("hostUnregister: %s", e)

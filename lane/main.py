@@ -121,7 +121,8 @@ class Lane:
         else:
             from lane.cupy_card import CupyCard  # CUDA only where a GPU card is asked for
 
-            self.card = CupyCard(self.model, int(self.a.card), n, self.a.context_length, live, self.a.cpu_threads)
+            self.card = CupyCard(self.model, int(self.a.card), n, self.a.context_length, live, self.a.cpu_threads,
+                                 host_experts=self.a.host_experts)
             self.card.on_chunk = self.between_chunks
         self.card.pool.fill(list(placement.experts))
         self.loader = SlotLoader(self.card.pool)
@@ -213,7 +214,7 @@ class Lane:
                     prompt_tokens=len(a.tokens), generated_tokens=gen.generated, ttft_s=gen.ttft_s,
                     decode_tok_s=gen.decode_tok_s, lane=self.lane, experts_card=used.card, experts_peer=used.peer,
                     experts_cpu=used.cpu, decode_experts_card=decode.card, decode_experts_peer=decode.peer,
-                    decode_experts_cpu=decode.cpu, experts_staged=used.staged,
+                    decode_experts_cpu=decode.cpu, experts_staged=used.staged, experts_host_read=used.host_read,
                     expert_bytes=self.card.pool.slot_bytes, logits_sha256=gen.digest.hexdigest() if gen.digest else None,
                     lane_io_s=io_s))
             self.beat(force=True)  # before Done: a status read right after the Done sees this request's figures
@@ -256,7 +257,8 @@ class Lane:
         self.ctx.term()
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The lane's command line (coordinator/lanes.py's lane_argv writes it)."""
     p = argparse.ArgumentParser(prog="stratad-lane")
     p.add_argument("--lane", type=int, required=True)
     p.add_argument("--card", required=True)
@@ -267,9 +269,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context-length", type=int, required=True)
     p.add_argument("--heartbeat-s", type=float, default=1.0)
     p.add_argument("--cpu-threads", type=int, default=0)
+    p.add_argument("--host-experts", choices=["cpu", "card"], default="cpu")
     p.add_argument("--startup-timeout-s", type=float, default=120.0)
     p.add_argument("--log-level", default="info")
-    a = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), format=f"%(asctime)s lane{a.lane} %(levelname)s %(message)s")
     _die_with_parent()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))

@@ -104,11 +104,12 @@ class RequestStats(BaseModel):
     lane: int = -1
     experts_card: int = 0  # expert computations on the lane's own card
     experts_peer: int = 0  # on other cards
-    experts_cpu: int = 0  # on the CPU pool
+    experts_cpu: int = 0  # from host memory: on the CPU pool, or by the card reading the arena (experts_host_read)
     decode_experts_card: int = 0  # the same, counting only the decode steps (after the prompt)
     decode_experts_peer: int = 0
     decode_experts_cpu: int = 0
     experts_staged: int = 0  # expert copies made to the card for the prompt (GPU cards: experts no card holds)
+    experts_host_read: int = 0  # of experts_cpu: computed by the card from the arena over the bus (host_experts = card)
     expert_bytes: int = 0  # bytes of one expert's weights (the largest layer's): counts x this = bytes moved
     logits_sha256: str | None = None  # with Generate.digest
     lane_io_s: float = 0.0  # time the lane spent on the daemon's messaging (sending chunks, reading control)

@@ -5,10 +5,15 @@
 #   bash scripts/device_run.sh tests     # GPU tests: expert kernels, the card, PDL (a summary line each)
 #   bash scripts/device_run.sh tests2    # GPU tests: dense kernels
 #   bash scripts/device_run.sh tests3    # GPU tests: the daemon (modes, split / rejoin, swaps, a killed peer)
-#   bash scripts/device_run.sh profile   # a3b IQ3_S: where a decode step's time goes, without and with PDL
+#   bash scripts/device_run.sh profile   # a3b IQ3_S: where a decode step's time goes (with and without PDL),
+#                                        # and a prompt's
 #   bash scripts/device_run.sh engine    # a3b IQ3_S: the engine bench at 1K / 32K / 64K
+#   bash scripts/device_run.sh engine-card  # the same at 50 % / 25 % resident, decode's misses read from the arena
 #   bash scripts/device_run.sh seed13    # the seed table at 60K prompts, modes 1 and 3 (two logical cards)
 #   bash scripts/device_run.sh seed2     # the same, mode 2
+#   bash scripts/device_run.sh seed-card # modes 2 and 3 at 4K prompts, misses read by the card from host memory
+#   bash scripts/device_run.sh seed-mps  # modes 1 and 3 at 4K prompts without and with the CUDA MPS daemon (two
+#                                        # lanes' kernels on one GPU: time slices vs one shared context)
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -32,9 +37,11 @@ tests | tests2 | tests3)
 profile)
     model "$A3B" --router-skew 1.0
     timeout 150 python3 scripts/gpu_decode_profile.py --model "$A3B" --fractions 1.0,0.5 --json "$OUT/profile.json" \
-        2>&1 | tail -4
+        2>&1 | tail -3
     STRATAD_PDL=1 timeout 90 python3 scripts/gpu_decode_profile.py --model "$A3B" --fractions 1.0 \
         --json "$OUT/profile-pdl.json" 2>&1 | tail -2
+    timeout 150 python3 scripts/gpu_prefill_profile.py --model "$A3B" --fractions 1.0,0.5 --contexts 1024,32768 \
+        --json "$OUT/prefill-profile.json" 2>&1 | tail -5
     ;;
 engine)
     model "$A3B" --router-skew 1.0
@@ -42,6 +49,13 @@ engine)
         --contexts 1024,32768,65536 --json "$OUT/engine.json" 2>&1 | grep "^{'" | cut -c1-200
     timeout 120 python3 -m stratad.cli bench --scenario engine --model "$A3B" --fractions 0.25 \
         --contexts 1024,32768 --json "$OUT/engine-0.25.json" 2>&1 | grep "^{'" | cut -c1-200
+    ;;
+engine-card)
+    model "$A3B" --router-skew 1.0
+    timeout 200 python3 -m stratad.cli bench --scenario engine --model "$A3B" --fractions 0.5,0.25 \
+        --contexts 1024,32768 --host-experts card --json "$OUT/engine-card.json" 2>&1 | grep "^{'" | cut -c1-260
+    timeout 120 python3 scripts/gpu_decode_profile.py --model "$A3B" --fractions 0.5 --host-experts card \
+        --json "$OUT/profile-card.json" 2>&1 | tail -2
     ;;
 seed13 | seed2)
     model "$SEED" --router-skew 0.7 --topics 2
@@ -57,8 +71,39 @@ for m, cs in d['modes'].items():
         print(m, c['topic'], c['decode_tok_s'], 'ttft', c['ttft_s'], 'some card', c['share_some_card'])
 " "$OUT/seed-${modes//,/}.json" 2>&1 | tail -6
     ;;
+seed-card)
+    model "$SEED" --router-skew 0.7 --topics 2
+    timeout 300 python3 -m stratad.cli bench --scenario seed --model "$SEED" --cards 0,0 --cache-fraction 0.475 \
+        --contexts 4096 --tokens 96 --modes 2,3 --host-experts card --json "$OUT/seed-4k-card.json" \
+        > "$OUT/seed-4k-card.log" 2>&1
+    python3 -c "
+import json, sys
+d = json.load(open(sys.argv[1]))
+for m, cs in d['modes'].items():
+    print(m, [(c['decode_tok_s'], c['share_some_card'], c['share_host_read']) for c in cs])
+" "$OUT/seed-4k-card.json"
+    ;;
+seed-mps)
+    model "$SEED" --router-skew 0.7 --topics 2
+    run() {
+        timeout 200 python3 -m stratad.cli bench --scenario seed --model "$SEED" --cards 0,0 --cache-fraction 0.475 \
+            --contexts 4096 --tokens 96 --modes 1,3 --json "$OUT/seed-4k-$1.json" > "$OUT/seed-4k-$1.log" 2>&1
+        python3 -c "
+import json, sys
+d = json.load(open(sys.argv[1]))
+print(sys.argv[2], {m: [c['decode_tok_s'] for c in cs] for m, cs in d['modes'].items()})
+" "$OUT/seed-4k-$1.json" "$1"
+    }
+    run plain
+    if command -v nvidia-cuda-mps-control > /dev/null && nvidia-cuda-mps-control -d; then
+        run mps
+        echo quit | nvidia-cuda-mps-control
+    else
+        echo "no MPS daemon here"
+    fi
+    ;;
 *)
-    echo "usage: $0 tests|tests2|tests3|profile|engine|seed13|seed2" >&2
+    echo "usage: $0 tests|tests2|tests3|profile|engine|engine-card|seed13|seed2|seed-card|seed-mps" >&2
     exit 2
     ;;
 esac

@@ -46,7 +46,7 @@ def graph_time_ms(cp, stream, fn, iters: int) -> float:
     return float(np.median(times))
 
 
-def profile(path: str, fraction: float, context: int, tokens: int, iters: int) -> dict:
+def profile(path: str, fraction: float, context: int, tokens: int, iters: int, host_experts: str = "cpu") -> dict:
     import cupy as cp
 
     from lane.cupy_card import Break, CupyCard
@@ -57,9 +57,9 @@ def profile(path: str, fraction: float, context: int, tokens: int, iters: int) -
     n = int(fraction * total)
     rng = np.random.default_rng(0)
     prompt = [int(t) for t in rng.integers(0, 2000, size=context)]
-    out = {"fraction": fraction, "context": context}
+    out = {"fraction": fraction, "context": context, "host_experts": host_experts}
     for graphs in (True, False):
-        card = CupyCard(model, 0, n, context + tokens + iters + 64, graphs=graphs)
+        card = CupyCard(model, 0, n, context + tokens + iters + 64, graphs=graphs, host_experts=host_experts)
         card.forward(prompt[:512], card.new_kv(), logits="none")  # routing profile with nothing resident
         order = np.lexsort((np.arange(total), -card.counts.reshape(-1)))
         card.pool.fill([(int(i // c.n_expert), int(i % c.n_expert)) for i in order[:n]])
@@ -100,6 +100,7 @@ def main() -> int:
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--host-experts", choices=["cpu", "card"], default="cpu")
     p.add_argument("--json")
     a = p.parse_args()
     path = a.model
@@ -107,7 +108,7 @@ def main() -> int:
         path = "/tmp/a3b-iq3s-skew1.gguf"
         if not Path(path).exists():
             make_model(path, "a3b", expert_quant="IQ3_S", router_skew=1.0)
-    rows = [profile(path, float(f), a.context, a.tokens, a.iters) for f in a.fractions.split(",")]
+    rows = [profile(path, float(f), a.context, a.tokens, a.iters, a.host_experts) for f in a.fractions.split(",")]
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=2) + "\n")
     keys = ["fraction", "step_ms", "eager_ms", "device_sum_ms", "attend_route_front_ms", "back_ms", "finish_ms",

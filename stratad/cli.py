@@ -84,12 +84,13 @@ def _bench(a) -> int:
         from stratad.bench import engine
 
         out = engine.run(model, fractions=[float(x) for x in a.fractions.split(",")],
-                         contexts=[int(x) for x in a.contexts.split(",")], tokens=a.tokens)
+                         contexts=[int(x) for x in a.contexts.split(",")], tokens=a.tokens,
+                         host_experts=a.host_experts)
     else:
         from stratad.bench import seed
 
         out = seed.run(model, cards=a.cards, cache=a.cache_fraction, prompt_tokens=int(a.contexts.split(",")[0]),
-                       tokens=a.tokens, modes=a.modes)
+                       tokens=a.tokens, modes=a.modes, host_experts=a.host_experts)
     out = {"date": datetime.date.today().isoformat(), "hardware": hardware.describe(gpu=gpu)} | out
     text = json.dumps(out, indent=2)
     if a.json:
@@ -149,6 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeats", type=int, default=5)
     b.add_argument("--threads", type=int, default=1, help="compute threads of the lane and of the in-process side")
     b.add_argument("--fractions", default="1.0,0.5,0.25", help="engine: expert-cache fractions")
+    b.add_argument("--host-experts", choices=["cpu", "card"], default="cpu",
+                   help="engine, seed: decode's experts on no card run on the CPU pool or on the card from host memory")
     b.add_argument("--contexts", default="1024", help="engine: prompt lengths; seed: the first is the prompt length")
     b.add_argument("--cards", default="cpu,cpu", help="seed: the cards")
     b.add_argument("--cache-fraction", type=float, default=0.475, help="seed: each card's share of all experts")

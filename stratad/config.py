@@ -8,7 +8,7 @@ import os
 import re
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -72,6 +72,9 @@ class DaemonConfig(BaseModel):
     lane_timeout_s: float = Field(30.0, gt=0, description="a lane silent this long is declared dead")
     stop_grace_s: float = Field(5.0, ge=0, description="on SIGTERM, how long in-flight requests may finish")
     cpu_threads: int = Field(0, ge=0, description="compute threads per lane (CPU pool, numpy); 0: cores / lanes")
+    host_experts: Literal["cpu", "card"] = Field(
+        "cpu", description="GPU cards, decode: the experts no card holds are computed by the CPU pool (cpu) or by "
+                           "the card reading them from the page-locked arena over the bus (card)")
     profile: str | None = Field(None, description="expert profile: per-(layer, expert) counts, .npy")
     state_dir: str | None = Field(None, description="keeps the learned expert profile between runs (the systemd "
                                                     "unit: /var/lib/stratad); unset: nothing is kept")

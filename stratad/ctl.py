@@ -76,7 +76,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"{st.ttft_s * 1e3:.0f} ms, {st.decode_tok_s:.1f} tok/s, experts card/peer/cpu "
                   f"{st.experts_card}/{st.experts_peer}/{st.experts_cpu} ({st.experts_card * gib:.2f}/"
                   f"{st.experts_peer * gib:.2f}/{st.experts_cpu * gib:.2f} GiB read), "
-                  f"{st.experts_staged * gib:.2f} GiB copied to the card]", file=sys.stderr)
+                  f"{st.experts_staged * gib:.2f} GiB copied to the card"
+                  + (f", {st.experts_host_read} of the cpu ones read by the card from host memory"
+                     if st.experts_host_read else "") + "]", file=sys.stderr)
             return 0
     except DaemonUnavailable as e:
         print(f"error: {e}", file=sys.stderr)

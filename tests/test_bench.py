@@ -27,5 +27,6 @@ def test_seed_bench_modes_and_shares(tmp_path):
             assert c["generated"] == 12
             assert abs(c["share_own_card"] + c["share_peer"] + c["share_cpu"] - 1) < 1e-3
             assert c["share_peer"] > 0  # the other card's cache is used in both pooled modes
+            assert c["share_host_read"] == 0  # CPU cards compute their misses on the CPU pool
     assert len(d["targets"]["mode3_speed_vs_mode1"]) == 2
-    assert d["note"] == "one card per device" and d["hardware"]["cores"] >= 1
+    assert d["note"] == "one card per device" and d["hardware"]["cores"] >= 1 and d["host_experts"] == "cpu"

@@ -69,6 +69,7 @@ def test_two_concurrent_clients_on_two_lanes_match_reference(daemon, reference):
         assert st.generated_tokens == len(s.tokens)
         assert st.experts_card > 0 and st.experts_cpu > 0  # half the experts cached: both paths used
         assert st.expert_bytes == slot_bytes(reference[0]) and st.experts_staged == 0  # CPU cards stage nothing
+        assert st.experts_host_read == 0  # and compute their misses on the CPU pool
         assert st.experts_card + st.experts_peer + st.experts_cpu == \
             (st.prompt_tokens + st.generated_tokens - 1) * 4 * 4 or s.finish_reason == "stop"
 

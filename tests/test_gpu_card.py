@@ -71,12 +71,37 @@ def test_placement_never_changes_a_bit(model, CupyCard):
     card = CupyCard(model, 0, total // 2, 4096, graphs=False)  # every step run directly, no CUDA graphs
     card.pool.fill(experts_by_rank(model)[: total // 2])
     results["eager"] = run(card, model, 40)
+    for frac in (0.5, 0.0):  # decode's experts not on the card read by the card from the page-locked arena
+        n = int(frac * total)
+        card = CupyCard(model, 0, n, 4096, host_experts="card")
+        card.pool.fill(experts_by_rank(model)[:n])
+        results[f"arena {frac}"] = run(card, model, 40)
+        cnt = results[f"arena {frac}"][2]
+        assert cnt.host_read > 0 and cnt.host_read == cnt.cpu, cnt  # none left to the CPU pool
     digests = {f: r[1] for f, r in results.items()}
     assert len(set(digests.values())) == 1, digests
     card = CupyCard(model, 0, total // 2, 4096)
     card.pool.fill(experts_by_rank(model)[: total // 2])
     toks, digest, counters = run(card, model, 40, swap_every=3)
     assert digest == digests[1.0] and counters.card > 0 and counters.cpu > 0
+
+
+def test_short_prompt_stages_only_routed_experts(model, CupyCard):
+    """A prompt too short to route to most experts copies only its routed ones after reading the router (longer
+    chunks stage every off-card expert a layer ahead): the same bits either way."""
+    c = model.config
+    total = c.n_layer * c.n_expert
+    short = model.tokenizer.encode(PROMPT)[: max(2, c.n_expert // c.n_expert_used)]  # T * k < 4 * n_expert
+    digests = {}
+    for frac in (1.0, 0.5, 0.0):
+        n = int(frac * total)
+        card = CupyCard(model, 0, n, 4096)
+        card.pool.fill(experts_by_rank(model)[:n])
+        g = Generation(card, model.tokenizer, short, SamplingParams(max_tokens=12), c.context_length, digest=True)
+        toks = [t for t, _ in g if t is not None]
+        digests[frac] = (toks, g.digest.hexdigest())
+        card.close()
+    assert len({d for _, d in digests.values()}) == 1, digests
 
 
 def test_logits_close_to_the_float_reference(model, CupyCard):

@@ -2,7 +2,7 @@
 
 Greedy generations are bit-identical (logits digests) to a solo GPU card holding every expert, across lead + peer,
 independent lanes, mutual help, a split and a rejoin in the middle of a generation, adaptive swaps while the other
-lane computes, and a peer lane killed mid-generation.
+lane computes, a peer lane killed mid-generation, and the experts no card holds read by the card from the arena.
 """
 from __future__ import annotations
 
@@ -85,6 +85,18 @@ def test_peer_computed_on_its_own_gpu(model, tmp_path, want, monkeypatch):
         assert one["A"].logits_sha256 == want("A", 48) and one["A"].experts_peer > 0
         two = run(d, [("A", 48), ("B", 48)])
         assert all(two[k].logits_sha256 == want(k, 48) and two[k].experts_peer > 0 for k in "AB")
+    finally:
+        d.stop()
+
+
+def test_host_experts_read_by_the_card(model, tmp_path, want):
+    """host_experts = "card": lead + peer hold 60 % of the experts, the rest are read by the lead's card from the
+    page-locked arena; the bits are those of the solo card and no expert is left to the CPU pool."""
+    d = start(model, tmp_path, "0,0", "0.3", host_experts='"card"')
+    try:
+        one = run(d, [("A", 48)])["A"]
+        assert one.logits_sha256 == want("A", 48)
+        assert one.experts_peer > 0 and one.experts_host_read > 0 and one.experts_host_read == one.experts_cpu
     finally:
         d.stop()
 

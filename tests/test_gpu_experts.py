@@ -117,13 +117,33 @@ def host_tiles(pairs_np: np.ndarray, max_tiles: int) -> tuple[np.ndarray, int]:
     return out, len(tiles)
 
 
+def host_tensors(cp, slots):
+    """The experts as an arena layer holds them: three tensors (gate, up, down; expert-major) in page-locked host
+    memory, at unrelated 4 KiB-aligned offsets. Returns (the memory, to keep alive; ExpertKernels.layout args)."""
+    parts = [np.stack([s[i] for s in slots]) for i in range(3)]
+    offs, o = [], 0
+    for p in parts:
+        offs.append(o)
+        o += -(-p.nbytes // 4096) * 4096 + 3 * 4096
+    mem = cp.cuda.alloc_pinned_memory(o)
+    buf = np.frombuffer(mem, np.uint8, o)
+    for p, off in zip(parts, offs):
+        buf[off:off + p.nbytes] = p.reshape(-1)
+    ptr = buf.ctypes.data
+    return mem, (ptr + offs[0], parts[0].strides[0], ptr + offs[1], ptr + offs[2], parts[2].strides[0])
+
+
 def run_case(cp, rng, qgu, qdn, d_model, d_ff, n_slots, n_tokens, n_pairs, max_pairs, sort_by_slot=False,
-             tuning=None, check_intermediates=True, tiled=False):
+             tuning=None, check_intermediates=True, tiled=False, host=False):
     from lane.kernels.experts import ExpertKernels
 
     k = ExpertKernels(d_model, d_ff, qgu, qdn, max_pairs, tuning=tuning)
     slots = make_slots(rng, n_slots, d_model, d_ff, qgu, qdn)
     pool = cp.asarray(np.stack([k.pack_slot(*m) for m in slots]))
+    where = pool.data.ptr
+    if host:  # the kernels read the weights from host memory over the bus, in the arena's layout
+        mem, args = host_tensors(cp, slots)
+        where = k.layout(*args)
     x = random_x(rng, n_tokens, d_model)
     qa_ref, da_ref = canonical.quantize_act(x)
     qa_ref = qa_ref.reshape(n_tokens, d_model)
@@ -148,9 +168,9 @@ def run_case(cp, rng, qgu, qdn, d_model, d_ff, n_slots, n_tokens, n_pairs, max_p
         from lane.kernels.experts import max_tiles
 
         tl, n_t = host_tiles(pairs_np, max_tiles(max_pairs, n_slots))
-        k.run_tiled(pool.data.ptr, pairs, cp.asarray(tl), cp.asarray(np.array([n_t], np.int32)), qa, da, out)
+        k.run_tiled(where, pairs, cp.asarray(tl), cp.asarray(np.array([n_t], np.int32)), qa, da, out)
     else:
-        k.run(pool.data.ptr, pairs, n_dev, qa, da, out)
+        k.run(where, pairs, n_dev, qa, da, out)
     cp.cuda.get_current_stream().synchronize()
 
     h_ref, qh_ref, dh_ref, out_ref = reference(slots, qgu, qdn, pairs_np, qa_ref.reshape(n_tokens, -1, 32), da_ref)
@@ -209,6 +229,27 @@ def test_tiled_expert_bits(cp, qgu, qdn, d_model, d_ff, n_slots, n_tok, n_pairs,
     canonical's bits, for tiles of every length 1 .. TILE_P."""
     run_case(cp, np.random.default_rng(zlib.crc32(f"tiled{qgu}{qdn}{d_model}".encode())), getattr(T, qgu),
              getattr(T, qdn), d_model, d_ff, n_slots, n_tok, n_pairs, max_pairs, tiled=True)
+
+
+@pytest.mark.parametrize("tiled", [False, True], ids=["decode", "tiled"])
+@pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[4], SHAPES[5]], ids=lambda s: f"{s[0]}-{s[1]}-{s[2]}x{s[3]}")
+def test_experts_read_from_host_memory(cp, shape, tiled):
+    """Weights in page-locked host memory, laid out as the arena's GGUF tensors (gate, up and down apart), read by
+    the kernels over the bus: canonical's bits, as from a slot."""
+    qgu, qdn, d_model, d_ff, n_slots, n_tok, n_pairs, max_pairs = shape
+    run_case(cp, np.random.default_rng(zlib.crc32(f"host{qgu}{qdn}{d_model}{tiled}".encode())), getattr(T, qgu),
+             getattr(T, qdn), d_model, d_ff, n_slots, n_tok, n_pairs, max_pairs, tiled=tiled, host=True)
+
+
+def test_layout_checks(cp):
+    from lane.kernels.experts import ExpertKernels
+
+    k = ExpertKernels(256, 96, T.Q4_K, T.Q8_0, 4)
+    assert k.slots(4096) == k.layout(4096, k.slot_stride, 4096 + k.gate_bytes, 4096 + 2 * k.gate_bytes, k.slot_stride)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        k.layout(4096 + 8, k.gate_bytes, 8192, 16384, k.down_bytes)
+    with pytest.raises(ValueError, match="shorter than an expert"):
+        k.layout(4096, k.gate_bytes - 16, 8192, 16384, k.down_bytes)
 
 
 @pytest.mark.parametrize("qt", ["IQ3_S", "Q4_K", "Q8_0"])

@@ -8,13 +8,17 @@ typedef long long i64;
 typedef unsigned long long u64;
 
 // Programmatic dependent launch (lane/kernels/launch.py): a kernel may be resident before its predecessor in the
-// stream has finished; it waits here until the predecessor has completed and its writes are visible, then lets its
-// own dependent launch. Under a normal launch both are no-ops.
+// stream has finished. PDL_WAIT: until the predecessor has completed and its writes are visible (nothing the
+// predecessor writes may be read before it); PDL_TRIGGER: this kernel's dependent may launch. A kernel can issue
+// loads of what no predecessor writes (weights) before its PDL_WAIT. Under a normal launch both are no-ops.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#define PDL_ENTRY() asm volatile("griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;" ::: "memory")
+#define PDL_WAIT() asm volatile("griddepcontrol.wait;" ::: "memory")
+#define PDL_TRIGGER() asm volatile("griddepcontrol.launch_dependents;" ::: "memory")
 #else
-#define PDL_ENTRY() do { } while (0)
+#define PDL_WAIT() do { } while (0)
+#define PDL_TRIGGER() do { } while (0)
 #endif
+#define PDL_ENTRY() do { PDL_WAIT(); PDL_TRIGGER(); } while (0)
 
 // exact float32 arithmetic: IEEE round-to-nearest-even as explicit PTX, so --fmad / -ftz cannot change a bit
 __device__ __forceinline__ float f_add(float a, float b) { float r; asm("add.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r; }

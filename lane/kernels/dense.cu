@@ -176,6 +176,7 @@ __device__ __forceinline__ void matvec_q8_0_body(const u8* __restrict__ W, int r
     };
 #pragma unroll
     for (int i = 0; i < P - 1; ++i) issue(i);
+    PDL_ENTRY();  // the weights' first tiles are in flight while the predecessor finishes; x and res are its output
     for (int i = 0; i < nitems; ++i) {
         issue(i + P - 1);
         cp_wait<P - 1>();
@@ -318,9 +319,9 @@ __device__ __forceinline__ void matvec_float_body(const u8* __restrict__ W, int 
 #define MV_INST(NAME, QT, R, KS, QV)                                                                                \
     extern "C" __global__ void __launch_bounds__(256, (QT == QT_Q8_0 ? 3 : 1)) NAME(const u8* __restrict__ W, int rows, int ncu,           \
                                                            i64 row_bytes, const float* __restrict__ x,            \
-                                                           const float* res, float* y) { PDL_ENTRY();                          \
-        if (QT == QT_Q8_0) matvec_q8_0_body<R, KS, QV>(W, rows, ncu, row_bytes, x, res, y);                      \
-        else matvec_float_body<QT, R, KS>(W, rows, ncu, row_bytes, x, res, y);                                   \
+                                                           const float* res, float* y) {                          \
+        if (QT == QT_Q8_0) matvec_q8_0_body<R, KS, QV>(W, rows, ncu, row_bytes, x, res, y); /* waits inside */  \
+        else { PDL_ENTRY(); matvec_float_body<QT, R, KS>(W, rows, ncu, row_bytes, x, res, y); }                  \
     }
 #define MV_PLANS(QN, QT, QV)                                                                                      \
     MV_INST(matvec_##QN##_r4_k1, QT, 4, 1, QV)                                                                    \

@@ -458,16 +458,19 @@ constexpr int GU_SMEM = GuSmem<1>::BYTES;
 constexpr int GUT_SMEM = GuSmem<TILE_P>::BYTES;
 static_assert(GU_ROWS % 32 == 0, "d_ff must be a multiple of 32");
 
-// stage this warp's gate and up rows of 32-row group grp of the expert in `slot`
-__device__ __forceinline__ void gu_stage(u32 sdst, const u8* __restrict__ pool, i64 slot_bytes, int slot, int grp,
-                                         int warp, int lane) {
+// stage this warp's gate and up rows of 32-row group grp of the expert in `slot`: its gate rows start at
+// pool + slot * slot_bytes, its up rows up_off bytes after them (a multiple of 16, so both ranges share one
+// alignment offset): GU_ROWS * RB in a slot; in the arena, the distance between the layer's two GGUF tensors
+__device__ __forceinline__ void gu_stage(u32 sdst, const u8* __restrict__ pool, i64 slot_bytes, i64 up_off, int slot,
+                                         int grp, int warp, int lane) {
     const u8* g = pool + (i64)slot * slot_bytes + (i64)(grp * 32 + warp * GU_R) * GUG::RB;
     stage_row(sdst, g, GU_RANGE, lane);
-    stage_row(sdst + GU_CHB, g + (i64)GU_ROWS * GUG::RB, GU_RANGE, lane);
+    stage_row(sdst + GU_CHB, g + up_off, GU_RANGE, lane);
 }
 
 template <int TP>
-__device__ __forceinline__ void gateup_body(const u8* __restrict__ pool, i64 slot_bytes, const int* __restrict__ pairs,
+__device__ __forceinline__ void gateup_body(const u8* __restrict__ pool, i64 slot_bytes, i64 up_off,
+                                            const int* __restrict__ pairs,
                                             const int* __restrict__ tiles, const int* __restrict__ n_tiles_p,
                                             int max_tiles, const signed char* __restrict__ qa,
                                             const float* __restrict__ da, const u32* __restrict__ grid_g,
@@ -486,8 +489,8 @@ __device__ __forceinline__ void gateup_body(const u8* __restrict__ pool, i64 slo
 #pragma unroll 1
     for (int k = 0; k < GU_STAGES; ++k) {  // rows in flight before anything else
         const int it = blockIdx.x + k * NB;
-        if (it < items) gu_stage(sb + wst + k * GU_STG, pool, slot_bytes, tile_slot<TP>(pairs, tiles, it / NG),
-                                 it % NG, warp, lane);
+        if (it < items) gu_stage(sb + wst + k * GU_STG, pool, slot_bytes, up_off,
+                                 tile_slot<TP>(pairs, tiles, it / NG), it % NG, warp, lane);
         cp_commit();
     }
     if (GU_QT == QT_IQ3_S) fill_grid(grid_g);
@@ -578,8 +581,8 @@ __device__ __forceinline__ void gateup_body(const u8* __restrict__ pool, i64 slo
         __syncwarp();  // every lane is done reading stage st
         {
             const int nx = it + GU_STAGES * NB;
-            if (nx < items) gu_stage(sb + wst + st * GU_STG, pool, slot_bytes, tile_slot<TP>(pairs, tiles, nx / NG),
-                                     nx % NG, warp, lane);
+            if (nx < items) gu_stage(sb + wst + st * GU_STG, pool, slot_bytes, up_off,
+                                     tile_slot<TP>(pairs, tiles, nx / NG), nx % NG, warp, lane);
             cp_commit();
         }
         __syncthreads();  // the group's values of h are in hs
@@ -591,21 +594,21 @@ __device__ __forceinline__ void gateup_body(const u8* __restrict__ pool, i64 slo
 }
 
 extern "C" __global__ void __launch_bounds__(GU_WPB * 32, GU_MINB)
-expert_gateup(const u8* __restrict__ pool, i64 slot_bytes, const int* __restrict__ pairs,
+expert_gateup(const u8* __restrict__ pool, i64 slot_bytes, i64 up_off, const int* __restrict__ pairs,
               const int* __restrict__ n_pairs_p, int max_pairs, const signed char* __restrict__ qa,
               const float* __restrict__ da, const u32* __restrict__ grid_g, float* __restrict__ hbuf,
               signed char* __restrict__ qhbuf, float* __restrict__ dhbuf) {
     PDL_ENTRY();
-    gateup_body<1>(pool, slot_bytes, pairs, nullptr, n_pairs_p, max_pairs, qa, da, grid_g, hbuf, qhbuf, dhbuf);
+    gateup_body<1>(pool, slot_bytes, up_off, pairs, nullptr, n_pairs_p, max_pairs, qa, da, grid_g, hbuf, qhbuf, dhbuf);
 }
 
 extern "C" __global__ void __launch_bounds__(GU_WPB * 32, 1)
-expert_gateup_tiled(const u8* __restrict__ pool, i64 slot_bytes, const int* __restrict__ pairs,
+expert_gateup_tiled(const u8* __restrict__ pool, i64 slot_bytes, i64 up_off, const int* __restrict__ pairs,
                     const int* __restrict__ tiles, const int* __restrict__ n_tiles_p, int max_tiles,
                     const signed char* __restrict__ qa, const float* __restrict__ da, const u32* __restrict__ grid_g,
                     float* __restrict__ hbuf, signed char* __restrict__ qhbuf, float* __restrict__ dhbuf) {
     PDL_ENTRY();
-    gateup_body<TILE_P>(pool, slot_bytes, pairs, tiles, n_tiles_p, max_tiles, qa, da, grid_g, hbuf, qhbuf, dhbuf);
+    gateup_body<TILE_P>(pool, slot_bytes, up_off, pairs, tiles, n_tiles_p, max_tiles, qa, da, grid_g, hbuf, qhbuf, dhbuf);
 }
 
 // Warp item = (tile, DN_R consecutive rows of d_model): stage the rows (one contiguous range), DN_R independent
@@ -619,12 +622,12 @@ constexpr int DN_STG = DN_CHB;
 constexpr int DN_SMEM = DN_TBL + DN_WPB * DN_STAGES * DN_STG + 16;
 static_assert(DN_KIN == GU_ROWS, "down rows take d_ff values");
 static_assert(DN_ROWS == GU_KIN, "down has d_model rows");
-constexpr i64 DN_OFF = 2 * (i64)GU_ROWS * GUG::RB;  // down rows follow gate and up
 
-// stage chunk c (DN_R rows) of the down rows of the expert in `slot`
+// stage chunk c (DN_R rows) of the down rows of the expert in `slot`; they start at pool + slot * slot_bytes (the
+// caller points pool at the first slot's down rows, which follow gate and up, or at the arena's down tensor)
 __device__ __forceinline__ void dn_stage(u32 sdst, const u8* __restrict__ pool, i64 slot_bytes, int slot, int c,
                                          int lane) {
-    stage_row(sdst, pool + (i64)slot * slot_bytes + DN_OFF + (i64)c * DN_RANGE, DN_RANGE, lane);
+    stage_row(sdst, pool + (i64)slot * slot_bytes + (i64)c * DN_RANGE, DN_RANGE, lane);
 }
 
 template <int TP>
@@ -669,7 +672,7 @@ __device__ __forceinline__ void down_body(const u8* __restrict__ pool, i64 slot_
         __syncwarp();
 
         const u32 R0 = wst + st * DN_STG +
-                       (u32)(((u64)pool + (u64)((i64)slot * slot_bytes + DN_OFF + (i64)c * DN_RANGE)) & 15);
+                       (u32)(((u64)pool + (u64)((i64)slot * slot_bytes + (i64)c * DN_RANGE)) & 15);
         float acc[TP][DN_R];
 #pragma unroll
         for (int t = 0; t < TP; ++t)

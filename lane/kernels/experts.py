@@ -5,6 +5,7 @@ Every output is bit-identical to stratad.engine.canonical (quantize_act, expert,
     k = ExpertKernels(d_model, d_ff, "IQ3_S", "IQ3_S", max_pairs)
     k.quantize(x, qa, da)                                # x (T, d_model) f32 -> qa int8 (T, d_model), da (T, d_model/32)
     k.run(pool.data.ptr, pairs, n_pairs, qa, da, out)    # pairs int32 (max_pairs, 2) = (token, slot); n_pairs int32 (1,)
+    k.run(k.layout(gate, stride, up, down, down_stride), ...)  # experts elsewhere (a layer of the arena)
     k.combine(out[:T*K].reshape(T, K, d_model), w, y)    # router-order weighted sum
     k.build_pairs(ids, src, slot, pairs, n_pairs, rowmap, miss_ptr, n_miss_ptr)  # routed ids -> per-source pairs
     k.combine_rows(rows, host_rows_ptr, rowmap, w, x)    # x += combine, rows through the row map
@@ -79,6 +80,18 @@ def _staged(qt, kin: int, rows: int) -> int:
     """Shared bytes experts.cu stages for `rows` consecutive rows of kin values (mirror of GU_CHB / DN_CHB)."""
     rng = rows * fmt(qt).row_bytes(kin)
     return (rng + 14 + 15) // 16 * 16 + 16
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a source's experts are in memory the card can read: expert s's gate rows at base + s * stride, its up
+    rows up_off bytes after them, its down rows at down + s * down_stride. A slot pool is one layout (the three
+    matrices one after another in each slot); a layer of the page-locked arena is another (GGUF's three tensors)."""
+    base: int
+    stride: int
+    up_off: int
+    down: int
+    down_stride: int
 
 
 class ExpertKernels:
@@ -237,57 +250,84 @@ class ExpertKernels:
         with self._stream(stream):
             launch(self._k_q, ((groups + 7) // 8,), (256,), (x, qa, da, np.int32(groups)))
 
-    def run_gate_up(self, pool_ptr: int, pairs, n_pairs, qa, da, stream=None) -> None:
+    # ---- where the experts are --------------------------------------------------------------------------------
+    def slots(self, pool_ptr: int) -> Layout:
+        """A slot pool at pool_ptr (slot_stride bytes a slot): gate, up, down rows one after another."""
+        return self.layout(pool_ptr, self.slot_stride, pool_ptr + self.gate_bytes,
+                           pool_ptr + 2 * self.gate_bytes, self.slot_stride)
+
+    def layout(self, gate_ptr: int, stride: int, up_ptr: int, down_ptr: int, down_stride: int) -> Layout:
+        """Expert s's gate rows at gate_ptr + s * stride, up rows at up_ptr + s * stride, down rows at down_ptr +
+        s * down_stride (e.g. a layer's three GGUF expert tensors, device-readable)."""
+        if int(gate_ptr) % 16 or int(down_ptr) % 16 or (int(up_ptr) - int(gate_ptr)) % 16 or int(stride) % 16 \
+                or int(down_stride) % 16:
+            raise ValueError("expert matrices must start 16-byte aligned, at strides that are multiples of 16")
+        if int(stride) < self.gate_bytes or int(down_stride) < self.down_bytes:
+            raise ValueError(f"strides {stride} / {down_stride} are shorter than an expert's matrices "
+                             f"({self.gate_bytes} / {self.down_bytes} bytes)")
+        return Layout(int(gate_ptr), int(stride), int(up_ptr) - int(gate_ptr), int(down_ptr), int(down_stride))
+
+    def _where(self, where) -> Layout:
+        return where if isinstance(where, Layout) else self.slots(int(where))
+
+    # ---- launches (where: a Layout, or a slot pool's pointer) ----------------------------------------------------
+    def run_gate_up(self, where, pairs, n_pairs, qa, da, stream=None) -> None:
         cp = self.cp
-        self._check_run_args(pool_ptr, pairs, n_pairs)
+        lay = self._where(where)
+        self._check_run_args(pairs, n_pairs)
         self._need(qa, cp.int8, None, "qa")
         self._need(da, cp.float32, None, "da")
         if qa.ndim != 2 or qa.shape[1] != self.d_model or tuple(da.shape) != (qa.shape[0], self.d_model // 32):
             raise ValueError("qa must be (T, d_model) and da (T, d_model/32)")
         with self._stream(stream):
             launch(self._k_gu, (self.gu_grid,), (self.gu_warps * 32,),
-                       (np.uint64(pool_ptr), np.int64(self.slot_stride), pairs, n_pairs, np.int32(self.max_pairs),
+                       (np.uint64(lay.base), np.int64(lay.stride), np.int64(lay.up_off), pairs, n_pairs,
+                        np.int32(self.max_pairs),
                         qa, da, self.grid, self.h, self.qh, self.dh),
                        shared_mem=self.gu_smem)
 
-    def run_down(self, pool_ptr: int, pairs, n_pairs, out, stream=None) -> None:
+    def run_down(self, where, pairs, n_pairs, out, stream=None) -> None:
         cp = self.cp
-        self._check_run_args(pool_ptr, pairs, n_pairs)
+        lay = self._where(where)
+        self._check_run_args(pairs, n_pairs)
         self._need(out, cp.float32, (self.max_pairs, self.d_model), "out")
         with self._stream(stream):
             launch(self._k_dn, (self.dn_grid,), (self.dn_warps * 32,),
-                       (np.uint64(pool_ptr), np.int64(self.slot_stride), pairs, n_pairs, np.int32(self.max_pairs),
+                       (np.uint64(lay.down), np.int64(lay.down_stride), pairs, n_pairs, np.int32(self.max_pairs),
                         self.qh, self.dh, self.grid, out),
                        shared_mem=self.dn_smem)
 
-    def run(self, pool_ptr: int, pairs, n_pairs, qa, da, out, stream=None) -> None:
-        """out[p] = canonical.expert(slot pairs[p,1], qa/da row pairs[p,0]) for p < n_pairs[0] (device count)."""
-        self.run_gate_up(pool_ptr, pairs, n_pairs, qa, da, stream)
-        self.run_down(pool_ptr, pairs, n_pairs, out, stream)
+    def run(self, where, pairs, n_pairs, qa, da, out, stream=None) -> None:
+        """out[p] = canonical.expert(expert pairs[p,1] of `where`, qa/da row pairs[p,0]) for p < n_pairs[0] (a
+        device count)."""
+        lay = self._where(where)
+        self.run_gate_up(lay, pairs, n_pairs, qa, da, stream)
+        self.run_down(lay, pairs, n_pairs, out, stream)
 
-    def run_tiled(self, pool_ptr: int, pairs, tiles, n_tiles, qa, da, out, stream=None) -> None:
+    def run_tiled(self, where, pairs, tiles, n_tiles, qa, da, out, stream=None) -> None:
         """run() for pairs grouped by expert and cut into tiles (int32 (max_tiles, 2) of (first pair, count <=
         TILE_P), n_tiles int32 (1,) on the device, as build_pairs makes them): each weight sub-block is decoded
         once per tile. Same bits as run(); for prompt chunks, where an expert has several tokens."""
         cp = self.cp
-        self._check_run_args(pool_ptr, pairs, n_tiles)
+        lay = self._where(where)
+        self._check_run_args(pairs, n_tiles)
         if tiles.ndim != 2 or tiles.shape[1] != 2:
             raise ValueError("tiles must be (max_tiles, 2)")
         self._need(tiles, cp.int32, None, "tiles")
         self._need(qa, cp.int8, None, "qa")
         self._need(da, cp.float32, None, "da")
         self._need(out, cp.float32, (self.max_pairs, self.d_model), "out")
-        common = (np.uint64(pool_ptr), np.int64(self.slot_stride), pairs, tiles, n_tiles, np.int32(tiles.shape[0]))
+        common = (pairs, tiles, n_tiles, np.int32(tiles.shape[0]))
         with self._stream(stream):
             launch(self._k_gut, (2 * self.n_sm,), (self.gu_warps * 32,),
-                        common + (qa, da, self.grid, self.h, self.qh, self.dh), shared_mem=self.gut_smem)
+                        (np.uint64(lay.base), np.int64(lay.stride), np.int64(lay.up_off)) + common +
+                        (qa, da, self.grid, self.h, self.qh, self.dh), shared_mem=self.gut_smem)
             launch(self._k_dnt, (2 * self.n_sm,), (self.dn_warps * 32,),
-                        common + (self.qh, self.dh, self.grid, out), shared_mem=self.dn_smem)
+                        (np.uint64(lay.down), np.int64(lay.down_stride)) + common +
+                        (self.qh, self.dh, self.grid, out), shared_mem=self.dn_smem)
 
-    def _check_run_args(self, pool_ptr, pairs, n_pairs) -> None:
+    def _check_run_args(self, pairs, n_pairs) -> None:
         cp = self.cp
-        if int(pool_ptr) % 16:
-            raise ValueError("pool_ptr must be 16-byte aligned")
         self._need(pairs, cp.int32, (self.max_pairs, 2), "pairs")
         self._need(n_pairs, cp.int32, (1,), "n_pairs")
 

@@ -2,7 +2,9 @@
 
 The floor of a decode token is the bytes it must move (the routed experts' weights + every dense matrix + the
 context's KV) over the card's measured copy bandwidth; experts computed on the CPU pool move over host memory
-instead, so the floor here counts card-resident expert bytes only and the CPU share is reported beside it.
+instead, so the floor here counts card-resident expert bytes only and the CPU share is reported beside it. With
+host_experts = "card" the experts no card holds cross the bus: their bytes over the measured page-locked upload
+rate are added to the floor.
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import os
 import numpy as np
 import psutil
 
-from stratad.bench.hardware import gpu_copy_bandwidth, host_read_bandwidth
+from stratad.bench.hardware import gpu_copy_bandwidth, gpu_upload_bandwidth, host_read_bandwidth
 from stratad.engine.generation import Generation
 from stratad.engine.sampling import SamplingParams
 from stratad.model.gguf_file import ModelFile
@@ -26,7 +28,8 @@ def _bytes_per_token(model: ModelFile, context: int, resident_share: float) -> i
     return int(c.n_layer * c.n_expert_used * expert * resident_share + dense + kv)
 
 
-def run(model_path: str, fractions=(1.0, 0.5, 0.25), contexts=(1024,), tokens: int = 128) -> dict:
+def run(model_path: str, fractions=(1.0, 0.5, 0.25), contexts=(1024,), tokens: int = 128,
+        host_experts: str = "cpu") -> dict:
     import cupy as cp
 
     from lane.cupy_card import CupyCard
@@ -34,6 +37,7 @@ def run(model_path: str, fractions=(1.0, 0.5, 0.25), contexts=(1024,), tokens: i
     model = ModelFile(model_path)
     c = model.config
     bw = gpu_copy_bandwidth(cp)[0] * 1e9
+    bus = gpu_upload_bandwidth(cp)[0] * 1e9
     host_read = host_read_bandwidth(os.cpu_count() or 1)
     expert_bytes = slot_bytes(model)
     total = c.n_layer * c.n_expert
@@ -41,7 +45,7 @@ def run(model_path: str, fractions=(1.0, 0.5, 0.25), contexts=(1024,), tokens: i
     profile = None
     for frac in fractions:
         n_slots = int(frac * total)
-        card = CupyCard(model, 0, n_slots, max(contexts) + tokens + 64)
+        card = CupyCard(model, 0, n_slots, max(contexts) + tokens + 64, host_experts=host_experts)
         if profile is None:  # the model's routing profile: counts of a 512-token pass with every expert on the CPU
             card.forward(list(np.random.default_rng(0).integers(0, 2000, 512)), card.new_kv(), logits="none")
             profile = card.counts.copy()
@@ -56,23 +60,28 @@ def run(model_path: str, fractions=(1.0, 0.5, 0.25), contexts=(1024,), tokens: i
             g = Generation(card, model.tokenizer, prompt, SamplingParams(max_tokens=tokens), ctx + tokens + 64)
             steps = iter(g)
             next(steps)  # the prompt: the counters from here on are decode's
-            before = (card.counters.card, card.counters.cpu)
+            before = card.counters.copy()
             n = 1 + sum(1 for t, _ in steps if t is not None)
-            on_card, on_cpu = card.counters.card - before[0], card.counters.cpu - before[1]
-            share = on_card / max(1, on_card + on_cpu)
-            floor_s = _bytes_per_token(model, ctx, share) / bw
+            d = card.counters.minus(before)
+            on_card, on_cpu, read = d.card, d.cpu - d.host_read, d.host_read  # read: by the card from the arena
+            used = max(1, on_card + on_cpu + read)
+            share = on_card / used
+            floor_s = _bytes_per_token(model, ctx, share) / bw + read / max(1, n - 1) * expert_bytes / bus
             tps = g.decode_tok_s
             free, total_mem = cp.cuda.runtime.memGetInfo()
             # the CPU pool's decode traffic: its experts' bytes per token x tokens per second, against what the
             # host's cores can read at all (the CPU share's own ceiling)
             cpu_gb_s = on_cpu / max(1, n - 1) * expert_bytes * tps / 1e9
+            bus_gb_s = read / max(1, n - 1) * expert_bytes * tps / 1e9
             results.append({
                 "cache_fraction": frac, "context": ctx, "generated": n,
                 "prefill_tok_s": round(ctx / g.ttft_s, 1), "ttft_s": round(g.ttft_s, 4),
-                "decode_tok_s": round(tps, 1), "hit_rate": round(share, 4), "cpu_share": round(1 - share, 4),
+                "decode_tok_s": round(tps, 1), "hit_rate": round(share, 4), "cpu_share": round(on_cpu / used, 4),
+                "host_read_share": round(read / used, 4),
                 "floor_ms_per_token": round(floor_s * 1e3, 4),
                 "floor_tok_s": round(1 / floor_s, 1), "fraction_of_floor": round(tps * floor_s, 4),
                 "cpu_expert_gb_s": round(cpu_gb_s, 2), "cpu_fraction_of_host_read": round(cpu_gb_s / host_read, 3),
+                "host_experts": host_experts, "bus_expert_gb_s": round(bus_gb_s, 2),
                 "vram_used_gib": round((total_mem - free) / 2**30, 2),
                 "host_rss_gib": round(psutil.Process().memory_info().rss / 2**30, 2),
             })
@@ -81,6 +90,8 @@ def run(model_path: str, fractions=(1.0, 0.5, 0.25), contexts=(1024,), tokens: i
         del card
         cp.get_default_memory_pool().free_all_blocks()
     return {"scenario": "engine", "model": str(model_path), "copy_bandwidth_tb_s": round(bw / 1e12, 3),
+            "upload_bandwidth_gb_s": round(bus / 1e9, 1),
             "host_read_gb_s": round(host_read, 1),
-            "floor": "bytes per decode token (card-resident routed experts + dense + KV) / copy bandwidth",
+            "floor": "bytes per decode token (card-resident routed experts + dense + KV) / copy bandwidth "
+                     "+ experts read from host memory by the card / upload bandwidth",
             "results": results}

@@ -49,26 +49,39 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def _copy_rate(cp, copy, moved: int, iters: int) -> tuple[float, list[float]]:
+    """GB/s of copy(stream) moving `moved` bytes, on a stream of its own: (best, each of 3 runs of iters)."""
+    s = cp.cuda.Stream(non_blocking=True)
+    e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+    res = []
+    for _ in range(2):
+        copy(s)
+    for _ in range(3):
+        e0.record(s)
+        for _ in range(iters):
+            copy(s)
+        e1.record(s)
+        e1.synchronize()
+        res.append(moved * iters / (cp.cuda.get_elapsed_time(e0, e1) * 1e-3) / 1e9)
+    return max(res), res
+
+
 def gpu_copy_bandwidth(cp, nbytes: int = 1 << 30, iters: int = 10) -> tuple[float, list[float]]:
     """Device-to-device copy rate in GB/s (bytes read + written), on non-constant data: (best, each of 3 runs)."""
     a = cp.empty(nbytes, cp.uint8)
     a.view(cp.uint32)[:] = cp.arange(nbytes // 4, dtype=cp.uint32) * np.uint32(2654435761)
     b = cp.empty_like(a)
-    s = cp.cuda.Stream(non_blocking=True)
-    e0, e1 = cp.cuda.Event(), cp.cuda.Event()
-    res = []
-    with s:
-        for _ in range(2):
-            b.data.copy_from_device_async(a.data, nbytes, s)
-        for _ in range(3):
-            e0.record(s)
-            for _ in range(iters):
-                b.data.copy_from_device_async(a.data, nbytes, s)
-            e1.record(s)
-            e1.synchronize()
-            res.append(2 * nbytes * iters / (cp.cuda.get_elapsed_time(e0, e1) * 1e-3) / 1e9)
-    del a, b
-    return max(res), res
+    return _copy_rate(cp, lambda s: b.data.copy_from_device_async(a.data, nbytes, s), 2 * nbytes, iters)
+
+
+def gpu_upload_bandwidth(cp, nbytes: int = 256 << 20, iters: int = 4) -> tuple[float, list[float]]:
+    """Page-locked host -> device copy rate in GB/s (the bus an expert read from host memory crosses)."""
+    host = cp.cuda.alloc_pinned_memory(nbytes)
+    np.frombuffer(host, np.uint8, nbytes)[:] = 7
+    dev = cp.empty(nbytes, cp.uint8)
+    h2d = 1  # cudaMemcpyHostToDevice
+    return _copy_rate(cp, lambda s: cp.cuda.runtime.memcpyAsync(dev.data.ptr, host.ptr, nbytes, h2d, s.ptr), nbytes,
+                      iters)
 
 
 def gpu_info(cp) -> dict:

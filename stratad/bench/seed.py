@@ -41,7 +41,9 @@ def _chats(d: LocalDaemon, topics: list[int], prompt_tokens: int, tokens: int) -
                       "share_own_card": round(st.decode_experts_card / dec, 4),
                       "share_peer": round(st.decode_experts_peer / dec, 4),
                       "share_cpu": round(st.decode_experts_cpu / dec, 4),
-                      "share_some_card": round(1 - st.decode_experts_cpu / dec, 4)}
+                      "share_some_card": round(1 - st.decode_experts_cpu / dec, 4),
+                      # of share_cpu: read by the card from host memory (host_experts = card; prompts stage instead)
+                      "share_host_read": round(st.experts_host_read / dec, 4)}
 
     ts = [threading.Thread(target=go, args=(i, t)) for i, t in enumerate(topics)]
     for t in ts:
@@ -52,10 +54,10 @@ def _chats(d: LocalDaemon, topics: list[int], prompt_tokens: int, tokens: int) -
 
 
 def _mode(model: str, cards: str, cache: float, mutual: bool, topics: list[int], prompt_tokens: int, tokens: int,
-          settle_s: float) -> list[dict]:
+          settle_s: float, host_experts: str) -> list[dict]:
     conf = tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False)
     conf.write(f"mutual_help = {str(mutual).lower()}\nrejoin_idle_s = 3600.0\nreplan_interval_s = 0.5\n"
-               f"context_length = {prompt_tokens + tokens + 64}\n")
+               f"context_length = {prompt_tokens + tokens + 64}\nhost_experts = \"{host_experts}\"\n")
     conf.close()
     d = LocalDaemon(model, cards, args=["--expert-cache", str(cache), "--log-level", "warning"],
                     config=conf.name).start()
@@ -76,14 +78,14 @@ MODES = {  # name: (mutual_help, the chats' topics)
 
 
 def run(model_path: str, cards: str = "cpu,cpu", cache: float = 0.475, prompt_tokens: int = 1024,
-        tokens: int = 128, settle_s: float = 3.0, modes: str = "1,2,3") -> dict:
+        tokens: int = 128, settle_s: float = 3.0, modes: str = "1,2,3", host_experts: str = "cpu") -> dict:
     """modes: which of the three to run ("1,3" and "2" in two runs fit long prompts into shorter jobs)."""
     card_list = cards.split(",")
     n_cards = len(card_list)
     gpus = [c for c in card_list if c != "cpu"]
     shared = len(gpus) != len(set(gpus))
     wanted = {int(m) for m in modes.split(",")}
-    results = {name: _mode(model_path, cards, cache, mutual, topics, prompt_tokens, tokens, settle_s)
+    results = {name: _mode(model_path, cards, cache, mutual, topics, prompt_tokens, tokens, settle_s, host_experts)
                for i, (name, (mutual, topics)) in enumerate(MODES.items(), start=1) if i in wanted}
     share = {name: [c["share_some_card"] for c in chats] for name, chats in results.items()}
     targets = {"mode3_share_some_card_min": 0.95} | {f"{name}_share_some_card": v for name, v in share.items()}
@@ -92,7 +94,7 @@ def run(model_path: str, cards: str = "cpu,cpu", cache: float = 0.475, prompt_to
         targets["mode3_speed_vs_mode1"] = [round(c["decode_tok_s"] / mode1, 3)
                                            for c in results["3_two_chats_mutual_help"]]
     return {
-        "scenario": "seed", "model": str(model_path), "cards": cards,
+        "scenario": "seed", "model": str(model_path), "cards": cards, "host_experts": host_experts,
         "cache_fraction_per_card": cache, "cache_fraction_all_cards": round(min(1.0, cache * n_cards), 3),
         "prompt_tokens": prompt_tokens, "generated_tokens": tokens, "modes": results,
         "decode_tok_s_together": {m: round(sum(c["decode_tok_s"] for c in chats), 2) for m, chats in results.items()},

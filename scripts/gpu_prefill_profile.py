@@ -1,0 +1,100 @@
+#!/usr/bin/env python3
+"""Where a GPU lane's prompt reading spends its time (lane/cupy_card.py), on a generated or given model.
+
+A prompt of each length is read in the card's chunks with CUDA events around each kind of work on the card's
+stream, summed over layers and chunks:
+  dense      the projections (q/k/v, o, router, LM head: cuBLAS fp16 on dequantised weights),
+  attention  prompt attention (PrefillAttention),
+  experts    the experts' front half: quantise, pairs and tiles, staging the experts no card holds, the kernels,
+  combine    the experts' back half (weighted sum into the residual);
+other is the rest of the wall time (norms, RoPE and KV append, embedding, host work between launches).
+Prints a table last; --json writes everything.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from stratad.model.generator import make_model  # noqa: E402
+from stratad.model.gguf_file import ModelFile  # noqa: E402
+
+KINDS = ("dense", "attention", "experts", "combine")
+
+
+def profile(path: str, fraction: float, context: int, host_experts: str) -> dict:
+    import cupy as cp
+
+    from lane.cupy_card import CupyCard
+
+    model = ModelFile(path)
+    c = model.config
+    total = c.n_layer * c.n_expert
+    n = int(fraction * total)
+    card = CupyCard(model, 0, n, context + 64, host_experts=host_experts)
+    card.pool.fill([(layer, e) for layer in range(c.n_layer) for e in range(c.n_expert)][:n])
+    prompt = [int(t) for t in np.random.default_rng(context).integers(0, 2000, size=context)]
+    card.forward(prompt[:1024], card.new_kv(), logits="last")  # compile, cuBLAS handles, workspaces
+    marks = []
+
+    def timed(kind, fn):
+        def run(*args, **kwargs):
+            e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+            e0.record(card.stream)
+            out = fn(*args, **kwargs)
+            e1.record(card.stream)
+            marks.append((kind, e0, e1))
+            return out
+        return run
+
+    card._proj = timed("dense", card._proj)
+    card.prefill_attn = timed("attention", card.prefill_attn)
+    card.experts.front = timed("experts", card.experts.front)
+    card.experts.back = timed("combine", card.experts.back)
+    cp.cuda.runtime.deviceSynchronize()
+    t = time.perf_counter()
+    card.forward(prompt, card.new_kv(), logits="last")
+    wall_ms = (time.perf_counter() - t) * 1e3
+    sums = dict.fromkeys(KINDS, 0.0)
+    for kind, e0, e1 in marks:
+        sums[kind] += cp.cuda.get_elapsed_time(e0, e1)
+    card.close()
+    out = {"fraction": fraction, "context": context, "host_experts": host_experts,
+           "prefill_tok_s": round(context / wall_ms * 1e3, 1), "wall_ms": round(wall_ms, 1)}
+    out |= {f"{k}_ms": round(v, 1) for k, v in sums.items()}
+    out["other_ms"] = round(wall_ms - sum(sums.values()), 1)
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--model", help="GGUF file (default: generate the a3b IQ3_S preset)")
+    p.add_argument("--fractions", default="1.0,0.5")
+    p.add_argument("--contexts", default="1024,32768")
+    p.add_argument("--host-experts", choices=["cpu", "card"], default="cpu")
+    p.add_argument("--json")
+    a = p.parse_args()
+    path = a.model
+    if path is None:
+        path = "/tmp/a3b-iq3s-skew1.gguf"
+        if not Path(path).exists():
+            make_model(path, "a3b", expert_quant="IQ3_S", router_skew=1.0)
+    rows = [profile(path, float(f), int(n), a.host_experts) for f in a.fractions.split(",")
+            for n in a.contexts.split(",")]
+    if a.json:
+        Path(a.json).write_text(json.dumps(rows, indent=2) + "\n")
+    keys = ["fraction", "context", "prefill_tok_s", "wall_ms"] + [f"{k}_ms" for k in KINDS] + ["other_ms"]
+    print(" | ".join(keys))
+    for r in rows:
+        print(" | ".join(str(r[k]) for k in keys))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
