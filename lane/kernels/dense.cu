@@ -1335,8 +1335,8 @@ extern "C" __global__ void __launch_bounds__(256) embed_rows(const u8* __restric
 
 // =============================================================================================================
 // 8. prefill attention (a prompt chunk of T tokens at positions pos0 .. pos0+T-1 over the whole cached prefix):
-// cuBLAS fp16 tensor-core GEMMs for Q K^T and P V (dense.py: PrefillAttention), around these three kernels.
-// Per kv head h the query rows are r = t * group + j (head h * group + j of token t).
+// the query rows packed per kv head (r = t * group + j: head h * group + j of token t), the flash kernel below, the
+// output unpacked (dense.py: PrefillAttention).
 // =============================================================================================================
 // q (T, n_head, hd) f32 -> qp (n_kv, T * group, hd) f16, times scale (softmax's 1/sqrt(hd), applied before the
 // fp16 rounding so scores need no scaling).
@@ -1357,38 +1357,6 @@ extern "C" __global__ void attn_q_pack(const float* __restrict__ q, int T, int n
     qp[kv_major(idx, T, n_head, n_kv, hd)] = f2h(f_mul(q[idx], scale));
 }
 
-// scores (n_kv, T * group, S) f32 -> p (same shape) f16: causal softmax of each row; row r = (t, j) sees keys
-// 0 .. pos0 + t, later keys get 0. Grid (T * group, n_kv), 256 threads.
-extern "C" __global__ void __launch_bounds__(256) attn_softmax_rows(const float* __restrict__ scores, int T, int group,
-                                                                    int S, int pos0, u16* __restrict__ p) {
-    PDL_ENTRY();
-    const int r = blockIdx.x, h = blockIdx.y;
-    const i64 base = ((i64)h * T * group + r) * S;
-    const int limit = pos0 + r / group + 1;
-    const float* row = scores + base;
-    __shared__ float red[32];
-    float m = NEG_INF;
-    for (int i = threadIdx.x; i < limit; i += blockDim.x) m = fmaxf(m, row[i]);
-    for (int o = 16; o; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = m;
-    __syncthreads();
-    m = red[0];
-    for (int w = 1; w < (int)(blockDim.x >> 5); ++w) m = fmaxf(m, red[w]);
-    __syncthreads();
-    const float LOG2E = 1.4426950408889634f;
-    float s = 0.f;
-    for (int i = threadIdx.x; i < limit; i += blockDim.x) s += f_ex2((row[i] - m) * LOG2E);
-    for (int o = 16; o; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = s;
-    __syncthreads();
-    s = 0.f;
-    for (int w = 0; w < (int)(blockDim.x >> 5); ++w) s += red[w];
-    const float inv = 1.0f / s;
-    u16* out = p + base;
-    for (int i = threadIdx.x; i < S; i += blockDim.x)
-        out[i] = i < limit ? f2h(f_ex2((row[i] - m) * LOG2E) * inv) : (u16)0;
-}
-
 // o (n_kv, T * group, hd) f32 -> out (T, n_head * hd) f32
 extern "C" __global__ void attn_o_unpack(const float* __restrict__ o, int T, int n_head, int n_kv, int hd,
                                          float* __restrict__ out) {
@@ -1397,3 +1365,181 @@ extern "C" __global__ void attn_o_unpack(const float* __restrict__ o, int T, int
     if (idx >= (i64)T * n_head * hd) return;
     out[idx] = o[kv_major(idx, T, n_head, n_kv, hd)];
 }
+
+// =============================================================================================================
+// prompt attention, flash style on fp16 tensor cores (mma.m16n8k16, fp32 accumulate): no score matrix in
+// memory. Per kv head the chunk's query rows r = t * group + j (qp from attn_q_pack: f16, scaled by 1/sqrt(hd))
+// attend to keys 0 .. pos0 + t. A block takes 64 rows (4 warps x 16); keys come in tiles of 64 through shared
+// memory (cp.async, two stages; keys past the chunk read as 0, so a NaN left in the cache cannot reach P V). Per
+// warp and tile: S (16 x 64) = Q K^T, the online softmax in base 2 (P rounded to f16, l summed from the rounded
+// values, as in the decode kernel), then O (16 x hd) += P V with the S accumulators reused as A fragments.
+// Shared rows are padded by 16 bytes so that the 32-bit fragment loads hit 32 different banks.
+// Grid (ceil(R / 64), n_kv), 128 threads, dynamic shared memory fa_smem_bytes<HD>.
+// =============================================================================================================
+constexpr int FA_BM = 64, FA_BN = 64;
+
+template <int HD>
+struct FaShape {
+    static constexpr int KST = HD + 8;     // K tile row (halfs)
+    static constexpr int VST = FA_BN + 8;  // V^T tile row (halfs)
+    static constexpr int STAGE = FA_BN * KST + HD * VST;  // halfs
+    static constexpr int SMEM = 2 * STAGE * 2;            // bytes
+};
+
+__device__ __forceinline__ float h2f_lo(u32 h) { float r; asm("{ .reg .b16 l, u; mov.b32 {l, u}, %1; cvt.f32.f16 %0, l; }" : "=f"(r) : "r"(h)); return r; }
+__device__ __forceinline__ float h2f_hi(u32 h) { float r; asm("{ .reg .b16 l, u; mov.b32 {l, u}, %1; cvt.f32.f16 %0, u; }" : "=f"(r) : "r"(h)); return r; }
+
+// keys k0 .. k0 + 63 of one kv head into a stage: K rows (key-major) and V^T rows (dim-major); keys >= S as 0
+template <int HD>
+__device__ __forceinline__ void fa_load(u16* st, const u16* __restrict__ kh, const u16* __restrict__ vh, int max_ctx,
+                                        int k0, int S, int tid) {
+    using F = FaShape<HD>;
+    u16* ks = st;
+    u16* vs = st + FA_BN * F::KST;
+    for (int i = tid; i < FA_BN * (HD / 8); i += 128) {
+        const int key = i / (HD / 8), c = i % (HD / 8);
+        u16* dst = ks + key * F::KST + c * 8;
+        if (k0 + key < S) cp_async16(smem_addr(dst), kh + (i64)(k0 + key) * HD + c * 8);
+        else *(uint4*)dst = make_uint4(0u, 0u, 0u, 0u);
+    }
+    for (int i = tid; i < HD * (FA_BN / 8); i += 128) {
+        const int d = i / (FA_BN / 8), c = i % (FA_BN / 8), key = k0 + c * 8;
+        u16* dst = vs + d * F::VST + c * 8;
+        const u16* src = vh + (i64)d * max_ctx + key;
+        if (key + 8 <= S) {
+            cp_async16(smem_addr(dst), src);
+        } else {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) dst[e] = key + e < S ? src[e] : (u16)0;
+        }
+    }
+}
+
+template <int HD>
+__device__ __forceinline__ void attn_flash_body(const u16* __restrict__ qp, const u16* __restrict__ kc,
+                                                const u16* __restrict__ vc, int R, int group, int pos0, int max_ctx,
+                                                float* __restrict__ o) {
+    using F = FaShape<HD>;
+    constexpr int KS = HD / 16, NDT = HD / 8, NT = FA_BN / 8;
+    constexpr float LOG2E = 1.4426950408889634f;
+    extern __shared__ __align__(16) u16 fa_sm[];
+    const int h = blockIdx.y, r0 = blockIdx.x * FA_BM;
+    const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, q4 = lane & 3;
+    const int S = pos0 + R / group;  // the prefix and the chunk
+    const u16* kh = kc + (i64)h * max_ctx * HD;
+    const u16* vh = vc + (i64)h * HD * max_ctx;
+    const int ra = r0 + w * 16 + g, rb = ra + 8;  // this thread's two rows
+    const int la_key = pos0 + min(ra, R - 1) / group, lb_key = pos0 + min(rb, R - 1) / group;  // last key each sees
+
+    u32 qf[KS][4];
+    {
+        const u16* qa = qp + ((i64)h * R + min(ra, R - 1)) * HD;
+        const u16* qb = qp + ((i64)h * R + min(rb, R - 1)) * HD;
+#pragma unroll
+        for (int ks = 0; ks < KS; ++ks) {
+            const int d = ks * 16 + 2 * q4;
+            qf[ks][0] = *(const u32*)(qa + d);
+            qf[ks][1] = *(const u32*)(qb + d);
+            qf[ks][2] = *(const u32*)(qa + d + 8);
+            qf[ks][3] = *(const u32*)(qb + d + 8);
+        }
+    }
+    float acc[NDT][4];
+#pragma unroll
+    for (int i = 0; i < NDT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+    float ma = NEG_INF, mb = NEG_INF, la = 0.f, lb = 0.f;
+
+    const int kend = pos0 + (min(r0 + FA_BM, R) - 1) / group + 1;  // keys this block needs
+    const int nkb = (kend + FA_BN - 1) / FA_BN;
+    const int warp_last = pos0 + (min(r0 + w * 16 + 15, R - 1)) / group;  // the warp's last visible key
+    fa_load<HD>(fa_sm, kh, vh, max_ctx, 0, S, tid);
+    cp_commit();
+    for (int kb = 0; kb < nkb; ++kb) {
+        if (kb + 1 < nkb) fa_load<HD>(fa_sm + ((kb + 1) & 1) * F::STAGE, kh, vh, max_ctx, (kb + 1) * FA_BN, S, tid);
+        cp_commit();
+        cp_wait<1>();
+        __syncthreads();
+        const int k0 = kb * FA_BN;
+        if (k0 <= warp_last) {  // else every key of the tile is after this warp's rows
+            const u16* ks_ = fa_sm + (kb & 1) * F::STAGE;
+            const u16* vs_ = ks_ + FA_BN * F::KST;
+            float s[NT][4];
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+#pragma unroll
+            for (int ks = 0; ks < KS; ++ks)
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) {
+                    const u16* kr = ks_ + (nt * 8 + g) * F::KST + ks * 16 + 2 * q4;
+                    mma16816(s[nt], qf[ks][0], qf[ks][1], qf[ks][2], qf[ks][3], *(const u32*)kr,
+                             *(const u32*)(kr + 8));
+                }
+            float mxa = ma, mxb = mb;
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int key = k0 + nt * 8 + 2 * q4 + e;
+                    s[nt][e] = key <= la_key ? f_mul(s[nt][e], LOG2E) : NEG_INF;
+                    s[nt][2 + e] = key <= lb_key ? f_mul(s[nt][2 + e], LOG2E) : NEG_INF;
+                    mxa = fmaxf(mxa, s[nt][e]);
+                    mxb = fmaxf(mxb, s[nt][2 + e]);
+                }
+            mxa = fmaxf(mxa, __shfl_xor_sync(0xffffffffu, mxa, 1));
+            mxa = fmaxf(mxa, __shfl_xor_sync(0xffffffffu, mxa, 2));
+            mxb = fmaxf(mxb, __shfl_xor_sync(0xffffffffu, mxb, 1));
+            mxb = fmaxf(mxb, __shfl_xor_sync(0xffffffffu, mxb, 2));
+            // key 0 is in every row's first tile, so the maxima are finite from the first tile on
+            const float ala = f_ex2(f_sub(ma, mxa)), alb = f_ex2(f_sub(mb, mxb));
+            ma = mxa;
+            mb = mxb;
+            la = f_mul(la, ala);
+            lb = f_mul(lb, alb);
+#pragma unroll
+            for (int i = 0; i < NDT; ++i) {
+                acc[i][0] = f_mul(acc[i][0], ala);
+                acc[i][1] = f_mul(acc[i][1], ala);
+                acc[i][2] = f_mul(acc[i][2], alb);
+                acc[i][3] = f_mul(acc[i][3], alb);
+            }
+            u32 pa[NT], pb[NT];
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                pa[nt] = pack_h2(f_ex2(f_sub(s[nt][0], ma)), f_ex2(f_sub(s[nt][1], ma)));
+                pb[nt] = pack_h2(f_ex2(f_sub(s[nt][2], mb)), f_ex2(f_sub(s[nt][3], mb)));
+                la = f_add(la, f_add(h2f_lo(pa[nt]), h2f_hi(pa[nt])));
+                lb = f_add(lb, f_add(h2f_lo(pb[nt]), h2f_hi(pb[nt])));
+            }
+#pragma unroll
+            for (int kk = 0; kk < FA_BN / 16; ++kk)
+#pragma unroll
+                for (int dt = 0; dt < NDT; ++dt) {
+                    const u16* vr = vs_ + (dt * 8 + g) * F::VST + kk * 16 + 2 * q4;
+                    mma16816(acc[dt], pa[2 * kk], pb[2 * kk], pa[2 * kk + 1], pb[2 * kk + 1], *(const u32*)vr,
+                             *(const u32*)(vr + 8));
+                }
+        }
+        __syncthreads();  // the stage is reloaded by the next iteration's prefetch
+    }
+    la = f_add(la, __shfl_xor_sync(0xffffffffu, la, 1));
+    la = f_add(la, __shfl_xor_sync(0xffffffffu, la, 2));
+    lb = f_add(lb, __shfl_xor_sync(0xffffffffu, lb, 1));
+    lb = f_add(lb, __shfl_xor_sync(0xffffffffu, lb, 2));
+    const float ia = 1.0f / la, ib = 1.0f / lb;
+#pragma unroll
+    for (int dt = 0; dt < NDT; ++dt) {
+        const int d = dt * 8 + 2 * q4;
+        if (ra < R) *(float2*)(o + ((i64)h * R + ra) * HD + d) = make_float2(acc[dt][0] * ia, acc[dt][1] * ia);
+        if (rb < R) *(float2*)(o + ((i64)h * R + rb) * HD + d) = make_float2(acc[dt][2] * ib, acc[dt][3] * ib);
+    }
+}
+
+#define FA_INST(HD)                                                                                                \
+    extern "C" __global__ void __launch_bounds__(128) attn_flash_prefill_##HD(                                     \
+        const u16* __restrict__ qp, const u16* __restrict__ kc, const u16* __restrict__ vc, int R, int group,      \
+        int pos0, int max_ctx, float* __restrict__ o) {                                                           \
+        PDL_ENTRY();                                                                                               \
+        attn_flash_body<HD>(qp, kc, vc, R, group, pos0, max_ctx, o);                                              \
+    }
+FA_INST(64)
+FA_INST(128)

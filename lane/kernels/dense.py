@@ -550,67 +550,49 @@ class DecodeAttention:
 
 
 class PrefillAttention:
-    """GQA attention for a prompt chunk of T tokens at positions pos0 + t over the whole cached prefix, on tensor
-    cores: per kv head, cuBLAS fp16 GEMMs S = Q K^T and O = P V with float32 accumulation, a causal softmax kernel
-    between them (P rounded to fp16). Work and memory grow with T x (pos0 + T) (the scores: 4 + 2 bytes each), so
-    the card reads long prompts in chunks. Same arguments as DecodeAttention but pos0 is a host int: prompts are
-    read eagerly, not in graphs. Measured error against attention_ref: tests/test_gpu_dense.py."""
+    """GQA attention for a prompt chunk of T tokens at positions pos0 + t over the whole cached prefix, flash style
+    on tensor cores (dense.cu section 5): fp16 Q and P, float32 accumulation, the scores never leave the chip, so
+    memory stays O(T) at any context. Same arguments as DecodeAttention but pos0 is a host int: prompts are read
+    eagerly, not in graphs. Measured error against attention_ref: tests/test_gpu_dense.py."""
 
-    QUERY_BLOCK = 256  # tokens per pair of GEMMs (at 128K context the scores of 256 tokens take 6 GB)
+    BLOCK_ROWS, KEY_TILE = 64, 64  # FA_BM, FA_BN in dense.cu
 
     def __init__(self, n_head: int, n_kv: int, head_dim: int, max_ctx: int, *, device=None):
         self.m = kernels(device)
         if n_head % n_kv:
             raise ValueError("n_head must be a multiple of n_kv")
+        if head_dim not in (64, 128):
+            raise ValueError("head_dim must be 64 or 128")
+        if max_ctx % self.KEY_TILE:
+            raise ValueError(f"max_ctx must be a multiple of {self.KEY_TILE} (key tiles are read whole)")
         self.n_head, self.n_kv, self.hd, self.max_ctx = n_head, n_kv, head_dim, int(max_ctx)
         self.group = n_head // n_kv
         self.scale = np.float32(1.0 / math.sqrt(head_dim))
+        self.fn = self.m.fn(f"attn_flash_prefill_{head_dim}")
+        # two stages of a key tile: K rows (hd + 8 halfs) and V^T rows (64 + 8 halfs)
+        self.smem = 2 * 2 * (self.KEY_TILE * (head_dim + 8) + head_dim * (self.KEY_TILE + 8))
+        self.fn.max_dynamic_shared_size_bytes = self.smem
 
     def __call__(self, q, k_cache, v_cache, pos0: int, out, *, stream=None) -> None:
         Tn, hd = int(q.shape[0]), self.hd
-        if not (Tn >= 1 and int(pos0) + Tn <= self.max_ctx):
+        if not (Tn >= 1 and int(pos0) >= 0 and int(pos0) + Tn <= self.max_ctx):
             raise ValueError(f"positions {pos0}..{int(pos0) + Tn - 1} outside the cache of {self.max_ctx}")
         _need(q, np.float32, (Tn, self.n_head, hd), "q")
         _need(k_cache, np.float16, (self.n_kv, self.max_ctx, hd), "k_cache")
         _need(v_cache, np.float16, (self.n_kv, hd, self.max_ctx), "v_cache")
         _need(out, np.float32, (Tn, self.n_head * hd), "out")
-        for t in range(0, Tn, self.QUERY_BLOCK):  # bounds the scores' memory: QUERY_BLOCK x group x S per kv head
-            n = min(self.QUERY_BLOCK, Tn - t)
-            self._block(q[t:t + n], k_cache, v_cache, int(pos0) + t, out[t:t + n], stream)
-
-    def _block(self, q, k_cache, v_cache, pos0: int, out, stream) -> None:
-        from cupy_backends.cuda.libs import cublas
-
         m = self.m
         cp = m.cp
-        Tn = int(q.shape[0])
-        S, G, hd, nkv = pos0 + Tn, self.group, self.hd, self.n_kv
-        R = Tn * G  # query rows per kv head
+        R, nkv = Tn * self.group, self.n_kv  # query rows per kv head
         n = Tn * self.n_head * hd
         with _on(stream):
             qp = cp.empty((nkv, R, hd), cp.float16)
-            scores = cp.empty((nkv, R, S), cp.float32)
-            p = cp.empty((nkv, R, S), cp.float16)
             o = cp.empty((nkv, R, hd), cp.float32)
             launch(m.fn("attn_q_pack"), ((n + 255) // 256,), (256,), (q, np.int32(Tn), np.int32(self.n_head),
                                                                np.int32(nkv), np.int32(hd), self.scale, qp))
-            handle = cp.cuda.device.get_cublas_handle()
-            cublas.setStream(handle, cp.cuda.get_current_stream().ptr)
-            cublas.setPointerMode(handle, 0)
-            one, zero = np.array([1.0], np.float32), np.array([0.0], np.float32)
-            kv_bytes = self.max_ctx * hd * 2
-            for h in range(nkv):
-                # column-major: scores_h^T (S x R) = K_h (hd x S, transposed) ^T  qp_h^T (hd x R)
-                cublas.gemmEx(handle, 1, 0, S, R, hd, one.ctypes.data, k_cache.data.ptr + h * kv_bytes,
-                              CUDA_R_16F, hd, qp.data.ptr + h * R * hd * 2, CUDA_R_16F, hd, zero.ctypes.data,
-                              scores.data.ptr + h * R * S * 4, CUDA_R_32F, S, CUBLAS_COMPUTE_32F, -1)
-            launch(m.fn("attn_softmax_rows"), (R, nkv), (256,), (scores, np.int32(Tn), np.int32(G), np.int32(S),
-                                                          np.int32(pos0), p))
-            for h in range(nkv):
-                # o_h^T (hd x R) = V_h (stored hd x max_ctx row-major = max_ctx x hd column-major)^T  p_h^T (S x R)
-                cublas.gemmEx(handle, 1, 0, hd, R, S, one.ctypes.data, v_cache.data.ptr + h * kv_bytes,
-                              CUDA_R_16F, self.max_ctx, p.data.ptr + h * R * S * 2, CUDA_R_16F, S,
-                              zero.ctypes.data, o.data.ptr + h * R * hd * 4, CUDA_R_32F, hd, CUBLAS_COMPUTE_32F, -1)
+            launch(self.fn, ((R + self.BLOCK_ROWS - 1) // self.BLOCK_ROWS, nkv), (128,),
+                   (qp, k_cache, v_cache, np.int32(R), np.int32(self.group), np.int32(pos0),
+                    np.int32(self.max_ctx), o), shared_mem=self.smem)
             launch(m.fn("attn_o_unpack"), ((n + 255) // 256,), (256,), (o, np.int32(Tn), np.int32(self.n_head),
                                                                  np.int32(nkv), np.int32(hd), out))
 
