@@ -38,8 +38,8 @@ profile)
     model "$A3B" --router-skew 1.0
     timeout 150 python3 scripts/gpu_decode_profile.py --model "$A3B" --fractions 1.0,0.5 --json "$OUT/profile.json" \
         2>&1 | tail -3
-    STRATAD_PDL=1 timeout 90 python3 scripts/gpu_decode_profile.py --model "$A3B" --fractions 1.0 \
-        --json "$OUT/profile-pdl.json" 2>&1 | tail -2
+    STRATAD_PDL=0 timeout 90 python3 scripts/gpu_decode_profile.py --model "$A3B" --fractions 1.0 \
+        --json "$OUT/profile-nopdl.json" 2>&1 | tail -2
     timeout 150 python3 scripts/gpu_prefill_profile.py --model "$A3B" --fractions 1.0,0.5 --contexts 1024,32768 \
         --json "$OUT/prefill-profile.json" 2>&1 | tail -5
     ;;

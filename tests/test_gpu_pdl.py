@@ -1,5 +1,5 @@
-"""Programmatic dependent launch (device only): every kernel waits for its predecessor, so a decode step launched
-with PDL — eagerly and as captured graphs — gives the bits of the same step launched normally."""
+"""Programmatic dependent launch (device only): every kernel waits for its predecessor, so a decode step captured
+with programmatic edges gives the bits of the same step launched normally."""
 from __future__ import annotations
 
 import pytest
@@ -42,7 +42,7 @@ def test_pdl_changes_no_bit(model, monkeypatch, frac):
     want = digest(model, True, frac)
     monkeypatch.setattr(launch, "PDL", True)
     assert digest(model, True, frac) == want  # captured graphs with programmatic edges
-    assert digest(model, False, frac) == want  # eager launches
+    assert digest(model, False, frac) == want  # eager launches (plain: PDL is for captured graphs only)
 
 
 def test_bad_argument_is_named(cp, monkeypatch):
@@ -50,5 +50,10 @@ def test_bad_argument_is_named(cp, monkeypatch):
     from lane.kernels import launch
 
     monkeypatch.setattr(launch, "PDL", True)
-    with pytest.raises(TypeError, match="kernel argument of type int"):
-        launch.launch(D.kernels().fn("advance_pos"), (1,), (1,), (cp.zeros(1, cp.int32), 1))
+    fn, pos, s = D.kernels().fn("advance_pos"), cp.zeros(1, cp.int32), cp.cuda.Stream(non_blocking=True)
+    with s, pytest.raises(TypeError, match="kernel argument of type int"):
+        s.begin_capture()  # PDL launches are the captured ones
+        try:
+            launch.launch(fn, (1,), (1,), (pos, 1))
+        finally:
+            s.end_capture()
