@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from lane.slot_loader import SlotLoader
 from stratad.engine.generation import Generation
 from stratad.engine.reference import ReferenceEngine
 from stratad.engine.sampling import SamplingParams
@@ -34,8 +35,9 @@ def experts_by_rank(m: ModelFile) -> list[tuple[int, int]]:
     return [tuple(x) for x in rng.permutation([(layer, e) for layer in range(c.n_layer) for e in range(c.n_expert)])]
 
 
-def run(card, m: ModelFile, n: int, swap_every: int = 0):
-    """Greedy generation; with swap_every, the slot contents are reshuffled between tokens (adaptive swaps)."""
+def run(card, m: ModelFile, n: int, swap_every: int = 0, loader=None):
+    """Greedy generation; with swap_every, the slot contents are reshuffled between tokens (adaptive swaps): at
+    once, or with a SlotLoader as a lane does (dropped at once, copied in the background, landed between tokens)."""
     g = Generation(card, m.tokenizer, m.tokenizer.encode(PROMPT), SamplingParams(max_tokens=n),
                    m.config.context_length, digest=True)
     forward, calls = card.forward, [0]
@@ -44,9 +46,15 @@ def run(card, m: ModelFile, n: int, swap_every: int = 0):
 
     def swapping(tokens, kv, logits="last"):
         calls[0] += 1
+        if loader is not None:
+            loader.landed()
         if swap_every and calls[0] % swap_every == 0:
-            for slot in range(card.pool.n_slots):
-                card.pool.load(slot, *everything[int(rng.integers(len(everything)))])
+            picks = [(slot, *everything[int(rng.integers(len(everything)))]) for slot in range(card.pool.n_slots)]
+            if loader is None:
+                for job in picks:
+                    card.pool.load(*job)
+            elif not loader.busy:
+                loader.begin(calls[0], [j for j in picks if card.pool.table[j[1], j[2]] < 0][: 1 + len(picks) // 4])
         return forward(tokens, kv, logits)
 
     card.forward = swapping
@@ -84,6 +92,14 @@ def test_placement_never_changes_a_bit(model, CupyCard):
     card.pool.fill(experts_by_rank(model)[: total // 2])
     toks, digest, counters = run(card, model, 40, swap_every=3)
     assert digest == digests[1.0] and counters.card > 0 and counters.cpu > 0
+    card = CupyCard(model, 0, total // 2, 4096)
+    card.pool.fill(experts_by_rank(model)[: total // 2])
+    loader = SlotLoader(card.pool)
+    try:
+        toks, digest, counters = run(card, model, 40, swap_every=2, loader=loader)
+    finally:
+        loader.close()
+    assert digest == digests[1.0] and card.pool.loads > total // 2
 
 
 def test_short_prompt_stages_only_routed_experts(model, CupyCard):
