@@ -78,6 +78,12 @@ def split_then_rejoin(d: Daemon, first: dict, second: dict, timeout_s: float = 6
         return a, b, w.seen
 
 
+def max_tokens_of(stream) -> int:
+    """The max_tokens with which a fresh request gives this finished stream's digest: a stop token's step is in
+    the digest (its logits were read) but not in generated_tokens, so a stream that stopped needs one more."""
+    return stream.stats.generated_tokens + (stream.finish_reason == "stop")
+
+
 def rejoined_after_split(seen) -> bool:
     split = seen.index(next(s for s in seen if ("solo", True) in s))
     return any(("lead", True) in s and ("peer", False) in s for s in seen[split:])

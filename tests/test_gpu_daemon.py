@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from daemon_harness import Daemon, rejoined_after_split, run_chats, split_then_rejoin
+from daemon_harness import Daemon, max_tokens_of, rejoined_after_split, run_chats, split_then_rejoin
 from stratad.model.generator import make_model
 
 pytestmark = pytest.mark.gpu
@@ -106,7 +106,7 @@ def test_rejoin_mid_generation_on_gpu_cards(model, tmp_path, want):
     try:
         a, b, seen = split_then_rejoin(d, {"tokens": PROMPTS["A"]}, {"tokens": PROMPTS["B"]}, timeout_s=120)
         assert b.stats.logits_sha256 == want("B", 5)
-        assert a.stats.logits_sha256 == want("A", a.stats.generated_tokens)
+        assert a.stats.logits_sha256 == want("A", max_tokens_of(a))
         assert rejoined_after_split(seen), seen[-5:]
     finally:
         d.stop()
