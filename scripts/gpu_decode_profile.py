@@ -14,7 +14,6 @@ Prints a table last; --json writes everything.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -23,7 +22,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from stratad.model.generator import make_model  # noqa: E402
+from profile_report import model_path, report  # noqa: E402
 from stratad.model.gguf_file import ModelFile  # noqa: E402
 
 
@@ -103,19 +102,11 @@ def main() -> int:
     p.add_argument("--host-experts", choices=["cpu", "card"], default="cpu")
     p.add_argument("--json")
     a = p.parse_args()
-    path = a.model
-    if path is None:
-        path = "/tmp/a3b-iq3s-skew1.gguf"
-        if not Path(path).exists():
-            make_model(path, "a3b", expert_quant="IQ3_S", router_skew=1.0)
+    path = model_path(a.model)
     rows = [profile(path, float(f), a.context, a.tokens, a.iters, a.host_experts) for f in a.fractions.split(",")]
-    if a.json:
-        Path(a.json).write_text(json.dumps(rows, indent=2) + "\n")
     keys = ["fraction", "step_ms", "eager_ms", "device_sum_ms", "attend_route_front_ms", "back_ms", "finish_ms",
             "host_per_layer_us", "cpu_share"]
-    print(" | ".join(keys))
-    for r in rows:
-        print(" | ".join(f"{r[k]:.3f}" if isinstance(r[k], float) else str(r[k]) for k in keys))
+    report(rows, keys, a.json)
     return 0
 
 

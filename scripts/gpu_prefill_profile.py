@@ -13,7 +13,6 @@ Prints a table last; --json writes everything.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -22,7 +21,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from stratad.model.generator import make_model  # noqa: E402
+from profile_report import model_path, report  # noqa: E402
 from stratad.model.gguf_file import ModelFile  # noqa: E402
 
 KINDS = ("dense", "attention", "experts", "combine")
@@ -80,19 +79,11 @@ def main() -> int:
     p.add_argument("--host-experts", choices=["cpu", "card"], default="cpu")
     p.add_argument("--json")
     a = p.parse_args()
-    path = a.model
-    if path is None:
-        path = "/tmp/a3b-iq3s-skew1.gguf"
-        if not Path(path).exists():
-            make_model(path, "a3b", expert_quant="IQ3_S", router_skew=1.0)
+    path = model_path(a.model)
     rows = [profile(path, float(f), int(n), a.host_experts) for f in a.fractions.split(",")
             for n in a.contexts.split(",")]
-    if a.json:
-        Path(a.json).write_text(json.dumps(rows, indent=2) + "\n")
     keys = ["fraction", "context", "prefill_tok_s", "wall_ms"] + [f"{k}_ms" for k in KINDS] + ["other_ms"]
-    print(" | ".join(keys))
-    for r in rows:
-        print(" | ".join(str(r[k]) for k in keys))
+    report(rows, keys, a.json)
     return 0
 
 

@@ -662,6 +662,19 @@ __device__ __forceinline__ void mma16816(float (&c)[4], u32 a0, u32 a1, u32 a2, 
                  : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// max over the 4 lanes of a quad (the lanes holding one row of an mma C fragment)
+__device__ __forceinline__ float quad_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+
+// two probabilities exp2(s - m) rounded to an f16x2 (an mma A-fragment register); sum += the rounded values
+__device__ __forceinline__ u32 p_h2(float s0, float s1, float m, float& sum) {
+    const u32 h = pack_h2(f_ex2(f_sub(s0, m)), f_ex2(f_sub(s1, m)));
+    sum = f_add(sum, f_add(h2f((u16)(h & 0xffff)), h2f((u16)(h >> 16))));
+    return h;
+}
+
 __device__ __forceinline__ void attn_split_geom(int len, int nsplit, int chunk_min, int& chunk, int& nact) {
     int c = (len + nsplit - 1) / nsplit;
     c = max(c, chunk_min);
@@ -775,10 +788,8 @@ __device__ __forceinline__ void attn_split_body(const float* __restrict__ q, con
                 mx8 = fmaxf(mx8, sc[si][2 + e]);
             }
         }
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-        mx8 = fmaxf(mx8, __shfl_xor_sync(0xffffffffu, mx8, 1));
-        mx8 = fmaxf(mx8, __shfl_xor_sync(0xffffffffu, mx8, 2));
+        mx0 = quad_max(mx0);
+        mx8 = quad_max(mx8);
         const float mn0 = fmaxf(m0, mx0), mn8 = fmaxf(m8, mx8);
         const float al0 = f_ex2(f_sub(m0, mn0)), al8 = f_ex2(f_sub(m8, mn8));
         m0 = mn0;
@@ -787,12 +798,8 @@ __device__ __forceinline__ void attn_split_body(const float* __restrict__ q, con
         float ps0 = 0.f, ps8 = 0.f;
 #pragma unroll
         for (int si = 0; si < 2; ++si) {
-            const u32 h0 = pack_h2(f_ex2(f_sub(sc[si][0], mn0)), f_ex2(f_sub(sc[si][1], mn0)));
-            const u32 h8 = pack_h2(f_ex2(f_sub(sc[si][2], mn8)), f_ex2(f_sub(sc[si][3], mn8)));
-            pa[si][0] = h0;
-            pa[si][1] = h8;
-            ps0 = f_add(ps0, f_add(h2f((u16)(h0 & 0xffff)), h2f((u16)(h0 >> 16))));
-            ps8 = f_add(ps8, f_add(h2f((u16)(h8 & 0xffff)), h2f((u16)(h8 >> 16))));
+            pa[si][0] = p_h2(sc[si][0], sc[si][1], mn0, ps0);
+            pa[si][1] = p_h2(sc[si][2], sc[si][3], mn8, ps8);
         }
         l0 = f_fma(l0, al0, ps0);
         l8 = f_fma(l8, al8, ps8);
@@ -1386,9 +1393,6 @@ struct FaShape {
     static constexpr int SMEM = 2 * STAGE * 2;            // bytes
 };
 
-__device__ __forceinline__ float h2f_lo(u32 h) { float r; asm("{ .reg .b16 l, u; mov.b32 {l, u}, %1; cvt.f32.f16 %0, l; }" : "=f"(r) : "r"(h)); return r; }
-__device__ __forceinline__ float h2f_hi(u32 h) { float r; asm("{ .reg .b16 l, u; mov.b32 {l, u}, %1; cvt.f32.f16 %0, u; }" : "=f"(r) : "r"(h)); return r; }
-
 // keys k0 .. k0 + 63 of one kv head into a stage: K rows (key-major) and V^T rows (dim-major); keys >= S as 0
 template <int HD>
 __device__ __forceinline__ void fa_load(u16* st, const u16* __restrict__ kh, const u16* __restrict__ vh, int max_ctx,
@@ -1485,10 +1489,8 @@ __device__ __forceinline__ void attn_flash_body(const u16* __restrict__ qp, cons
                     mxa = fmaxf(mxa, s[nt][e]);
                     mxb = fmaxf(mxb, s[nt][2 + e]);
                 }
-            mxa = fmaxf(mxa, __shfl_xor_sync(0xffffffffu, mxa, 1));
-            mxa = fmaxf(mxa, __shfl_xor_sync(0xffffffffu, mxa, 2));
-            mxb = fmaxf(mxb, __shfl_xor_sync(0xffffffffu, mxb, 1));
-            mxb = fmaxf(mxb, __shfl_xor_sync(0xffffffffu, mxb, 2));
+            mxa = quad_max(mxa);
+            mxb = quad_max(mxb);
             // key 0 is in every row's first tile, so the maxima are finite from the first tile on
             const float ala = f_ex2(f_sub(ma, mxa)), alb = f_ex2(f_sub(mb, mxb));
             ma = mxa;
@@ -1505,10 +1507,8 @@ __device__ __forceinline__ void attn_flash_body(const u16* __restrict__ qp, cons
             u32 pa[NT], pb[NT];
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
-                pa[nt] = pack_h2(f_ex2(f_sub(s[nt][0], ma)), f_ex2(f_sub(s[nt][1], ma)));
-                pb[nt] = pack_h2(f_ex2(f_sub(s[nt][2], mb)), f_ex2(f_sub(s[nt][3], mb)));
-                la = f_add(la, f_add(h2f_lo(pa[nt]), h2f_hi(pa[nt])));
-                lb = f_add(lb, f_add(h2f_lo(pb[nt]), h2f_hi(pb[nt])));
+                pa[nt] = p_h2(s[nt][0], s[nt][1], ma, la);
+                pb[nt] = p_h2(s[nt][2], s[nt][3], mb, lb);
             }
 #pragma unroll
             for (int kk = 0; kk < FA_BN / 16; ++kk)
