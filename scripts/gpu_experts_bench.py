@@ -10,6 +10,12 @@ Each timed unit is a CUDA graph of --reps runs over different pair lists (rotati
 more than the L2 holds), replayed --iters times between CUDA events; time per run = total / (iters * reps).
 Bytes = distinct slots a run touches x slot bytes (the weights; activations are < 0.1 %). The copy ceiling is a
 device-to-device memcpy of 1 GiB, counting bytes read plus written. Prints a table last; --json writes everything.
+
+--prompt times the tiled kernels (run_tiled) on one layer of a prompt chunk instead: --prompt-tokens tokens x 8
+experts routed over 128 experts with a skewed router (expert e drawn with weight (e + 1)^-skew), pairs grouped by
+expert and cut into tiles as build_pairs does; reports us per chunk-layer, the chunk's expert time over 48 layers,
+and the integer MAC rate (3 x d_model x d_ff MACs a pair), each variant's bits checked against canonical.expert on
+a sample of pairs.
 """
 from __future__ import annotations
 
@@ -148,6 +154,65 @@ def bench_type(cp, qt, variant, args, copy_bw, rng):
     return res
 
 
+def prompt_pairs(rng, n_tok: int, n_expert: int, k: int, skew: float):
+    """A prompt chunk's routing: (pairs (P, 2) of (token, expert) grouped by expert, tiles (max_tiles, 2) of (first
+    pair, count), number of tiles)."""
+    from lane.kernels.experts import TILE_P, max_tiles
+
+    w = (np.arange(n_expert) + 1.0) ** -skew
+    ids = np.stack([rng.choice(n_expert, k, replace=False, p=w / w.sum()) for _ in range(n_tok)])
+    pr = sorted(((t, int(e)) for t in range(n_tok) for e in ids[t]), key=lambda p: p[1])
+    pairs = np.array(pr, np.int32)
+    tiles = np.zeros((max_tiles(len(pr), n_expert), 2), np.int32)
+    n, start = 0, 0
+    while start < len(pr):
+        end = start
+        while end < len(pr) and pr[end][1] == pr[start][1] and end - start < TILE_P:
+            end += 1
+        tiles[n] = (start, end - start)
+        n, start = n + 1, end
+    return pairs, tiles, n
+
+
+def bench_prompt(cp, qt, variant, args, rng):
+    from lane.kernels.experts import ExpertKernels, Tuning
+
+    d_model, d_ff, n_expert, T_ = args.d_model, args.d_ff, 128, args.prompt_tokens
+    pairs_h, tiles_h, n_tiles = prompt_pairs(rng, T_, n_expert, 8, args.skew)
+    P = pairs_h.shape[0]
+    k = ExpertKernels(d_model, d_ff, qt, qt, P, tuning=Tuning(**VARIANTS[variant]))
+    mats = [(random_rows(qt, rng, d_ff, d_model, 1 / np.sqrt(d_model)),
+             random_rows(qt, rng, d_ff, d_model, 1 / np.sqrt(d_model)),
+             random_rows(qt, rng, d_model, d_ff, 1 / np.sqrt(d_ff))) for _ in range(8)]
+    packed = cp.asarray(np.stack([k.pack_slot(*m) for m in mats]))
+    pool = cp.empty((n_expert, k.slot_stride), cp.uint8)
+    for e in range(n_expert):
+        pool[e] = packed[e % len(mats)]
+    x = rng.standard_normal((T_, d_model), dtype=F32)
+    qa = cp.empty((T_, d_model), cp.int8)
+    da = cp.empty((T_, d_model // 32), cp.float32)
+    k.quantize(cp.asarray(x), qa, da)
+    out = cp.full((P, d_model), np.nan, cp.float32)
+    pairs, tiles = cp.asarray(pairs_h), cp.asarray(tiles_h)
+    n_dev = cp.asarray(np.array([n_tiles], np.int32))
+    stream = cp.cuda.Stream(non_blocking=True)
+    run = [lambda: k.run_tiled(pool.data.ptr, pairs, tiles, n_dev, qa, da, out, stream=stream)]
+    ms = [t / args.iters for t in time_graph(cp, stream, run, args.iters)]
+    qa_ref, da_ref = canonical.quantize_act(x)
+    got = out.get()
+    sample = rng.choice(P, 16, replace=False)
+    ref = np.stack([canonical.expert(*(decode_int(qt, m) for m in mats[int(pairs_h[i, 1]) % len(mats)]),
+                                     qa_ref[pairs_h[i, 0]:pairs_h[i, 0] + 1], da_ref[pairs_h[i, 0]:pairs_h[i, 0] + 1])[0]
+                    for i in sample])
+    best = min(ms)
+    del pool, packed
+    cp.get_default_memory_pool().free_all_blocks()
+    return {"qtype": qt.name, "variant": variant, "layout": k.describe(), "tokens": T_, "pairs": P,
+            "tiles": n_tiles, "skew": args.skew, "ms_per_layer": ms, "ms_chunk_48_layers": 48 * best,
+            "tmac_s": P * 3 * d_model * d_ff / (best * 1e-3) / 1e12,
+            "exact_sample": bool(np.array_equal(got[sample].view(np.uint32), ref.view(np.uint32)))}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", default=None, help="write all results here")
@@ -160,6 +225,9 @@ def main():
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--d-model", type=int, default=2048)
     ap.add_argument("--d-ff", type=int, default=768)
+    ap.add_argument("--prompt", action="store_true", help="time the tiled kernels on a prompt chunk's layer")
+    ap.add_argument("--prompt-tokens", type=int, default=1024)
+    ap.add_argument("--skew", type=float, default=1.0)
     args = ap.parse_args()
 
     import cupy as cp
@@ -172,6 +240,16 @@ def main():
     info["copy_GBps_runs"] = copy_all
     rng = np.random.default_rng(int(time.time()))
     results = []
+    if args.prompt:
+        for tname in args.types.split(","):
+            for v in args.variants.split(","):
+                r = bench_prompt(cp, parse_type(tname), v, args, rng)
+                results.append(r)
+                print(json.dumps({k: r[k] for k in ("qtype", "variant", "tiles", "ms_chunk_48_layers", "tmac_s",
+                                                     "exact_sample")}), flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"info": info, "args": vars(args), "results": results}, indent=1))
+        return
     for tname in args.types.split(","):
         qt = parse_type(tname)
         for v in args.variants.split(","):
