@@ -8,7 +8,9 @@ For each cache fraction: a prompt is read, then
   ops      each operation of the step captured alone as a graph and replayed --iters times between CUDA events
            (GPU time of its kernels without launch gaps), summed by kind over the 48 layers;
   serve    the host part between layers (doorbell wait, CPU pool, next launch): step time minus the graphs'
-           device time, per layer.
+           device time, per layer;
+  kernels  (every expert on the card) each kernel launch of one step captured alone and replayed --iters times:
+           device ms per kernel name summed over the step, and launches per step.
 Prints a table last; --json writes everything.
 """
 from __future__ import annotations
@@ -43,6 +45,39 @@ def graph_time_ms(cp, stream, fn, iters: int) -> float:
         b.synchronize()
         times.append(cp.cuda.get_elapsed_time(a, b))
     return float(np.median(times))
+
+
+def kernel_times(cp, card, ops, iters: int) -> dict:
+    """Device ms of one step by kernel name: the step's operations run once eagerly, each kernel launch captured
+    alone and replayed (side effects repeat: only for steps without a doorbell, i.e. full coverage)."""
+    from collections import defaultdict
+
+    from lane.kernels import dense, experts
+
+    names = {}
+    for mod in dense._mods.values():
+        names.update({id(f): n for n, f in mod._fns.items()})
+    for k in card.experts.kernels.values():
+        names.update({id(f): n.lstrip("_") for n, f in vars(k).items() if type(f).__name__ == "Function"})
+        names.update({id(f): n for n, f in k._extra.items()})
+    plain = dense.launch
+    ms, count = defaultdict(float), defaultdict(int)
+
+    def timed(fn, grid, block, args, shared_mem=0):
+        f = getattr(fn, "kernel", fn)
+        name = names.get(id(f), names.get(id(fn), "?"))
+        ms[name] += graph_time_ms(cp, card.stream, lambda: plain(fn, grid, block, args, shared_mem=shared_mem), iters)
+        count[name] += 1
+        plain(fn, grid, block, args, shared_mem=shared_mem)
+
+    dense.launch = experts.launch = timed
+    try:
+        for op in ops:
+            op()
+        card.stream.synchronize()
+    finally:
+        dense.launch = experts.launch = plain
+    return {n: {"ms": ms[n], "launches": count[n]} for n in sorted(ms, key=ms.get, reverse=True)}
 
 
 def profile(path: str, fraction: float, context: int, tokens: int, iters: int, host_experts: str = "cpu") -> dict:
@@ -84,6 +119,9 @@ def profile(path: str, fraction: float, context: int, tokens: int, iters: int, h
             out["device_sum_ms"] = float(sum(t_each))
             out["full_coverage"] = card.experts.full
             out["host_per_layer_us"] = (out["step_ms"] - out["device_sum_ms"]) / L * 1e3
+            if card.experts.full:
+                with card.device, card.stream:
+                    out["kernels"] = kernel_times(cp, card, ops, iters)
             cnt = card.counters
             out["cpu_share"] = cnt.cpu / max(1, cnt.total)
         card.close()
@@ -107,6 +145,9 @@ def main() -> int:
     keys = ["fraction", "step_ms", "eager_ms", "device_sum_ms", "attend_route_front_ms", "back_ms", "finish_ms",
             "host_per_layer_us", "cpu_share"]
     report(rows, keys, a.json)
+    for r in rows:
+        for name, k in r.get("kernels", {}).items():
+            print(f"  {r['fraction']:.2f} {name:40s} {k['ms']:8.3f} ms {k['launches']:4d} launches")
     return 0
 
 
