@@ -42,6 +42,9 @@ VARIANTS = {  # Tuning overrides (lane/kernels/experts.py); tests/test_gpu_exper
     "gu32w": {"gu_warps": 32, "gu_min_blocks": 1},
     "deep": {"gu_stages": 2, "dn_stages": 4, "dn_rows": 8},
     "dn8r": {"dn_rows": 8},
+    "tile16": {"tile_p": 16},
+    "tile16-deep-repl": {"tile_p": 16, "gu_stages": 2, "grid_repl": 1},
+    "tile4": {"tile_p": 4},
 }
 
 
@@ -154,33 +157,26 @@ def bench_type(cp, qt, variant, args, copy_bw, rng):
     return res
 
 
-def prompt_pairs(rng, n_tok: int, n_expert: int, k: int, skew: float):
+def prompt_pairs(rng, n_tok: int, n_expert: int, k: int, skew: float, tile_p: int):
     """A prompt chunk's routing: (pairs (P, 2) of (token, expert) grouped by expert, tiles (max_tiles, 2) of (first
     pair, count), number of tiles)."""
-    from lane.kernels.experts import TILE_P, max_tiles
+    from lane.kernels.experts import max_tiles, tiles_ref
 
     w = (np.arange(n_expert) + 1.0) ** -skew
     ids = np.stack([rng.choice(n_expert, k, replace=False, p=w / w.sum()) for _ in range(n_tok)])
     pr = sorted(((t, int(e)) for t in range(n_tok) for e in ids[t]), key=lambda p: p[1])
     pairs = np.array(pr, np.int32)
-    tiles = np.zeros((max_tiles(len(pr), n_expert), 2), np.int32)
-    n, start = 0, 0
-    while start < len(pr):
-        end = start
-        while end < len(pr) and pr[end][1] == pr[start][1] and end - start < TILE_P:
-            end += 1
-        tiles[n] = (start, end - start)
-        n, start = n + 1, end
-    return pairs, tiles, n
+    return (pairs, *tiles_ref(pairs[:, 1], max_tiles(len(pr), n_expert, tile_p), tile_p))
 
 
 def bench_prompt(cp, qt, variant, args, rng):
     from lane.kernels.experts import ExpertKernels, Tuning
 
     d_model, d_ff, n_expert, T_ = args.d_model, args.d_ff, 128, args.prompt_tokens
-    pairs_h, tiles_h, n_tiles = prompt_pairs(rng, T_, n_expert, 8, args.skew)
+    tuning = Tuning(**VARIANTS[variant])
+    pairs_h, tiles_h, n_tiles = prompt_pairs(rng, T_, n_expert, 8, args.skew, tuning.tile_p)
     P = pairs_h.shape[0]
-    k = ExpertKernels(d_model, d_ff, qt, qt, P, tuning=Tuning(**VARIANTS[variant]))
+    k = ExpertKernels(d_model, d_ff, qt, qt, P, tuning=tuning)
     mats = [(random_rows(qt, rng, d_ff, d_model, 1 / np.sqrt(d_model)),
              random_rows(qt, rng, d_ff, d_model, 1 / np.sqrt(d_model)),
              random_rows(qt, rng, d_model, d_ff, 1 / np.sqrt(d_ff))) for _ in range(8)]

@@ -101,22 +101,6 @@ def reference(slots, qgu, qdn, pairs, qa, da):
     return h, qh.reshape(n, d_ff), dh, out
 
 
-def host_tiles(pairs_np: np.ndarray, max_tiles: int) -> tuple[np.ndarray, int]:
-    """(first pair, count <= TILE_P) tiles of runs of equal slots, as build_pairs cuts them; -1 rows after."""
-    from lane.kernels.experts import TILE_P
-
-    tiles, i, n = [], 0, len(pairs_np)
-    while i < n:
-        j = i
-        while j < n and pairs_np[j, 1] == pairs_np[i, 1] and j - i < TILE_P:
-            j += 1
-        tiles.append((i, j - i))
-        i = j
-    out = np.full((max_tiles, 2), -1, np.int32)
-    out[:len(tiles)] = tiles
-    return out, len(tiles)
-
-
 def host_tensors(cp, slots):
     """The experts as an arena layer holds them: three tensors (gate, up, down; expert-major) in page-locked host
     memory, at unrelated 4 KiB-aligned offsets. Returns (the memory, to keep alive; ExpertKernels.layout args)."""
@@ -165,9 +149,10 @@ def run_case(cp, rng, qgu, qdn, d_model, d_ff, n_slots, n_tokens, n_pairs, max_p
     out = cp.full((max_pairs, d_model), np.nan, cp.float32)
     k.h.fill(np.nan)
     if tiled:
-        from lane.kernels.experts import max_tiles
+        from lane.kernels.experts import max_tiles, tiles_ref
 
-        tl, n_t = host_tiles(pairs_np, max_tiles(max_pairs, n_slots))
+        tp = k.tuning.tile_p
+        tl, n_t = tiles_ref(pairs_np[:, 1], max_tiles(max_pairs, n_slots, tp), tp)
         k.run_tiled(where, pairs, cp.asarray(tl), cp.asarray(np.array([n_t], np.int32)), qa, da, out)
     else:
         k.run(where, pairs, n_dev, qa, da, out)
@@ -194,6 +179,9 @@ VARIANT_TUNINGS = [  # keep in step with scripts/gpu_experts_bench.py VARIANTS
     {"gu_warps": 4, "gu_min_blocks": 4, "iq3_fast": 0},
     {"gu_stages": 2, "dn_stages": 4, "dn_rows": 8},
     {"dn_rows": 2, "dn_min_blocks": 1, "grid_repl": 1},
+    {"tile_p": 16},
+    {"tile_p": 16, "gu_stages": 2, "grid_repl": 1},
+    {"tile_p": 4},
 ]
 
 SHAPES = [
@@ -260,12 +248,13 @@ def test_tiled_prefill_batch(cp, qt):
 
 
 def test_variants(cp):
-    """The other launch shapes the benchmark compares compute the same bits."""
+    """The other launch shapes the benchmark compares compute the same bits, per pair and tiled."""
     from lane.kernels.experts import Tuning
 
     rng = np.random.default_rng(11)
     for t in VARIANT_TUNINGS:
         run_case(cp, rng, T.IQ3_S, T.IQ3_S, 2048, 768, 6, 4, 20, 24, tuning=Tuning(**t))
+        run_case(cp, rng, T.IQ3_S, T.IQ3_S, 2048, 768, 3, 20, 90, 96, tuning=Tuning(**t), tiled=True)
     run_case(cp, rng, T.Q8_0, T.Q4_K, 512, 256, 4, 8, 300, 320, tuning=Tuning(gu_warps=32, gu_min_blocks=1,
                                                                                gu_stages=2, dn_rows=1))
 

@@ -74,6 +74,7 @@ class Tuning:
     dn_rows: int = 4            # down rows per warp item (independent sums in flight)
     grid_repl: int = 0          # IQ3_S grid table: 1 = one copy per lane (64 KB, no bank conflicts), 0 = shared 2 KB
     iq3_fast: int = 1           # IQ3_S: apply signs to the activation (prmt) instead of to the weights
+    tile_p: int = 8             # prompt chunks: pairs of one expert per tile (a weight sub-block decoded once a tile)
 
 
 def _staged(qt, kin: int, rows: int) -> int:
@@ -114,6 +115,8 @@ class ExpertKernels:
             raise ValueError("gu_warps must divide 32")
         if self.d_model % t.dn_rows:
             raise ValueError("dn_rows must divide d_model")
+        if t.tile_p not in (4, 8, 16):
+            raise ValueError("tile_p must be 4, 8 or 16")
         self.gate_bytes = self.d_ff * fmt(self.qt_gu).row_bytes(self.d_model)
         self.down_bytes = self.d_model * fmt(self.qt_dn).row_bytes(self.d_ff)
         self.slot_bytes = self.slot_bytes_of(self.d_model, self.d_ff, self.qt_gu, self.qt_dn)
@@ -133,6 +136,7 @@ class ExpertKernels:
                 ("GU_QT", int(self.qt_gu)), ("GU_KIN", self.d_model), ("GU_ROWS", self.d_ff),
                 ("DN_QT", int(self.qt_dn)), ("DN_KIN", self.d_ff), ("DN_ROWS", self.d_model),
                 ("GU_WPB", self.gu_warps), ("GU_MINB", self.gu_blocks), ("GU_STAGES", self.gu_stages),
+                ("TILE_P", t.tile_p),
                 ("DN_WPB", self.dn_warps), ("DN_MINB", self.dn_blocks), ("DN_STAGES", self.dn_stages),
                 ("DN_R", t.dn_rows), ("GRID_REPL", t.grid_repl), ("IQ3_FAST", t.iq3_fast),
             ] + exp_defines()
@@ -202,8 +206,8 @@ class ExpertKernels:
                                                            t.dn_min_blocks)
         self.gu_grid = self.n_sm * self.gu_blocks
         self.dn_grid = self.n_sm * self.dn_blocks
-        # tiled kernels: the same staging, h of TILE_P tokens per group instead of one (experts.cu: GUT_SMEM)
-        self.gut_smem = self.gu_smem - 2 * 32 * 4 + 2 * TILE_P * 32 * 4
+        # tiled kernels: the same staging, h of tile_p tokens per group instead of one (experts.cu: GUT_SMEM)
+        self.gut_smem = self.gu_smem - 2 * 32 * 4 + 2 * t.tile_p * 32 * 4
         if self.gut_smem > smem_block:
             raise ValueError(f"tiled gate/up needs {self.gut_smem} bytes of shared memory per block")
 
@@ -212,7 +216,7 @@ class ExpertKernels:
         info = cp.zeros(16, cp.int32)
         self.module.get_function("layout_info")((1,), (32,), (info,))
         v = info.get()
-        want = (self.gu_smem, self.dn_smem, self.gut_smem, TILE_P)
+        want = (self.gu_smem, self.dn_smem, self.gut_smem, self.tuning.tile_p)
         if (int(v[0]), int(v[1]), int(v[11]), int(v[12])) != want:
             raise RuntimeError(f"shared memory plan mismatch: kernel {v[[0, 1, 11, 12]]}, host {want}")
 
@@ -306,7 +310,7 @@ class ExpertKernels:
 
     def run_tiled(self, where, pairs, tiles, n_tiles, qa, da, out, stream=None) -> None:
         """run() for pairs grouped by expert and cut into tiles (int32 (max_tiles, 2) of (first pair, count <=
-        TILE_P), n_tiles int32 (1,) on the device, as build_pairs makes them): each weight sub-block is decoded
+        tuning.tile_p), n_tiles int32 (1,) on the device, as build_pairs makes them): each weight sub-block is decoded
         once per tile. Same bits as run(); for prompt chunks, where an expert has several tokens."""
         cp = self.cp
         lay = self._where(where)
@@ -377,7 +381,7 @@ class ExpertKernels:
             max_tiles = int(tiles.shape[1])
             self._need(tiles, cp.int32, (S, max_tiles, 2), "tiles")
             self._need(n_tiles, cp.int32, (S,), "n_tiles")
-            tile_p = TILE_P
+            tile_p = self.tuning.tile_p
         with self._stream(stream):
             launch(self._fn("build_pairs"), (1,), (1024,), (ids, np.int32(n), np.int32(ids.shape[-1]), src, slot,
                                                     np.int32(n_expert), np.int32(S), np.int32(self.max_pairs), pairs,
@@ -414,12 +418,28 @@ class ExpertKernels:
 
 
 MAX_SOURCES = 8  # experts.cu's MAX_SOURCES
-TILE_P = 8  # experts.cu's TILE_P: pairs of one expert per tile in the tiled kernels
+TILE_P = Tuning.tile_p  # the default tile (experts.cu's TILE_P is the tuning's)
 
 
-def max_tiles(max_pairs: int, n_expert: int) -> int:
+def max_tiles(max_pairs: int, n_expert: int, tile_p: int = TILE_P) -> int:
     """Tiles build_pairs can make from max_pairs pairs over n_expert experts (each expert's last tile may be short)."""
-    return -(-max_pairs // TILE_P) + n_expert
+    return -(-max_pairs // tile_p) + n_expert
+
+
+def tiles_ref(experts: np.ndarray, max_tiles: int, tile_p: int = TILE_P) -> tuple[np.ndarray, int]:
+    """build_pairs' tiles of a pair list grouped by expert (experts: each pair's expert or slot, in list order):
+    (first pair, count <= tile_p) for each run of equal values, cut every tile_p pairs, -1 rows after; and their
+    number."""
+    tiles, i, n = [], 0, len(experts)
+    while i < n:
+        j = i
+        while j < n and experts[j] == experts[i] and j - i < tile_p:
+            j += 1
+        tiles.append((i, j - i))
+        i = j
+    out = np.full((max_tiles, 2), -1, np.int32)
+    out[:len(tiles)] = tiles
+    return out, len(tiles)
 
 
 def build_pairs_ref(ids: np.ndarray, src: np.ndarray, slot: np.ndarray) -> list[tuple[int, int, int]]:
