@@ -37,6 +37,14 @@ class GpuKV:
         with card.device, card.stream:
             card.pos.fill(0)
 
+    def truncate(self, n: int) -> None:
+        """Keep the first n positions (decode steps read the position from the device)."""
+        if not 0 <= n <= self.length:
+            raise ValueError(f"cannot keep {n} of {self.length} positions")
+        self.length = n
+        with self.card.device, self.card.stream:
+            self.card.pos.fill(n)
+
 
 class Work:
     """One step's buffers for T tokens (the decode step's stay put: its graphs point at them)."""

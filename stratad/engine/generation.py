@@ -7,6 +7,7 @@ from typing import Iterator, Protocol
 
 import numpy as np
 
+from stratad.engine.prefix_cache import PrefixCache
 from stratad.engine.sampling import Sampler, SamplingParams
 
 
@@ -24,7 +25,7 @@ class Generation:
     """
 
     def __init__(self, engine: Engine, tokenizer, prompt: list[int], params: SamplingParams, context_length: int,
-                 digest: bool = False):
+                 digest: bool = False, cache: PrefixCache | None = None):
         if not prompt:
             raise ValueError("the prompt is empty")
         if len(prompt) + params.max_tokens > context_length:
@@ -35,6 +36,8 @@ class Generation:
         self.generated = 0
         self.t_start = self.t_first = self.t_end = 0.0
         self.digest = hashlib.sha256() if digest else None  # of every step's logits, for bit-exactness checks
+        self.cache = cache  # the lane's last sequence: its KV serves this prompt's common prefix
+        self.cached = 0  # prompt tokens whose KV was reused
 
     def __iter__(self) -> Iterator[tuple[int | None, str]]:
         self.t_start = time.monotonic()
@@ -42,9 +45,15 @@ class Generation:
         decoder = self.tok.stream_decoder(skip_special=True)
         hold = max((len(s) for s in self.p.stop), default=1) - 1
         pending = ""
-        kv = self.engine.new_kv()
-        logits = self.engine.forward(self.prompt, kv)
+        if self.cache is not None:
+            kv, self.cached = self.cache.take(self.engine, self.prompt)
+        else:
+            kv = self.engine.new_kv()
+        read = list(self.prompt)  # the tokens whose KV entries kv holds once forward returns
+        stepping = True  # inside forward: if it fails, what kv holds is not known
         try:
+            logits = self.engine.forward(self.prompt[self.cached:], kv)
+            stepping = False
             while True:
                 if self.digest is not None:
                     self.digest.update(np.ascontiguousarray(logits[-1], np.float32).tobytes())
@@ -67,12 +76,20 @@ class Generation:
                 if self.generated >= self.p.max_tokens:
                     self.finish_reason = "length"
                     break
+                stepping = True
                 logits = self.engine.forward([t], kv)
+                stepping = False
+                read.append(t)
             tail = pending + decoder.flush()
             if tail:
                 yield None, tail
-        finally:
+        finally:  # also when the caller stops reading (a cancel): that is always between steps
             self.t_end = time.monotonic()
+            if self.cache is not None:
+                if stepping:
+                    self.cache.clear()
+                else:
+                    self.cache.keep(kv, read)
 
     @property
     def decode_tok_s(self) -> float:

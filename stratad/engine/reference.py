@@ -123,6 +123,12 @@ class KVCache:
         z = lambda: np.zeros((0, n_kv, head_dim), F32)  # noqa: E731
         return cls([z() for _ in range(n_layer)], [z() for _ in range(n_layer)])
 
+    def truncate(self, n: int) -> None:
+        """Keep the first n positions (the next tokens are written after them)."""
+        if not 0 <= n <= self.length:
+            raise ValueError(f"cannot keep {n} of {self.length} positions")
+        self.length = n
+
     def append(self, layer: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         end = self.length + k.shape[0]
         if end > self.k[layer].shape[0]:  # grow geometrically

@@ -1,0 +1,42 @@
+"""A lane's last sequence kept for the next request: the KV of the tokens it has read, reused for the longest
+common prefix of the next prompt (agents send the whole conversation again on every turn).
+
+Reuse is not bit-identical to reading the prompt afresh: the reused tokens' KV was computed in other chunks (or
+one token at a time, for generated tokens), and a prompt chunk and a decode step round differently. Where the
+experts are computed still changes nothing.
+"""
+from __future__ import annotations
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class PrefixCache:
+    """Holds one KV (the engine's object) and the tokens whose entries it has, in order."""
+
+    def __init__(self, min_tokens: int = 1):
+        self.min_tokens = min_tokens  # shorter matches are not worth keeping the old sequence for
+        self.kv = None
+        self.tokens: list[int] = []
+
+    def take(self, engine, prompt: list[int]):
+        """(kv, n): a KV holding the prompt's first n tokens (n < len(prompt): the last prompt token is always
+        read, its logits are the first step's); a fresh KV and 0 without a useful match."""
+        n = min(common_prefix(self.tokens, prompt), len(prompt) - 1)
+        kv, self.kv, self.tokens = self.kv, None, []  # in use until keep()
+        if kv is None or n < self.min_tokens:
+            return engine.new_kv(), 0
+        kv.truncate(n)
+        return kv, n
+
+    def keep(self, kv, tokens: list[int]) -> None:
+        """After a request: kv holds these tokens' entries (kv.length of them)."""
+        self.kv, self.tokens = kv, list(tokens[:kv.length])
+
+    def clear(self) -> None:
+        self.kv, self.tokens = None, []
