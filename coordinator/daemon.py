@@ -23,12 +23,14 @@ from protos import messages as M
 from protos.codec import FrameError, decode, encode, peek
 from stratad import sd_notify, threads
 from stratad.config import DaemonConfig
+from stratad.engine.prefix_cache import common_prefix
 from stratad.model.gguf_file import ModelFile
 from stratad.model.slot_layout import slot_bytes
 
 log = logging.getLogger("stratad.coordinator")
 POLL_MS = 50
 TOKEN_PREFIX = b'{"v":%d,"type":"tokens",' % M.PROTOCOL_VERSION  # how a lane's TokenChunk frame begins
+PREFIX_MIN = 64  # prefix_cache: a shorter common prefix does not make a lane the request's lane
 
 
 @dataclass
@@ -55,6 +57,7 @@ class Coordinator:
         self.stop_deadline = 0.0
         self.ready_sent = False
         self.requests: dict[str, Request] = {}
+        self.last_prompt: dict[int, list[int]] = {}  # lane -> the prompt it read last (prefix_cache affinity)
         self.queue: deque[str] = deque()
         self.ctx: zmq.Context | None = None
         self.client_socks: list[zmq.Socket] = []
@@ -140,7 +143,7 @@ class Coordinator:
                          context_length=self.context_length, heartbeat_s=self.cfg.heartbeat_s,
                          log_level=self.cfg.log_level,
                          cpu_threads=threads.per_lane(self.cfg.cpu_threads, len(self.cards)),
-                         host_experts=self.cfg.host_experts)
+                         host_experts=self.cfg.host_experts, prefix_cache=self.cfg.prefix_cache)
 
     def _client_socket(self, endpoint: str) -> zmq.Socket:
         s = self.ctx.socket(zmq.ROUTER)
@@ -210,6 +213,7 @@ class Coordinator:
                 self._fail(self.requests[h.req_id], M.ErrorCode.LANE_FAILED,
                            f"{why} while serving this request; the lane is being restarted")
             h.req_id = None
+            self.last_prompt.pop(h.lane, None)  # a new process holds no sequence
             self.pool.lane_dead(h.lane)
         if not self.stopping:
             self.sup.restart_due()
@@ -348,13 +352,27 @@ class Coordinator:
         self.requests.pop(r.req_id, None)
         self._reply(r.sock, r.client, M.Error(req_id=r.req_id, code=code, message=message))
 
+    def _pick_lane(self, r: Request) -> int | None:
+        """The lane for r: with prefix_cache, the free lane whose last prompt shares the longest prefix with r's
+        (at least PREFIX_MIN tokens: a turn of a conversation goes back to the lane that holds it); else by role."""
+        free = [h.lane for h in self.sup.lanes if h.free]
+        if self.cfg.prefix_cache:
+            shared = {i: common_prefix(self.last_prompt.get(i, []), r.tokens) for i in free}
+            best = max(free, key=lambda i: shared[i], default=None)
+            if best is not None and shared[best] >= PREFIX_MIN and self.pool.pick_lane([best]) == best:
+                return best
+            free.sort(key=lambda i: i in self.last_prompt)  # of equal roles, a lane holding no conversation
+        return self.pool.pick_lane(free)
+
     def _dispatch(self) -> None:
         while self.queue:
-            i = self.pool.pick_lane([h.lane for h in self.sup.lanes if h.free])
+            r = self.requests[self.queue[0]]
+            i = self._pick_lane(r)
             if i is None:
                 return
             lane = self.sup.lanes[i]
-            r = self.requests[self.queue.popleft()]
+            self.queue.popleft()
+            self.last_prompt[i] = r.tokens
             r.lane, r.t_assigned, lane.req_id = lane, time.monotonic(), r.req_id
             self.pool.request_started(i)  # its role and View reach the lane before the request does
             if not self._to_lane(lane, M.Assign(req_id=r.req_id, tokens=tuple(r.tokens), sampling=r.sampling,

@@ -122,11 +122,13 @@ class Supervisor:
 
 
 def lane_argv(h: LaneHandle, *, endpoint: str, model: str, model_hash: str, shm_prefix: str, context_length: int,
-              heartbeat_s: float, log_level: str, cpu_threads: int, host_experts: str = "cpu") -> list[str]:
+              heartbeat_s: float, log_level: str, cpu_threads: int, host_experts: str = "cpu",
+              prefix_cache: bool = False) -> list[str]:
     return [sys.executable, "-m", "lane.main", "--lane", str(h.lane), "--card", h.card, "--endpoint", endpoint,
             "--model", model, "--model-hash", model_hash, "--shm-prefix", shm_prefix,
             "--context-length", str(context_length), "--heartbeat-s", str(heartbeat_s), "--log-level", log_level,
-            "--cpu-threads", str(cpu_threads), "--host-experts", host_experts]
+            "--cpu-threads", str(cpu_threads), "--host-experts", host_experts] + \
+        (["--prefix-cache"] if prefix_cache else [])
 
 
 def child_env(threads: int) -> dict[str, str]:

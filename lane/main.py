@@ -25,6 +25,7 @@ from protos import messages as M
 from protos.codec import FrameError, decode, encode
 from stratad import shm
 from stratad.engine.generation import Generation
+from stratad.engine.prefix_cache import PrefixCache
 from stratad.engine.sampling import SamplingParams
 from stratad.model.gguf_file import ModelFile
 from stratad.model.tokenizer import warmup_text
@@ -62,6 +63,7 @@ class Lane:
         self.loader: SlotLoader | None = None
         self.req_id: str | None = None
         self.gen: Generation | None = None  # the request in progress
+        self.prefix = PrefixCache() if a.prefix_cache else None  # the last sequence, for the next prompt
         self.tok_s = 0.0
         self.last_beat = 0.0
         self.stopping = False
@@ -184,13 +186,14 @@ class Lane:
                                 seed=s.seed, stop=tuple(s.stop))
         before = self.card.counters.copy()
         finish = None
-        gen = None
+        gen = steps = None
         io_s = 0.0
         prompt_done = None  # counters once the prompt is read
         try:
             gen = self.gen = Generation(self.card, self.model.tokenizer, list(a.tokens), params,
-                                        self.a.context_length, digest=a.digest)
-            for tok, text in gen:
+                                        self.a.context_length, digest=a.digest, cache=self.prefix)
+            steps = iter(gen)
+            for tok, text in steps:
                 if prompt_done is None:
                     prompt_done = self.card.counters.copy()
                 t0 = time.perf_counter()
@@ -203,6 +206,8 @@ class Lane:
         except ValueError as e:
             self.send(M.Error(req_id=a.req_id, code=M.ErrorCode.BAD_REQUEST, message=str(e)))
         finally:
+            if steps is not None:
+                steps.close()  # a cancel ends the steps here: the sequence's KV is kept for the next prompt
             used = self.card.counters.minus(before)
             decode = self.card.counters.minus(prompt_done or self.card.counters)
             self.req_id, self.gen = None, None
@@ -211,7 +216,7 @@ class Lane:
                 gen.t_end = gen.t_end or time.monotonic()
                 self.tok_s = gen.decode_tok_s
                 done = M.Done(req_id=a.req_id, finish_reason=finish, stats=M.RequestStats(
-                    prompt_tokens=len(a.tokens), generated_tokens=gen.generated, ttft_s=gen.ttft_s,
+                    prompt_tokens=len(a.tokens), prompt_cached_tokens=gen.cached, generated_tokens=gen.generated, ttft_s=gen.ttft_s,
                     decode_tok_s=gen.decode_tok_s, lane=self.lane, experts_card=used.card, experts_peer=used.peer,
                     experts_cpu=used.cpu, decode_experts_card=decode.card, decode_experts_peer=decode.peer,
                     decode_experts_cpu=decode.cpu, experts_staged=used.staged, experts_host_read=used.host_read,
@@ -270,6 +275,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--heartbeat-s", type=float, default=1.0)
     p.add_argument("--cpu-threads", type=int, default=0)
     p.add_argument("--host-experts", choices=["cpu", "card"], default="cpu")
+    p.add_argument("--prefix-cache", action="store_true", help="reuse the last sequence's KV for a common prefix")
     p.add_argument("--startup-timeout-s", type=float, default=120.0)
     p.add_argument("--log-level", default="info")
     return p.parse_args(argv)

@@ -97,6 +97,7 @@ class TokenChunk(_Msg):
 class RequestStats(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     prompt_tokens: int = 0
+    prompt_cached_tokens: int = 0  # of the prompt, read from the lane's last sequence (prefix_cache)
     generated_tokens: int = 0
     queue_s: float = 0.0
     ttft_s: float = 0.0  # from the lane taking the request to the first token

@@ -75,6 +75,9 @@ class DaemonConfig(BaseModel):
     host_experts: Literal["cpu", "card"] = Field(
         "cpu", description="GPU cards, decode: the experts no card holds are computed by the CPU pool (cpu) or by "
                            "the card reading them from the page-locked arena over the bus (card)")
+    prefix_cache: bool = Field(False, description="a lane keeps its last sequence's KV and reuses it for the next "
+                                                  "prompt's common prefix (agents resending a conversation); not "
+                                                  "bit-identical to reading the prompt afresh")
     profile: str | None = Field(None, description="expert profile: per-(layer, expert) counts, .npy")
     state_dir: str | None = Field(None, description="keeps the learned expert profile between runs (the systemd "
                                                     "unit: /var/lib/stratad); unset: nothing is kept")

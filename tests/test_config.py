@@ -1,4 +1,4 @@
-"""Configuration: the host_experts choice is validated and reaches every lane's command line."""
+"""Configuration: the host_experts choice and prefix_cache are validated and reach every lane's command line."""
 from __future__ import annotations
 
 import pytest
@@ -22,3 +22,14 @@ def test_lane_command_line_carries_host_experts():
                      host_experts="card")
     assert argv[argv.index("--host-experts") + 1] == "card"
     assert lane.main.parse_args(argv[3:]).host_experts == "card"
+
+
+def test_prefix_cache_reaches_the_lane():
+    import lane.main
+
+    assert config.load(None, {"model": "m.gguf"}).prefix_cache is False
+    common = dict(endpoint="ipc:///tmp/x", model="m.gguf", model_hash="h", shm_prefix="/p", context_length=4096,
+                  heartbeat_s=1.0, log_level="info", cpu_threads=2)
+    on = lane_argv(LaneHandle(lane=0, card="cpu"), prefix_cache=True, **common)
+    off = lane_argv(LaneHandle(lane=0, card="cpu"), **common)
+    assert lane.main.parse_args(on[3:]).prefix_cache and not lane.main.parse_args(off[3:]).prefix_cache

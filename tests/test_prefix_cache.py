@@ -96,3 +96,28 @@ def test_a_cancel_keeps_what_was_read(engine):
     got = [next(it)[0] for _ in range(5)]
     it.close()  # the lane stops reading
     assert cache.tokens == PROMPT + got[:4] and cache.kv.length == len(cache.tokens)
+
+
+def test_daemon_sends_a_conversation_back_to_its_lane(tiny_model_path, tmp_path):
+    """prefix_cache on two CPU lanes: chat A's second turn goes to the lane that read its first and reads only what
+    is new; chat B, between them, takes the other lane (which holds no conversation)."""
+    from daemon_harness import Daemon
+
+    conf = tmp_path / "c.toml"
+    conf.write_text("prefix_cache = true\nrejoin_idle_s = 3600.0\n")
+    d = Daemon(tiny_model_path, tmp_path / "run", cards="cpu,cpu", config=conf).start()
+    try:
+        a_prompt = list(range(5, 5 + 3 * 90, 3))  # 90 tokens: more than the 64 that make a lane the chat's
+        with d.client() as c:
+            a1 = c.generate(tokens=a_prompt, max_tokens=6)
+            a1.result()
+            b = c.generate(tokens=list(range(4, 200, 2)), max_tokens=4)
+            b.result()
+            a2 = c.generate(tokens=a_prompt + list(a1.tokens) + [11, 12, 13], max_tokens=4)
+            a2.result()
+        assert a1.stats.prompt_cached_tokens == 0 and b.stats.prompt_cached_tokens == 0
+        assert b.stats.lane != a1.stats.lane
+        assert a2.stats.lane == a1.stats.lane
+        assert a2.stats.prompt_cached_tokens == len(a_prompt) + len(a1.tokens) - 1
+    finally:
+        d.stop()
