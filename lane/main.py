@@ -96,6 +96,7 @@ class Lane:
                             share_by_peer=tuple((k, n / total) for k, n in sorted(counters.by_peer.items())),
                             slots_total=pool.n_slots if pool else 0, slots_loaded=pool.loads if pool else 0,
                             epoch=self.card.epoch if self.card else 0, role_since=self.role_since,
+                            kept_tokens=len(self.prefix.tokens) if self.prefix else 0,
                             pool=self.card.pool_ident if self.card else "",
                             device=self.card.device_ident if self.card else "")
 

@@ -147,6 +147,7 @@ class LaneStatus(BaseModel):
     slots_total: int = 0
     slots_loaded: int = 0  # experts copied into the card since the lane started (fill and swaps)
     epoch: int = 0  # the directory epoch of the lane's current view
+    kept_tokens: int = 0  # prefix_cache: tokens of the last sequence the lane keeps for the next prompt
     restarts: int = 0
     role_since: float = 0.0  # unix time of the last role change
     failed: str | None = None  # why the coordinator gave up restarting this lane

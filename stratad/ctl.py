@@ -28,6 +28,8 @@ def status_table(st) -> str:
                      f"{ln.restarts:>8}")
         if ln.failed:
             lines.append(f"{'':>6}FAILED: {ln.failed}")
+        if ln.kept_tokens:
+            lines.append(f"{'':>6}keeps a sequence of {ln.kept_tokens} tokens for the next prompt that extends it")
         if ln.share_by_peer:
             lines.append(f"{'':>6}peer work by card: " + ", ".join(f"card {c} {_pct(x).strip()}"
                                                                 for c, x in ln.share_by_peer))

@@ -119,5 +119,10 @@ def test_daemon_sends_a_conversation_back_to_its_lane(tiny_model_path, tmp_path)
         assert b.stats.lane != a1.stats.lane
         assert a2.stats.lane == a1.stats.lane
         assert a2.stats.prompt_cached_tokens == len(a_prompt) + len(a1.tokens) - 1
+        kept = {ln.lane: ln.kept_tokens for ln in d.status().lanes}
+        assert kept[a2.stats.lane] == a2.stats.prompt_tokens + len(a2.tokens) - 1
+        from stratad.ctl import status_table
+
+        assert f"keeps a sequence of {kept[a2.stats.lane]} tokens" in status_table(d.status())
     finally:
         d.stop()
