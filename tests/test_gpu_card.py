@@ -162,3 +162,27 @@ def test_prompt_longer_than_a_chunk(model, CupyCard):
     err = np.abs(ours - theirs).max() / np.abs(theirs).max()
     print(f"{n}-token prompt in chunks of {PREFILL_CHUNK}: max |dlogit| / max |logit| = {err:.2e}")
     assert err < 0.12
+
+
+def test_prefix_cache_on_the_card(model, CupyCard):
+    """A conversation's second turn reuses the card's KV for its prefix (GpuKV.truncate resets the device position):
+    the same tokens as reading it afresh, logits close (chunked and one-token steps round differently)."""
+    from stratad.engine.prefix_cache import PrefixCache
+
+    c = model.config
+    card = CupyCard(model, 0, c.n_layer * c.n_expert, 4096)
+    card.pool.fill(experts_by_rank(model))
+    prompt = model.tokenizer.encode(PROMPT)
+
+    def turn(tokens, cache):
+        g = Generation(card, model.tokenizer, tokens, SamplingParams(max_tokens=10), c.context_length, cache=cache)
+        return g, [t for t, _ in g if t is not None]
+
+    cache = PrefixCache()
+    _, t1 = turn(prompt, cache)
+    second = prompt + t1 + prompt[:7]
+    g2, t2 = turn(second, cache)
+    assert g2.cached == len(prompt) + len(t1) - 1
+    _, fresh = turn(second, None)
+    assert t2 == fresh
+    card.close()
