@@ -15,9 +15,13 @@ import psutil
 
 from stratad.bench.hardware import gpu_copy_bandwidth, gpu_upload_bandwidth, host_read_bandwidth
 from stratad.engine.generation import Generation
+from stratad.engine.prefix_cache import PrefixCache
 from stratad.engine.sampling import SamplingParams
 from stratad.model.gguf_file import ModelFile
 from stratad.model.slot_layout import slot_bytes
+
+
+NEXT_TURN = 256  # new tokens in the measured next turn of the conversation
 
 
 def _bytes_per_token(model: ModelFile, context: int, resident_share: float) -> int:
@@ -45,7 +49,7 @@ def run(model_path: str, fractions=(1.0, 0.5, 0.25), contexts=(1024,), tokens: i
     profile = None
     for frac in fractions:
         n_slots = int(frac * total)
-        card = CupyCard(model, 0, n_slots, max(contexts) + tokens + 64, host_experts=host_experts)
+        card = CupyCard(model, 0, n_slots, max(contexts) + tokens + NEXT_TURN + 64, host_experts=host_experts)
         if profile is None:  # the model's routing profile: counts of a 512-token pass with every expert on the CPU
             card.forward(list(np.random.default_rng(0).integers(0, 2000, 512)), card.new_kv(), logits="none")
             profile = card.counts.copy()
@@ -57,7 +61,9 @@ def run(model_path: str, fractions=(1.0, 0.5, 0.25), contexts=(1024,), tokens: i
             card.forward(prompt[:300], card.new_kv(), logits="last")  # compile, capture, warm
             card.forward(prompt[300:301], card.new_kv(), logits="last")
             cp.cuda.runtime.deviceSynchronize()
-            g = Generation(card, model.tokenizer, prompt, SamplingParams(max_tokens=tokens), ctx + tokens + 64)
+            cache = PrefixCache()  # kept for the next turn below
+            g = Generation(card, model.tokenizer, prompt, SamplingParams(max_tokens=tokens),
+                           ctx + tokens + NEXT_TURN + 64, cache=cache)
             steps = iter(g)
             next(steps)  # the prompt: the counters from here on are decode's
             before = card.counters.copy()
@@ -68,6 +74,13 @@ def run(model_path: str, fractions=(1.0, 0.5, 0.25), contexts=(1024,), tokens: i
             share = on_card / used
             floor_s = _bytes_per_token(model, ctx, share) / bw + read / max(1, n - 1) * expert_bytes / bus
             tps = g.decode_tok_s
+            # the conversation's next turn (prefix_cache): the prompt, the reply and NEXT_TURN new tokens, of which
+            # only what is new is read; against reading all of it at this run's prompt rate
+            turn = prompt + [int(t) for t in cache.tokens[ctx:]] + list(rng.integers(0, 2000, size=NEXT_TURN))
+            g2 = Generation(card, model.tokenizer, turn, SamplingParams(max_tokens=1), ctx + tokens + NEXT_TURN + 64,
+                            cache=cache)
+            for _ in g2:
+                pass
             free, total_mem = cp.cuda.runtime.memGetInfo()
             # the CPU pool's decode traffic: its experts' bytes per token x tokens per second, against what the
             # host's cores can read at all (the CPU share's own ceiling)
@@ -82,6 +95,9 @@ def run(model_path: str, fractions=(1.0, 0.5, 0.25), contexts=(1024,), tokens: i
                 "floor_tok_s": round(1 / floor_s, 1), "fraction_of_floor": round(tps * floor_s, 4),
                 "cpu_expert_gb_s": round(cpu_gb_s, 2), "cpu_fraction_of_host_read": round(cpu_gb_s / host_read, 3),
                 "host_experts": host_experts, "bus_expert_gb_s": round(bus_gb_s, 2),
+                "next_turn_tokens": len(turn), "next_turn_cached_tokens": g2.cached,
+                "next_turn_ttft_s": round(g2.ttft_s, 4),
+                "next_turn_ttft_fresh_s": round(len(turn) * g.ttft_s / ctx, 4),  # at this run's prompt rate
                 "vram_used_gib": round((total_mem - free) / 2**30, 2),
                 "host_rss_gib": round(psutil.Process().memory_info().rss / 2**30, 2),
             })
