@@ -668,6 +668,14 @@ __device__ __forceinline__ float quad_max(float x) {
     return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
 }
 
+// an mma C fragment's rows rescaled (online softmax): row lane / 4 by a, row lane / 4 + 8 by b
+__device__ __forceinline__ void rescale_c(float (&c)[4], float a, float b) {
+    c[0] = f_mul(c[0], a);
+    c[1] = f_mul(c[1], a);
+    c[2] = f_mul(c[2], b);
+    c[3] = f_mul(c[3], b);
+}
+
 // two probabilities exp2(s - m) rounded to an f16x2 (an mma A-fragment register); sum += the rounded values
 __device__ __forceinline__ u32 p_h2(float s0, float s1, float m, float& sum) {
     const u32 h = pack_h2(f_ex2(f_sub(s0, m)), f_ex2(f_sub(s1, m)));
@@ -817,10 +825,7 @@ __device__ __forceinline__ void attn_split_body(const float* __restrict__ q, con
         // ---- O = O * alpha + P V ----
 #pragma unroll
         for (int dt = 0; dt < NDT; ++dt) {
-            o[dt][0] = f_mul(o[dt][0], al0);
-            o[dt][1] = f_mul(o[dt][1], al0);
-            o[dt][2] = f_mul(o[dt][2], al8);
-            o[dt][3] = f_mul(o[dt][3], al8);
+            rescale_c(o[dt], al0, al8);
             mma16816(o[dt], pa[0][0], pa[0][1], pa[1][0], pa[1][1], vv[dt].x, vv[dt].y);
         }
         if (PIPE) {
@@ -1498,12 +1503,7 @@ __device__ __forceinline__ void attn_flash_body(const u16* __restrict__ qp, cons
             la = f_mul(la, ala);
             lb = f_mul(lb, alb);
 #pragma unroll
-            for (int i = 0; i < NDT; ++i) {
-                acc[i][0] = f_mul(acc[i][0], ala);
-                acc[i][1] = f_mul(acc[i][1], ala);
-                acc[i][2] = f_mul(acc[i][2], alb);
-                acc[i][3] = f_mul(acc[i][3], alb);
-            }
+            for (int i = 0; i < NDT; ++i) rescale_c(acc[i], ala, alb);
             u32 pa[NT], pb[NT];
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
