@@ -15,6 +15,7 @@ from __future__ import annotations
 import cupy as cp
 import numpy as np
 
+from lane.chunks import PROMPT_CHUNK, chunks
 from lane.counters import Counters
 from lane.gpu_experts import D2H, H2D, GpuExperts, pinned
 from lane.slot_pool import SlotPool
@@ -23,7 +24,6 @@ from protos import messages as M
 from stratad.model.gguf_file import ModelFile
 from stratad.model.slot_layout import slot_bytes
 
-PREFILL_CHUNK = 1024  # prompt tokens per step: an expert's weights are read once per chunk, by the card or the CPU
 HALF_LIFE_TOKENS = 256
 MAX_CAPTURED = 4
 
@@ -123,7 +123,7 @@ class CupyCard:
         self.copy_stream = cp.cuda.Stream(non_blocking=True)  # slot copies run beside the compute stream
         self.pool_ident = bytes(cp.cuda.runtime.ipcGetMemHandle(self._pool_mem.ptr)).hex()
         self.device_ident = "cuda:" + cp.cuda.runtime.deviceGetPCIBusId(device)
-        self.experts = GpuExperts(model, self.pool, PREFILL_CHUNK, cpu_threads, self.stream, self.device_ident,
+        self.experts = GpuExperts(model, self.pool, PROMPT_CHUNK, cpu_threads, self.stream, self.device_ident,
                                   host_experts)
         self.decode_work = Work(c, 1, 1)
         # captured decode steps by placement shape: [(graph, layer served after it or None)]; coverage flips
@@ -165,10 +165,7 @@ class CupyCard:
         outs = []
         with self.device, self.stream:
             self.experts.refresh()
-            for s in range(0, len(tokens), PREFILL_CHUNK):
-                chunk = tokens[s:s + PREFILL_CHUNK]
-                last = s + PREFILL_CHUNK >= len(tokens)
-                rows = len(chunk) if logits == "all" else int(logits == "last" and last)
+            for chunk, rows, last in chunks(tokens, logits):
                 if len(chunk) == 1 and rows <= 1 and self.graphs:
                     outs.append(self._decode(int(chunk[0]), kv, rows))
                 else:

@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import time
+from collections import deque
 
 import numpy as np
 import zmq
@@ -67,12 +68,19 @@ class Lane:
         self.tok_s = 0.0
         self.last_beat = 0.0
         self.stopping = False
+        self.deferred: deque = deque()  # control messages read during a prompt, handled at the next token
 
     # ---- messages -------------------------------------------------------------------------------------------
     def send(self, msg) -> None:
         self.sock.send(encode(msg))
 
     def recv(self, timeout_ms: int):
+        """The next control message: one put aside during a prompt first, then the socket's."""
+        if self.deferred:
+            return self.deferred.popleft()
+        return self._read(timeout_ms)
+
+    def _read(self, timeout_ms: int):
         if not self.sock.poll(timeout_ms):
             return None
         frame = self.sock.recv()
@@ -126,7 +134,7 @@ class Lane:
 
             self.card = CupyCard(self.model, int(self.a.card), n, self.a.context_length, live, self.a.cpu_threads,
                                  host_experts=self.a.host_experts)
-            self.card.on_chunk = self.between_chunks
+        self.card.on_chunk = self.between_chunks
         self.card.pool.fill(list(placement.experts))
         self.loader = SlotLoader(self.card.pool)
         if placement.warmup_tokens:
@@ -166,10 +174,21 @@ class Lane:
             self.send(M.Loaded(epoch=epoch))
 
     def between_chunks(self) -> None:
-        """Between a long prompt's chunks: heartbeats, and slot loads that have landed (the card's table for this
-        prompt was taken at its start: new slots are used from the next step, dropped ones were dropped before)."""
+        """Between a long prompt's chunks: heartbeats, slot loads that have landed (the card's table for this prompt
+        was taken at its start: new slots are used from the next step, dropped ones were dropped before), and a
+        cancel of this request or a shutdown; other control waits for the next token (a View must not change the
+        peers under a prompt)."""
         if self.loader is not None:
             self.report_loads()
+        while (msg := self._read(0)) is not None:
+            if isinstance(msg, M.Cancel) and msg.req_id == self.req_id:
+                raise Cancelled()
+            if isinstance(msg, M.Shutdown):
+                self.stopping = True
+                if self.req_id is not None:
+                    raise Cancelled()
+                continue
+            self.deferred.append(msg)
         self.beat()
 
     def poll_between_tokens(self) -> None:

@@ -11,6 +11,7 @@ from collections import OrderedDict
 
 import numpy as np
 
+from lane.chunks import chunks
 from lane.counters import Counters
 from lane.cpu_pool import CpuPool, LayerJobs
 from lane.slot_pool import SlotPool
@@ -54,6 +55,7 @@ class NumpyCard:
         # experts no card holds: the numba CPU pool, straight from the arena (the GPU lanes' CPU pool too)
         self.cpu_pool = CpuPool(int(os.environ.get("NUMBA_NUM_THREADS", "1")))
         self._cap = decoded_cache
+        self.on_chunk = None  # called between prompt chunks (the lane's: heartbeats, a cancel)
 
     def set_view(self, view: M.View) -> None:
         """Use these other cards' slots from now on (called between tokens only)."""
@@ -138,4 +140,9 @@ class NumpyCard:
         return self.engine.new_kv()
 
     def forward(self, tokens, kv, logits: str = "last"):
-        return self.engine.forward(tokens, kv, logits)
+        outs = []
+        for chunk, rows, last in chunks(tokens, logits):  # as the GPU card reads prompts (the lane's hook between)
+            outs.append(self.engine.forward(chunk, kv, "all" if logits == "all" else "last" if rows else "none"))
+            if self.on_chunk is not None and not last:
+                self.on_chunk()
+        return None if logits == "none" else np.concatenate([o for o in outs if o is not None])

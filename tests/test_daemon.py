@@ -105,6 +105,19 @@ def test_cancel_mid_stream_frees_the_lane(daemon):
         assert c.generate(messages=CHAT_B, max_tokens=4).result() is not None
 
 
+def test_cancel_during_a_long_prompt(daemon):
+    """A prompt of several chunks: a cancel is honoured between chunks, before the first token, and the lane serves
+    the next request."""
+    with daemon.client() as c:
+        s = c.generate(tokens=[(7 * i) % 1000 + 3 for i in range(3500)], max_tokens=5)
+        s.cancel()
+        s.result()
+        assert s.finish_reason == "cancelled" and s.stats.generated_tokens == 0
+        nxt = c.generate(prompt="hello", max_tokens=3)
+        nxt.result()
+        assert nxt.stats.generated_tokens == 3
+
+
 def test_client_disconnect_frees_the_lane(daemon):
     with daemon.client() as c:
         s = c.generate(messages=CHAT_A, max_tokens=2000)
@@ -385,3 +398,4 @@ def test_learned_profile_kept_between_runs(tiny_model_path, tmp_path):
         assert "starting without it" in d.log_text()
     finally:
         d.stop()
+

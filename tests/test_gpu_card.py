@@ -146,10 +146,10 @@ def test_logits_close_to_the_float_reference(model, CupyCard):
 def test_prompt_longer_than_a_chunk(model, CupyCard):
     """A prompt read in several chunks (positions, KV and prefill attention across the chunk boundary), with half
     the experts staged per chunk: its last logits stay as close to the reference as a one-chunk prompt's."""
-    from lane.cupy_card import PREFILL_CHUNK
+    from lane.chunks import PROMPT_CHUNK
 
     c = model.config
-    n = PREFILL_CHUNK + 300
+    n = PROMPT_CHUNK + 300
     if n + 8 > c.context_length:
         pytest.skip(f"the model's context ({c.context_length}) is shorter than two chunks")
     tokens = list(np.random.default_rng(4).integers(0, c.vocab_size, n))
@@ -160,7 +160,7 @@ def test_prompt_longer_than_a_chunk(model, CupyCard):
     ref = ReferenceEngine(model, "canonical")
     theirs = ref.forward(tokens, ref.new_kv(), logits="last")[-1]
     err = np.abs(ours - theirs).max() / np.abs(theirs).max()
-    print(f"{n}-token prompt in chunks of {PREFILL_CHUNK}: max |dlogit| / max |logit| = {err:.2e}")
+    print(f"{n}-token prompt in chunks of {PROMPT_CHUNK}: max |dlogit| / max |logit| = {err:.2e}")
     assert err < 0.12
 
 

@@ -1,0 +1,15 @@
+"""How a card reads a prompt: in chunks of PROMPT_CHUNK tokens (an expert's weights are read once a chunk), with
+the lane's between-chunks hook after every chunk but the last (heartbeats and cancels during a long prompt)."""
+from __future__ import annotations
+
+from typing import Iterator
+
+PROMPT_CHUNK = 1024
+
+
+def chunks(tokens, logits: str) -> Iterator[tuple[object, int, bool]]:
+    """(chunk, logit rows it returns, last) for a forward of `tokens` returning logits "all", "last" or "none"."""
+    for s in range(0, len(tokens), PROMPT_CHUNK):
+        chunk = tokens[s:s + PROMPT_CHUNK]
+        last = s + PROMPT_CHUNK >= len(tokens)
+        yield chunk, len(chunk) if logits == "all" else int(logits == "last" and last), last
