@@ -372,7 +372,8 @@ class Coordinator:
                 return
             lane = self.sup.lanes[i]
             self.queue.popleft()
-            self.last_prompt[i] = r.tokens
+            if self.cfg.prefix_cache:
+                self.last_prompt[i] = r.tokens
             r.lane, r.t_assigned, lane.req_id = lane, time.monotonic(), r.req_id
             self.pool.request_started(i)  # its role and View reach the lane before the request does
             if not self._to_lane(lane, M.Assign(req_id=r.req_id, tokens=tuple(r.tokens), sampling=r.sampling,
