@@ -49,8 +49,9 @@ def _serve(a) -> int:
 
     overrides = {"model": a.model, "cards": a.cards, "runtime_dir": a.runtime_dir, "expert_cache": a.expert_cache,
                  "context_length": a.context_length, "rejoin_idle_s": a.rejoin_idle_s, "log_level": a.log_level}
-    if a.mutual_help:
-        overrides["mutual_help"] = True
+    for flag in ("mutual_help", "prefix_cache"):
+        if getattr(a, flag):
+            overrides[flag] = True
     try:
         cfg = config.load(a.config, overrides)
         return serve(cfg)
@@ -136,6 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--context-length", type=int)
     s.add_argument("--rejoin-idle-s", type=float)
     s.add_argument("--mutual-help", action="store_true")
+    s.add_argument("--prefix-cache", action="store_true", help="reuse a lane's last sequence for a prompt extending it")
     s.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     s.set_defaults(fn=_serve)
 

@@ -35,7 +35,9 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     cards = a.cards or _cards()
     # mutual help: both chats compute each expert on whichever card holds it (the point of stratad)
-    daemon = LocalDaemon(a.model, cards, args=["--expert-cache", "0.5", "--mutual-help", "--log-level", "warning"])
+    # and the prefix cache: a chat's next turn reads only its new tokens
+    daemon = LocalDaemon(a.model, cards, args=["--expert-cache", "0.5", "--mutual-help", "--prefix-cache",
+                                               "--log-level", "warning"])
     print(f"starting stratad on cards {cards} (runtime dir {daemon.runtime_dir})")
     daemon.start()
     try:
@@ -60,6 +62,14 @@ def main(argv=None) -> int:
                 print(f"\nchat {i} (lane {st.lane}): {''.join(outs[i])!r}\n  {st.generated_tokens} tokens, first "
                       f"token {st.ttft_s * 1e3:.0f} ms, decode {st.decode_tok_s:.1f} tok/s, experts card/peer/cpu "
                       f"{st.experts_card}/{st.experts_peer}/{st.experts_cpu}")
+            # chat 0's next turn: the same tokens again and a follow-up, served by the lane that holds them
+            history = CHATS[0] + [{"role": "assistant", "content": "".join(outs[0])},
+                                  {"role": "user", "content": "And what happens when a third chat arrives?"}]
+            turn = c.generate(messages=history, max_tokens=8)
+            turn.result()
+            st = turn.stats
+            print(f"\nchat 0, next turn (lane {st.lane}): {st.prompt_tokens} prompt tokens, "
+                  f"{st.prompt_cached_tokens} of them kept from the first turn, first token {st.ttft_s * 1e3:.0f} ms")
             print("\n$ stratactl status\n" + status_table(c.status()))
     finally:
         rc = daemon.stop()
