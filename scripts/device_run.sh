@@ -73,7 +73,8 @@ import json, sys
 d = json.load(open(sys.argv[1]))
 for m, cs in d['modes'].items():
     for c in cs:
-        print(m, c['topic'], c['decode_tok_s'], 'ttft', c['ttft_s'], 'some card', c['share_some_card'])
+        print(m, c['topic'], c['decode_tok_s'], 'ttft', c['ttft_s'], 'some card', c['share_some_card'],
+              'next turn ttft', c['next_turn']['ttft_s'], 'cached', c['next_turn']['cached_tokens'])
 " "$OUT/seed-${modes//,/}.json" 2>&1 | tail -6
     ;;
 seed-card)

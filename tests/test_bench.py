@@ -11,12 +11,13 @@ from stratad.model.generator import make_model
 
 def test_seed_bench_modes_and_shares(tmp_path):
     """Two chats of different topics on two CPU cards: the JSON names each requested mode, each chat's shares
-    add up, the pooled modes keep the work on the cards, and modes can be run in separate jobs."""
+    add up, the pooled modes keep the work on the cards, each conversation's next turn reuses its lane's kept
+    sequence, and modes can be run in separate jobs."""
     model = tmp_path / "tiny-topics.gguf"
     make_model(model, "tiny", router_skew=1.5, topics=2)
     out = tmp_path / "seed.json"
     r = subprocess.run([sys.executable, "-m", "stratad.cli", "bench", "--scenario", "seed", "--model", str(model),
-                        "--cards", "cpu,cpu", "--contexts", "48", "--tokens", "12", "--modes", "1,3",
+                        "--cards", "cpu,cpu", "--contexts", "80", "--tokens", "12", "--modes", "1,3",
                         "--json", str(out)], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     d = json.loads(out.read_text())
@@ -28,5 +29,8 @@ def test_seed_bench_modes_and_shares(tmp_path):
             assert abs(c["share_own_card"] + c["share_peer"] + c["share_cpu"] - 1) < 1e-3
             assert c["share_peer"] > 0  # the other card's cache is used in both pooled modes
             assert c["share_host_read"] == 0  # CPU cards compute their misses on the CPU pool
+            # the next turn goes back to the conversation's lane and reads only what is new
+            assert c["cached_tokens"] == 0 and c["next_turn"]["lane"] == c["lane"]
+            assert c["next_turn"]["cached_tokens"] >= c["prompt_tokens"]
     assert len(d["targets"]["mode3_speed_vs_mode1"]) == 2
     assert d["note"] == "one card per device" and d["hardware"]["cores"] >= 1 and d["host_experts"] == "cpu"

@@ -17,6 +17,7 @@ import numpy as np
 from stratad.local_daemon import LocalDaemon
 
 SETTLE_PROMPT = 2048
+NEXT_TURN = 256  # new tokens in each conversation's next turn (the rest comes from the lane's kept sequence)
 
 
 def _prompt(topic: int, n: int, seed: int) -> list[int]:
@@ -24,18 +25,21 @@ def _prompt(topic: int, n: int, seed: int) -> list[int]:
     return [int(t) for t in 2 * rng.integers(1, 500, size=n) + topic]  # even ids: topic A, odd: topic B
 
 
-def _chats(d: LocalDaemon, topics: list[int], prompt_tokens: int, tokens: int) -> list[dict]:
+def _chats(d: LocalDaemon, prompts: list[list[int]], topics: list[int], tokens: int) -> tuple[list[dict], list]:
+    """The chats at once; (each chat's figures, each chat's reply tokens)."""
     out: list[dict] = [{} for _ in topics]
+    replies: list[list[int]] = [[] for _ in topics]
 
     def go(i, topic):
         with d.client(stream_timeout_s=1800) as c:
             t0 = time.monotonic()
-            s = c.generate(tokens=_prompt(topic, prompt_tokens, 100 + i), max_tokens=tokens, temperature=0.7,
-                           seed=i)
+            s = c.generate(tokens=prompts[i], max_tokens=tokens, temperature=0.7, seed=i)
             s.result()
             st = s.stats
+            replies[i] = list(s.tokens)
             dec = st.decode_experts_card + st.decode_experts_peer + st.decode_experts_cpu or 1
             out[i] = {"topic": "AB"[topic], "lane": st.lane, "generated": st.generated_tokens,
+                      "prompt_tokens": st.prompt_tokens, "cached_tokens": st.prompt_cached_tokens,
                       "decode_tok_s": round(st.decode_tok_s, 2), "ttft_s": round(st.ttft_s, 3),
                       "wall_s": round(time.monotonic() - t0, 2),
                       "share_own_card": round(st.decode_experts_card / dec, 4),
@@ -50,22 +54,31 @@ def _chats(d: LocalDaemon, topics: list[int], prompt_tokens: int, tokens: int) -
         t.start()
     for t in ts:
         t.join()
-    return out
+    return out, replies
 
 
 def _mode(model: str, cards: str, cache: float, mutual: bool, topics: list[int], prompt_tokens: int, tokens: int,
           settle_s: float, host_experts: str) -> list[dict]:
     conf = tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False)
     conf.write(f"mutual_help = {str(mutual).lower()}\nrejoin_idle_s = 3600.0\nreplan_interval_s = 0.5\n"
-               f"context_length = {prompt_tokens + tokens + 64}\nhost_experts = \"{host_experts}\"\n")
+               f"context_length = {prompt_tokens + 2 * tokens + NEXT_TURN + 64}\nhost_experts = \"{host_experts}\"\n"
+               "prefix_cache = true\n")
     conf.close()
     d = LocalDaemon(model, cards, args=["--expert-cache", str(cache), "--log-level", "warning"],
                     config=conf.name).start()
     try:
-        # the traffic once, with shorter prompts (same topics): live counts, placement follows
-        _chats(d, topics, min(prompt_tokens, SETTLE_PROMPT), tokens)
+        # the traffic once, with shorter prompts of the same topics (other text: nothing to reuse): placement follows
+        _chats(d, [_prompt(t, min(prompt_tokens, SETTLE_PROMPT), 200 + i) for i, t in enumerate(topics)], topics,
+               tokens)
         time.sleep(settle_s)
-        return _chats(d, topics, prompt_tokens, tokens)
+        prompts = [_prompt(t, prompt_tokens, 100 + i) for i, t in enumerate(topics)]
+        first, replies = _chats(d, prompts, topics, tokens)
+        # each conversation's next turn, as an agent sends it: everything so far and NEXT_TURN new tokens
+        nxt, _ = _chats(d, [p + r + _prompt(t, NEXT_TURN, 300 + i)
+                            for i, (p, r, t) in enumerate(zip(prompts, replies, topics))], topics, tokens)
+        for f, n in zip(first, nxt):
+            f["next_turn"] = {k: n[k] for k in ("lane", "prompt_tokens", "cached_tokens", "ttft_s", "decode_tok_s")}
+        return first
     finally:
         d.stop()
 
