@@ -236,8 +236,8 @@ class Lane:
                 gen.t_end = gen.t_end or time.monotonic()
                 self.tok_s = gen.decode_tok_s
                 done = M.Done(req_id=a.req_id, finish_reason=finish, stats=M.RequestStats(
-                    prompt_tokens=len(a.tokens), prompt_cached_tokens=gen.cached, generated_tokens=gen.generated, ttft_s=gen.ttft_s,
-                    decode_tok_s=gen.decode_tok_s, lane=self.lane, experts_card=used.card, experts_peer=used.peer,
+                    prompt_tokens=len(a.tokens), prompt_cached_tokens=gen.cached, generated_tokens=gen.generated,
+                    ttft_s=gen.ttft_s, decode_tok_s=gen.decode_tok_s, lane=self.lane, experts_card=used.card, experts_peer=used.peer,
                     experts_cpu=used.cpu, decode_experts_card=decode.card, decode_experts_peer=decode.peer,
                     decode_experts_cpu=decode.cpu, experts_staged=used.staged, experts_host_read=used.host_read,
                     expert_bytes=self.card.pool.slot_bytes, logits_sha256=gen.digest.hexdigest() if gen.digest else None,

@@ -22,8 +22,7 @@ def common_prefix(a, b) -> int:
 class PrefixCache:
     """Holds one KV (the engine's object) and the tokens whose entries it has, in order."""
 
-    def __init__(self, min_tokens: int = 1):
-        self.min_tokens = min_tokens  # shorter matches are not worth keeping the old sequence for
+    def __init__(self):
         self.kv = None
         self.tokens: list[int] = []
 
@@ -32,14 +31,14 @@ class PrefixCache:
         read, its logits are the first step's); a fresh KV and 0 without a useful match."""
         n = min(common_prefix(self.tokens, prompt), len(prompt) - 1)
         kv, self.kv, self.tokens = self.kv, None, []  # in use until keep()
-        if kv is None or n < self.min_tokens:
+        if kv is None or n == 0:
             return engine.new_kv(), 0
         kv.truncate(n)
         return kv, n
 
     def keep(self, kv, tokens: list[int]) -> None:
-        """After a request: kv holds these tokens' entries (kv.length of them)."""
-        self.kv, self.tokens = kv, list(tokens[:kv.length])
+        """After a request: kv holds the entries of these tokens (kv.length == len(tokens))."""
+        self.kv, self.tokens = kv, tokens
 
     def clear(self) -> None:
         self.kv, self.tokens = None, []
