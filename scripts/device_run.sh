@@ -15,6 +15,10 @@
 #   bash scripts/device_run.sh seed-card # modes 2 and 3 at 4K prompts, misses read by the card from host memory
 #   bash scripts/device_run.sh seed-mps  # modes 1 and 3 at 4K prompts without and with the CUDA MPS daemon (two
 #                                        # lanes' kernels on one GPU: time slices vs one shared context)
+#   bash scripts/device_run.sh flash2    # the prefill attention kernel of the tree in _flash2/ (a `git archive` of
+#                                        # another branch) against this tree's: its tests and a 32K prompt's profile
+#   bash scripts/device_run.sh batch SECONDS STEP...  # the steps in order, each cut off where SECONDS would be
+#                                        # passed, with the a3b model made in the background meanwhile
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -22,6 +26,7 @@ A3B=/tmp/a3b-iq3s-skew1.gguf
 SEED=/tmp/a3b-iq3s-skew0.7-topics2.gguf
 
 model() {  # path preset args...
+    while [ -f /tmp/model-making ]; do sleep 2; done  # a batch's background model
     [ -f "$1" ] || python3 -m stratad.cli make-model --preset a3b --expert-quant IQ3_S --out "$@" | tail -1
 }
 
@@ -108,8 +113,30 @@ print(sys.argv[2], {m: [c['decode_tok_s'] for c in cs] for m, cs in d['modes'].i
         echo "no MPS daemon here"
     fi
     ;;
+flash2)
+    model "$A3B" --router-skew 1.0
+    (cd _flash2 && PYTHONPATH=/tmp/site:$PWD timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_dense.py \
+        -k "prefill_attention" > "$OUT/flash2-tests.log" 2>&1; echo "flash2 tests: rc=$? $(tail -1 "$OUT/flash2-tests.log")")
+    for tree in . _flash2; do
+        (cd $tree && PYTHONPATH=/tmp/site:$PWD timeout 100 python3 scripts/gpu_prefill_profile.py --model "$A3B" --fractions 1.0 \
+            --contexts 1024,32768 --json "$OUT/prefill-$(basename "$(realpath $tree)").json" 2>&1 | tail -3)
+    done
+    ;;
+batch)
+    end=$(($(date +%s) + $2))
+    shift 2
+    [ -f "$A3B" ] || { touch /tmp/model-making; (python3 -m stratad.cli make-model --preset a3b --expert-quant IQ3_S \
+        --router-skew 1.0 --out /tmp/a3b-part.gguf > "$OUT/make-model.log" 2>&1 && mv /tmp/a3b-part.gguf "$A3B"
+        rm /tmp/model-making) & }
+    for step in "$@"; do
+        left=$((end - $(date +%s)))
+        [ "$left" -gt 20 ] || { echo "== $step: skipped, ${left}s left"; continue; }
+        echo "== $step ($left s left)"
+        timeout "$left" bash "$0" "$step"
+    done
+    ;;
 *)
-    echo "usage: $0 tests|tests2|tests3|profile|engine|engine-card|experts-prompt|seed13|seed2|seed-card|seed-mps" >&2
+    echo "usage: $0 tests|tests2|tests3|profile|engine|engine-card|experts-prompt|seed13|seed2|seed-card|seed-mps|flash2|batch" >&2
     exit 2
     ;;
 esac
