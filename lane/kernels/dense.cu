@@ -1381,14 +1381,15 @@ extern "C" __global__ void attn_o_unpack(const float* __restrict__ o, int T, int
 // =============================================================================================================
 // prompt attention, flash style on fp16 tensor cores (mma.m16n8k16, fp32 accumulate): no score matrix in
 // memory. Per kv head the chunk's query rows r = t * group + j (qp from attn_q_pack: f16, scaled by 1/sqrt(hd))
-// attend to keys 0 .. pos0 + t. A block takes 64 rows (4 warps x 16); keys come in tiles of 64 through shared
+// attend to keys 0 .. pos0 + t. A block takes 128 rows (8 warps x 16); keys come in tiles of 64 through shared
 // memory (cp.async, two stages; keys past the chunk read as 0, so a NaN left in the cache cannot reach P V). Per
 // warp and tile: S (16 x 64) = Q K^T, the online softmax in base 2 (P rounded to f16, l summed from the rounded
 // values, as in the decode kernel), then O (16 x hd) += P V with the S accumulators reused as A fragments.
-// Shared rows are padded by 16 bytes so that the 32-bit fragment loads hit 32 different banks.
-// Grid (ceil(R / 64), n_kv), 128 threads, dynamic shared memory fa_smem_bytes<HD>.
+// The B fragments of K and V^T come from shared memory by ldmatrix.x4 (two n-tiles a load); shared rows are padded
+// by 16 bytes so that each 8-row phase of ldmatrix hits 32 different banks.
+// Grid (ceil(R / 128), n_kv), 256 threads, dynamic shared memory FaShape<HD>::SMEM.
 // =============================================================================================================
-constexpr int FA_BM = 64, FA_BN = 64;
+constexpr int FA_BM = 128, FA_BN = 64, FA_THREADS = FA_BM / 16 * 32;
 
 template <int HD>
 struct FaShape {
@@ -1398,6 +1399,13 @@ struct FaShape {
     static constexpr int SMEM = 2 * STAGE * 2;            // bytes
 };
 
+// four 8x8 b16 matrices from shared memory: thread t gives the address of row t % 8 of matrix t / 8 and receives
+// (row lane / 4, columns 2 (lane % 4), +1) of each: for row-major n x k tiles, the B fragments of two mma k-halves
+__device__ __forceinline__ void ldsm_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
+}
+
 // keys k0 .. k0 + 63 of one kv head into a stage: K rows (key-major) and V^T rows (dim-major); keys >= S as 0
 template <int HD>
 __device__ __forceinline__ void fa_load(u16* st, const u16* __restrict__ kh, const u16* __restrict__ vh, int max_ctx,
@@ -1405,13 +1413,13 @@ __device__ __forceinline__ void fa_load(u16* st, const u16* __restrict__ kh, con
     using F = FaShape<HD>;
     u16* ks = st;
     u16* vs = st + FA_BN * F::KST;
-    for (int i = tid; i < FA_BN * (HD / 8); i += 128) {
+    for (int i = tid; i < FA_BN * (HD / 8); i += FA_THREADS) {
         const int key = i / (HD / 8), c = i % (HD / 8);
         u16* dst = ks + key * F::KST + c * 8;
         if (k0 + key < S) cp_async16(smem_addr(dst), kh + (i64)(k0 + key) * HD + c * 8);
         else *(uint4*)dst = make_uint4(0u, 0u, 0u, 0u);
     }
-    for (int i = tid; i < HD * (FA_BN / 8); i += 128) {
+    for (int i = tid; i < HD * (FA_BN / 8); i += FA_THREADS) {
         const int d = i / (FA_BN / 8), c = i % (FA_BN / 8), key = k0 + c * 8;
         u16* dst = vs + d * F::VST + c * 8;
         const u16* src = vh + (i64)d * max_ctx + key;
@@ -1475,13 +1483,16 @@ __device__ __forceinline__ void attn_flash_body(const u16* __restrict__ qp, cons
             float s[NT][4];
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+            // this lane's ldmatrix row: key (nt + lane / 16) * 8 + lane % 8, dims + 8 for matrices 1 and 3
+            const u32 kaddr = smem_addr(ks_ + ((lane >> 4) * 8 + (lane & 7)) * F::KST + ((lane >> 3) & 1) * 8);
 #pragma unroll
             for (int ks = 0; ks < KS; ++ks)
 #pragma unroll
-                for (int nt = 0; nt < NT; ++nt) {
-                    const u16* kr = ks_ + (nt * 8 + g) * F::KST + ks * 16 + 2 * q4;
-                    mma16816(s[nt], qf[ks][0], qf[ks][1], qf[ks][2], qf[ks][3], *(const u32*)kr,
-                             *(const u32*)(kr + 8));
+                for (int nt = 0; nt < NT; nt += 2) {
+                    u32 b0, b1, c0, c1;
+                    ldsm_x4(kaddr + (u32)((nt * 8 * F::KST + ks * 16) * 2), b0, b1, c0, c1);
+                    mma16816(s[nt], qf[ks][0], qf[ks][1], qf[ks][2], qf[ks][3], b0, b1);
+                    mma16816(s[nt + 1], qf[ks][0], qf[ks][1], qf[ks][2], qf[ks][3], c0, c1);
                 }
             float mxa = ma, mxb = mb;
 #pragma unroll
@@ -1510,13 +1521,16 @@ __device__ __forceinline__ void attn_flash_body(const u16* __restrict__ qp, cons
                 pa[nt] = p_h2(s[nt][0], s[nt][1], ma, la);
                 pb[nt] = p_h2(s[nt][2], s[nt][3], mb, lb);
             }
+            // ldmatrix row: dim (dt + lane / 16) * 8 + lane % 8, keys + 8 for matrices 1 and 3
+            const u32 vaddr = smem_addr(vs_ + ((lane >> 4) * 8 + (lane & 7)) * F::VST + ((lane >> 3) & 1) * 8);
 #pragma unroll
             for (int kk = 0; kk < FA_BN / 16; ++kk)
 #pragma unroll
-                for (int dt = 0; dt < NDT; ++dt) {
-                    const u16* vr = vs_ + (dt * 8 + g) * F::VST + kk * 16 + 2 * q4;
-                    mma16816(acc[dt], pa[2 * kk], pb[2 * kk], pa[2 * kk + 1], pb[2 * kk + 1], *(const u32*)vr,
-                             *(const u32*)(vr + 8));
+                for (int dt = 0; dt < NDT; dt += 2) {
+                    u32 b0, b1, c0, c1;
+                    ldsm_x4(vaddr + (u32)((dt * 8 * F::VST + kk * 16) * 2), b0, b1, c0, c1);
+                    mma16816(acc[dt], pa[2 * kk], pb[2 * kk], pa[2 * kk + 1], pb[2 * kk + 1], b0, b1);
+                    mma16816(acc[dt + 1], pa[2 * kk], pb[2 * kk], pa[2 * kk + 1], pb[2 * kk + 1], c0, c1);
                 }
         }
         __syncthreads();  // the stage is reloaded by the next iteration's prefetch
@@ -1535,7 +1549,7 @@ __device__ __forceinline__ void attn_flash_body(const u16* __restrict__ qp, cons
 }
 
 #define FA_INST(HD)                                                                                                \
-    extern "C" __global__ void __launch_bounds__(128) attn_flash_prefill_##HD(                                     \
+    extern "C" __global__ void __launch_bounds__(FA_THREADS) attn_flash_prefill_##HD(                                     \
         const u16* __restrict__ qp, const u16* __restrict__ kc, const u16* __restrict__ vc, int R, int group,      \
         int pos0, int max_ctx, float* __restrict__ o) {                                                           \
         PDL_ENTRY();                                                                                               \

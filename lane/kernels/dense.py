@@ -555,7 +555,7 @@ class PrefillAttention:
     memory stays O(T) at any context. Same arguments as DecodeAttention but pos0 is a host int: prompts are read
     eagerly, not in graphs. Measured error against attention_ref: tests/test_gpu_dense.py."""
 
-    BLOCK_ROWS, KEY_TILE = 64, 64  # FA_BM, FA_BN in dense.cu
+    BLOCK_ROWS, KEY_TILE = 128, 64  # FA_BM, FA_BN in dense.cu (16 rows a warp)
 
     def __init__(self, n_head: int, n_kv: int, head_dim: int, max_ctx: int, *, device=None):
         self.m = kernels(device)
@@ -590,7 +590,7 @@ class PrefillAttention:
             o = cp.empty((nkv, R, hd), cp.float32)
             launch(m.fn("attn_q_pack"), ((n + 255) // 256,), (256,), (q, np.int32(Tn), np.int32(self.n_head),
                                                                np.int32(nkv), np.int32(hd), self.scale, qp))
-            launch(self.fn, ((R + self.BLOCK_ROWS - 1) // self.BLOCK_ROWS, nkv), (128,),
+            launch(self.fn, ((R + self.BLOCK_ROWS - 1) // self.BLOCK_ROWS, nkv), (self.BLOCK_ROWS * 2,),
                    (qp, k_cache, v_cache, np.int32(R), np.int32(self.group), np.int32(pos0),
                     np.int32(self.max_ctx), o), shared_mem=self.smem)
             launch(m.fn("attn_o_unpack"), ((n + 255) // 256,), (256,), (o, np.int32(Tn), np.int32(self.n_head),
