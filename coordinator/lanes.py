@@ -122,7 +122,7 @@ class Supervisor:
 
 
 def lane_argv(h: LaneHandle, *, endpoint: str, model: str, model_hash: str, shm_prefix: str, context_length: int,
-              heartbeat_s: float, log_level: str, cpu_threads: int, host_experts: str = "cpu",
+              heartbeat_s: float, log_level: str, cpu_threads: int, host_experts: str = "card",
               prefix_cache: bool = False) -> list[str]:
     return [sys.executable, "-m", "lane.main", "--lane", str(h.lane), "--card", h.card, "--endpoint", endpoint,
             "--model", model, "--model-hash", model_hash, "--shm-prefix", shm_prefix,

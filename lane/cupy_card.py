@@ -78,7 +78,7 @@ class CupyCard:
 
     def __init__(self, model: ModelFile, device: int, n_slots: int, context_length: int,
                  counts: np.ndarray | None = None, cpu_threads: int = 0, graphs: bool = True,
-                 host_experts: str = "cpu"):
+                 host_experts: str = "card"):
         c = self.c = model.config
         self.model = model
         self.device = cp.cuda.Device(device)

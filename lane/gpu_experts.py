@@ -177,7 +177,7 @@ def device_index(bus_id: str) -> int | None:
 
 class GpuExperts:
     def __init__(self, model: ModelFile, pool: SlotPool, max_tokens: int, cpu_threads: int, stream: cp.cuda.Stream,
-                 own_device: str, host_experts: str = "cpu"):
+                 own_device: str, host_experts: str = "card"):
         c = model.config
         self.model, self.c, self.pool, self.stream, self.own_device = model, c, pool, stream, own_device
         self.k, self.max_tokens = c.n_expert_used, max_tokens

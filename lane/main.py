@@ -294,7 +294,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--context-length", type=int, required=True)
     p.add_argument("--heartbeat-s", type=float, default=1.0)
     p.add_argument("--cpu-threads", type=int, default=0)
-    p.add_argument("--host-experts", choices=["cpu", "card"], default="cpu")
+    p.add_argument("--host-experts", choices=["cpu", "card"], default="card")
     p.add_argument("--prefix-cache", action="store_true", help="reuse the last sequence's KV for a common prefix")
     p.add_argument("--startup-timeout-s", type=float, default=120.0)
     p.add_argument("--log-level", default="info")

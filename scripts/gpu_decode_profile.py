@@ -80,7 +80,7 @@ def kernel_times(cp, card, ops, iters: int) -> dict:
     return {n: {"ms": ms[n], "launches": count[n]} for n in sorted(ms, key=ms.get, reverse=True)}
 
 
-def profile(path: str, fraction: float, context: int, tokens: int, iters: int, host_experts: str = "cpu") -> dict:
+def profile(path: str, fraction: float, context: int, tokens: int, iters: int, host_experts: str = "card") -> dict:
     import cupy as cp
 
     from lane.cupy_card import Break, CupyCard
@@ -137,7 +137,7 @@ def main() -> int:
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--host-experts", choices=["cpu", "card"], default="cpu")
+    p.add_argument("--host-experts", choices=["cpu", "card"], default="card")
     p.add_argument("--json")
     a = p.parse_args()
     path = model_path(a.model)

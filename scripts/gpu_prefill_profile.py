@@ -76,7 +76,7 @@ def main() -> int:
     p.add_argument("--model", help="GGUF file (default: generate the a3b IQ3_S preset)")
     p.add_argument("--fractions", default="1.0,0.5")
     p.add_argument("--contexts", default="1024,32768")
-    p.add_argument("--host-experts", choices=["cpu", "card"], default="cpu")
+    p.add_argument("--host-experts", choices=["cpu", "card"], default="card")
     p.add_argument("--json")
     a = p.parse_args()
     path = model_path(a.model)

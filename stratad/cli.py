@@ -152,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeats", type=int, default=5)
     b.add_argument("--threads", type=int, default=1, help="compute threads of the lane and of the in-process side")
     b.add_argument("--fractions", default="1.0,0.5,0.25", help="engine: expert-cache fractions")
-    b.add_argument("--host-experts", choices=["cpu", "card"], default="cpu",
+    b.add_argument("--host-experts", choices=["cpu", "card"], default="card",
                    help="engine, seed: decode's experts on no card run on the CPU pool or on the card from host memory")
     b.add_argument("--contexts", default="1024", help="engine: prompt lengths; seed: the first is the prompt length")
     b.add_argument("--cards", default="cpu,cpu", help="seed: the cards")

@@ -8,8 +8,8 @@ from stratad import config
 
 
 def test_host_experts_default_and_choices():
-    assert config.load(None, {"model": "m.gguf"}).host_experts == "cpu"
-    assert config.load(None, {"model": "m.gguf", "host_experts": "card"}).host_experts == "card"
+    assert config.load(None, {"model": "m.gguf"}).host_experts == "card"
+    assert config.load(None, {"model": "m.gguf", "host_experts": "cpu"}).host_experts == "cpu"
     with pytest.raises(config.ConfigError, match="key 'host_experts'"):
         config.load(None, {"model": "m.gguf", "host_experts": "gpu"})
 
@@ -19,9 +19,9 @@ def test_lane_command_line_carries_host_experts():
 
     argv = lane_argv(LaneHandle(lane=1, card="0"), endpoint="ipc:///tmp/x", model="m.gguf", model_hash="h",
                      shm_prefix="/p", context_length=4096, heartbeat_s=1.0, log_level="info", cpu_threads=2,
-                     host_experts="card")
-    assert argv[argv.index("--host-experts") + 1] == "card"
-    assert lane.main.parse_args(argv[3:]).host_experts == "card"
+                     host_experts="cpu")
+    assert argv[argv.index("--host-experts") + 1] == "cpu"
+    assert lane.main.parse_args(argv[3:]).host_experts == "cpu"
 
 
 def test_prefix_cache_reaches_the_lane():

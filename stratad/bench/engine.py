@@ -33,7 +33,7 @@ def _bytes_per_token(model: ModelFile, context: int, resident_share: float) -> i
 
 
 def run(model_path: str, fractions=(1.0, 0.5, 0.25), contexts=(1024,), tokens: int = 128,
-        host_experts: str = "cpu") -> dict:
+        host_experts: str = "card") -> dict:
     import cupy as cp
 
     from lane.cupy_card import CupyCard
