@@ -9,7 +9,7 @@
 #                                        # and a prompt's
 #   bash scripts/device_run.sh engine    # a3b IQ3_S: the engine bench at 1K / 32K / 64K
 #   bash scripts/device_run.sh engine-card  # the same at 50 % / 25 % resident, decode's misses read from the arena
-#   bash scripts/device_run.sh experts-prompt  # the tiled expert kernels on a 1024-token chunk's layer, by Tuning
+#   bash scripts/device_run.sh experts-prompt  # the prompt expert kernels (tensor cores, dp4a) on a 1024-token chunk
 #   bash scripts/device_run.sh seed13    # the seed table at 60K prompts, modes 1 and 3 (two logical cards)
 #   bash scripts/device_run.sh seed2     # the same, mode 2
 #   bash scripts/device_run.sh seed-card # modes 2 and 3 at 4K prompts, misses read by the card from host memory
@@ -65,7 +65,7 @@ engine-card)
     ;;
 experts-prompt)
     timeout 400 python3 scripts/gpu_experts_bench.py --prompt --types IQ3_S \
-        --variants default,repl,gu8w,gu32w,deep,repl-gu32w --json "$OUT/experts-prompt.json" 2>&1 | grep "^{"
+        --variants default,simt,simt-tile16 --json "$OUT/experts-prompt.json" 2>&1 | grep "^{"
     ;;
 seed13 | seed2)
     model "$SEED" --router-skew 0.7 --topics 2

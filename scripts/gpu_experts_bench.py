@@ -42,9 +42,10 @@ VARIANTS = {  # Tuning overrides (lane/kernels/experts.py); tests/test_gpu_exper
     "gu32w": {"gu_warps": 32, "gu_min_blocks": 1},
     "deep": {"gu_stages": 2, "dn_stages": 4, "dn_rows": 8},
     "dn8r": {"dn_rows": 8},
-    "tile16": {"tile_p": 16},
-    "tile16-deep-repl": {"tile_p": 16, "gu_stages": 2, "grid_repl": 1},
-    "tile4": {"tile_p": 4},
+    "simt": {"prompt": "simt"},  # prompt tiles on the dp4a kernels instead of tensor cores
+    "simt-tile16": {"prompt": "simt", "tile_p": 16},
+    "simt-tile16-deep-repl": {"prompt": "simt", "tile_p": 16, "gu_stages": 2, "grid_repl": 1},
+    "simt-tile4": {"prompt": "simt", "tile_p": 4},
 }
 
 
@@ -174,9 +175,9 @@ def bench_prompt(cp, qt, variant, args, rng):
 
     d_model, d_ff, n_expert, T_ = args.d_model, args.d_ff, 128, args.prompt_tokens
     tuning = Tuning(**VARIANTS[variant])
-    pairs_h, tiles_h, n_tiles = prompt_pairs(rng, T_, n_expert, 8, args.skew, tuning.tile_p)
+    k = ExpertKernels(d_model, d_ff, qt, qt, T_ * 8, tuning=tuning)
+    pairs_h, tiles_h, n_tiles = prompt_pairs(rng, T_, n_expert, 8, args.skew, k.tile_p)  # tiles of k's prompt kernel
     P = pairs_h.shape[0]
-    k = ExpertKernels(d_model, d_ff, qt, qt, P, tuning=tuning)
     mats = [(random_rows(qt, rng, d_ff, d_model, 1 / np.sqrt(d_model)),
              random_rows(qt, rng, d_ff, d_model, 1 / np.sqrt(d_model)),
              random_rows(qt, rng, d_model, d_ff, 1 / np.sqrt(d_ff))) for _ in range(8)]

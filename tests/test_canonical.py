@@ -399,3 +399,20 @@ def test_combine_is_router_order_sum():
     assert reordered > 0  # the order is observable, so the check above pins it
     # float64 weights (as a caller might pass) are rounded to float32 before the multiply
     assert bits_equal(canonical.combine(w.astype(np.float64), y), got)
+
+
+@pytest.mark.parametrize("nsub", [3, 8, 24, 32, 40, 64, 96])
+def test_leaf_fold_order_is_lane_sum(nsub):
+    """The tensor-core expert kernels sum a row's terms leaf by leaf in bit-reversed lane order, merged as a binary
+    counter (experts_mma.cuh); that is canonical.lane_sum's tree, bit for bit, signed zeros and huge / tiny terms
+    included."""
+    from lane.kernels.experts import leaf_fold_ref
+
+    rng = np.random.default_rng(nsub)
+    t = (rng.standard_normal((400, nsub)) * np.exp(rng.uniform(-30, 30, (400, nsub)))).astype(np.float32)
+    t[rng.random((400, nsub)) < 0.2] = -0.0
+    want, got = canonical.lane_sum(t), leaf_fold_ref(t)
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    # and the order matters: a plain left-to-right sum differs somewhere
+    assert nsub < 8 or not np.array_equal(np.cumsum(t, axis=1, dtype=np.float32)[:, -1].view(np.uint32),
+                                          want.view(np.uint32))

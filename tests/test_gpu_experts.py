@@ -151,7 +151,7 @@ def run_case(cp, rng, qgu, qdn, d_model, d_ff, n_slots, n_tokens, n_pairs, max_p
     if tiled:
         from lane.kernels.experts import max_tiles, tiles_ref
 
-        tp = k.tuning.tile_p
+        tp = k.tile_p
         tl, n_t = tiles_ref(pairs_np[:, 1], max_tiles(max_pairs, n_slots, tp), tp)
         k.run_tiled(where, pairs, cp.asarray(tl), cp.asarray(np.array([n_t], np.int32)), qa, da, out)
     else:
@@ -179,9 +179,10 @@ VARIANT_TUNINGS = [  # keep in step with scripts/gpu_experts_bench.py VARIANTS
     {"gu_warps": 4, "gu_min_blocks": 4, "iq3_fast": 0},
     {"gu_stages": 2, "dn_stages": 4, "dn_rows": 8},
     {"dn_rows": 2, "dn_min_blocks": 1, "grid_repl": 1},
-    {"tile_p": 16},
-    {"tile_p": 16, "gu_stages": 2, "grid_repl": 1},
-    {"tile_p": 4},
+    {"prompt": "simt"},
+    {"prompt": "simt", "tile_p": 16},
+    {"prompt": "simt", "tile_p": 16, "gu_stages": 2, "grid_repl": 1},
+    {"prompt": "simt", "tile_p": 4},
 ]
 
 SHAPES = [
@@ -213,8 +214,8 @@ def test_many_pairs_few_slots(cp, qt, sort_by_slot):
 @pytest.mark.parametrize("qgu,qdn,d_model,d_ff,n_slots,n_tok,n_pairs,max_pairs", SHAPES,
                          ids=[f"{s[0]}-{s[1]}-{s[2]}x{s[3]}" for s in SHAPES])
 def test_tiled_expert_bits(cp, qgu, qdn, d_model, d_ff, n_slots, n_tok, n_pairs, max_pairs):
-    """The tiled kernels (a weight sub-block decoded once per tile of up to TILE_P pairs of one expert) give
-    canonical's bits, for tiles of every length 1 .. TILE_P."""
+    """The tiled kernels (a weight sub-block decoded once per tile of pairs of one expert; on tensor cores where
+    the shape allows) give canonical's bits, for tiles of every length."""
     run_case(cp, np.random.default_rng(zlib.crc32(f"tiled{qgu}{qdn}{d_model}".encode())), getattr(T, qgu),
              getattr(T, qdn), d_model, d_ff, n_slots, n_tok, n_pairs, max_pairs, tiled=True)
 
@@ -240,11 +241,24 @@ def test_layout_checks(cp):
         k.layout(4096, k.gate_bytes - 16, 8192, 16384, k.down_bytes)
 
 
+@pytest.mark.parametrize("prompt", ["mma", "simt"])
 @pytest.mark.parametrize("qt", ["IQ3_S", "Q4_K", "Q8_0"])
-def test_tiled_prefill_batch(cp, qt):
+def test_tiled_prefill_batch(cp, qt, prompt):
     """A prompt chunk's shape: 1000 pairs over 5 slots and 16 tokens: long runs cut into full tiles."""
-    run_case(cp, np.random.default_rng(8), getattr(T, qt), getattr(T, qt), 256, 256, 5, 16, 1000, 1024, tiled=True,
-             check_intermediates=(qt == "IQ3_S"))
+    from lane.kernels.experts import Tuning
+
+    k = run_case(cp, np.random.default_rng(8), getattr(T, qt), getattr(T, qt), 256, 256, 5, 16, 1000, 1024,
+                 tiled=True, check_intermediates=(qt == "IQ3_S"), tuning=Tuning(prompt=prompt))
+    assert k.mma == (prompt == "mma")
+
+
+@pytest.mark.parametrize("qgu,qdn", [("IQ3_S", "IQ3_S"), ("Q4_K", "Q4_K"), ("IQ3_S", "Q8_0")])
+def test_mma_tiles_a3b_shape(cp, qgu, qdn):
+    """The a3b expert shape on tensor cores: 700 pairs of 300 tokens over 6 experts (full 64-pair tiles, a short
+    last tile each; several items of one tile in a block), every bit of h, qh, dh and the output."""
+    k = run_case(cp, np.random.default_rng(21), getattr(T, qgu), getattr(T, qdn), 2048, 768, 6, 300, 700, 768,
+                 tiled=True)
+    assert k.mma and k.tile_p == 64
 
 
 def test_variants(cp):
@@ -323,7 +337,7 @@ def test_build_pairs_rowmap_and_combine_rows(cp):
     """Routed ids -> per-source pair lists (grouped by expert), row map and CPU miss list in mapped host memory;
     combine_rows through that map adds exactly canonical.combine to the residual; the doorbell counts up."""
     from lane.gpu_experts import pinned
-    from lane.kernels.experts import TILE_P, ExpertKernels, build_pairs_ref, combine_rows_ref, max_tiles
+    from lane.kernels.experts import ExpertKernels, build_pairs_ref, combine_rows_ref, max_tiles
 
     rng = np.random.default_rng(13)
     d_model, K, n_expert, S = 256, 8, 64, 3
@@ -349,7 +363,7 @@ def test_build_pairs_rowmap_and_combine_rows(cp):
         got_pairs, got_n, rm = pairs.get(), n_pairs.get(), rowmap.get()[:T_ * K]
         for s_ in range(S):  # the tiles cover each source's pairs in order, one expert's pairs each
             tl = tiles.get()[s_, :int(n_tiles.get()[s_])]
-            assert tl[:, 1].min(initial=1) >= 1 and tl[:, 1].max(initial=1) <= TILE_P
+            assert tl[:, 1].min(initial=1) >= 1 and tl[:, 1].max(initial=1) <= k.tile_p
             assert np.array_equal(np.concatenate([np.arange(a, a + c) for a, c in tl] or [np.zeros(0, int)]),
                                   np.arange(int(got_n[s_])))
             for a, c in tl:

@@ -14,6 +14,7 @@
 //   expert_down   : warp item = (pair, DN_R rows of d_model); out[p, r] = canonical dot of down row r with qh[p].
 //   expert_gateup_tiled, expert_down_tiled : the same with an item per tile of up to TILE_P pairs of one expert
 //                   (prompt chunks): a staged weight sub-block is decoded once for all of the tile's tokens.
+//   expert_gateup_mma, expert_down_mma (experts_mma.cuh): prompt tiles of up to 64 pairs on int8 tensor cores.
 //   quantize_rows : x (groups of 32 floats) -> q int8, d float (canonical.quantize_act).
 //   combine_k     : out[t, i] = sum_j w[t, j] * y[t, j, i] in router order from 0.0f (canonical.combine).
 //   combine_rows  : the same into the residual, rows found through a row map (card results or host rows).
@@ -390,12 +391,13 @@ template <int QT> __device__ __forceinline__ float sub_dot(u32 R, int s, u32 lan
     return sub_term<QT>(w, A);
 }
 
-// Warp-cooperative 16-byte cp.async of the aligned chunks covering [g, g + rb) into shared address sdst.
-// Returns g's offset inside its 16-byte chunk (where the row starts in the staged copy).
-__device__ __forceinline__ u32 stage_row(u32 sdst, const u8* g, int rb, int lane) {
+// Cooperative 16-byte cp.async of the aligned chunks covering [g, g + rb) into shared address sdst, by threads
+// `lane` of `step` (a warp's lanes, or a block's threads). Returns g's offset inside its 16-byte chunk (where the
+// row starts in the staged copy).
+__device__ __forceinline__ u32 stage_row(u32 sdst, const u8* g, int rb, int lane, int step = 32) {
     const u64 ga = (u64)g, a0 = ga & ~(u64)15, a1 = (ga + (u64)rb + 15) & ~(u64)15;
     const int n = (int)((a1 - a0) >> 4);
-    for (int c = lane; c < n; c += 32) cp_async16(sdst + 16u * c, (const void*)(a0 + 16u * (u64)c));
+    for (int c = lane; c < n; c += step) cp_async16(sdst + 16u * c, (const void*)(a0 + 16u * (u64)c));
     return (u32)(ga & 15);
 }
 
@@ -746,6 +748,8 @@ expert_down_tiled(const u8* __restrict__ pool, i64 slot_bytes, const int* __rest
     down_body<TILE_P>(pool, slot_bytes, pairs, tiles, n_tiles_p, max_tiles, qhbuf, dhbuf, grid_g, out);
 }
 
+#include "experts_mma.cuh"
+
 // =====================================================================================================================
 // activation quantisation, combine, layout query
 // =====================================================================================================================
@@ -898,5 +902,7 @@ extern "C" __global__ void layout_info(int* __restrict__ o) {
         o[10] = DNG::SPL;
         o[11] = GUT_SMEM;
         o[12] = TILE_P;
+        o[13] = MMA_GU_SMEM;
+        o[14] = MMA_DN_SMEM;
     }
 }

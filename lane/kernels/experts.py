@@ -74,7 +74,9 @@ class Tuning:
     dn_rows: int = 4            # down rows per warp item (independent sums in flight)
     grid_repl: int = 0          # IQ3_S grid table: 1 = one copy per lane (64 KB, no bank conflicts), 0 = shared 2 KB
     iq3_fast: int = 1           # IQ3_S: apply signs to the activation (prmt) instead of to the weights
-    tile_p: int = 8             # prompt chunks: pairs of one expert per tile (a weight sub-block decoded once a tile)
+    tile_p: int = 8             # prompt chunks, simt: pairs of one expert per tile (a weight sub-block decoded once)
+    prompt: str = "mma"         # prompt tiles: "mma" (int8 tensor cores, MMA_TILE pairs a tile, where the shape
+                                # allows) or "simt" (the tiled dp4a kernels, tile_p pairs a tile)
 
 
 def _staged(qt, kin: int, rows: int) -> int:
@@ -117,6 +119,8 @@ class ExpertKernels:
             raise ValueError("dn_rows must divide d_model")
         if t.tile_p not in (4, 8, 16):
             raise ValueError("tile_p must be 4, 8 or 16")
+        if t.prompt not in ("mma", "simt"):
+            raise ValueError("prompt must be 'mma' or 'simt'")
         self.gate_bytes = self.d_ff * fmt(self.qt_gu).row_bytes(self.d_model)
         self.down_bytes = self.d_model * fmt(self.qt_dn).row_bytes(self.d_ff)
         self.slot_bytes = self.slot_bytes_of(self.d_model, self.d_ff, self.qt_gu, self.qt_dn)
@@ -154,6 +158,11 @@ class ExpertKernels:
             self._k_dn.max_dynamic_shared_size_bytes = self.dn_smem
             self._k_gut.max_dynamic_shared_size_bytes = self.gut_smem
             self._k_dnt.max_dynamic_shared_size_bytes = self.dn_smem
+            if self.mma:
+                self._k_gum = self.module.get_function("expert_gateup_mma")
+                self._k_dnm = self.module.get_function("expert_down_mma")
+                self._k_gum.max_dynamic_shared_size_bytes = self.mma_gu_smem
+                self._k_dnm.max_dynamic_shared_size_bytes = self.mma_dn_smem
 
             g = iq3s_grid()
             if int(g.min()) < 1:  # the kernel's byte negation ((m ^ 0xff) + 1) needs magnitudes >= 1
@@ -210,21 +219,31 @@ class ExpertKernels:
         self.gut_smem = self.gu_smem - 2 * 32 * 4 + 2 * t.tile_p * 32 * 4
         if self.gut_smem > smem_block:
             raise ValueError(f"tiled gate/up needs {self.gut_smem} bytes of shared memory per block")
+        # tensor-core tiles (experts_mma.cuh): compiled for these row lengths, used where they fit
+        self.mma_gu_smem, self.mma_dn_smem = mma_smem(self.qt_gu, self.d_model, True), mma_smem(self.qt_dn, self.d_ff,
+                                                                                                False)
+        shape_ok = self.d_model % 128 == 0 and self.d_ff % 128 == 0
+        if not shape_ok:
+            self.mma_gu_smem = self.mma_dn_smem = 0
+        self.mma = t.prompt == "mma" and shape_ok and max(self.mma_gu_smem, self.mma_dn_smem) <= smem_block
+        self.tile_p = MMA_TILE if self.mma else t.tile_p  # pairs a prompt tile (build_pairs cuts them)
 
     def _check_layout(self) -> None:
         cp = self.cp
         info = cp.zeros(16, cp.int32)
         self.module.get_function("layout_info")((1,), (32,), (info,))
         v = info.get()
-        want = (self.gu_smem, self.dn_smem, self.gut_smem, self.tuning.tile_p)
-        if (int(v[0]), int(v[1]), int(v[11]), int(v[12])) != want:
-            raise RuntimeError(f"shared memory plan mismatch: kernel {v[[0, 1, 11, 12]]}, host {want}")
+        want = (self.gu_smem, self.dn_smem, self.gut_smem, self.tuning.tile_p, self.mma_gu_smem, self.mma_dn_smem)
+        if tuple(int(v[i]) for i in (0, 1, 11, 12, 13, 14)) != want:
+            raise RuntimeError(f"shared memory plan mismatch: kernel {v[[0, 1, 11, 12, 13, 14]]}, host {want}")
 
     def describe(self) -> dict:
         return {"gate_up": {"qtype": self.qt_gu.name, "grid": self.gu_grid, "warps": self.gu_warps,
                             "stages": self.gu_stages, "smem": self.gu_smem},
                 "down": {"qtype": self.qt_dn.name, "grid": self.dn_grid, "warps": self.dn_warps,
                          "stages": self.dn_stages, "smem": self.dn_smem},
+                "prompt": {"kernel": "mma" if self.mma else "simt", "tile": self.tile_p,
+                           "smem": [self.mma_gu_smem, self.mma_dn_smem] if self.mma else self.gut_smem},
                 "tuning": self.tuning.__dict__, "slot_bytes": self.slot_bytes, "slot_stride": self.slot_stride,
                 "build": self.build}
 
@@ -310,8 +329,9 @@ class ExpertKernels:
 
     def run_tiled(self, where, pairs, tiles, n_tiles, qa, da, out, stream=None) -> None:
         """run() for pairs grouped by expert and cut into tiles (int32 (max_tiles, 2) of (first pair, count <=
-        tuning.tile_p), n_tiles int32 (1,) on the device, as build_pairs makes them): each weight sub-block is decoded
-        once per tile. Same bits as run(); for prompt chunks, where an expert has several tokens."""
+        self.tile_p), n_tiles int32 (1,) on the device, as build_pairs makes them): each weight sub-block is decoded
+        once per tile (on tensor cores where self.mma). Same bits as run(); for prompt chunks, where an expert has
+        several tokens."""
         cp = self.cp
         lay = self._where(where)
         self._check_run_args(pairs, n_tiles)
@@ -322,6 +342,14 @@ class ExpertKernels:
         self._need(da, cp.float32, None, "da")
         self._need(out, cp.float32, (self.max_pairs, self.d_model), "out")
         common = (pairs, tiles, n_tiles, np.int32(tiles.shape[0]))
+        if self.mma:
+            with self._stream(stream):
+                launch(self._k_gum, (self.n_sm,), (256,), (np.uint64(lay.base), np.int64(lay.stride),
+                                                          np.int64(lay.up_off)) + common +
+                       (qa, da, self.grid, self.h, self.qh, self.dh), shared_mem=self.mma_gu_smem)
+                launch(self._k_dnm, (self.n_sm,), (256,), (np.uint64(lay.down), np.int64(lay.down_stride)) + common +
+                       (self.qh, self.dh, self.grid, out), shared_mem=self.mma_dn_smem)
+            return
         with self._stream(stream):
             launch(self._k_gut, (2 * self.n_sm,), (self.gu_warps * 32,),
                         (np.uint64(lay.base), np.int64(lay.stride), np.int64(lay.up_off)) + common +
@@ -381,7 +409,7 @@ class ExpertKernels:
             max_tiles = int(tiles.shape[1])
             self._need(tiles, cp.int32, (S, max_tiles, 2), "tiles")
             self._need(n_tiles, cp.int32, (S,), "n_tiles")
-            tile_p = self.tuning.tile_p
+            tile_p = self.tile_p
         with self._stream(stream):
             launch(self._fn("build_pairs"), (1,), (1024,), (ids, np.int32(n), np.int32(ids.shape[-1]), src, slot,
                                                     np.int32(n_expert), np.int32(S), np.int32(self.max_pairs), pairs,
@@ -418,7 +446,39 @@ class ExpertKernels:
 
 
 MAX_SOURCES = 8  # experts.cu's MAX_SOURCES
-TILE_P = Tuning.tile_p  # the default tile (experts.cu's TILE_P is the tuning's)
+TILE_P = Tuning.tile_p  # the default simt tile (experts.cu's TILE_P is the tuning's)
+MMA_TILE = 64  # experts_mma.cuh's MMA_M
+MMA_TABLE = 2048  # experts_mma.cuh's MMA_TBL
+
+
+def mma_smem(qt, kin: int, gate_up: bool) -> int:
+    """Shared bytes of a tensor-core tile kernel (mirror of experts_mma.cuh's MmaGeom)."""
+    nsub, rb = kin // 32, fmt(qt).row_bytes(kin)
+    chb = (32 * rb + 14 + 15) // 16 * 16 + 16
+    fin = MMA_TILE * 65 * 4
+    wreg = fin if gate_up and fin > 2 * chb else 2 * chb
+    return MMA_TABLE + MMA_TILE * (kin + 16) + MMA_TILE * (nsub + 4) * 4 + wreg
+
+
+def leaf_fold_ref(terms: np.ndarray) -> np.ndarray:
+    """canonical.lane_sum in experts_mma.cuh's order: the lanes' leaves (0.0f + terms l, l + 32, ...) taken in
+    bit-reversed lane order and merged as a binary counter, which rebuilds the lane fold's tree (same bits)."""
+    t = np.asarray(terms, np.float32)
+    nsub = t.shape[-1]
+    leaves = np.zeros(t.shape[:-1] + (32,), np.float32)
+    for s in range(-(-nsub // 32) * 32):
+        leaves[..., s % 32] = leaves[..., s % 32] + (t[..., s] if s < nsub else np.float32(0))
+    stack = [None] * 5
+    x = None
+    for j in range(32):
+        x = leaves[..., int(f"{j:05b}"[::-1], 2)]
+        for b in range(5):
+            if (j >> b) & 1:
+                x = stack[b] + x
+            else:
+                stack[b] = x
+                break
+    return x
 
 
 def max_tiles(max_pairs: int, n_expert: int, tile_p: int = TILE_P) -> int:

@@ -1,0 +1,322 @@
+// Prompt tiles on int8 tensor cores: expert_gateup_mma and expert_down_mma compute what expert_gateup_tiled and
+// expert_down_tiled compute, with the same bits (experts.cu includes this file after its decoders).
+//
+// Why the bits are the same: a canonical term is (scale * d_act) * isum with isum the integer dot of one 32-value
+// sub-block. mma.m16n8k32.s8 gives exactly that isum for 16 tokens x 8 rows (integer sums are exact in any order),
+// and the float part is done per element with the same explicit-rounding operations. What remains is the order of
+// the float sums: canonical lane l adds the terms of sub-blocks l, l + 32, ... to 0.0f in order (a "leaf"), and the
+// 32 leaves are folded by __shfl_down offsets 16, 8, 4, 2, 1, a balanced tree whose first pairs are (l, l + 16).
+// Taking the leaves in bit-reversed lane order (0, 16, 8, 24, 4, ...) and merging them as a binary counter does
+// (leaf j merges with the stack while bit b of j is set) builds exactly that tree, one leaf at a time, with five
+// partial sums per output instead of 32 (numpy reference: stratad.engine.canonical.bitrev_fold).
+//
+// Block = 8 warps; item = (tile of up to 64 pairs of one expert, 64 output rows): gate/up rows g..g+31 of both
+// matrices (so that a block has each 32-row group of h whole, to quantise it), or down rows r..r+63. Warp w owns
+// output rows 8w..8w+7 (one mma n-tile) for every m-tile of 16 pairs: it decodes its weight fragment of a sub-block
+// once (from the staged raw rows) and uses it for all m-tiles. The tile's activation rows (int8 and scales) are
+// staged once and kept while a block's items (a contiguous range) stay on the same tile.
+
+#if GU_KIN % 128 == 0 && DN_KIN % 128 == 0 && DN_ROWS % 64 == 0
+#define MMA_TILES 1
+
+constexpr int MMA_M = 64;     // pairs per tile (4 m-tiles)
+constexpr int MMA_WARPS = 8;  // warps per block, one 8-row n-tile each
+constexpr int MMA_TBL = 2048; // the IQ3_S grid table at offset 0, one copy (decode_frag reads it as decode_sub does)
+
+template <int QT, int KIN, bool GU> struct MmaGeom {
+    static constexpr int NSUB = KIN / 32;
+    static constexpr int SPL = (NSUB + 31) / 32;
+    static constexpr int RB = Geom<QT, KIN>::RB;
+    static constexpr int AST = KIN + 16;       // activation row stride: ldmatrix's 8 rows fall on distinct banks
+    static constexpr int DST = NSUB + 4;       // activation-scale row stride (floats): g rows on distinct banks
+    static constexpr int CHB = (32 * RB + 14 + 15) / 16 * 16 + 16;  // one staged 32-row range (+16: over-read)
+    static constexpr int FIN = MMA_M * 65 * 4; // gate/up: the item's 64 x 64 results, aliasing the weights
+    static constexpr int WREG = (GU && FIN > 2 * CHB) ? FIN : 2 * CHB;
+    static constexpr int O_A = MMA_TBL;
+    static constexpr int O_D = O_A + MMA_M * AST;
+    static constexpr int O_W = O_D + MMA_M * DST * 4;
+    static constexpr int SMEM = O_W + WREG;
+    static_assert(NSUB % 4 == 0, "scale rows are staged 16 bytes at a time");
+};
+typedef MmaGeom<GU_QT, GU_KIN, true> MGU;
+typedef MmaGeom<DN_QT, DN_KIN, false> MDN;
+constexpr int MMA_GU_SMEM = MGU::SMEM;
+constexpr int MMA_DN_SMEM = MDN::SMEM;
+
+__device__ __forceinline__ void ldsm_x4(u32 addr, u32 (&r)[4]) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr) : "memory");
+}
+
+// c = a (16 x 32, row) . b (32 x 8, col), int8 in, int32 out from zero
+__device__ __forceinline__ void mma_s8(const u32 (&a)[4], u32 b0, u32 b1, int (&c)[4]) {
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%10, %10, %10, %10};"
+        : "=r"(c[0]), "=r"(c[1]), "=r"(c[2]), "=r"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(0));
+}
+
+// This thread's B fragment of sub-block s of the row at shared offset R: signed weights 4t..4t+3 (lo) and
+// 16+4t..16+4t+3 (hi), i.e. decode_sub's q[t] and q[t + 4], and the sub-block's scale and minimum.
+template <int QT> __device__ __forceinline__ void decode_frag(u32 R, int s, u32 t, u32& lo, u32& hi, float& sc,
+                                                             float& mn);
+
+template <> __device__ __forceinline__ void decode_frag<QT_Q8_0>(u32 R, int s, u32 t, u32& lo, u32& hi, float& sc,
+                                                                 float& mn) {
+    const u32 B = R + 34u * (u32)s;  // 2-aligned
+    sc = h2f(sm_u16(B));
+    mn = 0.0f;
+    const u32 o = B + 2u + 4u * t;
+    lo = sm_u16(o) | (sm_u16(o + 2u) << 16);
+    hi = sm_u16(o + 16u) | (sm_u16(o + 18u) << 16);
+}
+
+template <> __device__ __forceinline__ void decode_frag<QT_Q4_K>(u32 R, int s, u32 t, u32& lo, u32& hi, float& sc,
+                                                                 float& mn) {
+    const u32 j = (u32)s & 7u;
+    const u32 B = R + 144u * ((u32)s >> 3);  // 16-aligned
+    const uint4 hd = sm_u128(B);
+    const float d = h2f(hd.x & 0xffffu), dmin = h2f(hd.x >> 16);
+    const u32 shb = 8u * (j & 3u);
+    const u32 y = (hd.y >> shb) & 255u, z = (hd.z >> shb) & 255u, m = (hd.w >> shb) & 255u;
+    const bool low = j < 4u;
+    const u32 scv = low ? (y & 63u) : ((m & 15u) | ((y >> 2) & 0x30u));
+    const u32 mnv = low ? (z & 63u) : ((m >> 4) | ((z >> 2) & 0x30u));
+    sc = f_mul(d, i2f((int)scv));
+    mn = f_mul(dmin, i2f((int)mnv));
+    const u32 qo = B + 16u + 32u * (j >> 1), nsh = 4u * (j & 1u);
+    lo = (sm_u32(qo + 4u * t) >> nsh) & 0x0f0f0f0fu;
+    hi = (sm_u32(qo + 16u + 4u * t) >> nsh) & 0x0f0f0f0fu;
+}
+
+template <> __device__ __forceinline__ void decode_frag<QT_IQ3_S>(u32 R, int s, u32 t, u32& lo, u32& hi, float& sc,
+                                                                  float& mn) {
+    const u32 j = (u32)s & 7u;
+    const u32 B = R + 110u * ((u32)s >> 3);  // 2-aligned
+    const float d = h2f(sm_u16(B));
+    const u32 nib = (sm_u8(B + 106u + (j >> 1)) >> (4u * (j & 1u))) & 15u;
+    sc = f_mul(d, i2f((int)(1u + 2u * nib)));
+    mn = 0.0f;
+    const u32 qh = sm_u8(B + 66u + j);
+    u32 q[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const u32 k = t + 4u * h;
+        const u32 idx = sm_u8(B + 2u + 8u * j + k) | (((qh >> k) & 1u) << 8);
+        const u32 mag = sm_u32(idx * 4u);
+        const u32 sg = (sm_u8(B + 74u + 4u * j + (k >> 1)) >> (4u * (k & 1u))) & 15u;
+        const u32 bits = (sg * 0x00204081u) & 0x01010101u;  // as decode_sub: sign bits to byte lsbs, then negate
+        q[h] = (mag ^ (bits * 255u)) + bits;
+    }
+    lo = q[0];
+    hi = q[1];
+}
+
+// One item's canonical sums: v[mt * 4 + e] for m-tile mt, fragment element e (rows g / g + 8 of the m-tile, output
+// columns 2t / 2t + 1 of this warp's n-tile). R: shared offset of this thread's weight row (row g of the n-tile).
+template <int QT, int KIN, bool GU>
+__device__ __forceinline__ void mma_sums(u32 sb, u32 R, int nmt, int lane, float (&v)[16]) {
+    typedef MmaGeom<QT, KIN, GU> G;
+    const u32 g = (u32)lane >> 2, t = (u32)lane & 3u;
+    // ldmatrix row addresses: lanes 8q..8q+7 give matrix q's rows (q & 1: rows 8..15; q >> 1: bytes 16..31)
+    const u32 a_row = sb + G::O_A + (u32)(((lane & 7) + ((lane >> 3) & 1) * 8) * G::AST + (lane >> 4) * 16);
+    const float* das = reinterpret_cast<const float*>(g_smem + G::O_D);
+    float lv[5][16];
+#pragma unroll 1
+    for (int j = 0; j < 32; ++j) {
+        const int l = (int)(__brev((u32)j) >> 27);  // the canonical lane whose leaf comes j-th
+        float leaf[16];
+#pragma unroll
+        for (int e = 0; e < 16; ++e) leaf[e] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < G::SPL; ++i) {
+            const int s = l + 32 * i;
+            float term[16];
+#pragma unroll
+            for (int e = 0; e < 16; ++e) term[e] = 0.0f;
+            if (s < G::NSUB) {  // warp-uniform
+                u32 b0, b1;
+                float sc, mn;
+                decode_frag<QT>(R, s, t, b0, b1, sc, mn);
+                // the scales of output columns 2t and 2t + 1 are those of rows 2t and 2t + 1 (lanes 8t, 8t + 4)
+                const float sc0 = __shfl_sync(FULL_MASK, sc, 8 * t), sc1 = __shfl_sync(FULL_MASK, sc, 8 * t + 4);
+                const float mn0 = __shfl_sync(FULL_MASK, mn, 8 * t), mn1 = __shfl_sync(FULL_MASK, mn, 8 * t + 4);
+#pragma unroll
+                for (int mt = 0; mt < 4; ++mt) {
+                    if (mt < nmt) {  // warp-uniform
+                        u32 a[4];
+                        ldsm_x4(a_row + (u32)(mt * 16 * G::AST + 32 * s), a);
+                        int c[4];
+                        mma_s8(a, b0, b1, c);
+                        const int m0 = mt * 16 + (int)g;
+                        const float d0 = das[m0 * G::DST + s], d1 = das[(m0 + 8) * G::DST + s];
+                        term[mt * 4 + 0] = f_mul(f_mul(sc0, d0), i2f(c[0]));
+                        term[mt * 4 + 1] = f_mul(f_mul(sc1, d0), i2f(c[1]));
+                        term[mt * 4 + 2] = f_mul(f_mul(sc0, d1), i2f(c[2]));
+                        term[mt * 4 + 3] = f_mul(f_mul(sc1, d1), i2f(c[3]));
+                        if (QT == QT_Q4_K) {  // - (minimum * d_act) * (sum of the activation's integers)
+                            int s0 = __dp4a((int)a[2], 0x01010101, __dp4a((int)a[0], 0x01010101, 0));
+                            int s1 = __dp4a((int)a[3], 0x01010101, __dp4a((int)a[1], 0x01010101, 0));
+                            s0 += __shfl_xor_sync(FULL_MASK, s0, 1);
+                            s1 += __shfl_xor_sync(FULL_MASK, s1, 1);
+                            s0 += __shfl_xor_sync(FULL_MASK, s0, 2);
+                            s1 += __shfl_xor_sync(FULL_MASK, s1, 2);
+                            term[mt * 4 + 0] = f_sub(term[mt * 4 + 0], f_mul(f_mul(mn0, d0), i2f(s0)));
+                            term[mt * 4 + 1] = f_sub(term[mt * 4 + 1], f_mul(f_mul(mn1, d0), i2f(s0)));
+                            term[mt * 4 + 2] = f_sub(term[mt * 4 + 2], f_mul(f_mul(mn0, d1), i2f(s1)));
+                            term[mt * 4 + 3] = f_sub(term[mt * 4 + 3], f_mul(f_mul(mn1, d1), i2f(s1)));
+                        }
+                    }
+                }
+            }
+#pragma unroll
+            for (int e = 0; e < 16; ++e) leaf[e] = f_add(leaf[e], term[e]);  // 0.0f past NSUB, as the lanes do
+        }
+        // push the leaf: merge while the low bits of j are set (the fold's pairs), else park it at that level
+#pragma unroll
+        for (int e = 0; e < 16; ++e) {
+            float x = leaf[e];
+            bool carry = true;
+#pragma unroll
+            for (int b = 0; b < 5; ++b) {
+                if (carry) {
+                    if ((j >> b) & 1) {
+                        x = f_add(lv[b][e], x);
+                    } else {
+                        lv[b][e] = x;
+                        carry = false;
+                    }
+                }
+            }
+            v[e] = x;  // after j = 31 (every bit set): the whole fold
+        }
+    }
+}
+
+// Stage the tile's activation rows (int8 and scales) of pairs p0 .. p0 + 63 (rows past cnt repeat the last one).
+// Gate/up reads the pairs' tokens' rows of qa / da, down the pairs' own rows of qh / dh.
+template <int KIN, bool GU>
+__device__ __forceinline__ void mma_stage_act(u32 sb, const int* __restrict__ pairs, int p0, int cnt,
+                                              const signed char* __restrict__ q, const float* __restrict__ d) {
+    typedef MmaGeom<GU ? GU_QT : DN_QT, KIN, GU> G;
+    constexpr int QC = KIN / 16, DC = G::NSUB / 4;
+    for (int c = threadIdx.x; c < MMA_M * (QC + DC); c += blockDim.x) {
+        const bool isq = c < MMA_M * QC;
+        const int cc = isq ? c : c - MMA_M * QC;
+        const int m = isq ? cc / QC : cc / DC, k = isq ? cc - m * QC : cc - m * DC;
+        const int p = p0 + min(m, cnt - 1);
+        const i64 row = GU ? (i64)__ldg(pairs + 2 * p) : (i64)p;
+        if (isq) cp_async16(sb + G::O_A + (u32)(m * G::AST + 16 * k), q + row * KIN + 16 * k);
+        else cp_async16(sb + G::O_D + (u32)(m * G::DST * 4 + 16 * k), d + row * G::NSUB + 4 * k);
+    }
+}
+
+// The item range of this block: a contiguous share of the items, so that consecutive items share their tile
+__device__ __forceinline__ void block_range(int items, int& b0, int& b1) {
+    b0 = (int)((i64)items * blockIdx.x / gridDim.x);
+    b1 = (int)((i64)items * (blockIdx.x + 1) / gridDim.x);
+}
+
+extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32, 1)
+expert_gateup_mma(const u8* __restrict__ pool, i64 slot_bytes, i64 up_off, const int* __restrict__ pairs,
+                  const int* __restrict__ tiles, const int* __restrict__ n_tiles_p, int max_tiles,
+                  const signed char* __restrict__ qa, const float* __restrict__ da, const u32* __restrict__ grid_g,
+                  float* __restrict__ hbuf, signed char* __restrict__ qhbuf, float* __restrict__ dhbuf) {
+    PDL_ENTRY();
+    constexpr int NG = GU_ROWS / 32;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const u32 sb = smem_base();
+    for (int e = threadIdx.x; e < 512; e += blockDim.x) reinterpret_cast<u32*>(g_smem)[e] = __ldg(grid_g + e);
+    int b0, b1;
+    block_range(clamp_pairs(n_tiles_p, max_tiles) * NG, b0, b1);
+    int staged = -1;  // the tile whose activations are in shared memory
+#pragma unroll 1
+    for (int it = b0; it < b1; ++it) {
+        const int tile = it / NG, grp = it - tile * NG;
+        int p0, cnt;
+        Tile<MMA_M>::get(tiles, tile, p0, cnt);
+        if (cnt <= 0) continue;  // block-uniform
+        const int slot = __ldg(pairs + 2 * p0 + 1);
+        const u8* w = pool + (i64)slot * slot_bytes + (i64)grp * 32 * MGU::RB;
+        __syncthreads();  // the previous item is done with the weights / results region
+        if (tile != staged) mma_stage_act<GU_KIN, true>(sb, pairs, p0, cnt, qa, da);
+        staged = tile;
+        const u32 off = stage_row(sb + MGU::O_W, w, 32 * MGU::RB, threadIdx.x, blockDim.x);
+        stage_row(sb + MGU::O_W + MGU::CHB, w + up_off, 32 * MGU::RB, threadIdx.x, blockDim.x);
+        cp_commit();
+        cp_wait<0>();
+        __syncthreads();
+
+        // warps 0-3: gate rows 8w..8w+7 of the group; warps 4-7: the same rows of up
+        const u32 R = MGU::O_W + (warp >> 2) * MGU::CHB + off + (u32)(((warp & 3) * 8 + (lane >> 2)) * MGU::RB);
+        float v[16];
+        mma_sums<GU_QT, GU_KIN, true>(sb, R, (cnt + 15) >> 4, lane, v);
+        __syncthreads();  // every warp is done with the weights: the results take their place
+        float* fin = reinterpret_cast<float*>(g_smem + MGU::O_W);  // [pair][65]: gate 0..31, up 32..63
+#pragma unroll
+        for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int m = mt * 16 + (lane >> 2) + (e >> 1) * 8;
+                fin[m * 65 + warp * 8 + 2 * (lane & 3) + (e & 1)] = v[mt * 4 + e];
+            }
+        __syncthreads();
+        for (int m = warp; m < cnt; m += MMA_WARPS) {  // warp-uniform: one pair's 32 values of h, quantised
+            const i64 p = p0 + m;
+            const float hv = f_mul(c_silu(fin[m * 65 + lane]), fin[m * 65 + 32 + lane]);
+            hbuf[p * GU_ROWS + grp * 32 + lane] = hv;
+            quant32(hv, lane, qhbuf + p * GU_ROWS + grp * 32, dhbuf + p * NG + grp);
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32, 1)
+expert_down_mma(const u8* __restrict__ pool, i64 slot_bytes, const int* __restrict__ pairs,
+                const int* __restrict__ tiles, const int* __restrict__ n_tiles_p, int max_tiles,
+                const signed char* __restrict__ qhbuf, const float* __restrict__ dhbuf,
+                const u32* __restrict__ grid_g, float* __restrict__ out) {
+    PDL_ENTRY();
+    constexpr int NR = DN_ROWS / 64;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const u32 sb = smem_base();
+    for (int e = threadIdx.x; e < 512; e += blockDim.x) reinterpret_cast<u32*>(g_smem)[e] = __ldg(grid_g + e);
+    int b0, b1;
+    block_range(clamp_pairs(n_tiles_p, max_tiles) * NR, b0, b1);
+    int staged = -1;
+#pragma unroll 1
+    for (int it = b0; it < b1; ++it) {
+        const int tile = it / NR, grp = it - tile * NR;
+        int p0, cnt;
+        Tile<MMA_M>::get(tiles, tile, p0, cnt);
+        if (cnt <= 0) continue;
+        const int slot = __ldg(pairs + 2 * p0 + 1);
+        const u8* w = pool + (i64)slot * slot_bytes + (i64)grp * 64 * MDN::RB;
+        __syncthreads();
+        if (tile != staged) mma_stage_act<DN_KIN, false>(sb, pairs, p0, cnt, qhbuf, dhbuf);
+        staged = tile;
+        const u32 off = stage_row(sb + MDN::O_W, w, 32 * MDN::RB, threadIdx.x, blockDim.x);
+        stage_row(sb + MDN::O_W + MDN::CHB, w + 32 * MDN::RB, 32 * MDN::RB, threadIdx.x, blockDim.x);
+        cp_commit();
+        cp_wait<0>();
+        __syncthreads();
+
+        const u32 R = MDN::O_W + (warp >> 2) * MDN::CHB + off + (u32)(((warp & 3) * 8 + (lane >> 2)) * MDN::RB);
+        float v[16];
+        mma_sums<DN_QT, DN_KIN, false>(sb, R, (cnt + 15) >> 4, lane, v);
+#pragma unroll
+        for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int m = mt * 16 + (lane >> 2) + h * 8;
+                if (m < cnt)
+                    *reinterpret_cast<float2*>(out + (i64)(p0 + m) * DN_ROWS + grp * 64 + warp * 8 + 2 * (lane & 3)) =
+                        make_float2(v[mt * 4 + 2 * h], v[mt * 4 + 2 * h + 1]);
+            }
+    }
+}
+
+#else
+#define MMA_TILES 0
+constexpr int MMA_GU_SMEM = 0;
+constexpr int MMA_DN_SMEM = 0;
+#endif
