@@ -42,6 +42,8 @@ VARIANTS = {  # Tuning overrides (lane/kernels/experts.py); tests/test_gpu_exper
     "gu32w": {"gu_warps": 32, "gu_min_blocks": 1},
     "deep": {"gu_stages": 2, "dn_stages": 4, "dn_rows": 8},
     "dn8r": {"dn_rows": 8},
+    "mma-mpw1": {"mma_mpw": 1},  # tensor-core prompt tiles: 32 warps a block, one m-tile each
+    "mma-mpw4": {"mma_mpw": 4},  # 8 warps, all four m-tiles each
     "simt": {"prompt": "simt"},  # prompt tiles on the dp4a kernels instead of tensor cores
     "simt-tile16": {"prompt": "simt", "tile_p": 16},
     "simt-tile16-deep-repl": {"prompt": "simt", "tile_p": 16, "gu_stages": 2, "grid_repl": 1},

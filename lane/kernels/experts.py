@@ -77,6 +77,7 @@ class Tuning:
     tile_p: int = 8             # prompt chunks, simt: pairs of one expert per tile (a weight sub-block decoded once)
     prompt: str = "mma"         # prompt tiles: "mma" (int8 tensor cores, MMA_TILE pairs a tile, where the shape
                                 # allows) or "simt" (the tiled dp4a kernels, tile_p pairs a tile)
+    mma_mpw: int = 2            # tensor-core tiles: m-tiles (16 pairs) per warp, 1 / 2 / 4 (32 / 16 / 8 warps a block)
 
 
 def _staged(qt, kin: int, rows: int) -> int:
@@ -121,6 +122,8 @@ class ExpertKernels:
             raise ValueError("tile_p must be 4, 8 or 16")
         if t.prompt not in ("mma", "simt"):
             raise ValueError("prompt must be 'mma' or 'simt'")
+        if t.mma_mpw not in (1, 2, 4):
+            raise ValueError("mma_mpw must be 1, 2 or 4")
         self.gate_bytes = self.d_ff * fmt(self.qt_gu).row_bytes(self.d_model)
         self.down_bytes = self.d_model * fmt(self.qt_dn).row_bytes(self.d_ff)
         self.slot_bytes = self.slot_bytes_of(self.d_model, self.d_ff, self.qt_gu, self.qt_dn)
@@ -140,7 +143,7 @@ class ExpertKernels:
                 ("GU_QT", int(self.qt_gu)), ("GU_KIN", self.d_model), ("GU_ROWS", self.d_ff),
                 ("DN_QT", int(self.qt_dn)), ("DN_KIN", self.d_ff), ("DN_ROWS", self.d_model),
                 ("GU_WPB", self.gu_warps), ("GU_MINB", self.gu_blocks), ("GU_STAGES", self.gu_stages),
-                ("TILE_P", t.tile_p),
+                ("TILE_P", t.tile_p), ("MMA_MPW", t.mma_mpw),
                 ("DN_WPB", self.dn_warps), ("DN_MINB", self.dn_blocks), ("DN_STAGES", self.dn_stages),
                 ("DN_R", t.dn_rows), ("GRID_REPL", t.grid_repl), ("IQ3_FAST", t.iq3_fast),
             ] + exp_defines()
@@ -343,11 +346,12 @@ class ExpertKernels:
         self._need(out, cp.float32, (self.max_pairs, self.d_model), "out")
         common = (pairs, tiles, n_tiles, np.int32(tiles.shape[0]))
         if self.mma:
+            threads = 32 * 8 * (4 // self.tuning.mma_mpw)
             with self._stream(stream):
-                launch(self._k_gum, (self.n_sm,), (256,), (np.uint64(lay.base), np.int64(lay.stride),
+                launch(self._k_gum, (self.n_sm,), (threads,), (np.uint64(lay.base), np.int64(lay.stride),
                                                           np.int64(lay.up_off)) + common +
                        (qa, da, self.grid, self.h, self.qh, self.dh), shared_mem=self.mma_gu_smem)
-                launch(self._k_dnm, (self.n_sm,), (256,), (np.uint64(lay.down), np.int64(lay.down_stride)) + common +
+                launch(self._k_dnm, (self.n_sm,), (threads,), (np.uint64(lay.down), np.int64(lay.down_stride)) + common +
                        (self.qh, self.dh, self.grid, out), shared_mem=self.mma_dn_smem)
             return
         with self._stream(stream):

@@ -10,17 +10,23 @@
 // (leaf j merges with the stack while bit b of j is set) builds exactly that tree, one leaf at a time, with five
 // partial sums per output instead of 32 (numpy reference: stratad.engine.canonical.bitrev_fold).
 //
-// Block = 8 warps; item = (tile of up to 64 pairs of one expert, 64 output rows): gate/up rows g..g+31 of both
-// matrices (so that a block has each 32-row group of h whole, to quantise it), or down rows r..r+63. Warp w owns
-// output rows 8w..8w+7 (one mma n-tile) for every m-tile of 16 pairs: it decodes its weight fragment of a sub-block
-// once (from the staged raw rows) and uses it for all m-tiles. The tile's activation rows (int8 and scales) are
+// Item = (tile of up to 64 pairs of one expert, 64 output rows): gate/up rows g..g+31 of both matrices (so that a
+// block has each 32-row group of h whole, to quantise it), or down rows r..r+63. Warp w owns output rows
+// 8(w % 8) .. + 7 (one mma n-tile) for MMA_MPW of the 4 m-tiles of 16 pairs: it decodes its weight fragment of a
+// sub-block once (from the staged raw rows) and uses it for its m-tiles (more m-tiles a warp: less decoding; fewer:
+// more warps to hide latency). The tile's activation rows (int8 and scales) are
 // staged once and kept while a block's items (a contiguous range) stay on the same tile.
 
 #if GU_KIN % 128 == 0 && DN_KIN % 128 == 0 && DN_ROWS % 64 == 0
 #define MMA_TILES 1
 
-constexpr int MMA_M = 64;     // pairs per tile (4 m-tiles)
-constexpr int MMA_WARPS = 8;  // warps per block, one 8-row n-tile each
+#ifndef MMA_MPW
+#define MMA_MPW 2
+#endif
+constexpr int MMA_M = 64;                     // pairs per tile (4 m-tiles of 16)
+constexpr int MMA_WARPS = 8 * (4 / MMA_MPW);  // warp w: n-tile w % 8, m-tiles (w / 8) * MMA_MPW ... + MMA_MPW - 1
+constexpr int MMA_NE = 4 * MMA_MPW;           // fragment elements a thread sums
+static_assert(MMA_MPW == 1 || MMA_MPW == 2 || MMA_MPW == 4, "MMA_MPW: m-tiles per warp, 1, 2 or 4");
 constexpr int MMA_TBL = 2048; // the IQ3_S grid table at offset 0, one copy (decode_frag reads it as decode_sub does)
 
 template <int QT, int KIN, bool GU> struct MmaGeom {
@@ -43,9 +49,11 @@ typedef MmaGeom<DN_QT, DN_KIN, false> MDN;
 constexpr int MMA_GU_SMEM = MGU::SMEM;
 constexpr int MMA_DN_SMEM = MDN::SMEM;
 
+// volatile keeps it after the barriers that publish the staged rows; no memory clobber, so that the compiler may
+// still move ordinary shared loads (scales, weight bytes) around it to hide its latency
 __device__ __forceinline__ void ldsm_x4(u32 addr, u32 (&r)[4]) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr) : "memory");
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
 }
 
 // c = a (16 x 32, row) . b (32 x 8, col), int8 in, int32 out from zero
@@ -112,28 +120,41 @@ template <> __device__ __forceinline__ void decode_frag<QT_IQ3_S>(u32 R, int s, 
     hi = q[1];
 }
 
-// One item's canonical sums: v[mt * 4 + e] for m-tile mt, fragment element e (rows g / g + 8 of the m-tile, output
-// columns 2t / 2t + 1 of this warp's n-tile). R: shared offset of this thread's weight row (row g of the n-tile).
+// Push leaf j (x) onto the fold's stack: B = the number of trailing one bits of j, so x merges with levels
+// 0 .. B-1 (lower lanes' subtrees on the left, as the fold adds them) and is parked at level B; at j = 31 (B = 5)
+// x is the whole fold.
+template <int B> __device__ __forceinline__ void push_leaf(float (&lv)[5][MMA_NE], float (&x)[MMA_NE]) {
+#pragma unroll
+    for (int e = 0; e < MMA_NE; ++e) {
+#pragma unroll
+        for (int b = 0; b < B; ++b) x[e] = f_add(lv[b][e], x[e]);
+        if (B < 5) lv[B < 5 ? B : 0][e] = x[e];
+    }
+}
+
+// One item's canonical sums: v[mt * 4 + e] for this warp's m-tile mt0 + mt, fragment element e (rows g / g + 8 of
+// the m-tile, output columns 2t / 2t + 1 of the warp's n-tile). R: shared offset of this thread's weight row (row g
+// of the n-tile); nmt: the m-tiles the tile's pairs fill.
 template <int QT, int KIN, bool GU>
-__device__ __forceinline__ void mma_sums(u32 sb, u32 R, int nmt, int lane, float (&v)[16]) {
+__device__ __forceinline__ void mma_sums(u32 sb, u32 R, int mt0, int nmt, int lane, float (&v)[MMA_NE]) {
     typedef MmaGeom<QT, KIN, GU> G;
     const u32 g = (u32)lane >> 2, t = (u32)lane & 3u;
     // ldmatrix row addresses: lanes 8q..8q+7 give matrix q's rows (q & 1: rows 8..15; q >> 1: bytes 16..31)
     const u32 a_row = sb + G::O_A + (u32)(((lane & 7) + ((lane >> 3) & 1) * 8) * G::AST + (lane >> 4) * 16);
     const float* das = reinterpret_cast<const float*>(g_smem + G::O_D);
-    float lv[5][16];
+    float lv[5][MMA_NE];
 #pragma unroll 1
     for (int j = 0; j < 32; ++j) {
         const int l = (int)(__brev((u32)j) >> 27);  // the canonical lane whose leaf comes j-th
-        float leaf[16];
+        float leaf[MMA_NE];
 #pragma unroll
-        for (int e = 0; e < 16; ++e) leaf[e] = 0.0f;
+        for (int e = 0; e < MMA_NE; ++e) leaf[e] = 0.0f;
 #pragma unroll
         for (int i = 0; i < G::SPL; ++i) {
             const int s = l + 32 * i;
-            float term[16];
+            float term[MMA_NE];
 #pragma unroll
-            for (int e = 0; e < 16; ++e) term[e] = 0.0f;
+            for (int e = 0; e < MMA_NE; ++e) term[e] = 0.0f;
             if (s < G::NSUB) {  // warp-uniform
                 u32 b0, b1;
                 float sc, mn;
@@ -142,13 +163,13 @@ __device__ __forceinline__ void mma_sums(u32 sb, u32 R, int nmt, int lane, float
                 const float sc0 = __shfl_sync(FULL_MASK, sc, 8 * t), sc1 = __shfl_sync(FULL_MASK, sc, 8 * t + 4);
                 const float mn0 = __shfl_sync(FULL_MASK, mn, 8 * t), mn1 = __shfl_sync(FULL_MASK, mn, 8 * t + 4);
 #pragma unroll
-                for (int mt = 0; mt < 4; ++mt) {
-                    if (mt < nmt) {  // warp-uniform
+                for (int mt = 0; mt < MMA_MPW; ++mt) {
+                    if (mt0 + mt < nmt) {  // warp-uniform
                         u32 a[4];
-                        ldsm_x4(a_row + (u32)(mt * 16 * G::AST + 32 * s), a);
+                        ldsm_x4(a_row + (u32)((mt0 + mt) * 16 * G::AST + 32 * s), a);
                         int c[4];
                         mma_s8(a, b0, b1, c);
-                        const int m0 = mt * 16 + (int)g;
+                        const int m0 = (mt0 + mt) * 16 + (int)g;
                         const float d0 = das[m0 * G::DST + s], d1 = das[(m0 + 8) * G::DST + s];
                         term[mt * 4 + 0] = f_mul(f_mul(sc0, d0), i2f(c[0]));
                         term[mt * 4 + 1] = f_mul(f_mul(sc1, d0), i2f(c[1]));
@@ -170,25 +191,18 @@ __device__ __forceinline__ void mma_sums(u32 sb, u32 R, int nmt, int lane, float
                 }
             }
 #pragma unroll
-            for (int e = 0; e < 16; ++e) leaf[e] = f_add(leaf[e], term[e]);  // 0.0f past NSUB, as the lanes do
+            for (int e = 0; e < MMA_NE; ++e) leaf[e] = f_add(leaf[e], term[e]);  // 0.0f past NSUB, as the lanes do
         }
-        // push the leaf: merge while the low bits of j are set (the fold's pairs), else park it at that level
+        switch (__ffs(~j) - 1) {  // warp-uniform branch: each leaf does only its own merges
+            case 0: push_leaf<0>(lv, leaf); break;
+            case 1: push_leaf<1>(lv, leaf); break;
+            case 2: push_leaf<2>(lv, leaf); break;
+            case 3: push_leaf<3>(lv, leaf); break;
+            case 4: push_leaf<4>(lv, leaf); break;
+            default:
+                push_leaf<5>(lv, leaf);
 #pragma unroll
-        for (int e = 0; e < 16; ++e) {
-            float x = leaf[e];
-            bool carry = true;
-#pragma unroll
-            for (int b = 0; b < 5; ++b) {
-                if (carry) {
-                    if ((j >> b) & 1) {
-                        x = f_add(lv[b][e], x);
-                    } else {
-                        lv[b][e] = x;
-                        carry = false;
-                    }
-                }
-            }
-            v[e] = x;  // after j = 31 (every bit set): the whole fold
+                for (int e = 0; e < MMA_NE; ++e) v[e] = leaf[e];
         }
     }
 }
@@ -247,18 +261,19 @@ expert_gateup_mma(const u8* __restrict__ pool, i64 slot_bytes, i64 up_off, const
         cp_wait<0>();
         __syncthreads();
 
-        // warps 0-3: gate rows 8w..8w+7 of the group; warps 4-7: the same rows of up
-        const u32 R = MGU::O_W + (warp >> 2) * MGU::CHB + off + (u32)(((warp & 3) * 8 + (lane >> 2)) * MGU::RB);
-        float v[16];
-        mma_sums<GU_QT, GU_KIN, true>(sb, R, (cnt + 15) >> 4, lane, v);
+        // n-tiles 0-3: gate rows 8n..8n+7 of the group; n-tiles 4-7: the same rows of up
+        const int nt = warp & 7, mt0 = (warp >> 3) * MMA_MPW;
+        const u32 R = MGU::O_W + (nt >> 2) * MGU::CHB + off + (u32)(((nt & 3) * 8 + (lane >> 2)) * MGU::RB);
+        float v[MMA_NE];
+        mma_sums<GU_QT, GU_KIN, true>(sb, R, mt0, (cnt + 15) >> 4, lane, v);
         __syncthreads();  // every warp is done with the weights: the results take their place
         float* fin = reinterpret_cast<float*>(g_smem + MGU::O_W);  // [pair][65]: gate 0..31, up 32..63
 #pragma unroll
-        for (int mt = 0; mt < 4; ++mt)
+        for (int mt = 0; mt < MMA_MPW; ++mt)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const int m = mt * 16 + (lane >> 2) + (e >> 1) * 8;
-                fin[m * 65 + warp * 8 + 2 * (lane & 3) + (e & 1)] = v[mt * 4 + e];
+                const int m = (mt0 + mt) * 16 + (lane >> 2) + (e >> 1) * 8;
+                fin[m * 65 + nt * 8 + 2 * (lane & 3) + (e & 1)] = v[mt * 4 + e];
             }
         __syncthreads();
         for (int m = warp; m < cnt; m += MMA_WARPS) {  // warp-uniform: one pair's 32 values of h, quantised
@@ -300,16 +315,17 @@ expert_down_mma(const u8* __restrict__ pool, i64 slot_bytes, const int* __restri
         cp_wait<0>();
         __syncthreads();
 
-        const u32 R = MDN::O_W + (warp >> 2) * MDN::CHB + off + (u32)(((warp & 3) * 8 + (lane >> 2)) * MDN::RB);
-        float v[16];
-        mma_sums<DN_QT, DN_KIN, false>(sb, R, (cnt + 15) >> 4, lane, v);
+        const int nt = warp & 7, mt0 = (warp >> 3) * MMA_MPW;
+        const u32 R = MDN::O_W + (nt >> 2) * MDN::CHB + off + (u32)(((nt & 3) * 8 + (lane >> 2)) * MDN::RB);
+        float v[MMA_NE];
+        mma_sums<DN_QT, DN_KIN, false>(sb, R, mt0, (cnt + 15) >> 4, lane, v);
 #pragma unroll
-        for (int mt = 0; mt < 4; ++mt)
+        for (int mt = 0; mt < MMA_MPW; ++mt)
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                const int m = mt * 16 + (lane >> 2) + h * 8;
+                const int m = (mt0 + mt) * 16 + (lane >> 2) + h * 8;
                 if (m < cnt)
-                    *reinterpret_cast<float2*>(out + (i64)(p0 + m) * DN_ROWS + grp * 64 + warp * 8 + 2 * (lane & 3)) =
+                    *reinterpret_cast<float2*>(out + (i64)(p0 + m) * DN_ROWS + grp * 64 + nt * 8 + 2 * (lane & 3)) =
                         make_float2(v[mt * 4 + 2 * h], v[mt * 4 + 2 * h + 1]);
             }
     }
