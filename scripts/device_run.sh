@@ -46,6 +46,10 @@ profile)
         2>&1 | tail -3
     STRATAD_PDL=0 timeout 90 python3 scripts/gpu_decode_profile.py --model "$A3B" --fractions 1.0 \
         --json "$OUT/profile-nopdl.json" 2>&1 | tail -2
+    for pdl in 1 0; do  # the long-context step with and without PDL (32K decoded 194 tok/s before PDL, 170 after)
+        STRATAD_PDL=$pdl timeout 90 python3 scripts/gpu_decode_profile.py --model "$A3B" --fractions 1.0 \
+            --context 32768 --json "$OUT/profile-32k-pdl$pdl.json" 2>&1 | tail -1
+    done
     timeout 150 python3 scripts/gpu_prefill_profile.py --model "$A3B" --fractions 1.0,0.5 --contexts 1024,32768 \
         --json "$OUT/prefill-profile.json" 2>&1 | tail -5
     ;;
