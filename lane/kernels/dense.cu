@@ -837,9 +837,6 @@ __device__ __forceinline__ void attn_split_body(const float* __restrict__ q, con
             for (int dt = 0; dt < NDT; ++dt) vv[dt] = vn[dt];
         }
     }
-    // The combine may launch now, not at entry: this grid is one full wave (nsplit fills the GPU), and a combine
-    // block resident early would hold the registers of a split block still waiting to start
-    PDL_TRIGGER();
     // ---- merge the 4 warps ----
     l0 = f_add(l0, __shfl_xor_sync(0xffffffffu, l0, 1));
     l0 = f_add(l0, __shfl_xor_sync(0xffffffffu, l0, 2));
@@ -888,7 +885,7 @@ __device__ __forceinline__ void attn_split_body(const float* __restrict__ q, con
     extern "C" __global__ void __launch_bounds__(128) NAME(                                                       \
         const float* __restrict__ q, const u16* __restrict__ kc, const u16* __restrict__ vc,                     \
         const int* __restrict__ pos_p, int n_head, int n_kv, int max_ctx, int nsplit, int chunk_min,             \
-        float scale_log2, float* __restrict__ part_o, float* __restrict__ part_ml) { PDL_WAIT();                              \
+        float scale_log2, float* __restrict__ part_o, float* __restrict__ part_ml) { PDL_ENTRY();                             \
         attn_split_body<HD, G16, PIPE>(q, kc, vc, pos_p, n_head, n_kv, max_ctx, nsplit, chunk_min, scale_log2,    \
                                        part_o, part_ml);                                                          \
     }
