@@ -10,12 +10,19 @@ import sys
 
 
 def engine_rows(d: dict) -> list[str]:
-    out = ["| experts on the card | context | decode tok/s | floor tok/s | of floor | prefill tok/s | TTFT s | "
-           "on the card | CPU GB/s |", "|---|---|---|---|---|---|---|---|---|"]
+    """The README's engine table; columns a run did not record (older JSON) read as -."""
+    def col(r, key, fmt):
+        return format(r[key], fmt) if key in r else "-"
+
+    out = ["| experts on the card | context | decode tok/s | floor tok/s | of floor | prefill tok/s | "
+           "prefill of floor | TTFT s | next turn TTFT s (fresh read) | on the card | CPU GB/s | bus GB/s |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in d["results"]:
+        turn = f"{col(r, 'next_turn_ttft_s', '.2f')} ({col(r, 'next_turn_ttft_fresh_s', '.1f')})"
         out.append(f"| {r['cache_fraction']:.0%} | {r['context'] // 1024}K | {r['decode_tok_s']:.0f} | "
                    f"{r['floor_tok_s']:.0f} | {r['fraction_of_floor']:.0%} | {r['prefill_tok_s']:.0f} | "
-                   f"{r['ttft_s']:.2f} | {r['hit_rate']:.0%} | {r.get('cpu_expert_gb_s', float('nan')):.1f} |")  # nan: not measured then
+                   f"{col(r, 'prefill_fraction_of_floor', '.0%')} | {r['ttft_s']:.2f} | {turn} | "
+                   f"{r['hit_rate']:.0%} | {col(r, 'cpu_expert_gb_s', '.1f')} | {col(r, 'bus_expert_gb_s', '.1f')} |")
     return out
 
 
