@@ -15,6 +15,8 @@
 #   bash scripts/device_run.sh seed-card # modes 2 and 3 at 4K prompts, misses read by the card from host memory
 #   bash scripts/device_run.sh seed-mps  # modes 1 and 3 at 4K prompts without and with the CUDA MPS daemon (two
 #                                        # lanes' kernels on one GPU: time slices vs one shared context)
+#   bash scripts/device_run.sh old32k    # a 32K all-resident decode step on the tree in _old/ (`git archive REV`, e.g.
+#                                        # f54cf31, 2026-12-02: 194 tok/s at 32K) against this tree's, PDL off and on
 #   bash scripts/device_run.sh flash2    # the prefill attention kernel of the tree in _flash2/ (a `git archive` of
 #                                        # another branch) against this tree's: its tests and a 32K prompt's profile
 #   bash scripts/device_run.sh batch SECONDS STEP...  # the steps in order, each cut off where SECONDS would be
@@ -126,6 +128,16 @@ flash2)
             --contexts 1024,32768 --json "$OUT/prefill-$(basename "$(realpath $tree)").json" 2>&1 | tail -3)
     done
     ;;
+old32k)
+    model "$A3B" --router-skew 1.0
+    for tree in _old .; do
+        for pdl in 0 1; do
+            name="$OUT/old32k-$(basename "$(realpath $tree)")-pdl$pdl.json"
+            (cd $tree && STRATAD_PDL=$pdl PYTHONPATH=/tmp/site:$PWD timeout 90 python3 scripts/gpu_decode_profile.py \
+                --model "$A3B" --fractions 1.0 --context 32768 --json "$name" 2>&1 | tail -1)
+        done
+    done
+    ;;
 batch)
     end=$(($(date +%s) + $2))
     shift 2
@@ -140,7 +152,7 @@ batch)
     done
     ;;
 *)
-    echo "usage: $0 tests|tests2|tests3|profile|engine|engine-card|experts-prompt|seed13|seed2|seed-card|seed-mps|flash2|batch" >&2
+    echo "usage: $0 tests|tests2|tests3|profile|engine|engine-card|experts-prompt|seed13|seed2|seed-card|seed-mps|flash2|old32k|batch" >&2
     exit 2
     ;;
 esac
