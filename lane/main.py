@@ -102,6 +102,7 @@ class Lane:
                             tok_s=self.tok_s, generated=g.generated if g else 0, share_card=c[0], share_peer=c[1],
                             share_cpu=c[2], slots_used=pool.used if pool else 0,
                             share_by_peer=tuple((k, n / total) for k, n in sorted(counters.by_peer.items())),
+                            share_host_read=counters.host_read / total,
                             slots_total=pool.n_slots if pool else 0, slots_loaded=pool.loads if pool else 0,
                             epoch=self.card.epoch if self.card else 0, role_since=self.role_since,
                             kept_tokens=len(self.prefix.tokens) if self.prefix else 0,

@@ -143,6 +143,7 @@ class LaneStatus(BaseModel):
     share_peer: float = 0.0
     share_cpu: float = 0.0
     share_by_peer: tuple[tuple[int, float], ...] = ()  # (card, share of expert work) for each other card used
+    share_host_read: float = 0.0  # of share_cpu: read by the card from host memory (host_experts = card)
     slots_used: int = 0
     slots_total: int = 0
     slots_loaded: int = 0  # experts copied into the card since the lane started (fill and swaps)

@@ -17,7 +17,7 @@ def status_table(st) -> str:
              + (f" ({', '.join(st.queue)})" if st.queue else ""),
              f"expert profile at start: {st.profile or 'none'}", ""]
     head = f"{'lane':>4}  {'card':<5} {'role':<8} {'since':>8} {'pid':>7}  {'request':<14} {'tok/s':>7} " \
-           f"{'card%':>6} {'peer%':>6} {'cpu%':>6}  {'slots':>11} {'restarts':>8}"
+           f"{'card%':>6} {'peer%':>6} {'host%':>6}  {'slots':>11} {'restarts':>8}"
     lines += [head, "-" * len(head)]
     now = time.time()
     for ln in st.lanes:
@@ -30,6 +30,9 @@ def status_table(st) -> str:
             lines.append(f"{'':>6}FAILED: {ln.failed}")
         if ln.kept_tokens:
             lines.append(f"{'':>6}keeps a sequence of {ln.kept_tokens} tokens for the next prompt that extends it")
+        if ln.share_host_read:
+            lines.append(f"{'':>6}host memory: {_pct(ln.share_host_read).strip()} read by the card over the bus, "
+                         f"{_pct(max(0.0, ln.share_cpu - ln.share_host_read)).strip()} on the CPU pool")
         if ln.share_by_peer:
             lines.append(f"{'':>6}peer work by card: " + ", ".join(f"card {c} {_pct(x).strip()}"
                                                                 for c, x in ln.share_by_peer))

@@ -33,3 +33,19 @@ def test_prefix_cache_reaches_the_lane():
     on = lane_argv(LaneHandle(lane=0, card="cpu"), prefix_cache=True, **common)
     off = lane_argv(LaneHandle(lane=0, card="cpu"), **common)
     assert lane.main.parse_args(on[3:]).prefix_cache and not lane.main.parse_args(off[3:]).prefix_cache
+
+
+def test_status_says_where_host_memory_work_ran():
+    """stratactl status: expert work from host memory is split into what the card read over the bus
+    (host_experts = card) and what the CPU pool computed."""
+    from protos import messages as M
+    from stratad.ctl import status_table
+
+    lane = M.LaneStatus(lane=0, card="0", role=M.Role.SOLO, share_card=0.7, share_peer=0.0, share_cpu=0.3,
+                        share_host_read=0.2)
+    st = M.Status(model="m.gguf", uptime_s=1.0, lanes=(lane,), cards=(), queue=(), queue_limit=4)
+    out = status_table(st)
+    assert "host%" in out and " 30.0%" in out
+    assert "host memory: 20.0% read by the card over the bus, 10.0% on the CPU pool" in out
+    quiet = status_table(st.model_copy(update={"lanes": (lane.model_copy(update={"share_host_read": 0.0}),)}))
+    assert "read by the card" not in quiet
