@@ -234,18 +234,23 @@ template <> __device__ __forceinline__ void decode_sub<QT_Q8_0>(u32 R, int s, u3
     for (int k = 0; k < 8; ++k) w.q[k] = __funnelshift_r(x[k], x[k + 1], sh);
 }
 
-template <> __device__ __forceinline__ void decode_sub<QT_Q4_K>(u32 R, int s, u32, SubW& w) {
-    const u32 j = (u32)s & 7u;
-    const u32 B = R + 144u * ((u32)s >> 3);  // 16-aligned
-    const uint4 hd = sm_u128(B);             // d, dmin, scales[0..11]
+// Q4_K: scale and minimum of sub-block j of the block at shared offset B (16-aligned: d, dmin, scales[0..11])
+__device__ __forceinline__ void q4k_scale_min(u32 B, u32 j, float& sc, float& mn) {
+    const uint4 hd = sm_u128(B);
     const float d = h2f(hd.x & 0xffffu), dmin = h2f(hd.x >> 16);
     const u32 shb = 8u * (j & 3u);
     const u32 y = (hd.y >> shb) & 255u, z = (hd.z >> shb) & 255u, m = (hd.w >> shb) & 255u;
     const bool lo = j < 4u;
-    const u32 sc = lo ? (y & 63u) : ((m & 15u) | ((y >> 2) & 0x30u));
-    const u32 mn = lo ? (z & 63u) : ((m >> 4) | ((z >> 2) & 0x30u));
-    w.sc = f_mul(d, i2f((int)sc));
-    w.mn = f_mul(dmin, i2f((int)mn));
+    const u32 scv = lo ? (y & 63u) : ((m & 15u) | ((y >> 2) & 0x30u));
+    const u32 mnv = lo ? (z & 63u) : ((m >> 4) | ((z >> 2) & 0x30u));
+    sc = f_mul(d, i2f((int)scv));
+    mn = f_mul(dmin, i2f((int)mnv));
+}
+
+template <> __device__ __forceinline__ void decode_sub<QT_Q4_K>(u32 R, int s, u32, SubW& w) {
+    const u32 j = (u32)s & 7u;
+    const u32 B = R + 144u * ((u32)s >> 3);  // 16-aligned
+    q4k_scale_min(B, j, w.sc, w.mn);
     const u32 qo = B + 16u + 32u * (j >> 1), nsh = 4u * (j & 1u);
     const uint4 a = sm_u128(qo), c = sm_u128(qo + 16u);
     w.q[0] = (a.x >> nsh) & 0x0f0f0f0fu;

@@ -83,15 +83,7 @@ template <> __device__ __forceinline__ void decode_frag<QT_Q4_K>(u32 R, int s, u
                                                                  float& mn) {
     const u32 j = (u32)s & 7u;
     const u32 B = R + 144u * ((u32)s >> 3);  // 16-aligned
-    const uint4 hd = sm_u128(B);
-    const float d = h2f(hd.x & 0xffffu), dmin = h2f(hd.x >> 16);
-    const u32 shb = 8u * (j & 3u);
-    const u32 y = (hd.y >> shb) & 255u, z = (hd.z >> shb) & 255u, m = (hd.w >> shb) & 255u;
-    const bool low = j < 4u;
-    const u32 scv = low ? (y & 63u) : ((m & 15u) | ((y >> 2) & 0x30u));
-    const u32 mnv = low ? (z & 63u) : ((m >> 4) | ((z >> 2) & 0x30u));
-    sc = f_mul(d, i2f((int)scv));
-    mn = f_mul(dmin, i2f((int)mnv));
+    q4k_scale_min(B, j, sc, mn);
     const u32 qo = B + 16u + 32u * (j >> 1), nsh = 4u * (j & 1u);
     lo = (sm_u32(qo + 4u * t) >> nsh) & 0x0f0f0f0fu;
     hi = (sm_u32(qo + 16u + 4u * t) >> nsh) & 0x0f0f0f0fu;
