@@ -223,11 +223,9 @@ class ExpertKernels:
         if self.gut_smem > smem_block:
             raise ValueError(f"tiled gate/up needs {self.gut_smem} bytes of shared memory per block")
         # tensor-core tiles (experts_mma.cuh): compiled for these row lengths, used where they fit
-        self.mma_gu_smem, self.mma_dn_smem = mma_smem(self.qt_gu, self.d_model, True), mma_smem(self.qt_dn, self.d_ff,
-                                                                                                False)
-        shape_ok = self.d_model % 128 == 0 and self.d_ff % 128 == 0
-        if not shape_ok:
-            self.mma_gu_smem = self.mma_dn_smem = 0
+        shape_ok = self.d_model % 128 == 0 and self.d_ff % 128 == 0  # experts_mma.cuh compiles for these only
+        self.mma_gu_smem, self.mma_dn_smem = ((mma_smem(self.qt_gu, self.d_model, True),
+                                               mma_smem(self.qt_dn, self.d_ff, False)) if shape_ok else (0, 0))
         self.mma = t.prompt == "mma" and shape_ok and max(self.mma_gu_smem, self.mma_dn_smem) <= smem_block
         self.tile_p = MMA_TILE if self.mma else t.tile_p  # pairs a prompt tile (build_pairs cuts them)
 
@@ -345,22 +343,18 @@ class ExpertKernels:
         self._need(da, cp.float32, None, "da")
         self._need(out, cp.float32, (self.max_pairs, self.d_model), "out")
         common = (pairs, tiles, n_tiles, np.int32(tiles.shape[0]))
-        if self.mma:
+        if self.mma:  # one block an SM, (4 / mma_mpw) x 8 warps
             threads = 32 * 8 * (4 // self.tuning.mma_mpw)
-            with self._stream(stream):
-                launch(self._k_gum, (self.n_sm,), (threads,), (np.uint64(lay.base), np.int64(lay.stride),
-                                                          np.int64(lay.up_off)) + common +
-                       (qa, da, self.grid, self.h, self.qh, self.dh), shared_mem=self.mma_gu_smem)
-                launch(self._k_dnm, (self.n_sm,), (threads,), (np.uint64(lay.down), np.int64(lay.down_stride)) + common +
-                       (self.qh, self.dh, self.grid, out), shared_mem=self.mma_dn_smem)
-            return
+            gu = (self._k_gum, self.n_sm, threads, self.mma_gu_smem)
+            dn = (self._k_dnm, self.n_sm, threads, self.mma_dn_smem)
+        else:
+            gu = (self._k_gut, 2 * self.n_sm, self.gu_warps * 32, self.gut_smem)
+            dn = (self._k_dnt, 2 * self.n_sm, self.dn_warps * 32, self.dn_smem)
         with self._stream(stream):
-            launch(self._k_gut, (2 * self.n_sm,), (self.gu_warps * 32,),
-                        (np.uint64(lay.base), np.int64(lay.stride), np.int64(lay.up_off)) + common +
-                        (qa, da, self.grid, self.h, self.qh, self.dh), shared_mem=self.gut_smem)
-            launch(self._k_dnt, (2 * self.n_sm,), (self.dn_warps * 32,),
-                        (np.uint64(lay.down), np.int64(lay.down_stride)) + common +
-                        (self.qh, self.dh, self.grid, out), shared_mem=self.dn_smem)
+            launch(gu[0], (gu[1],), (gu[2],), (np.uint64(lay.base), np.int64(lay.stride), np.int64(lay.up_off)) +
+                   common + (qa, da, self.grid, self.h, self.qh, self.dh), shared_mem=gu[3])
+            launch(dn[0], (dn[1],), (dn[2],), (np.uint64(lay.down), np.int64(lay.down_stride)) + common +
+                   (self.qh, self.dh, self.grid, out), shared_mem=dn[3])
 
     def _check_run_args(self, pairs, n_pairs) -> None:
         cp = self.cp
