@@ -317,7 +317,8 @@ class GpuExperts:
             m = (src < 0) & (self.peer_card == card)
             src[m], slot[m] = s, self.peer_slot[m]
         self.on_card = src >= 0  # in some card's slots (what prompt chunks do not stage)
-        if self.arena is not None:  # the rest: expert e of the layer's arena tensors
+        if self.arena is not None and (src < 0).any():  # the rest: expert e of the layer's arena tensors (none
+            # when the cards hold every expert: no side stream and no empty launches in each layer of a step)
             self.sources.append((None, None, self.arena))
             m = src < 0
             src[m] = len(self.sources) - 1
