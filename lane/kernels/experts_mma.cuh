@@ -217,8 +217,31 @@ __device__ __forceinline__ void mma_stage_act(u32 sb, const int* __restrict__ pa
     }
 }
 
-// The item range of this block: a contiguous share of the items, so that consecutive items share their tile
-__device__ __forceinline__ void block_range(int items, int& b0, int& b1) {
+// One item: stage the tile's activations (unless this block holds them already) and the weights' two 32-row ranges
+// (w and w + off1), then this warp's sums (n-tiles 0-3 read the first range, 4-7 the second).
+template <int QT, int KIN, bool GU>
+__device__ __forceinline__ void mma_item(u32 sb, const int* __restrict__ pairs, int tile, int p0, int cnt,
+                                         int& staged, const signed char* __restrict__ q,
+                                         const float* __restrict__ d, const u8* w, i64 off1, int warp, int lane,
+                                         float (&v)[MMA_NE]) {
+    typedef MmaGeom<QT, KIN, GU> G;
+    __syncthreads();  // the previous item is done with the weights / results region
+    if (tile != staged) mma_stage_act<KIN, GU>(sb, pairs, p0, cnt, q, d);
+    staged = tile;
+    const u32 off = stage_row(sb + G::O_W, w, 32 * G::RB, threadIdx.x, blockDim.x);
+    stage_row(sb + G::O_W + G::CHB, w + off1, 32 * G::RB, threadIdx.x, blockDim.x);
+    cp_commit();
+    cp_wait<0>();
+    __syncthreads();
+    const int nt = warp & 7;
+    const u32 R = G::O_W + (nt >> 2) * G::CHB + off + (u32)(((nt & 3) * 8 + (lane >> 2)) * G::RB);
+    mma_sums<QT, KIN, GU>(sb, R, (warp >> 3) * MMA_MPW, (cnt + 15) >> 4, lane, v);
+}
+
+// A block's start: the IQ3_S grid table (one copy) at offset 0, and its item range: a contiguous share of the
+// items, so that consecutive items share their tile
+__device__ __forceinline__ void mma_prologue(const u32* __restrict__ grid_g, int items, int& b0, int& b1) {
+    for (int e = threadIdx.x; e < 512; e += blockDim.x) reinterpret_cast<u32*>(g_smem)[e] = __ldg(grid_g + e);
     b0 = (int)((i64)items * blockIdx.x / gridDim.x);
     b1 = (int)((i64)items * (blockIdx.x + 1) / gridDim.x);
 }
@@ -232,9 +255,8 @@ expert_gateup_mma(const u8* __restrict__ pool, i64 slot_bytes, i64 up_off, const
     constexpr int NG = GU_ROWS / 32;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const u32 sb = smem_base();
-    for (int e = threadIdx.x; e < 512; e += blockDim.x) reinterpret_cast<u32*>(g_smem)[e] = __ldg(grid_g + e);
     int b0, b1;
-    block_range(clamp_pairs(n_tiles_p, max_tiles) * NG, b0, b1);
+    mma_prologue(grid_g, clamp_pairs(n_tiles_p, max_tiles) * NG, b0, b1);
     int staged = -1;  // the tile whose activations are in shared memory
 #pragma unroll 1
     for (int it = b0; it < b1; ++it) {
@@ -243,21 +265,11 @@ expert_gateup_mma(const u8* __restrict__ pool, i64 slot_bytes, i64 up_off, const
         Tile<MMA_M>::get(tiles, tile, p0, cnt);
         if (cnt <= 0) continue;  // block-uniform
         const int slot = __ldg(pairs + 2 * p0 + 1);
-        const u8* w = pool + (i64)slot * slot_bytes + (i64)grp * 32 * MGU::RB;
-        __syncthreads();  // the previous item is done with the weights / results region
-        if (tile != staged) mma_stage_act<GU_KIN, true>(sb, pairs, p0, cnt, qa, da);
-        staged = tile;
-        const u32 off = stage_row(sb + MGU::O_W, w, 32 * MGU::RB, threadIdx.x, blockDim.x);
-        stage_row(sb + MGU::O_W + MGU::CHB, w + up_off, 32 * MGU::RB, threadIdx.x, blockDim.x);
-        cp_commit();
-        cp_wait<0>();
-        __syncthreads();
-
         // n-tiles 0-3: gate rows 8n..8n+7 of the group; n-tiles 4-7: the same rows of up
-        const int nt = warp & 7, mt0 = (warp >> 3) * MMA_MPW;
-        const u32 R = MGU::O_W + (nt >> 2) * MGU::CHB + off + (u32)(((nt & 3) * 8 + (lane >> 2)) * MGU::RB);
+        const u8* w = pool + (i64)slot * slot_bytes + (i64)grp * 32 * MGU::RB;
         float v[MMA_NE];
-        mma_sums<GU_QT, GU_KIN, true>(sb, R, mt0, (cnt + 15) >> 4, lane, v);
+        mma_item<GU_QT, GU_KIN, true>(sb, pairs, tile, p0, cnt, staged, qa, da, w, up_off, warp, lane, v);
+        const int nt = warp & 7, mt0 = (warp >> 3) * MMA_MPW;
         __syncthreads();  // every warp is done with the weights: the results take their place
         float* fin = reinterpret_cast<float*>(g_smem + MGU::O_W);  // [pair][65]: gate 0..31, up 32..63
 #pragma unroll
@@ -286,9 +298,8 @@ expert_down_mma(const u8* __restrict__ pool, i64 slot_bytes, const int* __restri
     constexpr int NR = DN_ROWS / 64;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const u32 sb = smem_base();
-    for (int e = threadIdx.x; e < 512; e += blockDim.x) reinterpret_cast<u32*>(g_smem)[e] = __ldg(grid_g + e);
     int b0, b1;
-    block_range(clamp_pairs(n_tiles_p, max_tiles) * NR, b0, b1);
+    mma_prologue(grid_g, clamp_pairs(n_tiles_p, max_tiles) * NR, b0, b1);
     int staged = -1;
 #pragma unroll 1
     for (int it = b0; it < b1; ++it) {
@@ -298,19 +309,10 @@ expert_down_mma(const u8* __restrict__ pool, i64 slot_bytes, const int* __restri
         if (cnt <= 0) continue;
         const int slot = __ldg(pairs + 2 * p0 + 1);
         const u8* w = pool + (i64)slot * slot_bytes + (i64)grp * 64 * MDN::RB;
-        __syncthreads();
-        if (tile != staged) mma_stage_act<DN_KIN, false>(sb, pairs, p0, cnt, qhbuf, dhbuf);
-        staged = tile;
-        const u32 off = stage_row(sb + MDN::O_W, w, 32 * MDN::RB, threadIdx.x, blockDim.x);
-        stage_row(sb + MDN::O_W + MDN::CHB, w + 32 * MDN::RB, 32 * MDN::RB, threadIdx.x, blockDim.x);
-        cp_commit();
-        cp_wait<0>();
-        __syncthreads();
-
-        const int nt = warp & 7, mt0 = (warp >> 3) * MMA_MPW;
-        const u32 R = MDN::O_W + (nt >> 2) * MDN::CHB + off + (u32)(((nt & 3) * 8 + (lane >> 2)) * MDN::RB);
         float v[MMA_NE];
-        mma_sums<DN_QT, DN_KIN, false>(sb, R, mt0, (cnt + 15) >> 4, lane, v);
+        mma_item<DN_QT, DN_KIN, false>(sb, pairs, tile, p0, cnt, staged, qhbuf, dhbuf, w, 32 * MDN::RB, warp, lane,
+                                       v);
+        const int nt = warp & 7, mt0 = (warp >> 3) * MMA_MPW;
 #pragma unroll
         for (int mt = 0; mt < MMA_MPW; ++mt)
 #pragma unroll
