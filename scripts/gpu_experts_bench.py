@@ -44,6 +44,8 @@ VARIANTS = {  # Tuning overrides (lane/kernels/experts.py); tests/test_gpu_exper
     "dn8r": {"dn_rows": 8},
     "mma-mpw1": {"mma_mpw": 1},  # tensor-core prompt tiles: 32 warps a block, one m-tile each
     "mma-mpw4": {"mma_mpw": 4},  # 8 warps, all four m-tiles each
+    "mma-prefetch": {"mma_prefetch": 1},  # the next leaf's weight fragments decoded during this leaf's mma
+    "mma-prefetch-mpw4": {"mma_prefetch": 1, "mma_mpw": 4},
     "simt": {"prompt": "simt"},  # prompt tiles on the dp4a kernels instead of tensor cores
     "simt-tile16": {"prompt": "simt", "tile_p": 16},
     "simt-tile16-deep-repl": {"prompt": "simt", "tile_p": 16, "gu_stages": 2, "grid_repl": 1},

@@ -181,6 +181,8 @@ VARIANT_TUNINGS = [  # keep in step with scripts/gpu_experts_bench.py VARIANTS
     {"dn_rows": 2, "dn_min_blocks": 1, "grid_repl": 1},
     {"mma_mpw": 1},
     {"mma_mpw": 4},
+    {"mma_prefetch": 1},
+    {"mma_prefetch": 1, "mma_mpw": 4},
     {"prompt": "simt"},
     {"prompt": "simt", "tile_p": 16},
     {"prompt": "simt", "tile_p": 16, "gu_stages": 2, "grid_repl": 1},

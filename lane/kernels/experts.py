@@ -78,6 +78,7 @@ class Tuning:
     prompt: str = "mma"         # prompt tiles: "mma" (int8 tensor cores, MMA_TILE pairs a tile, where the shape
                                 # allows) or "simt" (the tiled dp4a kernels, tile_p pairs a tile)
     mma_mpw: int = 2            # tensor-core tiles: m-tiles (16 pairs) per warp, 1 / 2 / 4 (32 / 16 / 8 warps a block)
+    mma_prefetch: int = 0       # tensor-core tiles: decode the next leaf's weight fragments during this leaf's mma
 
 
 def _staged(qt, kin: int, rows: int) -> int:
@@ -143,7 +144,7 @@ class ExpertKernels:
                 ("GU_QT", int(self.qt_gu)), ("GU_KIN", self.d_model), ("GU_ROWS", self.d_ff),
                 ("DN_QT", int(self.qt_dn)), ("DN_KIN", self.d_ff), ("DN_ROWS", self.d_model),
                 ("GU_WPB", self.gu_warps), ("GU_MINB", self.gu_blocks), ("GU_STAGES", self.gu_stages),
-                ("TILE_P", t.tile_p), ("MMA_MPW", t.mma_mpw),
+                ("TILE_P", t.tile_p), ("MMA_MPW", t.mma_mpw), ("MMA_PREFETCH", t.mma_prefetch),
                 ("DN_WPB", self.dn_warps), ("DN_MINB", self.dn_blocks), ("DN_STAGES", self.dn_stages),
                 ("DN_R", t.dn_rows), ("GRID_REPL", t.grid_repl), ("IQ3_FAST", t.iq3_fast),
             ] + exp_defines()

@@ -112,6 +112,34 @@ template <> __device__ __forceinline__ void decode_frag<QT_IQ3_S>(u32 R, int s, 
     hi = q[1];
 }
 
+#ifndef MMA_PREFETCH
+#define MMA_PREFETCH 0
+#endif
+
+// A warp's weight fragment of one sub-block, with the scales (and minimums) of the thread's two output columns: those
+// of rows 2t and 2t + 1, decoded by lanes 8t and 8t + 4
+struct MmaFrag {
+    u32 b0, b1;
+    float sc0, sc1, mn0, mn1;
+};
+
+template <int QT> __device__ __forceinline__ void mma_frag(u32 R, int s, u32 t, MmaFrag& f) {
+    float sc, mn;
+    decode_frag<QT>(R, s, t, f.b0, f.b1, sc, mn);
+    f.sc0 = __shfl_sync(FULL_MASK, sc, 8 * t);
+    f.sc1 = __shfl_sync(FULL_MASK, sc, 8 * t + 4);
+    f.mn0 = __shfl_sync(FULL_MASK, mn, 8 * t);
+    f.mn1 = __shfl_sync(FULL_MASK, mn, 8 * t + 4);
+}
+
+// The fragments of leaf l's sub-blocks (l, l + 32, ...) that exist
+template <int QT, int SPL, int NSUB> __device__ __forceinline__ void leaf_frags(u32 R, int l, u32 t,
+                                                                                MmaFrag (&f)[SPL]) {
+#pragma unroll
+    for (int i = 0; i < SPL; ++i)
+        if (l + 32 * i < NSUB) mma_frag<QT>(R, l + 32 * i, t, f[i]);  // warp-uniform
+}
+
 // Push leaf j (x) onto the fold's stack: B = the number of trailing one bits of j, so x merges with levels
 // 0 .. B-1 (lower lanes' subtrees on the left, as the fold adds them) and is parked at level B; at j = 31 (B = 5)
 // x is the whole fold.
@@ -135,9 +163,19 @@ __device__ __forceinline__ void mma_sums(u32 sb, u32 R, int mt0, int nmt, int la
     const u32 a_row = sb + G::O_A + (u32)(((lane & 7) + ((lane >> 3) & 1) * 8) * G::AST + (lane >> 4) * 16);
     const float* das = reinterpret_cast<const float*>(g_smem + G::O_D);
     float lv[5][MMA_NE];
+    MmaFrag fr[G::SPL];
+#if MMA_PREFETCH  // the next leaf's fragments are decoded while this leaf's mma and terms run
+    MmaFrag nx[G::SPL];
+    leaf_frags<QT, G::SPL, G::NSUB>(R, 0, t, fr);
+#endif
 #pragma unroll 1
     for (int j = 0; j < 32; ++j) {
         const int l = (int)(__brev((u32)j) >> 27);  // the canonical lane whose leaf comes j-th
+#if MMA_PREFETCH
+        if (j < 31) leaf_frags<QT, G::SPL, G::NSUB>(R, (int)(__brev((u32)j + 1u) >> 27), t, nx);
+#else
+        leaf_frags<QT, G::SPL, G::NSUB>(R, l, t, fr);
+#endif
         float leaf[MMA_NE];
 #pragma unroll
         for (int e = 0; e < MMA_NE; ++e) leaf[e] = 0.0f;
@@ -148,12 +186,8 @@ __device__ __forceinline__ void mma_sums(u32 sb, u32 R, int mt0, int nmt, int la
 #pragma unroll
             for (int e = 0; e < MMA_NE; ++e) term[e] = 0.0f;
             if (s < G::NSUB) {  // warp-uniform
-                u32 b0, b1;
-                float sc, mn;
-                decode_frag<QT>(R, s, t, b0, b1, sc, mn);
-                // the scales of output columns 2t and 2t + 1 are those of rows 2t and 2t + 1 (lanes 8t, 8t + 4)
-                const float sc0 = __shfl_sync(FULL_MASK, sc, 8 * t), sc1 = __shfl_sync(FULL_MASK, sc, 8 * t + 4);
-                const float mn0 = __shfl_sync(FULL_MASK, mn, 8 * t), mn1 = __shfl_sync(FULL_MASK, mn, 8 * t + 4);
+                const u32 b0 = fr[i].b0, b1 = fr[i].b1;
+                const float sc0 = fr[i].sc0, sc1 = fr[i].sc1, mn0 = fr[i].mn0, mn1 = fr[i].mn1;
 #pragma unroll
                 for (int mt = 0; mt < MMA_MPW; ++mt) {
                     if (mt0 + mt < nmt) {  // warp-uniform
@@ -185,6 +219,10 @@ __device__ __forceinline__ void mma_sums(u32 sb, u32 R, int mt0, int nmt, int la
 #pragma unroll
             for (int e = 0; e < MMA_NE; ++e) leaf[e] = f_add(leaf[e], term[e]);  // 0.0f past NSUB, as the lanes do
         }
+#if MMA_PREFETCH
+#pragma unroll
+        for (int i = 0; i < G::SPL; ++i) fr[i] = nx[i];
+#endif
         switch (__ffs(~j) - 1) {  // warp-uniform branch: each leaf does only its own merges
             case 0: push_leaf<0>(lv, leaf); break;
             case 1: push_leaf<1>(lv, leaf); break;
