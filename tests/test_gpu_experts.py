@@ -349,7 +349,7 @@ def test_build_pairs_rowmap_and_combine_rows(cp):
     k = ExpertKernels(d_model, 256, "IQ3_S", "IQ3_S", P)
     miss, n_miss = pinned((P, 2), np.int32), pinned((1,), np.int32)
     host_rows = pinned((P, d_model), np.float32)
-    for T_ in (1, 7, 200):
+    for T_, tiled in ((1, True), (1, False), (4, False), (7, True), (7, False), (200, True)):
         ids = np.stack([rng.choice(n_expert, K, replace=False) for _ in range(T_)]).astype(np.int32)
         src = rng.integers(-1, S, n_expert).astype(np.int32)
         slot = rng.integers(0, 1000, n_expert).astype(np.int32)
@@ -362,10 +362,10 @@ def test_build_pairs_rowmap_and_combine_rows(cp):
         tiles = cp.full((S, mt, 2), -7, cp.int32)
         n_tiles = cp.full((S,), -7, cp.int32)
         k.build_pairs(cp.asarray(ids), cp.asarray(src), cp.asarray(slot), pairs, n_pairs, rowmap,
-                      miss.ctypes.data, n_miss.ctypes.data, P, tiles, n_tiles)
-        cp.cuda.get_current_stream().synchronize()
+                      miss.ctypes.data, n_miss.ctypes.data, P, tiles if tiled else None, n_tiles if tiled else None)
+        cp.cuda.get_current_stream().synchronize()  # (no tiles: one warp ranks the entries, a decode step's path)
         got_pairs, got_n, rm = pairs.get(), n_pairs.get(), rowmap.get()[:T_ * K]
-        for s_ in range(S):  # the tiles cover each source's pairs in order, one expert's pairs each
+        for s_ in range(S if tiled else 0):  # the tiles cover each source's pairs in order, one expert's pairs each
             tl = tiles.get()[s_, :int(n_tiles.get()[s_])]
             assert tl[:, 1].min(initial=1) >= 1 and tl[:, 1].max(initial=1) <= k.tile_p
             assert np.array_equal(np.concatenate([np.arange(a, a + c) for a, c in tl] or [np.zeros(0, int)]),

@@ -815,6 +815,44 @@ extern "C" __global__ void build_pairs(const int* __restrict__ ids, int n, int K
                                        int* __restrict__ miss, int* __restrict__ n_miss, int max_miss, int tile_p,
                                        int* __restrict__ tiles, int* __restrict__ n_tiles, int max_tiles) {
     PDL_ENTRY();
+    if (n <= 32 && tile_p == 0) {  // a decode step's few entries: one warp ranks them, no scan over the experts
+        if (threadIdx.x >= 32) return;
+        const int i = threadIdx.x;
+        int e = -1, s = -1;
+        if (i < n) {
+            e = ids[i];
+            s = (e >= 0 && e < n_expert) ? src[e] : -1;
+            if (s >= n_src) s = -1;
+        }
+        int pos = 0, mine = 0;  // this entry's place in its source's list; the entries of source i
+        for (int j = 0; j < n; ++j) {
+            const int ej = __shfl_sync(FULL_MASK, e, j), sj = __shfl_sync(FULL_MASK, s, j);
+            if (s >= 0 && sj == s && (ej < e || (ej == e && j < i))) ++pos;  // by expert, then by entry
+            if (sj == i) ++mine;
+        }
+        const u32 missed = __ballot_sync(FULL_MASK, i < n && s < 0);
+        if (i < n) {
+            if (s >= 0) {
+                const int r = s * max_pairs + pos;
+                pairs[2 * r] = i / K;
+                pairs[2 * r + 1] = slot[e];
+                rowmap[i] = r;
+            } else {
+                const int m = __popc(missed & ((1u << i) - 1u));
+                if (m < max_miss) {
+                    miss[2 * m] = i / K;
+                    miss[2 * m + 1] = e;
+                }
+                rowmap[i] = -1 - m;
+            }
+        }
+        if (i < n_src) n_pairs[i] = mine;
+        if (i == 0) {
+            *n_miss = __popc(missed);
+            __threadfence_system();
+        }
+        return;
+    }
     extern __shared__ int sh[];  // count[n_expert], cursor[n_expert], source[n_expert]
     int* count = sh;
     int* cursor = sh + n_expert;
