@@ -183,6 +183,8 @@ VARIANT_TUNINGS = [  # keep in step with scripts/gpu_experts_bench.py VARIANTS
     {"mma_mpw": 4},
     {"mma_prefetch": 1},
     {"mma_prefetch": 1, "mma_mpw": 4},
+    {"mma_unroll": 2},
+    {"mma_prefetch": 1, "mma_unroll": 2},
     {"prompt": "simt"},
     {"prompt": "simt", "tile_p": 16},
     {"prompt": "simt", "tile_p": 16, "gu_stages": 2, "grid_repl": 1},

@@ -79,6 +79,7 @@ class Tuning:
                                 # allows) or "simt" (the tiled dp4a kernels, tile_p pairs a tile)
     mma_mpw: int = 2            # tensor-core tiles: m-tiles (16 pairs) per warp, 1 / 2 / 4 (32 / 16 / 8 warps a block)
     mma_prefetch: int = 0       # tensor-core tiles: decode the next leaf's weight fragments during this leaf's mma
+    mma_unroll: int = 1         # tensor-core tiles: leaves per loop iteration (1 or 2)
 
 
 def _staged(qt, kin: int, rows: int) -> int:
@@ -125,6 +126,8 @@ class ExpertKernels:
             raise ValueError("prompt must be 'mma' or 'simt'")
         if t.mma_mpw not in (1, 2, 4):
             raise ValueError("mma_mpw must be 1, 2 or 4")
+        if t.mma_unroll not in (1, 2):
+            raise ValueError("mma_unroll must be 1 or 2")
         self.gate_bytes = self.d_ff * fmt(self.qt_gu).row_bytes(self.d_model)
         self.down_bytes = self.d_model * fmt(self.qt_dn).row_bytes(self.d_ff)
         self.slot_bytes = self.slot_bytes_of(self.d_model, self.d_ff, self.qt_gu, self.qt_dn)
@@ -144,7 +147,7 @@ class ExpertKernels:
                 ("GU_QT", int(self.qt_gu)), ("GU_KIN", self.d_model), ("GU_ROWS", self.d_ff),
                 ("DN_QT", int(self.qt_dn)), ("DN_KIN", self.d_ff), ("DN_ROWS", self.d_model),
                 ("GU_WPB", self.gu_warps), ("GU_MINB", self.gu_blocks), ("GU_STAGES", self.gu_stages),
-                ("TILE_P", t.tile_p), ("MMA_MPW", t.mma_mpw), ("MMA_PREFETCH", t.mma_prefetch),
+                ("TILE_P", t.tile_p), ("MMA_MPW", t.mma_mpw), ("MMA_PREFETCH", t.mma_prefetch), ("MMA_UNROLL", t.mma_unroll),
                 ("DN_WPB", self.dn_warps), ("DN_MINB", self.dn_blocks), ("DN_STAGES", self.dn_stages),
                 ("DN_R", t.dn_rows), ("GRID_REPL", t.grid_repl), ("IQ3_FAST", t.iq3_fast),
             ] + exp_defines()

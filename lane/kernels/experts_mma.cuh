@@ -115,6 +115,10 @@ template <> __device__ __forceinline__ void decode_frag<QT_IQ3_S>(u32 R, int s, 
 #ifndef MMA_PREFETCH
 #define MMA_PREFETCH 0
 #endif
+#ifndef MMA_UNROLL
+#define MMA_UNROLL 1
+#endif
+constexpr int MMA_LEAF_UNROLL = MMA_UNROLL;  // leaves a loop iteration: two give the scheduler independent work
 
 // A warp's weight fragment of one sub-block, with the scales (and minimums) of the thread's two output columns: those
 // of rows 2t and 2t + 1, decoded by lanes 8t and 8t + 4
@@ -168,7 +172,7 @@ __device__ __forceinline__ void mma_sums(u32 sb, u32 R, int mt0, int nmt, int la
     MmaFrag nx[G::SPL];
     leaf_frags<QT, G::SPL, G::NSUB>(R, 0, t, fr);
 #endif
-#pragma unroll 1
+#pragma unroll (MMA_LEAF_UNROLL)
     for (int j = 0; j < 32; ++j) {
         const int l = (int)(__brev((u32)j) >> 27);  // the canonical lane whose leaf comes j-th
 #if MMA_PREFETCH
