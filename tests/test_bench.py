@@ -34,3 +34,22 @@ def test_seed_bench_modes_and_shares(tmp_path):
             assert c["next_turn"]["cached_tokens"] >= c["prompt_tokens"]
     assert len(d["targets"]["mode3_speed_vs_mode1"]) == 2
     assert d["note"] == "one card per device" and d["hardware"]["cores"] >= 1 and d["host_experts"] == "cpu"
+
+
+def test_prompt_flops_per_token(tmp_path):
+    """The engine bench's prefill floor counts dense projections, k experts and causal attention per prompt token."""
+    from stratad.bench.engine import prompt_flops_per_token
+    from stratad.model.generator import make_model
+    from stratad.model.gguf_file import ModelFile
+
+    path = tmp_path / "tiny.gguf"
+    make_model(path, "tiny", "Q8_0", "Q8_0", 1.0, 0)
+    m = ModelFile(path)
+    c = m.config
+    per_layer_dense = (c.n_head + 2 * c.n_head_kv) * c.head_dim * c.d_model + c.d_model * c.n_head * c.head_dim \
+        + c.n_expert * c.d_model  # q, k, v; o; router
+    experts = c.n_expert_used * 3 * c.d_model * c.d_ff_expert
+    for ctx in (1, 1024):
+        attention = 2 * c.n_head * c.head_dim * (ctx + 1) / 2
+        want = 2.0 * c.n_layer * (per_layer_dense + experts + attention)
+        assert prompt_flops_per_token(m, ctx) == want

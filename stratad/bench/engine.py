@@ -13,7 +13,7 @@ import os
 import numpy as np
 import psutil
 
-from stratad.bench.hardware import gpu_copy_bandwidth, gpu_upload_bandwidth, host_read_bandwidth
+from stratad.bench.hardware import gpu_copy_bandwidth, gpu_gemm_tflops, gpu_upload_bandwidth, host_read_bandwidth
 from stratad.engine.generation import Generation
 from stratad.engine.prefix_cache import PrefixCache
 from stratad.engine.sampling import SamplingParams
@@ -22,6 +22,18 @@ from stratad.model.slot_layout import slot_bytes
 
 
 NEXT_TURN = 256  # new tokens in the measured next turn of the conversation
+
+
+def prompt_flops_per_token(model: ModelFile, context: int) -> float:
+    """FLOPs a prompt token costs on average over a prompt of `context` tokens: the dense projections (not the
+    embedding or the LM head, which a prompt runs once), its k experts (gate, up, down) and causal attention
+    (QK^T and PV over its position's prefix, (context + 1) / 2 keys on average)."""
+    c = model.config
+    dense = sum(int(np.prod(ti.shape)) for name, ti in model.tensors.items()
+                if len(ti.shape) == 2 and "_exps" not in name and name not in ("token_embd.weight", "output.weight"))
+    experts = c.n_layer * c.n_expert_used * 3 * c.d_model * c.d_ff_expert
+    attention = c.n_layer * 2 * c.n_head * c.head_dim * (context + 1) / 2
+    return 2.0 * (dense + experts + attention)
 
 
 def _bytes_per_token(model: ModelFile, context: int, resident_share: float) -> int:
@@ -42,6 +54,7 @@ def run(model_path: str, fractions=(1.0, 0.5, 0.25), contexts=(1024,), tokens: i
     c = model.config
     bw = gpu_copy_bandwidth(cp)[0] * 1e9
     bus = gpu_upload_bandwidth(cp)[0] * 1e9
+    tflops = gpu_gemm_tflops(cp)[0]
     host_read = host_read_bandwidth(os.cpu_count() or 1)
     expert_bytes = slot_bytes(model)
     total = c.n_layer * c.n_expert
@@ -89,6 +102,9 @@ def run(model_path: str, fractions=(1.0, 0.5, 0.25), contexts=(1024,), tokens: i
             results.append({
                 "cache_fraction": frac, "context": ctx, "generated": n,
                 "prefill_tok_s": round(ctx / g.ttft_s, 1), "ttft_s": round(g.ttft_s, 4),
+                "prefill_floor_tok_s": round(tflops * 1e12 / prompt_flops_per_token(model, ctx), 1),
+                "prefill_fraction_of_floor": round(ctx / g.ttft_s * prompt_flops_per_token(model, ctx) /
+                                                   (tflops * 1e12), 4),
                 "decode_tok_s": round(tps, 1), "hit_rate": round(share, 4), "cpu_share": round(on_cpu / used, 4),
                 "host_read_share": round(read / used, 4),
                 "floor_ms_per_token": round(floor_s * 1e3, 4),
@@ -106,8 +122,10 @@ def run(model_path: str, fractions=(1.0, 0.5, 0.25), contexts=(1024,), tokens: i
         del card
         cp.get_default_memory_pool().free_all_blocks()
     return {"scenario": "engine", "model": str(model_path), "copy_bandwidth_tb_s": round(bw / 1e12, 3),
+            "fp16_gemm_tflops": round(tflops, 1),
             "upload_bandwidth_gb_s": round(bus / 1e9, 1),
             "host_read_gb_s": round(host_read, 1),
-            "floor": "bytes per decode token (card-resident routed experts + dense + KV) / copy bandwidth "
-                     "+ experts read from host memory by the card / upload bandwidth",
+            "floor": "decode: bytes per token (card-resident routed experts + dense + KV) / copy bandwidth "
+                     "+ experts read from host memory by the card / upload bandwidth; prefill: FLOPs per prompt "
+                     "token (dense, k experts, causal attention) / the measured fp16 GEMM rate",
             "results": results}

@@ -49,20 +49,21 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def _copy_rate(cp, copy, moved: int, iters: int) -> tuple[float, list[float]]:
-    """GB/s of copy(stream) moving `moved` bytes, on a stream of its own: (best, each of 3 runs of iters)."""
+def _rate(cp, run, amount: int, iters: int) -> tuple[float, list[float]]:
+    """amount / 1e9 per second of run(stream) (bytes moved: GB/s; FLOPs: GFLOP/s), on a stream of its own:
+    (best, each of 3 runs of iters)."""
     s = cp.cuda.Stream(non_blocking=True)
     e0, e1 = cp.cuda.Event(), cp.cuda.Event()
     res = []
     for _ in range(2):
-        copy(s)
+        run(s)
     for _ in range(3):
         e0.record(s)
         for _ in range(iters):
-            copy(s)
+            run(s)
         e1.record(s)
         e1.synchronize()
-        res.append(moved * iters / (cp.cuda.get_elapsed_time(e0, e1) * 1e-3) / 1e9)
+        res.append(amount * iters / (cp.cuda.get_elapsed_time(e0, e1) * 1e-3) / 1e9)
     return max(res), res
 
 
@@ -71,7 +72,7 @@ def gpu_copy_bandwidth(cp, nbytes: int = 1 << 30, iters: int = 10) -> tuple[floa
     a = cp.empty(nbytes, cp.uint8)
     a.view(cp.uint32)[:] = cp.arange(nbytes // 4, dtype=cp.uint32) * np.uint32(2654435761)
     b = cp.empty_like(a)
-    return _copy_rate(cp, lambda s: b.data.copy_from_device_async(a.data, nbytes, s), 2 * nbytes, iters)
+    return _rate(cp, lambda s: b.data.copy_from_device_async(a.data, nbytes, s), 2 * nbytes, iters)
 
 
 def gpu_upload_bandwidth(cp, nbytes: int = 256 << 20, iters: int = 4) -> tuple[float, list[float]]:
@@ -80,8 +81,20 @@ def gpu_upload_bandwidth(cp, nbytes: int = 256 << 20, iters: int = 4) -> tuple[f
     np.frombuffer(host, np.uint8, nbytes)[:] = 7
     dev = cp.empty(nbytes, cp.uint8)
     h2d = 1  # cudaMemcpyHostToDevice
-    return _copy_rate(cp, lambda s: cp.cuda.runtime.memcpyAsync(dev.data.ptr, host.ptr, nbytes, h2d, s.ptr), nbytes,
-                      iters)
+    return _rate(cp, lambda s: cp.cuda.runtime.memcpyAsync(dev.data.ptr, host.ptr, nbytes, h2d, s.ptr), nbytes, iters)
+
+
+def gpu_gemm_tflops(cp, n: int = 8192, iters: int = 10) -> tuple[float, list[float]]:
+    """fp16 tensor-core GEMM rate (cuBLAS, n x n x n, fp32 accumulation) in TFLOP/s: (best, each of 3 runs)."""
+    a = cp.random.default_rng(0).standard_normal((n, n), dtype=cp.float32).astype(cp.float16)
+    b, c = a.T.copy(), cp.empty((n, n), cp.float16)
+
+    def gemm(s):
+        with s:
+            cp.matmul(a, b, out=c)
+
+    best, runs = _rate(cp, gemm, 2 * n ** 3, iters)  # GFLOP/s
+    return best / 1e3, [r / 1e3 for r in runs]
 
 
 def gpu_info(cp) -> dict:
