@@ -12,6 +12,8 @@ when the card and its peers hold every expert, one per layer otherwise (the host
 """
 from __future__ import annotations
 
+import logging
+
 import cupy as cp
 import numpy as np
 
@@ -25,6 +27,7 @@ from stratad.model.gguf_file import ModelFile
 from stratad.model.slot_layout import slot_bytes
 
 HALF_LIFE_TOKENS = 256
+log = logging.getLogger("stratad.lane")
 MAX_CAPTURED = 4
 
 
@@ -129,6 +132,7 @@ class CupyCard:
         # captured decode steps by placement shape: [(graph, layer served after it or None)]; coverage flips
         # between complete and not as slots swap, so both shapes stay captured
         self._graphs: dict[tuple, list] = {}
+        self._remote_direct = False  # a step with a peer on another GPU failed to capture: such steps run directly
         self.on_chunk = None  # called between prompt chunks (the lane's heartbeat: long prompts take a while)
 
     def _write_slot(self, dst: cp.ndarray, parts: list[np.ndarray]) -> None:
@@ -243,16 +247,26 @@ class CupyCard:
         return self._done(w, kv, logit_rows)
 
     def _decode(self, token: int, kv: GpuKV, logit_rows: int):
-        """One token: replay the captured step (captured again when the placement's shape changed). With a peer
-        on another GPU the step runs directly (its work is on that GPU's stream)."""
+        """One token: replay the captured step (captured again when the placement's shape changed). A peer on
+        another GPU is captured too (its copies and kernels joined to this card's stream by events: a graph of two
+        devices); where the driver refuses that, such steps run directly."""
         w = self.decode_work
-        if self.experts.remote:
+        remote = self.experts.remote
+        if remote and self._remote_direct:
             return self._chunk(np.array([token], np.int32), kv, logit_rows, w)
         key = (self.experts.full, self.experts.sources_key())
         if key not in self._graphs:
             if len(self._graphs) >= MAX_CAPTURED:
                 self._graphs.clear()  # peers came and went: the old pointers are gone
-            self._graphs[key] = self._capture(self._ops(w, 1))
+            try:
+                self._graphs[key] = self._capture(self._ops(w, 1))
+            except (cp.cuda.runtime.CUDARuntimeError, cp.cuda.driver.CUDADriverError) as e:
+                if not remote:
+                    raise
+                log.warning("a step with a peer on another GPU cannot be captured (%s): such steps run directly", e)
+                self._remote_direct = True
+                self.stream.synchronize()
+                return self._chunk(np.array([token], np.int32), kv, logit_rows, w)
         w.tokens.set(np.array([token], np.int32), stream=self.stream)
         for graph, served in self._graphs[key]:
             graph.launch(self.stream)

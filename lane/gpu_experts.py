@@ -65,7 +65,8 @@ class RemotePool(PeerPool):
     """A peer card's slot pool on another GPU, computed there: the pool is opened on its device, the layer's
     quantised input and pair list are copied over, that device's expert kernels run on its own stream and the
     result rows come back (cudaMemcpyPeer: over NVLink / PCIe P2P where the cards have it, through host memory
-    otherwise), while this card computes its own experts. Steps with a remote peer run without CUDA graphs."""
+    otherwise), while this card computes its own experts. Decode steps capture it with the rest (events join its
+    stream to this card's)."""
 
     remote = True
     side = True
@@ -302,7 +303,7 @@ class GpuExperts:
 
     @property
     def remote(self) -> bool:
-        """A peer on another GPU is in use (its steps are not captured in graphs)."""
+        """A peer on another GPU is in use (its work is on that GPU's stream)."""
         return any(p.remote for p in self.peers.values())
 
     def refresh(self) -> None:

@@ -76,8 +76,8 @@ def test_modes_bit_identical_on_gpu_cards(model, tmp_path, want):
 
 
 def test_peer_computed_on_its_own_gpu(model, tmp_path, want, monkeypatch):
-    """The path for a peer on another GPU (pool opened on its device, input copied over, rows back, no graphs),
-    taken here between two logical cards of one GPU: the bits are those of the solo card."""
+    """The path for a peer on another GPU (pool opened on its device, input copied over, rows back, in the
+    captured step), taken here between two logical cards of one GPU: the bits are those of the solo card."""
     monkeypatch.setenv("STRATAD_PEERS_AS_REMOTE", "1")
     d = start(model, tmp_path, "0,0", "0.3", mutual_help=True)
     try:
