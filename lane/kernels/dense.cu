@@ -1382,21 +1382,22 @@ extern "C" __global__ void attn_o_unpack(const float* __restrict__ o, int T, int
 // prompt attention, flash style on fp16 tensor cores (mma.m16n8k16, fp32 accumulate): no score matrix in
 // memory. Per kv head the chunk's query rows r = t * group + j (qp from attn_q_pack: f16, scaled by 1/sqrt(hd))
 // attend to keys 0 .. pos0 + t. A block takes 128 rows (8 warps x 16); keys come in tiles of 64 through shared
-// memory (cp.async, two stages; keys past the chunk read as 0, so a NaN left in the cache cannot reach P V). Per
-// warp and tile: S (16 x 64) = Q K^T, the online softmax in base 2 (P rounded to f16, l summed from the rounded
+// memory (cp.async, FA_STAGES = 3 stages, one barrier a tile; keys past the chunk read as 0, so a NaN left in the
+// cache cannot reach P V). Per warp and tile: S (16 x 64) = Q K^T, the online softmax in base 2 (P rounded to f16, l summed from the rounded
 // values, as in the decode kernel), then O (16 x hd) += P V with the S accumulators reused as A fragments.
 // The B fragments of K and V^T come from shared memory by ldmatrix.x4 (two n-tiles a load); shared rows are padded
 // by 16 bytes so that each 8-row phase of ldmatrix hits 32 different banks.
 // Grid (ceil(R / 128), n_kv), 256 threads, dynamic shared memory FaShape<HD>::SMEM.
 // =============================================================================================================
 constexpr int FA_BM = 128, FA_BN = 64, FA_THREADS = FA_BM / 16 * 32;
+constexpr int FA_STAGES = 3;  // key tiles in flight: one barrier a tile, the next two tiles loading meanwhile
 
 template <int HD>
 struct FaShape {
     static constexpr int KST = HD + 8;     // K tile row (halfs)
     static constexpr int VST = FA_BN + 8;  // V^T tile row (halfs)
     static constexpr int STAGE = FA_BN * KST + HD * VST;  // halfs
-    static constexpr int SMEM = 2 * STAGE * 2;            // bytes
+    static constexpr int SMEM = FA_STAGES * STAGE * 2;    // bytes
 };
 
 // four 8x8 b16 matrices from shared memory: thread t gives the address of row t % 8 of matrix t / 8 and receives
@@ -1469,16 +1470,20 @@ __device__ __forceinline__ void attn_flash_body(const u16* __restrict__ qp, cons
     const int kend = pos0 + (min(r0 + FA_BM, R) - 1) / group + 1;  // keys this block needs
     const int nkb = (kend + FA_BN - 1) / FA_BN;
     const int warp_last = pos0 + (min(r0 + w * 16 + 15, R - 1)) / group;  // the warp's last visible key
-    fa_load<HD>(fa_sm, kh, vh, max_ctx, 0, S, tid);
-    cp_commit();
-    for (int kb = 0; kb < nkb; ++kb) {
-        if (kb + 1 < nkb) fa_load<HD>(fa_sm + ((kb + 1) & 1) * F::STAGE, kh, vh, max_ctx, (kb + 1) * FA_BN, S, tid);
+#pragma unroll
+    for (int t = 0; t < FA_STAGES - 1; ++t) {  // the first tiles in flight (a commit group each, empty or not)
+        if (t < nkb) fa_load<HD>(fa_sm + t * F::STAGE, kh, vh, max_ctx, t * FA_BN, S, tid);
         cp_commit();
-        cp_wait<1>();
-        __syncthreads();
+    }
+    for (int kb = 0; kb < nkb; ++kb) {
+        cp_wait<FA_STAGES - 2>();  // this thread's copies of tile kb have landed
+        __syncthreads();           // everyone's have; and everyone is done with tile kb - 1, whose stage refills now
+        const int nx = kb + FA_STAGES - 1;
+        if (nx < nkb) fa_load<HD>(fa_sm + (nx % FA_STAGES) * F::STAGE, kh, vh, max_ctx, nx * FA_BN, S, tid);
+        cp_commit();
         const int k0 = kb * FA_BN;
         if (k0 <= warp_last) {  // else every key of the tile is after this warp's rows
-            const u16* ks_ = fa_sm + (kb & 1) * F::STAGE;
+            const u16* ks_ = fa_sm + (kb % FA_STAGES) * F::STAGE;
             const u16* vs_ = ks_ + FA_BN * F::KST;
             float s[NT][4];
 #pragma unroll
@@ -1533,7 +1538,6 @@ __device__ __forceinline__ void attn_flash_body(const u16* __restrict__ qp, cons
                     mma16816(acc[dt + 1], pa[2 * kk], pb[2 * kk], pa[2 * kk + 1], pb[2 * kk + 1], c0, c1);
                 }
         }
-        __syncthreads();  // the stage is reloaded by the next iteration's prefetch
     }
     la = f_add(la, __shfl_xor_sync(0xffffffffu, la, 1));
     la = f_add(la, __shfl_xor_sync(0xffffffffu, la, 2));

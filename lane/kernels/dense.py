@@ -555,7 +555,7 @@ class PrefillAttention:
     memory stays O(T) at any context. Same arguments as DecodeAttention but pos0 is a host int: prompts are read
     eagerly, not in graphs. Measured error against attention_ref: tests/test_gpu_dense.py."""
 
-    BLOCK_ROWS, KEY_TILE = 128, 64  # FA_BM, FA_BN in dense.cu (16 rows a warp)
+    BLOCK_ROWS, KEY_TILE, STAGES = 128, 64, 3  # FA_BM, FA_BN, FA_STAGES in dense.cu (16 rows a warp)
 
     def __init__(self, n_head: int, n_kv: int, head_dim: int, max_ctx: int, *, device=None):
         self.m = kernels(device)
@@ -569,8 +569,8 @@ class PrefillAttention:
         self.group = n_head // n_kv
         self.scale = np.float32(1.0 / math.sqrt(head_dim))
         self.fn = self.m.fn(f"attn_flash_prefill_{head_dim}")
-        # two stages of a key tile: K rows (hd + 8 halfs) and V^T rows (64 + 8 halfs)
-        self.smem = 2 * 2 * (self.KEY_TILE * (head_dim + 8) + head_dim * (self.KEY_TILE + 8))
+        # STAGES stages of a key tile: K rows (hd + 8 halfs) and V^T rows (64 + 8 halfs)
+        self.smem = self.STAGES * 2 * (self.KEY_TILE * (head_dim + 8) + head_dim * (self.KEY_TILE + 8))
         self.fn.max_dynamic_shared_size_bytes = self.smem
 
     def __call__(self, q, k_cache, v_cache, pos0: int, out, *, stream=None) -> None:
