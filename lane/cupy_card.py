@@ -211,10 +211,10 @@ class CupyCard:
         else:  # a prompt chunk, run eagerly: the host knows where it starts
             self.prefill_attn(w.q, *L["kv"], w.pos0, w.att, stream=s)
         self._proj(L["o"], w.att, w.x, residual=w.x)
-        D.rms_norm(w.x, L["ffn_norm"], c.rms_eps, w.h, stream=s)
+        D.rms_norm(w.x, L["ffn_norm"], c.rms_eps, w.h, quant=self.experts.inputs(w.T), stream=s)
         self._proj(L["router"], w.h, w.router)
         D.route(w.router, c.n_expert_used, w.ids[i], w.w, stream=s)
-        self.experts.front(i, w.h, w.ids[i], export)
+        self.experts.front(i, w.T, w.ids[i], export)
 
     def _finish(self, w: Work, logit_rows: int) -> None:
         s, rt = self.stream, cp.cuda.runtime

@@ -338,16 +338,21 @@ class GpuExperts:
             self.rows = cp.empty((S + 1, self.max_pairs, d), cp.float32)
         self._version = version
 
+    def inputs(self, T: int) -> tuple[cp.ndarray, cp.ndarray]:
+        """Where front() reads a layer's T rows of quantised input (int8 (T, d_model), scales (T, d_model / 32))."""
+        return self.qa[:T], self.da[:T]
+
     def sources_key(self) -> tuple:
         """What a captured step depends on besides the tables: the pool pointers and the row buffer."""
         return tuple(ptr for _, ptr, _ in self.sources) + (self.rows.data.ptr,)
 
     # ---- one layer ------------------------------------------------------------------------------------------
-    def front(self, layer: int, h: cp.ndarray, ids: cp.ndarray, export: bool) -> None:
-        """h (T, d_model) normalised input, ids (T, k) router choice: route and launch the cards' experts. A
-        prompt chunk (T > 1, run eagerly) first stages the experts no card holds; a decode step leaves them to
-        the arena source (host_experts = "card") or to the CPU pool (export: the doorbell for serve)."""
-        T, s = h.shape[0], self.stream
+    def front(self, layer: int, T: int, ids: cp.ndarray, export: bool) -> None:
+        """ids (T, k) router choice for the T rows of input in self.qa / self.da (quantised by the RMSNorm that
+        made them, `inputs`): route and launch the cards' experts. A prompt chunk (T > 1, run eagerly) first
+        stages the experts no card holds; a decode step leaves them to the arena source (host_experts = "card") or
+        to the CPU pool (export: the doorbell for serve)."""
+        s = self.stream
         kern = self.kernels[self.key(layer)]
         sources = list(self.sources)
         src, slot = self.src[layer], self.slot[layer]
@@ -361,7 +366,6 @@ class GpuExperts:
                 src, slot = self._stage(layer, ids)
             sources.append((None, self._stage_mem[buf].ptr, None))
         S = len(sources)
-        kern.quantize(h, self.qa[:T], self.da[:T], stream=s)
         tiled = T > 1
         kern.build_pairs(ids, src, slot, self.pairs[:S], self.n_pairs[:S], self.rowmap,
                          self.miss.ctypes.data, self.n_miss.ctypes.data, self.miss.shape[0],

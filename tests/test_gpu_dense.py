@@ -180,6 +180,33 @@ def test_rms_norm_exact(cp, D, n):
             f"{np.sum(got != want)} differ, max rel {np.max(np.abs(got - want) / np.abs(want))}"
 
 
+@pytest.mark.parametrize("n", [2048, 256, 96])
+def test_rms_norm_quantised_for_the_experts(cp, D, n):
+    """The same launch also quantises each normalised row as canonical.quantize_act does (the experts' input):
+    every bit of y, q and d."""
+    from stratad.engine import canonical
+
+    rng = np.random.default_rng(n + 7)
+    for rows in (1, 5):
+        x = rng.standard_normal((rows, n), dtype=F32) * rng.uniform(0.01, 30, size=(rows, 1)).astype(F32)
+        x[0, :32] = 0.0  # an all-zero group: scale 0, integers 0
+        w = rng.uniform(0.5, 1.5, n).astype(F32)
+        y = nan_like(cp, (rows, n))
+        q = cp.full((rows, n), 99, cp.int8)
+        d = nan_like(cp, (rows, n // 32))
+        D.rms_norm(cp.asarray(x), cp.asarray(w), 1e-6, y, quant=(q, d))
+        sync(cp)
+        want_y = reference.rms_norm(x, w, 1e-6)
+        want_q, want_d = canonical.quantize_act(want_y)
+        assert np.array_equal(y.get().view(np.uint32), want_y.view(np.uint32)) or D.pairwise_plan(n) is None
+        h = y.get()  # the kernel's y is what it quantised (n = 96 has no numpy-order plan)
+        hq, hd = canonical.quantize_act(h)
+        np.testing.assert_array_equal(q.get(), hq.reshape(rows, n))
+        np.testing.assert_array_equal(d.get().view(np.uint32), hd.reshape(rows, n // 32).view(np.uint32))
+        if D.pairwise_plan(n) is not None:
+            np.testing.assert_array_equal(q.get(), want_q.reshape(rows, n))
+
+
 def test_rms_norm_generic(cp, D):
     rng = np.random.default_rng(1)
     n = 200

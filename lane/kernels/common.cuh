@@ -1,4 +1,5 @@
-// What dense.cu and experts.cu share: integer types, exact float32 arithmetic, byte permute, cp.async, and the
+// What dense.cu and experts.cu share: integer types, exact float32 arithmetic, the experts' input quantisation
+// (rms_norm_rows can produce it), byte permute, cp.async, and the
 // programmatic-dependent-launch entry every kernel begins with. compile.py inlines this file where a .cu says
 // #include "common.cuh" (so the cubin cache key covers it); nvcc finds it beside the source.
 typedef unsigned int u32;
@@ -25,6 +26,22 @@ __device__ __forceinline__ float f_add(float a, float b) { float r; asm("add.rn.
 __device__ __forceinline__ float f_sub(float a, float b) { float r; asm("sub.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r; }
 __device__ __forceinline__ float f_mul(float a, float b) { float r; asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r; }
 __device__ __forceinline__ float f_div(float a, float b) { float r; asm("div.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r; }
+
+__device__ __forceinline__ float f_rint(float a) { float r; asm("cvt.rni.f32.f32 %0, %1;" : "=f"(r) : "f"(a)); return r; }
+__device__ __forceinline__ float f_max(float a, float b) { float r; asm("max.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r; }
+__device__ __forceinline__ float f_abs(float a) { return __int_as_float(__float_as_int(a) & 0x7fffffff); }
+
+// Quantise 32 values held one per lane (canonical.quantize_act on one group): the experts' int8 input. Writes
+// q[lane], and *d from lane 0.
+__device__ __forceinline__ void quant32(float v, int lane, signed char* q, float* d) {
+    float m = f_abs(v);
+#pragma unroll
+    for (int o = 16; o; o >>= 1) m = f_max(m, __shfl_xor_sync(0xffffffffu, m, o));
+    const float dd = f_div(m, 127.0f);
+    const float inv = (__float_as_int(dd) > 0) ? f_div(1.0f, dd) : 0.0f;  // dd >= 0: positive bits <=> dd > 0
+    q[lane] = (signed char)(int)f_rint(f_mul(v, inv));
+    if (lane == 0) *d = dd;
+}
 
 __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 s) { u32 r; asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(s)); return r; }
 

@@ -501,10 +501,12 @@ __device__ __forceinline__ float leaf_sq_sum(const float* a, int L, int j) {
 
 // rows of x (ldx apart) -> y (ldy apart). blockDim >= max(256, NL*8), multiple of 32. With `staged`, the row is
 // first copied with w to dynamic shared memory (8n bytes) by coalesced loads, so the summation chains wait on shared
-// memory, not on global latency.
+// memory, not on global latency. With q (n a multiple of 32): each row also quantised for the experts, q (rows, n)
+// int8 and d (rows, n / 32) (the launch the experts' quantisation would otherwise take).
 extern "C" __global__ void __launch_bounds__(1024) rms_norm_rows(const float* x, i64 ldx, const float* __restrict__ w,
                                                                  float* y, i64 ldy, int n, int L, int NL, float eps,
-                                                                 int staged) {
+                                                                 int staged, signed char* __restrict__ q,
+                                                                 float* __restrict__ d) {
     PDL_ENTRY();
     extern __shared__ float xs[];
     __shared__ float part[32];
@@ -560,7 +562,17 @@ extern "C" __global__ void __launch_bounds__(1024) rms_norm_rows(const float* x,
     if (tid == 0) s_inv = f_sqrt(f_add(f_div(sum, (float)n), eps));
     __syncthreads();
     const float s = s_inv;
-    for (int i = tid; i < n; i += blockDim.x) yr[i] = f_mul(f_div(xr[i], s), wr[i]);
+    if (q == nullptr) {
+        for (int i = tid; i < n; i += blockDim.x) yr[i] = f_mul(f_div(xr[i], s), wr[i]);
+        return;
+    }
+    const int G = n >> 5;  // a warp's groups of 32: normalised, written, quantised
+    for (int g = wid; g < G; g += nw) {
+        const int i = g * 32 + lane;
+        const float v = f_mul(f_div(xr[i], s), wr[i]);
+        yr[i] = v;
+        quant32(v, lane, q + (i64)blockIdx.x * n + i - lane, d + (i64)blockIdx.x * G + g);
+    }
 }
 
 // =============================================================================================================

@@ -380,8 +380,10 @@ def pairwise_plan(n: int) -> tuple[int, int] | None:
     return m, nl
 
 
-def rms_norm(x, w, eps: float, y=None, *, stream=None):
+def rms_norm(x, w, eps: float, y=None, *, quant=None, stream=None):
     """reference.rms_norm over the last axis of x (rows, n) or (n,) float32; w float32 (n,). Returns y.
+    quant: (q int8 (rows, n), d float32 (rows, n / 32)) also receive canonical.quantize_act of y (the experts'
+    input), in the same launch.
 
     Bit-identical to numpy when pairwise_plan(n) is not None (n = 64, 128, 256, 2048, 4096, ...)."""
     m = kernels()
@@ -400,9 +402,16 @@ def rms_norm(x, w, eps: float, y=None, *, stream=None):
         L, NL = plan
         threads = max(256, -(-NL * 8 // 32) * 32)
     staged = 8 * n <= 48 * 1024
+    qd = (np.uint64(0), np.uint64(0))
+    if quant is not None:
+        if n % 32:
+            raise ValueError("quantised output needs n to be a multiple of 32")
+        _need(quant[0], np.int8, (rows, n), "q")
+        _need(quant[1], np.float32, (rows, n // 32), "d")
+        qd = tuple(quant)
     with _on(stream):
         launch(m.fn("rms_norm_rows"), (rows,), (threads,), (x, np.int64(n), w, y, np.int64(n), np.int32(n), np.int32(L),
-                                                    np.int32(NL), np.float32(eps), np.int32(staged)),
+                                                    np.int32(NL), np.float32(eps), np.int32(staged)) + qd,
                               shared_mem=8 * n if staged else 0)
     return y
 

@@ -121,8 +121,6 @@
 #define QT_IQ3_S 21
 
 // ---- exact float32 arithmetic (IEEE round-to-nearest-even, subnormals kept, never contracted) ----------------
-__device__ __forceinline__ float f_rint(float a) { float r; asm("cvt.rni.f32.f32 %0, %1;" : "=f"(r) : "f"(a)); return r; }
-__device__ __forceinline__ float f_max(float a, float b) { float r; asm("max.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r; }
 __device__ __forceinline__ float i2f(int a) { float r; asm("cvt.rn.f32.s32 %0, %1;" : "=f"(r) : "r"(a)); return r; }
 __device__ __forceinline__ float h2f(u32 bits16) {
     float r;
@@ -131,7 +129,6 @@ __device__ __forceinline__ float h2f(u32 bits16) {
     return r;
 }
 __device__ __forceinline__ float f_neg(float a) { return __int_as_float(__float_as_int(a) ^ 0x80000000); }
-__device__ __forceinline__ float f_abs(float a) { return __int_as_float(__float_as_int(a) & 0x7fffffff); }
 
 // canonical.exp: clip, n = rint(x log2e), two-part ln2 reduction, Horner polynomial, times 2^n
 __device__ __forceinline__ float c_exp(float x) {
@@ -152,17 +149,6 @@ __device__ __forceinline__ float c_exp(float x) {
 }
 
 __device__ __forceinline__ float c_silu(float g) { return f_div(g, f_add(1.0f, c_exp(f_neg(g)))); }
-
-// Quantise 32 values held one per lane (canonical.quantize_act on one group). Writes q[lane], and *d from lane 0.
-__device__ __forceinline__ void quant32(float v, int lane, signed char* q, float* d) {
-    float m = f_abs(v);
-#pragma unroll
-    for (int o = 16; o; o >>= 1) m = f_max(m, __shfl_xor_sync(FULL_MASK, m, o));
-    const float dd = f_div(m, 127.0f);
-    const float inv = (__float_as_int(dd) > 0) ? f_div(1.0f, dd) : 0.0f;  // dd >= 0: positive bits <=> dd > 0
-    q[lane] = (signed char)(int)f_rint(f_mul(v, inv));
-    if (lane == 0) *d = dd;
-}
 
 // canonical lane fold: lane l += lane l + o for o = 16, 8, 4, 2, 1; lane 0 holds the row's sum
 __device__ __forceinline__ float lane_fold(float acc) {
