@@ -1395,8 +1395,9 @@ extern "C" __global__ void attn_o_unpack(const float* __restrict__ o, int T, int
 // memory. Per kv head the chunk's query rows r = t * group + j (qp from attn_q_pack: f16, scaled by 1/sqrt(hd))
 // attend to keys 0 .. pos0 + t. A block takes 128 rows (8 warps x 16); keys come in tiles of 64 through shared
 // memory (cp.async, FA_STAGES = 3 stages, one barrier a tile; keys past the chunk read as 0, so a NaN left in the
-// cache cannot reach P V). Per warp and tile: S (16 x 64) = Q K^T, the online softmax in base 2 (P rounded to f16, l summed from the rounded
-// values, as in the decode kernel), then O (16 x hd) += P V with the S accumulators reused as A fragments.
+// cache cannot reach P V). Per warp and tile: S (16 x 64) = Q K^T, the online softmax in base 2 (P rounded to
+// f16, l summed from the rounded values, as in the decode kernel), then O (16 x hd) += P V with the S
+// accumulators reused as A fragments.
 // The B fragments of K and V^T come from shared memory by ldmatrix.x4 (two n-tiles a load); shared rows are padded
 // by 16 bytes so that each 8-row phase of ldmatrix hits 32 different banks.
 // Grid (ceil(R / 128), n_kv), 256 threads, dynamic shared memory FaShape<HD>::SMEM.
