@@ -213,8 +213,11 @@ class CupyCard:
         self._proj(L["o"], w.att, w.x, residual=w.x)
         D.rms_norm(w.x, L["ffn_norm"], c.rms_eps, w.h, quant=self.experts.inputs(w.T), stream=s)
         self._proj(L["router"], w.h, w.router)
-        D.route(w.router, c.n_expert_used, w.ids[i], w.w, stream=s)
-        self.experts.front(i, w.T, w.ids[i], export)
+        if w.T == 1:  # a decode step: routed in the launch that builds the pair lists
+            self.experts.front(i, 1, w.ids[i], export, router=(w.router, w.w))
+        else:
+            D.route(w.router, c.n_expert_used, w.ids[i], w.w, stream=s)
+            self.experts.front(i, w.T, w.ids[i], export)
 
     def _finish(self, w: Work, logit_rows: int) -> None:
         s, rt = self.stream, cp.cuda.runtime

@@ -347,11 +347,12 @@ class GpuExperts:
         return tuple(ptr for _, ptr, _ in self.sources) + (self.rows.data.ptr,)
 
     # ---- one layer ------------------------------------------------------------------------------------------
-    def front(self, layer: int, T: int, ids: cp.ndarray, export: bool) -> None:
+    def front(self, layer: int, T: int, ids: cp.ndarray, export: bool, router=None) -> None:
         """ids (T, k) router choice for the T rows of input in self.qa / self.da (quantised by the RMSNorm that
-        made them, `inputs`): route and launch the cards' experts. A prompt chunk (T > 1, run eagerly) first
-        stages the experts no card holds; a decode step leaves them to the arena source (host_experts = "card") or
-        to the CPU pool (export: the doorbell for serve)."""
+        made them, `inputs`): route and launch the cards' experts. router = (logits (1, n_expert), weights (1, k))
+        for a decode step: ids and weights are made here, in the launch that builds the pair lists. A prompt
+        chunk (T > 1, run eagerly) first stages the experts no card holds; a decode step leaves them to the arena
+        source (host_experts = "card") or to the CPU pool (export: the doorbell for serve)."""
         s = self.stream
         kern = self.kernels[self.key(layer)]
         sources = list(self.sources)
@@ -367,10 +368,14 @@ class GpuExperts:
             sources.append((None, self._stage_mem[buf].ptr, None))
         S = len(sources)
         tiled = T > 1
-        kern.build_pairs(ids, src, slot, self.pairs[:S], self.n_pairs[:S], self.rowmap,
-                         self.miss.ctypes.data, self.n_miss.ctypes.data, self.miss.shape[0],
-                         self.tiles[:S] if tiled else None,
-                         self.n_tiles[:S] if tiled else None, stream=s)
+        if router is not None and T == 1:
+            kern.route_pairs(router[0], self.k, ids, router[1], src, slot, self.pairs[:S], self.n_pairs[:S],
+                             self.rowmap, self.miss.ctypes.data, self.n_miss.ctypes.data, self.miss.shape[0], stream=s)
+        else:
+            kern.build_pairs(ids, src, slot, self.pairs[:S], self.n_pairs[:S], self.rowmap,
+                             self.miss.ctypes.data, self.n_miss.ctypes.data, self.miss.shape[0],
+                             self.tiles[:S] if tiled else None,
+                             self.n_tiles[:S] if tiled else None, stream=s)
         if export:
             rt = cp.cuda.runtime
             rt.memcpyAsync(self.qa_h.ctypes.data, self.qa.data.ptr, T * self.qa.shape[1], D2H, s.ptr)

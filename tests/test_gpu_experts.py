@@ -339,11 +339,61 @@ def test_graph_replay(cp):
         assert_bits(y.get()[:n_tok], yr, "graph replay combine")
 
 
+def check_pairs(ids, src, slot, got_pairs, got_n, rm, miss, n_miss, P):
+    """build_pairs' contract: every routed entry's row (a source's pair or a CPU miss) holds (token, slot or
+    expert); each source's pairs are grouped by expert, ascending."""
+    from lane.kernels.experts import build_pairs_ref
+
+    n = ids.size
+    assert int(got_n.sum()) + int(n_miss[0]) == n
+    assert len(set(rm.tolist())) == n, "two entries share a row"
+    flat = ids.reshape(-1)
+    for i, (s, t, v) in enumerate(build_pairs_ref(ids, src, slot)):
+        r = int(rm[i])
+        if s >= 0:
+            assert r // P == s and r % P < got_n[s] and tuple(got_pairs[s, r % P]) == (t, v), (i, r)
+        else:
+            assert 0 <= -1 - r < n_miss[0] and tuple(miss[-1 - r]) == (t, v), (i, r)
+    for s in range(len(got_n)):  # each source's pairs grouped by expert, ascending
+        expert_of_row = {int(r) % P: int(flat[i]) for i, r in enumerate(rm) if r >= 0 and r // P == s}
+        seq = [expert_of_row[p] for p in range(int(got_n[s]))]
+        assert seq == sorted(seq)
+
+
+def test_route_pairs_is_route_then_build_pairs(cp):
+    """A decode step's fused router + pair lists: ids and weights with dense.route's bits (the same logits), the
+    pair lists with build_pairs' contract; experts on several sources and on none."""
+    from lane.gpu_experts import pinned
+    from lane.kernels import dense as D
+    from lane.kernels.experts import ExpertKernels
+
+    rng = np.random.default_rng(17)
+    n_expert, K, S = 128, 8, 3
+    k = ExpertKernels(256, 256, "IQ3_S", "IQ3_S", 64)
+    miss, n_miss = pinned((K, 2), np.int32), pinned((1,), np.int32)
+    for trial in range(20):
+        logits = cp.asarray((rng.standard_normal((1, n_expert)) * rng.uniform(0.5, 8)).astype(F32))
+        want_ids, want_w = D.route(logits, K)
+        src = rng.integers(-1, S, n_expert).astype(np.int32)
+        slot = rng.integers(0, 1000, n_expert).astype(np.int32)
+        ids, w = cp.full((1, K), -7, cp.int32), cp.full((1, K), np.nan, cp.float32)
+        pairs, n_pairs = cp.full((S, 64, 2), -7, cp.int32), cp.full((S,), -7, cp.int32)
+        rowmap = cp.full((64,), 1 << 30, cp.int32)
+        miss[:] = -7
+        n_miss[0] = -7
+        k.route_pairs(logits, K, ids, w, cp.asarray(src), cp.asarray(slot), pairs, n_pairs, rowmap,
+                      miss.ctypes.data, n_miss.ctypes.data, K)
+        cp.cuda.get_current_stream().synchronize()
+        np.testing.assert_array_equal(ids.get(), want_ids.get())
+        np.testing.assert_array_equal(w.get().view(np.uint32), want_w.get().view(np.uint32))
+        check_pairs(ids.get(), src, slot, pairs.get(), n_pairs.get(), rowmap.get()[:K], miss, n_miss, 64)
+
+
 def test_build_pairs_rowmap_and_combine_rows(cp):
     """Routed ids -> per-source pair lists (grouped by expert), row map and CPU miss list in mapped host memory;
     combine_rows through that map adds exactly canonical.combine to the residual; the doorbell counts up."""
     from lane.gpu_experts import pinned
-    from lane.kernels.experts import ExpertKernels, build_pairs_ref, combine_rows_ref, max_tiles
+    from lane.kernels.experts import ExpertKernels, combine_rows_ref, max_tiles
 
     rng = np.random.default_rng(13)
     d_model, K, n_expert, S = 256, 8, 64, 3
@@ -374,20 +424,7 @@ def test_build_pairs_rowmap_and_combine_rows(cp):
                                   np.arange(int(got_n[s_])))
             for a, c in tl:
                 assert len(set(got_pairs[s_, a:a + c, 1].tolist())) == 1
-        want = build_pairs_ref(ids, src, slot)
-        assert int(got_n.sum()) + int(n_miss[0]) == T_ * K
-        assert len(set(rm.tolist())) == T_ * K, "two entries share a row"
-        flat = ids.reshape(-1)
-        for i, (s, t, v) in enumerate(want):
-            r = int(rm[i])
-            if s >= 0:
-                assert r // P == s and r % P < got_n[s] and tuple(got_pairs[s, r % P]) == (t, v), (i, r)
-            else:
-                assert 0 <= -1 - r < n_miss[0] and tuple(miss[-1 - r]) == (t, v), (i, r)
-        for s in range(S):  # each source's pairs grouped by expert, ascending
-            expert_of_row = {int(r) % P: int(flat[i]) for i, r in enumerate(rm) if r >= 0 and r // P == s}
-            seq = [expert_of_row[p] for p in range(int(got_n[s]))]
-            assert seq == sorted(seq)
+        check_pairs(ids, src, slot, got_pairs, got_n, rm, miss, n_miss, P)
 
         rows = rng.standard_normal((S * P, d_model), dtype=F32)
         host_rows[:] = rng.standard_normal((P, d_model), dtype=F32)

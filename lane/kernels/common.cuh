@@ -43,6 +43,13 @@ __device__ __forceinline__ void quant32(float v, int lane, signed char* q, float
     if (lane == 0) *d = dd;
 }
 
+#define NEG_INF __int_as_float(0xff800000)
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
 __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 s) { u32 r; asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(s)); return r; }
 
 __device__ __forceinline__ void cp_async16(u32 saddr, const void* g) {

@@ -24,7 +24,6 @@
 #define QT_Q8_0 8
 #define QT_BF16 30
 
-#define NEG_INF __int_as_float(0xff800000)
 
 // ---- exact float helpers (explicit rounding; --fmad cannot touch them) --------------------------------------
 __device__ __forceinline__ float f_sqrt(float a) { float r; asm("sqrt.rn.f32 %0, %1;" : "=f"(r) : "f"(a)); return r; }
@@ -66,11 +65,6 @@ __device__ __forceinline__ float i8f(u32 u, u32 k) { return f_sub(__int_as_float
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v = f_add(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
-}
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
 }
 
@@ -1034,95 +1028,17 @@ extern "C" __global__ void __launch_bounds__(128) attn_combine_v1(const float* _
 }
 
 // =============================================================================================================
-// 5. router: softmax over n logits, top-k (descending, ties to the lower index), renormalised.
-// One warp per token. Ranking key: the float32 probability p_i = expf(x_i - max) / S, ties to the lower index,
-// as numpy ranks (also where exp underflows to 0: then the zeros tie and go by index, as in numpy). Sums use
-// numpy's pairwise order; exp is CUDA's expf (<= 2 ulp): ids differ from numpy only if its exp and ours round
-// two nearly equal logits to a different order / tie (not seen in 3600 random rows emulated).
-// n <= 1024, k <= 32.
+// 5. router: one warp per token (route.cuh)
 // =============================================================================================================
-__device__ float pw_sum_seq(const float* a, int n) {  // numpy pairwise_sum for n <= 128, one thread
-    if (n < 8) {
-        float s = 0.f;
-        for (int i = 0; i < n; ++i) s = f_add(s, a[i]);
-        return s;
-    }
-    float r[8];
-    for (int j = 0; j < 8; ++j) r[j] = a[j];
-    const int m = n - (n & 7);
-    for (int i = 8; i < m; i += 8)
-        for (int j = 0; j < 8; ++j) r[j] = f_add(r[j], a[i + j]);
-    float s = f_add(f_add(f_add(r[0], r[1]), f_add(r[2], r[3])), f_add(f_add(r[4], r[5]), f_add(r[6], r[7])));
-    for (int i = m; i < n; ++i) s = f_add(s, a[i]);
-    return s;
-}
-
-__device__ float pw_sum_tree(const float* a, int n) {  // general numpy pairwise_sum (recursive), one thread
-    if (n <= 128) return pw_sum_seq(a, n);
-    // iterative over the recursion with an explicit stack (depth <= 8 for n <= 32768)
-    int n2 = n >> 1;
-    n2 -= n2 & 7;
-    float s0, s1;
-    if (n2 <= 128) s0 = pw_sum_seq(a, n2);
-    else {
-        int m2 = n2 >> 1; m2 -= m2 & 7;
-        s0 = f_add(pw_sum_seq(a, m2), pw_sum_seq(a + m2, n2 - m2));  // n <= 512 covered exactly
-    }
-    const int r = n - n2;
-    if (r <= 128) s1 = pw_sum_seq(a + n2, r);
-    else {
-        int m2 = r >> 1; m2 -= m2 & 7;
-        s1 = f_add(pw_sum_seq(a + n2, m2), pw_sum_seq(a + n2 + m2, r - m2));
-    }
-    return f_add(s0, s1);
-}
-
-__device__ __forceinline__ u32 redux_max(u32 v) { u32 r; asm volatile("redux.sync.max.u32 %0, %1, 0xffffffff;" : "=r"(r) : "r"(v)); return r; }
-__device__ __forceinline__ u32 redux_min(u32 v) { u32 r; asm volatile("redux.sync.min.u32 %0, %1, 0xffffffff;" : "=r"(r) : "r"(v)); return r; }
+#include "route.cuh"
 
 extern "C" __global__ void __launch_bounds__(32) route_topk(const float* __restrict__ logits, i64 ld, int n, int k,
                                                             int* __restrict__ ids, float* __restrict__ wts) {
     PDL_ENTRY();
     __shared__ float e[1024];
     __shared__ float sel[32];
-    const int t = blockIdx.x, lane = threadIdx.x;
-    const float* x = logits + (i64)t * ld;
-    float mx = NEG_INF;
-    for (int i = lane; i < n; i += 32) mx = fmaxf(mx, x[i]);
-    mx = warp_max(mx);
-    for (int i = lane; i < n; i += 32) e[i] = expf(f_sub(x[i], mx));
-    __syncwarp();
-    float S = 0.f;
-    if (lane == 0) S = pw_sum_tree(e, n);
-    S = __shfl_sync(0xffffffffu, S, 0);
-    for (int i = lane; i < n; i += 32) e[i] = f_div(e[i], S);  // p
-    __syncwarp();
-    // top-k by (p desc, index asc): each lane's best untaken (p >= 0, so its bits order as u32), then two
-    // warp reductions (redux.sync): the largest p, and the lowest index holding it
-    u32 taken = 0;
-    int myid = 0;
-    for (int j = 0; j < k; ++j) {
-        u32 bb = 0, bi = 0xffffffffu;
-        int c = 0;
-        for (int i = lane; i < n; i += 32, ++c) {
-            if (taken & (1u << c)) continue;
-            const u32 pb = __float_as_uint(e[i]);
-            if (bi == 0xffffffffu || pb > bb) { bb = pb; bi = (u32)i; }
-        }
-        const u32 M = redux_max(bi == 0xffffffffu ? 0u : bb);
-        const u32 I = redux_min((bi != 0xffffffffu && bb == M) ? bi : 0xffffffffu);
-        if ((int)(I & 31u) == lane) taken |= 1u << (I >> 5);
-        if (lane == j) myid = (int)I;
-    }
-    if (lane < k) sel[lane] = e[myid];
-    __syncwarp();
-    float ws = 0.f;
-    if (lane == 0) ws = pw_sum_seq(sel, k);
-    ws = __shfl_sync(0xffffffffu, ws, 0);
-    if (lane < k) {
-        ids[(i64)t * k + lane] = myid;
-        wts[(i64)t * k + lane] = f_div(sel[lane], ws);
-    }
+    const int t = blockIdx.x;
+    route_warp(logits + (i64)t * ld, n, k, e, sel, threadIdx.x, ids + (i64)t * k, wts + (i64)t * k);
 }
 
 // first version (shuffle reductions per round)

@@ -27,6 +27,7 @@
 // Weight formats (GGML type numbers): 21 = IQ3_S (110 B / 256), 12 = Q4_K (144 B / 256), 8 = Q8_0 (34 B / 32).
 
 #include "common.cuh"
+#include "route.cuh"
 
 // ---- compile-time configuration (experts.py passes all of these; defaults allow a standalone nvcc check) ----
 #ifndef GU_QT
@@ -786,6 +787,66 @@ extern "C" __global__ void combine_rows(const float* __restrict__ rows, const fl
     x[idx] = f_add(x[idx], acc);
 }
 
+// build_pairs for n <= 32 entries by one warp: lane i holds entry i's expert e (lanes past n: anything). Each
+// entry's place in its source's list is the number of that source's entries before it by (expert, entry).
+__device__ __forceinline__ void pairs_warp(int e, int n, int K, const int* __restrict__ src,
+                                           const int* __restrict__ slot, int n_expert, int n_src, int max_pairs,
+                                           int* __restrict__ pairs, int* __restrict__ n_pairs,
+                                           int* __restrict__ rowmap, int* __restrict__ miss, int* __restrict__ n_miss,
+                                           int max_miss) {
+    const int i = threadIdx.x & 31;
+    int s = -1;
+    if (i < n) {
+        s = (e >= 0 && e < n_expert) ? src[e] : -1;
+        if (s >= n_src) s = -1;
+    } else {
+        e = -1;
+    }
+    int pos = 0, mine = 0;  // this entry's place in its source's list; the entries of source i
+    for (int j = 0; j < n; ++j) {
+        const int ej = __shfl_sync(FULL_MASK, e, j), sj = __shfl_sync(FULL_MASK, s, j);
+        if (s >= 0 && sj == s && (ej < e || (ej == e && j < i))) ++pos;
+        if (sj == i) ++mine;
+    }
+    const u32 missed = __ballot_sync(FULL_MASK, i < n && s < 0);
+    if (i < n) {
+        if (s >= 0) {
+            const int r = s * max_pairs + pos;
+            pairs[2 * r] = i / K;
+            pairs[2 * r + 1] = slot[e];
+            rowmap[i] = r;
+        } else {
+            const int m = __popc(missed & ((1u << i) - 1u));
+            if (m < max_miss) {
+                miss[2 * m] = i / K;
+                miss[2 * m + 1] = e;
+            }
+            rowmap[i] = -1 - m;
+        }
+    }
+    if (i < n_src) n_pairs[i] = mine;
+    if (i == 0) {
+        *n_miss = __popc(missed);
+        __threadfence_system();
+    }
+}
+
+// A decode step's router and pair lists in one launch (one warp): route.cuh's route of one token's logits (ids,
+// wts: as route_topk writes them), then pairs_warp on its k experts (build_pairs' contract).
+extern "C" __global__ void __launch_bounds__(32) route_pairs(const float* __restrict__ logits, int n, int k,
+                                                             int* __restrict__ ids, float* __restrict__ wts,
+                                                             const int* __restrict__ src, const int* __restrict__ slot,
+                                                             int n_src, int max_pairs, int* __restrict__ pairs,
+                                                             int* __restrict__ n_pairs, int* __restrict__ rowmap,
+                                                             int* __restrict__ miss, int* __restrict__ n_miss,
+                                                             int max_miss) {
+    PDL_ENTRY();
+    __shared__ float e[1024];
+    __shared__ float sel[32];
+    const int id = route_warp(logits, n, k, e, sel, threadIdx.x, ids, wts);
+    pairs_warp(id, k, k, src, slot, n, n_src, max_pairs, pairs, n_pairs, rowmap, miss, n_miss, max_miss);
+}
+
 // One layer's routed entries (ids: n = T*K expert ids, token = entry / K) -> where each is computed. src[e]: the
 // source holding expert e (0 = this card, 1.. = peers' slot pools, -1 = none: the CPU pool), slot[e]: its slot
 // there. Writes per source s a pair list pairs[s] = (token, slot) grouped by expert (tokens of one expert are
@@ -802,41 +863,9 @@ extern "C" __global__ void build_pairs(const int* __restrict__ ids, int n, int K
                                        int* __restrict__ tiles, int* __restrict__ n_tiles, int max_tiles) {
     PDL_ENTRY();
     if (n <= 32 && tile_p == 0) {  // a decode step's few entries: one warp ranks them, no scan over the experts
-        if (threadIdx.x >= 32) return;
-        const int i = threadIdx.x;
-        int e = -1, s = -1;
-        if (i < n) {
-            e = ids[i];
-            s = (e >= 0 && e < n_expert) ? src[e] : -1;
-            if (s >= n_src) s = -1;
-        }
-        int pos = 0, mine = 0;  // this entry's place in its source's list; the entries of source i
-        for (int j = 0; j < n; ++j) {
-            const int ej = __shfl_sync(FULL_MASK, e, j), sj = __shfl_sync(FULL_MASK, s, j);
-            if (s >= 0 && sj == s && (ej < e || (ej == e && j < i))) ++pos;  // by expert, then by entry
-            if (sj == i) ++mine;
-        }
-        const u32 missed = __ballot_sync(FULL_MASK, i < n && s < 0);
-        if (i < n) {
-            if (s >= 0) {
-                const int r = s * max_pairs + pos;
-                pairs[2 * r] = i / K;
-                pairs[2 * r + 1] = slot[e];
-                rowmap[i] = r;
-            } else {
-                const int m = __popc(missed & ((1u << i) - 1u));
-                if (m < max_miss) {
-                    miss[2 * m] = i / K;
-                    miss[2 * m + 1] = e;
-                }
-                rowmap[i] = -1 - m;
-            }
-        }
-        if (i < n_src) n_pairs[i] = mine;
-        if (i == 0) {
-            *n_miss = __popc(missed);
-            __threadfence_system();
-        }
+        if (threadIdx.x < 32)
+            pairs_warp(threadIdx.x < n ? ids[threadIdx.x] : -1, n, K, src, slot, n_expert, n_src, max_pairs, pairs,
+                       n_pairs, rowmap, miss, n_miss, max_miss);
         return;
     }
     extern __shared__ int sh[];  // count[n_expert], cursor[n_expert], source[n_expert]

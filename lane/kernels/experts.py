@@ -421,6 +421,30 @@ class ExpertKernels:
                                                     np.int32(max_tiles)),
                                     shared_mem=12 * n_expert)
 
+    def route_pairs(self, logits, k: int, ids, wts, src, slot, pairs, n_pairs, rowmap, miss_ptr: int,
+                    n_miss_ptr: int, max_miss: int, stream=None) -> None:
+        """A decode step's router and pair lists in one launch: logits float32 (1, n_expert) -> ids int32 (1, k)
+        and weights float32 (1, k) with dense.route's bits, then build_pairs' lists for those k entries (no tiles)."""
+        cp = self.cp
+        n_expert = int(src.shape[0])
+        if not 1 <= k <= min(32, n_expert) or n_expert > 1024:
+            raise ValueError("route_pairs supports n_expert <= 1024 and k <= min(32, n_expert)")
+        self._need(logits, cp.float32, (1, n_expert), "logits")
+        self._need(ids, cp.int32, (1, k), "ids")
+        self._need(wts, cp.float32, (1, k), "wts")
+        self._need(slot, cp.int32, (n_expert,), "slot")
+        S = int(pairs.shape[0])
+        if not 1 <= S <= MAX_SOURCES:
+            raise ValueError(f"1 to {MAX_SOURCES} sources")
+        self._need(pairs, cp.int32, (S, self.max_pairs, 2), "pairs")
+        self._need(n_pairs, cp.int32, (S,), "n_pairs")
+        if rowmap.size < k:
+            raise ValueError("rowmap too small")
+        with self._stream(stream):
+            launch(self._fn("route_pairs"), (1,), (32,), (logits, np.int32(n_expert), np.int32(k), ids, wts, src, slot,
+                                                        np.int32(S), np.int32(self.max_pairs), pairs, n_pairs, rowmap,
+                                                        np.uint64(miss_ptr), np.uint64(n_miss_ptr), np.int32(max_miss)))
+
     def combine_rows(self, rows, host_rows_ptr: int, rowmap, w, x, stream=None) -> None:
         """x (T, d_model) += router-order sum of w[t, j] * row(rowmap[t*K + j]) (see combine_rows_ref)."""
         cp = self.cp
