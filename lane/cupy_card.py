@@ -55,6 +55,7 @@ class Work:
     def __init__(self, c, T: int, logit_rows: int):
         self.T = T
         self.pos0 = 0  # where a prompt chunk starts (host side; decode steps read the device's pos)
+        self.long_ctx = False  # a decode step at ATTN_PDL_MAX_CTX or more (its attention launched without PDL)
         self.tokens = cp.zeros((T,), cp.int32)
         self.x, self.h = cp.empty((T, c.d_model), cp.float32), cp.empty((T, c.d_model), cp.float32)
         self.qkv = cp.empty((T, c.q_dim + 2 * c.kv_dim), cp.float32)
@@ -207,7 +208,7 @@ class CupyCard:
         D.qk_norm_rope_kv(w.qkv, L["q_norm"], L["k_norm"], c.rms_eps, self.rope, self.pos, w.q, *L["kv"],
                           n_head=c.n_head, n_kv=c.n_head_kv, stream=s)
         if w.T == 1:  # pos on the device: graph-safe
-            self.attn(w.q, *L["kv"], self.pos, w.att, 1, stream=s)
+            self.attn(w.q, *L["kv"], self.pos, w.att, 1, pdl=not w.long_ctx, stream=s)
         else:  # a prompt chunk, run eagerly: the host knows where it starts
             self.prefill_attn(w.q, *L["kv"], w.pos0, w.att, stream=s)
         self._proj(L["o"], w.att, w.x, residual=w.x)
@@ -257,7 +258,8 @@ class CupyCard:
         remote = self.experts.remote
         if remote and self._remote_direct:
             return self._chunk(np.array([token], np.int32), kv, logit_rows, w)
-        key = (self.experts.full, self.experts.sources_key())
+        w.long_ctx = kv.length >= D.ATTN_PDL_MAX_CTX
+        key = (self.experts.full, self.experts.sources_key(), w.long_ctx)
         if key not in self._graphs:
             if len(self._graphs) >= MAX_CAPTURED:
                 self._graphs.clear()  # peers came and went: the old pointers are gone

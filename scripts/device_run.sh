@@ -71,7 +71,7 @@ engine-card)
     ;;
 experts-prompt)
     timeout 400 python3 scripts/gpu_experts_bench.py --prompt --types IQ3_S \
-        --variants default,mma-prefetch,mma-unroll2,mma-prefetch-unroll2,mma-prefetch-mpw4 --json "$OUT/experts-prompt.json" 2>&1 | grep "^{"
+        --variants default,mma-unroll1,mma-prefetch,mma-prefetch-unroll1,mma-mpw4 --json "$OUT/experts-prompt.json" 2>&1 | grep "^{"
     ;;
 seed13 | seed2)
     model "$SEED" --router-skew 0.7 --topics 2

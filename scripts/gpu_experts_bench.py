@@ -46,8 +46,8 @@ VARIANTS = {  # Tuning overrides (lane/kernels/experts.py); tests/test_gpu_exper
     "mma-mpw4": {"mma_mpw": 4},  # 8 warps, all four m-tiles each
     "mma-prefetch": {"mma_prefetch": 1},  # the next leaf's weight fragments decoded during this leaf's mma
     "mma-prefetch-mpw4": {"mma_prefetch": 1, "mma_mpw": 4},
-    "mma-unroll2": {"mma_unroll": 2},  # two leaves a loop iteration
-    "mma-prefetch-unroll2": {"mma_prefetch": 1, "mma_unroll": 2},
+    "mma-unroll1": {"mma_unroll": 1},  # one leaf a loop iteration (the default is two)
+    "mma-prefetch-unroll1": {"mma_prefetch": 1, "mma_unroll": 1},
     "simt": {"prompt": "simt"},  # prompt tiles on the dp4a kernels instead of tensor cores
     "simt-tile16": {"prompt": "simt", "tile_p": 16},
     "simt-tile16-deep-repl": {"prompt": "simt", "tile_p": 16, "gu_stages": 2, "grid_repl": 1},

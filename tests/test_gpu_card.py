@@ -102,6 +102,22 @@ def test_placement_never_changes_a_bit(model, CupyCard):
     assert digest == digests[1.0] and card.pool.loads > total // 2
 
 
+def test_decode_crossing_the_long_context_graph(model, CupyCard, monkeypatch):
+    """Past ATTN_PDL_MAX_CTX a decode step replays another graph (attention launched without PDL): same bits."""
+    import lane.kernels.dense as D
+
+    total = model.config.n_layer * model.config.n_expert
+    monkeypatch.setattr(D, "ATTN_PDL_MAX_CTX", len(model.tokenizer.encode(PROMPT)) + 12)
+    digests = []
+    for graphs in (True, False):
+        card = CupyCard(model, 0, total, 4096, graphs=graphs)
+        card.pool.fill(experts_by_rank(model))
+        digests.append(run(card, model, 30)[1])
+        if graphs:
+            assert {key[-1] for key in card._graphs} == {False, True}  # both graphs replayed
+    assert digests[0] == digests[1]
+
+
 def test_short_prompt_stages_only_routed_experts(model, CupyCard):
     """A prompt too short to route to most experts copies only its routed ones after reading the router (longer
     chunks stage every off-card expert a layer ahead): the same bits either way."""

@@ -79,7 +79,7 @@ class Tuning:
                                 # allows) or "simt" (the tiled dp4a kernels, tile_p pairs a tile)
     mma_mpw: int = 2            # tensor-core tiles: m-tiles (16 pairs) per warp, 1 / 2 / 4 (32 / 16 / 8 warps a block)
     mma_prefetch: int = 0       # tensor-core tiles: decode the next leaf's weight fragments during this leaf's mma
-    mma_unroll: int = 1         # tensor-core tiles: leaves per loop iteration (1 or 2)
+    mma_unroll: int = 2         # tensor-core tiles: leaves per loop iteration (1 or 2); 2 measured fastest
 
 
 def _staged(qt, kin: int, rows: int) -> int:

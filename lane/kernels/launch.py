@@ -73,13 +73,13 @@ def pdl_config(grid, block, shared_mem: int, stream_ptr: int) -> tuple[_Config, 
     return _Config(*_dim3(grid), *_dim3(block), int(shared_mem), stream_ptr, ctypes.pointer(attr), 1), attr
 
 
-def launch(fn, grid, block, args, shared_mem: int = 0) -> None:
-    """fn(grid, block, args, shared_mem) on the current stream; a programmatic dependent launch if PDL and the
+def launch(fn, grid, block, args, shared_mem: int = 0, pdl: bool = True) -> None:
+    """fn(grid, block, args, shared_mem) on the current stream; a programmatic dependent launch if PDL, pdl and the
     stream is being captured."""
     import cupy
 
     stream = cupy.cuda.get_current_stream()
-    if not (PDL and stream.is_capturing()):
+    if not (PDL and pdl and stream.is_capturing()):
         fn(grid, block, args, shared_mem=shared_mem)
         return
 
