@@ -42,6 +42,17 @@ tests | tests2 | tests3)
         echo "$f: rc=$? $(tail -1 "$OUT/$(basename "$f" .py).log")"
     done
     ;;
+quick)  # what a short device call can check: the card, PDL, the tensor-core tiles; the all-resident engine bench
+    for t in "tests/test_gpu_card.py" "tests/test_gpu_pdl.py" "tests/test_gpu_experts.py -k variants_or_mma_tiles_or_prefill"; do
+        set -- $t
+        log="$OUT/quick-$(basename "$1" .py).log"
+        timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider "$1" ${2:+"$2"} ${3:+"${3//_or_/ or }"} > "$log" 2>&1
+        echo "$t: rc=$? $(tail -1 "$log")"
+    done
+    model "$A3B" --router-skew 1.0
+    timeout 150 python3 -m stratad.cli bench --scenario engine --model "$A3B" --fractions 1.0 \
+        --contexts 1024,32768,65536 --json "$OUT/engine-resident.json" 2>&1 | grep "^{'" | cut -c1-200
+    ;;
 profile)
     model "$A3B" --router-skew 1.0
     timeout 150 python3 scripts/gpu_decode_profile.py --model "$A3B" --fractions 1.0,0.5 --json "$OUT/profile.json" \
