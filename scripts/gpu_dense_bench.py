@@ -172,9 +172,8 @@ def bench_small(D, cp, rng, bw, out):
     out.append(rec("qk_norm_rope_kv T=1", us, 4 * qkv.size + 4 * q_out.size + 2 * 2 * nkv * hd, bw))
     lg = cp.asarray(rng.standard_normal((1, c["n_exp"]), dtype=F32))
     ids, wts = cp.empty((1, c["k"]), cp.int32), cp.empty((1, c["k"]), cp.float32)
-    for kern in ("route_topk", "route_topk_v1"):
-        us, _ = graph_us(cp, [lambda s, kern=kern: D.route(lg, c["k"], ids, wts, kernel=kern, stream=s)] * 8)
-        out.append(rec(f"route 128 -> top 8 ({kern})", us, 4 * 128, bw))
+    us, _ = graph_us(cp, [lambda s: D.route(lg, c["k"], ids, wts, stream=s)] * 8)
+    out.append(rec("route 128 -> top 8", us, 4 * 128, bw))
     V_ = c["vocab"]
     logits = cp.asarray(rng.standard_normal(V_, dtype=F32) * F32(3))
     tok = cp.zeros(1, cp.int32)

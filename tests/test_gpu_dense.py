@@ -336,8 +336,7 @@ def test_prefill_attention(cp, D, cfg, L, Tn):
 
 # ---- 5. router ---------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("n,k", [(128, 8), (16, 4), (160, 8), (64, 1), (256, 16)])
-@pytest.mark.parametrize("kernel", ["route_topk", "route_topk_v1"])
-def test_route(cp, D, n, k, kernel):
+def test_route(cp, D, n, k):
     rng = np.random.default_rng(n + k)
     Tn = 9
     x = rng.standard_normal((Tn, n), dtype=F32) * F32(2)
@@ -346,7 +345,7 @@ def test_route(cp, D, n, k, kernel):
     x[3, 10:20] = x[3, 3]  # a tie run
     x[4] *= F32(30)  # peaky
     ids, w = cp.full((Tn, k), -1, cp.int32), nan_like(cp, (Tn, k))
-    D.route(cp.asarray(x), k, ids, w, kernel=kernel)
+    D.route(cp.asarray(x), k, ids, w)
     sync(cp)
     want_ids, want_w = reference.route(x, k)
     assert np.array_equal(ids.get(), want_ids.astype(np.int32))

@@ -1041,56 +1041,6 @@ extern "C" __global__ void __launch_bounds__(32) route_topk(const float* __restr
     route_warp(logits + (i64)t * ld, n, k, e, sel, threadIdx.x, ids + (i64)t * k, wts + (i64)t * k);
 }
 
-// first version (shuffle reductions per round)
-extern "C" __global__ void __launch_bounds__(32) route_topk_v1(const float* __restrict__ logits, i64 ld, int n, int k,
-                                                            int* __restrict__ ids, float* __restrict__ wts) {
-    PDL_ENTRY();
-    __shared__ float e[1024];
-    __shared__ float sel[32];
-    const int t = blockIdx.x, lane = threadIdx.x;
-    const float* x = logits + (i64)t * ld;
-    float mx = NEG_INF;
-    for (int i = lane; i < n; i += 32) mx = fmaxf(mx, x[i]);
-    mx = warp_max(mx);
-    for (int i = lane; i < n; i += 32) e[i] = expf(f_sub(x[i], mx));
-    __syncwarp();
-    float S = 0.f;
-    if (lane == 0) S = pw_sum_tree(e, n);
-    S = __shfl_sync(0xffffffffu, S, 0);
-    for (int i = lane; i < n; i += 32) e[i] = f_div(e[i], S);  // p
-    __syncwarp();
-    // top-k by (p desc, index asc); taken items are marked by index in a bit set per lane (n/32 <= 32 each)
-    u32 taken = 0;
-    int myid = 0;
-    for (int j = 0; j < k; ++j) {
-        float bv = NEG_INF;
-        int bi = 0x7fffffff;
-        int c = 0;
-        for (int i = lane; i < n; i += 32, ++c) {
-            if (taken & (1u << c)) continue;
-            const float d = e[i];
-            if (d > bv || (d == bv && i < bi) || bi == 0x7fffffff) { bv = d; bi = i; }
-        }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-            const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-            if (oi != 0x7fffffff && (bi == 0x7fffffff || ov > bv || (ov == bv && oi < bi))) { bv = ov; bi = oi; }
-        }
-        if (bi % 32 == lane) taken |= 1u << (bi / 32);
-        if (lane == j) myid = bi;
-    }
-    if (lane < k) sel[lane] = e[myid];
-    __syncwarp();
-    float ws = 0.f;
-    if (lane == 0) ws = pw_sum_seq(sel, k);
-    ws = __shfl_sync(0xffffffffu, ws, 0);
-    if (lane < k) {
-        ids[(i64)t * k + lane] = myid;
-        wts[(i64)t * k + lane] = f_div(sel[lane], ws);
-    }
-}
-
 // =============================================================================================================
 // 6. argmax (np.argmax: first index of the maximum; a NaN counts as the maximum) and top-k / top-p sampling.
 // Keys: u64 (order(x) << 32) | (0xffffffff - index), larger = better; order(): -0 -> +0, NaN above +inf.

@@ -63,7 +63,6 @@ ATTN_COMBINE = "attn_combine"    # or "attn_combine_v1" (thread per dim)
 # the edge cost 0.83 ms a step at 32K (5.27 -> 4.44 ms; a fixed shared-memory carveout did not help) and saved
 # 0.07 ms at 1K (3.44 -> 3.37); linear in the context between, the two cross near 3.4K.
 ATTN_PDL_MAX_CTX = 4096
-ROUTE_KERNEL = "route_topk"      # or "route_topk_v1" (shuffle reductions)
 
 _lock = threading.Lock()
 _mods: dict[int, "_Module"] = {}
@@ -632,7 +631,7 @@ def attention_ref(q: np.ndarray, K: np.ndarray, V: np.ndarray, pos0: int) -> np.
 # =================================================================================================================
 # 5. router
 # =================================================================================================================
-def route(logits, k: int, ids=None, weights=None, *, kernel: str | None = None, stream=None):
+def route(logits, k: int, ids=None, weights=None, *, stream=None):
     """logits float32 (T, n) -> ids int32 (T, k), weights float32 (T, k): softmax, top-k descending (ties to the
     lower index), renormalised. Ranked by the float32 probabilities as numpy ranks them (underflowed zeros tie and
     go by index, as in numpy); ids equal reference.route's unless CUDA's expf and numpy's exp round two nearly
@@ -653,7 +652,7 @@ def route(logits, k: int, ids=None, weights=None, *, kernel: str | None = None, 
     _need(ids, np.int32, (Tn, k), "ids")
     _need(weights, np.float32, (Tn, k), "weights")
     with _on(stream):
-        launch(m.fn(kernel or ROUTE_KERNEL), (Tn,), (32,), (logits, np.int64(n), np.int32(n), np.int32(k), ids, weights))
+        launch(m.fn("route_topk"), (Tn,), (32,), (logits, np.int64(n), np.int32(n), np.int32(k), ids, weights))
     return ids, weights
 
 

@@ -392,20 +392,8 @@ class ExpertKernels:
         See build_pairs_ref for the contract."""
         cp = self.cp
         self._need(ids, cp.int32, None, "ids")
-        n_expert = int(src.shape[0])
-        self._need(src, cp.int32, (n_expert,), "src")
-        self._need(slot, cp.int32, (n_expert,), "slot")
-        S = int(pairs.shape[0])
-        if not 1 <= S <= MAX_SOURCES:
-            raise ValueError(f"1 to {MAX_SOURCES} sources")
-        self._need(pairs, cp.int32, (S, self.max_pairs, 2), "pairs")
-        self._need(n_pairs, cp.int32, (S,), "n_pairs")
         n = int(ids.size)
-        if n > self.max_pairs:
-            raise ValueError(f"{n} routed entries > max_pairs {self.max_pairs}")
-        self._need(rowmap, cp.int32, None, "rowmap")
-        if rowmap.size < n:
-            raise ValueError("rowmap too small")
+        n_expert, S = self._check_lists(n, src, slot, pairs, n_pairs, rowmap)
         tile_p, max_tiles = 0, 0
         if tiles is not None:
             max_tiles = int(tiles.shape[1])
@@ -421,6 +409,24 @@ class ExpertKernels:
                                                     np.int32(max_tiles)),
                                     shared_mem=12 * n_expert)
 
+    def _check_lists(self, n: int, src, slot, pairs, n_pairs, rowmap) -> tuple[int, int]:
+        """The buffers of n routed entries' pair lists (build_pairs' contract): (n_expert, sources)."""
+        cp = self.cp
+        n_expert = int(src.shape[0])
+        self._need(src, cp.int32, (n_expert,), "src")
+        self._need(slot, cp.int32, (n_expert,), "slot")
+        S = int(pairs.shape[0])
+        if not 1 <= S <= MAX_SOURCES:
+            raise ValueError(f"1 to {MAX_SOURCES} sources")
+        self._need(pairs, cp.int32, (S, self.max_pairs, 2), "pairs")
+        self._need(n_pairs, cp.int32, (S,), "n_pairs")
+        if n > self.max_pairs:
+            raise ValueError(f"{n} routed entries > max_pairs {self.max_pairs}")
+        self._need(rowmap, cp.int32, None, "rowmap")
+        if rowmap.size < n:
+            raise ValueError("rowmap too small")
+        return n_expert, S
+
     def route_pairs(self, logits, k: int, ids, wts, src, slot, pairs, n_pairs, rowmap, miss_ptr: int,
                     n_miss_ptr: int, max_miss: int, stream=None) -> None:
         """A decode step's router and pair lists in one launch: logits float32 (1, n_expert) -> ids int32 (1, k)
@@ -432,14 +438,7 @@ class ExpertKernels:
         self._need(logits, cp.float32, (1, n_expert), "logits")
         self._need(ids, cp.int32, (1, k), "ids")
         self._need(wts, cp.float32, (1, k), "wts")
-        self._need(slot, cp.int32, (n_expert,), "slot")
-        S = int(pairs.shape[0])
-        if not 1 <= S <= MAX_SOURCES:
-            raise ValueError(f"1 to {MAX_SOURCES} sources")
-        self._need(pairs, cp.int32, (S, self.max_pairs, 2), "pairs")
-        self._need(n_pairs, cp.int32, (S,), "n_pairs")
-        if rowmap.size < k:
-            raise ValueError("rowmap too small")
+        _, S = self._check_lists(k, src, slot, pairs, n_pairs, rowmap)
         with self._stream(stream):
             launch(self._fn("route_pairs"), (1,), (32,), (logits, np.int32(n_expert), np.int32(k), ids, wts, src, slot,
                                                         np.int32(S), np.int32(self.max_pairs), pairs, n_pairs, rowmap,
