@@ -201,10 +201,18 @@ class CupyCard:
         else:
             D.dense_batched(W, X, Y, residual=residual, cache=True, stream=self.stream)
 
+    def _norm_proj(self, norm: cp.ndarray, W: D.DenseWeight, w: Work, Y: cp.ndarray, quant=None) -> None:
+        """Y = W rms_norm(w.x) (quant: also the experts' quantised input): one launch for a decode step where the
+        kernel takes W, else the norm into w.h, then the projection (same bits)."""
+        if w.T == 1 and D.norm_matvec_ok(W):
+            D.norm_matvec(W, w.x[0], norm, self.c.rms_eps, Y[0], quant=quant, stream=self.stream)
+        else:
+            D.rms_norm(w.x, norm, self.c.rms_eps, w.h, quant=quant, stream=self.stream)
+            self._proj(W, w.h, Y)
+
     def _attend_and_route(self, i: int, w: Work, export: bool) -> None:
         c, L, s = self.c, self.layers[i], self.stream
-        D.rms_norm(w.x, L["attn_norm"], c.rms_eps, w.h, stream=s)
-        self._proj(L["qkv"], w.h, w.qkv)
+        self._norm_proj(L["attn_norm"], L["qkv"], w, w.qkv)
         D.qk_norm_rope_kv(w.qkv, L["q_norm"], L["k_norm"], c.rms_eps, self.rope, self.pos, w.q, *L["kv"],
                           n_head=c.n_head, n_kv=c.n_head_kv, stream=s)
         if w.T == 1:  # pos on the device: graph-safe
@@ -212,8 +220,7 @@ class CupyCard:
         else:  # a prompt chunk, run eagerly: the host knows where it starts
             self.prefill_attn(w.q, *L["kv"], w.pos0, w.att, stream=s)
         self._proj(L["o"], w.att, w.x, residual=w.x)
-        D.rms_norm(w.x, L["ffn_norm"], c.rms_eps, w.h, quant=self.experts.inputs(w.T), stream=s)
-        self._proj(L["router"], w.h, w.router)
+        self._norm_proj(L["ffn_norm"], L["router"], w, w.router, quant=self.experts.inputs(w.T))
         if w.T == 1:  # a decode step: routed in the launch that builds the pair lists
             self.experts.front(i, 1, w.ids[i], export, router=(w.router, w.w))
         else:

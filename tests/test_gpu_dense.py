@@ -207,6 +207,37 @@ def test_rms_norm_quantised_for_the_experts(cp, D, n):
             np.testing.assert_array_equal(q.get(), want_q.reshape(rows, n))
 
 
+@pytest.mark.parametrize("qt,rows,cols", [(T.Q8_0, 5120, 2048), (T.Q8_0, 300, 4096), (T.F32, 128, 2048),
+                                          (T.BF16, 130, 2304), (T.F16, 64, 1504)],
+                         ids=lambda v: getattr(v, "name", str(v)))
+def test_norm_matvec_is_rms_norm_then_matvec(cp, D, qt, rows, cols):
+    """The decode step's RMSNorm folded into the mat-vec: every bit of y (every plan, with and without a
+    residual) and of the experts' quantised row equals rms_norm (with quant) followed by matvec."""
+    rng = np.random.default_rng(rows + cols)
+    raw = rand_weight(rng, qt, rows, cols)
+    W = D.DenseWeight.upload(raw, qt, cols)
+    assert D.norm_matvec_ok(W)
+    x = cp.asarray(rng.standard_normal(cols, dtype=F32) * F32(rng.uniform(0.05, 20)))
+    nw = cp.asarray(rng.uniform(0.5, 1.5, cols).astype(F32))
+    res = cp.asarray(rng.standard_normal(rows, dtype=F32))
+    h = nan_like(cp, (1, cols))
+    hq, hd = cp.full((1, cols), 99, cp.int8), nan_like(cp, (1, cols // 32))
+    D.rms_norm(x[None], nw, 1e-6, h, quant=(hq, hd))
+    for plan in D.PLANS:
+        for r in (None, res):
+            # (no four-row kernel: norm_matvec runs (4, 1) as (2, 1))
+            want = D.matvec(W, h[0], nan_like(cp, rows), residual=r, plan=(min(plan[0], 2), plan[1]))
+            q, d = cp.full((1, cols), 77, cp.int8), nan_like(cp, (1, cols // 32))
+            got = D.norm_matvec(W, x, nw, 1e-6, nan_like(cp, rows), residual=r, quant=(q, d), plan=plan)
+            sync(cp)
+            assert np.array_equal(got.get().view(np.uint32), want.get().view(np.uint32)), (plan, r is None)
+            assert np.array_equal(q.get(), hq.get()) and np.array_equal(d.get().view(np.uint32), hd.get().view(np.uint32))
+    y = nan_like(cp, rows)
+    D.norm_matvec(W, x, nw, 1e-6, y)  # no quantised row
+    sync(cp)
+    assert np.array_equal(y.get().view(np.uint32), D.matvec(W, h[0]).get().view(np.uint32))
+
+
 def test_rms_norm_generic(cp, D):
     rng = np.random.default_rng(1)
     n = 200

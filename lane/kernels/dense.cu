@@ -98,6 +98,10 @@ __device__ __forceinline__ float load_elem(int qt, const u8* row, int col) {
 #define MV_WARPS 8
 #define Q8_TILE_BYTES 1088
 
+// a mat-vec's activation: global (read-only path) or shared memory (XS: the fused RMSNorm's output, section 2b)
+template <bool XS>
+__device__ __forceinline__ float4 ldx4(const float4* p) { return XS ? *p : __ldg(p); }
+
 template <int R, int KS>
 __device__ __forceinline__ void mv_finish(float (&acc)[R], int rg, int rows, const float* res, float* y) {
     __shared__ float red[MV_WARPS][R];
@@ -130,13 +134,16 @@ __device__ __forceinline__ void mv_finish(float (&acc)[R], int rg, int rows, con
 
 // Q8_0: a warp's items are (its R rows) x (one tile of 32 blocks); P = 8/R items in flight through a cp.async
 // ring in (dynamic) shared memory: 8 warps x 8 row-tiles x 1088 bytes = 69632 bytes per block.
+// RT row-tiles in flight per warp (Q8_RING_TILES; fewer where x shares the block's shared memory, XS). `wait` runs
+// once the first tiles are in flight: it waits for the predecessor (x and res are its output) and may stage x.
 #define Q8_RING_TILES 8
 #define Q8_SMEM_BYTES (MV_WARPS * Q8_RING_TILES * Q8_TILE_BYTES)
-template <int R, int KS, int V>
+template <int R, int KS, int V, int RT, bool XS, class Wait>
 __device__ __forceinline__ void matvec_q8_0_body(const u8* __restrict__ W, int rows, int nb, i64 row_bytes,
-                                                 const float* __restrict__ x, const float* res, float* y) {
-    constexpr int P = Q8_RING_TILES / R;
-    extern __shared__ __align__(16) u8 q8_ring[];
+                                                 const float* __restrict__ x, const float* res, float* y,
+                                                 u8* q8_ring, Wait wait) {
+    constexpr int P = RT / R;
+    static_assert(P >= 1, "a ring tile per row at least");
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
     const int rg = blockIdx.x * (MV_WARPS / KS) + w / KS;
     const int ks = w % KS;
@@ -145,7 +152,7 @@ __device__ __forceinline__ void matvec_q8_0_body(const u8* __restrict__ W, int r
     float acc[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) acc[r] = 0.f;
-    u8* st = q8_ring + w * (Q8_RING_TILES * Q8_TILE_BYTES);
+    u8* st = q8_ring + w * (RT * Q8_TILE_BYTES);
     const u32 st_addr = smem_addr(st);
 
     auto issue = [&](int i) {
@@ -170,7 +177,7 @@ __device__ __forceinline__ void matvec_q8_0_body(const u8* __restrict__ W, int r
     };
 #pragma unroll
     for (int i = 0; i < P - 1; ++i) issue(i);
-    PDL_ENTRY();  // the weights' first tiles are in flight while the predecessor finishes; x and res are its output
+    wait();
     for (int i = 0; i < nitems; ++i) {
         issue(i + P - 1);
         cp_wait<P - 1>();
@@ -186,7 +193,7 @@ __device__ __forceinline__ void matvec_q8_0_body(const u8* __restrict__ W, int r
                 const int b = st4 * 8 + bl;
                 if (b < nbt) {
                     const float4* xp = (const float4*)(x + ((i64)tile * 32 + b) * 32 + 8 * sub);
-                    const float4 x0 = __ldg(xp), x1 = __ldg(xp + 1);
+                    const float4 x0 = ldx4<XS>(xp), x1 = ldx4<XS>(xp + 1);
 #pragma unroll
                     for (int r = 0; r < R; ++r) {
                         const u32 boff = r * Q8_TILE_BYTES + 34 * b;
@@ -214,7 +221,7 @@ __device__ __forceinline__ void matvec_q8_0_body(const u8* __restrict__ W, int r
             const float4* xp = (const float4*)(x + ((i64)tile * 32 + lane) * 32);
             float4 xv[8];
 #pragma unroll
-            for (int j = 0; j < 8; ++j) xv[j] = __ldg(xp + j);
+            for (int j = 0; j < 8; ++j) xv[j] = ldx4<XS>(xp + j);
             const u8* sb = sbv;
 #pragma unroll
             for (int r = 0; r < R; ++r) {
@@ -245,7 +252,7 @@ __device__ __forceinline__ void matvec_q8_0_body(const u8* __restrict__ W, int r
     mv_finish<R, KS>(acc, rg, rows, res, y);
 }
 
-template <int QT, int R, int KS>
+template <int QT, int R, int KS, bool XS = false>
 __device__ __forceinline__ void matvec_float_body(const u8* __restrict__ W, int rows, int nchunk, i64 row_bytes,
                                                   const float* __restrict__ x, const float* res, float* y) {
     constexpr int U = 8 / R;
@@ -273,7 +280,7 @@ __device__ __forceinline__ void matvec_float_body(const u8* __restrict__ W, int 
             const int ch = (it + u * KS) * 32 + lane;
             if (ch < nchunk) {
                 if (QT == QT_F32) {
-                    const float4 xx = __ldg((const float4*)x + ch);
+                    const float4 xx = ldx4<XS>((const float4*)x + ch);
 #pragma unroll
                     for (int r = 0; r < R; ++r) {
                         float a = acc[r];
@@ -284,7 +291,7 @@ __device__ __forceinline__ void matvec_float_body(const u8* __restrict__ W, int 
                         acc[r] = a;
                     }
                 } else {
-                    const float4 x0 = __ldg((const float4*)x + 2 * ch), x1 = __ldg((const float4*)x + 2 * ch + 1);
+                    const float4 x0 = ldx4<XS>((const float4*)x + 2 * ch), x1 = ldx4<XS>((const float4*)x + 2 * ch + 1);
 #pragma unroll
                     for (int r = 0; r < R; ++r) {
                         const uint4 q = v[u][r];
@@ -314,7 +321,10 @@ __device__ __forceinline__ void matvec_float_body(const u8* __restrict__ W, int 
     extern "C" __global__ void __launch_bounds__(256, (QT == QT_Q8_0 ? 3 : 1)) NAME(const u8* __restrict__ W, int rows, int ncu,           \
                                                            i64 row_bytes, const float* __restrict__ x,            \
                                                            const float* res, float* y) {                          \
-        if (QT == QT_Q8_0) matvec_q8_0_body<R, KS, QV>(W, rows, ncu, row_bytes, x, res, y); /* waits inside */  \
+        extern __shared__ __align__(16) u8 mv_smem[];                                                             \
+        if (QT == QT_Q8_0)                                                                                       \
+            matvec_q8_0_body<R, KS, QV, Q8_RING_TILES, false>(W, rows, ncu, row_bytes, x, res, y, mv_smem,          \
+                                                               [] { PDL_ENTRY(); });                              \
         else { PDL_ENTRY(); matvec_float_body<QT, R, KS>(W, rows, ncu, row_bytes, x, res, y); }                  \
     }
 #define MV_PLANS(QN, QT, QV)                                                                                      \
@@ -493,30 +503,13 @@ __device__ __forceinline__ float leaf_sq_sum(const float* a, int L, int j) {
     return r;
 }
 
-// rows of x (ldx apart) -> y (ldy apart). blockDim >= max(256, NL*8), multiple of 32. With `staged`, the row is
-// first copied with w to dynamic shared memory (8n bytes) by coalesced loads, so the summation chains wait on shared
-// memory, not on global latency. With q (n a multiple of 32): each row also quantised for the experts, q (rows, n)
-// int8 and d (rows, n / 32) (the launch the experts' quantisation would otherwise take).
-extern "C" __global__ void __launch_bounds__(1024) rms_norm_rows(const float* x, i64 ldx, const float* __restrict__ w,
-                                                                 float* y, i64 ldy, int n, int L, int NL, float eps,
-                                                                 int staged, signed char* __restrict__ q,
-                                                                 float* __restrict__ d) {
-    PDL_ENTRY();
-    extern __shared__ float xs[];
+// sqrt(mean(x^2) + eps) of the row xr (n values, shared or global memory) in numpy's pairwise order (the plan's NL
+// leaves of L values; L = 0: no plan, a block-strided sum), by the whole block (blockDim >= NL * 8, a multiple of
+// 32). Every thread returns it; every read of xr is done before the first barrier.
+__device__ __forceinline__ float row_rms(const float* xr, int n, int L, int NL, float eps) {
     __shared__ float part[32];
-    __shared__ float s_inv;
-    const float* xg = x + (i64)blockIdx.x * ldx;
-    float* yr = y + (i64)blockIdx.x * ldy;
+    __shared__ float s_rms;
     const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5, nw = blockDim.x >> 5;
-    if (staged) {  // x and w: one round of independent loads
-        for (int i = tid; i < n; i += blockDim.x) {
-            xs[i] = xg[i];
-            xs[n + i] = w[i];
-        }
-        __syncthreads();
-    }
-    const float* xr = staged ? xs : xg;
-    const float* wr = staged ? xs + n : w;
     float sum;
     if (L > 0) {
         const int leaf = tid >> 3;
@@ -553,9 +546,34 @@ extern "C" __global__ void __launch_bounds__(1024) rms_norm_rows(const float* x,
         __syncthreads();
         sum = part[0];
     }
-    if (tid == 0) s_inv = f_sqrt(f_add(f_div(sum, (float)n), eps));
+    if (tid == 0) s_rms = f_sqrt(f_add(f_div(sum, (float)n), eps));
     __syncthreads();
-    const float s = s_inv;
+    return s_rms;
+}
+
+// rows of x (ldx apart) -> y (ldy apart). blockDim >= max(256, NL*8), multiple of 32. With `staged`, the row is
+// first copied with w to dynamic shared memory (8n bytes) by coalesced loads, so the summation chains wait on shared
+// memory, not on global latency. With q (n a multiple of 32): each row also quantised for the experts, q (rows, n)
+// int8 and d (rows, n / 32) (the launch the experts' quantisation would otherwise take).
+extern "C" __global__ void __launch_bounds__(1024) rms_norm_rows(const float* x, i64 ldx, const float* __restrict__ w,
+                                                                 float* y, i64 ldy, int n, int L, int NL, float eps,
+                                                                 int staged, signed char* __restrict__ q,
+                                                                 float* __restrict__ d) {
+    PDL_ENTRY();
+    extern __shared__ float xs[];
+    const float* xg = x + (i64)blockIdx.x * ldx;
+    float* yr = y + (i64)blockIdx.x * ldy;
+    const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5, nw = blockDim.x >> 5;
+    if (staged) {  // x and w: one round of independent loads
+        for (int i = tid; i < n; i += blockDim.x) {
+            xs[i] = xg[i];
+            xs[n + i] = w[i];
+        }
+        __syncthreads();
+    }
+    const float* xr = staged ? xs : xg;
+    const float* wr = staged ? xs + n : w;
+    const float s = row_rms(xr, n, L, NL, eps);
     if (q == nullptr) {
         for (int i = tid; i < n; i += blockDim.x) yr[i] = f_mul(f_div(xr[i], s), wr[i]);
         return;
@@ -568,6 +586,62 @@ extern "C" __global__ void __launch_bounds__(1024) rms_norm_rows(const float* x,
         quant32(v, lane, q + (i64)blockIdx.x * n + i - lane, d + (i64)blockIdx.x * G + g);
     }
 }
+
+// =============================================================================================================
+// 2b. RMSNorm folded into the mat-vec that reads it (a decode step's attention and FFN norms; one launch less
+// each). Every block stages the raw row x (n <= NORM_MV_MAX_N) in shared memory, computes its rms with row_rms and
+// normalises it there with rms_norm_rows' expressions (the same bits), then runs the mat-vec on it. With q, the
+// blocks also write the row's quantisation for the experts (group g by block g % gridDim.x, warp by warp). The
+// Q8_0 kernels keep 6 ring tiles a warp (not 8) so that three blocks still fit an SM beside the 16 KB of x.
+// Launch with Q8_0: NORM_MV_Q8_SMEM bytes of dynamic shared memory, float types: 4 * NORM_MV_MAX_N.
+// =============================================================================================================
+#define NORM_MV_MAX_N 4096
+#define NORM_MV_RING 6
+#define NORM_MV_Q8_SMEM (MV_WARPS * NORM_MV_RING * Q8_TILE_BYTES + 4 * NORM_MV_MAX_N)
+
+__device__ __forceinline__ void norm_stage(const float* __restrict__ x, const float* __restrict__ w, int n, int L,
+                                           int NL, float eps, float* xs, signed char* __restrict__ q,
+                                           float* __restrict__ d) {
+    const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5, nw = blockDim.x >> 5;
+    for (int i = tid; i < n; i += blockDim.x) xs[i] = x[i];
+    __syncthreads();
+    const float s = row_rms(xs, n, L, NL, eps);
+    for (int i = tid; i < n; i += blockDim.x) xs[i] = f_mul(f_div(xs[i], s), w[i]);
+    __syncthreads();
+    if (q != nullptr)
+        for (int g = blockIdx.x + gridDim.x * wid; g < (n >> 5); g += gridDim.x * nw)  // warp-uniform
+            quant32(xs[g * 32 + lane], lane, q + (i64)g * 32, d + g);
+}
+
+#define NORM_MV_INST(NAME, QT, R, KS, QV)                                                                         \
+    extern "C" __global__ void __launch_bounds__(256, (QT == QT_Q8_0 ? 3 : 1)) NAME(                              \
+        const u8* __restrict__ W, int rows, int ncu, i64 row_bytes, const float* __restrict__ x,                 \
+        const float* res, float* y, const float* __restrict__ nw, int n, int L, int NL, float eps,               \
+        signed char* __restrict__ q, float* __restrict__ d) {                                                    \
+        extern __shared__ __align__(16) u8 mv_smem[];                                                             \
+        float* xs = (float*)mv_smem;                                                                              \
+        auto wait = [&] {                                                                                         \
+            PDL_ENTRY();                                                                                          \
+            norm_stage(x, nw, n, L, NL, eps, xs, q, d);                                                           \
+        };                                                                                                        \
+        if (QT == QT_Q8_0)                                                                                       \
+            matvec_q8_0_body<R, KS, QV, NORM_MV_RING, true>(W, rows, ncu, row_bytes, xs, res, y,                 \
+                                                            mv_smem + 4 * NORM_MV_MAX_N, wait);                   \
+        else {                                                                                                    \
+            wait();                                                                                               \
+            matvec_float_body<QT, R, KS, true>(W, rows, ncu, row_bytes, xs, res, y);                              \
+        }                                                                                                         \
+    }
+#define NORM_MV_PLANS(QN, QT, QV)                                                                                 \
+    NORM_MV_INST(norm_matvec_##QN##_r2_k1, QT, 2, 1, QV)                                                          \
+    NORM_MV_INST(norm_matvec_##QN##_r1_k1, QT, 1, 1, QV)                                                          \
+    NORM_MV_INST(norm_matvec_##QN##_r1_k2, QT, 1, 2, QV)                                                          \
+    NORM_MV_INST(norm_matvec_##QN##_r1_k4, QT, 1, 4, QV)                                                          \
+    NORM_MV_INST(norm_matvec_##QN##_r1_k8, QT, 1, 8, QV)
+NORM_MV_PLANS(q8_0, QT_Q8_0, 2)
+NORM_MV_PLANS(f16, QT_F16, 0)
+NORM_MV_PLANS(bf16, QT_BF16, 0)
+NORM_MV_PLANS(f32, QT_F32, 0)
 
 // =============================================================================================================
 // 3. fused per-head q/k RMSNorm + NEOX RoPE + KV append, T tokens at positions pos[0] + t.

@@ -52,6 +52,8 @@ PLANS = ((4, 1), (2, 1), (1, 1), (1, 2), (1, 4), (1, 8))  # (rows per warp, warp
 SAMPLE_KMAX = 256       # candidates kept by the sampler (dense.cu SAMPLE_KMAX)
 SAMPLE_CHUNK = 4096     # logits per stage-1 block (dense.cu SAMPLE_CHUNK)
 Q8_SMEM_BYTES = 8 * 8 * 1088  # Q8_0 mat-vec cp.async ring (dense.cu Q8_SMEM_BYTES)
+NORM_MV_MAX_N = 4096  # RMSNorm folded into a mat-vec: the row staged in shared memory (dense.cu section 2b)
+NORM_MV_Q8_SMEM = 8 * 6 * 1088 + 4 * NORM_MV_MAX_N  # dense.cu NORM_MV_Q8_SMEM
 BATCHED_METHODS = ("kernel", "f16", "bf16", "tf32", "sgemm")
 # defaults chosen from the H200 measurements (docs/perf-notes.md, "dense kernels"); the alternatives are kept,
 # tested and benchmarked beside them
@@ -88,6 +90,8 @@ class _Module:
             f = self.module.get_function(name)
             if name.startswith("matvec_q8_0"):
                 f.max_dynamic_shared_size_bytes = Q8_SMEM_BYTES
+            elif name.startswith("norm_matvec_q8_0"):
+                f.max_dynamic_shared_size_bytes = NORM_MV_Q8_SMEM
             self._fns[name] = f
         return f
 
@@ -262,20 +266,65 @@ def matvec(W: DenseWeight, x, y=None, residual=None, *, plan: tuple[int, int] | 
     with _on(stream):
         if W.fast:
             q8 = W.qtype == T.Q8_0
-            R, KS = plan or W.plan()
-            if (R, KS) not in PLANS:
-                raise ValueError(f"plan {(R, KS)} not in {PLANS}")
-            groups = -(-W.rows // R)
-            grid = -(-groups // (8 // KS))
-            ncu = W.cols // 32 if q8 else W.row_bytes // 16
-            qn = (variant or Q8_VARIANT) if q8 else QNAME[W.qtype]
-            launch(m.fn(f"matvec_{qn}_r{R}_k{KS}"), 
-                (grid,), (256,), (W.data, np.int32(W.rows), np.int32(ncu), np.int64(W.row_bytes), x,
-                                  _ptr(residual), y), shared_mem=Q8_SMEM_BYTES if q8 else 0)
+            _launch_matvec(m, f"matvec_{(variant or Q8_VARIANT) if q8 else QNAME[W.qtype]}", W,
+                           plan or W.plan(), (x, _ptr(residual), y), Q8_SMEM_BYTES if q8 else 0)
         else:
             launch(m.fn("matvec_generic"), (-(-W.rows // 8),), (256,),
                                    (W.data, np.int32(int(W.qtype)), np.int32(W.rows), np.int32(W.cols),
                                     np.int64(W.row_bytes), x, _ptr(residual), y))
+    return y
+
+
+def _launch_matvec(m, kernel: str, W: DenseWeight, plan: tuple[int, int], args: tuple, smem: int) -> None:
+    """A fast mat-vec kernel (`kernel`_r{R}_k{KS}) over W's rows: (W, rows, ncu, row_bytes) + args."""
+    R, KS = plan
+    if (R, KS) not in PLANS:
+        raise ValueError(f"plan {(R, KS)} not in {PLANS}")
+    groups = -(-W.rows // R)  # a warp's R rows, 8 / KS row groups a block
+    grid = -(-groups // (8 // KS))
+    ncu = W.cols // 32 if W.qtype == T.Q8_0 else W.row_bytes // 16
+    launch(m.fn(f"{kernel}_r{R}_k{KS}"), (grid,), (256,),
+           (W.data, np.int32(W.rows), np.int32(ncu), np.int64(W.row_bytes)) + args, shared_mem=smem)
+
+
+def norm_matvec_ok(W: DenseWeight) -> bool:
+    """Whether norm_matvec takes W (else: rms_norm, then matvec)."""
+    plan = pairwise_plan(W.cols)
+    return W.fast and W.cols <= NORM_MV_MAX_N and (plan is None or plan[1] * 8 <= 256)
+
+
+def norm_matvec(W: DenseWeight, x, norm_w, eps: float, y=None, residual=None, *, quant=None,
+                plan: tuple[int, int] | None = None, stream=None):
+    """y = W rms_norm(x, norm_w, eps) (+ residual) in one launch (x float32 (cols,)), with the bits of rms_norm then
+    matvec; quant (q int8 (1, cols), d float32 (1, cols / 32)) also receives rms_norm's quantised row. The
+    normalised row itself is not written. W must pass norm_matvec_ok. Returns y."""
+    m = kernels()
+    cp = m.cp
+    if not norm_matvec_ok(W):
+        raise ValueError(f"norm_matvec takes fast weights of at most {NORM_MV_MAX_N} columns (got {W.cols})")
+    n = W.cols
+    _need(x, np.float32, (n,), "x")
+    _need(norm_w, np.float32, (n,), "norm_w")
+    if y is None:
+        y = cp.empty(W.rows, cp.float32)
+    _need(y, np.float32, (W.rows,), "y")
+    if residual is not None:
+        _need(residual, np.float32, (W.rows,), "residual")
+    qd = (np.uint64(0), np.uint64(0))
+    if quant is not None:
+        if n % 32:
+            raise ValueError("quantised output needs cols to be a multiple of 32")
+        _need(quant[0], np.int8, (1, n), "q")
+        _need(quant[1], np.float32, (1, n // 32), "d")
+        qd = tuple(quant)
+    R, KS = plan or W.plan()
+    R = min(R, 2)  # no four-row variant: the ring is smaller beside the staged row
+    L, NL = pairwise_plan(n) or (0, 0)
+    q8 = W.qtype == T.Q8_0
+    with _on(stream):
+        _launch_matvec(m, f"norm_matvec_{QNAME[W.qtype]}", W, (R, KS),
+                       (x, _ptr(residual), y, norm_w, np.int32(n), np.int32(L), np.int32(NL), np.float32(eps)) + qd,
+                       NORM_MV_Q8_SMEM if q8 else 4 * NORM_MV_MAX_N)
     return y
 
 
