@@ -368,12 +368,14 @@ class GpuExperts:
             sources.append((None, self._stage_mem[buf].ptr, None))
         S = len(sources)
         tiled = T > 1
+        # the CPU misses' list in mapped host memory, only where the host serves them (export): else no entry
+        # can miss, and the kernel skips the count and its system-wide fence
+        miss = (self.miss.ctypes.data, self.n_miss.ctypes.data, self.miss.shape[0]) if export else (0, 0, 0)
         if router is not None and T == 1:
             kern.route_pairs(router[0], self.k, ids, router[1], src, slot, self.pairs[:S], self.n_pairs[:S],
-                             self.rowmap, self.miss.ctypes.data, self.n_miss.ctypes.data, self.miss.shape[0], stream=s)
+                             self.rowmap, *miss, stream=s)
         else:
-            kern.build_pairs(ids, src, slot, self.pairs[:S], self.n_pairs[:S], self.rowmap,
-                             self.miss.ctypes.data, self.n_miss.ctypes.data, self.miss.shape[0],
+            kern.build_pairs(ids, src, slot, self.pairs[:S], self.n_pairs[:S], self.rowmap, *miss,
                              self.tiles[:S] if tiled else None,
                              self.n_tiles[:S] if tiled else None, stream=s)
         if export:

@@ -387,6 +387,14 @@ def test_route_pairs_is_route_then_build_pairs(cp):
         np.testing.assert_array_equal(ids.get(), want_ids.get())
         np.testing.assert_array_equal(w.get().view(np.uint32), want_w.get().view(np.uint32))
         check_pairs(ids.get(), src, slot, pairs.get(), n_pairs.get(), rowmap.get()[:K], miss, n_miss, 64)
+        # every expert on some source and no host list (null pointers, as where no host serves misses)
+        src = np.maximum(src, 0)
+        n_miss[0] = -7
+        k.route_pairs(logits, K, ids, w, cp.asarray(src), cp.asarray(slot), pairs, n_pairs, rowmap, 0, 0, 0)
+        cp.cuda.get_current_stream().synchronize()
+        assert n_miss[0] == -7
+        check_pairs(ids.get(), src, slot, pairs.get(), n_pairs.get(), rowmap.get()[:K], miss, np.zeros(1, np.int32),
+                    64)
 
 
 def test_build_pairs_rowmap_and_combine_rows(cp):
@@ -425,6 +433,14 @@ def test_build_pairs_rowmap_and_combine_rows(cp):
             for a, c in tl:
                 assert len(set(got_pairs[s_, a:a + c, 1].tolist())) == 1
         check_pairs(ids, src, slot, got_pairs, got_n, rm, miss, n_miss, P)
+        no_miss = np.maximum(src, 0)  # every expert on some source, no host list (null pointers)
+        n_miss[0] = -7
+        k.build_pairs(cp.asarray(ids), cp.asarray(no_miss), cp.asarray(slot), pairs, n_pairs, rowmap, 0, 0, 0,
+                      tiles if tiled else None, n_tiles if tiled else None)
+        cp.cuda.get_current_stream().synchronize()
+        assert n_miss[0] == -7
+        check_pairs(ids, no_miss, slot, pairs.get(), n_pairs.get(), rowmap.get()[:T_ * K], miss,
+                    np.zeros(1, np.int32), P)
 
         rows = rng.standard_normal((S * P, d_model), dtype=F32)
         host_rows[:] = rng.standard_normal((P, d_model), dtype=F32)

@@ -825,7 +825,7 @@ __device__ __forceinline__ void pairs_warp(int e, int n, int K, const int* __res
         }
     }
     if (i < n_src) n_pairs[i] = mine;
-    if (i == 0) {
+    if (i == 0 && n_miss != nullptr) {  // null where no host serves misses: no system fence
         *n_miss = __popc(missed);
         __threadfence_system();
     }
@@ -926,7 +926,7 @@ extern "C" __global__ void build_pairs(const int* __restrict__ ids, int n, int K
         }
     }
     __syncthreads();
-    if (threadIdx.x == 0) {
+    if (threadIdx.x == 0 && n_miss != nullptr) {
         *n_miss = misses;
         __threadfence_system();
     }
