@@ -19,6 +19,9 @@
 #                                        # f54cf31, 2026-12-02: 194 tok/s at 32K) against this tree's, PDL off and on
 #   bash scripts/device_run.sh flash2    # the prefill attention kernel of the tree in _flash2/ (a `git archive` of
 #                                        # another branch) against this tree's: its tests and a 32K prompt's profile
+#   bash scripts/device_run.sh ncu       # Nsight Compute on the kernels that hold the targets back (decode experts,
+#                                        # decode attention, prompt experts on tensor cores, prompt flash attention):
+#                                        # occupancy, issue rate, the stall reasons ncu's rules name
 #   bash scripts/device_run.sh batch SECONDS STEP...  # the steps in order, each cut off where SECONDS would be
 #                                        # passed, with the a3b model made in the background meanwhile
 set -u
@@ -138,6 +141,27 @@ flash2)
         (cd $tree && PYTHONPATH=/tmp/site:$PWD timeout 100 python3 scripts/gpu_prefill_profile.py --model "$A3B" --fractions 1.0 \
             --contexts 1024,32768 --json "$OUT/prefill-$(basename "$(realpath $tree)").json" 2>&1 | tail -3)
     done
+    ;;
+ncu)
+    command -v ncu > /dev/null || { echo "no ncu here"; exit 0; }
+    prof() {  # name kernel-regex launches-to-skip command...
+        local name=$1 kern=$2 skip=$3
+        shift 3
+        timeout 150 ncu --clock-control none --target-processes all -k "regex:$kern" -s "$skip" -c 1 \
+            --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+            --section SchedulerStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+            --page details --log-file "$OUT/ncu-$name.txt" "$@" > /dev/null 2>&1
+        echo "== $name: rc=$?"
+        grep -E "Duration|Achieved Occupancy|Theoretical Occupancy|Registers Per|Issue Slots Busy|Warp Cycles Per Issued|No Eligible|Memory Throughput|Compute \(SM\) Throughput|spends|stalled|Est\. Speedup" \
+            "$OUT/ncu-$name.txt" | sed 's/  */ /g' | cut -c1-230 | head -24
+    }
+    prof decode-gateup "expert_gateup$" 5 python3 scripts/gpu_experts_bench.py --types IQ3_S --cases decode8 --iters 2 --reps 2
+    prof decode-down "expert_down$" 5 python3 scripts/gpu_experts_bench.py --types IQ3_S --cases decode8 --iters 2 --reps 2
+    prof prompt-gateup-mma "expert_gateup_mma" 3 python3 scripts/gpu_experts_bench.py --prompt --types IQ3_S --iters 2
+    prof decode-attn "attn_split_hd128" 20 python3 scripts/gpu_dense_bench.py --sections attention
+    model "$A3B" --router-skew 1.0
+    prof prompt-flash "attn_flash_prefill_128" 30 python3 scripts/gpu_prefill_profile.py --model "$A3B" --fractions 1.0 \
+        --contexts 8192
     ;;
 old32k)
     model "$A3B" --router-skew 1.0
