@@ -38,6 +38,10 @@ from stratad.model.slot_layout import expert_bytes
 log = logging.getLogger("stratad.lane")
 H2D, D2H = 1, 2  # cudaMemcpyHostToDevice, cudaMemcpyDeviceToHost
 CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM = 91  # cudaDevAttrCanUseHostPointerForRegisteredMem
+# How a peer on another GPU gets its input and returns its rows: "auto" copies peer to peer (cudaMemcpyPeer: over
+# NVLink / PCIe P2P where the topology allows, else the driver stages them); "host" through page-locked host memory
+# of our own, each card's copy engine moving its side (to measure both paths on one machine, #5)
+PEER_COPY = os.environ.get("STRATAD_PEER_COPY", "auto")
 
 
 def pinned(shape, dtype) -> np.ndarray:
@@ -64,9 +68,9 @@ class PeerPool:
 class RemotePool(PeerPool):
     """A peer card's slot pool on another GPU, computed there: the pool is opened on its device, the layer's
     quantised input and pair list are copied over, that device's expert kernels run on its own stream and the
-    result rows come back (cudaMemcpyPeer: over NVLink / PCIe P2P where the cards have it, through host memory
-    otherwise), while this card computes its own experts. Decode steps capture it with the rest (events join its
-    stream to this card's)."""
+    result rows come back (cudaMemcpyPeer: over NVLink / PCIe P2P where the cards have it; through page-locked host
+    memory with STRATAD_PEER_COPY=host), while this card computes its own experts. Decode steps capture it with the
+    rest (events join its stream to this card's)."""
 
     remote = True
     side = True
@@ -74,10 +78,11 @@ class RemotePool(PeerPool):
     def __init__(self, card: int, generation: int, handle: str, device: int, experts: "GpuExperts"):
         self.device = device
         self.here = experts.stream.device_id
+        self.via_host = PEER_COPY == "host"
         with cp.cuda.Device(device):
             super().__init__(card, generation, handle)
             for a, b in ((self.here, device), (device, self.here)):
-                if a != b and cp.cuda.runtime.deviceCanAccessPeer(a, b):
+                if a != b and not self.via_host and cp.cuda.runtime.deviceCanAccessPeer(a, b):
                     with cp.cuda.Device(a):
                         try:
                             cp.cuda.runtime.deviceEnablePeerAccess(b)
@@ -91,6 +96,11 @@ class RemotePool(PeerPool):
             self.tiles, self.n_tiles = cp.empty(experts.tiles.shape[1:], cp.int32), cp.empty((1,), cp.int32)
             self.rows = cp.empty((P, c.d_model), cp.float32)
             self.done = cp.cuda.Event(disable_timing=True)
+        if self.via_host:  # the staging: one page-locked twin of each buffer that crosses
+            self.h_in = {id(b): pinned((b.nbytes,), np.uint8) for b in
+                         (self.qa, self.da, self.pairs, self.n_pairs, self.tiles, self.n_tiles)}
+            self.h_rows = pinned((self.rows.nbytes,), np.uint8)
+        self.rows_back = None  # (rows of this card, bytes): what the last compute() returns at join()
         with cp.cuda.Device(self.here):
             self.start = cp.cuda.Event(disable_timing=True)
 
@@ -98,28 +108,42 @@ class RemotePool(PeerPool):
         """Source s's pairs of this layer (built on this card) computed on the peer's GPU, rows back into
         ex.rows[s] (join() before the combine)."""
         rt, here, there = cp.cuda.runtime, self.here, self.device
-        self.start.record(ex.stream)
-        self.stream.wait_event(self.start)
         copies = [(self.qa, ex.qa, T * ex.qa.shape[1]), (self.da, ex.da, T * ex.da.shape[1] * 4),
                   (self.pairs, ex.pairs[s], T * ex.k * 8), (self.n_pairs, ex.n_pairs[s:s + 1], 4)]
         if tiled:
             copies += [(self.tiles, ex.tiles[s], self.tiles.nbytes), (self.n_tiles, ex.n_tiles[s:s + 1], 4)]
+        if self.via_host:  # this card's copy engine writes the staging, the peer's reads it
+            for dst, src, n in copies:
+                rt.memcpyAsync(self.h_in[id(dst)].ctypes.data, src.data.ptr, n, D2H, ex.stream.ptr)
+        self.start.record(ex.stream)
+        self.stream.wait_event(self.start)
+        n_rows = T * ex.k * self.rows.shape[1] * 4
+        self.rows_back = (ex.rows[s], n_rows)
         with cp.cuda.Device(there):
             for dst, src, n in copies:
-                rt.memcpyPeerAsync(dst.data.ptr, there, src.data.ptr, here, n, self.stream.ptr)
+                if self.via_host:
+                    rt.memcpyAsync(dst.data.ptr, self.h_in[id(dst)].ctypes.data, n, H2D, self.stream.ptr)
+                else:
+                    rt.memcpyPeerAsync(dst.data.ptr, there, src.data.ptr, here, n, self.stream.ptr)
             k = self.kernels[key]
             if tiled:
                 k.run_tiled(self.ptr, self.pairs, self.tiles, self.n_tiles, self.qa, self.da, self.rows,
                             stream=self.stream)
             else:
                 k.run(self.ptr, self.pairs, self.n_pairs, self.qa, self.da, self.rows, stream=self.stream)
-            rt.memcpyPeerAsync(ex.rows[s].data.ptr, here, self.rows.data.ptr, there, T * ex.k * self.rows.shape[1] * 4,
-                               self.stream.ptr)
+            if self.via_host:
+                rt.memcpyAsync(self.h_rows.ctypes.data, self.rows.data.ptr, n_rows, D2H, self.stream.ptr)
+            else:
+                rt.memcpyPeerAsync(ex.rows[s].data.ptr, here, self.rows.data.ptr, there, n_rows, self.stream.ptr)
             self.done.record(self.stream)
 
     def join(self, ex: "GpuExperts") -> None:
-        """This card's stream waits for the last compute() (issued after this card's own experts: they overlap)."""
+        """This card's stream waits for the last compute() (issued after this card's own experts: they overlap);
+        through host memory, the rows then come in on this card's copy engine."""
         ex.stream.wait_event(self.done)
+        if self.via_host:
+            rows, n = self.rows_back
+            cp.cuda.runtime.memcpyAsync(rows.data.ptr, self.h_rows.ctypes.data, n, H2D, ex.stream.ptr)
 
     def close(self) -> None:
         with cp.cuda.Device(self.device):

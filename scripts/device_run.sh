@@ -10,7 +10,8 @@
 #   bash scripts/device_run.sh engine    # a3b IQ3_S: the engine bench at 1K / 32K / 64K
 #   bash scripts/device_run.sh engine-card  # the same at 50 % / 25 % resident, decode's misses read from the arena
 #   bash scripts/device_run.sh experts-prompt  # the prompt expert kernels (tensor cores, dp4a) on a 1024-token chunk
-#   bash scripts/device_run.sh seed13    # the seed table at 60K prompts, modes 1 and 3 (two logical cards)
+#   bash scripts/device_run.sh seed13    # the seed table at 60K prompts, modes 1 and 3 (two logical cards; with
+#                                        # CARDS=0,1 on two GPUs, the JSON named seed-*-cards01)
 #   bash scripts/device_run.sh seed2     # the same, mode 2
 #   bash scripts/device_run.sh seed-card # modes 2 and 3 at 4K prompts, misses read by the card from host memory
 #   bash scripts/device_run.sh seed-mps  # modes 1 and 3 at 4K prompts without and with the CUDA MPS daemon (two
@@ -19,6 +20,10 @@
 #                                        # f54cf31, 2026-12-02: 194 tok/s at 32K) against this tree's, PDL off and on
 #   bash scripts/device_run.sh flash2    # the prefill attention kernel of the tree in _flash2/ (a `git archive` of
 #                                        # another branch) against this tree's: its tests and a 32K prompt's profile
+#   bash scripts/device_run.sh x2-p2p    # two GPUs: topology, peer access, copies both ways peer to peer and through
+#                                        # host memory (2 KB / 64 KB / 256 MB)
+#   bash scripts/device_run.sh x2-tests  # two GPUs: the daemon's GPU tests with the lanes on cards 0 and 1
+#   bash scripts/device_run.sh x2-paths  # two GPUs: seed modes 1 and 3 at 4K prompts, peer copies P2P vs through host
 #   bash scripts/device_run.sh ncu       # Nsight Compute on the kernels that hold the targets back (decode experts,
 #                                        # decode attention, prompt experts on tensor cores, prompt flash attention):
 #                                        # occupancy, issue rate, the stall reasons ncu's rules name
@@ -90,8 +95,10 @@ experts-prompt)
 seed13 | seed2)
     model "$SEED" --router-skew 0.7 --topics 2
     modes=$([ "$1" = seed13 ] && echo 1,3 || echo 2)
-    timeout 500 python3 -m stratad.cli bench --scenario seed --model "$SEED" --cards 0,0 --cache-fraction 0.475 \
-        --contexts 61440 --tokens 96 --modes "$modes" --json "$OUT/seed-${modes//,/}.json" > "$OUT/seed-${modes//,/}.log" 2>&1
+    cards=${CARDS:-0,0}
+    name="seed-${modes//,/}$([ "$cards" = 0,0 ] || echo "-cards${cards//,/}")"
+    timeout 500 python3 -m stratad.cli bench --scenario seed --model "$SEED" --cards "$cards" --cache-fraction 0.475 \
+        --contexts 61440 --tokens 96 --modes "$modes" --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1
     echo "rc=$?"
     python3 -c "
 import json, sys
@@ -100,7 +107,7 @@ for m, cs in d['modes'].items():
     for c in cs:
         print(m, c['topic'], c['decode_tok_s'], 'ttft', c['ttft_s'], 'some card', c['share_some_card'],
               'next turn ttft', c['next_turn']['ttft_s'], 'cached', c['next_turn']['cached_tokens'])
-" "$OUT/seed-${modes//,/}.json" 2>&1 | tail -6
+" "$OUT/$name.json" 2>&1 | tail -6
     ;;
 seed-card)
     model "$SEED" --router-skew 0.7 --topics 2
@@ -140,6 +147,28 @@ flash2)
     for tree in . _flash2; do
         (cd $tree && PYTHONPATH=/tmp/site:$PWD timeout 100 python3 scripts/gpu_prefill_profile.py --model "$A3B" --fractions 1.0 \
             --contexts 1024,32768 --json "$OUT/prefill-$(basename "$(realpath $tree)").json" 2>&1 | tail -3)
+    done
+    ;;
+x2-p2p)
+    nvidia-smi topo -m
+    timeout 200 python3 scripts/gpu_p2p.py --json "$OUT/p2p.json"
+    ;;
+x2-tests)
+    STRATAD_TEST_CARDS=0,1 timeout 560 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_daemon.py \
+        > "$OUT/x2-tests.log" 2>&1
+    echo "test_gpu_daemon.py on cards 0,1: rc=$? $(tail -1 "$OUT/x2-tests.log")"
+    ;;
+x2-paths)
+    model "$SEED" --router-skew 0.7 --topics 2
+    for copy in auto host; do
+        STRATAD_PEER_COPY=$copy timeout 250 python3 -m stratad.cli bench --scenario seed --model "$SEED" --cards 0,1 \
+            --cache-fraction 0.475 --contexts 4096 --tokens 96 --modes 1,3 --json "$OUT/x2-paths-$copy.json" \
+            > "$OUT/x2-paths-$copy.log" 2>&1
+        python3 -c "
+import json, sys
+d = json.load(open(sys.argv[1]))
+print(sys.argv[2], {m: [(c['decode_tok_s'], c['share_some_card']) for c in cs] for m, cs in d['modes'].items()})
+" "$OUT/x2-paths-$copy.json" "$copy"
     done
     ;;
 ncu)
