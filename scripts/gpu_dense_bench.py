@@ -206,11 +206,13 @@ def bench_attention(D, cp, rng, bw, out, n_layers=48):
         caches.append((K, V))
     q = cp.asarray(rng.standard_normal((1, nh, hd), dtype=F32))
     o = cp.empty((1, nh * hd), cp.float32)
-    variants = [("pipe+v2", True, "attn_combine", 64), ("v1+v1", False, "attn_combine_v1", 64),
-                ("v1+v2", False, "attn_combine", 64), ("pipe+v1", True, "attn_combine_v1", 64),
-                ("pipe+v2 cmin256", True, "attn_combine", 256)]
-    for vname, pipe, comb, chunk_min in variants:
-        att = D.DecodeAttention(nh, nkv, hd, mc, chunk_min=chunk_min, pipelined=pipe, combine=comb)
+    variants = [("pipe+v2", True, "attn_combine", 64, None), ("v1+v1", False, "attn_combine_v1", 64, None),
+                ("v1+v2", False, "attn_combine", 64, None), ("pipe+v1", True, "attn_combine_v1", 64, None),
+                ("pipe+v2 cmin256", True, "attn_combine", 256, None),
+                ("pipe+v2 cols32", True, "attn_combine", 64, 32), ("pipe+v2 cols4", True, "attn_combine", 64, 4)]
+    for vname, pipe, comb, chunk_min, cols in variants:
+        att = D.DecodeAttention(nh, nkv, hd, mc, chunk_min=chunk_min, pipelined=pipe, combine=comb,
+                                combine_cols=cols)
         for ctx in (1024, 8192, 32768, 65536, 131072):
             if vname != "pipe+v2" and ctx == 65536:
                 continue
@@ -253,25 +255,31 @@ def bench_decode_chain(D, cp, rng, bw, out, ctx=1024):
     ids, wts = cp.empty((1, c["k"]), cp.int32), cp.empty((1, c["k"]), cp.float32)
     tok, pos = cp.asarray(np.array([5], np.int32)), cp.asarray(np.array([ctx - 1], np.int32))
 
-    def step(s):
+    def norm_proj(W, y, s, fused):  # y = W rms_norm(x): as the GPU card runs it (fused) or in two launches
+        if fused:
+            D.norm_matvec(W, b["x"][0], nw, 1e-6, y, stream=s)
+        else:
+            D.rms_norm(b["x"], nw, 1e-6, b["h"], stream=s)
+            D.matvec(W, b["h"][0], y, stream=s)
+
+    def step(s, fused):
         D.embed(head, tok, b["x"], stream=s)
         for Wqkv, Wo, Wr, K, V in layers:
-            D.rms_norm(b["x"], nw, 1e-6, b["h"], stream=s)
-            D.matvec(Wqkv, b["h"][0], b["qkv"][0], stream=s)
+            norm_proj(Wqkv, b["qkv"][0], s, fused)
             D.qk_norm_rope_kv(b["qkv"], hw, hw, 1e-6, rope, pos, b["q"], K, V, n_head=nh, n_kv=nkv, stream=s)
             att(b["q"], K, V, pos, b["a"], stream=s)
             D.matvec(Wo, b["a"][0], b["x"][0], residual=b["x"][0], stream=s)
-            D.rms_norm(b["x"], nw, 1e-6, b["h"], stream=s)
-            D.matvec(Wr, b["h"][0], b["lg"][0], stream=s)
+            norm_proj(Wr, b["lg"][0], s, fused)
             D.route(b["lg"], c["k"], ids, wts, stream=s)
         D.rms_norm(b["x"], nw, 1e-6, b["h"], stream=s)
         D.matvec(head, b["h"][0], b["logits"], stream=s)
         am(b["logits"], tok, stream=s)
 
-    us, runs = graph_us(cp, [step], iters=5)
     nbytes = L * (Wqkv0.nbytes + Wo0.nbytes + Wr0.nbytes + ctx * nkv * hd * 4) + head.nbytes
-    out.append(rec(f"decode dense path, 48 layers, ctx={ctx} (no experts)", us, nbytes, bw,
-                   launches=1 + L * 9 + 3))
+    for fused in (True, False):
+        us, runs = graph_us(cp, [lambda s, fused=fused: step(s, fused)], iters=5)
+        out.append(rec(f"decode dense path, 48 layers, ctx={ctx} (no experts){'' if fused else ', norms apart'}", us,
+                       nbytes, bw, launches=1 + L * (7 if fused else 9) + 3))
     del layers
     cp.get_default_memory_pool().free_all_blocks()
 

@@ -309,7 +309,8 @@ def _attn_case(cp, D, rng, n_head, n_kv, hd, max_ctx, L, Tn=1, q_scale=1.0, pref
 
 
 ATTN_VARIANTS = [{"pipelined": True, "combine": "attn_combine"}, {"pipelined": False, "combine": "attn_combine_v1"},
-                 {"pipelined": False, "combine": "attn_combine"}, {"pipelined": True, "combine": "attn_combine_v1"}]
+                 {"pipelined": False, "combine": "attn_combine"}, {"pipelined": True, "combine": "attn_combine_v1"},
+                 {"pipelined": True, "combine_cols": 32}, {"pipelined": True, "combine_cols": 1}]
 
 
 @pytest.mark.parametrize("cfg", [(32, 4, 128), (4, 2, 64), (16, 1, 128), (8, 8, 64)],
@@ -329,7 +330,7 @@ def test_attention(cp, D, cfg, L, var):
 
 @pytest.mark.parametrize("kw", [{"nsplit": 1}, {"nsplit": 7, "chunk_min": 16}, {"chunk_min": 1024}],
                          ids=["nsplit1", "nsplit7", "chunk1024"])
-@pytest.mark.parametrize("var", ATTN_VARIANTS, ids=["pipe-v2", "v1", "v2", "pipe-v1"])
+@pytest.mark.parametrize("var", ATTN_VARIANTS, ids=["pipe-v2", "v1", "v2", "pipe-v1", "cols32", "cols1"])
 def test_attention_splits(cp, D, kw, var):
     rng = np.random.default_rng(3)
     for L in (3001, 64, 80):

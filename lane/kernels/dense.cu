@@ -978,13 +978,16 @@ ATTN_INST(64, true, true, attn_split_hd64_g16_pipe)
 ATTN_INST(128, false, true, attn_split_hd128_g8_pipe)
 ATTN_INST(128, true, true, attn_split_hd128_g16_pipe)
 
-// combine the splits: grid (n_head, T), block = 128 threads; out (T, n_head, hd) f32. Thread = (split group,
-// float4 of the head): 128 / (hd/4) groups stride over the splits, 4 loads in flight each, then summed in order.
+// combine the splits: grid (n_head, T, hd / (4 * cols)), block = 128 threads; out (T, n_head, hd) f32. A block
+// takes `cols` float4 columns of one head (every block of the head weighs the splits the same way); thread = (split
+// group, column): 128 / cols groups stride over the splits, 4 loads in flight each, then summed in group order.
+// More blocks a head (fewer columns each) make the chains over the splits shorter: at 32K a head's 264 splits were
+// 66 loads a thread deep with all 32 columns in one block.
 extern "C" __global__ void __launch_bounds__(128) attn_combine(const float* __restrict__ part_o,
                                                                const float* __restrict__ part_ml,
                                                                const int* __restrict__ pos_p, int n_head, int n_kv,
                                                                int hd, int max_ctx, int nsplit, int chunk_min,
-                                                               float* __restrict__ out) {
+                                                               int cols, float* __restrict__ out) {
     PDL_ENTRY();
     extern __shared__ float wts[];  // nsplit
     __shared__ float red[4];
@@ -1017,10 +1020,10 @@ extern "C" __global__ void __launch_bounds__(128) attn_combine(const float* __re
     if (tid == 0) s_L = f_add(f_add(red[0], red[1]), f_add(red[2], red[3]));
     __syncthreads();
     const float inv = f_div(1.f, s_L);
-    const int V4 = hd >> 2, SG = blockDim.x / V4;
+    const int V4 = cols, SG = blockDim.x / V4, c0 = blockIdx.z * cols;
     const int c = tid % V4, sg = tid / V4;
     float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
-    const float* po = part_o + base * hd + 4 * c;
+    const float* po = part_o + base * hd + 4 * (c0 + c);
     const i64 step = (i64)group * hd;
     int s = sg;
     for (; s + 3 * SG < nact; s += 4 * SG) {  // 4 independent loads in flight
@@ -1047,7 +1050,7 @@ extern "C" __global__ void __launch_bounds__(128) attn_combine(const float* __re
             const float4 u = accs[k * V4 + tid];
             r.x = f_add(r.x, u.x); r.y = f_add(r.y, u.y); r.z = f_add(r.z, u.z); r.w = f_add(r.w, u.w);
         }
-        *(float4*)(out + ((i64)t * n_head + h) * hd + 4 * tid) = make_float4(f_mul(r.x, inv), f_mul(r.y, inv),
+        *(float4*)(out + ((i64)t * n_head + h) * hd + 4 * (c0 + tid)) = make_float4(f_mul(r.x, inv), f_mul(r.y, inv),
                                                                              f_mul(r.z, inv), f_mul(r.w, inv));
     }
 }

@@ -61,6 +61,7 @@ DEFAULT_BATCHED_METHOD = "f16"   # dense_batched: cuBLAS fp16 tensor cores on a 
 Q8_VARIANT = "q8_0"              # Q8_0 mat-vec: "q8_0" (4 lanes per block) or "q8_0v1" (a lane per block)
 ATTN_PIPELINED = True            # decode attention: prefetch the next 16-position tile into registers
 ATTN_COMBINE = "attn_combine"    # or "attn_combine_v1" (thread per dim)
+ATTN_COMBINE_COLS = 8            # attn_combine: float4 columns a block (hd / 32 blocks a head at hd 128: 4)
 # Decode steps at this context or longer launch the split kernel without a PDL edge: on the H200 (a3b, all resident)
 # the edge cost 0.83 ms a step at 32K (5.27 -> 4.44 ms; a fixed shared-memory carveout did not help) and saved
 # 0.07 ms at 1K (3.44 -> 3.37); linear in the context between, the two cross near 3.4K.
@@ -563,7 +564,7 @@ class DecodeAttention:
 
     def __init__(self, n_head: int, n_kv: int, head_dim: int, max_ctx: int, max_T: int = 1, *, chunk_min: int = 64,
                  nsplit: int | None = None, pipelined: bool | None = None, combine: str | None = None,
-                 device=None):
+                 combine_cols: int | None = None, device=None):
         m = self.m = kernels(device)
         cp = m.cp
         if head_dim not in (64, 128):
@@ -576,6 +577,9 @@ class DecodeAttention:
         pipelined = ATTN_PIPELINED if pipelined is None else pipelined
         self.name = f"attn_split_hd{head_dim}_g{8 if self.group <= 8 else 16}" + ("_pipe" if pipelined else "")
         self.combine = combine or ATTN_COMBINE
+        self.cols = min(head_dim // 4, combine_cols or ATTN_COMBINE_COLS)
+        if 128 % self.cols or (head_dim // 4) % self.cols:
+            raise ValueError(f"combine_cols must divide 128 and head_dim / 4 (got {self.cols})")
         with m.device:
             self.capacity = m.n_sm * m.blocks_per_sm(self.name, 128)
             self._nsplit_fixed = nsplit
@@ -605,10 +609,13 @@ class DecodeAttention:
         with _on(stream):
             launch(m.fn(self.name), (ns, self.n_kv, T_), (128,), (q, k_cache, v_cache, pos) + common +
                    (self.scale_log2, self.part_o, self.part_ml), pdl=pdl)
-            launch(m.fn(self.combine), (self.n_head, T_), (128,),
-                                 (self.part_o, self.part_ml, pos, np.int32(self.n_head), np.int32(self.n_kv),
-                                  np.int32(self.hd), np.int32(self.max_ctx), np.int32(ns), np.int32(self.chunk_min),
-                                  out), shared_mem=4 * ns)
+            cargs = (self.part_o, self.part_ml, pos, np.int32(self.n_head), np.int32(self.n_kv), np.int32(self.hd),
+                      np.int32(self.max_ctx), np.int32(ns), np.int32(self.chunk_min))
+            if self.combine == "attn_combine":  # blocks of self.cols float4 columns
+                launch(m.fn(self.combine), (self.n_head, T_, self.hd // 4 // self.cols), (128,),
+                       cargs + (np.int32(self.cols), out), shared_mem=4 * ns)
+            else:
+                launch(m.fn(self.combine), (self.n_head, T_), (128,), cargs + (out,), shared_mem=4 * ns)
 
 
 class PrefillAttention:
