@@ -213,11 +213,12 @@ class CupyCard:
     def _attend_and_route(self, i: int, w: Work, export: bool) -> None:
         c, L, s = self.c, self.layers[i], self.stream
         self._norm_proj(L["attn_norm"], L["qkv"], w, w.qkv)
-        D.qk_norm_rope_kv(w.qkv, L["q_norm"], L["k_norm"], c.rms_eps, self.rope, self.pos, w.q, *L["kv"],
-                          n_head=c.n_head, n_kv=c.n_head_kv, stream=s)
-        if w.T == 1:  # pos on the device: graph-safe
-            self.attn(w.q, *L["kv"], self.pos, w.att, 1, pdl=not w.long_ctx, stream=s)
+        if w.T == 1:  # pos on the device: graph-safe; q/k norm, RoPE and the KV append in the split launch
+            self.attn.step(w.qkv, L["q_norm"], L["k_norm"], c.rms_eps, self.rope, self.pos, *L["kv"], w.att,
+                           pdl=not w.long_ctx, stream=s)
         else:  # a prompt chunk, run eagerly: the host knows where it starts
+            D.qk_norm_rope_kv(w.qkv, L["q_norm"], L["k_norm"], c.rms_eps, self.rope, self.pos, w.q, *L["kv"],
+                              n_head=c.n_head, n_kv=c.n_head_kv, stream=s)
             self.prefill_attn(w.q, *L["kv"], w.pos0, w.att, stream=s)
         self._proj(L["o"], w.att, w.x, residual=w.x)
         self._norm_proj(L["ffn_norm"], L["router"], w, w.router, quant=self.experts.inputs(w.T))

@@ -281,6 +281,35 @@ def test_qk_norm_rope_kv(cp, D, cfg, Tn, pos0):
     assert np.array_equal(V1.view(np.uint16), Vw.view(np.uint16))
 
 
+@pytest.mark.parametrize("cfg", [(32, 4, 128), (4, 2, 64), (16, 1, 128), (8, 8, 64)],
+                         ids=["a3b", "tiny", "g16", "mha"])
+@pytest.mark.parametrize("pos0", [0, 15, 16, 63, 64, 100, 1000, 5000])
+def test_decode_step_attention_is_qk_norm_rope_kv_then_attention(cp, D, cfg, pos0):
+    """The decode step's split launch with qk_norm_rope_kv's work (DecodeAttention.step): every bit of the output
+    and of both caches equals qk_norm_rope_kv followed by the attention, at split edges and long contexts."""
+    n_head, n_kv, hd = cfg
+    rng = np.random.default_rng(pos0 * 3 + hd)
+    max_ctx = 8192
+    rope = D.RopeTable(max_ctx, hd, 1e6)
+    qkv = cp.asarray(rng.standard_normal((1, (n_head + 2 * n_kv) * hd), dtype=F32) * F32(3))
+    qnw, knw = (cp.asarray(rng.uniform(0.5, 1.5, hd).astype(F32)) for _ in range(2))
+    K0 = rng.standard_normal((n_kv, max_ctx, hd)).astype(np.float16)
+    V0 = rng.standard_normal((n_kv, hd, max_ctx)).astype(np.float16)
+    pos = cp.asarray(np.array([pos0], np.int32))
+    att = D.DecodeAttention(n_head, n_kv, hd, max_ctx)
+    Ka, Va, Kb, Vb = cp.asarray(K0), cp.asarray(V0), cp.asarray(K0), cp.asarray(V0)
+    q = nan_like(cp, (1, n_head, hd))
+    want, got = nan_like(cp, (1, n_head * hd)), nan_like(cp, (1, n_head * hd))
+    D.qk_norm_rope_kv(qkv, qnw, knw, 1e-6, rope, pos, q, Ka, Va, n_head=n_head, n_kv=n_kv)
+    att(q, Ka, Va, pos, want)
+    att.step(qkv, qnw, knw, 1e-6, rope, pos, Kb, Vb, got)
+    sync(cp)
+    assert np.isfinite(got.get()).all()
+    assert np.array_equal(got.get().view(np.uint32), want.get().view(np.uint32))
+    assert np.array_equal(Kb.get().view(np.uint16), Ka.get().view(np.uint16))
+    assert np.array_equal(Vb.get().view(np.uint16), Va.get().view(np.uint16))
+
+
 # ---- 4. decode attention ------------------------------------------------------------------------------------------
 def _attn_case(cp, D, rng, n_head, n_kv, hd, max_ctx, L, Tn=1, q_scale=1.0, prefill=False, **kw):
     """Random K/V (float32 and their f16 cache), positions >= L filled with NaN; returns (got, ref64_on_f16,

@@ -49,6 +49,19 @@ __device__ __forceinline__ uint2 ld_nc_u2(const void* p) {
     asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(p));
     return r;
 }
+// the same on the coherent path, for data the kernel itself may have written (the fused decode step's KV append:
+// the non-coherent path need not see it)
+__device__ __forceinline__ uint4 ld_coh_u4(const void* p) {
+    uint4 r;
+    asm volatile("ld.global.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    return r;
+}
+__device__ __forceinline__ uint2 ld_coh_u2(const void* p) {
+    uint2 r;
+    asm volatile("ld.global.L1::no_allocate.v2.u32 {%0,%1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(p));
+    return r;
+}
 __device__ __forceinline__ void st_shared_v4(u32 addr, uint4 v) {
     asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w));
 }
@@ -660,6 +673,32 @@ __device__ __forceinline__ float head_sq_sum(const float* a, int n, int lane) {
     return f_add(__shfl_sync(0xffffffffu, s0, 0), __shfl_sync(0xffffffffu, s1, 0));
 }
 
+// One head's RMSNorm (weights wn) and NEOX RoPE (the position's cos / sin rows ct, stb) by a warp: x (hd <= 256
+// values, shared memory) -> emit(i, out[i], out[i + hd / 2]) for each of the lane's pairs i < hd / 2.
+template <class Emit>
+__device__ __forceinline__ void head_norm_rope(const float* x, const float* __restrict__ wn, float eps,
+                                               const float* __restrict__ ct, const float* __restrict__ stb, int hd,
+                                               int lane, Emit emit) {
+    const int half = hd >> 1;
+    float wa[4], wb[4], cv[4], sv[4];  // prefetched before the norm (hd <= 256: <= 4 pairs per lane)
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+        const int i = lane + 32 * m;
+        if (i < half) { wa[m] = wn[i]; wb[m] = wn[i + half]; cv[m] = ct[i]; sv[m] = stb[i]; }
+    }
+    const float sum = head_sq_sum(x, hd, lane);
+    const float s = f_sqrt(f_add(f_div(sum, (float)hd), eps));
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+        const int i = lane + 32 * m;
+        if (i >= half) break;
+        const float a = f_mul(f_div(x[i], s), wa[m]);
+        const float b = f_mul(f_div(x[i + half], s), wb[m]);
+        const float c = cv[m], sn = sv[m];
+        emit(i, f_sub(f_mul(a, c), f_mul(b, sn)), f_add(f_mul(b, c), f_mul(a, sn)));
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(128) qk_norm_rope_kv(
     const float* __restrict__ qkv, i64 ld, int T, const float* __restrict__ qnw, const float* __restrict__ knw,
     float eps, const float* __restrict__ cos_t, const float* __restrict__ sin_t, const int* __restrict__ pos_p,
@@ -684,37 +723,19 @@ extern "C" __global__ void __launch_bounds__(128) qk_norm_rope_kv(
         return;
     }
     const bool is_q = hh < n_head;
-    const float* wn = is_q ? qnw : knw;
     const int pc = min(pos, max_ctx - 1);
-    const float* ct = cos_t + (i64)pc * half;
-    const float* stb = sin_t + (i64)pc * half;
-    float wa[4], wb[4], cv[4], sv[4];  // prefetched before the norm (hd <= 256: <= 4 pairs per lane)
-#pragma unroll
-    for (int m = 0; m < 4; ++m) {
-        const int i = lane + 32 * m;
-        if (i < half) { wa[m] = wn[i]; wb[m] = wn[i + half]; cv[m] = ct[i]; sv[m] = stb[i]; }
-    }
-    const float sum = head_sq_sum(x, hd, lane);
-    const float s = f_sqrt(f_add(f_div(sum, (float)hd), eps));
-#pragma unroll
-    for (int m = 0; m < 4; ++m) {
-        const int i = lane + 32 * m;
-        if (i >= half) break;
-        const float a = f_mul(f_div(x[i], s), wa[m]);
-        const float b = f_mul(f_div(x[i + half], s), wb[m]);
-        const float c = cv[m], sn = sv[m];
-        const float oa = f_sub(f_mul(a, c), f_mul(b, sn));
-        const float ob = f_add(f_mul(b, c), f_mul(a, sn));
-        if (is_q) {
-            float* qo = q_out + ((i64)t * n_head + hh) * hd;
-            qo[i] = oa;
-            qo[i + half] = ob;
-        } else if (pos < max_ctx) {
-            u16* ko = kc + ((i64)(hh - n_head) * max_ctx + pos) * hd;
-            ko[i] = f2h(oa);
-            ko[i + half] = f2h(ob);
-        }
-    }
+    head_norm_rope(x, is_q ? qnw : knw, eps, cos_t + (i64)pc * half, sin_t + (i64)pc * half, hd, lane,
+                   [&](int i, float oa, float ob) {
+                       if (is_q) {
+                           float* qo = q_out + ((i64)t * n_head + hh) * hd;
+                           qo[i] = oa;
+                           qo[i + half] = ob;
+                       } else if (pos < max_ctx) {
+                           u16* ko = kc + ((i64)(hh - n_head) * max_ctx + pos) * hd;
+                           ko[i] = f2h(oa);
+                           ko[i + half] = f2h(ob);
+                       }
+                   });
 }
 
 // pos[0] += T (end of a captured decode step)
@@ -773,11 +794,23 @@ __device__ __forceinline__ void attn_split_geom(int len, int nsplit, int chunk_m
 
 __device__ __forceinline__ u32 uget(const uint4& v, int m) { return m == 0 ? v.x : m == 1 ? v.y : m == 2 ? v.z : v.w; }
 
-template <int HD, bool G16, bool PIPE>
-__device__ __forceinline__ void attn_split_body(const float* __restrict__ q, const u16* __restrict__ kc,
-                                                const u16* __restrict__ vc, const int* __restrict__ pos_p, int n_head,
-                                                int n_kv, int max_ctx, int nsplit, int chunk_min, float scale_log2,
-                                                float* __restrict__ part_o, float* __restrict__ part_ml) {
+// A decode step's q/k RMSNorm, RoPE and KV append, folded into the split kernel (FUSE, T = 1): the raw q/k/v row
+// and what qk_norm_rope_kv takes besides.
+struct AttnQkv {
+    const float* qkv;
+    const float* qnw;
+    const float* knw;
+    float eps;
+    const float* cos_t;
+    const float* sin_t;
+};
+
+template <int HD, bool G16, bool PIPE, bool FUSE>
+__device__ __forceinline__ void attn_split_body(const float* __restrict__ q, const u16* kc, const u16* vc,
+                                                const int* __restrict__ pos_p, int n_head, int n_kv, int max_ctx,
+                                                int nsplit, int chunk_min, float scale_log2,
+                                                float* __restrict__ part_o, float* __restrict__ part_ml,
+                                                AttnQkv f) {
     constexpr int NJ = HD / 32;   // 16-byte chunks of a K row per thread
     constexpr int KS = HD / 16;   // k-steps of QK^T
     constexpr int NDT = HD / 8;   // dim tiles of PV
@@ -790,11 +823,53 @@ __device__ __forceinline__ void attn_split_body(const float* __restrict__ q, con
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
     const int g = lane >> 2, tq = lane & 3;
 
+    int len = 0, chunk = 0, nact = 0;
+    const float* qg = q + ((i64)t * n_head + (i64)kvh * group) * HD;  // the group's q rows
+    if (FUSE) {  // the position first: blocks past the active splits leave before doing anything
+        const int pos = pos_p[0];
+        len = min(pos + 1, max_ctx);
+        attn_split_geom(len, nsplit, chunk_min, chunk, nact);
+        if (s >= nact) return;
+        float* qs = &sm_o[0][0][0];  // the group's q rows, then (the appending block) the raw k row; sm_o's use comes
+        float* kx = qs + 16 * HD;    // after a barrier
+        const int pc = min(pos, max_ctx - 1);
+        const float* ct = f.cos_t + (i64)pc * (HD / 2);
+        const float* st = f.sin_t + (i64)pc * (HD / 2);
+        for (int j = w; j < group; j += 4) {  // warp-uniform: head kvh * group + j, normalised and rotated in place
+            float* x = qs + j * HD;
+            for (int d = lane; d < HD; d += 32) x[d] = f.qkv[((i64)kvh * group + j) * HD + d];
+            __syncwarp();
+            head_norm_rope(x, f.qnw, f.eps, ct, st, HD, lane, [&](int i, float oa, float ob) {
+                x[i] = oa;
+                x[i + HD / 2] = ob;
+            });
+        }
+        if (s == nact - 1 && pos < max_ctx) {  // its range holds the position: it writes the step's K and V there
+            // (all of this kernel's K / V loads take the coherent path, so this block's own loads see them)
+            u16* kw = const_cast<u16*>(kc);
+            u16* vw = const_cast<u16*>(vc);
+            const float* kv_row = f.qkv + (i64)(n_head + kvh) * HD;  // raw k of this kv head; v follows the k heads
+            if (w == 0) {
+                for (int d = lane; d < HD; d += 32) kx[d] = kv_row[d];
+                __syncwarp();
+                head_norm_rope(kx, f.knw, f.eps, ct, st, HD, lane, [&](int i, float oa, float ob) {
+                    kw[((i64)kvh * max_ctx + pos) * HD + i] = f2h(oa);
+                    kw[((i64)kvh * max_ctx + pos) * HD + i + HD / 2] = f2h(ob);
+                });
+            } else if (w == 1) {
+                for (int d = lane; d < HD; d += 32)
+                    vw[((i64)kvh * HD + d) * max_ctx + pos] = f2h(kv_row[(i64)n_kv * HD + d]);
+            }
+        }
+        __syncthreads();  // q in shared memory; the K / V row written (for this block's own loads)
+        qg = qs;
+    }
+
     // ---- Q fragments (f16, permuted k) ----
     u32 qa[KS][2], qb[KS][2];
     {
-        const float* q0 = q + ((i64)t * n_head + (i64)kvh * group + g) * HD;
-        const float* q8 = q + ((i64)t * n_head + (i64)kvh * group + g + 8) * HD;
+        const float* q0 = qg + g * HD;
+        const float* q8 = qg + (g + 8) * HD;
         const bool v0 = g < group, v8 = G16 && (g + 8 < group);
 #pragma unroll
         for (int ks = 0; ks < KS; ++ks) {
@@ -808,12 +883,13 @@ __device__ __forceinline__ void attn_split_body(const float* __restrict__ q, con
         }
     }
 
-    // the position is read after the q loads were issued (independent latencies overlap)
-    int len = pos_p[0] + t + 1;
-    len = min(len, max_ctx);
-    int chunk, nact;
-    attn_split_geom(len, nsplit, chunk_min, chunk, nact);
-    if (s >= nact) return;
+    if (FUSE) {
+        __syncthreads();  // every warp has its fragments: sm_o is free for the merge
+    } else {  // the position is read after the q loads were issued (independent latencies overlap)
+        len = min(pos_p[0] + t + 1, max_ctx);
+        attn_split_geom(len, nsplit, chunk_min, chunk, nact);
+        if (s >= nact) return;
+    }
     const int start = s * chunk, end = min(len, start + chunk);
     const int ntile = (end - start + 15) >> 4;
 
@@ -833,10 +909,13 @@ __device__ __forceinline__ void attn_split_body(const float* __restrict__ q, con
             const int p = p0 + 4 * (g >> 1) + 2 * si + (g & 1);
             const u16* kr = kbase + (i64)p * HD;
 #pragma unroll
-            for (int j = 0; j < NJ; ++j) k[si][j] = ld_stream(kr + 8 * (tq + 4 * j));
+            for (int j = 0; j < NJ; ++j) k[si][j] = FUSE ? ld_coh_u4(kr + 8 * (tq + 4 * j)) : ld_stream(kr + 8 * (tq + 4 * j));
         }
 #pragma unroll
-        for (int dt = 0; dt < NDT; ++dt) v[dt] = ld_nc_u2(vbase + (i64)(dt * 8 + g) * max_ctx + p0 + 4 * tq);
+        for (int dt = 0; dt < NDT; ++dt) {
+            const u16* vp = vbase + (i64)(dt * 8 + g) * max_ctx + p0 + 4 * tq;
+            v[dt] = FUSE ? ld_coh_u2(vp) : ld_nc_u2(vp);
+        }
     };
     uint4 kv[2][NJ];
     uint2 vv[NDT];
@@ -965,9 +1044,19 @@ __device__ __forceinline__ void attn_split_body(const float* __restrict__ q, con
     extern "C" __global__ void __launch_bounds__(128) NAME(                                                       \
         const float* __restrict__ q, const u16* __restrict__ kc, const u16* __restrict__ vc,                     \
         const int* __restrict__ pos_p, int n_head, int n_kv, int max_ctx, int nsplit, int chunk_min,             \
-        float scale_log2, float* __restrict__ part_o, float* __restrict__ part_ml) { PDL_ENTRY();                             \
-        attn_split_body<HD, G16, PIPE>(q, kc, vc, pos_p, n_head, n_kv, max_ctx, nsplit, chunk_min, scale_log2,    \
-                                       part_o, part_ml);                                                          \
+        float scale_log2, float* __restrict__ part_o, float* __restrict__ part_ml) { PDL_ENTRY();                \
+        attn_split_body<HD, G16, PIPE, false>(q, kc, vc, pos_p, n_head, n_kv, max_ctx, nsplit, chunk_min,         \
+                                              scale_log2, part_o, part_ml, AttnQkv{});                            \
+    }
+// the decode step's variant (T = 1) that also does qk_norm_rope_kv's work: q from the raw qkv row, K / V appended
+#define ATTN_QKV_INST(HD, G16, NAME)                                                                              \
+    extern "C" __global__ void __launch_bounds__(128) NAME(                                                       \
+        const float* __restrict__ qkv, const float* __restrict__ qnw, const float* __restrict__ knw, float eps,  \
+        const float* __restrict__ cos_t, const float* __restrict__ sin_t, u16* kc, u16* vc,                      \
+        const int* __restrict__ pos_p, int n_head, int n_kv, int max_ctx, int nsplit, int chunk_min,             \
+        float scale_log2, float* __restrict__ part_o, float* __restrict__ part_ml) { PDL_ENTRY();                \
+        attn_split_body<HD, G16, true, true>(nullptr, kc, vc, pos_p, n_head, n_kv, max_ctx, nsplit, chunk_min,   \
+                                             scale_log2, part_o, part_ml, AttnQkv{qkv, qnw, knw, eps, cos_t, sin_t}); \
     }
 ATTN_INST(64, false, false, attn_split_hd64_g8)
 ATTN_INST(64, true, false, attn_split_hd64_g16)
@@ -977,6 +1066,10 @@ ATTN_INST(64, false, true, attn_split_hd64_g8_pipe)
 ATTN_INST(64, true, true, attn_split_hd64_g16_pipe)
 ATTN_INST(128, false, true, attn_split_hd128_g8_pipe)
 ATTN_INST(128, true, true, attn_split_hd128_g16_pipe)
+ATTN_QKV_INST(64, false, attn_split_hd64_g8_qkv)
+ATTN_QKV_INST(64, true, attn_split_hd64_g16_qkv)
+ATTN_QKV_INST(128, false, attn_split_hd128_g8_qkv)
+ATTN_QKV_INST(128, true, attn_split_hd128_g16_qkv)
 
 // combine the splits: grid (n_head, T, hd / (4 * cols)), block = 128 threads; out (T, n_head, hd) f32. A block
 // takes `cols` float4 columns of one head (every block of the head weighs the splits the same way); thread = (split

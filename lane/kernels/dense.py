@@ -575,13 +575,16 @@ class DecodeAttention:
         self.group = n_head // n_kv
         self.max_T, self.chunk_min = int(max_T), int(chunk_min)
         pipelined = ATTN_PIPELINED if pipelined is None else pipelined
-        self.name = f"attn_split_hd{head_dim}_g{8 if self.group <= 8 else 16}" + ("_pipe" if pipelined else "")
+        base = f"attn_split_hd{head_dim}_g{8 if self.group <= 8 else 16}"
+        self.name = base + ("_pipe" if pipelined else "")
+        self.qkv_name = base + "_qkv"  # decode steps: with qk_norm_rope_kv's work (step())
         self.combine = combine or ATTN_COMBINE
         self.cols = min(head_dim // 4, combine_cols or ATTN_COMBINE_COLS)
         if 128 % self.cols or (head_dim // 4) % self.cols:
             raise ValueError(f"combine_cols must divide 128 and head_dim / 4 (got {self.cols})")
         with m.device:
-            self.capacity = m.n_sm * m.blocks_per_sm(self.name, 128)
+            # one split geometry for both kernels (the same registers today), so that step() has attention's bits
+            self.capacity = m.n_sm * min(m.blocks_per_sm(self.name, 128), m.blocks_per_sm(self.qkv_name, 128))
             self._nsplit_fixed = nsplit
             cap = max(self.nsplit(t) * t for t in range(1, self.max_T + 1))
             self.part_o = cp.empty(cap * n_kv * self.group * head_dim, cp.float32)
@@ -593,12 +596,29 @@ class DecodeAttention:
             return int(self._nsplit_fixed)
         return max(1, self.capacity // (self.n_kv * T_))
 
+    def step(self, qkv, q_norm_w, k_norm_w, eps: float, rope: RopeTable, pos, k_cache, v_cache, out, *,
+             pdl: bool = True, stream=None) -> None:
+        """A decode step's qk_norm_rope_kv (T = 1; q_out not written) and attention in one split launch and the
+        combine: qkv float32 (1, (n_head + 2 n_kv) hd); the same bits as the two calls."""
+        m, hd = self.m, self.hd
+        _need(qkv, np.float32, (1, (self.n_head + 2 * self.n_kv) * hd), "qkv")
+        _need(q_norm_w, np.float32, (hd,), "q_norm_w")
+        _need(k_norm_w, np.float32, (hd,), "k_norm_w")
+        if rope.head_dim != hd or rope.max_ctx < self.max_ctx:
+            raise ValueError("the rope table must have this head_dim and cover max_ctx")
+        self._launch(m.fn(self.qkv_name), (qkv, q_norm_w, k_norm_w, np.float32(eps), rope.cos, rope.sin, k_cache,
+                                           v_cache), k_cache, v_cache, pos, out, 1, pdl, stream)
+
     def __call__(self, q, k_cache, v_cache, pos, out, T_: int = 1, *, pdl: bool = True, stream=None) -> None:
         """pdl: the split kernel may start under its predecessor's tail (in a graph; see ATTN_PDL_MAX_CTX)."""
+        _need(q, np.float32, (T_, self.n_head, self.hd), "q")
+        self._launch(self.m.fn(self.name), (q, k_cache, v_cache), k_cache, v_cache, pos, out, T_, pdl, stream)
+
+    def _launch(self, split, first: tuple, k_cache, v_cache, pos, out, T_: int, pdl: bool, stream) -> None:
+        """The split kernel (its own leading arguments `first`) and the combine."""
         m = self.m
         if not 1 <= T_ <= self.max_T:
             raise ValueError(f"T must be in [1, {self.max_T}]")
-        _need(q, np.float32, (T_, self.n_head, self.hd), "q")
         _need(k_cache, np.float16, (self.n_kv, self.max_ctx, self.hd), "k_cache", align=16)
         _need(v_cache, np.float16, (self.n_kv, self.hd, self.max_ctx), "v_cache", align=16)
         _need(pos, np.int32, (1,), "pos")
@@ -607,7 +627,7 @@ class DecodeAttention:
         common = (np.int32(self.n_head), np.int32(self.n_kv), np.int32(self.max_ctx), np.int32(ns),
                   np.int32(self.chunk_min))
         with _on(stream):
-            launch(m.fn(self.name), (ns, self.n_kv, T_), (128,), (q, k_cache, v_cache, pos) + common +
+            launch(split, (ns, self.n_kv, T_), (128,), first + (pos,) + common +
                    (self.scale_log2, self.part_o, self.part_ml), pdl=pdl)
             cargs = (self.part_o, self.part_ml, pos, np.int32(self.n_head), np.int32(self.n_kv), np.int32(self.hd),
                       np.int32(self.max_ctx), np.int32(ns), np.int32(self.chunk_min))
