@@ -205,6 +205,9 @@ def bench_attention(D, cp, rng, bw, out, n_layers=48):
         V = cp.random.standard_normal((nkv, hd, mc), dtype=cp.float32).astype(cp.float16)
         caches.append((K, V))
     q = cp.asarray(rng.standard_normal((1, nh, hd), dtype=F32))
+    qkv = cp.asarray(rng.standard_normal((1, (nh + 2 * nkv) * hd), dtype=F32))
+    hw = cp.asarray(rng.uniform(0.5, 1.5, hd).astype(F32))
+    rope = D.RopeTable(mc, hd, 1e6)
     o = cp.empty((1, nh * hd), cp.float32)
     variants = [("pipe+v2", True, "attn_combine", 64, None), ("v1+v1", False, "attn_combine_v1", 64, None),
                 ("v1+v2", False, "attn_combine", 64, None), ("pipe+v1", True, "attn_combine_v1", 64, None),
@@ -221,6 +224,10 @@ def bench_attention(D, cp, rng, bw, out, n_layers=48):
             kv_bytes = ctx * nkv * hd * 2 * 2
             out.append(rec(f"attention ctx={ctx} {vname}", us, kv_bytes, bw,
                            nsplit=att.nsplit(1), capacity=att.capacity))
+            if vname == "pipe+v2":  # the decode step's launch with qk_norm_rope_kv's work (coherent K / V loads)
+                us, _ = graph_us(cp, [lambda s, K=K, V=V: att.step(qkv, hw, hw, 1e-6, rope, pos, K, V, o, stream=s)
+                                      for K, V in caches], iters=5)
+                out.append(rec(f"attention ctx={ctx} {vname} step (+q/k norm, RoPE, KV append)", us, kv_bytes, bw))
     del caches
     cp.get_default_memory_pool().free_all_blocks()
 
