@@ -20,6 +20,8 @@
 #                                        # f54cf31, 2026-12-02: 194 tok/s at 32K) against this tree's, PDL off and on
 #   bash scripts/device_run.sh flash2    # the prefill attention kernel of the tree in _flash2/ (a `git archive` of
 #                                        # another branch) against this tree's: its tests and a 32K prompt's profile
+#   bash scripts/device_run.sh dense     # the dense kernels' bench: decode attention (split, combine columns, the
+#                                        # fused step) at 1K-128K, the 48-layer decode chain with and without fusions
 #   bash scripts/device_run.sh x2-p2p    # two GPUs: topology, peer access, copies both ways peer to peer and through
 #                                        # host memory (2 KB / 64 KB / 256 MB)
 #   bash scripts/device_run.sh x2-tests  # two GPUs: the daemon's GPU tests with the lanes on cards 0 and 1
@@ -148,6 +150,10 @@ flash2)
         (cd $tree && PYTHONPATH=/tmp/site:$PWD timeout 100 python3 scripts/gpu_prefill_profile.py --model "$A3B" --fractions 1.0 \
             --contexts 1024,32768 --json "$OUT/prefill-$(basename "$(realpath $tree)").json" 2>&1 | tail -3)
     done
+    ;;
+dense)
+    timeout 400 python3 scripts/gpu_dense_bench.py --sections attention,chain --json "$OUT/dense-bench.json" 2>&1 | \
+        grep -E "attention ctx|decode dense path" | cut -c1-160
     ;;
 x2-p2p)
     nvidia-smi topo -m
