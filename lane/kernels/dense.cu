@@ -824,7 +824,7 @@ __device__ __forceinline__ void attn_split_body(const float* __restrict__ q, con
     const int g = lane >> 2, tq = lane & 3;
 
     int len = 0, chunk = 0, nact = 0;
-    const float* qg = q + ((i64)t * n_head + (i64)kvh * group) * HD;  // the group's q rows
+    const float* qg = FUSE ? nullptr : q + ((i64)t * n_head + (i64)kvh * group) * HD;  // the group's q rows
     if (FUSE) {  // the position first: blocks past the active splits leave before doing anything
         const int pos = pos_p[0];
         len = min(pos + 1, max_ctx);
