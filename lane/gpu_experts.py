@@ -42,6 +42,8 @@ CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM = 91  # cudaDevAttrCanUseHostPointerForR
 # NVLink / PCIe P2P where the topology allows, else the driver stages them); "host" through page-locked host memory
 # of our own, each card's copy engine moving its side (to measure both paths on one machine, #5)
 PEER_COPY = os.environ.get("STRATAD_PEER_COPY", "auto")
+if PEER_COPY not in ("auto", "host"):
+    raise ValueError(f"STRATAD_PEER_COPY must be auto or host, not {PEER_COPY!r}")
 
 
 def pinned(shape, dtype) -> np.ndarray:
