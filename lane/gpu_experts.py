@@ -30,6 +30,7 @@ import numpy as np
 
 from lane import host_lock
 from lane.cpu_pool import CpuPool, LayerJobs
+from lane.expert_counts import entries_by_source, routed_counts
 from lane.kernels.experts import MAX_SOURCES, ExpertKernels, max_tiles
 from lane.slot_pool import SlotPool
 from stratad.model.gguf_file import ModelFile
@@ -499,19 +500,16 @@ class GpuExperts:
     # ---- bookkeeping ----------------------------------------------------------------------------------------
     def tally(self, ids: np.ndarray, counters, counts: np.ndarray) -> None:
         """ids (n_layer, T, k) of a finished step: where each expert ran (counters), live routing counts."""
-        L = self.c.n_layer
-        layer = np.broadcast_to(np.arange(L)[:, None, None], ids.shape)
-        np.add.at(counts, (layer, ids), 1.0)
-        where = self.h_src[layer, ids]
-        for lyr, experts in self.staged.items():  # computed on this card from staged bytes
-            where[lyr][np.isin(ids[lyr], experts)] = 0
-            counters.staged += int(experts.size)
+        c = routed_counts(ids, self.c.n_expert)
+        counts += c
+        by_source = entries_by_source(ids, c, self.h_src, self.staged)  # staged experts: computed on this card
+        counters.staged += sum(int(e.size) for e in self.staged.values())
         self.staged.clear()
         self._ahead = None  # the next chunk stages its first layer afresh (the placement may have changed)
-        counters.card += int((where == 0).sum())
-        counters.cpu += int((where < 0).sum())
+        counters.card += by_source.get(0, 0)
+        counters.cpu += sum(n for s, n in by_source.items() if s < 0)
         for s, (card, _, p) in enumerate(self.sources[1:], start=1):
-            n = int((where == s).sum())
+            n = by_source.get(s, 0)
             if p is self.arena:  # weights from host memory, as for the CPU pool
                 counters.cpu += n
                 counters.host_read += n
