@@ -269,3 +269,43 @@ def test_wide_nucleus_beyond_the_probe():
     lg = np.zeros(5000, F32)
     draws = _draws(SamplingParams(temperature=1.0, top_p=0.9, seed=4), lg, 400)
     assert max(draws) < 4500 and max(draws) > NUCLEUS_PROBE
+
+
+# ---- sampling on an engine's device -------------------------------------------------------------------------------
+class DeviceSampling:
+    """An engine that samples where it computes (as the GPU card does): forward_token with Sampler.pick's token
+    for the draw it is given, the logits only when asked."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def new_kv(self):
+        return self.engine.new_kv()
+
+    def forward(self, tokens, kv, logits="last"):
+        raise AssertionError("a device-sampling engine is stepped through forward_token")
+
+    def samples_on_device(self, params):
+        return True
+
+    def forward_token(self, tokens, kv, params, u, logits):
+        lg = self.engine.forward(tokens, kv)
+        return Sampler(params).pick(lg[-1], u), (lg[-1:] if logits else None)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(max_tokens=12),
+                                    SamplingParams(max_tokens=12, temperature=0.8, top_k=40, seed=3),
+                                    SamplingParams(max_tokens=12, temperature=1.2, top_k=20, top_p=0.9, seed=4)])
+def test_device_sampling_gives_the_host_tokens(tiny_model, params):
+    """Generation draws the same numbers in the same order whether the engine or the host samples, so a seeded
+    request gives the same tokens (and, with a digest, the same logits digest) either way."""
+    from stratad.engine.generation import Generation
+
+    m = tiny_model
+    prompt = m.tokenizer.encode("Where is the expert computed?")
+    runs = []
+    for eng in (ReferenceEngine(m, "canonical"), DeviceSampling(ReferenceEngine(m, "canonical"))):
+        for digest in (True, False):
+            g = Generation(eng, m.tokenizer, prompt, params, m.config.context_length, digest=digest)
+            runs.append(([t for t, _ in g if t is not None], g.digest.hexdigest() if digest else None))
+    assert runs[0] == runs[2] and runs[1][0] == runs[3][0] == runs[0][0]

@@ -16,6 +16,10 @@ class Engine(Protocol):
 
     def forward(self, tokens, kv, logits: str = "last") -> np.ndarray: ...
 
+    # Optional, for engines that sample on their device (only a token, not the vocabulary's logits, comes back):
+    #   samples_on_device(params) -> bool: whether forward_token gives Sampler.pick's token for these params;
+    #   forward_token(tokens, kv, params, u, logits: bool) -> (token, last row's logits (1, n) if logits else None)
+
 
 class Generation:
     """Iterate to get (token, text) pieces; afterwards `finish_reason` is "stop" or "length" and the timings are set.
@@ -51,13 +55,21 @@ class Generation:
             kv = self.engine.new_kv()
         read = list(self.prompt)  # the tokens whose KV entries kv holds once forward returns
         stepping = True  # inside forward: if it fails, what kv holds is not known
+        on_device = getattr(self.engine, "samples_on_device", None)
+        on_device = on_device is not None and on_device(self.p)
+
+        def step(tokens):  # -> (the next token, the logits: None if sampled on the device without a digest)
+            if on_device:  # the same draw, taken before the step instead of after it
+                return self.engine.forward_token(tokens, kv, self.p, sample.draw(), self.digest is not None)
+            lg = self.engine.forward(tokens, kv)
+            return sample(lg[-1]), lg
+
         try:
-            logits = self.engine.forward(self.prompt[self.cached:], kv)
+            t, logits = step(self.prompt[self.cached:])
             stepping = False
             while True:
                 if self.digest is not None:
                     self.digest.update(np.ascontiguousarray(logits[-1], np.float32).tobytes())
-                t = sample(logits[-1])
                 if not self.t_first:
                     self.t_first = time.monotonic()
                 if t in stops:
@@ -77,7 +89,7 @@ class Generation:
                     self.finish_reason = "length"
                     break
                 stepping = True
-                logits = self.engine.forward([t], kv)
+                t, logits = step([t])
                 stepping = False
                 read.append(t)
             tail = pending + decoder.flush()

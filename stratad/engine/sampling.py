@@ -32,10 +32,11 @@ NUCLEUS_PROBE = 1024  # top-p: the nucleus is looked for among this many top tok
 
 
 def top_order(x: np.ndarray, m: int) -> np.ndarray:
-    """Indices of the m largest values of x, by value descending, ties to the lower index (O(n) + O(m log m))."""
+    """Indices of the m largest values of x, by value descending, ties to the lower index (O(n) + O(m log m)):
+    every value tied with the m-th largest is a candidate first (a partition alone would cut such ties anywhere)."""
     n = x.shape[0]
-    idx = np.arange(n) if m >= n else np.argpartition(-x, m - 1)[:m]
-    return idx[np.lexsort((idx, -x[idx]))]
+    idx = np.arange(n) if m >= n else np.flatnonzero(x >= np.partition(x, n - m)[n - m])
+    return idx[np.lexsort((idx, -x[idx]))][:m]
 
 
 class Sampler:
@@ -47,12 +48,19 @@ class Sampler:
         self.rng = np.random.default_rng(params.seed)
 
     def __call__(self, logits: np.ndarray) -> int:
+        return self.pick(logits, self.draw())
+
+    def draw(self) -> float:
+        """This step's uniform number (none is drawn for greedy decoding: 0.0)."""
+        return 0.0 if self.p.temperature == 0 else float(self.rng.random())
+
+    def pick(self, logits: np.ndarray, u: float) -> int:
+        """The token for logits (n,) and the step's draw u."""
         temp = self.p.temperature
         if temp == 0:  # on the logits as they are: float64 holds every float32 exactly, so the index is the same
             return int(np.argmax(logits))
         x = np.asarray(logits, np.float64).reshape(-1)
         n = x.shape[0]
-        u = self.rng.random()
         k = self.p.top_k if 0 < self.p.top_k < n else n
         if k == n and self.p.top_p >= 1:
             c = np.cumsum(np.exp((x - x.max()) / temp))
