@@ -13,6 +13,7 @@ when the card and its peers hold every expert, one per layer otherwise (the host
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import cupy as cp
 import numpy as np
@@ -28,7 +29,7 @@ from stratad.model.slot_layout import slot_bytes
 
 HALF_LIFE_TOKENS = 256
 log = logging.getLogger("stratad.lane")
-MAX_CAPTURED = 4
+MAX_CAPTURED = 8  # placement shapes x context side x how the step's token comes back
 
 
 class GpuKV:
@@ -68,6 +69,14 @@ class Work:
         self.logits = cp.empty((max(1, logit_rows), c.vocab_size), cp.float32)
         self.ids_h = pinned(self.ids.shape, np.int32)
         self.logits_h = pinned(self.logits.shape, np.float32)
+
+
+@dataclass(frozen=True)
+class DeviceSample:
+    """A step's last logits row sampled on the card: by argmax (greedy) or the device sampler (top-k); logits: they
+    come back to the host as well."""
+    kind: str
+    logits: bool
 
 
 class Break:
@@ -130,6 +139,9 @@ class CupyCard:
         self.experts = GpuExperts(model, self.pool, PROMPT_CHUNK, cpu_threads, self.stream, self.device_ident,
                                   host_experts)
         self.decode_work = Work(c, 1, 1)
+        self.argmax, self.sampler = D.Argmax(c.vocab_size), D.DeviceSampler(c.vocab_size)
+        self.sparams, self.sparams_h = cp.zeros((4,), cp.float64), pinned((4,), np.float64)  # the sampler's params
+        self.token, self.token_h = cp.zeros((1,), cp.int32), pinned((1,), np.int32)
         # captured decode steps by placement shape: [(graph, layer served after it or None)]; coverage flips
         # between complete and not as slots swap, so both shapes stay captured
         self._graphs: dict[tuple, list] = {}
@@ -163,6 +175,27 @@ class CupyCard:
             self._graphs.clear()
 
     def forward(self, tokens, kv: GpuKV, logits: str = "last"):
+        return self._forward(tokens, kv, logits, None)
+
+    def samples_on_device(self, params) -> bool:
+        """Where the card's sampler gives the host Sampler's token: greedy, or top-k of at most SAMPLE_KMAX."""
+        return params.temperature == 0 or 0 < params.top_k <= D.SAMPLE_KMAX
+
+    def forward_token(self, tokens, kv: GpuKV, params, u: float, logits: bool):
+        """forward(tokens, kv, "last") with the last row sampled here (Sampler.pick's token for draw u): only the
+        token crosses the bus (4 bytes, not the vocabulary's logits), unless `logits` asks for them too."""
+        if not self.samples_on_device(params):
+            raise ValueError("these sampling parameters are sampled on the host (samples_on_device)")
+        sample = DeviceSample("argmax" if params.temperature == 0 else "sample", bool(logits))
+        if sample.kind == "sample":
+            self.sparams_h[:] = D.sampling_params(params.temperature, params.top_k, params.top_p, u)
+            with self.device:  # on the step's stream: before the step's replay, after the last one finished
+                cp.cuda.runtime.memcpyAsync(self.sparams.data.ptr, self.sparams_h.ctypes.data, self.sparams.nbytes,
+                                            H2D, self.stream.ptr)
+        out = self._forward(tokens, kv, "last", sample)
+        return int(self.token_h[0]), out
+
+    def _forward(self, tokens, kv: GpuKV, logits: str, sample: DeviceSample | None):
         tokens = np.asarray(tokens, np.int32)
         if kv.length + len(tokens) > self.max_ctx:
             raise ValueError(f"sequence of {kv.length + len(tokens)} tokens exceeds the card's KV capacity "
@@ -171,16 +204,18 @@ class CupyCard:
         with self.device, self.stream:
             self.experts.refresh()
             for chunk, rows, last in chunks(tokens, logits):
+                smp = sample if last else None
                 if len(chunk) == 1 and rows <= 1 and self.graphs:
-                    outs.append(self._decode(int(chunk[0]), kv, rows))
+                    outs.append(self._decode(int(chunk[0]), kv, rows, smp))
                 else:
-                    outs.append(self._chunk(chunk, kv, rows))
+                    outs.append(self._chunk(chunk, kv, rows, sample=smp))
                 if self.on_chunk is not None and not last:
                     self.on_chunk()
-        return None if logits == "none" else np.concatenate([o for o in outs if o is not None])
+        outs = [o for o in outs if o is not None]
+        return None if logits == "none" or not outs else np.concatenate(outs)
 
     # ---- a step as operations -----------------------------------------------------------------------------------
-    def _ops(self, w: Work, logit_rows: int) -> list:
+    def _ops(self, w: Work, logit_rows: int, sample: DeviceSample | None = None) -> list:
         """The step for w.T tokens: callables that only launch work on the card's stream, and Breaks (a decode
         step's layers whose misses the CPU pool serves; a prompt chunk stages them on the card instead)."""
         export = not self.experts.full and w.T == 1
@@ -190,7 +225,7 @@ class CupyCard:
             if export:
                 ops.append(Break(i))
             ops.append(lambda i=i: self.experts.back(i, w.w, w.x))
-        ops.append(lambda: self._finish(w, logit_rows))
+        ops.append(lambda: self._finish(w, logit_rows, sample))
         return ops
 
     def _proj(self, W: D.DenseWeight, X: cp.ndarray, Y: cp.ndarray, residual: cp.ndarray | None = None) -> None:
@@ -228,64 +263,75 @@ class CupyCard:
             D.route(w.router, c.n_expert_used, w.ids[i], w.w, stream=s)
             self.experts.front(i, w.T, w.ids[i], export)
 
-    def _finish(self, w: Work, logit_rows: int) -> None:
+    def _finish(self, w: Work, logit_rows: int, sample: DeviceSample | None) -> None:
         s, rt = self.stream, cp.cuda.runtime
         D.advance_pos(self.pos, w.T, stream=s)
         if logit_rows:
             D.rms_norm(w.x[w.T - logit_rows:], self.out_norm, self.c.rms_eps, w.hl, stream=s)
             self._proj(self.out_w, w.hl, w.logits)
-            rt.memcpyAsync(w.logits_h.ctypes.data, w.logits.data.ptr, w.logits.nbytes, D2H, s.ptr)
+            if sample is None or sample.logits:
+                rt.memcpyAsync(w.logits_h.ctypes.data, w.logits.data.ptr, w.logits.nbytes, D2H, s.ptr)
+            if sample is not None:
+                last = w.logits[logit_rows - 1]
+                if sample.kind == "argmax":
+                    self.argmax(last, self.token, stream=s)
+                else:
+                    self.sampler(last, self.sparams, self.token, stream=s)
+                rt.memcpyAsync(self.token_h.ctypes.data, self.token.data.ptr, 4, D2H, s.ptr)
         rt.memcpyAsync(w.ids_h.ctypes.data, w.ids.data.ptr, w.ids.nbytes, D2H, s.ptr)
 
-    def _done(self, w: Work, kv: GpuKV, logit_rows: int):
-        """After a step's launches: wait for the card, count where the experts ran, hand out the logits."""
+    def _done(self, w: Work, kv: GpuKV, logit_rows: int, sample: DeviceSample | None = None):
+        """After a step's launches: wait for the card, count where the experts ran, hand out the logits (those
+        that came back)."""
         self.stream.synchronize()
         self.counts *= 0.5 ** (w.T / HALF_LIFE_TOKENS)
         self.experts.tally(w.ids_h, self.counters, self.counts)
         kv.length += w.T
-        return w.logits_h[:logit_rows].copy() if logit_rows else None
+        back = logit_rows and (sample is None or sample.logits)
+        return w.logits_h[:logit_rows].copy() if back else None
 
     # ---- running a step -----------------------------------------------------------------------------------------
-    def _chunk(self, tokens: np.ndarray, kv: GpuKV, logit_rows: int, w: Work | None = None):
+    def _chunk(self, tokens: np.ndarray, kv: GpuKV, logit_rows: int, w: Work | None = None,
+               sample: DeviceSample | None = None):
         """A prompt chunk (or a decode step that cannot be replayed): the operations run directly."""
         w = w or Work(self.c, len(tokens), logit_rows)
         w.pos0 = kv.length
         w.tokens.set(tokens, stream=self.stream)
-        for op in self._ops(w, logit_rows):
+        for op in self._ops(w, logit_rows, sample):
             if isinstance(op, Break):
                 self.experts.serve(op.layer, w.T)
             else:
                 op()
-        return self._done(w, kv, logit_rows)
+        return self._done(w, kv, logit_rows, sample)
 
-    def _decode(self, token: int, kv: GpuKV, logit_rows: int):
+    def _decode(self, token: int, kv: GpuKV, logit_rows: int, sample: DeviceSample | None = None):
         """One token: replay the captured step (captured again when the placement's shape changed). A peer on
         another GPU is captured too (its copies and kernels joined to this card's stream by events: a graph of two
         devices); where the driver refuses that, such steps run directly."""
         w = self.decode_work
         remote = self.experts.remote
         if remote and self._remote_direct:
-            return self._chunk(np.array([token], np.int32), kv, logit_rows, w)
+            return self._chunk(np.array([token], np.int32), kv, logit_rows, w, sample)
         w.long_ctx = kv.length >= D.ATTN_PDL_MAX_CTX
-        key = (self.experts.full, self.experts.sources_key(), w.long_ctx)
+        key = (self.experts.full, self.experts.sources_key(), w.long_ctx, sample)
         if key not in self._graphs:
             if len(self._graphs) >= MAX_CAPTURED:
                 self._graphs.clear()  # peers came and went: the old pointers are gone
             try:
-                self._graphs[key] = self._capture(self._ops(w, 1))
+                self._graphs[key] = self._capture(self._ops(w, 1, sample))
             except (cp.cuda.runtime.CUDARuntimeError, cp.cuda.driver.CUDADriverError) as e:
                 if not remote:
                     raise
                 log.warning("a step with a peer on another GPU cannot be captured (%s): such steps run directly", e)
                 self._remote_direct = True
                 self.stream.synchronize()
-                return self._chunk(np.array([token], np.int32), kv, logit_rows, w)
+                return self._chunk(np.array([token], np.int32), kv, logit_rows, w, sample)
         w.tokens.set(np.array([token], np.int32), stream=self.stream)
         for graph, served in self._graphs[key]:
             graph.launch(self.stream)
             if served is not None:
                 self.experts.serve(served, 1)
-        return self._done(w, kv, logit_rows)
+        return self._done(w, kv, logit_rows, sample)
 
     def _capture(self, ops: list) -> list:
         """Capture the operations between Breaks as graphs: [(graph, layer to serve after it, or None)]."""
