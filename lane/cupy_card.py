@@ -73,8 +73,8 @@ class Work:
 
 @dataclass(frozen=True)
 class DeviceSample:
-    """A step's last logits row sampled on the card: by argmax (greedy) or the device sampler (top-k); logits: they
-    come back to the host as well."""
+    """A step's last logits row sampled on the card: by argmax (greedy), the top-k sampler or the whole-vocabulary
+    sampler ("argmax", "top-k", "cdf"); logits: they come back to the host as well."""
     kind: str
     logits: bool
 
@@ -139,7 +139,8 @@ class CupyCard:
         self.experts = GpuExperts(model, self.pool, PROMPT_CHUNK, cpu_threads, self.stream, self.device_ident,
                                   host_experts)
         self.decode_work = Work(c, 1, 1)
-        self.argmax, self.sampler = D.Argmax(c.vocab_size), D.DeviceSampler(c.vocab_size)
+        self.argmax, self.topk, self.cdf = D.Argmax(c.vocab_size), D.DeviceSampler(c.vocab_size), \
+            D.CdfSampler(c.vocab_size)
         self.sparams, self.sparams_h = cp.zeros((4,), cp.float64), pinned((4,), np.float64)  # the sampler's params
         self.token, self.token_h = cp.zeros((1,), cp.int32), pinned((1,), np.int32)
         # captured decode steps by placement shape: [(graph, layer served after it or None)]; coverage flips
@@ -178,16 +179,24 @@ class CupyCard:
         return self._forward(tokens, kv, logits, None)
 
     def samples_on_device(self, params) -> bool:
-        """Where the card's sampler gives the host Sampler's token: greedy, or top-k of at most SAMPLE_KMAX."""
-        return params.temperature == 0 or 0 < params.top_k <= D.SAMPLE_KMAX
+        """Where the card's samplers give the host Sampler's token: greedy, top-k of at most SAMPLE_KMAX (with or
+        without top-p), or temperature alone over the whole vocabulary (not top-p alone: its nucleus may be wider
+        than the top-k sampler's candidates)."""
+        whole = params.top_k == 0 or params.top_k >= self.c.vocab_size
+        return params.temperature == 0 or 0 < params.top_k <= D.SAMPLE_KMAX or (whole and params.top_p >= 1)
+
+    def _sample_kind(self, params) -> str:
+        if params.temperature == 0:
+            return "argmax"
+        return "top-k" if 0 < params.top_k <= D.SAMPLE_KMAX else "cdf"
 
     def forward_token(self, tokens, kv: GpuKV, params, u: float, logits: bool):
         """forward(tokens, kv, "last") with the last row sampled here (Sampler.pick's token for draw u): only the
         token crosses the bus (4 bytes, not the vocabulary's logits), unless `logits` asks for them too."""
         if not self.samples_on_device(params):
             raise ValueError("these sampling parameters are sampled on the host (samples_on_device)")
-        sample = DeviceSample("argmax" if params.temperature == 0 else "sample", bool(logits))
-        if sample.kind == "sample":
+        sample = DeviceSample(self._sample_kind(params), bool(logits))
+        if sample.kind != "argmax":
             self.sparams_h[:] = D.sampling_params(params.temperature, params.top_k, params.top_p, u)
             with self.device:  # on the step's stream: before the step's replay, after the last one finished
                 cp.cuda.runtime.memcpyAsync(self.sparams.data.ptr, self.sparams_h.ctypes.data, self.sparams.nbytes,
@@ -276,7 +285,7 @@ class CupyCard:
                 if sample.kind == "argmax":
                     self.argmax(last, self.token, stream=s)
                 else:
-                    self.sampler(last, self.sparams, self.token, stream=s)
+                    (self.topk if sample.kind == "top-k" else self.cdf)(last, self.sparams, self.token, stream=s)
                 rt.memcpyAsync(self.token_h.ctypes.data, self.token.data.ptr, 4, D2H, s.ptr)
         rt.memcpyAsync(w.ids_h.ctypes.data, w.ids.data.ptr, w.ids.nbytes, D2H, s.ptr)
 

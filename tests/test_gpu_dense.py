@@ -469,6 +469,29 @@ def test_sample(cp, D):
                         assert want == int(np.argmax(x))
 
 
+def test_cdf_sample_is_the_host_samplers(cp, D):
+    """Whole-vocabulary temperature sampling on the device gives Sampler.pick's token; where they differ the draw
+    must lie within float64 rounding of the boundary between the two (sums in another order)."""
+    from stratad.engine.sampling import Sampler, SamplingParams
+
+    rng = np.random.default_rng(13)
+    for n in (151936, 4097, 1000, 7):
+        s = D.CdfSampler(n)
+        out = cp.full(1, -1, cp.int32)
+        for trial in range(4):
+            x = rng.standard_normal(n, dtype=F32) * F32(rng.uniform(0.5, 6))
+            xd = cp.asarray(x)
+            for temp in (0.3, 0.7, 1.0, 2.5):
+                c = np.cumsum(np.exp((x.astype(np.float64) - float(x.max())) / temp))
+                for u in (0.0, rng.random(), rng.random(), rng.random(), 0.999999):
+                    out.fill(-1)
+                    s(xd, cp.asarray(D.sampling_params(temp, 0, 1.0, u)), out)
+                    sync(cp)
+                    got, want = int(out.get()[0]), Sampler(SamplingParams(temperature=temp)).pick(x, u)
+                    if got != want:
+                        assert abs(c[min(got, want)] - u * c[-1]) <= 1e-12 * c[-1], (n, temp, u, got, want)
+
+
 # ---- 7. embedding ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("qt", DENSE, ids=lambda q: q.name)
 def test_embed(cp, D, qt):

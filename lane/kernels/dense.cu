@@ -1375,6 +1375,109 @@ extern "C" __global__ void __launch_bounds__(1024) topk_sample(const u64* __rest
     if (tid == 0) out[0] = key_index(a[s_pick >= 0 ? s_pick : keep - 1]);
 }
 
+// Temperature sampling over the whole vocabulary (no top-k or top-p): the first token whose cumulative probability
+// in vocabulary order exceeds u (stratad.engine.sampling.Sampler.pick's inverse CDF), in float64 as the host does it:
+// e_i = exp((x_i - max) / temperature), token = first i with e_0 + ... + e_i > u * total. The sums run in another
+// order than the host's cumulative sum, so the token is the host's but where u falls within float64 rounding of a
+// boundary. cdf_max: grid NB x 256, the maximum of block b's CDF_CHUNK logits. cdf_sample: the same grid, each block's
+// sum; the last block to finish finds the block that holds the draw and scans it. params: [temperature, top_k,
+// top_p, u] as for topk_sample (only temperature and u are read).
+#define CDF_CHUNK 4096
+extern "C" __global__ void __launch_bounds__(256) cdf_max(const float* __restrict__ x, int n, float* __restrict__ pmax) {
+    PDL_ENTRY();
+    __shared__ float red[8];
+    const int tid = threadIdx.x, b0 = blockIdx.x * CDF_CHUNK, b1 = min(n, b0 + CDF_CHUNK);
+    float m = NEG_INF;
+    for (int i = b0 + tid; i < b1; i += 256) m = fmaxf(m, x[i]);
+    m = warp_max(m);
+    if ((tid & 31) == 0) red[tid >> 5] = m;
+    __syncthreads();
+    if (tid == 0) {
+        for (int w = 1; w < 8; ++w) m = fmaxf(m, red[w]);
+        pmax[blockIdx.x] = fmaxf(m, red[0]);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256) cdf_sample(const float* __restrict__ x, int n,
+                                                             const float* __restrict__ pmax,
+                                                             const double* __restrict__ params, double* psum,
+                                                             u32* counter, int* __restrict__ out) {
+    PDL_ENTRY();
+    __shared__ double red[256];
+    __shared__ bool last;
+    __shared__ int s_block, s_pick;
+    __shared__ double s_base;
+    const int tid = threadIdx.x, nb = gridDim.x;
+    float mf = NEG_INF;
+    for (int b = 0; b < nb; ++b) mf = fmaxf(mf, pmax[b]);
+    const double M = (double)mf, temp = params[0];
+    auto e = [&](int i) { return exp(((double)x[i] - M) / temp); };
+    {
+        const int b0 = blockIdx.x * CDF_CHUNK, b1 = min(n, b0 + CDF_CHUNK);
+        double s = 0.0;
+        for (int i = b0 + tid; i < b1; i += 256) s += e(i);
+        red[tid] = s;
+        __syncthreads();
+        for (int o = 128; o > 0; o >>= 1) {
+            if (tid < o) red[tid] += red[tid + o];
+            __syncthreads();
+        }
+        if (tid == 0) {
+            psum[blockIdx.x] = red[0];
+            __threadfence();
+            last = atomicAdd(counter, 1u) == (u32)nb - 1;
+        }
+        __syncthreads();
+        if (!last) return;
+    }
+    __threadfence();
+    if (tid == 0) {  // the block holding the draw, and the sum before it
+        const volatile double* ps = psum;
+        double total = 0.0;
+        for (int b = 0; b < nb; ++b) total += ps[b];
+        const double target = params[3] * total;
+        double before = 0.0;
+        int j = nb - 1;
+        for (int b = 0; b < nb; ++b) {
+            if (before + ps[b] > target) { j = b; break; }
+            before += ps[b];
+        }
+        s_block = j;
+        s_base = before;
+        s_pick = n;  // none found: the last token, as the host's min(searchsorted, n - 1)
+        red[0] = target;
+        *counter = 0;
+    }
+    __syncthreads();
+    const double target = red[0];
+    __syncthreads();
+    // block s_block: thread t's 16 consecutive values, then an exclusive scan of the 256 thread sums
+    const int b0 = s_block * CDF_CHUNK, per = CDF_CHUNK / 256, i0 = b0 + tid * per;
+    double mine = 0.0;
+    for (int k = 0; k < per && i0 + k < n; ++k) mine += e(i0 + k);
+    red[tid] = mine;
+    __syncthreads();
+    if (tid == 0) {
+        double run = s_base;
+        for (int t = 0; t < 256; ++t) {
+            const double v = red[t];
+            red[t] = run;
+            run += v;
+        }
+    }
+    __syncthreads();
+    double c = red[tid];
+    for (int k = 0; k < per && i0 + k < n; ++k) {
+        c += e(i0 + k);
+        if (c > target) {
+            atomicMin(&s_pick, i0 + k);
+            break;
+        }
+    }
+    __syncthreads();
+    if (tid == 0) out[0] = min(s_pick, n - 1);
+}
+
 // =============================================================================================================
 // 7. embedding: out[t] = dequantised row tokens[t] of the table (a bad token id gives a NaN row).
 // =============================================================================================================

@@ -51,6 +51,7 @@ QNAME = {T.F32: "f32", T.F16: "f16", T.BF16: "bf16", T.Q8_0: "q8_0"}
 PLANS = ((4, 1), (2, 1), (1, 1), (1, 2), (1, 4), (1, 8))  # (rows per warp, warps per row group)
 SAMPLE_KMAX = 256       # candidates kept by the sampler (dense.cu SAMPLE_KMAX)
 SAMPLE_CHUNK = 4096     # logits per stage-1 block (dense.cu SAMPLE_CHUNK)
+CDF_CHUNK = 4096        # logits per block of the whole-vocabulary sampler (dense.cu CDF_CHUNK)
 Q8_SMEM_BYTES = 8 * 8 * 1088  # Q8_0 mat-vec cp.async ring (dense.cu Q8_SMEM_BYTES)
 NORM_MV_MAX_N = 4096  # RMSNorm folded into a mat-vec: the row staged in shared memory (dense.cu section 2b)
 NORM_MV_Q8_SMEM = 8 * 6 * 1088 + 4 * NORM_MV_MAX_N  # dense.cu NORM_MV_Q8_SMEM
@@ -806,6 +807,32 @@ def candidate_order(x: np.ndarray) -> np.ndarray:
     key = np.where(neg, ~b, b | np.uint32(0x80000000)).astype(np.int64)
     key[np.isnan(np.asarray(x, F32))] = 0xFFFFFFFF
     return np.lexsort((np.arange(b.size), -key))
+
+
+class CdfSampler:
+    """Temperature sampling over the whole vocabulary (no top-k or top-p): the host Sampler's inverse CDF in
+    vocabulary order, in float64 with the sums in another order (the same token but where u falls within float64
+    rounding of a boundary). Two launches; params as for DeviceSampler (temperature > 0 and u are read)."""
+
+    def __init__(self, n: int, *, device=None):
+        m = self.m = kernels(device)
+        cp = m.cp
+        self.n = int(n)
+        self.nb = -(-self.n // CDF_CHUNK)
+        with m.device:
+            self.pmax = cp.empty(self.nb, cp.float32)
+            self.psum = cp.empty(self.nb, cp.float64)
+            self.counter = cp.zeros(1, cp.uint32)
+
+    def __call__(self, logits, params, out, *, stream=None) -> None:
+        _need(logits, np.float32, (self.n,), "logits")
+        _need(params, np.float64, (4,), "params")
+        _need(out, np.int32, (1,), "out")
+        m = self.m
+        with _on(stream):
+            launch(m.fn("cdf_max"), (self.nb,), (256,), (logits, np.int32(self.n), self.pmax))
+            launch(m.fn("cdf_sample"), (self.nb,), (256,), (logits, np.int32(self.n), self.pmax, params, self.psum,
+                                                            self.counter, out))
 
 
 def sample_ref(logits: np.ndarray, temperature: float, top_k: int, top_p: float, u: float) -> int:
