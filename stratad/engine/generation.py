@@ -89,9 +89,10 @@ class Generation:
                     self.finish_reason = "length"
                     break
                 stepping = True
-                t, logits = step([t])
+                nxt, logits = step([t])
                 stepping = False
                 read.append(t)
+                t = nxt
             tail = pending + decoder.flush()
             if tail:
                 yield None, tail
