@@ -37,29 +37,25 @@ __device__ __forceinline__ float bf2f(u32 b) { return __int_as_float(b << 16); }
 __device__ __forceinline__ u32 pack_h2(float lo, float hi) { u32 r; asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo)); return r; }
 __device__ __forceinline__ u32 shf_r_clamp(u32 lo, u32 hi, u32 sh) { u32 r; asm("shf.r.clamp.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(lo), "r"(hi), "r"(sh)); return r; }
 
-// streaming 16-byte load of weights (read once: keep L1 for the activations)
+// streaming 16- and 8-byte loads that leave L1 alone (weights and KV, read once): NC on the non-coherent path (data
+// no kernel writes meanwhile), else on the coherent one (data the kernel itself may have written: the fused decode
+// step's KV append, which the non-coherent path need not see)
+template <bool NC = true>
 __device__ __forceinline__ uint4 ld_stream(const void* p) {
     uint4 r;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    if (NC)
+        asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    else
+        asm volatile("ld.global.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
     return r;
 }
-__device__ __forceinline__ uint2 ld_nc_u2(const void* p) {
+template <bool NC = true>
+__device__ __forceinline__ uint2 ld_stream_u2(const void* p) {
     uint2 r;
-    asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(p));
-    return r;
-}
-// the same on the coherent path, for data the kernel itself may have written (the fused decode step's KV append:
-// the non-coherent path need not see it)
-__device__ __forceinline__ uint4 ld_coh_u4(const void* p) {
-    uint4 r;
-    asm volatile("ld.global.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
-    return r;
-}
-__device__ __forceinline__ uint2 ld_coh_u2(const void* p) {
-    uint2 r;
-    asm volatile("ld.global.L1::no_allocate.v2.u32 {%0,%1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(p));
+    if (NC) asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(p));
+    else asm volatile("ld.global.L1::no_allocate.v2.u32 {%0,%1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(p));
     return r;
 }
 __device__ __forceinline__ void st_shared_v4(u32 addr, uint4 v) {
@@ -909,12 +905,12 @@ __device__ __forceinline__ void attn_split_body(const float* __restrict__ q, con
             const int p = p0 + 4 * (g >> 1) + 2 * si + (g & 1);
             const u16* kr = kbase + (i64)p * HD;
 #pragma unroll
-            for (int j = 0; j < NJ; ++j) k[si][j] = FUSE ? ld_coh_u4(kr + 8 * (tq + 4 * j)) : ld_stream(kr + 8 * (tq + 4 * j));
+            for (int j = 0; j < NJ; ++j) k[si][j] = ld_stream<!FUSE>(kr + 8 * (tq + 4 * j));
         }
 #pragma unroll
         for (int dt = 0; dt < NDT; ++dt) {
             const u16* vp = vbase + (i64)(dt * 8 + g) * max_ctx + p0 + 4 * tq;
-            v[dt] = FUSE ? ld_coh_u2(vp) : ld_nc_u2(vp);
+            v[dt] = ld_stream_u2<!FUSE>(vp);
         }
     };
     uint4 kv[2][NJ];

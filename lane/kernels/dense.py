@@ -768,6 +768,13 @@ def sampling_params(temperature: float, top_k: int, top_p: float, u: float) -> n
     return np.array([temperature, top_k, top_p, u], np.float64)
 
 
+def _need_sample(n: int, logits, params, out) -> None:
+    """A sampler's arguments: logits float32 (n,), params float64 (4,) (sampling_params), out int32 (1,)."""
+    _need(logits, np.float32, (n,), "logits")
+    _need(params, np.float64, (4,), "params")
+    _need(out, np.int32, (1,), "out")
+
+
 class DeviceSampler:
     """Temperature / top-k / top-p sampling with a given uniform u, two launches; the algorithm is exactly
     sample_ref's (see there). Greedy (temperature <= 0) gives np.argmax's token."""
@@ -789,9 +796,7 @@ class DeviceSampler:
             f.max_dynamic_shared_size_bytes = self.smem
 
     def __call__(self, logits, params, out, *, stream=None) -> None:
-        _need(logits, np.float32, (self.n,), "logits")
-        _need(params, np.float64, (4,), "params")
-        _need(out, np.int32, (1,), "out")
+        _need_sample(self.n, logits, params, out)
         m = self.m
         with _on(stream):
             launch(m.fn("topk_stage1"), (self.nb,), (1024,), (logits, np.int32(self.n), self.cand))
@@ -825,9 +830,7 @@ class CdfSampler:
             self.counter = cp.zeros(1, cp.uint32)
 
     def __call__(self, logits, params, out, *, stream=None) -> None:
-        _need(logits, np.float32, (self.n,), "logits")
-        _need(params, np.float64, (4,), "params")
-        _need(out, np.int32, (1,), "out")
+        _need_sample(self.n, logits, params, out)
         m = self.m
         with _on(stream):
             launch(m.fn("cdf_max"), (self.nb,), (256,), (logits, np.int32(self.n), self.pmax))
