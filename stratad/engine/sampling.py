@@ -28,7 +28,17 @@ class SamplingParams:
         return out
 
 
-NUCLEUS_PROBE = 1024  # top-p: the nucleus is looked for among this many top tokens first (a full sort if wider)
+NUCLEUS_PROBE = 1024  # top-p: the nucleus is looked for among this many top tokens first, then 8x as many, ...
+
+
+def probes(n: int) -> list[int]:
+    """How many top tokens top-p looks among, widening until the nucleus fits (the order's prefix, and so the
+    token, does not depend on where it stopped): a wide nucleus costs a few partitions, not a sort of all n."""
+    out, m = [], NUCLEUS_PROBE
+    while m < n:
+        out.append(m)
+        m *= 8
+    return out + [n]
 
 
 def top_order(x: np.ndarray, m: int) -> np.ndarray:
@@ -65,7 +75,7 @@ class Sampler:
         if k == n and self.p.top_p >= 1:
             c = np.cumsum(np.exp((x - x.max()) / temp))
             return int(min(np.searchsorted(c, u * c[-1], side="right"), n - 1))
-        for m in ((k,) if k < n else (min(n, NUCLEUS_PROBE), n)):
+        for m in ((k,) if k < n else probes(n)):
             order = top_order(x, m)
             z = x[order] / temp
             prob = np.exp(z - z[0])
