@@ -24,6 +24,7 @@ from lane.gpu_experts import D2H, H2D, GpuExperts, pinned
 from lane.slot_pool import SlotPool
 from lane.kernels import dense as D
 from protos import messages as M
+from stratad.engine.sampling import Sampler
 from stratad.model.gguf_file import ModelFile
 from stratad.model.slot_layout import slot_bytes
 
@@ -73,8 +74,9 @@ class Work:
 
 @dataclass(frozen=True)
 class DeviceSample:
-    """A step's last logits row sampled on the card: by argmax (greedy), the top-k sampler or the whole-vocabulary
-    sampler ("argmax", "top-k", "cdf"); logits: they come back to the host as well."""
+    """A step's last logits row sampled on the card: by argmax (greedy), the top-k sampler (also top-p without a
+    top-k, the host sampling where its nucleus is wider than the candidates) or the whole-vocabulary sampler
+    ("argmax", "top-k", "cdf"); logits: they come back to the host as well."""
     kind: str
     logits: bool
 
@@ -180,29 +182,34 @@ class CupyCard:
 
     def samples_on_device(self, params) -> bool:
         """Where the card's samplers give the host Sampler's token: greedy, top-k of at most SAMPLE_KMAX (with or
-        without top-p), or temperature alone over the whole vocabulary (not top-p alone: its nucleus may be wider
-        than the top-k sampler's candidates)."""
+        without top-p), or no top-k (temperature alone, or with top-p: the nucleus on the card where it fits the
+        SAMPLE_KMAX candidates, else on the host); not a top-k wider than the candidates."""
         whole = params.top_k == 0 or params.top_k >= self.c.vocab_size
-        return params.temperature == 0 or 0 < params.top_k <= D.SAMPLE_KMAX or (whole and params.top_p >= 1)
+        return params.temperature == 0 or 0 < params.top_k <= D.SAMPLE_KMAX or whole
 
     def _sample_kind(self, params) -> str:
         if params.temperature == 0:
             return "argmax"
-        return "top-k" if 0 < params.top_k <= D.SAMPLE_KMAX else "cdf"
+        return "cdf" if params.top_p >= 1 and not 0 < params.top_k <= D.SAMPLE_KMAX else "top-k"
 
     def forward_token(self, tokens, kv: GpuKV, params, u: float, logits: bool):
         """forward(tokens, kv, "last") with the last row sampled here (Sampler.pick's token for draw u): only the
         token crosses the bus (4 bytes, not the vocabulary's logits), unless `logits` asks for them too."""
         if not self.samples_on_device(params):
             raise ValueError("these sampling parameters are sampled on the host (samples_on_device)")
-        sample = DeviceSample(self._sample_kind(params), bool(logits))
+        kind = self._sample_kind(params)
+        top_p_only = kind == "top-k" and not 0 < params.top_k <= D.SAMPLE_KMAX  # may be left to the host
+        sample = DeviceSample(kind, bool(logits) or top_p_only)
         if sample.kind != "argmax":
             self.sparams_h[:] = D.sampling_params(params.temperature, params.top_k, params.top_p, u)
             with self.device:  # on the step's stream: before the step's replay, after the last one finished
                 cp.cuda.runtime.memcpyAsync(self.sparams.data.ptr, self.sparams_h.ctypes.data, self.sparams.nbytes,
                                             H2D, self.stream.ptr)
         out = self._forward(tokens, kv, "last", sample)
-        return int(self.token_h[0]), out
+        token = int(self.token_h[0])
+        if token < 0:  # a nucleus wider than the card's candidates: the host samples the same logits, same draw
+            token = Sampler(params).pick(out[-1], u)
+        return token, (out if logits else None)
 
     def _forward(self, tokens, kv: GpuKV, logits: str, sample: DeviceSample | None):
         tokens = np.asarray(tokens, np.int32)

@@ -457,7 +457,7 @@ def test_sample(cp, D):
                 x[[10, 20, 30]] = x.max()  # ties at the top
             xd = cp.asarray(x)
             for temp, tk, tp in [(0.0, 0, 1.0), (0.7, 40, 0.9), (1.0, 0, 1.0), (1.3, 1000, 0.3), (0.5, 1, 1.0),
-                                 (0.8, 256, 0.95)]:
+                                 (0.8, 256, 0.95), (0.3, 0, 0.9), (2.0, 0, 0.99)]:  # top-p alone: may be -1
                 for u in (0.0, rng.random(), rng.random(), 0.999999):
                     params = cp.asarray(D.sampling_params(temp, tk, tp, u))
                     out.fill(-1)

@@ -1307,7 +1307,9 @@ extern "C" __global__ void __launch_bounds__(1024) topk_stage1(const float* __re
 //   K = top_k if 0 < top_k <= 256 else 256 (and <= n); candidates c_0..c_{K-1} = the K largest logits,
 //   ties to the lower index, in that order. temperature <= 0: token = c_0 (np.argmax).
 //   z_j = (double)logit(c_j) / temperature; e_j = exp(z_j - z_0); S_j = e_0 + ... + e_j (float64).
-//   keep = K if top_p >= 1 else 1 + first j with S_j >= top_p * S_{K-1};
+//   keep = K if top_p >= 1 else 1 + first j with S_j >= top_p * T, T = S_{K-1}, or with no top-k (top_k <= 0 or
+//   >= n) the whole vocabulary's sum of exp(logit_i / temperature - z_0) (the host's top-p); token = -1 if the
+//   nucleus is wider than the K candidates (S_{K-1} < top_p * T: the host samples);
 //   token = c_i, i = first j < keep with S_j > u * S_{keep-1} (i = keep-1 if none).
 extern "C" __global__ void __launch_bounds__(1024) topk_sample(const u64* __restrict__ cand, int nb,
                                                                const float* __restrict__ x, int n,
@@ -1316,6 +1318,7 @@ extern "C" __global__ void __launch_bounds__(1024) topk_sample(const u64* __rest
     PDL_ENTRY();
     extern __shared__ u64 a[];  // P lists of 256 sorted keys, P = next pow2 >= nb
     __shared__ double S[SAMPLE_KMAX];
+    __shared__ double red[1024];
     __shared__ int s_keep, s_pick;
     int P = 1;
     while (P < nb) P <<= 1;
@@ -1359,8 +1362,24 @@ extern "C" __global__ void __launch_bounds__(1024) topk_sample(const u64* __rest
         s_pick = -1;
     }
     __syncthreads();
+    double total = S[K - 1];
+    if (topp < 1.0 && (topk <= 0 || topk >= n)) {  // top-p of the whole vocabulary
+        double acc = 0.0;
+        for (int i = tid; i < n; i += blockDim.x) acc += exp((double)x[i] / temp - z0);
+        red[tid] = acc;
+        __syncthreads();
+        for (int o = blockDim.x >> 1; o > 0; o >>= 1) {
+            if (tid < o) red[tid] += red[tid + o];
+            __syncthreads();
+        }
+        total = red[0];
+        if (S[K - 1] < topp * total) {  // block-uniform: the nucleus is wider than the candidates
+            if (tid == 0) out[0] = -1;
+            return;
+        }
+    }
     if (topp < 1.0 && tid < K) {
-        const double thr = topp * S[K - 1];
+        const double thr = topp * total;
         if (S[tid] >= thr && (tid == 0 || S[tid - 1] < thr)) s_keep = tid + 1;
     }
     __syncthreads();

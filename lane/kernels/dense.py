@@ -844,7 +844,9 @@ def sample_ref(logits: np.ndarray, temperature: float, top_k: int, top_p: float,
       lower index, in that order (so top_k = 0 keeps the 256 most likely tokens, not the whole vocabulary).
       temperature <= 0: the first candidate (= np.argmax).
       z_j = logit_j / temperature; e_j = exp(z_j - z_0); S = cumsum(e);
-      keep = K if top_p >= 1 else 1 + first j with S_j >= top_p * S_{K-1};
+      keep = K if top_p >= 1 else 1 + first j with S_j >= top_p * T, T = S_{K-1}, or without a top-k (top_k <= 0
+      or >= n) T = the sum of exp(logit / temperature - z_0) over the whole vocabulary (the host's top-p), and
+      -1 if the nucleus is wider than the K candidates (S_{K-1} < top_p * T: left to the host);
       token = candidate i, i = first j < keep with S_j > u * S_{keep-1} (keep-1 if none).
     Same distribution as stratad.engine.sampling.Sampler on the kept candidates; the device gives the same token
     for the same u except when u falls within float64 rounding (~1e-16) of a boundary."""
@@ -859,7 +861,12 @@ def sample_ref(logits: np.ndarray, temperature: float, top_k: int, top_p: float,
     S = np.cumsum(np.exp(z - z[0]))
     keep = K
     if top_p < 1:
-        keep = int(np.argmax(S >= top_p * S[K - 1])) + 1
+        total = S[K - 1]
+        if top_k <= 0 or top_k >= n:
+            total = np.exp(x.astype(np.float64) / temperature - z[0]).sum()
+            if S[K - 1] < top_p * total:
+                return -1
+        keep = int(np.argmax(S >= top_p * total)) + 1
     r = u * S[keep - 1]
     hit = np.flatnonzero(S[:keep] > r)
     return int(order[hit[0] if hit.size else keep - 1])
