@@ -274,7 +274,7 @@ class CupyCard:
         self._proj(L["o"], w.att, w.x, residual=w.x)
         self._norm_proj(L["ffn_norm"], L["router"], w, w.router, quant=self.experts.inputs(w.T))
         if w.T == 1:  # a decode step: routed in the launch that builds the pair lists
-            self.experts.front(i, 1, w.ids[i], export, router=(w.router, w.w))
+            self.experts.front(i, 1, w.ids[i], export, router=(w.router, w.w), x=w.x)
         else:
             D.route(w.router, c.n_expert_used, w.ids[i], w.w, stream=s)
             self.experts.front(i, w.T, w.ids[i], export)

@@ -374,12 +374,13 @@ class GpuExperts:
         return tuple(ptr for _, ptr, _ in self.sources) + (self.rows.data.ptr,)
 
     # ---- one layer ------------------------------------------------------------------------------------------
-    def front(self, layer: int, T: int, ids: cp.ndarray, export: bool, router=None) -> None:
+    def front(self, layer: int, T: int, ids: cp.ndarray, export: bool, router=None, x=None) -> None:
         """ids (T, k) router choice for the T rows of input in self.qa / self.da (quantised by the RMSNorm that
         made them, `inputs`): route and launch the cards' experts. router = (logits (1, n_expert), weights (1, k))
         for a decode step: ids and weights are made here, in the launch that builds the pair lists. A prompt
         chunk (T > 1, run eagerly) first stages the experts no card holds; a decode step leaves them to the arena
-        source (host_experts = "card") or to the CPU pool (export: the doorbell for serve)."""
+        source (host_experts = "card") or to the CPU pool (export: the doorbell for serve). x: the residual, which
+        a decode step with every expert on this card updates in its down kernel (back() then has nothing to do)."""
         s = self.stream
         kern = self.kernels[self.key(layer)]
         sources = list(self.sources)
@@ -420,7 +421,9 @@ class GpuExperts:
                 kern.run_tiled(ptr, self.pairs[i], self.tiles[i], self.n_tiles[i:i + 1], self.qa, self.da,
                                self.rows[i], stream=s)
             else:
-                kern.run(ptr, self.pairs[i], self.n_pairs[i:i + 1], self.qa, self.da, self.rows[i], stream=s)
+                fold = router is not None and x is not None and self.combined_in_down(T)
+                kern.run(ptr, self.pairs[i], self.n_pairs[i:i + 1], self.qa, self.da, self.rows[i],
+                         combine=(self.rowmap, router[1], x) if fold else None, stream=s)
         for _, p in side:
             p.join(self)
         if buf is not None:
@@ -483,8 +486,15 @@ class GpuExperts:
                                         self.da_h[:T])
             self.cpu.run(jobs, out=self.host_rows[:n])
 
+    def combined_in_down(self, T: int) -> bool:
+        """Whether a step of T tokens has its combine done by the down kernel: one token, every expert on this
+        card (the only source), so its k rows all come from that launch."""
+        return T == 1 and len(self.sources) == 1 and self.full
+
     def back(self, layer: int, weights: cp.ndarray, x: cp.ndarray) -> None:
-        """x (T, d_model) += the routed experts' outputs, weighted in router order."""
+        """x (T, d_model) += the routed experts' outputs, weighted in router order (unless the down kernel did)."""
+        if self.combined_in_down(x.shape[0]):
+            return
         self.kernels[self.key(layer)].combine_rows(self.rows, self.host_rows.ctypes.data, self.rowmap, weights, x,
                                                     stream=self.stream)
 

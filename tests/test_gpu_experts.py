@@ -288,6 +288,37 @@ def test_variants(cp):
                                                                                gu_stages=2, dn_rows=1))
 
 
+def test_down_kernel_combines_a_decode_step(cp):
+    """run(combine=) for one token whose k experts are all in one pool: the residual gains exactly combine_rows'
+    sum of the k rows in router order; again from fresh buffers (the counts reset), every quant type."""
+    from lane.kernels.experts import ExpertKernels, Tuning, combine_rows_ref
+
+    rng = np.random.default_rng(21)
+    d_model, d_ff, K, n_slots, P = 2048, 768, 8, 12, 32
+    for qt, dn_rows in (("IQ3_S", 4), ("Q4_K", 2), ("Q8_0", 8)):
+        k = ExpertKernels(d_model, d_ff, qt, qt, P, tuning=Tuning(dn_rows=dn_rows))
+        slots = make_slots(rng, n_slots, d_model, d_ff, qt, qt)
+        pool = cp.asarray(np.stack([k.pack_slot(*m) for m in slots]))
+        qa, da = cp.empty((1, d_model), cp.int8), cp.empty((1, d_model // 32), cp.float32)
+        k.quantize(cp.asarray(random_x(rng, 1, d_model)), qa, da)
+        for _ in range(2):
+            chosen = rng.choice(n_slots, K, replace=False)  # router order
+            order = np.argsort(chosen)  # the pair list groups by expert, as build_pairs does
+            pad = np.full((P, 2), -1, np.int32)
+            pad[:K] = np.stack([np.zeros(K, np.int32), chosen[order]], 1)
+            rowmap = np.empty(K, np.int32)
+            rowmap[order] = np.arange(K, dtype=np.int32)  # entry j's row
+            w = rng.dirichlet(np.ones(K)).astype(F32)[None]
+            x0 = rng.standard_normal((1, d_model), dtype=F32)
+            out, x = cp.full((P, d_model), np.nan, cp.float32), cp.asarray(x0)
+            k.run(pool.data.ptr, cp.asarray(pad), cp.asarray(np.array([K], np.int32)), qa, da, out,
+                  combine=(cp.asarray(rowmap), cp.asarray(w), x))
+            cp.cuda.get_current_stream().synchronize()
+            rows = out.get()
+            assert_bits(x.get(), combine_rows_ref(x0, w, [rows[r] for r in rowmap]), f"combine in down {qt}")
+            assert not k.dcount.any()
+
+
 def test_combine_bits(cp):
     from lane.kernels.experts import ExpertKernels
 

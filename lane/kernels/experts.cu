@@ -654,12 +654,23 @@ __device__ __forceinline__ void dn_stage(u32 sdst, const u8* __restrict__ pool, 
     stage_row(sdst, pool + (i64)slot * slot_bytes + (i64)c * DN_RANGE, DN_RANGE, lane);
 }
 
+// A decode step's combine folded into its down kernel (every routed expert of the token on this card: one source):
+// the warp that finishes a chunk of DN_R rows last, of the token's k pairs, adds them to the residual x in router
+// order, as combine_rows does (count[chunk] counts the pairs done; that warp resets it). x null: no combine.
+struct DnCombine {
+    int* count;
+    const int* rowmap;
+    const float* w;
+    float* x;
+    int k;
+};
+
 template <int TP>
 __device__ __forceinline__ void down_body(const u8* __restrict__ pool, i64 slot_bytes, const int* __restrict__ pairs,
                                           const int* __restrict__ tiles, const int* __restrict__ n_tiles_p,
                                           int max_tiles, const signed char* __restrict__ qhbuf,
                                           const float* __restrict__ dhbuf, const u32* __restrict__ grid_g,
-                                          float* __restrict__ out) {
+                                          float* __restrict__ out, DnCombine cmb = DnCombine{}) {
     constexpr int NC = DN_ROWS / DN_R;
     constexpr int SPL = DNG::SPL, NSUB = DNG::NSUB;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -743,6 +754,22 @@ __device__ __forceinline__ void down_body(const u8* __restrict__ pool, i64 slot_
                     for (int r = 0; r < DN_R; ++r) o[r] = acc[t][r];
                 }
             }
+            if (TP == 1 && cmb.x != nullptr) __threadfence();  // these rows device-wide before the pair is counted
+        }
+        if (TP == 1 && cmb.x != nullptr) {
+            int last = 0;
+            if (lane == 0) last = atomicAdd(cmb.count + c, 1) == cmb.k - 1;
+            if (__shfl_sync(FULL_MASK, last, 0)) {  // warp-uniform: the chunk's k rows are all written
+                __threadfence();
+                if (lane < DN_R) {  // combine_rows' sum for row c * DN_R + lane (past L1: other SMs wrote them)
+                    const int r = c * DN_R + lane;
+                    float a = 0.0f;
+                    for (int j = 0; j < cmb.k; ++j)
+                        a = f_add(a, f_mul(cmb.w[j], __ldcg(out + (i64)cmb.rowmap[j] * DN_ROWS + r)));
+                    cmb.x[r] = f_add(cmb.x[r], a);
+                }
+                if (lane == 0) cmb.count[c] = 0;
+            }
         }
         __syncwarp();
         const int nx = it + DN_STAGES * W;
@@ -756,9 +783,11 @@ __device__ __forceinline__ void down_body(const u8* __restrict__ pool, i64 slot_
 extern "C" __global__ void __launch_bounds__(DN_WPB * 32, DN_MINB)
 expert_down(const u8* __restrict__ pool, i64 slot_bytes, const int* __restrict__ pairs,
             const int* __restrict__ n_pairs_p, int max_pairs, const signed char* __restrict__ qhbuf,
-            const float* __restrict__ dhbuf, const u32* __restrict__ grid_g, float* __restrict__ out) {
+            const float* __restrict__ dhbuf, const u32* __restrict__ grid_g, float* __restrict__ out, int* count,
+            const int* __restrict__ rowmap, const float* __restrict__ w, float* x, int k) {
     PDL_ENTRY();
-    down_body<1>(pool, slot_bytes, pairs, nullptr, n_pairs_p, max_pairs, qhbuf, dhbuf, grid_g, out);
+    down_body<1>(pool, slot_bytes, pairs, nullptr, n_pairs_p, max_pairs, qhbuf, dhbuf, grid_g, out,
+                 DnCombine{count, rowmap, w, x, k});
 }
 
 extern "C" __global__ void __launch_bounds__(DN_WPB * 32, 1)

@@ -184,6 +184,7 @@ class ExpertKernels:
             self.qh = cupy.empty((P, F), cupy.int8)
             self.dh = cupy.empty((P, F // 32), cupy.float32)
             self.gcount = cupy.zeros((P * (F // 32),), cupy.int32)  # gu_split: parts of a (tile, group) done
+            self.dcount = cupy.zeros((self.d_model // self.tuning.dn_rows,), cupy.int32)  # run(combine=): pairs done
 
     # ---- sizes --------------------------------------------------------------------------------------------------
     @staticmethod
@@ -319,23 +320,33 @@ class ExpertKernels:
                         qa, da, self.grid, self.h, self.qh, self.dh, self.gcount),
                        shared_mem=self.gu_smem)
 
-    def run_down(self, where, pairs, n_pairs, out, stream=None) -> None:
+    def run_down(self, where, pairs, n_pairs, out, combine=None, stream=None) -> None:
         cp = self.cp
         lay = self._where(where)
         self._check_run_args(pairs, n_pairs)
         self._need(out, cp.float32, (self.max_pairs, self.d_model), "out")
+        cmb = (self.dcount, np.uint64(0), np.uint64(0), np.uint64(0), np.int32(0))
+        if combine is not None:  # (rowmap, w (1, k), x (1, d_model)): a decode step's combine, done here
+            rowmap, w, x = combine
+            self._need(rowmap, cp.int32, None, "rowmap")
+            self._need(w, cp.float32, None, "w")
+            self._need(x, cp.float32, (1, self.d_model), "x")
+            if w.shape[0] != 1 or rowmap.size < w.size:
+                raise ValueError("the combine in the down kernel is for one token's k rows")
+            cmb = (self.dcount, rowmap, w, x, np.int32(w.size))
         with self._stream(stream):
             launch(self._k_dn, (self.dn_grid,), (self.dn_warps * 32,),
                        (np.uint64(lay.down), np.int64(lay.down_stride), pairs, n_pairs, np.int32(self.max_pairs),
-                        self.qh, self.dh, self.grid, out),
+                        self.qh, self.dh, self.grid, out) + cmb,
                        shared_mem=self.dn_smem)
 
-    def run(self, where, pairs, n_pairs, qa, da, out, stream=None) -> None:
+    def run(self, where, pairs, n_pairs, qa, da, out, combine=None, stream=None) -> None:
         """out[p] = canonical.expert(expert pairs[p,1] of `where`, qa/da row pairs[p,0]) for p < n_pairs[0] (a
-        device count)."""
+        device count). combine = (rowmap, w, x): also x += the token's k rows of out in router order, as
+        combine_rows does, when every one of its k pairs is here (one token, one source)."""
         lay = self._where(where)
         self.run_gate_up(lay, pairs, n_pairs, qa, da, stream)
-        self.run_down(lay, pairs, n_pairs, out, stream)
+        self.run_down(lay, pairs, n_pairs, out, combine, stream)
 
     def run_tiled(self, where, pairs, tiles, n_tiles, qa, da, out, stream=None) -> None:
         """run() for pairs grouped by expert and cut into tiles (int32 (max_tiles, 2) of (first pair, count <=
