@@ -149,7 +149,7 @@ __device__ __forceinline__ void mv_finish(float (&acc)[R], int rg, int rows, con
 #define Q8_SMEM_BYTES (MV_WARPS * Q8_RING_TILES * Q8_TILE_BYTES)
 template <int R, int KS, int V, int RT, bool XS, class Wait>
 __device__ __forceinline__ void matvec_q8_0_body(const u8* __restrict__ W, int rows, int nb, i64 row_bytes,
-                                                 const float* __restrict__ x, const float* res, float* y,
+                                                 const float* x, const float* res, float* y,
                                                  u8* q8_ring, Wait wait) {
     constexpr int P = RT / R;
     static_assert(P >= 1, "a ring tile per row at least");
@@ -263,7 +263,7 @@ __device__ __forceinline__ void matvec_q8_0_body(const u8* __restrict__ W, int r
 
 template <int QT, int R, int KS, bool XS = false>
 __device__ __forceinline__ void matvec_float_body(const u8* __restrict__ W, int rows, int nchunk, i64 row_bytes,
-                                                  const float* __restrict__ x, const float* res, float* y) {
+                                                  const float* x, const float* res, float* y) {
     constexpr int U = 8 / R;
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
     const int rg = blockIdx.x * (MV_WARPS / KS) + w / KS;
