@@ -5,8 +5,11 @@
 #   bash scripts/device_run.sh tests     # GPU tests: expert kernels, the card, PDL (a summary line each)
 #   bash scripts/device_run.sh tests2    # GPU tests: dense kernels
 #   bash scripts/device_run.sh tests3    # GPU tests: the daemon (modes, split / rejoin, swaps, a killed peer)
+#   TESTS="FILE::TEST ..." bash scripts/device_run.sh tests   # those tests only (a rerun of what failed)
 #   bash scripts/device_run.sh profile   # a3b IQ3_S: where a decode step's time goes (with and without PDL),
 #                                        # and a prompt's
+#   bash scripts/device_run.sh engine1   # a3b IQ3_S: the engine bench all resident (1K / 32K / 64K)
+#   bash scripts/device_run.sh experts-decode  # the decode expert kernels, gate/up groups over one block or two
 #   bash scripts/device_run.sh engine    # a3b IQ3_S: the engine bench at 1K / 32K / 64K
 #   bash scripts/device_run.sh engine-card  # the same at 50 % / 25 % resident, decode's misses read from the arena
 #   bash scripts/device_run.sh experts-prompt  # the prompt expert kernels (tensor cores, dp4a) on a 1024-token chunk
@@ -47,9 +50,10 @@ tests | tests2 | tests3)
     files="tests/test_gpu_experts.py tests/test_gpu_card.py tests/test_gpu_pdl.py"
     [ "$1" = tests2 ] && files="tests/test_gpu_dense.py"
     [ "$1" = tests3 ] && files="tests/test_gpu_daemon.py"
-    for f in $files; do
-        timeout 540 python3 -m pytest -q -m gpu -p no:cacheprovider "$f" > "$OUT/$(basename "$f" .py).log" 2>&1
-        echo "$f: rc=$? $(tail -1 "$OUT/$(basename "$f" .py).log")"
+    for f in ${TESTS:-$files}; do  # TESTS: other files or test ids (a rerun of what failed)
+        log="$OUT/$(basename "${f%%::*}" .py)$([[ $f == *::* ]] && echo "-${f##*::}").log"
+        timeout 540 python3 -m pytest -q -m gpu -p no:cacheprovider "$f" > "$log" 2>&1
+        echo "$f: rc=$? $(tail -1 "$log")"
     done
     ;;
 quick)  # what a short device call can check: the card, PDL, the tensor-core tiles; the all-resident engine bench
@@ -59,9 +63,16 @@ quick)  # what a short device call can check: the card, PDL, the tensor-core til
         timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider "$1" ${2:+"$2"} ${3:+"${3//_or_/ or }"} > "$log" 2>&1
         echo "$t: rc=$? $(tail -1 "$log")"
     done
+    bash "$0" engine1
+    ;;
+engine1)  # the all-resident engine bench
     model "$A3B" --router-skew 1.0
     timeout 150 python3 -m stratad.cli bench --scenario engine --model "$A3B" --fractions 1.0 \
         --contexts 1024,32768,65536 --json "$OUT/engine-resident.json" 2>&1 | grep "^{'" | cut -c1-200
+    ;;
+experts-decode)  # the decode expert kernels: gate/up groups over one block or two
+    timeout 200 python3 scripts/gpu_experts_bench.py --types IQ3_S --cases decode8,tok8x8 \
+        --variants default,split2,split2-gu8w --json "$OUT/experts-decode.json" 2>&1 | grep "^{"
     ;;
 profile)
     model "$A3B" --router-skew 1.0

@@ -282,8 +282,8 @@ def test_variants(cp):
     for t in VARIANT_TUNINGS:
         run_case(cp, rng, T.IQ3_S, T.IQ3_S, 2048, 768, 6, 4, 20, 24, tuning=Tuning(**t), runs=2)
         run_case(cp, rng, T.IQ3_S, T.IQ3_S, 2048, 768, 3, 20, 90, 96, tuning=Tuning(**t), tiled=True, runs=2)
-    for shape in SHAPES:  # gate/up groups split over two blocks, every quant type and row length
-        run_case(cp, rng, *shape, tuning=Tuning(gu_split=2), runs=2)
+    for qgu, qdn, *shape in SHAPES:  # gate/up groups split over two blocks, every quant type and row length
+        run_case(cp, rng, getattr(T, qgu), getattr(T, qdn), *shape, tuning=Tuning(gu_split=2), runs=2)
     run_case(cp, rng, T.Q8_0, T.Q4_K, 512, 256, 4, 8, 300, 320, tuning=Tuning(gu_warps=32, gu_min_blocks=1,
                                                                                gu_stages=2, dn_rows=1))
 
@@ -295,7 +295,7 @@ def test_down_kernel_combines_a_decode_step(cp):
 
     rng = np.random.default_rng(21)
     d_model, d_ff, K, n_slots, P = 2048, 768, 8, 12, 32
-    for qt, dn_rows in (("IQ3_S", 4), ("Q4_K", 2), ("Q8_0", 8)):
+    for qt, dn_rows in ((T.IQ3_S, 4), (T.Q4_K, 2), (T.Q8_0, 8)):
         k = ExpertKernels(d_model, d_ff, qt, qt, P, tuning=Tuning(dn_rows=dn_rows))
         slots = make_slots(rng, n_slots, d_model, d_ff, qt, qt)
         pool = cp.asarray(np.stack([k.pack_slot(*m) for m in slots]))
