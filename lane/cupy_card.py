@@ -13,6 +13,7 @@ when the card and its peers hold every expert, one per layer otherwise (the host
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import cupy as cp
 import numpy as np
@@ -23,12 +24,13 @@ from lane.gpu_experts import D2H, H2D, GpuExperts, pinned
 from lane.slot_pool import SlotPool
 from lane.kernels import dense as D
 from protos import messages as M
+from stratad.engine.sampling import Sampler
 from stratad.model.gguf_file import ModelFile
 from stratad.model.slot_layout import slot_bytes
 
 HALF_LIFE_TOKENS = 256
 log = logging.getLogger("stratad.lane")
-MAX_CAPTURED = 4
+MAX_CAPTURED = 8  # placement shapes x context side x how the step's token comes back
 
 
 class GpuKV:
@@ -68,6 +70,15 @@ class Work:
         self.logits = cp.empty((max(1, logit_rows), c.vocab_size), cp.float32)
         self.ids_h = pinned(self.ids.shape, np.int32)
         self.logits_h = pinned(self.logits.shape, np.float32)
+
+
+@dataclass(frozen=True)
+class DeviceSample:
+    """A step's last logits row sampled on the card: by argmax (greedy), the top-k sampler (also top-p without a
+    top-k, the host sampling where its nucleus is wider than the candidates) or the whole-vocabulary sampler
+    ("argmax", "top-k", "cdf"); logits: they come back to the host as well."""
+    kind: str
+    logits: bool
 
 
 class Break:
@@ -130,6 +141,10 @@ class CupyCard:
         self.experts = GpuExperts(model, self.pool, PROMPT_CHUNK, cpu_threads, self.stream, self.device_ident,
                                   host_experts)
         self.decode_work = Work(c, 1, 1)
+        self.argmax, self.topk, self.cdf = D.Argmax(c.vocab_size), D.DeviceSampler(c.vocab_size), \
+            D.CdfSampler(c.vocab_size)
+        self.sparams, self.sparams_h = cp.zeros((4,), cp.float64), pinned((4,), np.float64)  # the sampler's params
+        self.token, self.token_h = cp.zeros((1,), cp.int32), pinned((1,), np.int32)
         # captured decode steps by placement shape: [(graph, layer served after it or None)]; coverage flips
         # between complete and not as slots swap, so both shapes stay captured
         self._graphs: dict[tuple, list] = {}
@@ -163,6 +178,40 @@ class CupyCard:
             self._graphs.clear()
 
     def forward(self, tokens, kv: GpuKV, logits: str = "last"):
+        return self._forward(tokens, kv, logits, None)
+
+    def samples_on_device(self, params) -> bool:
+        """Where the card's samplers give the host Sampler's token: greedy, top-k of at most SAMPLE_KMAX (with or
+        without top-p), or no top-k (temperature alone, or with top-p: the nucleus on the card where it fits the
+        SAMPLE_KMAX candidates, else on the host); not a top-k wider than the candidates."""
+        whole = params.top_k == 0 or params.top_k >= self.c.vocab_size
+        return params.temperature == 0 or 0 < params.top_k <= D.SAMPLE_KMAX or whole
+
+    def _sample_kind(self, params) -> str:
+        if params.temperature == 0:
+            return "argmax"
+        return "cdf" if params.top_p >= 1 and not 0 < params.top_k <= D.SAMPLE_KMAX else "top-k"
+
+    def forward_token(self, tokens, kv: GpuKV, params, u: float, logits: bool):
+        """forward(tokens, kv, "last") with the last row sampled here (Sampler.pick's token for draw u): only the
+        token crosses the bus (4 bytes, not the vocabulary's logits), unless `logits` asks for them too."""
+        if not self.samples_on_device(params):
+            raise ValueError("these sampling parameters are sampled on the host (samples_on_device)")
+        kind = self._sample_kind(params)
+        top_p_only = kind == "top-k" and not 0 < params.top_k <= D.SAMPLE_KMAX  # may be left to the host
+        sample = DeviceSample(kind, bool(logits) or top_p_only)
+        if sample.kind != "argmax":
+            self.sparams_h[:] = D.sampling_params(params.temperature, params.top_k, params.top_p, u)
+            with self.device:  # on the step's stream: before the step's replay, after the last one finished
+                cp.cuda.runtime.memcpyAsync(self.sparams.data.ptr, self.sparams_h.ctypes.data, self.sparams.nbytes,
+                                            H2D, self.stream.ptr)
+        out = self._forward(tokens, kv, "last", sample)
+        token = int(self.token_h[0])
+        if token < 0:  # a nucleus wider than the card's candidates: the host samples the same logits, same draw
+            token = Sampler(params).pick(out[-1], u)
+        return token, (out if logits else None)
+
+    def _forward(self, tokens, kv: GpuKV, logits: str, sample: DeviceSample | None):
         tokens = np.asarray(tokens, np.int32)
         if kv.length + len(tokens) > self.max_ctx:
             raise ValueError(f"sequence of {kv.length + len(tokens)} tokens exceeds the card's KV capacity "
@@ -171,16 +220,18 @@ class CupyCard:
         with self.device, self.stream:
             self.experts.refresh()
             for chunk, rows, last in chunks(tokens, logits):
+                smp = sample if last else None
                 if len(chunk) == 1 and rows <= 1 and self.graphs:
-                    outs.append(self._decode(int(chunk[0]), kv, rows))
+                    outs.append(self._decode(int(chunk[0]), kv, rows, smp))
                 else:
-                    outs.append(self._chunk(chunk, kv, rows))
+                    outs.append(self._chunk(chunk, kv, rows, sample=smp))
                 if self.on_chunk is not None and not last:
                     self.on_chunk()
-        return None if logits == "none" else np.concatenate([o for o in outs if o is not None])
+        outs = [o for o in outs if o is not None]
+        return None if logits == "none" or not outs else np.concatenate(outs)
 
     # ---- a step as operations -----------------------------------------------------------------------------------
-    def _ops(self, w: Work, logit_rows: int) -> list:
+    def _ops(self, w: Work, logit_rows: int, sample: DeviceSample | None = None) -> list:
         """The step for w.T tokens: callables that only launch work on the card's stream, and Breaks (a decode
         step's layers whose misses the CPU pool serves; a prompt chunk stages them on the card instead)."""
         export = not self.experts.full and w.T == 1
@@ -190,7 +241,7 @@ class CupyCard:
             if export:
                 ops.append(Break(i))
             ops.append(lambda i=i: self.experts.back(i, w.w, w.x))
-        ops.append(lambda: self._finish(w, logit_rows))
+        ops.append(lambda: self._finish(w, logit_rows, sample))
         return ops
 
     def _proj(self, W: D.DenseWeight, X: cp.ndarray, Y: cp.ndarray, residual: cp.ndarray | None = None) -> None:
@@ -201,83 +252,102 @@ class CupyCard:
         else:
             D.dense_batched(W, X, Y, residual=residual, cache=True, stream=self.stream)
 
+    def _norm_proj(self, norm: cp.ndarray, W: D.DenseWeight, w: Work, Y: cp.ndarray, quant=None) -> None:
+        """Y = W rms_norm(w.x) (quant: also the experts' quantised input): one launch for a decode step where the
+        kernel takes W, else the norm into w.h, then the projection (same bits)."""
+        if w.T == 1 and D.norm_matvec_ok(W):
+            D.norm_matvec(W, w.x[0], norm, self.c.rms_eps, Y[0], quant=quant, stream=self.stream)
+        else:
+            D.rms_norm(w.x, norm, self.c.rms_eps, w.h, quant=quant, stream=self.stream)
+            self._proj(W, w.h, Y)
+
     def _attend_and_route(self, i: int, w: Work, export: bool) -> None:
         c, L, s = self.c, self.layers[i], self.stream
-        D.rms_norm(w.x, L["attn_norm"], c.rms_eps, w.h, stream=s)
-        self._proj(L["qkv"], w.h, w.qkv)
-        D.qk_norm_rope_kv(w.qkv, L["q_norm"], L["k_norm"], c.rms_eps, self.rope, self.pos, w.q, *L["kv"],
-                          n_head=c.n_head, n_kv=c.n_head_kv, stream=s)
-        if w.T == 1:  # pos on the device: graph-safe
-            self.attn(w.q, *L["kv"], self.pos, w.att, 1, pdl=not w.long_ctx, stream=s)
+        self._norm_proj(L["attn_norm"], L["qkv"], w, w.qkv)
+        if w.T == 1:  # pos on the device: graph-safe; q/k norm, RoPE and the KV append in the split launch
+            self.attn.step(w.qkv, L["q_norm"], L["k_norm"], c.rms_eps, self.rope, self.pos, *L["kv"], w.att,
+                           pdl=not w.long_ctx, stream=s)
         else:  # a prompt chunk, run eagerly: the host knows where it starts
+            D.qk_norm_rope_kv(w.qkv, L["q_norm"], L["k_norm"], c.rms_eps, self.rope, self.pos, w.q, *L["kv"],
+                              n_head=c.n_head, n_kv=c.n_head_kv, stream=s)
             self.prefill_attn(w.q, *L["kv"], w.pos0, w.att, stream=s)
         self._proj(L["o"], w.att, w.x, residual=w.x)
-        D.rms_norm(w.x, L["ffn_norm"], c.rms_eps, w.h, quant=self.experts.inputs(w.T), stream=s)
-        self._proj(L["router"], w.h, w.router)
+        self._norm_proj(L["ffn_norm"], L["router"], w, w.router, quant=self.experts.inputs(w.T))
         if w.T == 1:  # a decode step: routed in the launch that builds the pair lists
-            self.experts.front(i, 1, w.ids[i], export, router=(w.router, w.w))
+            self.experts.front(i, 1, w.ids[i], export, router=(w.router, w.w), x=w.x)
         else:
             D.route(w.router, c.n_expert_used, w.ids[i], w.w, stream=s)
             self.experts.front(i, w.T, w.ids[i], export)
 
-    def _finish(self, w: Work, logit_rows: int) -> None:
+    def _finish(self, w: Work, logit_rows: int, sample: DeviceSample | None) -> None:
         s, rt = self.stream, cp.cuda.runtime
         D.advance_pos(self.pos, w.T, stream=s)
         if logit_rows:
             D.rms_norm(w.x[w.T - logit_rows:], self.out_norm, self.c.rms_eps, w.hl, stream=s)
             self._proj(self.out_w, w.hl, w.logits)
-            rt.memcpyAsync(w.logits_h.ctypes.data, w.logits.data.ptr, w.logits.nbytes, D2H, s.ptr)
+            if sample is None or sample.logits:
+                rt.memcpyAsync(w.logits_h.ctypes.data, w.logits.data.ptr, w.logits.nbytes, D2H, s.ptr)
+            if sample is not None:
+                last = w.logits[logit_rows - 1]
+                if sample.kind == "argmax":
+                    self.argmax(last, self.token, stream=s)
+                else:
+                    (self.topk if sample.kind == "top-k" else self.cdf)(last, self.sparams, self.token, stream=s)
+                rt.memcpyAsync(self.token_h.ctypes.data, self.token.data.ptr, 4, D2H, s.ptr)
         rt.memcpyAsync(w.ids_h.ctypes.data, w.ids.data.ptr, w.ids.nbytes, D2H, s.ptr)
 
-    def _done(self, w: Work, kv: GpuKV, logit_rows: int):
-        """After a step's launches: wait for the card, count where the experts ran, hand out the logits."""
+    def _done(self, w: Work, kv: GpuKV, logit_rows: int, sample: DeviceSample | None = None):
+        """After a step's launches: wait for the card, count where the experts ran, hand out the logits (those
+        that came back)."""
         self.stream.synchronize()
         self.counts *= 0.5 ** (w.T / HALF_LIFE_TOKENS)
         self.experts.tally(w.ids_h, self.counters, self.counts)
         kv.length += w.T
-        return w.logits_h[:logit_rows].copy() if logit_rows else None
+        back = logit_rows and (sample is None or sample.logits)
+        return w.logits_h[:logit_rows].copy() if back else None
 
     # ---- running a step -----------------------------------------------------------------------------------------
-    def _chunk(self, tokens: np.ndarray, kv: GpuKV, logit_rows: int, w: Work | None = None):
+    def _chunk(self, tokens: np.ndarray, kv: GpuKV, logit_rows: int, w: Work | None = None,
+               sample: DeviceSample | None = None):
         """A prompt chunk (or a decode step that cannot be replayed): the operations run directly."""
         w = w or Work(self.c, len(tokens), logit_rows)
         w.pos0 = kv.length
         w.tokens.set(tokens, stream=self.stream)
-        for op in self._ops(w, logit_rows):
+        for op in self._ops(w, logit_rows, sample):
             if isinstance(op, Break):
                 self.experts.serve(op.layer, w.T)
             else:
                 op()
-        return self._done(w, kv, logit_rows)
+        return self._done(w, kv, logit_rows, sample)
 
-    def _decode(self, token: int, kv: GpuKV, logit_rows: int):
+    def _decode(self, token: int, kv: GpuKV, logit_rows: int, sample: DeviceSample | None = None):
         """One token: replay the captured step (captured again when the placement's shape changed). A peer on
         another GPU is captured too (its copies and kernels joined to this card's stream by events: a graph of two
         devices); where the driver refuses that, such steps run directly."""
         w = self.decode_work
         remote = self.experts.remote
         if remote and self._remote_direct:
-            return self._chunk(np.array([token], np.int32), kv, logit_rows, w)
+            return self._chunk(np.array([token], np.int32), kv, logit_rows, w, sample)
         w.long_ctx = kv.length >= D.ATTN_PDL_MAX_CTX
-        key = (self.experts.full, self.experts.sources_key(), w.long_ctx)
+        key = (self.experts.full, self.experts.sources_key(), w.long_ctx, sample)
         if key not in self._graphs:
             if len(self._graphs) >= MAX_CAPTURED:
                 self._graphs.clear()  # peers came and went: the old pointers are gone
             try:
-                self._graphs[key] = self._capture(self._ops(w, 1))
+                self._graphs[key] = self._capture(self._ops(w, 1, sample))
             except (cp.cuda.runtime.CUDARuntimeError, cp.cuda.driver.CUDADriverError) as e:
                 if not remote:
                     raise
                 log.warning("a step with a peer on another GPU cannot be captured (%s): such steps run directly", e)
                 self._remote_direct = True
                 self.stream.synchronize()
-                return self._chunk(np.array([token], np.int32), kv, logit_rows, w)
+                return self._chunk(np.array([token], np.int32), kv, logit_rows, w, sample)
         w.tokens.set(np.array([token], np.int32), stream=self.stream)
         for graph, served in self._graphs[key]:
             graph.launch(self.stream)
             if served is not None:
                 self.experts.serve(served, 1)
-        return self._done(w, kv, logit_rows)
+        return self._done(w, kv, logit_rows, sample)
 
     def _capture(self, ops: list) -> list:
         """Capture the operations between Breaks as graphs: [(graph, layer to serve after it, or None)]."""

@@ -30,6 +30,7 @@ import numpy as np
 
 from lane import host_lock
 from lane.cpu_pool import CpuPool, LayerJobs
+from lane.expert_counts import entries_by_source, routed_counts
 from lane.kernels.experts import MAX_SOURCES, ExpertKernels, max_tiles
 from lane.slot_pool import SlotPool
 from stratad.model.gguf_file import ModelFile
@@ -38,6 +39,12 @@ from stratad.model.slot_layout import expert_bytes
 log = logging.getLogger("stratad.lane")
 H2D, D2H = 1, 2  # cudaMemcpyHostToDevice, cudaMemcpyDeviceToHost
 CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM = 91  # cudaDevAttrCanUseHostPointerForRegisteredMem
+# How a peer on another GPU gets its input and returns its rows: "auto" copies peer to peer (cudaMemcpyPeer: over
+# NVLink / PCIe P2P where the topology allows, else the driver stages them); "host" through page-locked host memory
+# of our own, each card's copy engine moving its side (to measure both paths on one machine, #5)
+PEER_COPY = os.environ.get("STRATAD_PEER_COPY", "auto")
+if PEER_COPY not in ("auto", "host"):
+    raise ValueError(f"STRATAD_PEER_COPY must be auto or host, not {PEER_COPY!r}")
 
 
 def pinned(shape, dtype) -> np.ndarray:
@@ -64,9 +71,9 @@ class PeerPool:
 class RemotePool(PeerPool):
     """A peer card's slot pool on another GPU, computed there: the pool is opened on its device, the layer's
     quantised input and pair list are copied over, that device's expert kernels run on its own stream and the
-    result rows come back (cudaMemcpyPeer: over NVLink / PCIe P2P where the cards have it, through host memory
-    otherwise), while this card computes its own experts. Decode steps capture it with the rest (events join its
-    stream to this card's)."""
+    result rows come back (cudaMemcpyPeer: over NVLink / PCIe P2P where the cards have it; through page-locked host
+    memory with STRATAD_PEER_COPY=host), while this card computes its own experts. Decode steps capture it with the
+    rest (events join its stream to this card's)."""
 
     remote = True
     side = True
@@ -74,10 +81,11 @@ class RemotePool(PeerPool):
     def __init__(self, card: int, generation: int, handle: str, device: int, experts: "GpuExperts"):
         self.device = device
         self.here = experts.stream.device_id
+        self.via_host = PEER_COPY == "host"
         with cp.cuda.Device(device):
             super().__init__(card, generation, handle)
             for a, b in ((self.here, device), (device, self.here)):
-                if a != b and cp.cuda.runtime.deviceCanAccessPeer(a, b):
+                if a != b and not self.via_host and cp.cuda.runtime.deviceCanAccessPeer(a, b):
                     with cp.cuda.Device(a):
                         try:
                             cp.cuda.runtime.deviceEnablePeerAccess(b)
@@ -91,6 +99,11 @@ class RemotePool(PeerPool):
             self.tiles, self.n_tiles = cp.empty(experts.tiles.shape[1:], cp.int32), cp.empty((1,), cp.int32)
             self.rows = cp.empty((P, c.d_model), cp.float32)
             self.done = cp.cuda.Event(disable_timing=True)
+        if self.via_host:  # the staging: one page-locked twin of each buffer that crosses
+            self.h_in = {id(b): pinned((b.nbytes,), np.uint8) for b in
+                         (self.qa, self.da, self.pairs, self.n_pairs, self.tiles, self.n_tiles)}
+            self.h_rows = pinned((self.rows.nbytes,), np.uint8)
+        self.rows_back = None  # (rows of this card, bytes): what the last compute() returns at join()
         with cp.cuda.Device(self.here):
             self.start = cp.cuda.Event(disable_timing=True)
 
@@ -98,28 +111,42 @@ class RemotePool(PeerPool):
         """Source s's pairs of this layer (built on this card) computed on the peer's GPU, rows back into
         ex.rows[s] (join() before the combine)."""
         rt, here, there = cp.cuda.runtime, self.here, self.device
-        self.start.record(ex.stream)
-        self.stream.wait_event(self.start)
         copies = [(self.qa, ex.qa, T * ex.qa.shape[1]), (self.da, ex.da, T * ex.da.shape[1] * 4),
                   (self.pairs, ex.pairs[s], T * ex.k * 8), (self.n_pairs, ex.n_pairs[s:s + 1], 4)]
         if tiled:
             copies += [(self.tiles, ex.tiles[s], self.tiles.nbytes), (self.n_tiles, ex.n_tiles[s:s + 1], 4)]
+        if self.via_host:  # this card's copy engine writes the staging, the peer's reads it
+            for dst, src, n in copies:
+                rt.memcpyAsync(self.h_in[id(dst)].ctypes.data, src.data.ptr, n, D2H, ex.stream.ptr)
+        self.start.record(ex.stream)
+        self.stream.wait_event(self.start)
+        n_rows = T * ex.k * self.rows.shape[1] * 4
+        self.rows_back = (ex.rows[s], n_rows)
         with cp.cuda.Device(there):
             for dst, src, n in copies:
-                rt.memcpyPeerAsync(dst.data.ptr, there, src.data.ptr, here, n, self.stream.ptr)
+                if self.via_host:
+                    rt.memcpyAsync(dst.data.ptr, self.h_in[id(dst)].ctypes.data, n, H2D, self.stream.ptr)
+                else:
+                    rt.memcpyPeerAsync(dst.data.ptr, there, src.data.ptr, here, n, self.stream.ptr)
             k = self.kernels[key]
             if tiled:
                 k.run_tiled(self.ptr, self.pairs, self.tiles, self.n_tiles, self.qa, self.da, self.rows,
                             stream=self.stream)
             else:
                 k.run(self.ptr, self.pairs, self.n_pairs, self.qa, self.da, self.rows, stream=self.stream)
-            rt.memcpyPeerAsync(ex.rows[s].data.ptr, here, self.rows.data.ptr, there, T * ex.k * self.rows.shape[1] * 4,
-                               self.stream.ptr)
+            if self.via_host:
+                rt.memcpyAsync(self.h_rows.ctypes.data, self.rows.data.ptr, n_rows, D2H, self.stream.ptr)
+            else:
+                rt.memcpyPeerAsync(ex.rows[s].data.ptr, here, self.rows.data.ptr, there, n_rows, self.stream.ptr)
             self.done.record(self.stream)
 
     def join(self, ex: "GpuExperts") -> None:
-        """This card's stream waits for the last compute() (issued after this card's own experts: they overlap)."""
+        """This card's stream waits for the last compute() (issued after this card's own experts: they overlap);
+        through host memory, the rows then come in on this card's copy engine."""
         ex.stream.wait_event(self.done)
+        if self.via_host:
+            rows, n = self.rows_back
+            cp.cuda.runtime.memcpyAsync(rows.data.ptr, self.h_rows.ctypes.data, n, H2D, ex.stream.ptr)
 
     def close(self) -> None:
         with cp.cuda.Device(self.device):
@@ -347,12 +374,13 @@ class GpuExperts:
         return tuple(ptr for _, ptr, _ in self.sources) + (self.rows.data.ptr,)
 
     # ---- one layer ------------------------------------------------------------------------------------------
-    def front(self, layer: int, T: int, ids: cp.ndarray, export: bool, router=None) -> None:
+    def front(self, layer: int, T: int, ids: cp.ndarray, export: bool, router=None, x=None) -> None:
         """ids (T, k) router choice for the T rows of input in self.qa / self.da (quantised by the RMSNorm that
         made them, `inputs`): route and launch the cards' experts. router = (logits (1, n_expert), weights (1, k))
         for a decode step: ids and weights are made here, in the launch that builds the pair lists. A prompt
         chunk (T > 1, run eagerly) first stages the experts no card holds; a decode step leaves them to the arena
-        source (host_experts = "card") or to the CPU pool (export: the doorbell for serve)."""
+        source (host_experts = "card") or to the CPU pool (export: the doorbell for serve). x: the residual, which
+        a decode step with every expert on this card updates in its down kernel (back() then has nothing to do)."""
         s = self.stream
         kern = self.kernels[self.key(layer)]
         sources = list(self.sources)
@@ -368,12 +396,14 @@ class GpuExperts:
             sources.append((None, self._stage_mem[buf].ptr, None))
         S = len(sources)
         tiled = T > 1
+        # the CPU misses' list in mapped host memory, only where the host serves them (export): else no entry
+        # can miss, and the kernel skips the count and its system-wide fence
+        miss = (self.miss.ctypes.data, self.n_miss.ctypes.data, self.miss.shape[0]) if export else (0, 0, 0)
         if router is not None and T == 1:
             kern.route_pairs(router[0], self.k, ids, router[1], src, slot, self.pairs[:S], self.n_pairs[:S],
-                             self.rowmap, self.miss.ctypes.data, self.n_miss.ctypes.data, self.miss.shape[0], stream=s)
+                             self.rowmap, *miss, stream=s)
         else:
-            kern.build_pairs(ids, src, slot, self.pairs[:S], self.n_pairs[:S], self.rowmap,
-                             self.miss.ctypes.data, self.n_miss.ctypes.data, self.miss.shape[0],
+            kern.build_pairs(ids, src, slot, self.pairs[:S], self.n_pairs[:S], self.rowmap, *miss,
                              self.tiles[:S] if tiled else None,
                              self.n_tiles[:S] if tiled else None, stream=s)
         if export:
@@ -391,7 +421,9 @@ class GpuExperts:
                 kern.run_tiled(ptr, self.pairs[i], self.tiles[i], self.n_tiles[i:i + 1], self.qa, self.da,
                                self.rows[i], stream=s)
             else:
-                kern.run(ptr, self.pairs[i], self.n_pairs[i:i + 1], self.qa, self.da, self.rows[i], stream=s)
+                fold = router is not None and x is not None and self.combined_in_down(T)
+                kern.run(ptr, self.pairs[i], self.n_pairs[i:i + 1], self.qa, self.da, self.rows[i],
+                         combine=(self.rowmap, router[1], x) if fold else None, stream=s)
         for _, p in side:
             p.join(self)
         if buf is not None:
@@ -454,8 +486,15 @@ class GpuExperts:
                                         self.da_h[:T])
             self.cpu.run(jobs, out=self.host_rows[:n])
 
+    def combined_in_down(self, T: int) -> bool:
+        """Whether a step of T tokens has its combine done by the down kernel: one token, every expert on this
+        card (the only source), so its k rows all come from that launch."""
+        return T == 1 and len(self.sources) == 1 and self.full
+
     def back(self, layer: int, weights: cp.ndarray, x: cp.ndarray) -> None:
-        """x (T, d_model) += the routed experts' outputs, weighted in router order."""
+        """x (T, d_model) += the routed experts' outputs, weighted in router order (unless the down kernel did)."""
+        if self.combined_in_down(x.shape[0]):
+            return
         self.kernels[self.key(layer)].combine_rows(self.rows, self.host_rows.ctypes.data, self.rowmap, weights, x,
                                                     stream=self.stream)
 
@@ -471,19 +510,16 @@ class GpuExperts:
     # ---- bookkeeping ----------------------------------------------------------------------------------------
     def tally(self, ids: np.ndarray, counters, counts: np.ndarray) -> None:
         """ids (n_layer, T, k) of a finished step: where each expert ran (counters), live routing counts."""
-        L = self.c.n_layer
-        layer = np.broadcast_to(np.arange(L)[:, None, None], ids.shape)
-        np.add.at(counts, (layer, ids), 1.0)
-        where = self.h_src[layer, ids]
-        for lyr, experts in self.staged.items():  # computed on this card from staged bytes
-            where[lyr][np.isin(ids[lyr], experts)] = 0
-            counters.staged += int(experts.size)
+        c = routed_counts(ids, self.c.n_expert)
+        counts += c
+        by_source = entries_by_source(ids, c, self.h_src, self.staged)  # staged experts: computed on this card
+        counters.staged += sum(int(e.size) for e in self.staged.values())
         self.staged.clear()
         self._ahead = None  # the next chunk stages its first layer afresh (the placement may have changed)
-        counters.card += int((where == 0).sum())
-        counters.cpu += int((where < 0).sum())
+        counters.card += by_source.get(0, 0)
+        counters.cpu += sum(n for s, n in by_source.items() if s < 0)
         for s, (card, _, p) in enumerate(self.sources[1:], start=1):
-            n = int((where == s).sum())
+            n = by_source.get(s, 0)
             if p is self.arena:  # weights from host memory, as for the CPU pool
                 counters.cpu += n
                 counters.host_read += n

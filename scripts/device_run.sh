@@ -5,12 +5,16 @@
 #   bash scripts/device_run.sh tests     # GPU tests: expert kernels, the card, PDL (a summary line each)
 #   bash scripts/device_run.sh tests2    # GPU tests: dense kernels
 #   bash scripts/device_run.sh tests3    # GPU tests: the daemon (modes, split / rejoin, swaps, a killed peer)
+#   TESTS="FILE::TEST ..." bash scripts/device_run.sh tests   # those tests only (a rerun of what failed)
 #   bash scripts/device_run.sh profile   # a3b IQ3_S: where a decode step's time goes (with and without PDL),
 #                                        # and a prompt's
+#   bash scripts/device_run.sh engine1   # a3b IQ3_S: the engine bench all resident (1K / 32K / 64K)
+#   bash scripts/device_run.sh experts-decode  # the decode expert kernels, gate/up groups over one block or two
 #   bash scripts/device_run.sh engine    # a3b IQ3_S: the engine bench at 1K / 32K / 64K
 #   bash scripts/device_run.sh engine-card  # the same at 50 % / 25 % resident, decode's misses read from the arena
 #   bash scripts/device_run.sh experts-prompt  # the prompt expert kernels (tensor cores, dp4a) on a 1024-token chunk
-#   bash scripts/device_run.sh seed13    # the seed table at 60K prompts, modes 1 and 3 (two logical cards)
+#   bash scripts/device_run.sh seed13    # the seed table at 60K prompts, modes 1 and 3 (two logical cards; with
+#                                        # CARDS=0,1 on two GPUs, the JSON named seed-*-cards01)
 #   bash scripts/device_run.sh seed2     # the same, mode 2
 #   bash scripts/device_run.sh seed-card # modes 2 and 3 at 4K prompts, misses read by the card from host memory
 #   bash scripts/device_run.sh seed-mps  # modes 1 and 3 at 4K prompts without and with the CUDA MPS daemon (two
@@ -19,6 +23,15 @@
 #                                        # f54cf31, 2026-12-02: 194 tok/s at 32K) against this tree's, PDL off and on
 #   bash scripts/device_run.sh flash2    # the prefill attention kernel of the tree in _flash2/ (a `git archive` of
 #                                        # another branch) against this tree's: its tests and a 32K prompt's profile
+#   bash scripts/device_run.sh dense     # the dense kernels' bench: decode attention (split, combine columns, the
+#                                        # fused step) at 1K-128K, the 48-layer decode chain with and without fusions
+#   bash scripts/device_run.sh x2-p2p    # two GPUs: topology, peer access, copies both ways peer to peer and through
+#                                        # host memory (2 KB / 64 KB / 256 MB)
+#   bash scripts/device_run.sh x2-tests  # two GPUs: the daemon's GPU tests with the lanes on cards 0 and 1
+#   bash scripts/device_run.sh x2-paths  # two GPUs: seed modes 1 and 3 at 4K prompts, peer copies P2P vs through host
+#   bash scripts/device_run.sh ncu       # Nsight Compute on the kernels that hold the targets back (decode experts,
+#                                        # decode attention, prompt experts on tensor cores, prompt flash attention):
+#                                        # occupancy, issue rate, the stall reasons ncu's rules name
 #   bash scripts/device_run.sh batch SECONDS STEP...  # the steps in order, each cut off where SECONDS would be
 #                                        # passed, with the a3b model made in the background meanwhile
 set -u
@@ -37,9 +50,10 @@ tests | tests2 | tests3)
     files="tests/test_gpu_experts.py tests/test_gpu_card.py tests/test_gpu_pdl.py"
     [ "$1" = tests2 ] && files="tests/test_gpu_dense.py"
     [ "$1" = tests3 ] && files="tests/test_gpu_daemon.py"
-    for f in $files; do
-        timeout 540 python3 -m pytest -q -m gpu -p no:cacheprovider "$f" > "$OUT/$(basename "$f" .py).log" 2>&1
-        echo "$f: rc=$? $(tail -1 "$OUT/$(basename "$f" .py).log")"
+    for f in ${TESTS:-$files}; do  # TESTS: other files or test ids (a rerun of what failed)
+        log="$OUT/$(basename "${f%%::*}" .py)$([[ $f == *::* ]] && echo "-${f##*::}").log"
+        timeout 540 python3 -m pytest -q -m gpu -p no:cacheprovider "$f" > "$log" 2>&1
+        echo "$f: rc=$? $(tail -1 "$log")"
     done
     ;;
 quick)  # what a short device call can check: the card, PDL, the tensor-core tiles; the all-resident engine bench
@@ -49,9 +63,16 @@ quick)  # what a short device call can check: the card, PDL, the tensor-core til
         timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider "$1" ${2:+"$2"} ${3:+"${3//_or_/ or }"} > "$log" 2>&1
         echo "$t: rc=$? $(tail -1 "$log")"
     done
+    bash "$0" engine1
+    ;;
+engine1)  # the all-resident engine bench
     model "$A3B" --router-skew 1.0
     timeout 150 python3 -m stratad.cli bench --scenario engine --model "$A3B" --fractions 1.0 \
         --contexts 1024,32768,65536 --json "$OUT/engine-resident.json" 2>&1 | grep "^{'" | cut -c1-200
+    ;;
+experts-decode)  # the decode expert kernels: gate/up groups over one block or two
+    timeout 200 python3 scripts/gpu_experts_bench.py --types IQ3_S --cases decode8,tok8x8 \
+        --variants default,split2,split2-gu8w --json "$OUT/experts-decode.json" 2>&1 | grep "^{"
     ;;
 profile)
     model "$A3B" --router-skew 1.0
@@ -87,8 +108,10 @@ experts-prompt)
 seed13 | seed2)
     model "$SEED" --router-skew 0.7 --topics 2
     modes=$([ "$1" = seed13 ] && echo 1,3 || echo 2)
-    timeout 500 python3 -m stratad.cli bench --scenario seed --model "$SEED" --cards 0,0 --cache-fraction 0.475 \
-        --contexts 61440 --tokens 96 --modes "$modes" --json "$OUT/seed-${modes//,/}.json" > "$OUT/seed-${modes//,/}.log" 2>&1
+    cards=${CARDS:-0,0}
+    name="seed-${modes//,/}$([ "$cards" = 0,0 ] || echo "-cards${cards//,/}")"
+    timeout 500 python3 -m stratad.cli bench --scenario seed --model "$SEED" --cards "$cards" --cache-fraction 0.475 \
+        --contexts 61440 --tokens 96 --modes "$modes" --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1
     echo "rc=$?"
     python3 -c "
 import json, sys
@@ -97,7 +120,7 @@ for m, cs in d['modes'].items():
     for c in cs:
         print(m, c['topic'], c['decode_tok_s'], 'ttft', c['ttft_s'], 'some card', c['share_some_card'],
               'next turn ttft', c['next_turn']['ttft_s'], 'cached', c['next_turn']['cached_tokens'])
-" "$OUT/seed-${modes//,/}.json" 2>&1 | tail -6
+" "$OUT/$name.json" 2>&1 | tail -6
     ;;
 seed-card)
     model "$SEED" --router-skew 0.7 --topics 2
@@ -138,6 +161,53 @@ flash2)
         (cd $tree && PYTHONPATH=/tmp/site:$PWD timeout 100 python3 scripts/gpu_prefill_profile.py --model "$A3B" --fractions 1.0 \
             --contexts 1024,32768 --json "$OUT/prefill-$(basename "$(realpath $tree)").json" 2>&1 | tail -3)
     done
+    ;;
+dense)
+    timeout 400 python3 scripts/gpu_dense_bench.py --sections attention,chain --json "$OUT/dense-bench.json" 2>&1 | \
+        grep -E "attention ctx|decode dense path" | cut -c1-160
+    ;;
+x2-p2p)
+    nvidia-smi topo -m
+    timeout 200 python3 scripts/gpu_p2p.py --json "$OUT/p2p.json"
+    ;;
+x2-tests)
+    STRATAD_TEST_CARDS=0,1 timeout 560 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_daemon.py \
+        > "$OUT/x2-tests.log" 2>&1
+    echo "test_gpu_daemon.py on cards 0,1: rc=$? $(tail -1 "$OUT/x2-tests.log")"
+    ;;
+x2-paths)
+    model "$SEED" --router-skew 0.7 --topics 2
+    for copy in auto host; do
+        STRATAD_PEER_COPY=$copy timeout 250 python3 -m stratad.cli bench --scenario seed --model "$SEED" --cards 0,1 \
+            --cache-fraction 0.475 --contexts 4096 --tokens 96 --modes 1,3 --json "$OUT/x2-paths-$copy.json" \
+            > "$OUT/x2-paths-$copy.log" 2>&1
+        python3 -c "
+import json, sys
+d = json.load(open(sys.argv[1]))
+print(sys.argv[2], {m: [(c['decode_tok_s'], c['share_some_card']) for c in cs] for m, cs in d['modes'].items()})
+" "$OUT/x2-paths-$copy.json" "$copy"
+    done
+    ;;
+ncu)
+    command -v ncu > /dev/null || { echo "no ncu here"; exit 0; }
+    prof() {  # name kernel-regex launches-to-skip command...
+        local name=$1 kern=$2 skip=$3
+        shift 3
+        timeout 150 ncu --clock-control none --target-processes all -k "regex:$kern" -s "$skip" -c 1 \
+            --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+            --section SchedulerStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+            --page details --log-file "$OUT/ncu-$name.txt" "$@" > /dev/null 2>&1
+        echo "== $name: rc=$?"
+        grep -E "Duration|Achieved Occupancy|Theoretical Occupancy|Registers Per|Issue Slots Busy|Warp Cycles Per Issued|No Eligible|Memory Throughput|Compute \(SM\) Throughput|spends|stalled|Est\. Speedup" \
+            "$OUT/ncu-$name.txt" | sed 's/  */ /g' | cut -c1-230 | head -24
+    }
+    prof decode-gateup "expert_gateup$" 5 python3 scripts/gpu_experts_bench.py --types IQ3_S --cases decode8 --iters 2 --reps 2
+    prof decode-down "expert_down$" 5 python3 scripts/gpu_experts_bench.py --types IQ3_S --cases decode8 --iters 2 --reps 2
+    prof prompt-gateup-mma "expert_gateup_mma" 3 python3 scripts/gpu_experts_bench.py --prompt --types IQ3_S --iters 2
+    prof decode-attn "attn_split_hd128" 20 python3 scripts/gpu_dense_bench.py --sections attention
+    model "$A3B" --router-skew 1.0
+    prof prompt-flash "attn_flash_prefill_128" 30 python3 scripts/gpu_prefill_profile.py --model "$A3B" --fractions 1.0 \
+        --contexts 8192
     ;;
 old32k)
     model "$A3B" --router-skew 1.0

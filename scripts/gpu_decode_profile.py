@@ -63,12 +63,12 @@ def kernel_times(cp, card, ops, iters: int) -> dict:
     plain = dense.launch
     ms, count = defaultdict(float), defaultdict(int)
 
-    def timed(fn, grid, block, args, shared_mem=0):
+    def timed(fn, grid, block, args, shared_mem=0, pdl=True):
         f = getattr(fn, "kernel", fn)
         name = names.get(id(f), names.get(id(fn), "?"))
-        ms[name] += graph_time_ms(cp, card.stream, lambda: plain(fn, grid, block, args, shared_mem=shared_mem), iters)
+        ms[name] += graph_time_ms(cp, card.stream, lambda: plain(fn, grid, block, args, shared_mem, pdl), iters)
         count[name] += 1
-        plain(fn, grid, block, args, shared_mem=shared_mem)
+        plain(fn, grid, block, args, shared_mem, pdl)
 
     dense.launch = experts.launch = timed
     try:

@@ -172,9 +172,8 @@ def bench_small(D, cp, rng, bw, out):
     out.append(rec("qk_norm_rope_kv T=1", us, 4 * qkv.size + 4 * q_out.size + 2 * 2 * nkv * hd, bw))
     lg = cp.asarray(rng.standard_normal((1, c["n_exp"]), dtype=F32))
     ids, wts = cp.empty((1, c["k"]), cp.int32), cp.empty((1, c["k"]), cp.float32)
-    for kern in ("route_topk", "route_topk_v1"):
-        us, _ = graph_us(cp, [lambda s, kern=kern: D.route(lg, c["k"], ids, wts, kernel=kern, stream=s)] * 8)
-        out.append(rec(f"route 128 -> top 8 ({kern})", us, 4 * 128, bw))
+    us, _ = graph_us(cp, [lambda s: D.route(lg, c["k"], ids, wts, stream=s)] * 8)
+    out.append(rec("route 128 -> top 8", us, 4 * 128, bw))
     V_ = c["vocab"]
     logits = cp.asarray(rng.standard_normal(V_, dtype=F32) * F32(3))
     tok = cp.zeros(1, cp.int32)
@@ -189,6 +188,10 @@ def bench_small(D, cp, rng, bw, out):
         params = cp.asarray(D.sampling_params(0.7, tk, tp, 0.37))
         us, _ = graph_us(cp, [lambda s: smp(logits, params, tok, stream=s)] * 4)
         out.append(rec(f"sample 151936 top_k={tk} top_p={tp}", us, 4 * V_, bw))
+    cdf = D.CdfSampler(V_)
+    params = cp.asarray(D.sampling_params(0.7, 0, 1.0, 0.37))
+    us, _ = graph_us(cp, [lambda s: cdf(logits, params, tok, stream=s)] * 4)
+    out.append(rec("sample 151936 whole vocabulary (cdf)", us, 4 * V_, bw))
     raw = rand_raw(rng, T.Q8_0, 4096, d)
     tab = D.DenseWeight.upload(raw, T.Q8_0, d)
     toks = cp.asarray(np.array([1234], np.int32))
@@ -206,12 +209,17 @@ def bench_attention(D, cp, rng, bw, out, n_layers=48):
         V = cp.random.standard_normal((nkv, hd, mc), dtype=cp.float32).astype(cp.float16)
         caches.append((K, V))
     q = cp.asarray(rng.standard_normal((1, nh, hd), dtype=F32))
+    qkv = cp.asarray(rng.standard_normal((1, (nh + 2 * nkv) * hd), dtype=F32))
+    hw = cp.asarray(rng.uniform(0.5, 1.5, hd).astype(F32))
+    rope = D.RopeTable(mc, hd, 1e6)
     o = cp.empty((1, nh * hd), cp.float32)
-    variants = [("pipe+v2", True, "attn_combine", 64), ("v1+v1", False, "attn_combine_v1", 64),
-                ("v1+v2", False, "attn_combine", 64), ("pipe+v1", True, "attn_combine_v1", 64),
-                ("pipe+v2 cmin256", True, "attn_combine", 256)]
-    for vname, pipe, comb, chunk_min in variants:
-        att = D.DecodeAttention(nh, nkv, hd, mc, chunk_min=chunk_min, pipelined=pipe, combine=comb)
+    variants = [("pipe+v2", True, "attn_combine", 64, None), ("v1+v1", False, "attn_combine_v1", 64, None),
+                ("v1+v2", False, "attn_combine", 64, None), ("pipe+v1", True, "attn_combine_v1", 64, None),
+                ("pipe+v2 cmin256", True, "attn_combine", 256, None),
+                ("pipe+v2 cols32", True, "attn_combine", 64, 32), ("pipe+v2 cols4", True, "attn_combine", 64, 4)]
+    for vname, pipe, comb, chunk_min, cols in variants:
+        att = D.DecodeAttention(nh, nkv, hd, mc, chunk_min=chunk_min, pipelined=pipe, combine=comb,
+                                combine_cols=cols)
         for ctx in (1024, 8192, 32768, 65536, 131072):
             if vname != "pipe+v2" and ctx == 65536:
                 continue
@@ -220,6 +228,10 @@ def bench_attention(D, cp, rng, bw, out, n_layers=48):
             kv_bytes = ctx * nkv * hd * 2 * 2
             out.append(rec(f"attention ctx={ctx} {vname}", us, kv_bytes, bw,
                            nsplit=att.nsplit(1), capacity=att.capacity))
+            if vname == "pipe+v2":  # the decode step's launch with qk_norm_rope_kv's work (coherent K / V loads)
+                us, _ = graph_us(cp, [lambda s, K=K, V=V: att.step(qkv, hw, hw, 1e-6, rope, pos, K, V, o, stream=s)
+                                      for K, V in caches], iters=5)
+                out.append(rec(f"attention ctx={ctx} {vname} step (+q/k norm, RoPE, KV append)", us, kv_bytes, bw))
     del caches
     cp.get_default_memory_pool().free_all_blocks()
 
@@ -254,25 +266,34 @@ def bench_decode_chain(D, cp, rng, bw, out, ctx=1024):
     ids, wts = cp.empty((1, c["k"]), cp.int32), cp.empty((1, c["k"]), cp.float32)
     tok, pos = cp.asarray(np.array([5], np.int32)), cp.asarray(np.array([ctx - 1], np.int32))
 
-    def step(s):
+    def norm_proj(W, y, s, fused):  # y = W rms_norm(x): as the GPU card runs it (fused) or in two launches
+        if fused:
+            D.norm_matvec(W, b["x"][0], nw, 1e-6, y, stream=s)
+        else:
+            D.rms_norm(b["x"], nw, 1e-6, b["h"], stream=s)
+            D.matvec(W, b["h"][0], y, stream=s)
+
+    def step(s, fused):
         D.embed(head, tok, b["x"], stream=s)
         for Wqkv, Wo, Wr, K, V in layers:
-            D.rms_norm(b["x"], nw, 1e-6, b["h"], stream=s)
-            D.matvec(Wqkv, b["h"][0], b["qkv"][0], stream=s)
-            D.qk_norm_rope_kv(b["qkv"], hw, hw, 1e-6, rope, pos, b["q"], K, V, n_head=nh, n_kv=nkv, stream=s)
-            att(b["q"], K, V, pos, b["a"], stream=s)
+            norm_proj(Wqkv, b["qkv"][0], s, fused)
+            if fused:
+                att.step(b["qkv"], hw, hw, 1e-6, rope, pos, K, V, b["a"], stream=s)
+            else:
+                D.qk_norm_rope_kv(b["qkv"], hw, hw, 1e-6, rope, pos, b["q"], K, V, n_head=nh, n_kv=nkv, stream=s)
+                att(b["q"], K, V, pos, b["a"], stream=s)
             D.matvec(Wo, b["a"][0], b["x"][0], residual=b["x"][0], stream=s)
-            D.rms_norm(b["x"], nw, 1e-6, b["h"], stream=s)
-            D.matvec(Wr, b["h"][0], b["lg"][0], stream=s)
+            norm_proj(Wr, b["lg"][0], s, fused)
             D.route(b["lg"], c["k"], ids, wts, stream=s)
         D.rms_norm(b["x"], nw, 1e-6, b["h"], stream=s)
         D.matvec(head, b["h"][0], b["logits"], stream=s)
         am(b["logits"], tok, stream=s)
 
-    us, runs = graph_us(cp, [step], iters=5)
     nbytes = L * (Wqkv0.nbytes + Wo0.nbytes + Wr0.nbytes + ctx * nkv * hd * 4) + head.nbytes
-    out.append(rec(f"decode dense path, 48 layers, ctx={ctx} (no experts)", us, nbytes, bw,
-                   launches=1 + L * 9 + 3))
+    for fused in (True, False):
+        us, runs = graph_us(cp, [lambda s, fused=fused: step(s, fused)], iters=5)
+        out.append(rec(f"decode dense path, 48 layers, ctx={ctx} (no experts){'' if fused else ', unfused'}", us,
+                       nbytes, bw, launches=1 + L * (6 if fused else 9) + 3))
     del layers
     cp.get_default_memory_pool().free_all_blocks()
 

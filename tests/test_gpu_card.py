@@ -40,11 +40,11 @@ def run(card, m: ModelFile, n: int, swap_every: int = 0, loader=None):
     once, or with a SlotLoader as a lane does (dropped at once, copied in the background, landed between tokens)."""
     g = Generation(card, m.tokenizer, m.tokenizer.encode(PROMPT), SamplingParams(max_tokens=n),
                    m.config.context_length, digest=True)
-    forward, calls = card.forward, [0]
+    forward, calls = card._forward, [0]  # every step (forward and forward_token) goes through _forward
     rng = np.random.default_rng(1)
     everything = experts_by_rank(m)
 
-    def swapping(tokens, kv, logits="last"):
+    def swapping(tokens, kv, logits, sample):
         calls[0] += 1
         if loader is not None:
             loader.landed()
@@ -55,11 +55,11 @@ def run(card, m: ModelFile, n: int, swap_every: int = 0, loader=None):
                     card.pool.load(*job)
             elif not loader.busy:
                 loader.begin(calls[0], [j for j in picks if card.pool.table[j[1], j[2]] < 0][: 1 + len(picks) // 4])
-        return forward(tokens, kv, logits)
+        return forward(tokens, kv, logits, sample)
 
-    card.forward = swapping
+    card._forward = swapping
     toks = [t for t, _ in g if t is not None]
-    card.forward = forward
+    card._forward = forward
     return toks, g.digest.hexdigest(), card.counters
 
 
@@ -114,8 +114,48 @@ def test_decode_crossing_the_long_context_graph(model, CupyCard, monkeypatch):
         card.pool.fill(experts_by_rank(model))
         digests.append(run(card, model, 30)[1])
         if graphs:
-            assert {key[-1] for key in card._graphs} == {False, True}  # both graphs replayed
+            assert {key[2] for key in card._graphs} == {False, True}  # both graphs replayed
     assert digests[0] == digests[1]
+
+
+class HostSampled:
+    """The card with its sampler hidden: Generation takes the logits and samples on the host."""
+
+    def __init__(self, card):
+        self.card = card
+
+    def new_kv(self):
+        return self.card.new_kv()
+
+    def forward(self, tokens, kv, logits="last"):
+        return self.card.forward(tokens, kv, logits)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(max_tokens=24),
+                                    SamplingParams(max_tokens=24, temperature=0.8, top_k=40, seed=5),
+                                    SamplingParams(max_tokens=24, temperature=1.5, top_k=256, top_p=0.9, seed=6),
+                                    SamplingParams(max_tokens=24, temperature=0.9, seed=7),
+                                    SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=8),
+                                    SamplingParams(max_tokens=24, temperature=3.0, top_p=0.99, seed=9)],
+                         ids=["greedy", "top-k", "top-k-top-p", "temperature", "top-p", "top-p-wide"])
+def test_tokens_sampled_on_the_card_are_the_hosts(model, CupyCard, params):
+    """Greedy, top-k, plain temperature and top-p requests are sampled on the card (only the token comes back, the
+    logits too with a digest or a top-p nucleus wider than the card's candidates, which the host then samples):
+    the same tokens and logits digest as sampling the same logits on the host (the card's sums could differ only
+    for a draw within float64 rounding of a boundary)."""
+    total = model.config.n_layer * model.config.n_expert
+    card = CupyCard(model, 0, total, 4096)
+    card.pool.fill(experts_by_rank(model))
+    assert card.samples_on_device(params)
+    prompt = model.tokenizer.encode(PROMPT)
+    runs = []
+    for eng in (card, HostSampled(card)):
+        for digest in (True, False):
+            g = Generation(eng, model.tokenizer, prompt, params, model.config.context_length, digest=digest)
+            runs.append(([t for t, _ in g if t is not None], g.digest.hexdigest() if digest else None))
+    assert runs[0] == runs[2] and runs[1][0] == runs[0][0] == runs[3][0]
+    if model.config.vocab_size > 300:  # a top-k wider than the card's candidates: the host
+        assert not card.samples_on_device(SamplingParams(temperature=0.7, top_k=300))
 
 
 def test_short_prompt_stages_only_routed_experts(model, CupyCard):

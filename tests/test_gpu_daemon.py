@@ -1,4 +1,5 @@
-"""GPU lanes through the daemon (device only): two logical cards on one GPU, peers through CUDA IPC.
+"""GPU lanes through the daemon (device only): two logical cards on one GPU (STRATAD_TEST_CARDS=0,1: on two GPUs),
+peers through CUDA IPC.
 
 Greedy generations are bit-identical (logits digests) to a solo GPU card holding every expert, across lead + peer,
 independent lanes, mutual help, a split and a rejoin in the middle of a generation, adaptive swaps while the other
@@ -18,6 +19,7 @@ from stratad.model.generator import make_model
 
 pytestmark = pytest.mark.gpu
 PROMPTS = {"A": list(range(2, 200, 6)), "B": list(range(3, 200, 6))}  # two topics: even and odd ids
+CARDS = os.environ.get("STRATAD_TEST_CARDS", "0,0")  # the lanes' cards ("0,1": a peer on another GPU)
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +61,7 @@ def run(d: Daemon, jobs: list[tuple[str, int]]) -> dict:
 
 
 def test_modes_bit_identical_on_gpu_cards(model, tmp_path, want):
-    pair = start(model, tmp_path, "0,0", "0.3")
+    pair = start(model, tmp_path, CARDS, "0.3")
     try:
         one = run(pair, [("A", 48)])  # lead + peer: the idle card lends its slots through CUDA IPC
         assert one["A"].logits_sha256 == want("A", 48) and one["A"].experts_peer > 0
@@ -67,7 +69,7 @@ def test_modes_bit_identical_on_gpu_cards(model, tmp_path, want):
         assert two["A"].logits_sha256 == want("A", 96) and two["B"].logits_sha256 == want("B", 48)
     finally:
         pair.stop()
-    mutual = start(model, tmp_path, "0,0", "0.3", mutual_help=True)
+    mutual = start(model, tmp_path, CARDS, "0.3", mutual_help=True)
     try:
         two = run(mutual, [("A", 48), ("B", 48)])
         assert all(two[k].logits_sha256 == want(k, 48) and two[k].experts_peer > 0 for k in "AB")
@@ -75,11 +77,14 @@ def test_modes_bit_identical_on_gpu_cards(model, tmp_path, want):
         mutual.stop()
 
 
-def test_peer_computed_on_its_own_gpu(model, tmp_path, want, monkeypatch):
+@pytest.mark.parametrize("copy", ["auto", "host"])
+def test_peer_computed_on_its_own_gpu(model, tmp_path, want, monkeypatch, copy):
     """The path for a peer on another GPU (pool opened on its device, input copied over, rows back, in the
-    captured step), taken here between two logical cards of one GPU: the bits are those of the solo card."""
+    captured step; peer to peer, or through page-locked host memory), taken here between two logical cards of one
+    GPU (STRATAD_TEST_CARDS=0,1: two GPUs): the bits are those of the solo card."""
     monkeypatch.setenv("STRATAD_PEERS_AS_REMOTE", "1")
-    d = start(model, tmp_path, "0,0", "0.3", mutual_help=True)
+    monkeypatch.setenv("STRATAD_PEER_COPY", copy)
+    d = start(model, tmp_path, CARDS, "0.3", mutual_help=True)
     try:
         one = run(d, [("A", 48)])
         assert one["A"].logits_sha256 == want("A", 48) and one["A"].experts_peer > 0
@@ -92,7 +97,7 @@ def test_peer_computed_on_its_own_gpu(model, tmp_path, want, monkeypatch):
 def test_host_experts_read_by_the_card(model, tmp_path, want):
     """host_experts = "card": lead + peer hold 60 % of the experts, the rest are read by the lead's card from the
     page-locked arena; the bits are those of the solo card and no expert is left to the CPU pool."""
-    d = start(model, tmp_path, "0,0", "0.3", host_experts='"card"')
+    d = start(model, tmp_path, CARDS, "0.3", host_experts='"card"')
     try:
         one = run(d, [("A", 48)])["A"]
         assert one.logits_sha256 == want("A", 48)
@@ -102,7 +107,7 @@ def test_host_experts_read_by_the_card(model, tmp_path, want):
 
 
 def test_rejoin_mid_generation_on_gpu_cards(model, tmp_path, want):
-    d = start(model, tmp_path, "0,0", "0.3", rejoin_idle_s=0.3)
+    d = start(model, tmp_path, CARDS, "0.3", rejoin_idle_s=0.3)
     try:
         a, b, seen = split_then_rejoin(d, {"tokens": PROMPTS["A"]}, {"tokens": PROMPTS["B"]}, timeout_s=120)
         assert b.stats.logits_sha256 == want("B", 5)
@@ -114,7 +119,7 @@ def test_rejoin_mid_generation_on_gpu_cards(model, tmp_path, want):
 
 def test_adaptive_swaps_while_other_lane_computes_on_gpu_cards(model, tmp_path, want):
     """Slots are reloaded in the background (copy stream) while both lanes compute from both pools."""
-    d = start(model, tmp_path, "0,0", "0.3", mutual_help=True, replan_interval_s=0.05, replan_min_gain=0.0)
+    d = start(model, tmp_path, CARDS, "0.3", mutual_help=True, replan_interval_s=0.05, replan_min_gain=0.0)
     try:
         before = sum(ln.slots_loaded for ln in d.status().lanes)
         out = run(d, [("A", 150), ("B", 150)])
@@ -126,7 +131,7 @@ def test_adaptive_swaps_while_other_lane_computes_on_gpu_cards(model, tmp_path, 
 
 
 def test_peer_lane_killed_mid_generation_on_gpu_cards(model, tmp_path, want):
-    d = start(model, tmp_path, "0,0", "0.3", rejoin_idle_s=0.2)
+    d = start(model, tmp_path, CARDS, "0.3", rejoin_idle_s=0.2)
     try:
         res = {}
 

@@ -118,7 +118,7 @@ def host_tensors(cp, slots):
 
 
 def run_case(cp, rng, qgu, qdn, d_model, d_ff, n_slots, n_tokens, n_pairs, max_pairs, sort_by_slot=False,
-             tuning=None, check_intermediates=True, tiled=False, host=False):
+             tuning=None, check_intermediates=True, tiled=False, host=False, runs=1):
     from lane.kernels.experts import ExpertKernels
 
     k = ExpertKernels(d_model, d_ff, qgu, qdn, max_pairs, tuning=tuning)
@@ -147,16 +147,19 @@ def run_case(cp, rng, qgu, qdn, d_model, d_ff, n_slots, n_tokens, n_pairs, max_p
     pairs = cp.asarray(pad)
     n_dev = cp.asarray(np.array([n_pairs], np.int32))
     out = cp.full((max_pairs, d_model), np.nan, cp.float32)
-    k.h.fill(np.nan)
-    if tiled:
-        from lane.kernels.experts import max_tiles, tiles_ref
+    for _ in range(runs):  # again from poisoned buffers: nothing a launch leaves behind (counters) may matter
+        out.fill(np.nan)
+        k.h.fill(np.nan)
+        if tiled:
+            from lane.kernels.experts import max_tiles, tiles_ref
 
-        tp = k.tile_p
-        tl, n_t = tiles_ref(pairs_np[:, 1], max_tiles(max_pairs, n_slots, tp), tp)
-        k.run_tiled(where, pairs, cp.asarray(tl), cp.asarray(np.array([n_t], np.int32)), qa, da, out)
-    else:
-        k.run(where, pairs, n_dev, qa, da, out)
+            tp = k.tile_p
+            tl, n_t = tiles_ref(pairs_np[:, 1], max_tiles(max_pairs, n_slots, tp), tp)
+            k.run_tiled(where, pairs, cp.asarray(tl), cp.asarray(np.array([n_t], np.int32)), qa, da, out)
+        else:
+            k.run(where, pairs, n_dev, qa, da, out)
     cp.cuda.get_current_stream().synchronize()
+    assert not k.gcount.any(), "a split group's count was left behind"
 
     h_ref, qh_ref, dh_ref, out_ref = reference(slots, qgu, qdn, pairs_np, qa_ref.reshape(n_tokens, -1, 32), da_ref)
     if check_intermediates:
@@ -179,6 +182,9 @@ VARIANT_TUNINGS = [  # keep in step with scripts/gpu_experts_bench.py VARIANTS
     {"gu_warps": 4, "gu_min_blocks": 4, "iq3_fast": 0},
     {"gu_stages": 2, "dn_stages": 4, "dn_rows": 8},
     {"dn_rows": 2, "dn_min_blocks": 1, "grid_repl": 1},
+    {"gu_split": 2},
+    {"gu_split": 2, "gu_warps": 8, "gu_min_blocks": 4},
+    {"gu_split": 2, "gu_stages": 2, "iq3_fast": 0},
     {"mma_mpw": 1},
     {"mma_mpw": 4},
     {"mma_prefetch": 1},
@@ -189,6 +195,7 @@ VARIANT_TUNINGS = [  # keep in step with scripts/gpu_experts_bench.py VARIANTS
     {"prompt": "simt", "tile_p": 16},
     {"prompt": "simt", "tile_p": 16, "gu_stages": 2, "grid_repl": 1},
     {"prompt": "simt", "tile_p": 4},
+    {"prompt": "simt", "gu_split": 2},
 ]
 
 SHAPES = [
@@ -273,10 +280,43 @@ def test_variants(cp):
 
     rng = np.random.default_rng(11)
     for t in VARIANT_TUNINGS:
-        run_case(cp, rng, T.IQ3_S, T.IQ3_S, 2048, 768, 6, 4, 20, 24, tuning=Tuning(**t))
-        run_case(cp, rng, T.IQ3_S, T.IQ3_S, 2048, 768, 3, 20, 90, 96, tuning=Tuning(**t), tiled=True)
+        run_case(cp, rng, T.IQ3_S, T.IQ3_S, 2048, 768, 6, 4, 20, 24, tuning=Tuning(**t), runs=2)
+        run_case(cp, rng, T.IQ3_S, T.IQ3_S, 2048, 768, 3, 20, 90, 96, tuning=Tuning(**t), tiled=True, runs=2)
+    for qgu, qdn, *shape in SHAPES:  # gate/up groups split over two blocks, every quant type and row length
+        run_case(cp, rng, getattr(T, qgu), getattr(T, qdn), *shape, tuning=Tuning(gu_split=2), runs=2)
     run_case(cp, rng, T.Q8_0, T.Q4_K, 512, 256, 4, 8, 300, 320, tuning=Tuning(gu_warps=32, gu_min_blocks=1,
                                                                                gu_stages=2, dn_rows=1))
+
+
+def test_down_kernel_combines_a_decode_step(cp):
+    """run(combine=) for one token whose k experts are all in one pool: the residual gains exactly combine_rows'
+    sum of the k rows in router order; again from fresh buffers (the counts reset), every quant type."""
+    from lane.kernels.experts import ExpertKernels, Tuning, combine_rows_ref
+
+    rng = np.random.default_rng(21)
+    d_model, d_ff, K, n_slots, P = 2048, 768, 8, 12, 32
+    for qt, dn_rows in ((T.IQ3_S, 4), (T.Q4_K, 2), (T.Q8_0, 8)):
+        k = ExpertKernels(d_model, d_ff, qt, qt, P, tuning=Tuning(dn_rows=dn_rows))
+        slots = make_slots(rng, n_slots, d_model, d_ff, qt, qt)
+        pool = cp.asarray(np.stack([k.pack_slot(*m) for m in slots]))
+        qa, da = cp.empty((1, d_model), cp.int8), cp.empty((1, d_model // 32), cp.float32)
+        k.quantize(cp.asarray(random_x(rng, 1, d_model)), qa, da)
+        for _ in range(2):
+            chosen = rng.choice(n_slots, K, replace=False)  # router order
+            order = np.argsort(chosen)  # the pair list groups by expert, as build_pairs does
+            pad = np.full((P, 2), -1, np.int32)
+            pad[:K] = np.stack([np.zeros(K, np.int32), chosen[order]], 1)
+            rowmap = np.empty(K, np.int32)
+            rowmap[order] = np.arange(K, dtype=np.int32)  # entry j's row
+            w = rng.dirichlet(np.ones(K)).astype(F32)[None]
+            x0 = rng.standard_normal((1, d_model), dtype=F32)
+            out, x = cp.full((P, d_model), np.nan, cp.float32), cp.asarray(x0)
+            k.run(pool.data.ptr, cp.asarray(pad), cp.asarray(np.array([K], np.int32)), qa, da, out,
+                  combine=(cp.asarray(rowmap), cp.asarray(w), x))
+            cp.cuda.get_current_stream().synchronize()
+            rows = out.get()
+            assert_bits(x.get(), combine_rows_ref(x0, w, [rows[r] for r in rowmap]), f"combine in down {qt}")
+            assert not k.dcount.any()
 
 
 def test_combine_bits(cp):
@@ -387,6 +427,14 @@ def test_route_pairs_is_route_then_build_pairs(cp):
         np.testing.assert_array_equal(ids.get(), want_ids.get())
         np.testing.assert_array_equal(w.get().view(np.uint32), want_w.get().view(np.uint32))
         check_pairs(ids.get(), src, slot, pairs.get(), n_pairs.get(), rowmap.get()[:K], miss, n_miss, 64)
+        # every expert on some source and no host list (null pointers, as where no host serves misses)
+        src = np.maximum(src, 0)
+        n_miss[0] = -7
+        k.route_pairs(logits, K, ids, w, cp.asarray(src), cp.asarray(slot), pairs, n_pairs, rowmap, 0, 0, 0)
+        cp.cuda.get_current_stream().synchronize()
+        assert n_miss[0] == -7
+        check_pairs(ids.get(), src, slot, pairs.get(), n_pairs.get(), rowmap.get()[:K], miss, np.zeros(1, np.int32),
+                    64)
 
 
 def test_build_pairs_rowmap_and_combine_rows(cp):
@@ -425,6 +473,14 @@ def test_build_pairs_rowmap_and_combine_rows(cp):
             for a, c in tl:
                 assert len(set(got_pairs[s_, a:a + c, 1].tolist())) == 1
         check_pairs(ids, src, slot, got_pairs, got_n, rm, miss, n_miss, P)
+        no_miss = np.maximum(src, 0)  # every expert on some source, no host list (null pointers)
+        n_miss[0] = -7
+        k.build_pairs(cp.asarray(ids), cp.asarray(no_miss), cp.asarray(slot), pairs, n_pairs, rowmap, 0, 0, 0,
+                      tiles if tiled else None, n_tiles if tiled else None)
+        cp.cuda.get_current_stream().synchronize()
+        assert n_miss[0] == -7
+        check_pairs(ids, no_miss, slot, pairs.get(), n_pairs.get(), rowmap.get()[:T_ * K], miss,
+                    np.zeros(1, np.int32), P)
 
         rows = rng.standard_normal((S * P, d_model), dtype=F32)
         host_rows[:] = rng.standard_normal((P, d_model), dtype=F32)

@@ -37,16 +37,25 @@ __device__ __forceinline__ float bf2f(u32 b) { return __int_as_float(b << 16); }
 __device__ __forceinline__ u32 pack_h2(float lo, float hi) { u32 r; asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo)); return r; }
 __device__ __forceinline__ u32 shf_r_clamp(u32 lo, u32 hi, u32 sh) { u32 r; asm("shf.r.clamp.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(lo), "r"(hi), "r"(sh)); return r; }
 
-// streaming 16-byte load of weights (read once: keep L1 for the activations)
+// streaming 16- and 8-byte loads that leave L1 alone (weights and KV, read once): NC on the non-coherent path (data
+// no kernel writes meanwhile), else on the coherent one (data the kernel itself may have written: the fused decode
+// step's KV append, which the non-coherent path need not see)
+template <bool NC = true>
 __device__ __forceinline__ uint4 ld_stream(const void* p) {
     uint4 r;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    if (NC)
+        asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    else
+        asm volatile("ld.global.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
     return r;
 }
-__device__ __forceinline__ uint2 ld_nc_u2(const void* p) {
+template <bool NC = true>
+__device__ __forceinline__ uint2 ld_stream_u2(const void* p) {
     uint2 r;
-    asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(p));
+    if (NC) asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(p));
+    else asm volatile("ld.global.L1::no_allocate.v2.u32 {%0,%1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(p));
     return r;
 }
 __device__ __forceinline__ void st_shared_v4(u32 addr, uint4 v) {
@@ -98,6 +107,10 @@ __device__ __forceinline__ float load_elem(int qt, const u8* row, int col) {
 #define MV_WARPS 8
 #define Q8_TILE_BYTES 1088
 
+// a mat-vec's activation: global (read-only path) or shared memory (XS: the fused RMSNorm's output, section 2b)
+template <bool XS>
+__device__ __forceinline__ float4 ldx4(const float4* p) { return XS ? *p : __ldg(p); }
+
 template <int R, int KS>
 __device__ __forceinline__ void mv_finish(float (&acc)[R], int rg, int rows, const float* res, float* y) {
     __shared__ float red[MV_WARPS][R];
@@ -130,13 +143,16 @@ __device__ __forceinline__ void mv_finish(float (&acc)[R], int rg, int rows, con
 
 // Q8_0: a warp's items are (its R rows) x (one tile of 32 blocks); P = 8/R items in flight through a cp.async
 // ring in (dynamic) shared memory: 8 warps x 8 row-tiles x 1088 bytes = 69632 bytes per block.
+// RT row-tiles in flight per warp (Q8_RING_TILES; fewer where x shares the block's shared memory, XS). `wait` runs
+// once the first tiles are in flight: it waits for the predecessor (x and res are its output) and may stage x.
 #define Q8_RING_TILES 8
 #define Q8_SMEM_BYTES (MV_WARPS * Q8_RING_TILES * Q8_TILE_BYTES)
-template <int R, int KS, int V>
+template <int R, int KS, int V, int RT, bool XS, class Wait>
 __device__ __forceinline__ void matvec_q8_0_body(const u8* __restrict__ W, int rows, int nb, i64 row_bytes,
-                                                 const float* __restrict__ x, const float* res, float* y) {
-    constexpr int P = Q8_RING_TILES / R;
-    extern __shared__ __align__(16) u8 q8_ring[];
+                                                 const float* x, const float* res, float* y,
+                                                 u8* q8_ring, Wait wait) {
+    constexpr int P = RT / R;
+    static_assert(P >= 1, "a ring tile per row at least");
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
     const int rg = blockIdx.x * (MV_WARPS / KS) + w / KS;
     const int ks = w % KS;
@@ -145,7 +161,7 @@ __device__ __forceinline__ void matvec_q8_0_body(const u8* __restrict__ W, int r
     float acc[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) acc[r] = 0.f;
-    u8* st = q8_ring + w * (Q8_RING_TILES * Q8_TILE_BYTES);
+    u8* st = q8_ring + w * (RT * Q8_TILE_BYTES);
     const u32 st_addr = smem_addr(st);
 
     auto issue = [&](int i) {
@@ -170,7 +186,7 @@ __device__ __forceinline__ void matvec_q8_0_body(const u8* __restrict__ W, int r
     };
 #pragma unroll
     for (int i = 0; i < P - 1; ++i) issue(i);
-    PDL_ENTRY();  // the weights' first tiles are in flight while the predecessor finishes; x and res are its output
+    wait();
     for (int i = 0; i < nitems; ++i) {
         issue(i + P - 1);
         cp_wait<P - 1>();
@@ -186,7 +202,7 @@ __device__ __forceinline__ void matvec_q8_0_body(const u8* __restrict__ W, int r
                 const int b = st4 * 8 + bl;
                 if (b < nbt) {
                     const float4* xp = (const float4*)(x + ((i64)tile * 32 + b) * 32 + 8 * sub);
-                    const float4 x0 = __ldg(xp), x1 = __ldg(xp + 1);
+                    const float4 x0 = ldx4<XS>(xp), x1 = ldx4<XS>(xp + 1);
 #pragma unroll
                     for (int r = 0; r < R; ++r) {
                         const u32 boff = r * Q8_TILE_BYTES + 34 * b;
@@ -214,7 +230,7 @@ __device__ __forceinline__ void matvec_q8_0_body(const u8* __restrict__ W, int r
             const float4* xp = (const float4*)(x + ((i64)tile * 32 + lane) * 32);
             float4 xv[8];
 #pragma unroll
-            for (int j = 0; j < 8; ++j) xv[j] = __ldg(xp + j);
+            for (int j = 0; j < 8; ++j) xv[j] = ldx4<XS>(xp + j);
             const u8* sb = sbv;
 #pragma unroll
             for (int r = 0; r < R; ++r) {
@@ -245,9 +261,9 @@ __device__ __forceinline__ void matvec_q8_0_body(const u8* __restrict__ W, int r
     mv_finish<R, KS>(acc, rg, rows, res, y);
 }
 
-template <int QT, int R, int KS>
+template <int QT, int R, int KS, bool XS = false>
 __device__ __forceinline__ void matvec_float_body(const u8* __restrict__ W, int rows, int nchunk, i64 row_bytes,
-                                                  const float* __restrict__ x, const float* res, float* y) {
+                                                  const float* x, const float* res, float* y) {
     constexpr int U = 8 / R;
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
     const int rg = blockIdx.x * (MV_WARPS / KS) + w / KS;
@@ -273,7 +289,7 @@ __device__ __forceinline__ void matvec_float_body(const u8* __restrict__ W, int 
             const int ch = (it + u * KS) * 32 + lane;
             if (ch < nchunk) {
                 if (QT == QT_F32) {
-                    const float4 xx = __ldg((const float4*)x + ch);
+                    const float4 xx = ldx4<XS>((const float4*)x + ch);
 #pragma unroll
                     for (int r = 0; r < R; ++r) {
                         float a = acc[r];
@@ -284,7 +300,7 @@ __device__ __forceinline__ void matvec_float_body(const u8* __restrict__ W, int 
                         acc[r] = a;
                     }
                 } else {
-                    const float4 x0 = __ldg((const float4*)x + 2 * ch), x1 = __ldg((const float4*)x + 2 * ch + 1);
+                    const float4 x0 = ldx4<XS>((const float4*)x + 2 * ch), x1 = ldx4<XS>((const float4*)x + 2 * ch + 1);
 #pragma unroll
                     for (int r = 0; r < R; ++r) {
                         const uint4 q = v[u][r];
@@ -314,7 +330,10 @@ __device__ __forceinline__ void matvec_float_body(const u8* __restrict__ W, int 
     extern "C" __global__ void __launch_bounds__(256, (QT == QT_Q8_0 ? 3 : 1)) NAME(const u8* __restrict__ W, int rows, int ncu,           \
                                                            i64 row_bytes, const float* __restrict__ x,            \
                                                            const float* res, float* y) {                          \
-        if (QT == QT_Q8_0) matvec_q8_0_body<R, KS, QV>(W, rows, ncu, row_bytes, x, res, y); /* waits inside */  \
+        extern __shared__ __align__(16) u8 mv_smem[];                                                             \
+        if (QT == QT_Q8_0)                                                                                       \
+            matvec_q8_0_body<R, KS, QV, Q8_RING_TILES, false>(W, rows, ncu, row_bytes, x, res, y, mv_smem,          \
+                                                               [] { PDL_ENTRY(); });                              \
         else { PDL_ENTRY(); matvec_float_body<QT, R, KS>(W, rows, ncu, row_bytes, x, res, y); }                  \
     }
 #define MV_PLANS(QN, QT, QV)                                                                                      \
@@ -493,30 +512,13 @@ __device__ __forceinline__ float leaf_sq_sum(const float* a, int L, int j) {
     return r;
 }
 
-// rows of x (ldx apart) -> y (ldy apart). blockDim >= max(256, NL*8), multiple of 32. With `staged`, the row is
-// first copied with w to dynamic shared memory (8n bytes) by coalesced loads, so the summation chains wait on shared
-// memory, not on global latency. With q (n a multiple of 32): each row also quantised for the experts, q (rows, n)
-// int8 and d (rows, n / 32) (the launch the experts' quantisation would otherwise take).
-extern "C" __global__ void __launch_bounds__(1024) rms_norm_rows(const float* x, i64 ldx, const float* __restrict__ w,
-                                                                 float* y, i64 ldy, int n, int L, int NL, float eps,
-                                                                 int staged, signed char* __restrict__ q,
-                                                                 float* __restrict__ d) {
-    PDL_ENTRY();
-    extern __shared__ float xs[];
+// sqrt(mean(x^2) + eps) of the row xr (n values, shared or global memory) in numpy's pairwise order (the plan's NL
+// leaves of L values; L = 0: no plan, a block-strided sum), by the whole block (blockDim >= NL * 8, a multiple of
+// 32). Every thread returns it; every read of xr is done before the first barrier.
+__device__ __forceinline__ float row_rms(const float* xr, int n, int L, int NL, float eps) {
     __shared__ float part[32];
-    __shared__ float s_inv;
-    const float* xg = x + (i64)blockIdx.x * ldx;
-    float* yr = y + (i64)blockIdx.x * ldy;
+    __shared__ float s_rms;
     const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5, nw = blockDim.x >> 5;
-    if (staged) {  // x and w: one round of independent loads
-        for (int i = tid; i < n; i += blockDim.x) {
-            xs[i] = xg[i];
-            xs[n + i] = w[i];
-        }
-        __syncthreads();
-    }
-    const float* xr = staged ? xs : xg;
-    const float* wr = staged ? xs + n : w;
     float sum;
     if (L > 0) {
         const int leaf = tid >> 3;
@@ -553,9 +555,34 @@ extern "C" __global__ void __launch_bounds__(1024) rms_norm_rows(const float* x,
         __syncthreads();
         sum = part[0];
     }
-    if (tid == 0) s_inv = f_sqrt(f_add(f_div(sum, (float)n), eps));
+    if (tid == 0) s_rms = f_sqrt(f_add(f_div(sum, (float)n), eps));
     __syncthreads();
-    const float s = s_inv;
+    return s_rms;
+}
+
+// rows of x (ldx apart) -> y (ldy apart). blockDim >= max(256, NL*8), multiple of 32. With `staged`, the row is
+// first copied with w to dynamic shared memory (8n bytes) by coalesced loads, so the summation chains wait on shared
+// memory, not on global latency. With q (n a multiple of 32): each row also quantised for the experts, q (rows, n)
+// int8 and d (rows, n / 32) (the launch the experts' quantisation would otherwise take).
+extern "C" __global__ void __launch_bounds__(1024) rms_norm_rows(const float* x, i64 ldx, const float* __restrict__ w,
+                                                                 float* y, i64 ldy, int n, int L, int NL, float eps,
+                                                                 int staged, signed char* __restrict__ q,
+                                                                 float* __restrict__ d) {
+    PDL_ENTRY();
+    extern __shared__ float xs[];
+    const float* xg = x + (i64)blockIdx.x * ldx;
+    float* yr = y + (i64)blockIdx.x * ldy;
+    const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5, nw = blockDim.x >> 5;
+    if (staged) {  // x and w: one round of independent loads
+        for (int i = tid; i < n; i += blockDim.x) {
+            xs[i] = xg[i];
+            xs[n + i] = w[i];
+        }
+        __syncthreads();
+    }
+    const float* xr = staged ? xs : xg;
+    const float* wr = staged ? xs + n : w;
+    const float s = row_rms(xr, n, L, NL, eps);
     if (q == nullptr) {
         for (int i = tid; i < n; i += blockDim.x) yr[i] = f_mul(f_div(xr[i], s), wr[i]);
         return;
@@ -568,6 +595,62 @@ extern "C" __global__ void __launch_bounds__(1024) rms_norm_rows(const float* x,
         quant32(v, lane, q + (i64)blockIdx.x * n + i - lane, d + (i64)blockIdx.x * G + g);
     }
 }
+
+// =============================================================================================================
+// 2b. RMSNorm folded into the mat-vec that reads it (a decode step's attention and FFN norms; one launch less
+// each). Every block stages the raw row x (n <= NORM_MV_MAX_N) in shared memory, computes its rms with row_rms and
+// normalises it there with rms_norm_rows' expressions (the same bits), then runs the mat-vec on it. With q, the
+// blocks also write the row's quantisation for the experts (group g by block g % gridDim.x, warp by warp). The
+// Q8_0 kernels keep 6 ring tiles a warp (not 8) so that three blocks still fit an SM beside the 16 KB of x.
+// Launch with Q8_0: NORM_MV_Q8_SMEM bytes of dynamic shared memory, float types: 4 * NORM_MV_MAX_N.
+// =============================================================================================================
+#define NORM_MV_MAX_N 4096
+#define NORM_MV_RING 6
+#define NORM_MV_Q8_SMEM (MV_WARPS * NORM_MV_RING * Q8_TILE_BYTES + 4 * NORM_MV_MAX_N)
+
+__device__ __forceinline__ void norm_stage(const float* __restrict__ x, const float* __restrict__ w, int n, int L,
+                                           int NL, float eps, float* xs, signed char* __restrict__ q,
+                                           float* __restrict__ d) {
+    const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5, nw = blockDim.x >> 5;
+    for (int i = tid; i < n; i += blockDim.x) xs[i] = x[i];
+    __syncthreads();
+    const float s = row_rms(xs, n, L, NL, eps);
+    for (int i = tid; i < n; i += blockDim.x) xs[i] = f_mul(f_div(xs[i], s), w[i]);
+    __syncthreads();
+    if (q != nullptr)
+        for (int g = blockIdx.x + gridDim.x * wid; g < (n >> 5); g += gridDim.x * nw)  // warp-uniform
+            quant32(xs[g * 32 + lane], lane, q + (i64)g * 32, d + g);
+}
+
+#define NORM_MV_INST(NAME, QT, R, KS, QV)                                                                         \
+    extern "C" __global__ void __launch_bounds__(256, (QT == QT_Q8_0 ? 3 : 1)) NAME(                              \
+        const u8* __restrict__ W, int rows, int ncu, i64 row_bytes, const float* __restrict__ x,                 \
+        const float* res, float* y, const float* __restrict__ nw, int n, int L, int NL, float eps,               \
+        signed char* __restrict__ q, float* __restrict__ d) {                                                    \
+        extern __shared__ __align__(16) u8 mv_smem[];                                                             \
+        float* xs = (float*)mv_smem;                                                                              \
+        auto wait = [&] {                                                                                         \
+            PDL_ENTRY();                                                                                          \
+            norm_stage(x, nw, n, L, NL, eps, xs, q, d);                                                           \
+        };                                                                                                        \
+        if (QT == QT_Q8_0)                                                                                       \
+            matvec_q8_0_body<R, KS, QV, NORM_MV_RING, true>(W, rows, ncu, row_bytes, xs, res, y,                 \
+                                                            mv_smem + 4 * NORM_MV_MAX_N, wait);                   \
+        else {                                                                                                    \
+            wait();                                                                                               \
+            matvec_float_body<QT, R, KS, true>(W, rows, ncu, row_bytes, xs, res, y);                              \
+        }                                                                                                         \
+    }
+#define NORM_MV_PLANS(QN, QT, QV)                                                                                 \
+    NORM_MV_INST(norm_matvec_##QN##_r2_k1, QT, 2, 1, QV)                                                          \
+    NORM_MV_INST(norm_matvec_##QN##_r1_k1, QT, 1, 1, QV)                                                          \
+    NORM_MV_INST(norm_matvec_##QN##_r1_k2, QT, 1, 2, QV)                                                          \
+    NORM_MV_INST(norm_matvec_##QN##_r1_k4, QT, 1, 4, QV)                                                          \
+    NORM_MV_INST(norm_matvec_##QN##_r1_k8, QT, 1, 8, QV)
+NORM_MV_PLANS(q8_0, QT_Q8_0, 2)
+NORM_MV_PLANS(f16, QT_F16, 0)
+NORM_MV_PLANS(bf16, QT_BF16, 0)
+NORM_MV_PLANS(f32, QT_F32, 0)
 
 // =============================================================================================================
 // 3. fused per-head q/k RMSNorm + NEOX RoPE + KV append, T tokens at positions pos[0] + t.
@@ -584,6 +667,32 @@ __device__ __forceinline__ float head_sq_sum(const float* a, int n, int lane) {
     const float s0 = leaf_sq_sum(a, n2, lane & 7);
     const float s1 = leaf_sq_sum(a + n2, n - n2, lane & 7);
     return f_add(__shfl_sync(0xffffffffu, s0, 0), __shfl_sync(0xffffffffu, s1, 0));
+}
+
+// One head's RMSNorm (weights wn) and NEOX RoPE (the position's cos / sin rows ct, stb) by a warp: x (hd <= 256
+// values, shared memory) -> emit(i, out[i], out[i + hd / 2]) for each of the lane's pairs i < hd / 2.
+template <class Emit>
+__device__ __forceinline__ void head_norm_rope(const float* x, const float* __restrict__ wn, float eps,
+                                               const float* __restrict__ ct, const float* __restrict__ stb, int hd,
+                                               int lane, Emit emit) {
+    const int half = hd >> 1;
+    float wa[4], wb[4], cv[4], sv[4];  // prefetched before the norm (hd <= 256: <= 4 pairs per lane)
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+        const int i = lane + 32 * m;
+        if (i < half) { wa[m] = wn[i]; wb[m] = wn[i + half]; cv[m] = ct[i]; sv[m] = stb[i]; }
+    }
+    const float sum = head_sq_sum(x, hd, lane);
+    const float s = f_sqrt(f_add(f_div(sum, (float)hd), eps));
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+        const int i = lane + 32 * m;
+        if (i >= half) break;
+        const float a = f_mul(f_div(x[i], s), wa[m]);
+        const float b = f_mul(f_div(x[i + half], s), wb[m]);
+        const float c = cv[m], sn = sv[m];
+        emit(i, f_sub(f_mul(a, c), f_mul(b, sn)), f_add(f_mul(b, c), f_mul(a, sn)));
+    }
 }
 
 extern "C" __global__ void __launch_bounds__(128) qk_norm_rope_kv(
@@ -610,37 +719,19 @@ extern "C" __global__ void __launch_bounds__(128) qk_norm_rope_kv(
         return;
     }
     const bool is_q = hh < n_head;
-    const float* wn = is_q ? qnw : knw;
     const int pc = min(pos, max_ctx - 1);
-    const float* ct = cos_t + (i64)pc * half;
-    const float* stb = sin_t + (i64)pc * half;
-    float wa[4], wb[4], cv[4], sv[4];  // prefetched before the norm (hd <= 256: <= 4 pairs per lane)
-#pragma unroll
-    for (int m = 0; m < 4; ++m) {
-        const int i = lane + 32 * m;
-        if (i < half) { wa[m] = wn[i]; wb[m] = wn[i + half]; cv[m] = ct[i]; sv[m] = stb[i]; }
-    }
-    const float sum = head_sq_sum(x, hd, lane);
-    const float s = f_sqrt(f_add(f_div(sum, (float)hd), eps));
-#pragma unroll
-    for (int m = 0; m < 4; ++m) {
-        const int i = lane + 32 * m;
-        if (i >= half) break;
-        const float a = f_mul(f_div(x[i], s), wa[m]);
-        const float b = f_mul(f_div(x[i + half], s), wb[m]);
-        const float c = cv[m], sn = sv[m];
-        const float oa = f_sub(f_mul(a, c), f_mul(b, sn));
-        const float ob = f_add(f_mul(b, c), f_mul(a, sn));
-        if (is_q) {
-            float* qo = q_out + ((i64)t * n_head + hh) * hd;
-            qo[i] = oa;
-            qo[i + half] = ob;
-        } else if (pos < max_ctx) {
-            u16* ko = kc + ((i64)(hh - n_head) * max_ctx + pos) * hd;
-            ko[i] = f2h(oa);
-            ko[i + half] = f2h(ob);
-        }
-    }
+    head_norm_rope(x, is_q ? qnw : knw, eps, cos_t + (i64)pc * half, sin_t + (i64)pc * half, hd, lane,
+                   [&](int i, float oa, float ob) {
+                       if (is_q) {
+                           float* qo = q_out + ((i64)t * n_head + hh) * hd;
+                           qo[i] = oa;
+                           qo[i + half] = ob;
+                       } else if (pos < max_ctx) {
+                           u16* ko = kc + ((i64)(hh - n_head) * max_ctx + pos) * hd;
+                           ko[i] = f2h(oa);
+                           ko[i + half] = f2h(ob);
+                       }
+                   });
 }
 
 // pos[0] += T (end of a captured decode step)
@@ -699,11 +790,23 @@ __device__ __forceinline__ void attn_split_geom(int len, int nsplit, int chunk_m
 
 __device__ __forceinline__ u32 uget(const uint4& v, int m) { return m == 0 ? v.x : m == 1 ? v.y : m == 2 ? v.z : v.w; }
 
-template <int HD, bool G16, bool PIPE>
-__device__ __forceinline__ void attn_split_body(const float* __restrict__ q, const u16* __restrict__ kc,
-                                                const u16* __restrict__ vc, const int* __restrict__ pos_p, int n_head,
-                                                int n_kv, int max_ctx, int nsplit, int chunk_min, float scale_log2,
-                                                float* __restrict__ part_o, float* __restrict__ part_ml) {
+// A decode step's q/k RMSNorm, RoPE and KV append, folded into the split kernel (FUSE, T = 1): the raw q/k/v row
+// and what qk_norm_rope_kv takes besides.
+struct AttnQkv {
+    const float* qkv;
+    const float* qnw;
+    const float* knw;
+    float eps;
+    const float* cos_t;
+    const float* sin_t;
+};
+
+template <int HD, bool G16, bool PIPE, bool FUSE>
+__device__ __forceinline__ void attn_split_body(const float* __restrict__ q, const u16* kc, const u16* vc,
+                                                const int* __restrict__ pos_p, int n_head, int n_kv, int max_ctx,
+                                                int nsplit, int chunk_min, float scale_log2,
+                                                float* __restrict__ part_o, float* __restrict__ part_ml,
+                                                AttnQkv f) {
     constexpr int NJ = HD / 32;   // 16-byte chunks of a K row per thread
     constexpr int KS = HD / 16;   // k-steps of QK^T
     constexpr int NDT = HD / 8;   // dim tiles of PV
@@ -716,11 +819,53 @@ __device__ __forceinline__ void attn_split_body(const float* __restrict__ q, con
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
     const int g = lane >> 2, tq = lane & 3;
 
+    int len = 0, chunk = 0, nact = 0;
+    const float* qg = FUSE ? nullptr : q + ((i64)t * n_head + (i64)kvh * group) * HD;  // the group's q rows
+    if (FUSE) {  // the position first: blocks past the active splits leave before doing anything
+        const int pos = pos_p[0];
+        len = min(pos + 1, max_ctx);
+        attn_split_geom(len, nsplit, chunk_min, chunk, nact);
+        if (s >= nact) return;
+        float* qs = &sm_o[0][0][0];  // the group's q rows, then (the appending block) the raw k row; sm_o's use comes
+        float* kx = qs + 16 * HD;    // after a barrier
+        const int pc = min(pos, max_ctx - 1);
+        const float* ct = f.cos_t + (i64)pc * (HD / 2);
+        const float* st = f.sin_t + (i64)pc * (HD / 2);
+        for (int j = w; j < group; j += 4) {  // warp-uniform: head kvh * group + j, normalised and rotated in place
+            float* x = qs + j * HD;
+            for (int d = lane; d < HD; d += 32) x[d] = f.qkv[((i64)kvh * group + j) * HD + d];
+            __syncwarp();
+            head_norm_rope(x, f.qnw, f.eps, ct, st, HD, lane, [&](int i, float oa, float ob) {
+                x[i] = oa;
+                x[i + HD / 2] = ob;
+            });
+        }
+        if (s == nact - 1 && pos < max_ctx) {  // its range holds the position: it writes the step's K and V there
+            // (all of this kernel's K / V loads take the coherent path, so this block's own loads see them)
+            u16* kw = const_cast<u16*>(kc);
+            u16* vw = const_cast<u16*>(vc);
+            const float* kv_row = f.qkv + (i64)(n_head + kvh) * HD;  // raw k of this kv head; v follows the k heads
+            if (w == 0) {
+                for (int d = lane; d < HD; d += 32) kx[d] = kv_row[d];
+                __syncwarp();
+                head_norm_rope(kx, f.knw, f.eps, ct, st, HD, lane, [&](int i, float oa, float ob) {
+                    kw[((i64)kvh * max_ctx + pos) * HD + i] = f2h(oa);
+                    kw[((i64)kvh * max_ctx + pos) * HD + i + HD / 2] = f2h(ob);
+                });
+            } else if (w == 1) {
+                for (int d = lane; d < HD; d += 32)
+                    vw[((i64)kvh * HD + d) * max_ctx + pos] = f2h(kv_row[(i64)n_kv * HD + d]);
+            }
+        }
+        __syncthreads();  // q in shared memory; the K / V row written (for this block's own loads)
+        qg = qs;
+    }
+
     // ---- Q fragments (f16, permuted k) ----
     u32 qa[KS][2], qb[KS][2];
     {
-        const float* q0 = q + ((i64)t * n_head + (i64)kvh * group + g) * HD;
-        const float* q8 = q + ((i64)t * n_head + (i64)kvh * group + g + 8) * HD;
+        const float* q0 = qg + g * HD;
+        const float* q8 = qg + (g + 8) * HD;
         const bool v0 = g < group, v8 = G16 && (g + 8 < group);
 #pragma unroll
         for (int ks = 0; ks < KS; ++ks) {
@@ -734,12 +879,13 @@ __device__ __forceinline__ void attn_split_body(const float* __restrict__ q, con
         }
     }
 
-    // the position is read after the q loads were issued (independent latencies overlap)
-    int len = pos_p[0] + t + 1;
-    len = min(len, max_ctx);
-    int chunk, nact;
-    attn_split_geom(len, nsplit, chunk_min, chunk, nact);
-    if (s >= nact) return;
+    if (FUSE) {
+        __syncthreads();  // every warp has its fragments: sm_o is free for the merge
+    } else {  // the position is read after the q loads were issued (independent latencies overlap)
+        len = min(pos_p[0] + t + 1, max_ctx);
+        attn_split_geom(len, nsplit, chunk_min, chunk, nact);
+        if (s >= nact) return;
+    }
     const int start = s * chunk, end = min(len, start + chunk);
     const int ntile = (end - start + 15) >> 4;
 
@@ -759,10 +905,13 @@ __device__ __forceinline__ void attn_split_body(const float* __restrict__ q, con
             const int p = p0 + 4 * (g >> 1) + 2 * si + (g & 1);
             const u16* kr = kbase + (i64)p * HD;
 #pragma unroll
-            for (int j = 0; j < NJ; ++j) k[si][j] = ld_stream(kr + 8 * (tq + 4 * j));
+            for (int j = 0; j < NJ; ++j) k[si][j] = ld_stream<!FUSE>(kr + 8 * (tq + 4 * j));
         }
 #pragma unroll
-        for (int dt = 0; dt < NDT; ++dt) v[dt] = ld_nc_u2(vbase + (i64)(dt * 8 + g) * max_ctx + p0 + 4 * tq);
+        for (int dt = 0; dt < NDT; ++dt) {
+            const u16* vp = vbase + (i64)(dt * 8 + g) * max_ctx + p0 + 4 * tq;
+            v[dt] = ld_stream_u2<!FUSE>(vp);
+        }
     };
     uint4 kv[2][NJ];
     uint2 vv[NDT];
@@ -891,9 +1040,19 @@ __device__ __forceinline__ void attn_split_body(const float* __restrict__ q, con
     extern "C" __global__ void __launch_bounds__(128) NAME(                                                       \
         const float* __restrict__ q, const u16* __restrict__ kc, const u16* __restrict__ vc,                     \
         const int* __restrict__ pos_p, int n_head, int n_kv, int max_ctx, int nsplit, int chunk_min,             \
-        float scale_log2, float* __restrict__ part_o, float* __restrict__ part_ml) { PDL_ENTRY();                             \
-        attn_split_body<HD, G16, PIPE>(q, kc, vc, pos_p, n_head, n_kv, max_ctx, nsplit, chunk_min, scale_log2,    \
-                                       part_o, part_ml);                                                          \
+        float scale_log2, float* __restrict__ part_o, float* __restrict__ part_ml) { PDL_ENTRY();                \
+        attn_split_body<HD, G16, PIPE, false>(q, kc, vc, pos_p, n_head, n_kv, max_ctx, nsplit, chunk_min,         \
+                                              scale_log2, part_o, part_ml, AttnQkv{});                            \
+    }
+// the decode step's variant (T = 1) that also does qk_norm_rope_kv's work: q from the raw qkv row, K / V appended
+#define ATTN_QKV_INST(HD, G16, NAME)                                                                              \
+    extern "C" __global__ void __launch_bounds__(128) NAME(                                                       \
+        const float* __restrict__ qkv, const float* __restrict__ qnw, const float* __restrict__ knw, float eps,  \
+        const float* __restrict__ cos_t, const float* __restrict__ sin_t, u16* kc, u16* vc,                      \
+        const int* __restrict__ pos_p, int n_head, int n_kv, int max_ctx, int nsplit, int chunk_min,             \
+        float scale_log2, float* __restrict__ part_o, float* __restrict__ part_ml) { PDL_ENTRY();                \
+        attn_split_body<HD, G16, true, true>(nullptr, kc, vc, pos_p, n_head, n_kv, max_ctx, nsplit, chunk_min,   \
+                                             scale_log2, part_o, part_ml, AttnQkv{qkv, qnw, knw, eps, cos_t, sin_t}); \
     }
 ATTN_INST(64, false, false, attn_split_hd64_g8)
 ATTN_INST(64, true, false, attn_split_hd64_g16)
@@ -903,14 +1062,21 @@ ATTN_INST(64, false, true, attn_split_hd64_g8_pipe)
 ATTN_INST(64, true, true, attn_split_hd64_g16_pipe)
 ATTN_INST(128, false, true, attn_split_hd128_g8_pipe)
 ATTN_INST(128, true, true, attn_split_hd128_g16_pipe)
+ATTN_QKV_INST(64, false, attn_split_hd64_g8_qkv)
+ATTN_QKV_INST(64, true, attn_split_hd64_g16_qkv)
+ATTN_QKV_INST(128, false, attn_split_hd128_g8_qkv)
+ATTN_QKV_INST(128, true, attn_split_hd128_g16_qkv)
 
-// combine the splits: grid (n_head, T), block = 128 threads; out (T, n_head, hd) f32. Thread = (split group,
-// float4 of the head): 128 / (hd/4) groups stride over the splits, 4 loads in flight each, then summed in order.
+// combine the splits: grid (n_head, T, hd / (4 * cols)), block = 128 threads; out (T, n_head, hd) f32. A block
+// takes `cols` float4 columns of one head (every block of the head weighs the splits the same way); thread = (split
+// group, column): 128 / cols groups stride over the splits, 4 loads in flight each, then summed in group order.
+// More blocks a head (fewer columns each) make the chains over the splits shorter: at 32K a head's 264 splits were
+// 66 loads a thread deep with all 32 columns in one block.
 extern "C" __global__ void __launch_bounds__(128) attn_combine(const float* __restrict__ part_o,
                                                                const float* __restrict__ part_ml,
                                                                const int* __restrict__ pos_p, int n_head, int n_kv,
                                                                int hd, int max_ctx, int nsplit, int chunk_min,
-                                                               float* __restrict__ out) {
+                                                               int cols, float* __restrict__ out) {
     PDL_ENTRY();
     extern __shared__ float wts[];  // nsplit
     __shared__ float red[4];
@@ -943,10 +1109,10 @@ extern "C" __global__ void __launch_bounds__(128) attn_combine(const float* __re
     if (tid == 0) s_L = f_add(f_add(red[0], red[1]), f_add(red[2], red[3]));
     __syncthreads();
     const float inv = f_div(1.f, s_L);
-    const int V4 = hd >> 2, SG = blockDim.x / V4;
+    const int V4 = cols, SG = blockDim.x / V4, c0 = blockIdx.z * cols;
     const int c = tid % V4, sg = tid / V4;
     float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
-    const float* po = part_o + base * hd + 4 * c;
+    const float* po = part_o + base * hd + 4 * (c0 + c);
     const i64 step = (i64)group * hd;
     int s = sg;
     for (; s + 3 * SG < nact; s += 4 * SG) {  // 4 independent loads in flight
@@ -973,7 +1139,7 @@ extern "C" __global__ void __launch_bounds__(128) attn_combine(const float* __re
             const float4 u = accs[k * V4 + tid];
             r.x = f_add(r.x, u.x); r.y = f_add(r.y, u.y); r.z = f_add(r.z, u.z); r.w = f_add(r.w, u.w);
         }
-        *(float4*)(out + ((i64)t * n_head + h) * hd + 4 * tid) = make_float4(f_mul(r.x, inv), f_mul(r.y, inv),
+        *(float4*)(out + ((i64)t * n_head + h) * hd + 4 * (c0 + tid)) = make_float4(f_mul(r.x, inv), f_mul(r.y, inv),
                                                                              f_mul(r.z, inv), f_mul(r.w, inv));
     }
 }
@@ -1039,56 +1205,6 @@ extern "C" __global__ void __launch_bounds__(32) route_topk(const float* __restr
     __shared__ float sel[32];
     const int t = blockIdx.x;
     route_warp(logits + (i64)t * ld, n, k, e, sel, threadIdx.x, ids + (i64)t * k, wts + (i64)t * k);
-}
-
-// first version (shuffle reductions per round)
-extern "C" __global__ void __launch_bounds__(32) route_topk_v1(const float* __restrict__ logits, i64 ld, int n, int k,
-                                                            int* __restrict__ ids, float* __restrict__ wts) {
-    PDL_ENTRY();
-    __shared__ float e[1024];
-    __shared__ float sel[32];
-    const int t = blockIdx.x, lane = threadIdx.x;
-    const float* x = logits + (i64)t * ld;
-    float mx = NEG_INF;
-    for (int i = lane; i < n; i += 32) mx = fmaxf(mx, x[i]);
-    mx = warp_max(mx);
-    for (int i = lane; i < n; i += 32) e[i] = expf(f_sub(x[i], mx));
-    __syncwarp();
-    float S = 0.f;
-    if (lane == 0) S = pw_sum_tree(e, n);
-    S = __shfl_sync(0xffffffffu, S, 0);
-    for (int i = lane; i < n; i += 32) e[i] = f_div(e[i], S);  // p
-    __syncwarp();
-    // top-k by (p desc, index asc); taken items are marked by index in a bit set per lane (n/32 <= 32 each)
-    u32 taken = 0;
-    int myid = 0;
-    for (int j = 0; j < k; ++j) {
-        float bv = NEG_INF;
-        int bi = 0x7fffffff;
-        int c = 0;
-        for (int i = lane; i < n; i += 32, ++c) {
-            if (taken & (1u << c)) continue;
-            const float d = e[i];
-            if (d > bv || (d == bv && i < bi) || bi == 0x7fffffff) { bv = d; bi = i; }
-        }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-            const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-            if (oi != 0x7fffffff && (bi == 0x7fffffff || ov > bv || (ov == bv && oi < bi))) { bv = ov; bi = oi; }
-        }
-        if (bi % 32 == lane) taken |= 1u << (bi / 32);
-        if (lane == j) myid = bi;
-    }
-    if (lane < k) sel[lane] = e[myid];
-    __syncwarp();
-    float ws = 0.f;
-    if (lane == 0) ws = pw_sum_seq(sel, k);
-    ws = __shfl_sync(0xffffffffu, ws, 0);
-    if (lane < k) {
-        ids[(i64)t * k + lane] = myid;
-        wts[(i64)t * k + lane] = f_div(sel[lane], ws);
-    }
 }
 
 // =============================================================================================================
@@ -1191,7 +1307,9 @@ extern "C" __global__ void __launch_bounds__(1024) topk_stage1(const float* __re
 //   K = top_k if 0 < top_k <= 256 else 256 (and <= n); candidates c_0..c_{K-1} = the K largest logits,
 //   ties to the lower index, in that order. temperature <= 0: token = c_0 (np.argmax).
 //   z_j = (double)logit(c_j) / temperature; e_j = exp(z_j - z_0); S_j = e_0 + ... + e_j (float64).
-//   keep = K if top_p >= 1 else 1 + first j with S_j >= top_p * S_{K-1};
+//   keep = K if top_p >= 1 else 1 + first j with S_j >= top_p * T, T = S_{K-1}, or with no top-k (top_k <= 0 or
+//   >= n) the whole vocabulary's sum of exp(logit_i / temperature - z_0) (the host's top-p); token = -1 if the
+//   nucleus is wider than the K candidates (S_{K-1} < top_p * T: the host samples);
 //   token = c_i, i = first j < keep with S_j > u * S_{keep-1} (i = keep-1 if none).
 extern "C" __global__ void __launch_bounds__(1024) topk_sample(const u64* __restrict__ cand, int nb,
                                                                const float* __restrict__ x, int n,
@@ -1200,6 +1318,7 @@ extern "C" __global__ void __launch_bounds__(1024) topk_sample(const u64* __rest
     PDL_ENTRY();
     extern __shared__ u64 a[];  // P lists of 256 sorted keys, P = next pow2 >= nb
     __shared__ double S[SAMPLE_KMAX];
+    __shared__ double red[1024];
     __shared__ int s_keep, s_pick;
     int P = 1;
     while (P < nb) P <<= 1;
@@ -1243,8 +1362,24 @@ extern "C" __global__ void __launch_bounds__(1024) topk_sample(const u64* __rest
         s_pick = -1;
     }
     __syncthreads();
+    double total = S[K - 1];
+    if (topp < 1.0 && (topk <= 0 || topk >= n)) {  // top-p of the whole vocabulary
+        double acc = 0.0;
+        for (int i = tid; i < n; i += blockDim.x) acc += exp((double)x[i] / temp - z0);
+        red[tid] = acc;
+        __syncthreads();
+        for (int o = blockDim.x >> 1; o > 0; o >>= 1) {
+            if (tid < o) red[tid] += red[tid + o];
+            __syncthreads();
+        }
+        total = red[0];
+        if (S[K - 1] < topp * total) {  // block-uniform: the nucleus is wider than the candidates
+            if (tid == 0) out[0] = -1;
+            return;
+        }
+    }
     if (topp < 1.0 && tid < K) {
-        const double thr = topp * S[K - 1];
+        const double thr = topp * total;
         if (S[tid] >= thr && (tid == 0 || S[tid - 1] < thr)) s_keep = tid + 1;
     }
     __syncthreads();
@@ -1253,6 +1388,109 @@ extern "C" __global__ void __launch_bounds__(1024) topk_sample(const u64* __rest
     if (tid < keep && S[tid] > r && (tid == 0 || S[tid - 1] <= r)) s_pick = tid;
     __syncthreads();
     if (tid == 0) out[0] = key_index(a[s_pick >= 0 ? s_pick : keep - 1]);
+}
+
+// Temperature sampling over the whole vocabulary (no top-k or top-p): the first token whose cumulative probability
+// in vocabulary order exceeds u (stratad.engine.sampling.Sampler.pick's inverse CDF), in float64 as the host does it:
+// e_i = exp((x_i - max) / temperature), token = first i with e_0 + ... + e_i > u * total. The sums run in another
+// order than the host's cumulative sum, so the token is the host's but where u falls within float64 rounding of a
+// boundary. cdf_max: grid NB x 256, the maximum of block b's CDF_CHUNK logits. cdf_sample: the same grid, each block's
+// sum; the last block to finish finds the block that holds the draw and scans it. params: [temperature, top_k,
+// top_p, u] as for topk_sample (only temperature and u are read).
+#define CDF_CHUNK 4096
+extern "C" __global__ void __launch_bounds__(256) cdf_max(const float* __restrict__ x, int n, float* __restrict__ pmax) {
+    PDL_ENTRY();
+    __shared__ float red[8];
+    const int tid = threadIdx.x, b0 = blockIdx.x * CDF_CHUNK, b1 = min(n, b0 + CDF_CHUNK);
+    float m = NEG_INF;
+    for (int i = b0 + tid; i < b1; i += 256) m = fmaxf(m, x[i]);
+    m = warp_max(m);
+    if ((tid & 31) == 0) red[tid >> 5] = m;
+    __syncthreads();
+    if (tid == 0) {
+        for (int w = 1; w < 8; ++w) m = fmaxf(m, red[w]);
+        pmax[blockIdx.x] = fmaxf(m, red[0]);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256) cdf_sample(const float* __restrict__ x, int n,
+                                                             const float* __restrict__ pmax,
+                                                             const double* __restrict__ params, double* psum,
+                                                             u32* counter, int* __restrict__ out) {
+    PDL_ENTRY();
+    __shared__ double red[256];
+    __shared__ bool last;
+    __shared__ int s_block, s_pick;
+    __shared__ double s_base;
+    const int tid = threadIdx.x, nb = gridDim.x;
+    float mf = NEG_INF;
+    for (int b = 0; b < nb; ++b) mf = fmaxf(mf, pmax[b]);
+    const double M = (double)mf, temp = params[0];
+    auto e = [&](int i) { return exp(((double)x[i] - M) / temp); };
+    {
+        const int b0 = blockIdx.x * CDF_CHUNK, b1 = min(n, b0 + CDF_CHUNK);
+        double s = 0.0;
+        for (int i = b0 + tid; i < b1; i += 256) s += e(i);
+        red[tid] = s;
+        __syncthreads();
+        for (int o = 128; o > 0; o >>= 1) {
+            if (tid < o) red[tid] += red[tid + o];
+            __syncthreads();
+        }
+        if (tid == 0) {
+            psum[blockIdx.x] = red[0];
+            __threadfence();
+            last = atomicAdd(counter, 1u) == (u32)nb - 1;
+        }
+        __syncthreads();
+        if (!last) return;
+    }
+    __threadfence();
+    if (tid == 0) {  // the block holding the draw, and the sum before it
+        const volatile double* ps = psum;
+        double total = 0.0;
+        for (int b = 0; b < nb; ++b) total += ps[b];
+        const double target = params[3] * total;
+        double before = 0.0;
+        int j = nb - 1;
+        for (int b = 0; b < nb; ++b) {
+            if (before + ps[b] > target) { j = b; break; }
+            before += ps[b];
+        }
+        s_block = j;
+        s_base = before;
+        s_pick = n;  // none found: the last token, as the host's min(searchsorted, n - 1)
+        red[0] = target;
+        *counter = 0;
+    }
+    __syncthreads();
+    const double target = red[0];
+    __syncthreads();
+    // block s_block: thread t's 16 consecutive values, then an exclusive scan of the 256 thread sums
+    const int b0 = s_block * CDF_CHUNK, per = CDF_CHUNK / 256, i0 = b0 + tid * per;
+    double mine = 0.0;
+    for (int k = 0; k < per && i0 + k < n; ++k) mine += e(i0 + k);
+    red[tid] = mine;
+    __syncthreads();
+    if (tid == 0) {
+        double run = s_base;
+        for (int t = 0; t < 256; ++t) {
+            const double v = red[t];
+            red[t] = run;
+            run += v;
+        }
+    }
+    __syncthreads();
+    double c = red[tid];
+    for (int k = 0; k < per && i0 + k < n; ++k) {
+        c += e(i0 + k);
+        if (c > target) {
+            atomicMin(&s_pick, i0 + k);
+            break;
+        }
+    }
+    __syncthreads();
+    if (tid == 0) out[0] = min(s_pick, n - 1);
 }
 
 // =============================================================================================================

@@ -51,7 +51,10 @@ QNAME = {T.F32: "f32", T.F16: "f16", T.BF16: "bf16", T.Q8_0: "q8_0"}
 PLANS = ((4, 1), (2, 1), (1, 1), (1, 2), (1, 4), (1, 8))  # (rows per warp, warps per row group)
 SAMPLE_KMAX = 256       # candidates kept by the sampler (dense.cu SAMPLE_KMAX)
 SAMPLE_CHUNK = 4096     # logits per stage-1 block (dense.cu SAMPLE_CHUNK)
+CDF_CHUNK = 4096        # logits per block of the whole-vocabulary sampler (dense.cu CDF_CHUNK)
 Q8_SMEM_BYTES = 8 * 8 * 1088  # Q8_0 mat-vec cp.async ring (dense.cu Q8_SMEM_BYTES)
+NORM_MV_MAX_N = 4096  # RMSNorm folded into a mat-vec: the row staged in shared memory (dense.cu section 2b)
+NORM_MV_Q8_SMEM = 8 * 6 * 1088 + 4 * NORM_MV_MAX_N  # dense.cu NORM_MV_Q8_SMEM
 BATCHED_METHODS = ("kernel", "f16", "bf16", "tf32", "sgemm")
 # defaults chosen from the H200 measurements (docs/perf-notes.md, "dense kernels"); the alternatives are kept,
 # tested and benchmarked beside them
@@ -59,11 +62,11 @@ DEFAULT_BATCHED_METHOD = "f16"   # dense_batched: cuBLAS fp16 tensor cores on a 
 Q8_VARIANT = "q8_0"              # Q8_0 mat-vec: "q8_0" (4 lanes per block) or "q8_0v1" (a lane per block)
 ATTN_PIPELINED = True            # decode attention: prefetch the next 16-position tile into registers
 ATTN_COMBINE = "attn_combine"    # or "attn_combine_v1" (thread per dim)
+ATTN_COMBINE_COLS = 8            # attn_combine: float4 columns a block (hd / 32 blocks a head at hd 128: 4)
 # Decode steps at this context or longer launch the split kernel without a PDL edge: on the H200 (a3b, all resident)
 # the edge cost 0.83 ms a step at 32K (5.27 -> 4.44 ms; a fixed shared-memory carveout did not help) and saved
 # 0.07 ms at 1K (3.44 -> 3.37); linear in the context between, the two cross near 3.4K.
 ATTN_PDL_MAX_CTX = 4096
-ROUTE_KERNEL = "route_topk"      # or "route_topk_v1" (shuffle reductions)
 
 _lock = threading.Lock()
 _mods: dict[int, "_Module"] = {}
@@ -89,6 +92,8 @@ class _Module:
             f = self.module.get_function(name)
             if name.startswith("matvec_q8_0"):
                 f.max_dynamic_shared_size_bytes = Q8_SMEM_BYTES
+            elif name.startswith("norm_matvec_q8_0"):
+                f.max_dynamic_shared_size_bytes = NORM_MV_Q8_SMEM
             self._fns[name] = f
         return f
 
@@ -263,20 +268,65 @@ def matvec(W: DenseWeight, x, y=None, residual=None, *, plan: tuple[int, int] | 
     with _on(stream):
         if W.fast:
             q8 = W.qtype == T.Q8_0
-            R, KS = plan or W.plan()
-            if (R, KS) not in PLANS:
-                raise ValueError(f"plan {(R, KS)} not in {PLANS}")
-            groups = -(-W.rows // R)
-            grid = -(-groups // (8 // KS))
-            ncu = W.cols // 32 if q8 else W.row_bytes // 16
-            qn = (variant or Q8_VARIANT) if q8 else QNAME[W.qtype]
-            launch(m.fn(f"matvec_{qn}_r{R}_k{KS}"), 
-                (grid,), (256,), (W.data, np.int32(W.rows), np.int32(ncu), np.int64(W.row_bytes), x,
-                                  _ptr(residual), y), shared_mem=Q8_SMEM_BYTES if q8 else 0)
+            _launch_matvec(m, f"matvec_{(variant or Q8_VARIANT) if q8 else QNAME[W.qtype]}", W,
+                           plan or W.plan(), (x, _ptr(residual), y), Q8_SMEM_BYTES if q8 else 0)
         else:
             launch(m.fn("matvec_generic"), (-(-W.rows // 8),), (256,),
                                    (W.data, np.int32(int(W.qtype)), np.int32(W.rows), np.int32(W.cols),
                                     np.int64(W.row_bytes), x, _ptr(residual), y))
+    return y
+
+
+def _launch_matvec(m, kernel: str, W: DenseWeight, plan: tuple[int, int], args: tuple, smem: int) -> None:
+    """A fast mat-vec kernel (`kernel`_r{R}_k{KS}) over W's rows: (W, rows, ncu, row_bytes) + args."""
+    R, KS = plan
+    if (R, KS) not in PLANS:
+        raise ValueError(f"plan {(R, KS)} not in {PLANS}")
+    groups = -(-W.rows // R)  # a warp's R rows, 8 / KS row groups a block
+    grid = -(-groups // (8 // KS))
+    ncu = W.cols // 32 if W.qtype == T.Q8_0 else W.row_bytes // 16
+    launch(m.fn(f"{kernel}_r{R}_k{KS}"), (grid,), (256,),
+           (W.data, np.int32(W.rows), np.int32(ncu), np.int64(W.row_bytes)) + args, shared_mem=smem)
+
+
+def norm_matvec_ok(W: DenseWeight) -> bool:
+    """Whether norm_matvec takes W (else: rms_norm, then matvec)."""
+    plan = pairwise_plan(W.cols)
+    return W.fast and W.cols <= NORM_MV_MAX_N and (plan is None or plan[1] * 8 <= 256)
+
+
+def norm_matvec(W: DenseWeight, x, norm_w, eps: float, y=None, residual=None, *, quant=None,
+                plan: tuple[int, int] | None = None, stream=None):
+    """y = W rms_norm(x, norm_w, eps) (+ residual) in one launch (x float32 (cols,)), with the bits of rms_norm then
+    matvec; quant (q int8 (1, cols), d float32 (1, cols / 32)) also receives rms_norm's quantised row. The
+    normalised row itself is not written. W must pass norm_matvec_ok. Returns y."""
+    m = kernels()
+    cp = m.cp
+    if not norm_matvec_ok(W):
+        raise ValueError(f"norm_matvec takes fast weights of at most {NORM_MV_MAX_N} columns (got {W.cols})")
+    n = W.cols
+    _need(x, np.float32, (n,), "x")
+    _need(norm_w, np.float32, (n,), "norm_w")
+    if y is None:
+        y = cp.empty(W.rows, cp.float32)
+    _need(y, np.float32, (W.rows,), "y")
+    if residual is not None:
+        _need(residual, np.float32, (W.rows,), "residual")
+    qd = (np.uint64(0), np.uint64(0))
+    if quant is not None:
+        if n % 32:
+            raise ValueError("quantised output needs cols to be a multiple of 32")
+        _need(quant[0], np.int8, (1, n), "q")
+        _need(quant[1], np.float32, (1, n // 32), "d")
+        qd = tuple(quant)
+    R, KS = plan or W.plan()
+    R = min(R, 2)  # no four-row variant: the ring is smaller beside the staged row
+    L, NL = pairwise_plan(n) or (0, 0)
+    q8 = W.qtype == T.Q8_0
+    with _on(stream):
+        _launch_matvec(m, f"norm_matvec_{QNAME[W.qtype]}", W, (R, KS),
+                       (x, _ptr(residual), y, norm_w, np.int32(n), np.int32(L), np.int32(NL), np.float32(eps)) + qd,
+                       NORM_MV_Q8_SMEM if q8 else 4 * NORM_MV_MAX_N)
     return y
 
 
@@ -515,7 +565,7 @@ class DecodeAttention:
 
     def __init__(self, n_head: int, n_kv: int, head_dim: int, max_ctx: int, max_T: int = 1, *, chunk_min: int = 64,
                  nsplit: int | None = None, pipelined: bool | None = None, combine: str | None = None,
-                 device=None):
+                 combine_cols: int | None = None, device=None):
         m = self.m = kernels(device)
         cp = m.cp
         if head_dim not in (64, 128):
@@ -526,10 +576,16 @@ class DecodeAttention:
         self.group = n_head // n_kv
         self.max_T, self.chunk_min = int(max_T), int(chunk_min)
         pipelined = ATTN_PIPELINED if pipelined is None else pipelined
-        self.name = f"attn_split_hd{head_dim}_g{8 if self.group <= 8 else 16}" + ("_pipe" if pipelined else "")
+        base = f"attn_split_hd{head_dim}_g{8 if self.group <= 8 else 16}"
+        self.name = base + ("_pipe" if pipelined else "")
+        self.qkv_name = base + "_qkv"  # decode steps: with qk_norm_rope_kv's work (step())
         self.combine = combine or ATTN_COMBINE
+        self.cols = min(head_dim // 4, combine_cols or ATTN_COMBINE_COLS)
+        if 128 % self.cols or (head_dim // 4) % self.cols:
+            raise ValueError(f"combine_cols must divide 128 and head_dim / 4 (got {self.cols})")
         with m.device:
-            self.capacity = m.n_sm * m.blocks_per_sm(self.name, 128)
+            # one split geometry for both kernels (the same registers today), so that step() has attention's bits
+            self.capacity = m.n_sm * min(m.blocks_per_sm(self.name, 128), m.blocks_per_sm(self.qkv_name, 128))
             self._nsplit_fixed = nsplit
             cap = max(self.nsplit(t) * t for t in range(1, self.max_T + 1))
             self.part_o = cp.empty(cap * n_kv * self.group * head_dim, cp.float32)
@@ -541,12 +597,29 @@ class DecodeAttention:
             return int(self._nsplit_fixed)
         return max(1, self.capacity // (self.n_kv * T_))
 
+    def step(self, qkv, q_norm_w, k_norm_w, eps: float, rope: RopeTable, pos, k_cache, v_cache, out, *,
+             pdl: bool = True, stream=None) -> None:
+        """A decode step's qk_norm_rope_kv (T = 1; q_out not written) and attention in one split launch and the
+        combine: qkv float32 (1, (n_head + 2 n_kv) hd); the same bits as the two calls."""
+        m, hd = self.m, self.hd
+        _need(qkv, np.float32, (1, (self.n_head + 2 * self.n_kv) * hd), "qkv")
+        _need(q_norm_w, np.float32, (hd,), "q_norm_w")
+        _need(k_norm_w, np.float32, (hd,), "k_norm_w")
+        if rope.head_dim != hd or rope.max_ctx < self.max_ctx:
+            raise ValueError("the rope table must have this head_dim and cover max_ctx")
+        self._launch(m.fn(self.qkv_name), (qkv, q_norm_w, k_norm_w, np.float32(eps), rope.cos, rope.sin, k_cache,
+                                           v_cache), k_cache, v_cache, pos, out, 1, pdl, stream)
+
     def __call__(self, q, k_cache, v_cache, pos, out, T_: int = 1, *, pdl: bool = True, stream=None) -> None:
         """pdl: the split kernel may start under its predecessor's tail (in a graph; see ATTN_PDL_MAX_CTX)."""
+        _need(q, np.float32, (T_, self.n_head, self.hd), "q")
+        self._launch(self.m.fn(self.name), (q, k_cache, v_cache), k_cache, v_cache, pos, out, T_, pdl, stream)
+
+    def _launch(self, split, first: tuple, k_cache, v_cache, pos, out, T_: int, pdl: bool, stream) -> None:
+        """The split kernel (its own leading arguments `first`) and the combine."""
         m = self.m
         if not 1 <= T_ <= self.max_T:
             raise ValueError(f"T must be in [1, {self.max_T}]")
-        _need(q, np.float32, (T_, self.n_head, self.hd), "q")
         _need(k_cache, np.float16, (self.n_kv, self.max_ctx, self.hd), "k_cache", align=16)
         _need(v_cache, np.float16, (self.n_kv, self.hd, self.max_ctx), "v_cache", align=16)
         _need(pos, np.int32, (1,), "pos")
@@ -555,12 +628,15 @@ class DecodeAttention:
         common = (np.int32(self.n_head), np.int32(self.n_kv), np.int32(self.max_ctx), np.int32(ns),
                   np.int32(self.chunk_min))
         with _on(stream):
-            launch(m.fn(self.name), (ns, self.n_kv, T_), (128,), (q, k_cache, v_cache, pos) + common +
+            launch(split, (ns, self.n_kv, T_), (128,), first + (pos,) + common +
                    (self.scale_log2, self.part_o, self.part_ml), pdl=pdl)
-            launch(m.fn(self.combine), (self.n_head, T_), (128,),
-                                 (self.part_o, self.part_ml, pos, np.int32(self.n_head), np.int32(self.n_kv),
-                                  np.int32(self.hd), np.int32(self.max_ctx), np.int32(ns), np.int32(self.chunk_min),
-                                  out), shared_mem=4 * ns)
+            cargs = (self.part_o, self.part_ml, pos, np.int32(self.n_head), np.int32(self.n_kv), np.int32(self.hd),
+                      np.int32(self.max_ctx), np.int32(ns), np.int32(self.chunk_min))
+            if self.combine == "attn_combine":  # blocks of self.cols float4 columns
+                launch(m.fn(self.combine), (self.n_head, T_, self.hd // 4 // self.cols), (128,),
+                       cargs + (np.int32(self.cols), out), shared_mem=4 * ns)
+            else:
+                launch(m.fn(self.combine), (self.n_head, T_), (128,), cargs + (out,), shared_mem=4 * ns)
 
 
 class PrefillAttention:
@@ -632,7 +708,7 @@ def attention_ref(q: np.ndarray, K: np.ndarray, V: np.ndarray, pos0: int) -> np.
 # =================================================================================================================
 # 5. router
 # =================================================================================================================
-def route(logits, k: int, ids=None, weights=None, *, kernel: str | None = None, stream=None):
+def route(logits, k: int, ids=None, weights=None, *, stream=None):
     """logits float32 (T, n) -> ids int32 (T, k), weights float32 (T, k): softmax, top-k descending (ties to the
     lower index), renormalised. Ranked by the float32 probabilities as numpy ranks them (underflowed zeros tie and
     go by index, as in numpy); ids equal reference.route's unless CUDA's expf and numpy's exp round two nearly
@@ -653,7 +729,7 @@ def route(logits, k: int, ids=None, weights=None, *, kernel: str | None = None, 
     _need(ids, np.int32, (Tn, k), "ids")
     _need(weights, np.float32, (Tn, k), "weights")
     with _on(stream):
-        launch(m.fn(kernel or ROUTE_KERNEL), (Tn,), (32,), (logits, np.int64(n), np.int32(n), np.int32(k), ids, weights))
+        launch(m.fn("route_topk"), (Tn,), (32,), (logits, np.int64(n), np.int32(n), np.int32(k), ids, weights))
     return ids, weights
 
 
@@ -692,6 +768,13 @@ def sampling_params(temperature: float, top_k: int, top_p: float, u: float) -> n
     return np.array([temperature, top_k, top_p, u], np.float64)
 
 
+def _need_sample(n: int, logits, params, out) -> None:
+    """A sampler's arguments: logits float32 (n,), params float64 (4,) (sampling_params), out int32 (1,)."""
+    _need(logits, np.float32, (n,), "logits")
+    _need(params, np.float64, (4,), "params")
+    _need(out, np.int32, (1,), "out")
+
+
 class DeviceSampler:
     """Temperature / top-k / top-p sampling with a given uniform u, two launches; the algorithm is exactly
     sample_ref's (see there). Greedy (temperature <= 0) gives np.argmax's token."""
@@ -713,9 +796,7 @@ class DeviceSampler:
             f.max_dynamic_shared_size_bytes = self.smem
 
     def __call__(self, logits, params, out, *, stream=None) -> None:
-        _need(logits, np.float32, (self.n,), "logits")
-        _need(params, np.float64, (4,), "params")
-        _need(out, np.int32, (1,), "out")
+        _need_sample(self.n, logits, params, out)
         m = self.m
         with _on(stream):
             launch(m.fn("topk_stage1"), (self.nb,), (1024,), (logits, np.int32(self.n), self.cand))
@@ -733,13 +814,39 @@ def candidate_order(x: np.ndarray) -> np.ndarray:
     return np.lexsort((np.arange(b.size), -key))
 
 
+class CdfSampler:
+    """Temperature sampling over the whole vocabulary (no top-k or top-p): the host Sampler's inverse CDF in
+    vocabulary order, in float64 with the sums in another order (the same token but where u falls within float64
+    rounding of a boundary). Two launches; params as for DeviceSampler (temperature > 0 and u are read)."""
+
+    def __init__(self, n: int, *, device=None):
+        m = self.m = kernels(device)
+        cp = m.cp
+        self.n = int(n)
+        self.nb = -(-self.n // CDF_CHUNK)
+        with m.device:
+            self.pmax = cp.empty(self.nb, cp.float32)
+            self.psum = cp.empty(self.nb, cp.float64)
+            self.counter = cp.zeros(1, cp.uint32)
+
+    def __call__(self, logits, params, out, *, stream=None) -> None:
+        _need_sample(self.n, logits, params, out)
+        m = self.m
+        with _on(stream):
+            launch(m.fn("cdf_max"), (self.nb,), (256,), (logits, np.int32(self.n), self.pmax))
+            launch(m.fn("cdf_sample"), (self.nb,), (256,), (logits, np.int32(self.n), self.pmax, params, self.psum,
+                                                            self.counter, out))
+
+
 def sample_ref(logits: np.ndarray, temperature: float, top_k: int, top_p: float, u: float) -> int:
     """The device sampler's algorithm in numpy (float64):
       K = top_k if 0 < top_k <= 256 else 256 (and <= n): the candidates are the K largest logits, ties to the
       lower index, in that order (so top_k = 0 keeps the 256 most likely tokens, not the whole vocabulary).
       temperature <= 0: the first candidate (= np.argmax).
       z_j = logit_j / temperature; e_j = exp(z_j - z_0); S = cumsum(e);
-      keep = K if top_p >= 1 else 1 + first j with S_j >= top_p * S_{K-1};
+      keep = K if top_p >= 1 else 1 + first j with S_j >= top_p * T, T = S_{K-1}, or without a top-k (top_k <= 0
+      or >= n) T = the sum of exp(logit / temperature - z_0) over the whole vocabulary (the host's top-p), and
+      -1 if the nucleus is wider than the K candidates (S_{K-1} < top_p * T: left to the host);
       token = candidate i, i = first j < keep with S_j > u * S_{keep-1} (keep-1 if none).
     Same distribution as stratad.engine.sampling.Sampler on the kept candidates; the device gives the same token
     for the same u except when u falls within float64 rounding (~1e-16) of a boundary."""
@@ -754,7 +861,12 @@ def sample_ref(logits: np.ndarray, temperature: float, top_k: int, top_p: float,
     S = np.cumsum(np.exp(z - z[0]))
     keep = K
     if top_p < 1:
-        keep = int(np.argmax(S >= top_p * S[K - 1])) + 1
+        total = S[K - 1]
+        if top_k <= 0 or top_k >= n:
+            total = np.exp(x.astype(np.float64) / temperature - z[0]).sum()
+            if S[K - 1] < top_p * total:
+                return -1
+        keep = int(np.argmax(S >= top_p * total)) + 1
     r = u * S[keep - 1]
     hit = np.flatnonzero(S[:keep] > r)
     return int(order[hit[0] if hit.size else keep - 1])

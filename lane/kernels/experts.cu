@@ -54,6 +54,9 @@
 #ifndef DN_WPB
 #define DN_WPB 16
 #endif
+#ifndef GU_SPLIT
+#define GU_SPLIT 1
+#endif
 #ifndef GU_STAGES
 #define GU_STAGES 1
 #endif
@@ -432,14 +435,19 @@ __device__ __forceinline__ int tile_slot(const int* __restrict__ pairs, const in
     return __ldg(pairs + 2 * p0 + 1);
 }
 
-// Block item = (tile, 32-row group g of d_ff). Warp w owns rows g*32 + w*GU_R .. + GU_R - 1 (GU_R = 32 / GU_WPB):
-// it stages those gate rows and up rows (two contiguous byte ranges) with cp.async, then for each of its sub-blocks
-// decodes all 2*GU_R rows and accumulates the canonical terms of each token in independent chains, folds them
-// and lane 0 computes the values of h. The group's values meet in shared memory; after one __syncthreads warps
-// quantise them (qh, dh), a token each.
+// Block item = (tile, 32-row group g of d_ff, part c of GU_SPLIT). Warp w owns rows g*32 + c*GU_PART + w*GU_R ..
+// + GU_R - 1 (GU_PART = 32 / GU_SPLIT rows a part, GU_R = GU_PART / GU_WPB): it stages those gate rows and up rows
+// (two contiguous byte ranges) with cp.async, then for each of its sub-blocks decodes all 2*GU_R rows and accumulates
+// the canonical terms of each token in independent chains, folds them and lane 0 computes the values of h. With
+// the group whole in the block (GU_SPLIT = 1) its values meet in shared memory; after one __syncthreads warps
+// quantise them (qh, dh), a token each. Split (GU_SPLIT = 2: a decode step's 8 x 24 groups are 384 items for 132
+// SMs, not 192), the part finishing last quantises the group from h in global memory: the parts count themselves
+// in gcount[tile * NG + g] (the last one resets it), the classic fence-then-atomic hand-over.
 typedef Geom<GU_QT, GU_KIN> GUG;
-constexpr int GU_R = 32 / GU_WPB;
-static_assert(GU_R * GU_WPB == 32, "GU_WPB must divide 32");
+constexpr int GU_PART = 32 / GU_SPLIT;
+constexpr int GU_R = GU_PART / GU_WPB;
+static_assert(GU_SPLIT == 1 || GU_SPLIT == 2, "GU_SPLIT: 1 or 2 parts a 32-row group");
+static_assert(GU_R >= 1 && GU_R * GU_WPB == GU_PART, "GU_WPB must divide 32 / GU_SPLIT");
 constexpr int GU_RANGE = GU_R * GUG::RB;                       // bytes of one warp's rows of one matrix
 constexpr int GU_CHB = (GU_RANGE + 14 + 15) / 16 * 16 + 16;    // staged bytes per matrix (+16: decoder over-read)
 constexpr int GU_TBL = (GU_QT == QT_IQ3_S) ? GRID_TABLE_BYTES : 0;
@@ -456,8 +464,8 @@ static_assert(GU_ROWS % 32 == 0, "d_ff must be a multiple of 32");
 // pool + slot * slot_bytes, its up rows up_off bytes after them (a multiple of 16, so both ranges share one
 // alignment offset): GU_ROWS * RB in a slot; in the arena, the distance between the layer's two GGUF tensors
 __device__ __forceinline__ void gu_stage(u32 sdst, const u8* __restrict__ pool, i64 slot_bytes, i64 up_off, int slot,
-                                         int grp, int warp, int lane) {
-    const u8* g = pool + (i64)slot * slot_bytes + (i64)(grp * 32 + warp * GU_R) * GUG::RB;
+                                         int part, int warp, int lane) {  // part: group * GU_SPLIT + its part
+    const u8* g = pool + (i64)slot * slot_bytes + (i64)(part * GU_PART + warp * GU_R) * GUG::RB;
     stage_row(sdst, g, GU_RANGE, lane);
     stage_row(sdst + GU_CHB, g + up_off, GU_RANGE, lane);
 }
@@ -469,14 +477,14 @@ __device__ __forceinline__ void gateup_body(const u8* __restrict__ pool, i64 slo
                                             int max_tiles, const signed char* __restrict__ qa,
                                             const float* __restrict__ da, const u32* __restrict__ grid_g,
                                             float* __restrict__ hbuf, signed char* __restrict__ qhbuf,
-                                            float* __restrict__ dhbuf) {
-    constexpr int NG = GU_ROWS / 32;
+                                            float* __restrict__ dhbuf, int* __restrict__ gcount) {
+    constexpr int NG = GU_ROWS / 32, NP = NG * GU_SPLIT;  // groups, parts of a tile
     constexpr int SPL = GUG::SPL, NSUB = GUG::NSUB;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const u32 lane4 = 4u * lane;
     const int n_tiles = clamp_pairs(n_tiles_p, max_tiles);
     const int NB = gridDim.x;
-    const int items = n_tiles * NG;
+    const int items = n_tiles * NP;
     const u32 sb = smem_base();
     const u32 wst = GU_TBL + GuSmem<TP>::HS + warp * GU_STAGES * GU_STG;  // this warp's stages (shared offset)
 
@@ -484,7 +492,7 @@ __device__ __forceinline__ void gateup_body(const u8* __restrict__ pool, i64 slo
     for (int k = 0; k < GU_STAGES; ++k) {  // rows in flight before anything else
         const int it = blockIdx.x + k * NB;
         if (it < items) gu_stage(sb + wst + k * GU_STG, pool, slot_bytes, up_off,
-                                 tile_slot<TP>(pairs, tiles, it / NG), it % NG, warp, lane);
+                                 tile_slot<TP>(pairs, tiles, it / NP), it % NP, warp, lane);
         cp_commit();
     }
     if (GU_QT == QT_IQ3_S) fill_grid(grid_g);
@@ -495,11 +503,11 @@ __device__ __forceinline__ void gateup_body(const u8* __restrict__ pool, i64 slo
         const int it = blockIdx.x + k * NB;
         if (it >= items) break;  // block-uniform
         const int st = k % GU_STAGES;
-        const int tile = it / NG, grp = it - tile * NG;
+        const int tile = it / NP, part = it - tile * NP, grp = part / GU_SPLIT;
         int p0, cnt;
         Tile<TP>::get(tiles, tile, p0, cnt);
         const int slot = __ldg(pairs + 2 * p0 + 1);
-        const int row0 = grp * 32 + warp * GU_R;
+        const int row0 = part * GU_PART + warp * GU_R;
 
         Act A[TP == 1 ? SPL : 1];  // one pair: its activation loads overlap the wait for the weights
         if (TP == 1) load_row_act<GU_QT, GU_KIN>(qa, da, __ldg(pairs + 2 * p0), lane, A);
@@ -508,6 +516,7 @@ __device__ __forceinline__ void gateup_body(const u8* __restrict__ pool, i64 slo
 
         const u32 Rg = wst + st * GU_STG +
                        (u32)(((u64)pool + (u64)((i64)slot * slot_bytes + (i64)row0 * GUG::RB)) & 15);
+        const int hrow = row0 - grp * 32;  // this warp's first row within the group
         const u32 Ru = Rg + GU_CHB;
         float ag[TP][GU_R], au[TP][GU_R];
 #pragma unroll
@@ -566,20 +575,38 @@ __device__ __forceinline__ void gateup_body(const u8* __restrict__ pool, i64 slo
 #pragma unroll
                     for (int r = 0; r < GU_R; ++r) {
                         const float hv = f_mul(c_silu(ag[t][r]), au[t][r]);
-                        hs[t * 32 + warp * GU_R + r] = hv;
+                        hs[t * 32 + hrow + r] = hv;
                         hbuf[(i64)(p0 + t) * GU_ROWS + row0 + r] = hv;
                     }
                 }
             }
+            if (GU_SPLIT > 1) __threadfence();  // these values of h device-wide before the part is counted
         }
         __syncwarp();  // every lane is done reading stage st
         {
             const int nx = it + GU_STAGES * NB;
             if (nx < items) gu_stage(sb + wst + st * GU_STG, pool, slot_bytes, up_off,
-                                     tile_slot<TP>(pairs, tiles, nx / NG), nx % NG, warp, lane);
+                                     tile_slot<TP>(pairs, tiles, nx / NP), nx % NP, warp, lane);
             cp_commit();
         }
-        __syncthreads();  // the group's values of h are in hs
+        __syncthreads();  // this part's values of h are in hs (and hbuf)
+        if (GU_SPLIT > 1) {
+            __shared__ int s_last;
+            if (threadIdx.x == 0) {
+                int* c = gcount + (i64)tile * NG + grp;
+                const bool last = atomicAdd(c, 1) == GU_SPLIT - 1;
+                if (last) {
+                    *c = 0;  // every part has counted: ready for the next launch
+                    __threadfence();  // the other parts' values, after their counts
+                }
+                s_last = last;
+            }
+            __syncthreads();
+            if (!s_last) continue;  // block-uniform: the other part quantises the group
+            for (int t = warp; t < cnt; t += GU_WPB)  // the whole group from hbuf (past L1: other SMs wrote it)
+                hs[t * 32 + lane] = __ldcg(hbuf + (i64)(p0 + t) * GU_ROWS + grp * 32 + lane);
+            __syncwarp();
+        }
         for (int t = warp; t < cnt; t += GU_WPB)  // warp-uniform
             quant32(hs[t * 32 + lane], lane, qhbuf + (i64)(p0 + t) * GU_ROWS + grp * 32,
                     dhbuf + (i64)(p0 + t) * NG + grp);
@@ -591,18 +618,21 @@ extern "C" __global__ void __launch_bounds__(GU_WPB * 32, GU_MINB)
 expert_gateup(const u8* __restrict__ pool, i64 slot_bytes, i64 up_off, const int* __restrict__ pairs,
               const int* __restrict__ n_pairs_p, int max_pairs, const signed char* __restrict__ qa,
               const float* __restrict__ da, const u32* __restrict__ grid_g, float* __restrict__ hbuf,
-              signed char* __restrict__ qhbuf, float* __restrict__ dhbuf) {
+              signed char* __restrict__ qhbuf, float* __restrict__ dhbuf, int* __restrict__ gcount) {
     PDL_ENTRY();
-    gateup_body<1>(pool, slot_bytes, up_off, pairs, nullptr, n_pairs_p, max_pairs, qa, da, grid_g, hbuf, qhbuf, dhbuf);
+    gateup_body<1>(pool, slot_bytes, up_off, pairs, nullptr, n_pairs_p, max_pairs, qa, da, grid_g, hbuf, qhbuf, dhbuf,
+                   gcount);
 }
 
 extern "C" __global__ void __launch_bounds__(GU_WPB * 32, 1)
 expert_gateup_tiled(const u8* __restrict__ pool, i64 slot_bytes, i64 up_off, const int* __restrict__ pairs,
                     const int* __restrict__ tiles, const int* __restrict__ n_tiles_p, int max_tiles,
                     const signed char* __restrict__ qa, const float* __restrict__ da, const u32* __restrict__ grid_g,
-                    float* __restrict__ hbuf, signed char* __restrict__ qhbuf, float* __restrict__ dhbuf) {
+                    float* __restrict__ hbuf, signed char* __restrict__ qhbuf, float* __restrict__ dhbuf,
+                    int* __restrict__ gcount) {
     PDL_ENTRY();
-    gateup_body<TILE_P>(pool, slot_bytes, up_off, pairs, tiles, n_tiles_p, max_tiles, qa, da, grid_g, hbuf, qhbuf, dhbuf);
+    gateup_body<TILE_P>(pool, slot_bytes, up_off, pairs, tiles, n_tiles_p, max_tiles, qa, da, grid_g, hbuf, qhbuf, dhbuf,
+                        gcount);
 }
 
 // Warp item = (tile, DN_R consecutive rows of d_model): stage the rows (one contiguous range), DN_R independent
@@ -624,12 +654,23 @@ __device__ __forceinline__ void dn_stage(u32 sdst, const u8* __restrict__ pool, 
     stage_row(sdst, pool + (i64)slot * slot_bytes + (i64)c * DN_RANGE, DN_RANGE, lane);
 }
 
+// A decode step's combine folded into its down kernel (every routed expert of the token on this card: one source):
+// the warp that finishes a chunk of DN_R rows last, of the token's k pairs, adds them to the residual x in router
+// order, as combine_rows does (count[chunk] counts the pairs done; that warp resets it). x null: no combine.
+struct DnCombine {
+    int* count;
+    const int* rowmap;
+    const float* w;
+    float* x;
+    int k;
+};
+
 template <int TP>
 __device__ __forceinline__ void down_body(const u8* __restrict__ pool, i64 slot_bytes, const int* __restrict__ pairs,
                                           const int* __restrict__ tiles, const int* __restrict__ n_tiles_p,
                                           int max_tiles, const signed char* __restrict__ qhbuf,
                                           const float* __restrict__ dhbuf, const u32* __restrict__ grid_g,
-                                          float* __restrict__ out) {
+                                          float* __restrict__ out, DnCombine cmb = DnCombine{}) {
     constexpr int NC = DN_ROWS / DN_R;
     constexpr int SPL = DNG::SPL, NSUB = DNG::NSUB;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -713,6 +754,22 @@ __device__ __forceinline__ void down_body(const u8* __restrict__ pool, i64 slot_
                     for (int r = 0; r < DN_R; ++r) o[r] = acc[t][r];
                 }
             }
+            if (TP == 1 && cmb.x != nullptr) __threadfence();  // these rows device-wide before the pair is counted
+        }
+        if (TP == 1 && cmb.x != nullptr) {
+            int last = 0;
+            if (lane == 0) last = atomicAdd(cmb.count + c, 1) == cmb.k - 1;
+            if (__shfl_sync(FULL_MASK, last, 0)) {  // warp-uniform: the chunk's k rows are all written
+                __threadfence();
+                if (lane < DN_R) {  // combine_rows' sum for row c * DN_R + lane (past L1: other SMs wrote them)
+                    const int r = c * DN_R + lane;
+                    float a = 0.0f;
+                    for (int j = 0; j < cmb.k; ++j)
+                        a = f_add(a, f_mul(cmb.w[j], __ldcg(out + (i64)cmb.rowmap[j] * DN_ROWS + r)));
+                    cmb.x[r] = f_add(cmb.x[r], a);
+                }
+                if (lane == 0) cmb.count[c] = 0;
+            }
         }
         __syncwarp();
         const int nx = it + DN_STAGES * W;
@@ -726,9 +783,11 @@ __device__ __forceinline__ void down_body(const u8* __restrict__ pool, i64 slot_
 extern "C" __global__ void __launch_bounds__(DN_WPB * 32, DN_MINB)
 expert_down(const u8* __restrict__ pool, i64 slot_bytes, const int* __restrict__ pairs,
             const int* __restrict__ n_pairs_p, int max_pairs, const signed char* __restrict__ qhbuf,
-            const float* __restrict__ dhbuf, const u32* __restrict__ grid_g, float* __restrict__ out) {
+            const float* __restrict__ dhbuf, const u32* __restrict__ grid_g, float* __restrict__ out, int* count,
+            const int* __restrict__ rowmap, const float* __restrict__ w, float* x, int k) {
     PDL_ENTRY();
-    down_body<1>(pool, slot_bytes, pairs, nullptr, n_pairs_p, max_pairs, qhbuf, dhbuf, grid_g, out);
+    down_body<1>(pool, slot_bytes, pairs, nullptr, n_pairs_p, max_pairs, qhbuf, dhbuf, grid_g, out,
+                 DnCombine{count, rowmap, w, x, k});
 }
 
 extern "C" __global__ void __launch_bounds__(DN_WPB * 32, 1)
@@ -825,7 +884,7 @@ __device__ __forceinline__ void pairs_warp(int e, int n, int K, const int* __res
         }
     }
     if (i < n_src) n_pairs[i] = mine;
-    if (i == 0) {
+    if (i == 0 && n_miss != nullptr) {  // null where no host serves misses: no system fence
         *n_miss = __popc(missed);
         __threadfence_system();
     }
@@ -926,7 +985,7 @@ extern "C" __global__ void build_pairs(const int* __restrict__ ids, int n, int K
         }
     }
     __syncthreads();
-    if (threadIdx.x == 0) {
+    if (threadIdx.x == 0 && n_miss != nullptr) {
         *n_miss = misses;
         __threadfence_system();
     }

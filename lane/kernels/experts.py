@@ -65,7 +65,10 @@ def exp_defines() -> list[tuple[str, str]]:
 class Tuning:
     """Launch shape of the two expert kernels (defaults measured on the H200; see docs/perf-notes.md)."""
 
-    gu_warps: int = 16          # warps per gate/up block; a block owns a 32-row group, so each warp has 32/gu_warps rows
+    gu_warps: int = 16          # warps per gate/up block; a block owns 32/gu_split rows of a 32-row group, so each warp
+                                # has 32/gu_split/gu_warps rows
+    gu_split: int = 1           # gate/up blocks a 32-row group (2: decode's 8 x 24 groups make 384 items, not 192, for
+                                # 132 SMs; the part finishing last quantises the group)
     gu_min_blocks: int = 2      # gate/up blocks per SM (register cap 65536 / (32 * warps * blocks)); lowered to fit
     gu_stages: int = 1          # block items in flight per warp (cp.async depth)
     dn_warps: int = 16          # warps per down block
@@ -116,8 +119,8 @@ class ExpertKernels:
             raise ValueError("max_pairs must be >= 1")
         self.tuning = tuning or Tuning()
         t = self.tuning
-        if t.gu_warps not in (1, 2, 4, 8, 16, 32):
-            raise ValueError("gu_warps must divide 32")
+        if t.gu_split not in (1, 2) or t.gu_warps not in (1, 2, 4, 8, 16, 32) or t.gu_warps * t.gu_split > 32:
+            raise ValueError("gu_split must be 1 or 2 and gu_warps divide 32 / gu_split")
         if self.d_model % t.dn_rows:
             raise ValueError("dn_rows must divide d_model")
         if t.tile_p not in (4, 8, 16):
@@ -147,6 +150,7 @@ class ExpertKernels:
                 ("GU_QT", int(self.qt_gu)), ("GU_KIN", self.d_model), ("GU_ROWS", self.d_ff),
                 ("DN_QT", int(self.qt_dn)), ("DN_KIN", self.d_ff), ("DN_ROWS", self.d_model),
                 ("GU_WPB", self.gu_warps), ("GU_MINB", self.gu_blocks), ("GU_STAGES", self.gu_stages),
+                ("GU_SPLIT", t.gu_split),
                 ("TILE_P", t.tile_p), ("MMA_MPW", t.mma_mpw), ("MMA_PREFETCH", t.mma_prefetch), ("MMA_UNROLL", t.mma_unroll),
                 ("DN_WPB", self.dn_warps), ("DN_MINB", self.dn_blocks), ("DN_STAGES", self.dn_stages),
                 ("DN_R", t.dn_rows), ("GRID_REPL", t.grid_repl), ("IQ3_FAST", t.iq3_fast),
@@ -179,6 +183,8 @@ class ExpertKernels:
             self.h = cupy.empty((P, F), cupy.float32)
             self.qh = cupy.empty((P, F), cupy.int8)
             self.dh = cupy.empty((P, F // 32), cupy.float32)
+            self.gcount = cupy.zeros((P * (F // 32),), cupy.int32)  # gu_split: parts of a (tile, group) done
+            self.dcount = cupy.zeros((self.d_model // self.tuning.dn_rows,), cupy.int32)  # run(combine=): pairs done
 
     # ---- sizes --------------------------------------------------------------------------------------------------
     @staticmethod
@@ -213,7 +219,7 @@ class ExpertKernels:
             blocks = max(1, min(blocks, smem_sm // (smem + 1024)))
             return stages, blocks, smem
 
-        gu_stg = 2 * _staged(self.qt_gu, self.d_model, 32 // t.gu_warps)
+        gu_stg = 2 * _staged(self.qt_gu, self.d_model, 32 // t.gu_split // t.gu_warps)
         dn_stg = _staged(self.qt_dn, self.d_ff, t.dn_rows)
         self.gu_warps, self.dn_warps = t.gu_warps, t.dn_warps
         self.gu_stages, self.gu_blocks, self.gu_smem = fit(self.qt_gu, 256, gu_stg, t.gu_warps, t.gu_stages,
@@ -311,26 +317,36 @@ class ExpertKernels:
             launch(self._k_gu, (self.gu_grid,), (self.gu_warps * 32,),
                        (np.uint64(lay.base), np.int64(lay.stride), np.int64(lay.up_off), pairs, n_pairs,
                         np.int32(self.max_pairs),
-                        qa, da, self.grid, self.h, self.qh, self.dh),
+                        qa, da, self.grid, self.h, self.qh, self.dh, self.gcount),
                        shared_mem=self.gu_smem)
 
-    def run_down(self, where, pairs, n_pairs, out, stream=None) -> None:
+    def run_down(self, where, pairs, n_pairs, out, combine=None, stream=None) -> None:
         cp = self.cp
         lay = self._where(where)
         self._check_run_args(pairs, n_pairs)
         self._need(out, cp.float32, (self.max_pairs, self.d_model), "out")
+        cmb = (self.dcount, np.uint64(0), np.uint64(0), np.uint64(0), np.int32(0))
+        if combine is not None:  # (rowmap, w (1, k), x (1, d_model)): a decode step's combine, done here
+            rowmap, w, x = combine
+            self._need(rowmap, cp.int32, None, "rowmap")
+            self._need(w, cp.float32, None, "w")
+            self._need(x, cp.float32, (1, self.d_model), "x")
+            if w.shape[0] != 1 or rowmap.size < w.size:
+                raise ValueError("the combine in the down kernel is for one token's k rows")
+            cmb = (self.dcount, rowmap, w, x, np.int32(w.size))
         with self._stream(stream):
             launch(self._k_dn, (self.dn_grid,), (self.dn_warps * 32,),
                        (np.uint64(lay.down), np.int64(lay.down_stride), pairs, n_pairs, np.int32(self.max_pairs),
-                        self.qh, self.dh, self.grid, out),
+                        self.qh, self.dh, self.grid, out) + cmb,
                        shared_mem=self.dn_smem)
 
-    def run(self, where, pairs, n_pairs, qa, da, out, stream=None) -> None:
+    def run(self, where, pairs, n_pairs, qa, da, out, combine=None, stream=None) -> None:
         """out[p] = canonical.expert(expert pairs[p,1] of `where`, qa/da row pairs[p,0]) for p < n_pairs[0] (a
-        device count)."""
+        device count). combine = (rowmap, w, x): also x += the token's k rows of out in router order, as
+        combine_rows does, when every one of its k pairs is here (one token, one source)."""
         lay = self._where(where)
         self.run_gate_up(lay, pairs, n_pairs, qa, da, stream)
-        self.run_down(lay, pairs, n_pairs, out, stream)
+        self.run_down(lay, pairs, n_pairs, out, combine, stream)
 
     def run_tiled(self, where, pairs, tiles, n_tiles, qa, da, out, stream=None) -> None:
         """run() for pairs grouped by expert and cut into tiles (int32 (max_tiles, 2) of (first pair, count <=
@@ -347,6 +363,7 @@ class ExpertKernels:
         self._need(da, cp.float32, None, "da")
         self._need(out, cp.float32, (self.max_pairs, self.d_model), "out")
         common = (pairs, tiles, n_tiles, np.int32(tiles.shape[0]))
+        h = (qa, da, self.grid, self.h, self.qh, self.dh)
         if self.mma:  # one block an SM, (4 / mma_mpw) x 8 warps
             threads = 32 * 8 * (4 // self.tuning.mma_mpw)
             gu = (self._k_gum, self.n_sm, threads, self.mma_gu_smem)
@@ -354,9 +371,10 @@ class ExpertKernels:
         else:
             gu = (self._k_gut, 2 * self.n_sm, self.gu_warps * 32, self.gut_smem)
             dn = (self._k_dnt, 2 * self.n_sm, self.dn_warps * 32, self.dn_smem)
+            h += (self.gcount,)
         with self._stream(stream):
             launch(gu[0], (gu[1],), (gu[2],), (np.uint64(lay.base), np.int64(lay.stride), np.int64(lay.up_off)) +
-                   common + (qa, da, self.grid, self.h, self.qh, self.dh), shared_mem=gu[3])
+                   common + h, shared_mem=gu[3])
             launch(dn[0], (dn[1],), (dn[2],), (np.uint64(lay.down), np.int64(lay.down_stride)) + common +
                    (self.qh, self.dh, self.grid, out), shared_mem=dn[3])
 
@@ -392,20 +410,8 @@ class ExpertKernels:
         See build_pairs_ref for the contract."""
         cp = self.cp
         self._need(ids, cp.int32, None, "ids")
-        n_expert = int(src.shape[0])
-        self._need(src, cp.int32, (n_expert,), "src")
-        self._need(slot, cp.int32, (n_expert,), "slot")
-        S = int(pairs.shape[0])
-        if not 1 <= S <= MAX_SOURCES:
-            raise ValueError(f"1 to {MAX_SOURCES} sources")
-        self._need(pairs, cp.int32, (S, self.max_pairs, 2), "pairs")
-        self._need(n_pairs, cp.int32, (S,), "n_pairs")
         n = int(ids.size)
-        if n > self.max_pairs:
-            raise ValueError(f"{n} routed entries > max_pairs {self.max_pairs}")
-        self._need(rowmap, cp.int32, None, "rowmap")
-        if rowmap.size < n:
-            raise ValueError("rowmap too small")
+        n_expert, S = self._check_lists(n, src, slot, pairs, n_pairs, rowmap)
         tile_p, max_tiles = 0, 0
         if tiles is not None:
             max_tiles = int(tiles.shape[1])
@@ -421,6 +427,24 @@ class ExpertKernels:
                                                     np.int32(max_tiles)),
                                     shared_mem=12 * n_expert)
 
+    def _check_lists(self, n: int, src, slot, pairs, n_pairs, rowmap) -> tuple[int, int]:
+        """The buffers of n routed entries' pair lists (build_pairs' contract): (n_expert, sources)."""
+        cp = self.cp
+        n_expert = int(src.shape[0])
+        self._need(src, cp.int32, (n_expert,), "src")
+        self._need(slot, cp.int32, (n_expert,), "slot")
+        S = int(pairs.shape[0])
+        if not 1 <= S <= MAX_SOURCES:
+            raise ValueError(f"1 to {MAX_SOURCES} sources")
+        self._need(pairs, cp.int32, (S, self.max_pairs, 2), "pairs")
+        self._need(n_pairs, cp.int32, (S,), "n_pairs")
+        if n > self.max_pairs:
+            raise ValueError(f"{n} routed entries > max_pairs {self.max_pairs}")
+        self._need(rowmap, cp.int32, None, "rowmap")
+        if rowmap.size < n:
+            raise ValueError("rowmap too small")
+        return n_expert, S
+
     def route_pairs(self, logits, k: int, ids, wts, src, slot, pairs, n_pairs, rowmap, miss_ptr: int,
                     n_miss_ptr: int, max_miss: int, stream=None) -> None:
         """A decode step's router and pair lists in one launch: logits float32 (1, n_expert) -> ids int32 (1, k)
@@ -432,14 +456,7 @@ class ExpertKernels:
         self._need(logits, cp.float32, (1, n_expert), "logits")
         self._need(ids, cp.int32, (1, k), "ids")
         self._need(wts, cp.float32, (1, k), "wts")
-        self._need(slot, cp.int32, (n_expert,), "slot")
-        S = int(pairs.shape[0])
-        if not 1 <= S <= MAX_SOURCES:
-            raise ValueError(f"1 to {MAX_SOURCES} sources")
-        self._need(pairs, cp.int32, (S, self.max_pairs, 2), "pairs")
-        self._need(n_pairs, cp.int32, (S,), "n_pairs")
-        if rowmap.size < k:
-            raise ValueError("rowmap too small")
+        _, S = self._check_lists(k, src, slot, pairs, n_pairs, rowmap)
         with self._stream(stream):
             launch(self._fn("route_pairs"), (1,), (32,), (logits, np.int32(n_expert), np.int32(k), ids, wts, src, slot,
                                                         np.int32(S), np.int32(self.max_pairs), pairs, n_pairs, rowmap,

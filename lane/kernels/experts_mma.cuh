@@ -132,8 +132,11 @@ template <int QT> __device__ __forceinline__ void mma_frag(u32 R, int s, u32 t, 
     decode_frag<QT>(R, s, t, f.b0, f.b1, sc, mn);
     f.sc0 = __shfl_sync(FULL_MASK, sc, 8 * t);
     f.sc1 = __shfl_sync(FULL_MASK, sc, 8 * t + 4);
-    f.mn0 = __shfl_sync(FULL_MASK, mn, 8 * t);
-    f.mn1 = __shfl_sync(FULL_MASK, mn, 8 * t + 4);
+    f.mn0 = f.mn1 = 0.0f;
+    if (QT == QT_Q4_K) {  // the only type with minimums
+        f.mn0 = __shfl_sync(FULL_MASK, mn, 8 * t);
+        f.mn1 = __shfl_sync(FULL_MASK, mn, 8 * t + 4);
+    }
 }
 
 // The fragments of leaf l's sub-blocks (l, l + 32, ...) that exist
@@ -158,9 +161,10 @@ template <int B> __device__ __forceinline__ void push_leaf(float (&lv)[5][MMA_NE
 
 // One item's canonical sums: v[mt * 4 + e] for this warp's m-tile mt0 + mt, fragment element e (rows g / g + 8 of
 // the m-tile, output columns 2t / 2t + 1 of the warp's n-tile). R: shared offset of this thread's weight row (row g
-// of the n-tile); nmt: the m-tiles the tile's pairs fill.
-template <int QT, int KIN, bool GU>
-__device__ __forceinline__ void mma_sums(u32 sb, u32 R, int mt0, int nmt, int lane, float (&v)[MMA_NE]) {
+// of the n-tile); nmt: the m-tiles the tile's pairs fill. FULL: all of the warp's m-tiles are (the common case: no
+// branch between their ldmatrix / mma / term chains, so the scheduler can interleave them).
+template <int QT, int KIN, bool GU, bool FULL>
+__device__ __forceinline__ void mma_leaves(u32 sb, u32 R, int mt0, int nmt, int lane, float (&v)[MMA_NE]) {
     typedef MmaGeom<QT, KIN, GU> G;
     const u32 g = (u32)lane >> 2, t = (u32)lane & 3u;
     // ldmatrix row addresses: lanes 8q..8q+7 give matrix q's rows (q & 1: rows 8..15; q >> 1: bytes 16..31)
@@ -194,7 +198,7 @@ __device__ __forceinline__ void mma_sums(u32 sb, u32 R, int mt0, int nmt, int la
                 const float sc0 = fr[i].sc0, sc1 = fr[i].sc1, mn0 = fr[i].mn0, mn1 = fr[i].mn1;
 #pragma unroll
                 for (int mt = 0; mt < MMA_MPW; ++mt) {
-                    if (mt0 + mt < nmt) {  // warp-uniform
+                    if (FULL || mt0 + mt < nmt) {  // warp-uniform
                         u32 a[4];
                         ldsm_x4(a_row + (u32)((mt0 + mt) * 16 * G::AST + 32 * s), a);
                         int c[4];
@@ -239,6 +243,17 @@ __device__ __forceinline__ void mma_sums(u32 sb, u32 R, int mt0, int nmt, int la
                 for (int e = 0; e < MMA_NE; ++e) v[e] = leaf[e];
         }
     }
+}
+
+template <int QT, int KIN, bool GU>
+__device__ __forceinline__ void mma_sums(u32 sb, u32 R, int mt0, int nmt, int lane, float (&v)[MMA_NE]) {
+    if (mt0 >= nmt) {  // warp-uniform: no pair in this warp's m-tiles (their outputs are never read), no decoding
+#pragma unroll
+        for (int e = 0; e < MMA_NE; ++e) v[e] = 0.0f;
+        return;
+    }
+    if (mt0 + MMA_MPW <= nmt) mma_leaves<QT, KIN, GU, true>(sb, R, mt0, nmt, lane, v);
+    else mma_leaves<QT, KIN, GU, false>(sb, R, mt0, nmt, lane, v);
 }
 
 // Stage the tile's activation rows (int8 and scales) of pairs p0 .. p0 + 63 (rows past cnt repeat the last one).

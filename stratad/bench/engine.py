@@ -99,12 +99,12 @@ def run(model_path: str, fractions=(1.0, 0.5, 0.25), contexts=(1024,), tokens: i
             # host's cores can read at all (the CPU share's own ceiling)
             cpu_gb_s = on_cpu / max(1, n - 1) * expert_bytes * tps / 1e9
             bus_gb_s = read / max(1, n - 1) * expert_bytes * tps / 1e9
+            prefill_floor = tflops * 1e12 / prompt_flops_per_token(model, ctx)  # tok/s
             results.append({
                 "cache_fraction": frac, "context": ctx, "generated": n,
                 "prefill_tok_s": round(ctx / g.ttft_s, 1), "ttft_s": round(g.ttft_s, 4),
-                "prefill_floor_tok_s": round(tflops * 1e12 / prompt_flops_per_token(model, ctx), 1),
-                "prefill_fraction_of_floor": round(ctx / g.ttft_s * prompt_flops_per_token(model, ctx) /
-                                                   (tflops * 1e12), 4),
+                "prefill_floor_tok_s": round(prefill_floor, 1),
+                "prefill_fraction_of_floor": round(ctx / g.ttft_s / prefill_floor, 4),
                 "decode_tok_s": round(tps, 1), "hit_rate": round(share, 4), "cpu_share": round(on_cpu / used, 4),
                 "host_read_share": round(read / used, 4),
                 "floor_ms_per_token": round(floor_s * 1e3, 4),

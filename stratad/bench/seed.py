@@ -8,6 +8,7 @@ from live counts), then measures.
 """
 from __future__ import annotations
 
+import os
 import tempfile
 import threading
 import time
@@ -109,6 +110,7 @@ def run(model_path: str, cards: str = "cpu,cpu", cache: float = 0.475, prompt_to
     return {
         "scenario": "seed", "model": str(model_path), "cards": cards,
         "host_experts": host_experts if gpus else "cpu",  # CPU cards compute every miss on their own pool
+        "peer_copy": os.environ.get("STRATAD_PEER_COPY", "auto"),  # a peer on another GPU: P2P or via host memory
         "cache_fraction_per_card": cache, "cache_fraction_all_cards": round(min(1.0, cache * n_cards), 3),
         "prompt_tokens": prompt_tokens, "generated_tokens": tokens, "modes": results,
         "decode_tok_s_together": {m: round(sum(c["decode_tok_s"] for c in chats), 2) for m, chats in results.items()},
