@@ -580,7 +580,6 @@ __device__ __forceinline__ void gateup_body(const u8* __restrict__ pool, i64 slo
                     }
                 }
             }
-            if (GU_SPLIT > 1) __threadfence();  // these values of h device-wide before the part is counted
         }
         __syncwarp();  // every lane is done reading stage st
         {
@@ -593,6 +592,7 @@ __device__ __forceinline__ void gateup_body(const u8* __restrict__ pool, i64 slo
         if (GU_SPLIT > 1) {
             __shared__ int s_last;
             if (threadIdx.x == 0) {
+                __threadfence();  // the block's values of h in hbuf, before the count says so
                 int* c = gcount + (i64)tile * NG + grp;
                 const bool last = atomicAdd(c, 1) == GU_SPLIT - 1;
                 if (last) {
