@@ -54,9 +54,6 @@
 #ifndef DN_WPB
 #define DN_WPB 16
 #endif
-#ifndef GU_SPLIT
-#define GU_SPLIT 1
-#endif
 #ifndef GU_STAGES
 #define GU_STAGES 1
 #endif
@@ -435,19 +432,14 @@ __device__ __forceinline__ int tile_slot(const int* __restrict__ pairs, const in
     return __ldg(pairs + 2 * p0 + 1);
 }
 
-// Block item = (tile, 32-row group g of d_ff, part c of GU_SPLIT). Warp w owns rows g*32 + c*GU_PART + w*GU_R ..
-// + GU_R - 1 (GU_PART = 32 / GU_SPLIT rows a part, GU_R = GU_PART / GU_WPB): it stages those gate rows and up rows
-// (two contiguous byte ranges) with cp.async, then for each of its sub-blocks decodes all 2*GU_R rows and accumulates
-// the canonical terms of each token in independent chains, folds them and lane 0 computes the values of h. With
-// the group whole in the block (GU_SPLIT = 1) its values meet in shared memory; after one __syncthreads warps
-// quantise them (qh, dh), a token each. Split (GU_SPLIT = 2: a decode step's 8 x 24 groups are 384 items for 132
-// SMs, not 192), the part finishing last quantises the group from h in global memory: the parts count themselves
-// in gcount[tile * NG + g] (the last one resets it), the classic fence-then-atomic hand-over.
+// Block item = (tile, 32-row group g of d_ff). Warp w owns rows g*32 + w*GU_R .. + GU_R - 1 (GU_R = 32 / GU_WPB):
+// it stages those gate rows and up rows (two contiguous byte ranges) with cp.async, then for each of its sub-blocks
+// decodes all 2*GU_R rows and accumulates the canonical terms of each token in independent chains, folds them
+// and lane 0 computes the values of h. The group's values meet in shared memory; after one __syncthreads warps
+// quantise them (qh, dh), a token each.
 typedef Geom<GU_QT, GU_KIN> GUG;
-constexpr int GU_PART = 32 / GU_SPLIT;
-constexpr int GU_R = GU_PART / GU_WPB;
-static_assert(GU_SPLIT == 1 || GU_SPLIT == 2, "GU_SPLIT: 1 or 2 parts a 32-row group");
-static_assert(GU_R >= 1 && GU_R * GU_WPB == GU_PART, "GU_WPB must divide 32 / GU_SPLIT");
+constexpr int GU_R = 32 / GU_WPB;
+static_assert(GU_R * GU_WPB == 32, "GU_WPB must divide 32");
 constexpr int GU_RANGE = GU_R * GUG::RB;                       // bytes of one warp's rows of one matrix
 constexpr int GU_CHB = (GU_RANGE + 14 + 15) / 16 * 16 + 16;    // staged bytes per matrix (+16: decoder over-read)
 constexpr int GU_TBL = (GU_QT == QT_IQ3_S) ? GRID_TABLE_BYTES : 0;
@@ -464,8 +456,8 @@ static_assert(GU_ROWS % 32 == 0, "d_ff must be a multiple of 32");
 // pool + slot * slot_bytes, its up rows up_off bytes after them (a multiple of 16, so both ranges share one
 // alignment offset): GU_ROWS * RB in a slot; in the arena, the distance between the layer's two GGUF tensors
 __device__ __forceinline__ void gu_stage(u32 sdst, const u8* __restrict__ pool, i64 slot_bytes, i64 up_off, int slot,
-                                         int part, int warp, int lane) {  // part: group * GU_SPLIT + its part
-    const u8* g = pool + (i64)slot * slot_bytes + (i64)(part * GU_PART + warp * GU_R) * GUG::RB;
+                                         int grp, int warp, int lane) {
+    const u8* g = pool + (i64)slot * slot_bytes + (i64)(grp * 32 + warp * GU_R) * GUG::RB;
     stage_row(sdst, g, GU_RANGE, lane);
     stage_row(sdst + GU_CHB, g + up_off, GU_RANGE, lane);
 }
@@ -477,14 +469,14 @@ __device__ __forceinline__ void gateup_body(const u8* __restrict__ pool, i64 slo
                                             int max_tiles, const signed char* __restrict__ qa,
                                             const float* __restrict__ da, const u32* __restrict__ grid_g,
                                             float* __restrict__ hbuf, signed char* __restrict__ qhbuf,
-                                            float* __restrict__ dhbuf, int* __restrict__ gcount) {
-    constexpr int NG = GU_ROWS / 32, NP = NG * GU_SPLIT;  // groups, parts of a tile
+                                            float* __restrict__ dhbuf) {
+    constexpr int NG = GU_ROWS / 32;
     constexpr int SPL = GUG::SPL, NSUB = GUG::NSUB;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const u32 lane4 = 4u * lane;
     const int n_tiles = clamp_pairs(n_tiles_p, max_tiles);
     const int NB = gridDim.x;
-    const int items = n_tiles * NP;
+    const int items = n_tiles * NG;
     const u32 sb = smem_base();
     const u32 wst = GU_TBL + GuSmem<TP>::HS + warp * GU_STAGES * GU_STG;  // this warp's stages (shared offset)
 
@@ -492,7 +484,7 @@ __device__ __forceinline__ void gateup_body(const u8* __restrict__ pool, i64 slo
     for (int k = 0; k < GU_STAGES; ++k) {  // rows in flight before anything else
         const int it = blockIdx.x + k * NB;
         if (it < items) gu_stage(sb + wst + k * GU_STG, pool, slot_bytes, up_off,
-                                 tile_slot<TP>(pairs, tiles, it / NP), it % NP, warp, lane);
+                                 tile_slot<TP>(pairs, tiles, it / NG), it % NG, warp, lane);
         cp_commit();
     }
     if (GU_QT == QT_IQ3_S) fill_grid(grid_g);
@@ -503,11 +495,11 @@ __device__ __forceinline__ void gateup_body(const u8* __restrict__ pool, i64 slo
         const int it = blockIdx.x + k * NB;
         if (it >= items) break;  // block-uniform
         const int st = k % GU_STAGES;
-        const int tile = it / NP, part = it - tile * NP, grp = part / GU_SPLIT;
+        const int tile = it / NG, grp = it - tile * NG;
         int p0, cnt;
         Tile<TP>::get(tiles, tile, p0, cnt);
         const int slot = __ldg(pairs + 2 * p0 + 1);
-        const int row0 = part * GU_PART + warp * GU_R;
+        const int row0 = grp * 32 + warp * GU_R;
 
         Act A[TP == 1 ? SPL : 1];  // one pair: its activation loads overlap the wait for the weights
         if (TP == 1) load_row_act<GU_QT, GU_KIN>(qa, da, __ldg(pairs + 2 * p0), lane, A);
@@ -516,7 +508,6 @@ __device__ __forceinline__ void gateup_body(const u8* __restrict__ pool, i64 slo
 
         const u32 Rg = wst + st * GU_STG +
                        (u32)(((u64)pool + (u64)((i64)slot * slot_bytes + (i64)row0 * GUG::RB)) & 15);
-        const int hrow = row0 - grp * 32;  // this warp's first row within the group
         const u32 Ru = Rg + GU_CHB;
         float ag[TP][GU_R], au[TP][GU_R];
 #pragma unroll
@@ -575,7 +566,7 @@ __device__ __forceinline__ void gateup_body(const u8* __restrict__ pool, i64 slo
 #pragma unroll
                     for (int r = 0; r < GU_R; ++r) {
                         const float hv = f_mul(c_silu(ag[t][r]), au[t][r]);
-                        hs[t * 32 + hrow + r] = hv;
+                        hs[t * 32 + warp * GU_R + r] = hv;
                         hbuf[(i64)(p0 + t) * GU_ROWS + row0 + r] = hv;
                     }
                 }
@@ -585,28 +576,10 @@ __device__ __forceinline__ void gateup_body(const u8* __restrict__ pool, i64 slo
         {
             const int nx = it + GU_STAGES * NB;
             if (nx < items) gu_stage(sb + wst + st * GU_STG, pool, slot_bytes, up_off,
-                                     tile_slot<TP>(pairs, tiles, nx / NP), nx % NP, warp, lane);
+                                     tile_slot<TP>(pairs, tiles, nx / NG), nx % NG, warp, lane);
             cp_commit();
         }
-        __syncthreads();  // this part's values of h are in hs (and hbuf)
-        if (GU_SPLIT > 1) {
-            __shared__ int s_last;
-            if (threadIdx.x == 0) {
-                __threadfence();  // the block's values of h in hbuf, before the count says so
-                int* c = gcount + (i64)tile * NG + grp;
-                const bool last = atomicAdd(c, 1) == GU_SPLIT - 1;
-                if (last) {
-                    *c = 0;  // every part has counted: ready for the next launch
-                    __threadfence();  // the other parts' values, after their counts
-                }
-                s_last = last;
-            }
-            __syncthreads();
-            if (!s_last) continue;  // block-uniform: the other part quantises the group
-            for (int t = warp; t < cnt; t += GU_WPB)  // the whole group from hbuf (past L1: other SMs wrote it)
-                hs[t * 32 + lane] = __ldcg(hbuf + (i64)(p0 + t) * GU_ROWS + grp * 32 + lane);
-            __syncwarp();
-        }
+        __syncthreads();  // the group's values of h are in hs
         for (int t = warp; t < cnt; t += GU_WPB)  // warp-uniform
             quant32(hs[t * 32 + lane], lane, qhbuf + (i64)(p0 + t) * GU_ROWS + grp * 32,
                     dhbuf + (i64)(p0 + t) * NG + grp);
@@ -618,21 +591,18 @@ extern "C" __global__ void __launch_bounds__(GU_WPB * 32, GU_MINB)
 expert_gateup(const u8* __restrict__ pool, i64 slot_bytes, i64 up_off, const int* __restrict__ pairs,
               const int* __restrict__ n_pairs_p, int max_pairs, const signed char* __restrict__ qa,
               const float* __restrict__ da, const u32* __restrict__ grid_g, float* __restrict__ hbuf,
-              signed char* __restrict__ qhbuf, float* __restrict__ dhbuf, int* __restrict__ gcount) {
+              signed char* __restrict__ qhbuf, float* __restrict__ dhbuf) {
     PDL_ENTRY();
-    gateup_body<1>(pool, slot_bytes, up_off, pairs, nullptr, n_pairs_p, max_pairs, qa, da, grid_g, hbuf, qhbuf, dhbuf,
-                   gcount);
+    gateup_body<1>(pool, slot_bytes, up_off, pairs, nullptr, n_pairs_p, max_pairs, qa, da, grid_g, hbuf, qhbuf, dhbuf);
 }
 
 extern "C" __global__ void __launch_bounds__(GU_WPB * 32, 1)
 expert_gateup_tiled(const u8* __restrict__ pool, i64 slot_bytes, i64 up_off, const int* __restrict__ pairs,
                     const int* __restrict__ tiles, const int* __restrict__ n_tiles_p, int max_tiles,
                     const signed char* __restrict__ qa, const float* __restrict__ da, const u32* __restrict__ grid_g,
-                    float* __restrict__ hbuf, signed char* __restrict__ qhbuf, float* __restrict__ dhbuf,
-                    int* __restrict__ gcount) {
+                    float* __restrict__ hbuf, signed char* __restrict__ qhbuf, float* __restrict__ dhbuf) {
     PDL_ENTRY();
-    gateup_body<TILE_P>(pool, slot_bytes, up_off, pairs, tiles, n_tiles_p, max_tiles, qa, da, grid_g, hbuf, qhbuf, dhbuf,
-                        gcount);
+    gateup_body<TILE_P>(pool, slot_bytes, up_off, pairs, tiles, n_tiles_p, max_tiles, qa, da, grid_g, hbuf, qhbuf, dhbuf);
 }
 
 // Warp item = (tile, DN_R consecutive rows of d_model): stage the rows (one contiguous range), DN_R independent

@@ -65,10 +65,7 @@ def exp_defines() -> list[tuple[str, str]]:
 class Tuning:
     """Launch shape of the two expert kernels (defaults measured on the H200; see docs/perf-notes.md)."""
 
-    gu_warps: int = 16          # warps per gate/up block; a block owns 32/gu_split rows of a 32-row group, so each warp
-                                # has 32/gu_split/gu_warps rows
-    gu_split: int = 1           # gate/up blocks a 32-row group (2: decode's 8 x 24 groups make 384 items, not 192, for
-                                # 132 SMs; the part finishing last quantises the group)
+    gu_warps: int = 16          # warps per gate/up block; a block owns a 32-row group, so each warp has 32/gu_warps rows
     gu_min_blocks: int = 2      # gate/up blocks per SM (register cap 65536 / (32 * warps * blocks)); lowered to fit
     gu_stages: int = 1          # block items in flight per warp (cp.async depth)
     dn_warps: int = 16          # warps per down block
@@ -119,8 +116,8 @@ class ExpertKernels:
             raise ValueError("max_pairs must be >= 1")
         self.tuning = tuning or Tuning()
         t = self.tuning
-        if t.gu_split not in (1, 2) or t.gu_warps not in (1, 2, 4, 8, 16, 32) or t.gu_warps * t.gu_split > 32:
-            raise ValueError("gu_split must be 1 or 2 and gu_warps divide 32 / gu_split")
+        if t.gu_warps not in (1, 2, 4, 8, 16, 32):
+            raise ValueError("gu_warps must divide 32")
         if self.d_model % t.dn_rows:
             raise ValueError("dn_rows must divide d_model")
         if t.tile_p not in (4, 8, 16):
@@ -150,7 +147,6 @@ class ExpertKernels:
                 ("GU_QT", int(self.qt_gu)), ("GU_KIN", self.d_model), ("GU_ROWS", self.d_ff),
                 ("DN_QT", int(self.qt_dn)), ("DN_KIN", self.d_ff), ("DN_ROWS", self.d_model),
                 ("GU_WPB", self.gu_warps), ("GU_MINB", self.gu_blocks), ("GU_STAGES", self.gu_stages),
-                ("GU_SPLIT", t.gu_split),
                 ("TILE_P", t.tile_p), ("MMA_MPW", t.mma_mpw), ("MMA_PREFETCH", t.mma_prefetch), ("MMA_UNROLL", t.mma_unroll),
                 ("DN_WPB", self.dn_warps), ("DN_MINB", self.dn_blocks), ("DN_STAGES", self.dn_stages),
                 ("DN_R", t.dn_rows), ("GRID_REPL", t.grid_repl), ("IQ3_FAST", t.iq3_fast),
@@ -183,7 +179,6 @@ class ExpertKernels:
             self.h = cupy.empty((P, F), cupy.float32)
             self.qh = cupy.empty((P, F), cupy.int8)
             self.dh = cupy.empty((P, F // 32), cupy.float32)
-            self.gcount = cupy.zeros((P * (F // 32),), cupy.int32)  # gu_split: parts of a (tile, group) done
             self.dcount = cupy.zeros((self.d_model // self.tuning.dn_rows,), cupy.int32)  # run(combine=): pairs done
 
     # ---- sizes --------------------------------------------------------------------------------------------------
@@ -219,7 +214,7 @@ class ExpertKernels:
             blocks = max(1, min(blocks, smem_sm // (smem + 1024)))
             return stages, blocks, smem
 
-        gu_stg = 2 * _staged(self.qt_gu, self.d_model, 32 // t.gu_split // t.gu_warps)
+        gu_stg = 2 * _staged(self.qt_gu, self.d_model, 32 // t.gu_warps)
         dn_stg = _staged(self.qt_dn, self.d_ff, t.dn_rows)
         self.gu_warps, self.dn_warps = t.gu_warps, t.dn_warps
         self.gu_stages, self.gu_blocks, self.gu_smem = fit(self.qt_gu, 256, gu_stg, t.gu_warps, t.gu_stages,
@@ -317,7 +312,7 @@ class ExpertKernels:
             launch(self._k_gu, (self.gu_grid,), (self.gu_warps * 32,),
                        (np.uint64(lay.base), np.int64(lay.stride), np.int64(lay.up_off), pairs, n_pairs,
                         np.int32(self.max_pairs),
-                        qa, da, self.grid, self.h, self.qh, self.dh, self.gcount),
+                        qa, da, self.grid, self.h, self.qh, self.dh),
                        shared_mem=self.gu_smem)
 
     def run_down(self, where, pairs, n_pairs, out, combine=None, stream=None) -> None:
@@ -363,7 +358,6 @@ class ExpertKernels:
         self._need(da, cp.float32, None, "da")
         self._need(out, cp.float32, (self.max_pairs, self.d_model), "out")
         common = (pairs, tiles, n_tiles, np.int32(tiles.shape[0]))
-        h = (qa, da, self.grid, self.h, self.qh, self.dh)
         if self.mma:  # one block an SM, (4 / mma_mpw) x 8 warps
             threads = 32 * 8 * (4 // self.tuning.mma_mpw)
             gu = (self._k_gum, self.n_sm, threads, self.mma_gu_smem)
@@ -371,10 +365,9 @@ class ExpertKernels:
         else:
             gu = (self._k_gut, 2 * self.n_sm, self.gu_warps * 32, self.gut_smem)
             dn = (self._k_dnt, 2 * self.n_sm, self.dn_warps * 32, self.dn_smem)
-            h += (self.gcount,)
         with self._stream(stream):
             launch(gu[0], (gu[1],), (gu[2],), (np.uint64(lay.base), np.int64(lay.stride), np.int64(lay.up_off)) +
-                   common + h, shared_mem=gu[3])
+                   common + (qa, da, self.grid, self.h, self.qh, self.dh), shared_mem=gu[3])
             launch(dn[0], (dn[1],), (dn[2],), (np.uint64(lay.down), np.int64(lay.down_stride)) + common +
                    (self.qh, self.dh, self.grid, out), shared_mem=dn[3])
 
