@@ -236,6 +236,28 @@ def bench_attention(D, cp, rng, bw, out, n_layers=48):
     cp.get_default_memory_pool().free_all_blocks()
 
 
+def bench_prefill(D, cp, rng, bw, out, T=1024):
+    """One layer's prompt attention for a chunk of T tokens after pos0 cached ones, both kernel shapes (Q's
+    fragments in registers, one block an SM; Q's tile in shared memory, two); TFLOP/s counts the causal QK^T and PV
+    multiply-adds. Floor: the chunk's K / V read once (the kernel re-reads them per 128-row block, from L2)."""
+    c = A3B
+    nh, nkv, hd = c["n_head"], c["n_kv"], c["hd"]
+    for pos0 in (0, 8192, 32768 - T):
+        mc = pos0 + T
+        K = cp.random.standard_normal((nkv, mc, hd), dtype=cp.float32).astype(cp.float16)
+        V = cp.random.standard_normal((nkv, hd, mc), dtype=cp.float32).astype(cp.float16)
+        q = cp.asarray(rng.standard_normal((T, nh, hd), dtype=F32))
+        o = cp.empty((T, nh * hd), cp.float32)
+        flops = 4.0 * nh * hd * sum(pos0 + t + 1 for t in range(T))
+        for q_smem in (False, True):
+            att = D.PrefillAttention(nh, nkv, hd, mc, q_smem=q_smem)
+            us, _ = eager_us(cp, lambda st: att(q, K, V, pos0, o, stream=st))
+            out.append(rec(f"prefill attention T={T} after {pos0} q_smem={int(q_smem)}", us, mc * nkv * hd * 4, bw,
+                           TFLOPs=flops / (us * 1e-6) / 1e12))
+        del K, V
+    cp.get_default_memory_pool().free_all_blocks()
+
+
 def bench_decode_chain(D, cp, rng, bw, out, ctx=1024):
     """One token's dense path over 48 layers (no experts): embed, per layer norm + fused qkv + q/k norm/rope/KV +
     attention + o-proj (+res) + norm + router + route, then final norm + LM head + argmax."""
@@ -301,7 +323,7 @@ def bench_decode_chain(D, cp, rng, bw, out, ctx=1024):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", default=None)
-    ap.add_argument("--sections", default="matvec,small,attention,chain,batched")
+    ap.add_argument("--sections", default="matvec,small,attention,chain,batched,prefill")
     args = ap.parse_args()
 
     import cupy as cp
@@ -317,7 +339,8 @@ def main():
     info["build"] = m.build
     regs = {}
     for name in ["matvec_q8_0_r4_k1", "matvec_q8_0_r1_k1", "matvec_f16_r1_k1", "attn_split_hd128_g8", "attn_combine",
-                 "gemm_f32", "rms_norm_rows", "qk_norm_rope_kv", "topk_sample"]:
+                 "attn_flash_prefill_128", "attn_flash_prefill_128_qs", "gemm_f32", "rms_norm_rows",
+                 "qk_norm_rope_kv", "topk_sample"]:
         try:
             f = m.fn(name)
             regs[name] = {"regs": int(f.num_regs), "smem": int(f.shared_size_bytes),
@@ -330,7 +353,7 @@ def main():
     rng = np.random.default_rng(0)
     results, errors = [], {}
     sections = {"matvec": bench_matvec, "small": bench_small, "attention": bench_attention,
-                "chain": bench_decode_chain, "batched": bench_batched}
+                "chain": bench_decode_chain, "batched": bench_batched, "prefill": bench_prefill}
     for sec in args.sections.split(","):
         t = time.time()
         try:

@@ -27,10 +27,13 @@ from stratad.model.gguf_file import ModelFile  # noqa: E402
 KINDS = ("dense", "attention", "experts", "combine")
 
 
-def profile(path: str, fraction: float, context: int, host_experts: str) -> dict:
+def profile(path: str, fraction: float, context: int, host_experts: str, q_smem: bool) -> dict:
     import cupy as cp
 
     from lane.cupy_card import CupyCard
+    from lane.kernels import dense
+
+    dense.FLASH_Q_SMEM = q_smem
 
     model = ModelFile(path)
     c = model.config
@@ -64,7 +67,7 @@ def profile(path: str, fraction: float, context: int, host_experts: str) -> dict
     for kind, e0, e1 in marks:
         sums[kind] += cp.cuda.get_elapsed_time(e0, e1)
     card.close()
-    out = {"fraction": fraction, "context": context, "host_experts": host_experts,
+    out = {"fraction": fraction, "context": context, "host_experts": host_experts, "flash_q_smem": q_smem,
            "prefill_tok_s": round(context / wall_ms * 1e3, 1), "wall_ms": round(wall_ms, 1)}
     out |= {f"{k}_ms": round(v, 1) for k, v in sums.items()}
     out["other_ms"] = round(wall_ms - sum(sums.values()), 1)
@@ -77,12 +80,15 @@ def main() -> int:
     p.add_argument("--fractions", default="1.0,0.5")
     p.add_argument("--contexts", default="1024,32768")
     p.add_argument("--host-experts", choices=["cpu", "card"], default="card")
+    p.add_argument("--flash-q-smem", default="1", help="comma list of 0 / 1: the prompt attention kernel's shape "
+                   "(lane.kernels.dense.FLASH_Q_SMEM), each a row")
     p.add_argument("--json")
     a = p.parse_args()
     path = model_path(a.model)
-    rows = [profile(path, float(f), int(n), a.host_experts) for f in a.fractions.split(",")
-            for n in a.contexts.split(",")]
-    keys = ["fraction", "context", "prefill_tok_s", "wall_ms"] + [f"{k}_ms" for k in KINDS] + ["other_ms"]
+    rows = [profile(path, float(f), int(n), a.host_experts, bool(int(q))) for f in a.fractions.split(",")
+            for n in a.contexts.split(",") for q in a.flash_q_smem.split(",")]
+    keys = ["fraction", "context", "flash_q_smem", "prefill_tok_s", "wall_ms"] + [f"{k}_ms" for k in KINDS] + \
+        ["other_ms"]
     report(rows, keys, a.json)
     return 0
 

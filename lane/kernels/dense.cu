@@ -1548,23 +1548,27 @@ extern "C" __global__ void attn_o_unpack(const float* __restrict__ o, int T, int
 // prompt attention, flash style on fp16 tensor cores (mma.m16n8k16, fp32 accumulate): no score matrix in
 // memory. Per kv head the chunk's query rows r = t * group + j (qp from attn_q_pack: f16, scaled by 1/sqrt(hd))
 // attend to keys 0 .. pos0 + t. A block takes 128 rows (8 warps x 16); keys come in tiles of 64 through shared
-// memory (cp.async, FA_STAGES = 3 stages, one barrier a tile; keys past the chunk read as 0, so a NaN left in the
-// cache cannot reach P V). Per warp and tile: S (16 x 64) = Q K^T, the online softmax in base 2 (P rounded to
-// f16, l summed from the rounded values, as in the decode kernel), then O (16 x hd) += P V with the S
-// accumulators reused as A fragments.
+// memory (cp.async, one barrier a tile; keys past the chunk read as 0, so a NaN left in the cache cannot reach
+// P V). Per warp and tile: S (16 x 64) = Q K^T, the online softmax in base 2 (P rounded to f16, l summed from the
+// rounded values, as in the decode kernel), then O (16 x hd) += P V with the S accumulators reused as A fragments.
 // The B fragments of K and V^T come from shared memory by ldmatrix.x4 (two n-tiles a load); shared rows are padded
 // by 16 bytes so that each 8-row phase of ldmatrix hits 32 different banks.
-// Grid (ceil(R / 128), n_kv), 256 threads, dynamic shared memory FaShape<HD>::SMEM.
+// Two shapes (FaShape<HD, QS>), the same arithmetic on the same values, so the same bits:
+//   QS = false: Q's fragments in registers (182 at hd 128), 3 key-tile stages, one block (8 warps) an SM;
+//   QS = true:  the block's Q tile in shared memory, its fragments read by ldmatrix at each use, 2 stages, so
+//               that two blocks (16 warps) fit an SM's registers (128 a thread) and shared memory.
+// Grid (ceil(R / 128), n_kv), 256 threads, dynamic shared memory FaShape<HD, QS>::SMEM.
 // =============================================================================================================
 constexpr int FA_BM = 128, FA_BN = 64, FA_THREADS = FA_BM / 16 * 32;
-constexpr int FA_STAGES = 3;  // key tiles in flight: one barrier a tile, the next two tiles loading meanwhile
 
-template <int HD>
+template <int HD, bool QS>
 struct FaShape {
-    static constexpr int KST = HD + 8;     // K tile row (halfs)
+    static constexpr int STAGES = QS ? 2 : 3;  // key tiles in flight: the next STAGES - 1 load while one computes
+    static constexpr int KST = HD + 8;     // K tile row and Q row (halfs)
     static constexpr int VST = FA_BN + 8;  // V^T tile row (halfs)
     static constexpr int STAGE = FA_BN * KST + HD * VST;  // halfs
-    static constexpr int SMEM = FA_STAGES * STAGE * 2;    // bytes
+    static constexpr int QTILE = QS ? FA_BM * KST : 0;    // halfs, before the stages
+    static constexpr int SMEM = (QTILE + STAGES * STAGE) * 2;  // bytes
 };
 
 // four 8x8 b16 matrices from shared memory: thread t gives the address of row t % 8 of matrix t / 8 and receives
@@ -1578,7 +1582,7 @@ __device__ __forceinline__ void ldsm_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32
 template <int HD>
 __device__ __forceinline__ void fa_load(u16* st, const u16* __restrict__ kh, const u16* __restrict__ vh, int max_ctx,
                                         int k0, int S, int tid) {
-    using F = FaShape<HD>;
+    using F = FaShape<HD, false>;  // the tile strides of both shapes
     u16* ks = st;
     u16* vs = st + FA_BN * F::KST;
     for (int i = tid; i < FA_BN * (HD / 8); i += FA_THREADS) {
@@ -1600,11 +1604,11 @@ __device__ __forceinline__ void fa_load(u16* st, const u16* __restrict__ kh, con
     }
 }
 
-template <int HD>
+template <int HD, bool QS>
 __device__ __forceinline__ void attn_flash_body(const u16* __restrict__ qp, const u16* __restrict__ kc,
                                                 const u16* __restrict__ vc, int R, int group, int pos0, int max_ctx,
                                                 float* __restrict__ o) {
-    using F = FaShape<HD>;
+    using F = FaShape<HD, QS>;
     constexpr int KS = HD / 16, NDT = HD / 8, NT = FA_BN / 8;
     constexpr float LOG2E = 1.4426950408889634f;
     extern __shared__ __align__(16) u16 fa_sm[];
@@ -1616,12 +1620,19 @@ __device__ __forceinline__ void attn_flash_body(const u16* __restrict__ qp, cons
     const int ra = r0 + w * 16 + g, rb = ra + 8;  // this thread's two rows
     const int la_key = pos0 + min(ra, R - 1) / group, lb_key = pos0 + min(rb, R - 1) / group;  // last key each sees
 
-    u32 qf[KS][4];
-    {
+    // Q's A fragments: (row g, dims 2 q4 + {0, 1}), (row g + 8, same), then both at dims + 8, for each k-step
+    u32 qf[QS ? 1 : KS][4];
+    u16* const stages = fa_sm + F::QTILE;
+    if (QS) {  // the block's rows into shared memory, landing with the first key tile's commit group
+        for (int i = tid; i < FA_BM * (HD / 8); i += FA_THREADS) {
+            const int r = i / (HD / 8), c = i % (HD / 8);
+            cp_async16(smem_addr(fa_sm + r * F::KST + c * 8), qp + ((i64)h * R + min(r0 + r, R - 1)) * HD + c * 8);
+        }
+    } else {
         const u16* qa = qp + ((i64)h * R + min(ra, R - 1)) * HD;
         const u16* qb = qp + ((i64)h * R + min(rb, R - 1)) * HD;
 #pragma unroll
-        for (int ks = 0; ks < KS; ++ks) {
+        for (int ks = 0; ks < (QS ? 1 : KS); ++ks) {
             const int d = ks * 16 + 2 * q4;
             qf[ks][0] = *(const u32*)(qa + d);
             qf[ks][1] = *(const u32*)(qb + d);
@@ -1629,6 +1640,8 @@ __device__ __forceinline__ void attn_flash_body(const u16* __restrict__ qp, cons
             qf[ks][3] = *(const u32*)(qb + d + 8);
         }
     }
+    // ldmatrix rows of the Q tile: lanes 0-15 rows w * 16 + lane (dims + 0), lanes 16-31 the same rows, dims + 8
+    const u32 qaddr = smem_addr(fa_sm + (w * 16 + (lane & 15)) * F::KST + (lane >> 4) * 8);
     float acc[NDT][4];
 #pragma unroll
     for (int i = 0; i < NDT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
@@ -1638,19 +1651,19 @@ __device__ __forceinline__ void attn_flash_body(const u16* __restrict__ qp, cons
     const int nkb = (kend + FA_BN - 1) / FA_BN;
     const int warp_last = pos0 + (min(r0 + w * 16 + 15, R - 1)) / group;  // the warp's last visible key
 #pragma unroll
-    for (int t = 0; t < FA_STAGES - 1; ++t) {  // the first tiles in flight (a commit group each, empty or not)
-        if (t < nkb) fa_load<HD>(fa_sm + t * F::STAGE, kh, vh, max_ctx, t * FA_BN, S, tid);
+    for (int t = 0; t < F::STAGES - 1; ++t) {  // the first tiles in flight (a commit group each, empty or not)
+        if (t < nkb) fa_load<HD>(stages + t * F::STAGE, kh, vh, max_ctx, t * FA_BN, S, tid);
         cp_commit();
     }
     for (int kb = 0; kb < nkb; ++kb) {
-        cp_wait<FA_STAGES - 2>();  // this thread's copies of tile kb have landed
+        cp_wait<F::STAGES - 2>();  // this thread's copies of tile kb (and of Q) have landed
         __syncthreads();           // everyone's have; and everyone is done with tile kb - 1, whose stage refills now
-        const int nx = kb + FA_STAGES - 1;
-        if (nx < nkb) fa_load<HD>(fa_sm + (nx % FA_STAGES) * F::STAGE, kh, vh, max_ctx, nx * FA_BN, S, tid);
+        const int nx = kb + F::STAGES - 1;
+        if (nx < nkb) fa_load<HD>(stages + (nx % F::STAGES) * F::STAGE, kh, vh, max_ctx, nx * FA_BN, S, tid);
         cp_commit();
         const int k0 = kb * FA_BN;
         if (k0 <= warp_last) {  // else every key of the tile is after this warp's rows
-            const u16* ks_ = fa_sm + (kb % FA_STAGES) * F::STAGE;
+            const u16* ks_ = stages + (kb % F::STAGES) * F::STAGE;
             const u16* vs_ = ks_ + FA_BN * F::KST;
             float s[NT][4];
 #pragma unroll
@@ -1658,14 +1671,17 @@ __device__ __forceinline__ void attn_flash_body(const u16* __restrict__ qp, cons
             // this lane's ldmatrix row: key (nt + lane / 16) * 8 + lane % 8, dims + 8 for matrices 1 and 3
             const u32 kaddr = smem_addr(ks_ + ((lane >> 4) * 8 + (lane & 7)) * F::KST + ((lane >> 3) & 1) * 8);
 #pragma unroll
-            for (int ks = 0; ks < KS; ++ks)
+            for (int ks = 0; ks < KS; ++ks) {
+                u32* a = qf[QS ? 0 : ks];
+                if (QS) ldsm_x4(qaddr + (u32)(ks * 16 * 2), a[0], a[1], a[2], a[3]);
 #pragma unroll
                 for (int nt = 0; nt < NT; nt += 2) {
                     u32 b0, b1, c0, c1;
                     ldsm_x4(kaddr + (u32)((nt * 8 * F::KST + ks * 16) * 2), b0, b1, c0, c1);
-                    mma16816(s[nt], qf[ks][0], qf[ks][1], qf[ks][2], qf[ks][3], b0, b1);
-                    mma16816(s[nt + 1], qf[ks][0], qf[ks][1], qf[ks][2], qf[ks][3], c0, c1);
+                    mma16816(s[nt], a[0], a[1], a[2], a[3], b0, b1);
+                    mma16816(s[nt + 1], a[0], a[1], a[2], a[3], c0, c1);
                 }
+            }
             float mxa = ma, mxb = mb;
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt)
@@ -1719,12 +1735,14 @@ __device__ __forceinline__ void attn_flash_body(const u16* __restrict__ qp, cons
     }
 }
 
-#define FA_INST(HD)                                                                                                \
-    extern "C" __global__ void __launch_bounds__(FA_THREADS) attn_flash_prefill_##HD(                                     \
+#define FA_INST(HD, QS, NAME)                                                                                     \
+    extern "C" __global__ void __launch_bounds__(FA_THREADS, QS ? 2 : 1) NAME(                                      \
         const u16* __restrict__ qp, const u16* __restrict__ kc, const u16* __restrict__ vc, int R, int group,      \
         int pos0, int max_ctx, float* __restrict__ o) {                                                           \
         PDL_ENTRY();                                                                                               \
-        attn_flash_body<HD>(qp, kc, vc, R, group, pos0, max_ctx, o);                                              \
+        attn_flash_body<HD, QS>(qp, kc, vc, R, group, pos0, max_ctx, o);                                          \
     }
-FA_INST(64)
-FA_INST(128)
+FA_INST(64, false, attn_flash_prefill_64)
+FA_INST(128, false, attn_flash_prefill_128)
+FA_INST(64, true, attn_flash_prefill_64_qs)
+FA_INST(128, true, attn_flash_prefill_128_qs)

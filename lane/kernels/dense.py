@@ -62,6 +62,8 @@ DEFAULT_BATCHED_METHOD = "f16"   # dense_batched: cuBLAS fp16 tensor cores on a 
 Q8_VARIANT = "q8_0"              # Q8_0 mat-vec: "q8_0" (4 lanes per block) or "q8_0v1" (a lane per block)
 ATTN_PIPELINED = True            # decode attention: prefetch the next 16-position tile into registers
 ATTN_COMBINE = "attn_combine"    # or "attn_combine_v1" (thread per dim)
+# prompt attention: the Q tile in shared memory and two blocks an SM (False: Q in registers, one block an SM)
+FLASH_Q_SMEM = True
 ATTN_COMBINE_COLS = 8            # attn_combine: float4 columns a block (hd / 32 blocks a head at hd 128: 4)
 # Decode steps at this context or longer launch the split kernel without a PDL edge: on the H200 (a3b, all resident)
 # the edge cost 0.83 ms a step at 32K (5.27 -> 4.44 ms; a fixed shared-memory carveout did not help) and saved
@@ -645,9 +647,11 @@ class PrefillAttention:
     memory stays O(T) at any context. Same arguments as DecodeAttention but pos0 is a host int: prompts are read
     eagerly, not in graphs. Measured error against attention_ref: tests/test_gpu_dense.py."""
 
-    BLOCK_ROWS, KEY_TILE, STAGES = 128, 64, 3  # FA_BM, FA_BN, FA_STAGES in dense.cu (16 rows a warp)
+    BLOCK_ROWS, KEY_TILE = 128, 64  # FA_BM, FA_BN in dense.cu (16 rows a warp)
 
-    def __init__(self, n_head: int, n_kv: int, head_dim: int, max_ctx: int, *, device=None):
+    def __init__(self, n_head: int, n_kv: int, head_dim: int, max_ctx: int, *, q_smem: bool | None = None,
+                 device=None):
+        """q_smem: Q's tile in shared memory, two blocks an SM (FaShape<HD, true>); default FLASH_Q_SMEM."""
         self.m = kernels(device)
         if n_head % n_kv:
             raise ValueError("n_head must be a multiple of n_kv")
@@ -658,9 +662,12 @@ class PrefillAttention:
         self.n_head, self.n_kv, self.hd, self.max_ctx = n_head, n_kv, head_dim, int(max_ctx)
         self.group = n_head // n_kv
         self.scale = np.float32(1.0 / math.sqrt(head_dim))
-        self.fn = self.m.fn(f"attn_flash_prefill_{head_dim}")
-        # STAGES stages of a key tile: K rows (hd + 8 halfs) and V^T rows (64 + 8 halfs)
-        self.smem = self.STAGES * 2 * (self.KEY_TILE * (head_dim + 8) + head_dim * (self.KEY_TILE + 8))
+        q_smem = FLASH_Q_SMEM if q_smem is None else q_smem
+        self.fn = self.m.fn(f"attn_flash_prefill_{head_dim}" + ("_qs" if q_smem else ""))
+        # FaShape: the Q tile's rows (hd + 8 halfs) where q_smem, then the stages of a key tile (3, or 2 with the Q
+        # tile), each K rows (hd + 8 halfs) and V^T rows (64 + 8 halfs)
+        stage = self.KEY_TILE * (head_dim + 8) + head_dim * (self.KEY_TILE + 8)
+        self.smem = 2 * (self.BLOCK_ROWS * (head_dim + 8) + 2 * stage if q_smem else 3 * stage)
         self.fn.max_dynamic_shared_size_bytes = self.smem
 
     def __call__(self, q, k_cache, v_cache, pos0: int, out, *, stream=None) -> None:
