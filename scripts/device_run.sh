@@ -10,6 +10,7 @@
 #                                        # and a prompt's
 #   bash scripts/device_run.sh engine1   # a3b IQ3_S: the engine bench all resident (1K / 32K / 64K)
 #   bash scripts/device_run.sh experts-decode  # the decode expert kernels, gate/up groups over one block or two
+#   bash scripts/device_run.sh prefill32k  # a3b IQ3_S: a 32K prompt's profile, both prompt attention shapes
 #   bash scripts/device_run.sh engine    # a3b IQ3_S: the engine bench at 1K / 32K / 64K
 #   bash scripts/device_run.sh engine-card  # the same at 50 % / 25 % resident, decode's misses read from the arena
 #   bash scripts/device_run.sh experts-prompt  # the prompt expert kernels (tensor cores, dp4a) on a 1024-token chunk
@@ -88,6 +89,11 @@ profile)
     done
     timeout 150 python3 scripts/gpu_prefill_profile.py --model "$A3B" --fractions 1.0,0.5 --contexts 1024,32768 \
         --json "$OUT/prefill-profile.json" 2>&1 | tail -5
+    ;;
+prefill32k)  # a3b all resident: a 32K prompt's profile with both prompt attention kernel shapes
+    model "$A3B" --router-skew 1.0
+    timeout 200 python3 scripts/gpu_prefill_profile.py --model "$A3B" --fractions 1.0 --contexts 32768 \
+        --flash-q-smem 0,1 --json "$OUT/prefill32k.json" 2>&1 | tail -3
     ;;
 engine)
     model "$A3B" --router-skew 1.0
