@@ -34,7 +34,6 @@
 #   bash scripts/device_run.sh ncu       # Nsight Compute on the kernels that hold the targets back (decode experts,
 #                                        # decode attention, prompt experts on tensor cores, prompt flash attention):
 #                                        # occupancy, issue rate, the stall reasons ncu's rules name
-#   bash scripts/device_run.sh timeline  # nsys: the decode graph's kernels and the gaps between them, 1K and 32K
 #   bash scripts/device_run.sh batch SECONDS STEP...  # the steps in order, each cut off where SECONDS would be
 #                                        # passed, with the a3b model made in the background meanwhile
 set -u
@@ -217,18 +216,6 @@ ncu)
     prof prompt-flash "attn_flash_prefill_128" 30 python3 scripts/gpu_prefill_profile.py --model "$A3B" --fractions 1.0 \
         --contexts 8192
     ;;
-timeline)  # a3b all resident: the decode graph's real timeline (nsys) at 1K and 32K, per kernel and the gaps
-    command -v nsys > /dev/null || { echo "no nsys here"; exit 0; }
-    model "$A3B" --router-skew 1.0
-    for ctx in 1024 32768; do
-        rm -f /tmp/tl$ctx*
-        timeout 150 nsys profile -t cuda --cuda-graph-trace=node -o /tmp/tl$ctx -f true \
-            python3 scripts/gpu_decode_timeline.py --model "$A3B" --context $ctx --tokens 16 > "$OUT/timeline-$ctx.log" 2>&1
-        timeout 100 nsys stats -r cuda_gpu_trace -f csv -o /tmp/tl$ctx /tmp/tl$ctx.nsys-rep >> "$OUT/timeline-$ctx.log" 2>&1
-        timeout 30 python3 scripts/gpu_decode_timeline.py --csv "$(ls /tmp/tl$ctx*.csv | head -1)" \
-            --json "$OUT/timeline-$ctx.json" | head -14
-    done
-    ;;
 old32k)
     model "$A3B" --router-skew 1.0
     for tree in _old .; do
@@ -253,7 +240,7 @@ batch)
     done
     ;;
 *)
-    echo "usage: $0 STEP (see the list at the top of this file) | batch SECONDS STEP..." >&2
+    echo "usage: $0 tests|tests2|tests3|profile|engine|engine-card|experts-prompt|seed13|seed2|seed-card|seed-mps|flash2|old32k|batch" >&2
     exit 2
     ;;
 esac
