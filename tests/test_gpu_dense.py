@@ -323,8 +323,12 @@ def _attn_case(cp, D, rng, n_head, n_kv, hd, max_ctx, L, Tn=1, q_scale=1.0, pref
     Kc[:, :L] = cp.asarray(Kf.transpose(1, 0, 2).astype(np.float16))
     Vc[:, :, :L] = cp.asarray(Vf.transpose(1, 2, 0).astype(np.float16))
     out = nan_like(cp, (Tn, n_head * hd))
-    if prefill:
-        D.PrefillAttention(n_head, n_kv, hd, max_ctx, **kw)(cp.asarray(q), Kc, Vc, pos0, out)
+    if prefill:  # both kernel shapes (Q's fragments in registers, or its tile in shared memory): the same bits
+        other = nan_like(cp, (Tn, n_head * hd))
+        D.PrefillAttention(n_head, n_kv, hd, max_ctx, q_smem=False)(cp.asarray(q), Kc, Vc, pos0, out)
+        D.PrefillAttention(n_head, n_kv, hd, max_ctx, q_smem=True)(cp.asarray(q), Kc, Vc, pos0, other)
+        sync(cp)
+        assert np.array_equal(out.get().view(np.uint32), other.get().view(np.uint32))
     else:
         att = D.DecodeAttention(n_head, n_kv, hd, max_ctx, max_T=Tn, **kw)
         att(cp.asarray(q), Kc, Vc, cp.asarray(np.array([pos0], np.int32)), out, Tn)
@@ -388,17 +392,12 @@ def test_attention_long(cp, D, var):
                          ids=["a3b-first-chunk", "a3b-later-chunk", "tiny", "mha-one", "a3b-40K"])
 def test_prefill_attention(cp, D, cfg, L, Tn):
     """Tensor-core prefill attention (fp16 Q and P, float32 accumulation) against float64 on the f16 cache; both
-    kernel shapes (Q's fragments in registers, or its tile in shared memory) give the same bits."""
+    kernel shapes give the same bits (_attn_case)."""
+    rng = np.random.default_rng(L + Tn)
     for q_scale in (1.0, 4.0):
-        got = {}
-        for q_smem in (False, True):
-            rng = np.random.default_rng(L + Tn + int(q_scale))  # the same inputs for both shapes
-            got[q_smem], ref64, _ = _attn_case(cp, D, rng, *cfg, 65536, L, Tn=Tn, q_scale=q_scale, prefill=True,
-                                               q_smem=q_smem)
-            assert np.isfinite(got[q_smem]).all()
-            assert note(f"prefill attention {cfg} L={L} T={Tn} (q x{q_scale:g}, q_smem {q_smem}) vs f64",
-                        normwise(got[q_smem], ref64)) <= 1e-2
-        assert np.array_equal(got[True].view(np.uint32), got[False].view(np.uint32))
+        got, ref64, _ = _attn_case(cp, D, rng, *cfg, 65536, L, Tn=Tn, q_scale=q_scale, prefill=True)
+        assert np.isfinite(got).all()
+        assert note(f"prefill attention {cfg} L={L} T={Tn} (q x{q_scale:g}) vs f64", normwise(got, ref64)) <= 1e-2
 
 
 # ---- 5. router ---------------------------------------------------------------------------------------------------
