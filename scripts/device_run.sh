@@ -10,6 +10,7 @@
 #                                        # and a prompt's
 #   bash scripts/device_run.sh engine1   # a3b IQ3_S: the engine bench all resident (1K / 32K / 64K)
 #   bash scripts/device_run.sh experts-decode  # the decode expert kernels, gate/up groups over one block or two
+#   bash scripts/device_run.sh marginal  # a3b IQ3_S: each idempotent decode kernel's cost inside the graph (1K, 32K)
 #   bash scripts/device_run.sh prefill32k  # a3b IQ3_S: a 32K prompt's profile, both prompt attention shapes
 #   bash scripts/device_run.sh engine    # a3b IQ3_S: the engine bench at 1K / 32K / 64K
 #   bash scripts/device_run.sh engine-card  # the same at 50 % / 25 % resident, decode's misses read from the arena
@@ -88,6 +89,13 @@ profile)
     done
     timeout 150 python3 scripts/gpu_prefill_profile.py --model "$A3B" --fractions 1.0,0.5 --contexts 1024,32768 \
         --json "$OUT/prefill-profile.json" 2>&1 | tail -5
+    ;;
+marginal)  # a3b all resident: each idempotent kernel's cost inside the decode graph (launched twice), 1K and 32K
+    model "$A3B" --router-skew 1.0
+    for ctx in 1024 32768; do
+        timeout 200 python3 scripts/gpu_decode_profile.py --model "$A3B" --fractions 1.0 --context $ctx --marginal \
+            --tokens 32 --json "$OUT/marginal-$ctx.json" 2>&1 | grep -A20 "launched twice"
+    done
     ;;
 prefill32k)  # a3b all resident: a 32K prompt's profile with both prompt attention kernel shapes
     model "$A3B" --router-skew 1.0
