@@ -938,12 +938,12 @@ __device__ __forceinline__ void attn_split_body(const float* __restrict__ q, con
             }
         }
         float mx0 = NEG_INF, mx8 = NEG_INF;
+        const bool edge = p0 + 16 > end;  // warp-uniform: only the range's last tile has positions to mask
 #pragma unroll
         for (int si = 0; si < 2; ++si) {
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
-                const int p = p0 + 4 * tq + 2 * si + e;
-                const bool ok = p < end;
+                const bool ok = !edge || p0 + 4 * tq + 2 * si + e < end;
                 sc[si][e] = ok ? f_mul(sc[si][e], scale_log2) : NEG_INF;
                 sc[si][2 + e] = ok ? f_mul(sc[si][2 + e], scale_log2) : NEG_INF;
                 mx0 = fmaxf(mx0, sc[si][e]);
@@ -976,11 +976,14 @@ __device__ __forceinline__ void attn_split_body(const float* __restrict__ q, con
                 if (pb + 3 >= end) vv[dt].y &= 0x0000ffffu;
             }
         }
+        // where no lane's maximum moved every factor is exactly 1 and the products would be the accumulators
+        // themselves: skipped (most tiles at long context), the same bits
+        if (__any_sync(0xffffffffu, al0 != 1.f || al8 != 1.f)) {
 #pragma unroll
-        for (int dt = 0; dt < NDT; ++dt) {
-            rescale_c(o[dt], al0, al8);
-            mma16816(o[dt], pa[0][0], pa[0][1], pa[1][0], pa[1][1], vv[dt].x, vv[dt].y);
+            for (int dt = 0; dt < NDT; ++dt) rescale_c(o[dt], al0, al8);
         }
+#pragma unroll
+        for (int dt = 0; dt < NDT; ++dt) mma16816(o[dt], pa[0][0], pa[0][1], pa[1][0], pa[1][1], vv[dt].x, vv[dt].y);
     };
 
     uint4 kv[2][NJ];
@@ -1718,6 +1721,7 @@ __device__ __forceinline__ void attn_flash_body(const u16* __restrict__ qp, cons
     const int kend = pos0 + (min(r0 + FA_BM, R) - 1) / group + 1;  // keys this block needs
     const int nkb = (kend + FA_BN - 1) / FA_BN;
     const int warp_last = pos0 + (min(r0 + w * 16 + 15, R - 1)) / group;  // the warp's last visible key
+    const int warp_first = pos0 + min(r0 + w * 16, R - 1) / group;         // every row of the warp sees keys <= it
 #pragma unroll
     for (int t = 0; t < F::STAGES - 1; ++t) {  // the first tiles in flight (a commit group each, empty or not)
         if (t < nkb) fa_load<HD>(stages + t * F::STAGE, kh, vh, max_ctx, t * FA_BN, S, tid);
@@ -1751,13 +1755,14 @@ __device__ __forceinline__ void attn_flash_body(const u16* __restrict__ qp, cons
                 }
             }
             float mxa = ma, mxb = mb;
+            const bool diag = k0 + FA_BN - 1 > warp_first;  // warp-uniform: some key of the tile is masked
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
                     const int key = k0 + nt * 8 + 2 * q4 + e;
-                    s[nt][e] = key <= la_key ? f_mul(s[nt][e], LOG2E) : NEG_INF;
-                    s[nt][2 + e] = key <= lb_key ? f_mul(s[nt][2 + e], LOG2E) : NEG_INF;
+                    s[nt][e] = !diag || key <= la_key ? f_mul(s[nt][e], LOG2E) : NEG_INF;
+                    s[nt][2 + e] = !diag || key <= lb_key ? f_mul(s[nt][2 + e], LOG2E) : NEG_INF;
                     mxa = fmaxf(mxa, s[nt][e]);
                     mxb = fmaxf(mxb, s[nt][2 + e]);
                 }
@@ -1769,8 +1774,10 @@ __device__ __forceinline__ void attn_flash_body(const u16* __restrict__ qp, cons
             mb = mxb;
             la = f_mul(la, ala);
             lb = f_mul(lb, alb);
+            if (__any_sync(0xffffffffu, ala != 1.f || alb != 1.f)) {  // else the products are acc itself
 #pragma unroll
-            for (int i = 0; i < NDT; ++i) rescale_c(acc[i], ala, alb);
+                for (int i = 0; i < NDT; ++i) rescale_c(acc[i], ala, alb);
+            }
             u32 pa[NT], pb[NT];
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
