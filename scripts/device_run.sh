@@ -220,10 +220,13 @@ ncu)
         timeout 150 ncu --clock-control none --target-processes all -k "regex:$kern" -s "$skip" -c 1 \
             --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
             --section SchedulerStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+            --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
             --page details --log-file "$OUT/ncu-$name.txt" "$@" > /dev/null 2>&1
         echo "== $name: rc=$?"
-        grep -E "Duration|Achieved Occupancy|Theoretical Occupancy|Registers Per|Issue Slots Busy|Warp Cycles Per Issued|No Eligible|Memory Throughput|Compute \(SM\) Throughput|spends|stalled|Est\. Speedup" \
-            "$OUT/ncu-$name.txt" | sed 's/  */ /g' | cut -c1-230 | head -24
+        grep -E "Duration|Achieved Occupancy|Theoretical Occupancy|Registers Per|Issue Slots Busy|Warp Cycles Per Issued|No Eligible|Memory Throughput|Compute \(SM\) Throughput|Est\. Speedup" \
+            "$OUT/ncu-$name.txt" | sed 's/  */ /g' | cut -c1-230 | head -14
+        # the stall reasons, cycles a warp spends in each per issued instruction, largest first
+        grep -E "issue_stalled_.*ratio" "$OUT/ncu-$name.txt" | sed 's/  */ /g' | awk '{print $NF, $1}' | sort -gr | head -6
     }
     prof decode-gateup "expert_gateup$" 5 python3 scripts/gpu_experts_bench.py --types IQ3_S --cases decode8 --iters 2 --reps 2
     prof decode-down "expert_down$" 5 python3 scripts/gpu_experts_bench.py --types IQ3_S --cases decode8 --iters 2 --reps 2
