@@ -149,7 +149,6 @@ class CupyCard:
             D.CdfSampler(c.vocab_size)
         self.sparams, self.sparams_h = cp.zeros((4,), cp.float64), pinned((4,), np.float64)  # the sampler's params
         self.token, self.token_h = cp.zeros((1,), cp.int32), pinned((1,), np.int32)
-        self.bar = cp.zeros((2,), cp.uint32)  # o_router's grid barrier (this card's stream only)
         # captured decode steps by placement shape: [(graph, layer served after it or None)]; coverage flips
         # between complete and not as slots swap, so both shapes stay captured
         self._graphs: dict[tuple, list] = {}
@@ -276,12 +275,8 @@ class CupyCard:
             D.qk_norm_rope_kv(w.qkv, L["q_norm"], L["k_norm"], c.rms_eps, self.rope, self.pos, w.q, *L["kv"],
                               n_head=c.n_head, n_kv=c.n_head_kv, stream=s)
             self.prefill_attn(w.q, *L["kv"], w.pos0, w.att, stream=s)
-        if w.T == 1 and D.O_ROUTER and D.o_router_ok(L["o"], L["router"]):  # one persistent launch, same bits
-            D.o_router(L["o"], w.att[0], w.x[0], L["router"], L["ffn_norm"], c.rms_eps, w.router[0],
-                       self.experts.inputs(1), self.bar, stream=s)
-        else:
-            self._proj(L["o"], w.att, w.x, residual=w.x)
-            self._norm_proj(L["ffn_norm"], L["router"], w, w.router, quant=self.experts.inputs(w.T))
+        self._proj(L["o"], w.att, w.x, residual=w.x)
+        self._norm_proj(L["ffn_norm"], L["router"], w, w.router, quant=self.experts.inputs(w.T))
         if w.T == 1:  # a decode step: routed in the launch that builds the pair lists
             self.experts.front(i, 1, w.ids[i], export, router=(w.router, w.w), x=w.x)
         else:

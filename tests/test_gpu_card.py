@@ -102,25 +102,6 @@ def test_placement_never_changes_a_bit(model, CupyCard):
     assert digest == digests[1.0] and card.pool.loads > total // 2
 
 
-@pytest.mark.parametrize("frac", [1.0, 0.5])
-def test_o_router_changes_no_bit(model, CupyCard, monkeypatch, frac):
-    """Decode steps with the o mat-vec and the FFN norm + router in one persistent launch (D.O_ROUTER): the digest of
-    the two launches, all resident and half (misses through the arena), graphs and direct steps."""
-    import lane.kernels.dense as D
-
-    total = model.config.n_layer * model.config.n_expert
-    n = int(frac * total)
-    digests = []
-    for on, graphs in ((False, True), (True, True), (True, False)):
-        monkeypatch.setattr(D, "O_ROUTER", on)
-        card = CupyCard(model, 0, n, 4096, graphs=graphs)
-        card.pool.fill(experts_by_rank(model)[:n])
-        assert D.o_router_ok(card.layers[0]["o"], card.layers[0]["router"])
-        digests.append(run(card, model, 24)[1])
-        card.close()
-    assert digests[1] == digests[0] and digests[2] == digests[0]
-
-
 def test_decode_crossing_the_long_context_graph(model, CupyCard, monkeypatch):
     """Past ATTN_PDL_MAX_CTX a decode step replays another graph (attention launched without PDL): same bits."""
     import lane.kernels.dense as D

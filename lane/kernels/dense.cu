@@ -661,39 +661,24 @@ NORM_MV_PLANS(f32, QT_F32, 0)
 // launch, grid = the blocks that fit at once; Q8_SMEM_BYTES of dynamic shared memory (phase B's staged row
 // reuses it). bar: the barrier's count and generation, zero at rest.
 // =============================================================================================================
-// RO, KSO / RR, KSR: the o and router mat-vecs' plans (rows a warp, warps a row group), as matvec / norm_matvec
-template <int RO, int KSO, int RR, int KSR>
-__device__ __forceinline__ void o_router_body(
+extern "C" __global__ void __launch_bounds__(256) o_router_q8_0_f32(
     const u8* __restrict__ Wo, int o_rows, int o_ncu, i64 o_row_bytes, const float* __restrict__ a, float* x,
     const u8* __restrict__ Wr, int r_rows, int r_ncu, i64 r_row_bytes, float* logits, const float* __restrict__ nw,
     int n, int L, int NL, float eps, signed char* __restrict__ q, float* __restrict__ d, unsigned* bar) {
     extern __shared__ __align__(16) u8 mv_smem[];
-    constexpr int OROWS = MV_WARPS / KSO * RO, RROWS = MV_WARPS / KSR * RR;  // rows a block's share
-    for (int vb = blockIdx.x; vb < (o_rows + OROWS - 1) / OROWS; vb += gridDim.x) {
-        matvec_q8_0_body<RO, KSO, 2, Q8_RING_TILES, false>(Wo, o_rows, o_ncu, o_row_bytes, a, x, x, mv_smem, [] {},
-                                                           vb);
+    PDL_ENTRY();
+    for (int vb = blockIdx.x; vb < (o_rows + MV_WARPS - 1) / MV_WARPS; vb += gridDim.x) {
+        matvec_q8_0_body<1, 1, 2, Q8_RING_TILES, false>(Wo, o_rows, o_ncu, o_row_bytes, a, x, x, mv_smem, [] {}, vb);
         __syncthreads();  // the ring and mv_finish's shared sums are free for the next share
     }
     grid_barrier(bar, bar + 1);
     float* xs = (float*)mv_smem;
     norm_stage(x, nw, n, L, NL, eps, xs, q, d);
-    for (int vb = blockIdx.x; vb < (r_rows + RROWS - 1) / RROWS; vb += gridDim.x) {
-        matvec_float_body<QT_F32, RR, KSR, true>(Wr, r_rows, r_ncu, r_row_bytes, xs, nullptr, logits, vb);
+    for (int vb = blockIdx.x; vb < r_rows; vb += gridDim.x) {
+        matvec_float_body<QT_F32, 1, 8, true>(Wr, r_rows, r_ncu, r_row_bytes, xs, nullptr, logits, vb);
         __syncthreads();
     }
 }
-#define O_ROUTER_INST(RO, KSO, RR, KSR)                                                                           \
-    extern "C" __global__ void __launch_bounds__(256) o_router_q8_0_r##RO##k##KSO##_f32_r##RR##k##KSR(           \
-        const u8* __restrict__ Wo, int o_rows, int o_ncu, i64 o_row_bytes, const float* __restrict__ a, float* x, \
-        const u8* __restrict__ Wr, int r_rows, int r_ncu, i64 r_row_bytes, float* logits,                         \
-        const float* __restrict__ nw, int n, int L, int NL, float eps, signed char* __restrict__ q,               \
-        float* __restrict__ d, unsigned* bar) {                                                                   \
-        PDL_ENTRY();                                                                                              \
-        o_router_body<RO, KSO, RR, KSR>(Wo, o_rows, o_ncu, o_row_bytes, a, x, Wr, r_rows, r_ncu, r_row_bytes,     \
-                                        logits, nw, n, L, NL, eps, q, d, bar);                                    \
-    }
-O_ROUTER_INST(1, 1, 1, 8)  // a3b: o 2048 x 4096, router 128 x 2048
-O_ROUTER_INST(1, 2, 1, 2)  // the tiny test model: o 256 x 256, router 16 x 256
 
 // =============================================================================================================
 // 3. fused per-head q/k RMSNorm + NEOX RoPE + KV append, T tokens at positions pos[0] + t.
