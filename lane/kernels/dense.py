@@ -43,7 +43,7 @@ from stratad.engine import reference
 from stratad.model import quants
 
 from .compile import load_module
-from .launch import launch, resident_blocks
+from .launch import launch
 
 SOURCE = "dense.cu"
 F32 = np.float32
@@ -365,7 +365,7 @@ def o_router(Wo: DenseWeight, a, x, Wr: DenseWeight, norm_w, eps: float, logits,
     _need(bar, np.uint32, (2,), "bar")
     L, NL = pairwise_plan(n) or (0, 0)
     name = "o_router_q8_0_f32"
-    grid = m.n_sm * resident_blocks(m.fn(name), 256, Q8_SMEM_BYTES)  # every block resident at once (cooperative)
+    grid = m.n_sm * m.blocks_per_sm(name, 256, Q8_SMEM_BYTES)  # every block resident at once (cooperative)
     with _on(stream):
         launch(m.fn(name), (grid,), (256,),
                (Wo.data, np.int32(Wo.rows), np.int32(Wo.cols // 32), np.int64(Wo.row_bytes), a, x,

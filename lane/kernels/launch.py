@@ -47,9 +47,6 @@ def _cu():
         lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(_Config), ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p),
                                          ctypes.c_void_p]
         lib.cuLaunchKernelEx.restype = ctypes.c_int
-        lib.cuOccupancyMaxActiveBlocksPerMultiprocessor.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p,
-                                                                    ctypes.c_int, ctypes.c_size_t]
-        lib.cuOccupancyMaxActiveBlocksPerMultiprocessor.restype = ctypes.c_int
         _driver = lib
     return _driver
 
@@ -80,17 +77,6 @@ def launch_config(grid, block, shared_mem: int, stream_ptr: int, *, pdl: bool = 
         a.id = i
         a.value[0] = 1  # programmaticStreamSerializationAllowed / cooperative
     return _Config(*_dim3(grid), *_dim3(block), int(shared_mem), stream_ptr, attrs, len(ids)), attrs
-
-
-def resident_blocks(fn, threads: int, shared_mem: int = 0) -> int:
-    """Blocks of fn (threads each, shared_mem bytes of dynamic shared memory) an SM holds at once, as the driver
-    counts them: a cooperative grid may have this times the SMs."""
-    n = ctypes.c_int()
-    rc = _cu().cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(n), getattr(fn, "kernel", fn).ptr,
-                                                           int(threads), int(shared_mem))
-    if rc:
-        raise RuntimeError(f"cuOccupancyMaxActiveBlocksPerMultiprocessor failed with CUDA error {rc}")
-    return n.value
 
 
 def launch(fn, grid, block, args, shared_mem: int = 0, pdl: bool = True, cooperative: bool = False) -> None:
