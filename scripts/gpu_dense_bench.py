@@ -298,10 +298,7 @@ def bench_decode_chain(D, cp, rng, bw, out, ctx=1024):
             D.rms_norm(b["x"], nw, 1e-6, b["h"], stream=s)
             D.matvec(W, b["h"][0], y, stream=s)
 
-    bar = cp.zeros((2,), cp.uint32)
-    qx, dx = cp.empty((1, d), cp.int8), cp.empty((1, d // 32), cp.float32)
-
-    def step(s, fused, persistent=False):
+    def step(s, fused):
         D.embed(head, tok, b["x"], stream=s)
         for Wqkv, Wo, Wr, K, V in layers:
             norm_proj(Wqkv, b["qkv"][0], s, fused)
@@ -310,22 +307,18 @@ def bench_decode_chain(D, cp, rng, bw, out, ctx=1024):
             else:
                 D.qk_norm_rope_kv(b["qkv"], hw, hw, 1e-6, rope, pos, b["q"], K, V, n_head=nh, n_kv=nkv, stream=s)
                 att(b["q"], K, V, pos, b["a"], stream=s)
-            if persistent:  # o + residual, FFN norm + router (+ the experts' row) in one launch, a grid barrier
-                D.o_router(Wo, b["a"][0], b["x"][0], Wr, nw, 1e-6, b["lg"][0], (qx, dx), bar, stream=s)
-            else:
-                D.matvec(Wo, b["a"][0], b["x"][0], residual=b["x"][0], stream=s)
-                norm_proj(Wr, b["lg"][0], s, fused)
+            D.matvec(Wo, b["a"][0], b["x"][0], residual=b["x"][0], stream=s)
+            norm_proj(Wr, b["lg"][0], s, fused)
             D.route(b["lg"], c["k"], ids, wts, stream=s)
         D.rms_norm(b["x"], nw, 1e-6, b["h"], stream=s)
         D.matvec(head, b["h"][0], b["logits"], stream=s)
         am(b["logits"], tok, stream=s)
 
     nbytes = L * (Wqkv0.nbytes + Wo0.nbytes + Wr0.nbytes + ctx * nkv * hd * 4) + head.nbytes
-    for fused, persistent in ((True, False), (False, False), (True, True)):
-        us, runs = graph_us(cp, [lambda s, f=fused, p=persistent: step(s, f, p)], iters=5)
-        tag = ", o + router persistent" if persistent else "" if fused else ", unfused"
-        out.append(rec(f"decode dense path, 48 layers, ctx={ctx} (no experts){tag}", us, nbytes, bw,
-                       launches=1 + L * (5 if persistent else 6 if fused else 9) + 3))
+    for fused in (True, False):
+        us, runs = graph_us(cp, [lambda s, fused=fused: step(s, fused)], iters=5)
+        out.append(rec(f"decode dense path, 48 layers, ctx={ctx} (no experts){'' if fused else ', unfused'}", us,
+                       nbytes, bw, launches=1 + L * (6 if fused else 9) + 3))
     del layers
     cp.get_default_memory_pool().free_all_blocks()
 

@@ -238,47 +238,6 @@ def test_norm_matvec_is_rms_norm_then_matvec(cp, D, qt, rows, cols):
     assert np.array_equal(y.get().view(np.uint32), D.matvec(W, h[0]).get().view(np.uint32))
 
 
-@pytest.mark.parametrize("d_model,o_cols", [(2048, 4096), (1024, 2048)], ids=["a3b", "small"])
-def test_o_router_is_matvec_then_norm_matvec(cp, D, d_model, o_cols):
-    """The persistent o + router launch (a grid barrier between them): every bit of the residual, the router
-    logits and the experts' quantised row equals matvec(o, residual) then norm_matvec(router); eagerly and replayed
-    from a graph (with the PDL edge a decode step's launches have), the barrier's state back at rest."""
-    rng = np.random.default_rng(d_model)
-    Wo = D.DenseWeight.upload(rand_weight(rng, T.Q8_0, d_model, o_cols), T.Q8_0, o_cols)
-    Wr = D.DenseWeight.upload(rand_weight(rng, T.F32, 128, d_model), T.F32, d_model)
-    assert D.o_router_ok(Wo, Wr)
-    a = cp.asarray(rng.standard_normal(o_cols, dtype=F32))
-    x0 = cp.asarray(rng.standard_normal(d_model, dtype=F32) * F32(3))
-    nw = cp.asarray(rng.uniform(0.5, 1.5, d_model).astype(F32))
-    xw = x0.copy()
-    D.matvec(Wo, a, xw, residual=xw)
-    lw, qw, dw = nan_like(cp, 128), cp.full((1, d_model), 99, cp.int8), nan_like(cp, (1, d_model // 32))
-    D.norm_matvec(Wr, xw, nw, 1e-6, lw, quant=(qw, dw))
-    bar = cp.zeros((2,), cp.uint32)
-
-    def check(x, lg, q, d):
-        assert np.array_equal(x.get().view(np.uint32), xw.get().view(np.uint32))
-        assert np.array_equal(lg.get().view(np.uint32), lw.get().view(np.uint32))
-        assert np.array_equal(q.get(), qw.get()) and np.array_equal(d.get().view(np.uint32), dw.get().view(np.uint32))
-        assert int(bar.get()[0]) == 0
-
-    x, lg, q, d = x0.copy(), nan_like(cp, 128), cp.full((1, d_model), 77, cp.int8), nan_like(cp, (1, d_model // 32))
-    D.o_router(Wo, a, x, Wr, nw, 1e-6, lg, (q, d), bar)
-    sync(cp)
-    check(x, lg, q, d)
-    s = cp.cuda.Stream(non_blocking=True)
-    with s:
-        s.begin_capture()
-        D.o_router(Wo, a, x, Wr, nw, 1e-6, lg, (q, d), bar)
-        g = s.end_capture()
-        for _ in range(2):
-            x[...] = x0
-            lg.fill(np.nan)
-            g.launch(s)
-            s.synchronize()
-            check(x, lg, q, d)
-
-
 def test_rms_norm_generic(cp, D):
     rng = np.random.default_rng(1)
     n = 200

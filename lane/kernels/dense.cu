@@ -18,7 +18,6 @@
 // GGML type numbers: F32 = 0, F16 = 1, Q8_0 = 8 (34-byte blocks {f16 d, int8 q[32]}), BF16 = 30.
 
 #include "common.cuh"
-#include "grid_sync.cuh"
 
 #define QT_F32 0
 #define QT_F16 1
@@ -151,11 +150,11 @@ __device__ __forceinline__ void mv_finish(float (&acc)[R], int rg, int rows, con
 template <int R, int KS, int V, int RT, bool XS, class Wait>
 __device__ __forceinline__ void matvec_q8_0_body(const u8* __restrict__ W, int rows, int nb, i64 row_bytes,
                                                  const float* x, const float* res, float* y,
-                                                 u8* q8_ring, Wait wait, int vb) {  // vb: the block's share
+                                                 u8* q8_ring, Wait wait) {
     constexpr int P = RT / R;
     static_assert(P >= 1, "a ring tile per row at least");
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
-    const int rg = vb * (MV_WARPS / KS) + w / KS;
+    const int rg = blockIdx.x * (MV_WARPS / KS) + w / KS;
     const int ks = w % KS;
     const int ntiles = (nb + 31) >> 5;
     const int nitems = ks < ntiles ? (ntiles - ks + KS - 1) / KS : 0;
@@ -264,10 +263,10 @@ __device__ __forceinline__ void matvec_q8_0_body(const u8* __restrict__ W, int r
 
 template <int QT, int R, int KS, bool XS = false>
 __device__ __forceinline__ void matvec_float_body(const u8* __restrict__ W, int rows, int nchunk, i64 row_bytes,
-                                                  const float* x, const float* res, float* y, int vb) {
+                                                  const float* x, const float* res, float* y) {
     constexpr int U = 8 / R;
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
-    const int rg = vb * (MV_WARPS / KS) + w / KS;
+    const int rg = blockIdx.x * (MV_WARPS / KS) + w / KS;
     const int ks = w % KS;
     const int ntiles = (nchunk + 31) >> 5;
     float acc[R];
@@ -334,8 +333,8 @@ __device__ __forceinline__ void matvec_float_body(const u8* __restrict__ W, int 
         extern __shared__ __align__(16) u8 mv_smem[];                                                             \
         if (QT == QT_Q8_0)                                                                                       \
             matvec_q8_0_body<R, KS, QV, Q8_RING_TILES, false>(W, rows, ncu, row_bytes, x, res, y, mv_smem,          \
-                                                               [] { PDL_ENTRY(); }, blockIdx.x);                  \
-        else { PDL_ENTRY(); matvec_float_body<QT, R, KS>(W, rows, ncu, row_bytes, x, res, y, blockIdx.x); }      \
+                                                               [] { PDL_ENTRY(); });                              \
+        else { PDL_ENTRY(); matvec_float_body<QT, R, KS>(W, rows, ncu, row_bytes, x, res, y); }                  \
     }
 #define MV_PLANS(QN, QT, QV)                                                                                      \
     MV_INST(matvec_##QN##_r4_k1, QT, 4, 1, QV)                                                                    \
@@ -613,7 +612,7 @@ __device__ __forceinline__ void norm_stage(const float* __restrict__ x, const fl
                                            int NL, float eps, float* xs, signed char* __restrict__ q,
                                            float* __restrict__ d) {
     const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5, nw = blockDim.x >> 5;
-    for (int i = tid; i < n; i += blockDim.x) xs[i] = __ldcg(x + i);  // L2: other blocks of o_router wrote it
+    for (int i = tid; i < n; i += blockDim.x) xs[i] = x[i];
     __syncthreads();
     const float s = row_rms(xs, n, L, NL, eps);
     for (int i = tid; i < n; i += blockDim.x) xs[i] = f_mul(f_div(xs[i], s), w[i]);
@@ -636,10 +635,10 @@ __device__ __forceinline__ void norm_stage(const float* __restrict__ x, const fl
         };                                                                                                        \
         if (QT == QT_Q8_0)                                                                                       \
             matvec_q8_0_body<R, KS, QV, NORM_MV_RING, true>(W, rows, ncu, row_bytes, xs, res, y,                 \
-                                                            mv_smem + 4 * NORM_MV_MAX_N, wait, blockIdx.x);       \
+                                                            mv_smem + 4 * NORM_MV_MAX_N, wait);                   \
         else {                                                                                                    \
             wait();                                                                                               \
-            matvec_float_body<QT, R, KS, true>(W, rows, ncu, row_bytes, xs, res, y, blockIdx.x);                  \
+            matvec_float_body<QT, R, KS, true>(W, rows, ncu, row_bytes, xs, res, y);                              \
         }                                                                                                         \
     }
 #define NORM_MV_PLANS(QN, QT, QV)                                                                                 \
@@ -652,33 +651,6 @@ NORM_MV_PLANS(q8_0, QT_Q8_0, 2)
 NORM_MV_PLANS(f16, QT_F16, 0)
 NORM_MV_PLANS(bf16, QT_BF16, 0)
 NORM_MV_PLANS(f32, QT_F32, 0)
-
-// =============================================================================================================
-// 2c. A decode step's o mat-vec and its FFN RMSNorm + router in one persistent launch (the first piece of the plan
-// in docs/perf-notes.md): phase A is matvec_q8_0_r1_k1 with the residual, its row groups shared out over the
-// resident blocks; a grid barrier (grid_sync.cuh); phase B is norm_matvec_f32_r1_k8 with the experts' quantised
-// row, every block staging x from L2. The same bodies on the same values: the two launches' bits. Cooperative
-// launch, grid = the blocks that fit at once; Q8_SMEM_BYTES of dynamic shared memory (phase B's staged row
-// reuses it). bar: the barrier's count and generation, zero at rest.
-// =============================================================================================================
-extern "C" __global__ void __launch_bounds__(256) o_router_q8_0_f32(
-    const u8* __restrict__ Wo, int o_rows, int o_ncu, i64 o_row_bytes, const float* __restrict__ a, float* x,
-    const u8* __restrict__ Wr, int r_rows, int r_ncu, i64 r_row_bytes, float* logits, const float* __restrict__ nw,
-    int n, int L, int NL, float eps, signed char* __restrict__ q, float* __restrict__ d, unsigned* bar) {
-    extern __shared__ __align__(16) u8 mv_smem[];
-    PDL_ENTRY();
-    for (int vb = blockIdx.x; vb < (o_rows + MV_WARPS - 1) / MV_WARPS; vb += gridDim.x) {
-        matvec_q8_0_body<1, 1, 2, Q8_RING_TILES, false>(Wo, o_rows, o_ncu, o_row_bytes, a, x, x, mv_smem, [] {}, vb);
-        __syncthreads();  // the ring and mv_finish's shared sums are free for the next share
-    }
-    grid_barrier(bar, bar + 1);
-    float* xs = (float*)mv_smem;
-    norm_stage(x, nw, n, L, NL, eps, xs, q, d);
-    for (int vb = blockIdx.x; vb < r_rows; vb += gridDim.x) {
-        matvec_float_body<QT_F32, 1, 8, true>(Wr, r_rows, r_ncu, r_row_bytes, xs, nullptr, logits, vb);
-        __syncthreads();
-    }
-}
 
 // =============================================================================================================
 // 3. fused per-head q/k RMSNorm + NEOX RoPE + KV append, T tokens at positions pos[0] + t.

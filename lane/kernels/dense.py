@@ -102,8 +102,6 @@ class _Module:
                 f.max_dynamic_shared_size_bytes = Q8_SMEM_BYTES
             elif name.startswith("norm_matvec_q8_0"):
                 f.max_dynamic_shared_size_bytes = NORM_MV_Q8_SMEM
-            elif name.startswith("o_router"):
-                f.max_dynamic_shared_size_bytes = Q8_SMEM_BYTES
             self._fns[name] = f
         return f
 
@@ -338,41 +336,6 @@ def norm_matvec(W: DenseWeight, x, norm_w, eps: float, y=None, residual=None, *,
                        (x, _ptr(residual), y, norm_w, np.int32(n), np.int32(L), np.int32(NL), np.float32(eps)) + qd,
                        NORM_MV_Q8_SMEM if q8 else 4 * NORM_MV_MAX_N)
     return y
-
-
-def o_router_ok(Wo: DenseWeight, Wr: DenseWeight) -> bool:
-    """Whether o_router takes these weights: the shapes its one instance covers (a Q8_0 o mat-vec on the r1k1
-    plan, an F32 router on r1k8 that norm_matvec takes)."""
-    return (Wo.fast and Wo.qtype == T.Q8_0 and Wo.plan() == (1, 1) and Wr.qtype == T.F32 and Wr.plan() == (1, 8)
-            and norm_matvec_ok(Wr) and Wo.rows == Wr.cols)
-
-
-def o_router(Wo: DenseWeight, a, x, Wr: DenseWeight, norm_w, eps: float, logits, quant, bar, *, stream=None):
-    """x += Wo a, then logits = Wr rms_norm(x, norm_w, eps) and quant = (q, d) its quantised row: matvec(Wo, a, x,
-    residual=x) then norm_matvec(Wr, x, norm_w, eps, logits, quant=quant), bit for bit, in one persistent launch
-    (a grid barrier between the two; dense.cu section 2c). bar: uint32 (2,) zeros, the barrier's state, owned by
-    the caller (one per stream that launches this)."""
-    m = kernels()
-    if not o_router_ok(Wo, Wr):
-        raise ValueError("o_router takes a Q8_0 o weight on plan (1, 1) and an F32 router norm_matvec takes")
-    n = Wr.cols
-    _need(a, np.float32, (Wo.cols,), "a", align=16)
-    _need(x, np.float32, (n,), "x")
-    _need(norm_w, np.float32, (n,), "norm_w")
-    _need(logits, np.float32, (Wr.rows,), "logits")
-    _need(quant[0], np.int8, (1, n), "q")
-    _need(quant[1], np.float32, (1, n // 32), "d")
-    _need(bar, np.uint32, (2,), "bar")
-    L, NL = pairwise_plan(n) or (0, 0)
-    name = "o_router_q8_0_f32"
-    grid = m.n_sm * m.blocks_per_sm(name, 256, Q8_SMEM_BYTES)  # every block resident at once (cooperative)
-    with _on(stream):
-        launch(m.fn(name), (grid,), (256,),
-               (Wo.data, np.int32(Wo.rows), np.int32(Wo.cols // 32), np.int64(Wo.row_bytes), a, x,
-                Wr.data, np.int32(Wr.rows), np.int32(Wr.row_bytes // 16), np.int64(Wr.row_bytes), logits, norm_w,
-                np.int32(n), np.int32(L), np.int32(NL), np.float32(eps), quant[0], quant[1], bar),
-               shared_mem=Q8_SMEM_BYTES, cooperative=True)
-    return logits
 
 
 def matvec_ref(raw: np.ndarray, qtype, x: np.ndarray, residual: np.ndarray | None = None) -> np.ndarray:

@@ -1,7 +1,30 @@
-// The grid barrier (grid_sync.cuh) tested, and what measures it against the kernel boundary it would replace.
-// compile.py inlines the .cuh files.
+// Grid-wide barrier for persistent kernels (docs/perf-notes.md, "the persistent-layer plan"), and what measures it
+// against the kernel boundary it would replace. compile.py inlines common.cuh.
 #include "common.cuh"
-#include "grid_sync.cuh"
+
+// Every block of a cooperative launch (all resident at once) arrives; the last resets the count and advances the
+// generation the others spin on. The pattern of cooperative groups' grid sync: the block's writes are ordered
+// before thread 0's device-scope fence by the barrier, and thread 0's fence after the spin orders what the block
+// reads next after every other block's writes. count starts at 0 and is back at 0 after every barrier.
+__device__ __forceinline__ void grid_barrier(unsigned* count, unsigned* gen) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        volatile unsigned* vgen = gen;
+        const unsigned g = *vgen;  // before arriving: the last block advances it only after everyone has
+        __threadfence();
+        const unsigned n = gridDim.x * gridDim.y * gridDim.z;
+        if (atomicAdd(count, 1u) == n - 1) {
+            atomicExch(count, 0u);
+            __threadfence();
+            atomicAdd(gen, 1u);
+        } else {
+            while (*vgen == g) {
+            }
+        }
+        __threadfence();
+    }
+    __syncthreads();
+}
 
 // `rounds` rounds of: block b publishes r * nb + b in slots[b]; barrier; it adds the slot of block (b + r + 1) % nb
 // to out[b]; barrier (the slot is not rewritten before everyone has read it). barrier_rounds_ref computes out.
