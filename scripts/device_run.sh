@@ -10,7 +10,6 @@
 #                                        # and a prompt's
 #   bash scripts/device_run.sh engine1   # a3b IQ3_S: the engine bench all resident (1K / 32K / 64K)
 #   bash scripts/device_run.sh experts-decode  # the decode expert kernels, gate/up groups over one block or two
-#   bash scripts/device_run.sh sync      # the grid barrier's tests, its cost against a kernel boundary's
 #   bash scripts/device_run.sh marginal  # a3b IQ3_S: each idempotent decode kernel's cost inside the graph (1K, 32K)
 #   bash scripts/device_run.sh prefill32k  # a3b IQ3_S: a 32K prompt's profile, both prompt attention shapes, then
 #                                        # chunks of 2048 / 4096 tokens (PROMPT_CHUNK 1024)
@@ -91,11 +90,6 @@ profile)
     done
     timeout 150 python3 scripts/gpu_prefill_profile.py --model "$A3B" --fractions 1.0,0.5 --contexts 1024,32768 \
         --json "$OUT/prefill-profile.json" 2>&1 | tail -5
-    ;;
-sync)  # a grid barrier (persistent kernels) against a kernel boundary with and without PDL, and their tests
-    timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_sync.py > "$OUT/test_gpu_sync.log" 2>&1
-    echo "tests/test_gpu_sync.py: rc=$? $(tail -1 "$OUT/test_gpu_sync.log")"
-    timeout 120 python3 scripts/gpu_sync_bench.py --json "$OUT/sync.json"
     ;;
 marginal)  # a3b all resident: each idempotent kernel's cost inside the decode graph (launched twice), 1K and 32K
     model "$A3B" --router-skew 1.0

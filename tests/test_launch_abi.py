@@ -1,4 +1,4 @@
-"""The programmatic-dependent and cooperative launch configuration as the CUDA driver reads it (CUlaunchConfig, CUlaunchAttribute
+"""The programmatic-dependent-launch configuration as the CUDA driver reads it (CUlaunchConfig, CUlaunchAttribute
 of cuda.h), checked byte for byte without a GPU."""
 from __future__ import annotations
 
@@ -6,27 +6,22 @@ import ctypes
 import struct
 import sys
 
-import pytest
-
 from lane.kernels import launch
 
 
-@pytest.mark.parametrize("pdl,cooperative,ids", [(True, False, [6]), (False, True, [2]), (True, True, [6, 2])])
-def test_config_and_attribute_bytes(pdl, cooperative, ids):
-    cfg, attrs = launch.launch_config((7, 2), (256,), 4096, 0x1234, pdl=pdl, cooperative=cooperative)
+def test_config_and_attribute_bytes():
+    cfg, attr = launch.pdl_config((7, 2), (256,), 4096, 0x1234)
     # CUlaunchAttribute: id (4 bytes), padding to 8, then the 64-byte value union; value.programmaticStream...
-    # SerializationAllowed and value.cooperative are its first int
+    # SerializationAllowed is its first int
     assert ctypes.sizeof(launch._Attr) == 72
-    assert launch.ATTR_PROGRAMMATIC_STREAM_SERIALIZATION == 6 and launch.ATTR_COOPERATIVE == 2
-    for a, i in zip(attrs, ids):
-        raw = bytes(a)
-        assert struct.unpack_from("<i", raw, 0)[0] == i
-        assert struct.unpack_from("<i", raw, 8)[0] == 1 and raw[12:] == bytes(60)
+    raw = bytes(attr)
+    assert struct.unpack_from("<i", raw, 0)[0] == launch.ATTR_PROGRAMMATIC_STREAM_SERIALIZATION == 6
+    assert struct.unpack_from("<i", raw, 8)[0] == 1 and raw[12:] == bytes(60)
     # CUlaunchConfig: six dims and sharedMemBytes (uint), hStream at 32, attrs at 40, numAttrs at 48; 56 bytes
     assert ctypes.sizeof(launch._Config) == 56
     raw = bytes(cfg)
     assert struct.unpack_from("<7I", raw, 0) == (7, 2, 1, 256, 1, 1, 4096)
-    assert struct.unpack_from("<QQI", raw, 32) == (0x1234, ctypes.addressof(attrs), len(ids))
+    assert struct.unpack_from("<QQI", raw, 32) == (0x1234, ctypes.addressof(attr), 1)
 
 
 def test_building_the_attribute_leaves_bytes_objects_alone():
@@ -37,5 +32,5 @@ def test_building_the_attribute_leaves_bytes_objects_alone():
 
     assert empty_bytes_terminator() == b"\x00"
     for _ in range(100):
-        launch.launch_config((1,), (1,), 0, 0, pdl=True, cooperative=True)
+        launch.pdl_config((1,), (1,), 0, 0)
     assert empty_bytes_terminator() == b"\x00"

@@ -16,8 +16,7 @@ import os
 import numpy as np
 
 PDL = os.environ.get("STRATAD_PDL", "1") != "0"
-ATTR_COOPERATIVE = 2  # CUlaunchAttributeID: every block resident at once (grid barriers), checked by the driver
-ATTR_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+ATTR_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID
 
 
 class _Attr(ctypes.Structure):  # CUlaunchAttribute: id, padding to 8, a 64-byte value union
@@ -67,34 +66,27 @@ def _dim3(d) -> list[int]:
     return d + [1] * (3 - len(d))
 
 
-def launch_config(grid, block, shared_mem: int, stream_ptr: int, *, pdl: bool = True,
-                  cooperative: bool = False) -> tuple[_Config, ctypes.Array]:
-    """The CUlaunchConfig of a programmatic dependent and / or cooperative launch (keep the attributes alive while
-    it is used)."""
-    ids = ([ATTR_PROGRAMMATIC_STREAM_SERIALIZATION] if pdl else []) + ([ATTR_COOPERATIVE] if cooperative else [])
-    attrs = (_Attr * max(1, len(ids)))()
-    for a, i in zip(attrs, ids):
-        a.id = i
-        a.value[0] = 1  # programmaticStreamSerializationAllowed / cooperative
-    return _Config(*_dim3(grid), *_dim3(block), int(shared_mem), stream_ptr, attrs, len(ids)), attrs
+def pdl_config(grid, block, shared_mem: int, stream_ptr: int) -> tuple[_Config, _Attr]:
+    """The CUlaunchConfig of a programmatic dependent launch (keep the attribute alive while it is used)."""
+    attr = _Attr(id=ATTR_PROGRAMMATIC_STREAM_SERIALIZATION)
+    attr.value[0] = 1  # programmaticStreamSerializationAllowed
+    return _Config(*_dim3(grid), *_dim3(block), int(shared_mem), stream_ptr, ctypes.pointer(attr), 1), attr
 
 
-def launch(fn, grid, block, args, shared_mem: int = 0, pdl: bool = True, cooperative: bool = False) -> None:
+def launch(fn, grid, block, args, shared_mem: int = 0, pdl: bool = True) -> None:
     """fn(grid, block, args, shared_mem) on the current stream; a programmatic dependent launch if PDL, pdl and the
-    stream is being captured; cooperative (every block resident at once, or the driver refuses the launch: for
-    kernels with grid barriers) always through cuLaunchKernelEx."""
+    stream is being captured."""
     import cupy
 
     stream = cupy.cuda.get_current_stream()
-    pdl = PDL and pdl and stream.is_capturing()
-    if not (pdl or cooperative):
+    if not (PDL and pdl and stream.is_capturing()):
         fn(grid, block, args, shared_mem=shared_mem)
         return
 
     params = [_param(a) for a in args]
     ptrs = (ctypes.c_void_p * max(1, len(params)))(*[ctypes.cast(ctypes.pointer(p), ctypes.c_void_p)
                                                      for p in params])
-    cfg, attrs = launch_config(grid, block, shared_mem, stream.ptr, pdl=pdl, cooperative=cooperative)
+    cfg, attr = pdl_config(grid, block, shared_mem, stream.ptr)
     handle = getattr(fn, "kernel", fn).ptr  # a RawKernel's CUfunction is its Function's; a Function's is its own
     rc = _cu().cuLaunchKernelEx(ctypes.byref(cfg), handle, ptrs, None)
     if rc:
