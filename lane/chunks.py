@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Iterator
 
-PROMPT_CHUNK = 1024
+PROMPT_CHUNK = 1024  # the numpy card's (the GPU card's: stratad.config GPU_PROMPT_CHUNK)
 
 
 def chunks(tokens, logits: str, size: int = PROMPT_CHUNK) -> Iterator[tuple[object, int, bool]]:

@@ -18,12 +18,13 @@ from dataclasses import dataclass
 import cupy as cp
 import numpy as np
 
-from lane.chunks import PROMPT_CHUNK, chunks
+from lane.chunks import chunks
 from lane.counters import Counters
 from lane.gpu_experts import D2H, H2D, GpuExperts, pinned
 from lane.slot_pool import SlotPool
 from lane.kernels import dense as D
 from protos import messages as M
+from stratad.config import GPU_PROMPT_CHUNK
 from stratad.engine.sampling import Sampler
 from stratad.model.gguf_file import ModelFile
 from stratad.model.slot_layout import slot_bytes
@@ -93,7 +94,7 @@ class CupyCard:
 
     def __init__(self, model: ModelFile, device: int, n_slots: int, context_length: int,
                  counts: np.ndarray | None = None, cpu_threads: int = 0, graphs: bool = True,
-                 host_experts: str = "card", prompt_chunk: int = PROMPT_CHUNK):
+                 host_experts: str = "card", prompt_chunk: int = GPU_PROMPT_CHUNK):
         """prompt_chunk: tokens a prompt chunk (the expert kernels' pair lists and workspaces are sized for it)."""
         c = self.c = model.config
         if prompt_chunk < 1:

@@ -11,8 +11,7 @@
 #   bash scripts/device_run.sh engine1   # a3b IQ3_S: the engine bench all resident (1K / 32K / 64K)
 #   bash scripts/device_run.sh experts-decode  # the decode expert kernels, gate/up groups over one block or two
 #   bash scripts/device_run.sh marginal  # a3b IQ3_S: each idempotent decode kernel's cost inside the graph (1K, 32K)
-#   bash scripts/device_run.sh prefill32k  # a3b IQ3_S: a 32K prompt's profile, both prompt attention shapes, then
-#                                        # chunks of 2048 / 4096 tokens (PROMPT_CHUNK 1024)
+#   bash scripts/device_run.sh prefill32k  # a3b IQ3_S: a 32K prompt's profile in chunks of 4096 / 8192 tokens
 #   bash scripts/device_run.sh engine    # a3b IQ3_S: the engine bench at 1K / 32K / 64K
 #   bash scripts/device_run.sh engine-card  # the same at 50 % / 25 % resident, decode's misses read from the arena
 #   bash scripts/device_run.sh experts-prompt  # the prompt expert kernels (tensor cores, dp4a) on a 1024-token chunk
@@ -98,12 +97,10 @@ marginal)  # a3b all resident: each idempotent kernel's cost inside the decode g
             --tokens 32 --json "$OUT/marginal-$ctx.json" 2>&1 | grep -A20 "launched twice"
     done
     ;;
-prefill32k)  # a3b all resident: a 32K prompt's profile with both prompt attention kernel shapes, then by chunk size
+prefill32k)  # a3b all resident: a 32K prompt's profile by chunk size
     model "$A3B" --router-skew 1.0
-    timeout 200 python3 scripts/gpu_prefill_profile.py --model "$A3B" --fractions 1.0 --contexts 32768 \
-        --flash-q-smem 0,1 --json "$OUT/prefill32k.json" 2>&1 | tail -3
     timeout 250 python3 scripts/gpu_prefill_profile.py --model "$A3B" --fractions 1.0 --contexts 32768 \
-        --prompt-chunks 2048,4096 --json "$OUT/prefill32k-chunks.json" 2>&1 | tail -2
+        --prompt-chunks 4096,8192 --json "$OUT/prefill32k-chunks.json" 2>&1 | tail -3
     ;;
 engine)
     model "$A3B" --router-skew 1.0

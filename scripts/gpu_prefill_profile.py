@@ -22,7 +22,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from profile_report import model_path, report  # noqa: E402
-from lane.chunks import PROMPT_CHUNK  # noqa: E402
+from stratad.config import GPU_PROMPT_CHUNK  # noqa: E402
 from stratad.model.gguf_file import ModelFile  # noqa: E402
 
 KINDS = ("dense", "attention", "experts", "combine")
@@ -84,7 +84,7 @@ def main() -> int:
     p.add_argument("--host-experts", choices=["cpu", "card"], default="card")
     p.add_argument("--flash-q-smem", default="1", help="comma list of 0 / 1: the prompt attention kernel's shape "
                    "(lane.kernels.dense.FLASH_Q_SMEM), each a row")
-    p.add_argument("--prompt-chunks", default=str(PROMPT_CHUNK), help="comma list: tokens a prompt chunk, each a row")
+    p.add_argument("--prompt-chunks", default=str(GPU_PROMPT_CHUNK), help="comma list: tokens a prompt chunk, each a row")
     p.add_argument("--json")
     a = p.parse_args()
     path = model_path(a.model)

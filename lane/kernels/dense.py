@@ -60,11 +60,14 @@ BATCHED_METHODS = ("kernel", "f16", "bf16", "tf32", "sgemm")
 # tested and benchmarked beside them
 DEFAULT_BATCHED_METHOD = "f16"   # dense_batched: cuBLAS fp16 tensor cores on a dequantised copy
 Q8_VARIANT = "q8_0"              # Q8_0 mat-vec: "q8_0" (4 lanes per block) or "q8_0v1" (a lane per block)
-ATTN_PIPELINED = True            # decode attention: prefetch the next 16-position tile into registers
-# decode attention: each warp streams its tiles through a ring of shared memory (cp.async, ATTN_RING_STAGES - 1
-# tiles in flight: twice the bytes the register prefetch keeps in flight, 165 registers instead of 247); needs
-# max_ctx % 8 == 0 (16-byte copies of V^T rows), else the register path
-ATTN_RING = True
+# decode attention's split kernel, how its warps load K / V tiles: plainly (the default), prefetching the next
+# 16-position tile into registers (ATTN_PIPELINED) or through a per-warp cp.async ring of shared memory (ATTN_RING,
+# ATTN_RING_STAGES - 1 tiles in flight, 165 registers instead of 247; needs max_ctx % 8 == 0). H200, a3b, one
+# layer (µs, 1K / 8K / 32K / 128K context): plain 7.65 / 11.5 / 25.6 / 80.6, register prefetch 8.35 / 14.4 / 28.1 /
+# 85.6, ring 8.81 / 14.9 / 29.4 / 84.9 (docs/bench/2026-12-03-h200-dense-attn-ring.json): once full tiles skipped
+# the mask and the unmoved rescale, the plain loop's two blocks an SM hide the loads best
+ATTN_PIPELINED = False
+ATTN_RING = False
 ATTN_RING_STAGES = {False: 3, True: 2}  # by group > 8 (dense.cu AttnRing): two blocks an SM either way
 ATTN_COMBINE = "attn_combine"    # or "attn_combine_v1" (thread per dim)
 # prompt attention: the Q tile in shared memory and two blocks an SM (False: Q in registers, one block an SM). H200,
