@@ -32,6 +32,8 @@
 #                                        # host memory (2 KB / 64 KB / 256 MB)
 #   bash scripts/device_run.sh x2-tests  # two GPUs: the daemon's GPU tests with the lanes on cards 0 and 1
 #   bash scripts/device_run.sh x2-paths  # two GPUs: seed modes 1 and 3 at 4K prompts, peer copies P2P vs through host
+#   bash scripts/device_run.sh ncu-step  # a3b 1K: each decode kernel timed alone by Nsight Compute, summed a step;
+#                                        # ncu-qkv: the qkv mat-vec with its RMSNorm in detail
 #   bash scripts/device_run.sh ncu       # Nsight Compute on the kernels that hold the targets back (decode experts,
 #                                        # decode attention, prompt experts on tensor cores, prompt flash attention):
 #                                        # occupancy, issue rate, the stall reasons ncu's rules name
@@ -226,6 +228,30 @@ ncu)
     model "$A3B" --router-skew 1.0
     prof prompt-flash "attn_flash_prefill_128" 30 python3 scripts/gpu_prefill_profile.py --model "$A3B" --fractions 1.0 \
         --contexts 8192
+    ;;
+ncu-step)  # a3b 1K all resident: every kernel of ~2 decode steps timed alone by Nsight Compute (no overlap, no PDL),
+    # summed by name; then the qkv mat-vec with its RMSNorm in detail
+    command -v ncu > /dev/null || { echo "no ncu here"; exit 0; }
+    model "$A3B" --router-skew 1.0
+    timeout 200 ncu --clock-control none --metrics gpu__time_duration.sum -s 6000 -c 800 --csv --page raw \
+        --log-file "$OUT/ncu-step.csv" python3 scripts/gpu_decode_profile.py --model "$A3B" --fractions 1.0 \
+        --context 1024 --tokens 48 --iters 2 > /dev/null 2>&1
+    echo "== ncu-step: rc=$?"
+    python3 scripts/ncu_sum.py "$OUT/ncu-step.csv" | tee "$OUT/ncu-step.txt"
+    bash "$0" ncu-qkv
+    ;;
+ncu-qkv)
+    command -v ncu > /dev/null || { echo "no ncu here"; exit 0; }
+    model "$A3B" --router-skew 1.0
+    timeout 150 ncu --clock-control none -k "regex:norm_matvec_q8_0" -s 300 -c 1 --section SpeedOfLight \
+        --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \
+        --section MemoryWorkloadAnalysis --section SourceCounters \
+        --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" --page details \
+        --log-file "$OUT/ncu-qkv.txt" python3 scripts/gpu_decode_profile.py --model "$A3B" --fractions 1.0 \
+        --context 1024 --tokens 16 --iters 2 > /dev/null 2>&1
+    grep -E "Duration|Achieved Occupancy|Theoretical Occupancy|Registers Per|Issue Slots Busy|Warp Cycles Per Issued|No Eligible|Memory Throughput|Compute \(SM\) Throughput|Est\. Speedup|Grid Size|Waves" \
+        "$OUT/ncu-qkv.txt" | sed 's/  */ /g' | cut -c1-200 | head -16
+    grep -E "issue_stalled_.*ratio" "$OUT/ncu-qkv.txt" | sed 's/  */ /g' | awk '{print $NF, $1}' | sort -gr | head -6
     ;;
 old32k)
     model "$A3B" --router-skew 1.0
