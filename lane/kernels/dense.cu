@@ -261,9 +261,10 @@ __device__ __forceinline__ void matvec_q8_0_body(const u8* __restrict__ W, int r
     mv_finish<R, KS>(acc, rg, rows, res, y);
 }
 
-template <int QT, int R, int KS, bool XS = false>
+// `wait` (as in the Q8_0 body) runs once the first weights are in flight in registers
+template <int QT, int R, int KS, bool XS, class Wait>
 __device__ __forceinline__ void matvec_float_body(const u8* __restrict__ W, int rows, int nchunk, i64 row_bytes,
-                                                  const float* x, const float* res, float* y) {
+                                                  const float* x, const float* res, float* y, Wait wait) {
     constexpr int U = 8 / R;
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
     const int rg = blockIdx.x * (MV_WARPS / KS) + w / KS;
@@ -272,8 +273,8 @@ __device__ __forceinline__ void matvec_float_body(const u8* __restrict__ W, int 
     float acc[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) acc[r] = 0.f;
-    for (int it = ks; it < ntiles; it += KS * U) {
-        uint4 v[U][R];
+    uint4 v[U][R];
+    auto load = [&](int it) {
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             const int ch = (it + u * KS) * 32 + lane;
@@ -284,6 +285,11 @@ __device__ __forceinline__ void matvec_float_body(const u8* __restrict__ W, int 
                 else v[u][r] = make_uint4(0, 0, 0, 0);
             }
         }
+    };
+    load(ks);  // weights are no predecessor's output
+    wait();
+    for (int it = ks; it < ntiles; it += KS * U) {
+        if (it != ks) load(it);
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             const int ch = (it + u * KS) * 32 + lane;
@@ -334,7 +340,7 @@ __device__ __forceinline__ void matvec_float_body(const u8* __restrict__ W, int 
         if (QT == QT_Q8_0)                                                                                       \
             matvec_q8_0_body<R, KS, QV, Q8_RING_TILES, false>(W, rows, ncu, row_bytes, x, res, y, mv_smem,          \
                                                                [] { PDL_ENTRY(); });                              \
-        else { PDL_ENTRY(); matvec_float_body<QT, R, KS>(W, rows, ncu, row_bytes, x, res, y); }                  \
+        else matvec_float_body<QT, R, KS, false>(W, rows, ncu, row_bytes, x, res, y, [] { PDL_ENTRY(); });       \
     }
 #define MV_PLANS(QN, QT, QV)                                                                                      \
     MV_INST(matvec_##QN##_r4_k1, QT, 4, 1, QV)                                                                    \
@@ -636,10 +642,8 @@ __device__ __forceinline__ void norm_stage(const float* __restrict__ x, const fl
         if (QT == QT_Q8_0)                                                                                       \
             matvec_q8_0_body<R, KS, QV, NORM_MV_RING, true>(W, rows, ncu, row_bytes, xs, res, y,                 \
                                                             mv_smem + 4 * NORM_MV_MAX_N, wait);                   \
-        else {                                                                                                    \
-            wait();                                                                                               \
-            matvec_float_body<QT, R, KS, true>(W, rows, ncu, row_bytes, xs, res, y);                              \
-        }                                                                                                         \
+        else                                                                                                      \
+            matvec_float_body<QT, R, KS, true>(W, rows, ncu, row_bytes, xs, res, y, wait);                        \
     }
 #define NORM_MV_PLANS(QN, QT, QV)                                                                                 \
     NORM_MV_INST(norm_matvec_##QN##_r2_k1, QT, 2, 1, QV)                                                          \
