@@ -143,7 +143,8 @@ class Coordinator:
                          context_length=self.context_length, heartbeat_s=self.cfg.heartbeat_s,
                          log_level=self.cfg.log_level,
                          cpu_threads=threads.per_lane(self.cfg.cpu_threads, len(self.cards)),
-                         host_experts=self.cfg.host_experts, prefix_cache=self.cfg.prefix_cache)
+                         host_experts=self.cfg.host_experts, prompt_chunk=self.cfg.prompt_chunk,
+                         prefix_cache=self.cfg.prefix_cache)
 
     def _client_socket(self, endpoint: str) -> zmq.Socket:
         s = self.ctx.socket(zmq.ROUTER)

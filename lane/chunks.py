@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from typing import Iterator
 
-PROMPT_CHUNK = 1024
+PROMPT_CHUNK = 1024  # the numpy card's (the GPU card's: stratad.config GPU_PROMPT_CHUNK)
 
 
-def chunks(tokens, logits: str) -> Iterator[tuple[object, int, bool]]:
-    """(chunk, logit rows it returns, last) for a forward of `tokens` returning logits "all", "last" or "none"."""
-    for s in range(0, len(tokens), PROMPT_CHUNK):
-        chunk = tokens[s:s + PROMPT_CHUNK]
-        last = s + PROMPT_CHUNK >= len(tokens)
+def chunks(tokens, logits: str, size: int = PROMPT_CHUNK) -> Iterator[tuple[object, int, bool]]:
+    """(chunk, logit rows it returns, last) for a forward of `tokens` returning logits "all", "last" or "none", in
+    chunks of `size` tokens."""
+    for s in range(0, len(tokens), size):
+        chunk = tokens[s:s + size]
+        last = s + size >= len(tokens)
         yield chunk, len(chunk) if logits == "all" else int(logits == "last" and last), last

@@ -18,12 +18,13 @@ from dataclasses import dataclass
 import cupy as cp
 import numpy as np
 
-from lane.chunks import PROMPT_CHUNK, chunks
+from lane.chunks import chunks
 from lane.counters import Counters
 from lane.gpu_experts import D2H, H2D, GpuExperts, pinned
 from lane.slot_pool import SlotPool
 from lane.kernels import dense as D
 from protos import messages as M
+from stratad.config import GPU_PROMPT_CHUNK
 from stratad.engine.sampling import Sampler
 from stratad.model.gguf_file import ModelFile
 from stratad.model.slot_layout import slot_bytes
@@ -93,8 +94,12 @@ class CupyCard:
 
     def __init__(self, model: ModelFile, device: int, n_slots: int, context_length: int,
                  counts: np.ndarray | None = None, cpu_threads: int = 0, graphs: bool = True,
-                 host_experts: str = "card"):
+                 host_experts: str = "card", prompt_chunk: int = GPU_PROMPT_CHUNK):
+        """prompt_chunk: tokens a prompt chunk (the expert kernels' pair lists and workspaces are sized for it)."""
         c = self.c = model.config
+        if prompt_chunk < 1:
+            raise ValueError("prompt_chunk must be at least 1")
+        self.prompt_chunk = int(prompt_chunk)
         self.model = model
         self.device = cp.cuda.Device(device)
         self.device.use()
@@ -138,7 +143,7 @@ class CupyCard:
         self.copy_stream = cp.cuda.Stream(non_blocking=True)  # slot copies run beside the compute stream
         self.pool_ident = bytes(cp.cuda.runtime.ipcGetMemHandle(self._pool_mem.ptr)).hex()
         self.device_ident = "cuda:" + cp.cuda.runtime.deviceGetPCIBusId(device)
-        self.experts = GpuExperts(model, self.pool, PROMPT_CHUNK, cpu_threads, self.stream, self.device_ident,
+        self.experts = GpuExperts(model, self.pool, self.prompt_chunk, cpu_threads, self.stream, self.device_ident,
                                   host_experts)
         self.decode_work = Work(c, 1, 1)
         self.argmax, self.topk, self.cdf = D.Argmax(c.vocab_size), D.DeviceSampler(c.vocab_size), \
@@ -219,7 +224,7 @@ class CupyCard:
         outs = []
         with self.device, self.stream:
             self.experts.refresh()
-            for chunk, rows, last in chunks(tokens, logits):
+            for chunk, rows, last in chunks(tokens, logits, self.prompt_chunk):
                 smp = sample if last else None
                 if len(chunk) == 1 and rows <= 1 and self.graphs:
                     outs.append(self._decode(int(chunk[0]), kv, rows, smp))

@@ -25,6 +25,7 @@ from lane.slot_pool import SlotPool
 from protos import messages as M
 from protos.codec import FrameError, decode, encode
 from stratad import shm
+from stratad.config import GPU_PROMPT_CHUNK
 from stratad.engine.generation import Generation
 from stratad.engine.prefix_cache import PrefixCache
 from stratad.engine.sampling import SamplingParams
@@ -134,7 +135,7 @@ class Lane:
             from lane.cupy_card import CupyCard  # CUDA only where a GPU card is asked for
 
             self.card = CupyCard(self.model, int(self.a.card), n, self.a.context_length, live, self.a.cpu_threads,
-                                 host_experts=self.a.host_experts)
+                                 host_experts=self.a.host_experts, prompt_chunk=self.a.prompt_chunk)
         self.card.on_chunk = self.between_chunks
         self.card.pool.fill(list(placement.experts))
         self.loader = SlotLoader(self.card.pool)
@@ -296,6 +297,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--heartbeat-s", type=float, default=1.0)
     p.add_argument("--cpu-threads", type=int, default=0)
     p.add_argument("--host-experts", choices=["cpu", "card"], default="card")
+    p.add_argument("--prompt-chunk", type=int, default=GPU_PROMPT_CHUNK, help="GPU cards: tokens a prompt chunk")
     p.add_argument("--prefix-cache", action="store_true", help="reuse the last sequence's KV for a common prefix")
     p.add_argument("--startup-timeout-s", type=float, default=120.0)
     p.add_argument("--log-level", default="info")

@@ -10,7 +10,8 @@
 #                                        # and a prompt's
 #   bash scripts/device_run.sh engine1   # a3b IQ3_S: the engine bench all resident (1K / 32K / 64K)
 #   bash scripts/device_run.sh experts-decode  # the decode expert kernels, gate/up groups over one block or two
-#   bash scripts/device_run.sh prefill32k  # a3b IQ3_S: a 32K prompt's profile, both prompt attention shapes
+#   bash scripts/device_run.sh marginal  # a3b IQ3_S: each idempotent decode kernel's cost inside the graph (1K, 32K)
+#   bash scripts/device_run.sh prefill32k  # a3b IQ3_S: a 32K prompt's profile in chunks of 4096 / 8192 tokens
 #   bash scripts/device_run.sh engine    # a3b IQ3_S: the engine bench at 1K / 32K / 64K
 #   bash scripts/device_run.sh engine-card  # the same at 50 % / 25 % resident, decode's misses read from the arena
 #   bash scripts/device_run.sh experts-prompt  # the prompt expert kernels (tensor cores, dp4a) on a 1024-token chunk
@@ -31,6 +32,8 @@
 #                                        # host memory (2 KB / 64 KB / 256 MB)
 #   bash scripts/device_run.sh x2-tests  # two GPUs: the daemon's GPU tests with the lanes on cards 0 and 1
 #   bash scripts/device_run.sh x2-paths  # two GPUs: seed modes 1 and 3 at 4K prompts, peer copies P2P vs through host
+#   bash scripts/device_run.sh ncu-step  # a3b 1K: each decode kernel timed alone by Nsight Compute, summed a step;
+#                                        # ncu-qkv: the qkv mat-vec with its RMSNorm in detail
 #   bash scripts/device_run.sh ncu       # Nsight Compute on the kernels that hold the targets back (decode experts,
 #                                        # decode attention, prompt experts on tensor cores, prompt flash attention):
 #                                        # occupancy, issue rate, the stall reasons ncu's rules name
@@ -89,10 +92,17 @@ profile)
     timeout 150 python3 scripts/gpu_prefill_profile.py --model "$A3B" --fractions 1.0,0.5 --contexts 1024,32768 \
         --json "$OUT/prefill-profile.json" 2>&1 | tail -5
     ;;
-prefill32k)  # a3b all resident: a 32K prompt's profile with both prompt attention kernel shapes
+marginal)  # a3b all resident: each idempotent kernel's cost inside the decode graph (launched twice), 1K and 32K
     model "$A3B" --router-skew 1.0
-    timeout 200 python3 scripts/gpu_prefill_profile.py --model "$A3B" --fractions 1.0 --contexts 32768 \
-        --flash-q-smem 0,1 --json "$OUT/prefill32k.json" 2>&1 | tail -3
+    for ctx in 1024 32768; do
+        timeout 200 python3 scripts/gpu_decode_profile.py --model "$A3B" --fractions 1.0 --context $ctx --marginal \
+            --tokens 32 --json "$OUT/marginal-$ctx.json" 2>&1 | grep -A20 "launched twice"
+    done
+    ;;
+prefill32k)  # a3b all resident: a 32K prompt's profile by chunk size
+    model "$A3B" --router-skew 1.0
+    timeout 250 python3 scripts/gpu_prefill_profile.py --model "$A3B" --fractions 1.0 --contexts 32768 \
+        --prompt-chunks 4096,8192 --json "$OUT/prefill32k-chunks.json" 2>&1 | tail -3
     ;;
 engine)
     model "$A3B" --router-skew 1.0
@@ -203,10 +213,13 @@ ncu)
         timeout 150 ncu --clock-control none --target-processes all -k "regex:$kern" -s "$skip" -c 1 \
             --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
             --section SchedulerStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+            --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
             --page details --log-file "$OUT/ncu-$name.txt" "$@" > /dev/null 2>&1
         echo "== $name: rc=$?"
-        grep -E "Duration|Achieved Occupancy|Theoretical Occupancy|Registers Per|Issue Slots Busy|Warp Cycles Per Issued|No Eligible|Memory Throughput|Compute \(SM\) Throughput|spends|stalled|Est\. Speedup" \
-            "$OUT/ncu-$name.txt" | sed 's/  */ /g' | cut -c1-230 | head -24
+        grep -E "Duration|Achieved Occupancy|Theoretical Occupancy|Registers Per|Issue Slots Busy|Warp Cycles Per Issued|No Eligible|Memory Throughput|Compute \(SM\) Throughput|Est\. Speedup" \
+            "$OUT/ncu-$name.txt" | sed 's/  */ /g' | cut -c1-230 | head -14
+        # the stall reasons, cycles a warp spends in each per issued instruction, largest first
+        grep -E "issue_stalled_.*ratio" "$OUT/ncu-$name.txt" | sed 's/  */ /g' | awk '{print $NF, $1}' | sort -gr | head -6
     }
     prof decode-gateup "expert_gateup$" 5 python3 scripts/gpu_experts_bench.py --types IQ3_S --cases decode8 --iters 2 --reps 2
     prof decode-down "expert_down$" 5 python3 scripts/gpu_experts_bench.py --types IQ3_S --cases decode8 --iters 2 --reps 2
@@ -215,6 +228,30 @@ ncu)
     model "$A3B" --router-skew 1.0
     prof prompt-flash "attn_flash_prefill_128" 30 python3 scripts/gpu_prefill_profile.py --model "$A3B" --fractions 1.0 \
         --contexts 8192
+    ;;
+ncu-step)  # a3b 1K all resident: every kernel of ~2 decode steps timed alone by Nsight Compute (no overlap, no PDL),
+    # summed by name; then the qkv mat-vec with its RMSNorm in detail
+    command -v ncu > /dev/null || { echo "no ncu here"; exit 0; }
+    model "$A3B" --router-skew 1.0
+    timeout 200 ncu --clock-control none --metrics gpu__time_duration.sum -s 6000 -c 800 --csv --page raw \
+        --log-file "$OUT/ncu-step.csv" python3 scripts/gpu_decode_profile.py --model "$A3B" --fractions 1.0 \
+        --context 1024 --tokens 48 --iters 2 > /dev/null 2>&1
+    echo "== ncu-step: rc=$?"
+    python3 scripts/ncu_sum.py "$OUT/ncu-step.csv" | tee "$OUT/ncu-step.txt"
+    bash "$0" ncu-qkv
+    ;;
+ncu-qkv)
+    command -v ncu > /dev/null || { echo "no ncu here"; exit 0; }
+    model "$A3B" --router-skew 1.0
+    timeout 150 ncu --clock-control none -k "regex:norm_matvec_q8_0" -s 300 -c 1 --section SpeedOfLight \
+        --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \
+        --section MemoryWorkloadAnalysis --section SourceCounters \
+        --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" --page details \
+        --log-file "$OUT/ncu-qkv.txt" python3 scripts/gpu_decode_profile.py --model "$A3B" --fractions 1.0 \
+        --context 1024 --tokens 16 --iters 2 > /dev/null 2>&1
+    grep -E "Duration|Achieved Occupancy|Theoretical Occupancy|Registers Per|Issue Slots Busy|Warp Cycles Per Issued|No Eligible|Memory Throughput|Compute \(SM\) Throughput|Est\. Speedup|Grid Size|Waves" \
+        "$OUT/ncu-qkv.txt" | sed 's/  */ /g' | cut -c1-200 | head -16
+    grep -E "issue_stalled_.*ratio" "$OUT/ncu-qkv.txt" | sed 's/  */ /g' | awk '{print $NF, $1}' | sort -gr | head -6
     ;;
 old32k)
     model "$A3B" --router-skew 1.0

@@ -11,6 +11,11 @@ For each cache fraction: a prompt is read, then
            device time, per layer;
   kernels  (every expert on the card) each kernel launch of one step captured alone and replayed --iters times:
            device ms per kernel name summed over the step, and launches per step.
+  marginal (every expert on the card, --marginal) the step's graph captured again with every launch of one kernel
+           doubled, for each kernel whose second launch leaves the state as the first did (not the o mat-vec or
+           the down kernel, which add to the residual): the step's extra ms is that kernel's cost inside the real
+           graph, PDL overlap and boundary waits included (the second launch finds its weights in L2: an estimate of
+           what removing the launch would save, not of its bytes).
 Prints a table last; --json writes everything.
 """
 from __future__ import annotations
@@ -54,12 +59,7 @@ def kernel_times(cp, card, ops, iters: int) -> dict:
 
     from lane.kernels import dense, experts
 
-    names = {}
-    for mod in dense._mods.values():
-        names.update({id(f): n for n, f in mod._fns.items()})
-    for k in card.experts.kernels.values():
-        names.update({id(f): n.lstrip("_") for n, f in vars(k).items() if type(f).__name__ == "Function"})
-        names.update({id(f): n for n, f in k._extra.items()})
+    names = kernel_names(card)
     plain = dense.launch
     ms, count = defaultdict(float), defaultdict(int)
 
@@ -80,7 +80,76 @@ def kernel_times(cp, card, ops, iters: int) -> dict:
     return {n: {"ms": ms[n], "launches": count[n]} for n in sorted(ms, key=ms.get, reverse=True)}
 
 
-def profile(path: str, fraction: float, context: int, tokens: int, iters: int, host_experts: str = "card") -> dict:
+# kernels a decode step may launch twice without changing its state (they write what they read from elsewhere)
+IDEMPOTENT = ("norm_matvec_", "attn_split_", "attn_combine", "route_pairs", "expert_gateup", "matvec_q8_0_r4_k1",
+              "argmax", "rms_norm_rows")
+
+
+def kernel_names(card) -> dict:
+    """id(CuPy function) -> kernel name, for the dense module and the card's expert kernels."""
+    from lane.kernels import dense
+
+    names = {}
+    for mod in dense._mods.values():
+        names.update({id(f): n for n, f in mod._fns.items()})
+    for k in card.experts.kernels.values():
+        names.update({id(f): n.lstrip("_") for n, f in vars(k).items() if type(f).__name__ == "Function"})
+        names.update({id(f): n for n, f in k._extra.items()})
+    return names
+
+
+def decode_ms(card, kv, prompt, tokens: int) -> float:
+    """ms a decode step over `tokens` steps replayed from the card's graphs (captured first)."""
+    import cupy as cp
+
+    card.forward([int(prompt[0])], kv)  # capture
+    cp.cuda.runtime.deviceSynchronize()
+    t = time.perf_counter()
+    for i in range(tokens):
+        card.forward([int(prompt[i])], kv)
+    return (time.perf_counter() - t) / tokens * 1e3
+
+
+def marginal_ms(card, kv, prompt, tokens: int) -> dict:
+    """Per idempotent kernel name launched in a step: the step's ms with its launches doubled, less the step's ms
+    (the mean of a plain run before and after)."""
+    from lane.kernels import dense, experts
+
+    names = kernel_names(card)
+    plain = dense.launch
+    seen = set()
+
+    def spy(fn, grid, block, args, shared_mem=0, pdl=True):
+        seen.add(names.get(id(getattr(fn, "kernel", fn)), names.get(id(fn), "?")))
+        plain(fn, grid, block, args, shared_mem, pdl)
+
+    dense.launch = experts.launch = spy
+    try:
+        card._graphs.clear()
+        base0 = decode_ms(card, kv, prompt, tokens)
+    finally:
+        dense.launch = experts.launch = plain
+    out = {}
+    for name in sorted(n for n in seen if n.startswith(IDEMPOTENT)):
+        def twice(fn, grid, block, args, shared_mem=0, pdl=True, name=name):
+            plain(fn, grid, block, args, shared_mem, pdl)
+            if names.get(id(getattr(fn, "kernel", fn)), names.get(id(fn))) == name:
+                plain(fn, grid, block, args, shared_mem, pdl)
+
+        dense.launch = experts.launch = twice
+        try:
+            card._graphs.clear()
+            out[name] = decode_ms(card, kv, prompt, tokens)
+        finally:
+            dense.launch = experts.launch = plain
+    card._graphs.clear()
+    base = (base0 + decode_ms(card, kv, prompt, tokens)) / 2
+    return {"step_ms": base, "step_ms_first": base0,
+            "extra_ms": {n: round(t - base, 4) for n, t in sorted(out.items(), key=lambda x: x[0])}}
+
+
+def profile(path: str, fraction: float, context: int, tokens: int, iters: int, host_experts: str = "card",
+            marginal: bool = False) -> dict:
     import cupy as cp
 
     from lane.cupy_card import Break, CupyCard
@@ -92,8 +161,10 @@ def profile(path: str, fraction: float, context: int, tokens: int, iters: int, h
     rng = np.random.default_rng(0)
     prompt = [int(t) for t in rng.integers(0, 2000, size=context)]
     out = {"fraction": fraction, "context": context, "host_experts": host_experts}
+    extra = (len(IDEMPOTENT) + 8) * (tokens + 1) if marginal else 0  # the marginal runs' positions
     for graphs in (True, False):
-        card = CupyCard(model, 0, n, context + tokens + iters + 64, graphs=graphs, host_experts=host_experts)
+        card = CupyCard(model, 0, n, context + tokens + iters + 64 + extra, graphs=graphs,
+                        host_experts=host_experts)
         card.forward(prompt[:512], card.new_kv(), logits="none")  # routing profile with nothing resident
         order = np.lexsort((np.arange(total), -card.counts.reshape(-1)))
         card.pool.fill([(int(i // c.n_expert), int(i % c.n_expert)) for i in order[:n]])
@@ -122,6 +193,8 @@ def profile(path: str, fraction: float, context: int, tokens: int, iters: int, h
             if card.experts.full:
                 with card.device, card.stream:
                     out["kernels"] = kernel_times(cp, card, ops, iters)
+                if marginal:
+                    out["marginal"] = marginal_ms(card, kv, prompt, tokens)
             cnt = card.counters
             out["cpu_share"] = cnt.cpu / max(1, cnt.total)
         card.close()
@@ -138,16 +211,24 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--host-experts", choices=["cpu", "card"], default="card")
+    p.add_argument("--marginal", action="store_true", help="each idempotent kernel's cost inside the step's graph")
     p.add_argument("--json")
     a = p.parse_args()
     path = model_path(a.model)
-    rows = [profile(path, float(f), a.context, a.tokens, a.iters, a.host_experts) for f in a.fractions.split(",")]
+    rows = [profile(path, float(f), a.context, a.tokens, a.iters, a.host_experts, a.marginal)
+            for f in a.fractions.split(",")]
     keys = ["fraction", "step_ms", "eager_ms", "device_sum_ms", "attend_route_front_ms", "back_ms", "finish_ms",
             "host_per_layer_us", "cpu_share"]
     report(rows, keys, a.json)
     for r in rows:
         for name, k in r.get("kernels", {}).items():
             print(f"  {r['fraction']:.2f} {name:40s} {k['ms']:8.3f} ms {k['launches']:4d} launches")
+        if "marginal" in r:
+            m = r["marginal"]
+            print(f"  {r['fraction']:.2f} step {m['step_ms']:.3f} ms (first run {m['step_ms_first']:.3f}); "
+                  "launched twice, the step gains:")
+            for name, ms in m["extra_ms"].items():
+                print(f"  {r['fraction']:.2f}   {name:40s} {ms:+8.3f} ms")
     return 0
 
 

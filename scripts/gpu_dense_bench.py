@@ -213,22 +213,25 @@ def bench_attention(D, cp, rng, bw, out, n_layers=48):
     hw = cp.asarray(rng.uniform(0.5, 1.5, hd).astype(F32))
     rope = D.RopeTable(mc, hd, 1e6)
     o = cp.empty((1, nh * hd), cp.float32)
-    variants = [("pipe+v2", True, "attn_combine", 64, None), ("v1+v1", False, "attn_combine_v1", 64, None),
-                ("v1+v2", False, "attn_combine", 64, None), ("pipe+v1", True, "attn_combine_v1", 64, None),
-                ("pipe+v2 cmin256", True, "attn_combine", 256, None),
-                ("pipe+v2 cols32", True, "attn_combine", 64, 32), ("pipe+v2 cols4", True, "attn_combine", 64, 4)]
-    for vname, pipe, comb, chunk_min, cols in variants:
-        att = D.DecodeAttention(nh, nkv, hd, mc, chunk_min=chunk_min, pipelined=pipe, combine=comb,
+    main = ("ring+v2", "pipe+v2")  # the shared-memory ring and the register prefetch, each with the fused step
+    variants = [("ring+v2", True, True, "attn_combine", 64, None), ("pipe+v2", False, True, "attn_combine", 64, None),
+                ("v1+v1", False, False, "attn_combine_v1", 64, None), ("v1+v2", False, False, "attn_combine", 64, None),
+                ("pipe+v1", False, True, "attn_combine_v1", 64, None),
+                ("ring+v2 cmin256", True, True, "attn_combine", 256, None),
+                ("ring+v2 cols32", True, True, "attn_combine", 64, 32),
+                ("ring+v2 cols4", True, True, "attn_combine", 64, 4)]
+    for vname, ring, pipe, comb, chunk_min, cols in variants:
+        att = D.DecodeAttention(nh, nkv, hd, mc, chunk_min=chunk_min, ring=ring, pipelined=pipe, combine=comb,
                                 combine_cols=cols)
         for ctx in (1024, 8192, 32768, 65536, 131072):
-            if vname != "pipe+v2" and ctx == 65536:
+            if vname not in main and ctx == 65536:
                 continue
             pos = cp.asarray(np.array([ctx - 1], np.int32))
             us, _ = graph_us(cp, [lambda s, K=K, V=V: att(q, K, V, pos, o, stream=s) for K, V in caches], iters=5)
             kv_bytes = ctx * nkv * hd * 2 * 2
             out.append(rec(f"attention ctx={ctx} {vname}", us, kv_bytes, bw,
                            nsplit=att.nsplit(1), capacity=att.capacity))
-            if vname == "pipe+v2":  # the decode step's launch with qk_norm_rope_kv's work (coherent K / V loads)
+            if vname in main:  # the decode step's launch with qk_norm_rope_kv's work (K / V loads the step sees)
                 us, _ = graph_us(cp, [lambda s, K=K, V=V: att.step(qkv, hw, hw, 1e-6, rope, pos, K, V, o, stream=s)
                                       for K, V in caches], iters=5)
                 out.append(rec(f"attention ctx={ctx} {vname} step (+q/k norm, RoPE, KV append)", us, kv_bytes, bw))
@@ -338,9 +341,9 @@ def main():
     info["compile_s"] = time.time() - t0
     info["build"] = m.build
     regs = {}
-    for name in ["matvec_q8_0_r4_k1", "matvec_q8_0_r1_k1", "matvec_f16_r1_k1", "attn_split_hd128_g8", "attn_combine",
-                 "attn_flash_prefill_128", "attn_flash_prefill_128_qs", "gemm_f32", "rms_norm_rows",
-                 "qk_norm_rope_kv", "topk_sample"]:
+    for name in ["matvec_q8_0_r4_k1", "matvec_q8_0_r1_k1", "matvec_f16_r1_k1", "attn_split_hd128_g8",
+                 "attn_split_hd128_g8_ring", "attn_combine", "attn_flash_prefill_128", "attn_flash_prefill_128_qs",
+                 "gemm_f32", "rms_norm_rows", "qk_norm_rope_kv", "topk_sample"]:
         try:
             f = m.fn(name)
             regs[name] = {"regs": int(f.num_regs), "smem": int(f.shared_size_bytes),

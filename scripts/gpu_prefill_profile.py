@@ -22,12 +22,13 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from profile_report import model_path, report  # noqa: E402
+from stratad.config import GPU_PROMPT_CHUNK  # noqa: E402
 from stratad.model.gguf_file import ModelFile  # noqa: E402
 
 KINDS = ("dense", "attention", "experts", "combine")
 
 
-def profile(path: str, fraction: float, context: int, host_experts: str, q_smem: bool) -> dict:
+def profile(path: str, fraction: float, context: int, host_experts: str, q_smem: bool, chunk: int) -> dict:
     import cupy as cp
 
     from lane.cupy_card import CupyCard
@@ -39,10 +40,10 @@ def profile(path: str, fraction: float, context: int, host_experts: str, q_smem:
     c = model.config
     total = c.n_layer * c.n_expert
     n = int(fraction * total)
-    card = CupyCard(model, 0, n, context + 64, host_experts=host_experts)
+    card = CupyCard(model, 0, n, context + 64, host_experts=host_experts, prompt_chunk=chunk)
     card.pool.fill([(layer, e) for layer in range(c.n_layer) for e in range(c.n_expert)][:n])
     prompt = [int(t) for t in np.random.default_rng(context).integers(0, 2000, size=context)]
-    card.forward(prompt[:1024], card.new_kv(), logits="last")  # compile, cuBLAS handles, workspaces
+    card.forward(prompt[:chunk], card.new_kv(), logits="last")  # compile, cuBLAS handles, workspaces
     marks = []
 
     def timed(kind, fn):
@@ -68,6 +69,7 @@ def profile(path: str, fraction: float, context: int, host_experts: str, q_smem:
         sums[kind] += cp.cuda.get_elapsed_time(e0, e1)
     card.close()
     out = {"fraction": fraction, "context": context, "host_experts": host_experts, "flash_q_smem": q_smem,
+           "prompt_chunk": chunk,
            "prefill_tok_s": round(context / wall_ms * 1e3, 1), "wall_ms": round(wall_ms, 1)}
     out |= {f"{k}_ms": round(v, 1) for k, v in sums.items()}
     out["other_ms"] = round(wall_ms - sum(sums.values()), 1)
@@ -82,13 +84,14 @@ def main() -> int:
     p.add_argument("--host-experts", choices=["cpu", "card"], default="card")
     p.add_argument("--flash-q-smem", default="1", help="comma list of 0 / 1: the prompt attention kernel's shape "
                    "(lane.kernels.dense.FLASH_Q_SMEM), each a row")
+    p.add_argument("--prompt-chunks", default=str(GPU_PROMPT_CHUNK), help="comma list: tokens a prompt chunk, each a row")
     p.add_argument("--json")
     a = p.parse_args()
     path = model_path(a.model)
-    rows = [profile(path, float(f), int(n), a.host_experts, bool(int(q))) for f in a.fractions.split(",")
-            for n in a.contexts.split(",") for q in a.flash_q_smem.split(",")]
-    keys = ["fraction", "context", "flash_q_smem", "prefill_tok_s", "wall_ms"] + [f"{k}_ms" for k in KINDS] + \
-        ["other_ms"]
+    rows = [profile(path, float(f), int(n), a.host_experts, bool(int(q)), int(ch)) for f in a.fractions.split(",")
+            for n in a.contexts.split(",") for q in a.flash_q_smem.split(",") for ch in a.prompt_chunks.split(",")]
+    keys = ["fraction", "context", "flash_q_smem", "prompt_chunk", "prefill_tok_s", "wall_ms"] + \
+        [f"{k}_ms" for k in KINDS] + ["other_ms"]
     report(rows, keys, a.json)
     return 0
 

@@ -1,4 +1,4 @@
-"""Configuration: the host_experts choice and prefix_cache are validated and reach every lane's command line."""
+"""Configuration: the host_experts choice, prompt_chunk and prefix_cache are validated and reach every lane's command line."""
 from __future__ import annotations
 
 import pytest
@@ -33,6 +33,20 @@ def test_prefix_cache_reaches_the_lane():
     on = lane_argv(LaneHandle(lane=0, card="cpu"), prefix_cache=True, **common)
     off = lane_argv(LaneHandle(lane=0, card="cpu"), **common)
     assert lane.main.parse_args(on[3:]).prefix_cache and not lane.main.parse_args(off[3:]).prefix_cache
+
+
+def test_prompt_chunk_reaches_the_lane():
+    import lane.main
+
+    assert config.load(None, {"model": "m.gguf"}).prompt_chunk == config.GPU_PROMPT_CHUNK
+    with pytest.raises(config.ConfigError, match="key 'prompt_chunk'"):
+        config.load(None, {"model": "m.gguf", "prompt_chunk": 0})
+    common = dict(endpoint="ipc:///tmp/x", model="m.gguf", model_hash="h", shm_prefix="/p", context_length=4096,
+                  heartbeat_s=1.0, log_level="info", cpu_threads=2)
+    assert lane.main.parse_args(lane_argv(LaneHandle(lane=0, card="0"), prompt_chunk=2048, **common)[3:]) \
+        .prompt_chunk == 2048
+    assert lane.main.parse_args(lane_argv(LaneHandle(lane=0, card="0"), **common)[3:]).prompt_chunk == \
+        config.GPU_PROMPT_CHUNK
 
 
 def test_status_says_where_host_memory_work_ran():

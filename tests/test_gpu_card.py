@@ -199,24 +199,24 @@ def test_logits_close_to_the_float_reference(model, CupyCard):
     assert np.abs(last[0] - ours[-1]).max() / np.abs(ours[-1]).max() < 0.05
 
 
-def test_prompt_longer_than_a_chunk(model, CupyCard):
+@pytest.mark.parametrize("chunk", [1024, 256])
+def test_prompt_longer_than_a_chunk(model, CupyCard, chunk):
     """A prompt read in several chunks (positions, KV and prefill attention across the chunk boundary), with half
-    the experts staged per chunk: its last logits stay as close to the reference as a one-chunk prompt's."""
-    from lane.chunks import PROMPT_CHUNK
-
+    the experts staged per chunk: its last logits stay as close to the reference as a one-chunk prompt's, at two
+    chunk sizes (prompt_chunk)."""
     c = model.config
-    n = PROMPT_CHUNK + 300
+    n = 1024 + 300
     if n + 8 > c.context_length:
         pytest.skip(f"the model's context ({c.context_length}) is shorter than two chunks")
     tokens = list(np.random.default_rng(4).integers(0, c.vocab_size, n))
     total = c.n_layer * c.n_expert
-    card = CupyCard(model, 0, total // 2, n + 64)
+    card = CupyCard(model, 0, total // 2, n + 64, prompt_chunk=chunk)
     card.pool.fill(experts_by_rank(model)[: total // 2])
     ours = card.forward(tokens, card.new_kv(), logits="last")[-1]
     ref = ReferenceEngine(model, "canonical")
     theirs = ref.forward(tokens, ref.new_kv(), logits="last")[-1]
     err = np.abs(ours - theirs).max() / np.abs(theirs).max()
-    print(f"{n}-token prompt in chunks of {PROMPT_CHUNK}: max |dlogit| / max |logit| = {err:.2e}")
+    print(f"{n}-token prompt in chunks of {card.prompt_chunk}: max |dlogit| / max |logit| = {err:.2e}")
     assert err < 0.12
 
 

@@ -308,6 +308,14 @@ def test_decode_step_attention_is_qk_norm_rope_kv_then_attention(cp, D, cfg, pos
     assert np.array_equal(got.get().view(np.uint32), want.get().view(np.uint32))
     assert np.array_equal(Kb.get().view(np.uint16), Ka.get().view(np.uint16))
     assert np.array_equal(Vb.get().view(np.uint16), Va.get().view(np.uint16))
+    # the other load path (the shared-memory ring or the register prefetch, whichever att did not take), on the
+    # same splits (their occupancy may differ): same bits
+    other = D.DecodeAttention(n_head, n_kv, hd, max_ctx, ring=not att.ring, nsplit=att.nsplit(1))
+    Kc, Vc, got2 = cp.asarray(K0), cp.asarray(V0), nan_like(cp, (1, n_head * hd))
+    other.step(qkv, qnw, knw, 1e-6, rope, pos, Kc, Vc, got2)
+    sync(cp)
+    assert np.array_equal(got2.get().view(np.uint32), got.get().view(np.uint32))
+    assert np.array_equal(Kc.get().view(np.uint16), Ka.get().view(np.uint16))
 
 
 # ---- 4. decode attention ------------------------------------------------------------------------------------------
@@ -341,15 +349,19 @@ def _attn_case(cp, D, rng, n_head, n_kv, hd, max_ctx, L, Tn=1, q_scale=1.0, pref
     return got, ref64, ref32
 
 
-ATTN_VARIANTS = [{"pipelined": True, "combine": "attn_combine"}, {"pipelined": False, "combine": "attn_combine_v1"},
-                 {"pipelined": False, "combine": "attn_combine"}, {"pipelined": True, "combine": "attn_combine_v1"},
-                 {"pipelined": True, "combine_cols": 32}, {"pipelined": True, "combine_cols": 1}]
+ATTN_VARIANTS = [{"ring": True, "combine": "attn_combine"},
+                 {"ring": False, "pipelined": True, "combine": "attn_combine"},
+                 {"ring": False, "pipelined": False, "combine": "attn_combine_v1"},
+                 {"ring": False, "pipelined": False, "combine": "attn_combine"},
+                 {"ring": False, "pipelined": True, "combine": "attn_combine_v1"},
+                 {"combine_cols": 32}, {"combine_cols": 1}]
+ATTN_IDS = ["ring", "pipe-v2", "v1", "v2", "pipe-v1", "cols32", "cols1"]
 
 
 @pytest.mark.parametrize("cfg", [(32, 4, 128), (4, 2, 64), (16, 1, 128), (8, 8, 64)],
                          ids=["a3b", "tiny", "g16", "mha"])
 @pytest.mark.parametrize("L", [1, 15, 16, 17, 100, 1000, 5000])
-@pytest.mark.parametrize("var", ATTN_VARIANTS[:2], ids=["pipe-v2", "v1"])
+@pytest.mark.parametrize("var", ATTN_VARIANTS[:3], ids=ATTN_IDS[:3])
 def test_attention(cp, D, cfg, L, var):
     n_head, n_kv, hd = cfg
     rng = np.random.default_rng(L * 7 + hd)
@@ -363,7 +375,7 @@ def test_attention(cp, D, cfg, L, var):
 
 @pytest.mark.parametrize("kw", [{"nsplit": 1}, {"nsplit": 7, "chunk_min": 16}, {"chunk_min": 1024}],
                          ids=["nsplit1", "nsplit7", "chunk1024"])
-@pytest.mark.parametrize("var", ATTN_VARIANTS, ids=["pipe-v2", "v1", "v2", "pipe-v1", "cols32", "cols1"])
+@pytest.mark.parametrize("var", ATTN_VARIANTS, ids=ATTN_IDS)
 def test_attention_splits(cp, D, kw, var):
     rng = np.random.default_rng(3)
     for L in (3001, 64, 80):
@@ -372,7 +384,7 @@ def test_attention_splits(cp, D, kw, var):
         assert normwise(got, ref64) <= 3e-3
 
 
-@pytest.mark.parametrize("var", ATTN_VARIANTS[:2], ids=["pipe-v2", "v1"])
+@pytest.mark.parametrize("var", ATTN_VARIANTS[:3], ids=ATTN_IDS[:3])
 def test_attention_prefill_tokens(cp, D, var):
     rng = np.random.default_rng(4)
     got, ref64, ref32 = _attn_case(cp, D, rng, 32, 4, 128, 4096, 700, Tn=9, **var)
@@ -380,7 +392,33 @@ def test_attention_prefill_tokens(cp, D, var):
     assert normwise(got, ref64) <= 3e-3
 
 
-@pytest.mark.parametrize("var", ATTN_VARIANTS[:2], ids=["pipe-v2", "v1"])
+@pytest.mark.parametrize("cfg", [(32, 4, 128), (4, 2, 64), (16, 1, 128), (8, 8, 64)],
+                         ids=["a3b", "tiny", "g16", "mha"])
+def test_attention_ring_is_the_register_paths_bits(cp, D, cfg):
+    """The shared-memory ring computes the same tiles in the same order as the register paths: every bit equal on
+    the same splits (the ring's nsplit given to all three), for tile, split and ring-stage edges and several
+    tokens."""
+    n_head, n_kv, hd = cfg
+    rng = np.random.default_rng(hd + n_head)
+    max_ctx = 8192
+    K = cp.asarray(rng.standard_normal((n_kv, max_ctx, hd)).astype(np.float16))
+    V = cp.asarray(rng.standard_normal((n_kv, hd, max_ctx)).astype(np.float16))
+    for L, Tn in ((1, 1), (16, 1), (47, 1), (64, 1), (200, 1), (1000, 3), (5000, 1), (8192, 1)):
+        q = cp.asarray(rng.standard_normal((Tn, n_head, hd), dtype=F32) * F32(2))
+        pos = cp.asarray(np.array([L - Tn], np.int32))
+        outs, ns = [], D.DecodeAttention(n_head, n_kv, hd, max_ctx, max_T=Tn, ring=True).nsplit(Tn)
+        for kw in ({"ring": True}, {"ring": False, "pipelined": True}, {"ring": False, "pipelined": False}):
+            att = D.DecodeAttention(n_head, n_kv, hd, max_ctx, max_T=Tn, nsplit=ns, **kw)
+            out = nan_like(cp, (Tn, n_head * hd))
+            att(q, K, V, pos, out, Tn)
+            sync(cp)
+            outs.append(out.get())
+        assert np.isfinite(outs[0]).all()
+        for o in outs[1:]:
+            assert np.array_equal(o.view(np.uint32), outs[0].view(np.uint32)), (L, Tn)
+
+
+@pytest.mark.parametrize("var", ATTN_VARIANTS[:3], ids=ATTN_IDS[:3])
 def test_attention_long(cp, D, var):
     rng = np.random.default_rng(5)
     got, ref64, _ = _attn_case(cp, D, rng, 32, 4, 128, 131072, 100003, q_scale=2.0, **var)

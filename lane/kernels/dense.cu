@@ -261,9 +261,10 @@ __device__ __forceinline__ void matvec_q8_0_body(const u8* __restrict__ W, int r
     mv_finish<R, KS>(acc, rg, rows, res, y);
 }
 
-template <int QT, int R, int KS, bool XS = false>
+// `wait` (as in the Q8_0 body) runs once the first weights are in flight in registers
+template <int QT, int R, int KS, bool XS, class Wait>
 __device__ __forceinline__ void matvec_float_body(const u8* __restrict__ W, int rows, int nchunk, i64 row_bytes,
-                                                  const float* x, const float* res, float* y) {
+                                                  const float* x, const float* res, float* y, Wait wait) {
     constexpr int U = 8 / R;
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
     const int rg = blockIdx.x * (MV_WARPS / KS) + w / KS;
@@ -272,8 +273,8 @@ __device__ __forceinline__ void matvec_float_body(const u8* __restrict__ W, int 
     float acc[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) acc[r] = 0.f;
-    for (int it = ks; it < ntiles; it += KS * U) {
-        uint4 v[U][R];
+    uint4 v[U][R];
+    auto load = [&](int it) {
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             const int ch = (it + u * KS) * 32 + lane;
@@ -284,6 +285,11 @@ __device__ __forceinline__ void matvec_float_body(const u8* __restrict__ W, int 
                 else v[u][r] = make_uint4(0, 0, 0, 0);
             }
         }
+    };
+    load(ks);  // weights are no predecessor's output
+    wait();
+    for (int it = ks; it < ntiles; it += KS * U) {
+        if (it != ks) load(it);
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             const int ch = (it + u * KS) * 32 + lane;
@@ -334,7 +340,7 @@ __device__ __forceinline__ void matvec_float_body(const u8* __restrict__ W, int 
         if (QT == QT_Q8_0)                                                                                       \
             matvec_q8_0_body<R, KS, QV, Q8_RING_TILES, false>(W, rows, ncu, row_bytes, x, res, y, mv_smem,          \
                                                                [] { PDL_ENTRY(); });                              \
-        else { PDL_ENTRY(); matvec_float_body<QT, R, KS>(W, rows, ncu, row_bytes, x, res, y); }                  \
+        else matvec_float_body<QT, R, KS, false>(W, rows, ncu, row_bytes, x, res, y, [] { PDL_ENTRY(); });       \
     }
 #define MV_PLANS(QN, QT, QV)                                                                                      \
     MV_INST(matvec_##QN##_r4_k1, QT, 4, 1, QV)                                                                    \
@@ -636,10 +642,8 @@ __device__ __forceinline__ void norm_stage(const float* __restrict__ x, const fl
         if (QT == QT_Q8_0)                                                                                       \
             matvec_q8_0_body<R, KS, QV, NORM_MV_RING, true>(W, rows, ncu, row_bytes, xs, res, y,                 \
                                                             mv_smem + 4 * NORM_MV_MAX_N, wait);                   \
-        else {                                                                                                    \
-            wait();                                                                                               \
-            matvec_float_body<QT, R, KS, true>(W, rows, ncu, row_bytes, xs, res, y);                              \
-        }                                                                                                         \
+        else                                                                                                      \
+            matvec_float_body<QT, R, KS, true>(W, rows, ncu, row_bytes, xs, res, y, wait);                        \
     }
 #define NORM_MV_PLANS(QN, QT, QV)                                                                                 \
     NORM_MV_INST(norm_matvec_##QN##_r2_k1, QT, 2, 1, QV)                                                          \
@@ -751,6 +755,10 @@ extern "C" __global__ void advance_pos(int* pos, int T) {
 //  O (heads x hd) = P V, and each thread's B-fragment of V^T is 4 consecutive positions (8 bytes).
 // Online softmax in base 2 (scores * log2(e)/sqrt(hd)), P rounded to f16 and l summed from the rounded values.
 // The block merges its 4 warps and writes one partial (m, l, O unnormalised) per (t, kv head, split, head).
+// A warp's K / V tiles reach its registers one of three ways, the arithmetic the same: loaded where used (plain),
+// the next tile prefetched into registers (PIPE, 247 registers), or through the warp's ring in dynamic shared
+// memory, cp.async keeping STAGES - 1 tiles in flight (RING, ~165 registers; AttnRing<G16>::STAGES * 64 * HD bytes
+// a warp).
 // =============================================================================================================
 __device__ __forceinline__ void mma16816(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
@@ -801,7 +809,14 @@ struct AttnQkv {
     const float* sin_t;
 };
 
-template <int HD, bool G16, bool PIPE, bool FUSE>
+// K / V of one 16-position tile in a warp's shared-memory ring (RING): K rows (16 x HD halfs) with their 16-byte
+// chunks permuted by attn_swz(row) so that the fragment loads (rows 2m and 2m + 1 of a quarter-warp, four chunks
+// each) hit 32 different banks, then V^T rows (HD x 16 halfs, 32 bytes each: a half-warp's loads are contiguous).
+template <int HD>
+__device__ __forceinline__ int attn_swz(int r) { return ((r >> 2) | ((r & 1) << 2)) & (HD / 8 - 1); }
+template <bool G16> struct AttnRing { static constexpr int STAGES = G16 ? 2 : 3; };  // two blocks an SM either way
+
+template <int HD, bool G16, bool PIPE, bool FUSE, bool RING = false>
 __device__ __forceinline__ void attn_split_body(const float* __restrict__ q, const u16* kc, const u16* vc,
                                                 const int* __restrict__ pos_p, int n_head, int n_kv, int max_ctx,
                                                 int nsplit, int chunk_min, float scale_log2,
@@ -913,20 +928,9 @@ __device__ __forceinline__ void attn_split_body(const float* __restrict__ q, con
             v[dt] = ld_stream_u2<!FUSE>(vp);
         }
     };
-    uint4 kv[2][NJ];
-    uint2 vv[NDT];
-    if (PIPE && w < ntile) load_tile(w, kv, vv);
-    for (int it = w; it < ntile; it += 4) {
-        const int p0 = start + 16 * it;
-        uint4 kn[2][NJ];
-        uint2 vn[NDT];
-        if (PIPE) {
-            if (it + 4 < ntile) load_tile(it + 4, kn, vn);  // next tile in flight while this one computes
-        } else {
-            load_tile(it, kv, vv);
-        }
 
-        // ---- S = Q K^T ----
+    // ---- one tile at p0: S = Q K^T, the online softmax, O = O * alpha + P V ----
+    auto compute_tile = [&](int p0, uint4 (&kv)[2][NJ], uint2 (&vv)[NDT]) {
         float sc[2][4];
 #pragma unroll
         for (int si = 0; si < 2; ++si) {
@@ -937,14 +941,13 @@ __device__ __forceinline__ void attn_split_body(const float* __restrict__ q, con
                 mma16816(sc[si], qa[ks][0], qb[ks][0], qa[ks][1], qb[ks][1], uget(kv[si][j], m), uget(kv[si][j], m + 1));
             }
         }
-        // ---- online softmax ----
         float mx0 = NEG_INF, mx8 = NEG_INF;
+        const bool edge = p0 + 16 > end;  // warp-uniform: only the range's last tile has positions to mask
 #pragma unroll
         for (int si = 0; si < 2; ++si) {
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
-                const int p = p0 + 4 * tq + 2 * si + e;
-                const bool ok = p < end;
+                const bool ok = !edge || p0 + 4 * tq + 2 * si + e < end;
                 sc[si][e] = ok ? f_mul(sc[si][e], scale_log2) : NEG_INF;
                 sc[si][2 + e] = ok ? f_mul(sc[si][2 + e], scale_log2) : NEG_INF;
                 mx0 = fmaxf(mx0, sc[si][e]);
@@ -977,19 +980,82 @@ __device__ __forceinline__ void attn_split_body(const float* __restrict__ q, con
                 if (pb + 3 >= end) vv[dt].y &= 0x0000ffffu;
             }
         }
-        // ---- O = O * alpha + P V ----
+        // where no lane's maximum moved every factor is exactly 1 and the products would be the accumulators
+        // themselves: skipped (most tiles at long context), the same bits
+        if (__any_sync(0xffffffffu, al0 != 1.f || al8 != 1.f)) {
 #pragma unroll
-        for (int dt = 0; dt < NDT; ++dt) {
-            rescale_c(o[dt], al0, al8);
-            mma16816(o[dt], pa[0][0], pa[0][1], pa[1][0], pa[1][1], vv[dt].x, vv[dt].y);
+            for (int dt = 0; dt < NDT; ++dt) rescale_c(o[dt], al0, al8);
         }
-        if (PIPE) {
 #pragma unroll
-            for (int si = 0; si < 2; ++si)
+        for (int dt = 0; dt < NDT; ++dt) mma16816(o[dt], pa[0][0], pa[0][1], pa[1][0], pa[1][1], vv[dt].x, vv[dt].y);
+    };
+
+    uint4 kv[2][NJ];
+    uint2 vv[NDT];
+    if (RING) {
+        // this warp's tiles w, w + 4, ... through its ring: STAGES - 1 tiles in flight (cp.async, L2 only: the
+        // appending block sees its own K / V row) while one computes; no block barrier, the warp owns its ring
+        constexpr int ST = AttnRing<G16>::STAGES, STAGE = 32 * HD;  // halfs: K 16 x HD, V^T HD x 16
+        extern __shared__ __align__(16) u16 attn_ring[];
+        u16* ring = attn_ring + w * ST * STAGE;
+        const int nmine = w < ntile ? (ntile - w + 3) >> 2 : 0;
+        auto issue = [&](int i) {  // the warp's i-th tile into stage i % ST
+            u16* kst = ring + (i % ST) * STAGE;
+            u16* vst = kst + 16 * HD;
+            const int p0 = start + 16 * (w + 4 * i);
 #pragma unroll
-                for (int j = 0; j < NJ; ++j) kv[si][j] = kn[si][j];
+            for (int u = 0; u < HD / 16; ++u) {
+                const int ci = lane + 32 * u, r = ci / (HD / 8), c = ci % (HD / 8);
+                cp_async16(smem_addr(kst + r * HD + (c ^ attn_swz<HD>(r)) * 8), kbase + (i64)(p0 + r) * HD + c * 8);
+            }
 #pragma unroll
-            for (int dt = 0; dt < NDT; ++dt) vv[dt] = vn[dt];
+            for (int u = 0; u < HD / 16; ++u) {
+                const int ci = lane + 32 * u, d = ci >> 1, c = ci & 1;
+                cp_async16(smem_addr(vst + d * 16 + c * 8), vbase + (i64)d * max_ctx + p0 + c * 8);
+            }
+        };
+#pragma unroll
+        for (int i = 0; i < ST - 1; ++i) {
+            if (i < nmine) issue(i);
+            cp_commit();
+        }
+        for (int i = 0; i < nmine; ++i) {
+            cp_wait<ST - 2>();  // this lane's copies of tile i have landed
+            __syncwarp();       // every lane's have, and every lane is done with tile i - 1's stage
+            if (i + ST - 1 < nmine) issue(i + ST - 1);
+            cp_commit();
+            const u16* kst = ring + (i % ST) * STAGE;
+            const u16* vst = kst + 16 * HD;
+#pragma unroll
+            for (int si = 0; si < 2; ++si) {
+                const int r = 4 * (g >> 1) + 2 * si + (g & 1);
+#pragma unroll
+                for (int j = 0; j < NJ; ++j)
+                    kv[si][j] = *(const uint4*)(kst + r * HD + ((tq + 4 * j) ^ attn_swz<HD>(r)) * 8);
+            }
+#pragma unroll
+            for (int dt = 0; dt < NDT; ++dt) vv[dt] = *(const uint2*)(vst + (dt * 8 + g) * 16 + 4 * tq);
+            compute_tile(start + 16 * (w + 4 * i), kv, vv);
+        }
+    } else {
+        if (PIPE && w < ntile) load_tile(w, kv, vv);
+        for (int it = w; it < ntile; it += 4) {
+            uint4 kn[2][NJ];
+            uint2 vn[NDT];
+            if (PIPE) {
+                if (it + 4 < ntile) load_tile(it + 4, kn, vn);  // next tile in flight while this one computes
+            } else {
+                load_tile(it, kv, vv);
+            }
+            compute_tile(start + 16 * it, kv, vv);
+            if (PIPE) {
+#pragma unroll
+                for (int si = 0; si < 2; ++si)
+#pragma unroll
+                    for (int j = 0; j < NJ; ++j) kv[si][j] = kn[si][j];
+#pragma unroll
+                for (int dt = 0; dt < NDT; ++dt) vv[dt] = vn[dt];
+            }
         }
     }
     // ---- merge the 4 warps ----
@@ -1036,36 +1102,45 @@ __device__ __forceinline__ void attn_split_body(const float* __restrict__ q, con
     }
 }
 
-#define ATTN_INST(HD, G16, PIPE, NAME)                                                                            \
+#define ATTN_INST(HD, G16, PIPE, RING, NAME)                                                                      \
     extern "C" __global__ void __launch_bounds__(128) NAME(                                                       \
         const float* __restrict__ q, const u16* __restrict__ kc, const u16* __restrict__ vc,                     \
         const int* __restrict__ pos_p, int n_head, int n_kv, int max_ctx, int nsplit, int chunk_min,             \
         float scale_log2, float* __restrict__ part_o, float* __restrict__ part_ml) { PDL_ENTRY();                \
-        attn_split_body<HD, G16, PIPE, false>(q, kc, vc, pos_p, n_head, n_kv, max_ctx, nsplit, chunk_min,         \
-                                              scale_log2, part_o, part_ml, AttnQkv{});                            \
+        attn_split_body<HD, G16, PIPE, false, RING>(q, kc, vc, pos_p, n_head, n_kv, max_ctx, nsplit, chunk_min,   \
+                                                    scale_log2, part_o, part_ml, AttnQkv{});                      \
     }
 // the decode step's variant (T = 1) that also does qk_norm_rope_kv's work: q from the raw qkv row, K / V appended
-#define ATTN_QKV_INST(HD, G16, NAME)                                                                              \
+#define ATTN_QKV_INST(HD, G16, RING, NAME)                                                                        \
     extern "C" __global__ void __launch_bounds__(128) NAME(                                                       \
         const float* __restrict__ qkv, const float* __restrict__ qnw, const float* __restrict__ knw, float eps,  \
         const float* __restrict__ cos_t, const float* __restrict__ sin_t, u16* kc, u16* vc,                      \
         const int* __restrict__ pos_p, int n_head, int n_kv, int max_ctx, int nsplit, int chunk_min,             \
         float scale_log2, float* __restrict__ part_o, float* __restrict__ part_ml) { PDL_ENTRY();                \
-        attn_split_body<HD, G16, true, true>(nullptr, kc, vc, pos_p, n_head, n_kv, max_ctx, nsplit, chunk_min,   \
-                                             scale_log2, part_o, part_ml, AttnQkv{qkv, qnw, knw, eps, cos_t, sin_t}); \
+        attn_split_body<HD, G16, true, true, RING>(nullptr, kc, vc, pos_p, n_head, n_kv, max_ctx, nsplit,        \
+                                                   chunk_min, scale_log2, part_o, part_ml,                        \
+                                                   AttnQkv{qkv, qnw, knw, eps, cos_t, sin_t});                    \
     }
-ATTN_INST(64, false, false, attn_split_hd64_g8)
-ATTN_INST(64, true, false, attn_split_hd64_g16)
-ATTN_INST(128, false, false, attn_split_hd128_g8)
-ATTN_INST(128, true, false, attn_split_hd128_g16)
-ATTN_INST(64, false, true, attn_split_hd64_g8_pipe)
-ATTN_INST(64, true, true, attn_split_hd64_g16_pipe)
-ATTN_INST(128, false, true, attn_split_hd128_g8_pipe)
-ATTN_INST(128, true, true, attn_split_hd128_g16_pipe)
-ATTN_QKV_INST(64, false, attn_split_hd64_g8_qkv)
-ATTN_QKV_INST(64, true, attn_split_hd64_g16_qkv)
-ATTN_QKV_INST(128, false, attn_split_hd128_g8_qkv)
-ATTN_QKV_INST(128, true, attn_split_hd128_g16_qkv)
+ATTN_INST(64, false, false, false, attn_split_hd64_g8)
+ATTN_INST(64, true, false, false, attn_split_hd64_g16)
+ATTN_INST(128, false, false, false, attn_split_hd128_g8)
+ATTN_INST(128, true, false, false, attn_split_hd128_g16)
+ATTN_INST(64, false, true, false, attn_split_hd64_g8_pipe)
+ATTN_INST(64, true, true, false, attn_split_hd64_g16_pipe)
+ATTN_INST(128, false, true, false, attn_split_hd128_g8_pipe)
+ATTN_INST(128, true, true, false, attn_split_hd128_g16_pipe)
+ATTN_INST(64, false, false, true, attn_split_hd64_g8_ring)
+ATTN_INST(64, true, false, true, attn_split_hd64_g16_ring)
+ATTN_INST(128, false, false, true, attn_split_hd128_g8_ring)
+ATTN_INST(128, true, false, true, attn_split_hd128_g16_ring)
+ATTN_QKV_INST(64, false, false, attn_split_hd64_g8_qkv)
+ATTN_QKV_INST(64, true, false, attn_split_hd64_g16_qkv)
+ATTN_QKV_INST(128, false, false, attn_split_hd128_g8_qkv)
+ATTN_QKV_INST(128, true, false, attn_split_hd128_g16_qkv)
+ATTN_QKV_INST(64, false, true, attn_split_hd64_g8_qkv_ring)
+ATTN_QKV_INST(64, true, true, attn_split_hd64_g16_qkv_ring)
+ATTN_QKV_INST(128, false, true, attn_split_hd128_g8_qkv_ring)
+ATTN_QKV_INST(128, true, true, attn_split_hd128_g16_qkv_ring)
 
 // combine the splits: grid (n_head, T, hd / (4 * cols)), block = 128 threads; out (T, n_head, hd) f32. A block
 // takes `cols` float4 columns of one head (every block of the head weighs the splits the same way); thread = (split
@@ -1650,6 +1725,7 @@ __device__ __forceinline__ void attn_flash_body(const u16* __restrict__ qp, cons
     const int kend = pos0 + (min(r0 + FA_BM, R) - 1) / group + 1;  // keys this block needs
     const int nkb = (kend + FA_BN - 1) / FA_BN;
     const int warp_last = pos0 + (min(r0 + w * 16 + 15, R - 1)) / group;  // the warp's last visible key
+    const int warp_first = pos0 + min(r0 + w * 16, R - 1) / group;         // every row of the warp sees keys <= it
 #pragma unroll
     for (int t = 0; t < F::STAGES - 1; ++t) {  // the first tiles in flight (a commit group each, empty or not)
         if (t < nkb) fa_load<HD>(stages + t * F::STAGE, kh, vh, max_ctx, t * FA_BN, S, tid);
@@ -1683,13 +1759,14 @@ __device__ __forceinline__ void attn_flash_body(const u16* __restrict__ qp, cons
                 }
             }
             float mxa = ma, mxb = mb;
+            const bool diag = k0 + FA_BN - 1 > warp_first;  // warp-uniform: some key of the tile is masked
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
                     const int key = k0 + nt * 8 + 2 * q4 + e;
-                    s[nt][e] = key <= la_key ? f_mul(s[nt][e], LOG2E) : NEG_INF;
-                    s[nt][2 + e] = key <= lb_key ? f_mul(s[nt][2 + e], LOG2E) : NEG_INF;
+                    s[nt][e] = !diag || key <= la_key ? f_mul(s[nt][e], LOG2E) : NEG_INF;
+                    s[nt][2 + e] = !diag || key <= lb_key ? f_mul(s[nt][2 + e], LOG2E) : NEG_INF;
                     mxa = fmaxf(mxa, s[nt][e]);
                     mxb = fmaxf(mxb, s[nt][2 + e]);
                 }
@@ -1701,8 +1778,10 @@ __device__ __forceinline__ void attn_flash_body(const u16* __restrict__ qp, cons
             mb = mxb;
             la = f_mul(la, ala);
             lb = f_mul(lb, alb);
+            if (__any_sync(0xffffffffu, ala != 1.f || alb != 1.f)) {  // else the products are acc itself
 #pragma unroll
-            for (int i = 0; i < NDT; ++i) rescale_c(acc[i], ala, alb);
+                for (int i = 0; i < NDT; ++i) rescale_c(acc[i], ala, alb);
+            }
             u32 pa[NT], pb[NT];
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {

@@ -60,7 +60,15 @@ BATCHED_METHODS = ("kernel", "f16", "bf16", "tf32", "sgemm")
 # tested and benchmarked beside them
 DEFAULT_BATCHED_METHOD = "f16"   # dense_batched: cuBLAS fp16 tensor cores on a dequantised copy
 Q8_VARIANT = "q8_0"              # Q8_0 mat-vec: "q8_0" (4 lanes per block) or "q8_0v1" (a lane per block)
-ATTN_PIPELINED = True            # decode attention: prefetch the next 16-position tile into registers
+# decode attention's split kernel, how its warps load K / V tiles: plainly (the default), prefetching the next
+# 16-position tile into registers (ATTN_PIPELINED) or through a per-warp cp.async ring of shared memory (ATTN_RING,
+# ATTN_RING_STAGES - 1 tiles in flight, 165 registers instead of 247; needs max_ctx % 8 == 0). H200, a3b, one
+# layer (µs, 1K / 8K / 32K / 128K context): plain 7.65 / 11.5 / 25.6 / 80.6, register prefetch 8.35 / 14.4 / 28.1 /
+# 85.6, ring 8.81 / 14.9 / 29.4 / 84.9 (docs/bench/2026-12-03-h200-dense-attn-ring.json): once full tiles skipped
+# the mask and the unmoved rescale, the plain loop's two blocks an SM hide the loads best
+ATTN_PIPELINED = False
+ATTN_RING = False
+ATTN_RING_STAGES = {False: 3, True: 2}  # by group > 8 (dense.cu AttnRing): two blocks an SM either way
 ATTN_COMBINE = "attn_combine"    # or "attn_combine_v1" (thread per dim)
 # prompt attention: the Q tile in shared memory and two blocks an SM (False: Q in registers, one block an SM). H200,
 # a3b, one layer's 1024-token chunk: 2467 -> 2223 us after 31K cached tokens, 760 -> 700 after 8K, 156 -> 158 first
@@ -562,13 +570,15 @@ class DecodeAttention:
     """Split-K GQA attention over one layer's fp16 KV cache for T <= max_T tokens at positions pos + t.
 
     __call__(q (T, n_head, hd) f32, K cache, V cache, pos, out (T, n_head*hd) f32). Two launches (split, combine).
+    ring / pipelined: how the split kernel's warps load their K / V tiles (ATTN_RING, ATTN_PIPELINED); the same bits
+    on the same splits.
     head_dim 64 or 128; group = n_head / n_kv <= 16. For T > 1 every token re-reads its own prefix (correct, fine
     for short prompts; a query-tiled prefill kernel is future work).
     """
 
     def __init__(self, n_head: int, n_kv: int, head_dim: int, max_ctx: int, max_T: int = 1, *, chunk_min: int = 64,
-                 nsplit: int | None = None, pipelined: bool | None = None, combine: str | None = None,
-                 combine_cols: int | None = None, device=None):
+                 nsplit: int | None = None, pipelined: bool | None = None, ring: bool | None = None,
+                 combine: str | None = None, combine_cols: int | None = None, device=None):
         m = self.m = kernels(device)
         cp = m.cp
         if head_dim not in (64, 128):
@@ -579,16 +589,24 @@ class DecodeAttention:
         self.group = n_head // n_kv
         self.max_T, self.chunk_min = int(max_T), int(chunk_min)
         pipelined = ATTN_PIPELINED if pipelined is None else pipelined
-        base = f"attn_split_hd{head_dim}_g{8 if self.group <= 8 else 16}"
-        self.name = base + ("_pipe" if pipelined else "")
-        self.qkv_name = base + "_qkv"  # decode steps: with qk_norm_rope_kv's work (step())
+        self.ring = (ATTN_RING if ring is None else ring) and max_ctx % 8 == 0
+        g16 = self.group > 8
+        base = f"attn_split_hd{head_dim}_g{16 if g16 else 8}"
+        self.name = base + ("_ring" if self.ring else "_pipe" if pipelined else "")
+        self.qkv_name = base + "_qkv" + ("_ring" if self.ring else "")  # decode steps: with qk_norm_rope_kv's work
+        # the ring: STAGES tiles of K and V^T (16 positions) for each of the 4 warps
+        self.smem = 4 * ATTN_RING_STAGES[g16] * 16 * head_dim * 2 * 2 if self.ring else 0
         self.combine = combine or ATTN_COMBINE
         self.cols = min(head_dim // 4, combine_cols or ATTN_COMBINE_COLS)
         if 128 % self.cols or (head_dim // 4) % self.cols:
             raise ValueError(f"combine_cols must divide 128 and head_dim / 4 (got {self.cols})")
         with m.device:
             # one split geometry for both kernels (the same registers today), so that step() has attention's bits
-            self.capacity = m.n_sm * min(m.blocks_per_sm(self.name, 128), m.blocks_per_sm(self.qkv_name, 128))
+            self.capacity = m.n_sm * min(m.blocks_per_sm(self.name, 128, self.smem),
+                                         m.blocks_per_sm(self.qkv_name, 128, self.smem))
+            for name in (self.name, self.qkv_name):
+                if self.smem:
+                    m.fn(name).max_dynamic_shared_size_bytes = self.smem
             self._nsplit_fixed = nsplit
             cap = max(self.nsplit(t) * t for t in range(1, self.max_T + 1))
             self.part_o = cp.empty(cap * n_kv * self.group * head_dim, cp.float32)
@@ -632,7 +650,7 @@ class DecodeAttention:
                   np.int32(self.chunk_min))
         with _on(stream):
             launch(split, (ns, self.n_kv, T_), (128,), first + (pos,) + common +
-                   (self.scale_log2, self.part_o, self.part_ml), pdl=pdl)
+                   (self.scale_log2, self.part_o, self.part_ml), shared_mem=self.smem, pdl=pdl)
             cargs = (self.part_o, self.part_ml, pos, np.int32(self.n_head), np.int32(self.n_kv), np.int32(self.hd),
                       np.int32(self.max_ctx), np.int32(ns), np.int32(self.chunk_min))
             if self.combine == "attn_combine":  # blocks of self.cols float4 columns

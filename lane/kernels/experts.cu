@@ -122,7 +122,14 @@
 #define QT_IQ3_S 21
 
 // ---- exact float32 arithmetic (IEEE round-to-nearest-even, subnormals kept, never contracted) ----------------
-__device__ __forceinline__ float i2f(int a) { float r; asm("cvt.rn.f32.s32 %0, %1;" : "=f"(r) : "r"(a)); return r; }
+// an integer with |a| < 2^22 (every integer sum and scale here: a sub-block's isum is at most 32 * 127 * 128) as a
+// float, exactly as cvt.rn.f32.s32 gives it, from an integer add and a float subtract (1.5 * 2^23 + a is an exact
+// float) instead of the conversion unit's quarter-rate I2F
+__device__ __forceinline__ float small_i2f(int a) {
+    float r;
+    asm("sub.rn.f32 %0, %1, 0f4B400000;" : "=f"(r) : "f"(__int_as_float(a + 0x4B400000)));
+    return r;
+}
 __device__ __forceinline__ float h2f(u32 bits16) {
     float r;
     unsigned short h = (unsigned short)bits16;
@@ -230,8 +237,8 @@ __device__ __forceinline__ void q4k_scale_min(u32 B, u32 j, float& sc, float& mn
     const bool lo = j < 4u;
     const u32 scv = lo ? (y & 63u) : ((m & 15u) | ((y >> 2) & 0x30u));
     const u32 mnv = lo ? (z & 63u) : ((m >> 4) | ((z >> 2) & 0x30u));
-    sc = f_mul(d, i2f((int)scv));
-    mn = f_mul(dmin, i2f((int)mnv));
+    sc = f_mul(d, small_i2f((int)scv));
+    mn = f_mul(dmin, small_i2f((int)mnv));
 }
 
 template <> __device__ __forceinline__ void decode_sub<QT_Q4_K>(u32 R, int s, u32, SubW& w) {
@@ -263,7 +270,7 @@ template <> __device__ __forceinline__ void decode_sub<QT_IQ3_S>(u32 R, int s, u
     const u32 sg = __funnelshift_r(sm_u32(sa), sm_u32(sa + 4u), sh);
     const u32 qh = sm_u8(B + 66u + j);
     const u32 nib = (sm_u8(B + 106u + (j >> 1)) >> (4u * (j & 1u))) & 15u;
-    w.sc = f_mul(d, i2f((int)(1u + 2u * nib)));
+    w.sc = f_mul(d, small_i2f((int)(1u + 2u * nib)));
     w.mn = 0.0f;
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
@@ -331,8 +338,8 @@ template <int QT> __device__ __forceinline__ float sub_term(const SubW& w, const
     int isum = 0;
 #pragma unroll
     for (int k = 0; k < 8; ++k) isum = __dp4a((int)w.q[k], (int)A.a[k], isum);
-    float t = f_mul(f_mul(w.sc, A.d), i2f(isum));
-    if (QT == QT_Q4_K) t = f_sub(t, f_mul(f_mul(w.mn, A.d), i2f(A.asum)));
+    float t = f_mul(f_mul(w.sc, A.d), small_i2f(isum));
+    if (QT == QT_Q4_K) t = f_sub(t, f_mul(f_mul(w.mn, A.d), small_i2f(A.asum)));
     return t;
 }
 
@@ -371,8 +378,8 @@ __device__ __forceinline__ float iq3s_term_fast(u32 R, int s, u32 lane4, const A
         isum = __dp4a((int)mag, (int)as, isum);
     }
     (void)lane4;
-    const float sc = f_mul(d, i2f((int)(1u + 2u * nib)));
-    return f_mul(f_mul(sc, A.d), i2f(isum));
+    const float sc = f_mul(d, small_i2f((int)(1u + 2u * nib)));
+    return f_mul(f_mul(sc, A.d), small_i2f(isum));
 }
 
 // Decode sub-block s of the row at shared offset R and return its canonical term against A.

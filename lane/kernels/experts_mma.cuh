@@ -95,7 +95,7 @@ template <> __device__ __forceinline__ void decode_frag<QT_IQ3_S>(u32 R, int s, 
     const u32 B = R + 110u * ((u32)s >> 3);  // 2-aligned
     const float d = h2f(sm_u16(B));
     const u32 nib = (sm_u8(B + 106u + (j >> 1)) >> (4u * (j & 1u))) & 15u;
-    sc = f_mul(d, i2f((int)(1u + 2u * nib)));
+    sc = f_mul(d, small_i2f((int)(1u + 2u * nib)));
     mn = 0.0f;
     const u32 qh = sm_u8(B + 66u + j);
     u32 q[2];
@@ -205,10 +205,10 @@ __device__ __forceinline__ void mma_leaves(u32 sb, u32 R, int mt0, int nmt, int 
                         mma_s8(a, b0, b1, c);
                         const int m0 = (mt0 + mt) * 16 + (int)g;
                         const float d0 = das[m0 * G::DST + s], d1 = das[(m0 + 8) * G::DST + s];
-                        term[mt * 4 + 0] = f_mul(f_mul(sc0, d0), i2f(c[0]));
-                        term[mt * 4 + 1] = f_mul(f_mul(sc1, d0), i2f(c[1]));
-                        term[mt * 4 + 2] = f_mul(f_mul(sc0, d1), i2f(c[2]));
-                        term[mt * 4 + 3] = f_mul(f_mul(sc1, d1), i2f(c[3]));
+                        term[mt * 4 + 0] = f_mul(f_mul(sc0, d0), small_i2f(c[0]));
+                        term[mt * 4 + 1] = f_mul(f_mul(sc1, d0), small_i2f(c[1]));
+                        term[mt * 4 + 2] = f_mul(f_mul(sc0, d1), small_i2f(c[2]));
+                        term[mt * 4 + 3] = f_mul(f_mul(sc1, d1), small_i2f(c[3]));
                         if (QT == QT_Q4_K) {  // - (minimum * d_act) * (sum of the activation's integers)
                             int s0 = __dp4a((int)a[2], 0x01010101, __dp4a((int)a[0], 0x01010101, 0));
                             int s1 = __dp4a((int)a[3], 0x01010101, __dp4a((int)a[1], 0x01010101, 0));
@@ -216,10 +216,10 @@ __device__ __forceinline__ void mma_leaves(u32 sb, u32 R, int mt0, int nmt, int 
                             s1 += __shfl_xor_sync(FULL_MASK, s1, 1);
                             s0 += __shfl_xor_sync(FULL_MASK, s0, 2);
                             s1 += __shfl_xor_sync(FULL_MASK, s1, 2);
-                            term[mt * 4 + 0] = f_sub(term[mt * 4 + 0], f_mul(f_mul(mn0, d0), i2f(s0)));
-                            term[mt * 4 + 1] = f_sub(term[mt * 4 + 1], f_mul(f_mul(mn1, d0), i2f(s0)));
-                            term[mt * 4 + 2] = f_sub(term[mt * 4 + 2], f_mul(f_mul(mn0, d1), i2f(s1)));
-                            term[mt * 4 + 3] = f_sub(term[mt * 4 + 3], f_mul(f_mul(mn1, d1), i2f(s1)));
+                            term[mt * 4 + 0] = f_sub(term[mt * 4 + 0], f_mul(f_mul(mn0, d0), small_i2f(s0)));
+                            term[mt * 4 + 1] = f_sub(term[mt * 4 + 1], f_mul(f_mul(mn1, d0), small_i2f(s0)));
+                            term[mt * 4 + 2] = f_sub(term[mt * 4 + 2], f_mul(f_mul(mn0, d1), small_i2f(s1)));
+                            term[mt * 4 + 3] = f_sub(term[mt * 4 + 3], f_mul(f_mul(mn1, d1), small_i2f(s1)));
                         }
                     }
                 }
