@@ -11,6 +11,7 @@
 #   bash scripts/device_run.sh engine1   # a3b IQ3_S: the engine bench all resident (1K / 32K / 64K)
 #   bash scripts/device_run.sh experts-decode  # the decode expert kernels, gate/up groups over one block or two
 #   bash scripts/device_run.sh marginal  # a3b IQ3_S: each idempotent decode kernel's cost inside the graph (1K, 32K)
+#   bash scripts/device_run.sh plans     # a3b 1K: the decode step with each mat-vec shape on each other plan
 #   bash scripts/device_run.sh prefill32k  # a3b IQ3_S: a 32K prompt's profile in chunks of 4096 / 8192 tokens
 #   bash scripts/device_run.sh engine    # a3b IQ3_S: the engine bench at 1K / 32K / 64K
 #   bash scripts/device_run.sh engine-card  # the same at 50 % / 25 % resident, decode's misses read from the arena
@@ -98,6 +99,11 @@ marginal)  # a3b all resident: each idempotent kernel's cost inside the decode g
         timeout 200 python3 scripts/gpu_decode_profile.py --model "$A3B" --fractions 1.0 --context $ctx --marginal \
             --tokens 32 --json "$OUT/marginal-$ctx.json" 2>&1 | grep -A20 "launched twice"
     done
+    ;;
+plans)  # a3b 1K all resident: the step with each mat-vec shape on each other plan, inside the graph
+    model "$A3B" --router-skew 1.0
+    timeout 200 python3 scripts/gpu_decode_profile.py --model "$A3B" --fractions 1.0 --context 1024 --tokens 32 \
+        --iters 2 --plan-sweep --json "$OUT/plans.json" 2>&1 | grep -A16 "default plans"
     ;;
 prefill32k)  # a3b all resident: a 32K prompt's profile by chunk size
     model "$A3B" --router-skew 1.0

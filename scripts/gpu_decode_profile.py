@@ -16,6 +16,9 @@ For each cache fraction: a prompt is read, then
            the down kernel, which add to the residual): the step's extra ms is that kernel's cost inside the real
            graph, PDL overlap and boundary waits included (the second launch finds its weights in L2: an estimate of
            what removing the launch would save, not of its bytes).
+  plans    (every expert on the card, --plan-sweep) the step's ms with one mat-vec shape of the step (the qkv, o,
+           router weights; not the LM head) on each other plan of dense.PLANS in turn: the plans inside the real
+           graph, where the dense bench times them alone.
 Prints a table last; --json writes everything.
 """
 from __future__ import annotations
@@ -148,8 +151,46 @@ def marginal_ms(card, kv, prompt, tokens: int) -> dict:
             "extra_ms": {n: round(t - base, 4) for n, t in sorted(out.items(), key=lambda x: x[0])}}
 
 
+def plan_sweep(card, kv, prompt, tokens: int) -> dict:
+    """Step ms with each mat-vec shape of the step given each other plan in turn (the rest at their defaults);
+    the base step is the mean of a run before and after (positions advance through the sweep)."""
+    from lane.kernels import dense
+
+    default = dense.default_plan
+    shapes = set()
+
+    def spy(qtype, rows, cols):
+        shapes.add((int(qtype), int(rows), int(cols)))
+        return default(qtype, rows, cols)
+
+    dense.default_plan = spy
+    try:
+        card._graphs.clear()
+        base0 = decode_ms(card, kv, prompt, tokens)
+    finally:
+        dense.default_plan = default
+    out = []
+    # (4, 1) only for tall matrices (no norm_matvec instance of it); the LM head is left at its plan
+    for shape in sorted(s for s in shapes if s[1] < 16384):
+        for plan in (p for p in dense.PLANS if p != (4, 1) and p != default(*shape)):
+            def pick(qtype, rows, cols, shape=shape, plan=plan):
+                return plan if (int(qtype), int(rows), int(cols)) == shape else default(qtype, rows, cols)
+
+            dense.default_plan = pick
+            try:
+                card._graphs.clear()
+                ms = decode_ms(card, kv, prompt, tokens)
+            finally:
+                dense.default_plan = default
+            out.append({"qtype": shape[0], "rows": shape[1], "cols": shape[2], "default": list(default(*shape)),
+                        "plan": list(plan), "step_ms": round(ms, 4)})
+    card._graphs.clear()
+    base = (base0 + decode_ms(card, kv, prompt, tokens)) / 2
+    return {"step_ms": round(base, 4), "plans": out}
+
+
 def profile(path: str, fraction: float, context: int, tokens: int, iters: int, host_experts: str = "card",
-            marginal: bool = False) -> dict:
+            marginal: bool = False, sweep: bool = False) -> dict:
     import cupy as cp
 
     from lane.cupy_card import Break, CupyCard
@@ -161,7 +202,7 @@ def profile(path: str, fraction: float, context: int, tokens: int, iters: int, h
     rng = np.random.default_rng(0)
     prompt = [int(t) for t in rng.integers(0, 2000, size=context)]
     out = {"fraction": fraction, "context": context, "host_experts": host_experts}
-    extra = (len(IDEMPOTENT) + 8) * (tokens + 1) if marginal else 0  # the marginal runs' positions
+    extra = ((len(IDEMPOTENT) + 8) * (tokens + 1) if marginal else 0) + (32 * (tokens + 1) if sweep else 0)
     for graphs in (True, False):
         card = CupyCard(model, 0, n, context + tokens + iters + 64 + extra, graphs=graphs,
                         host_experts=host_experts)
@@ -195,6 +236,8 @@ def profile(path: str, fraction: float, context: int, tokens: int, iters: int, h
                     out["kernels"] = kernel_times(cp, card, ops, iters)
                 if marginal:
                     out["marginal"] = marginal_ms(card, kv, prompt, tokens)
+                if sweep:
+                    out["plan_sweep"] = plan_sweep(card, kv, prompt, tokens)
             cnt = card.counters
             out["cpu_share"] = cnt.cpu / max(1, cnt.total)
         card.close()
@@ -212,10 +255,11 @@ def main() -> int:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--host-experts", choices=["cpu", "card"], default="card")
     p.add_argument("--marginal", action="store_true", help="each idempotent kernel's cost inside the step's graph")
+    p.add_argument("--plan-sweep", action="store_true", help="each mat-vec shape on each other plan, in the graph")
     p.add_argument("--json")
     a = p.parse_args()
     path = model_path(a.model)
-    rows = [profile(path, float(f), a.context, a.tokens, a.iters, a.host_experts, a.marginal)
+    rows = [profile(path, float(f), a.context, a.tokens, a.iters, a.host_experts, a.marginal, a.plan_sweep)
             for f in a.fractions.split(",")]
     keys = ["fraction", "step_ms", "eager_ms", "device_sum_ms", "attend_route_front_ms", "back_ms", "finish_ms",
             "host_per_layer_us", "cpu_share"]
@@ -229,6 +273,12 @@ def main() -> int:
                   "launched twice, the step gains:")
             for name, ms in m["extra_ms"].items():
                 print(f"  {r['fraction']:.2f}   {name:40s} {ms:+8.3f} ms")
+        if "plan_sweep" in r:
+            sw = r["plan_sweep"]
+            print(f"  {r['fraction']:.2f} step {sw['step_ms']:.3f} ms at the default plans; with one shape's plan changed:")
+            for e in sw["plans"]:
+                print(f"  {r['fraction']:.2f}   qtype {e['qtype']:2d} {e['rows']:6d} x {e['cols']:5d} {e['default']} -> "
+                      f"{e['plan']}: {e['step_ms']:.3f} ms ({e['step_ms'] - sw['step_ms']:+.3f})")
     return 0
 
 
