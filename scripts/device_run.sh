@@ -35,6 +35,7 @@
 #   bash scripts/device_run.sh x2-paths  # two GPUs: seed modes 1 and 3 at 4K prompts, peer copies P2P vs through host
 #   bash scripts/device_run.sh ncu-step  # a3b 1K: each decode kernel timed alone by Nsight Compute, summed a step;
 #                                        # ncu-qkv: the qkv mat-vec with its RMSNorm in detail
+#   bash scripts/device_run.sh ncu-src   # a3b 1K: each decode kernel's stall samples by SASS instruction
 #   bash scripts/device_run.sh ncu       # Nsight Compute on the kernels that hold the targets back (decode experts,
 #                                        # decode attention, prompt experts on tensor cores, prompt flash attention):
 #                                        # occupancy, issue rate, the stall reasons ncu's rules name
@@ -258,6 +259,18 @@ ncu-qkv)
     grep -E "Duration|Achieved Occupancy|Theoretical Occupancy|Registers Per|Issue Slots Busy|Warp Cycles Per Issued|No Eligible|Memory Throughput|Compute \(SM\) Throughput|Est\. Speedup|Grid Size|Waves" \
         "$OUT/ncu-qkv.txt" | sed 's/  */ /g' | cut -c1-200 | head -16
     grep -E "issue_stalled_.*ratio" "$OUT/ncu-qkv.txt" | sed 's/  */ /g' | awk '{print $NF, $1}' | sort -gr | head -6
+    ;;
+ncu-src)  # a3b 1K all resident: each decode kernel's stall samples by SASS instruction (one launch each)
+    command -v ncu > /dev/null || { echo "no ncu here"; exit 0; }
+    model "$A3B" --router-skew 1.0
+    for k in norm_matvec_q8_0 matvec_q8_0_r1_k1 expert_gateup expert_down norm_matvec_f32 attn_split route_pairs \
+        attn_combine; do
+        timeout 90 ncu --clock-control none -k "regex:^$k" -s 200 -c 1 --section WarpStateStats \
+            --section SourceCounters -f -o "/tmp/src-$k" python3 scripts/gpu_decode_profile.py --model "$A3B" \
+            --fractions 1.0 --context 1024 --tokens 8 --iters 2 > /dev/null 2>&1
+        ncu --import "/tmp/src-$k.ncu-rep" --page source --print-source sass --csv > "$OUT/src-$k.csv" 2> /dev/null
+        python3 scripts/ncu_hot.py "$OUT/src-$k.csv" 12 | tee "$OUT/src-$k.txt" | cut -c1-150
+    done
     ;;
 old32k)
     model "$A3B" --router-skew 1.0
