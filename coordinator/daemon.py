@@ -420,6 +420,8 @@ class Coordinator:
                 h.ready = True
                 log.info("lane %d ready (%d/%d slots)", h.lane, msg.status.slots_used, msg.status.slots_total)
                 self.pool.lane_ready(h.lane, restarted=h.restarts > 0, status=msg.status)
+        elif isinstance(msg, M.LaneFailed):
+            h.fail_reason = msg.reason  # the lane exits next: reap names it
         elif isinstance(msg, M.EpochAck):
             self.pool.on_ack(h.lane, msg.epoch)
         elif isinstance(msg, M.Loaded):

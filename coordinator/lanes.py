@@ -34,6 +34,7 @@ class LaneHandle:
     restart_at: float = 0.0  # when a dead lane may be started again
     start_failures: int = 0  # deaths before becoming ready, in a row
     failed: str | None = None  # why the lane was given up on
+    fail_reason: str | None = None  # what the lane said before exiting (LaneFailed)
     pid: int = 0
 
     @property
@@ -56,6 +57,7 @@ class Supervisor:
     def start(self, h: LaneHandle) -> None:
         h.proc = subprocess.Popen(self.argv_for(h), stdin=subprocess.DEVNULL, env=child_env(self.threads))
         h.pid, h.ready, h.req_id, h.last_seen = h.proc.pid, False, None, time.monotonic()
+        h.fail_reason = None
         h.role = M.Role.STARTING
         log.info("lane %d (card %s) started, pid %d", h.lane, h.card, h.pid)
 
@@ -85,6 +87,8 @@ class Supervisor:
                 h.proc.kill()
                 h.proc.wait()
             if why:
+                if h.fail_reason:
+                    why = f"{why}: {h.fail_reason}"
                 self.mark_dead(h, why)
                 dead.append((h, why))
         return dead

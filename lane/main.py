@@ -254,7 +254,13 @@ class Lane:
         while self.card is None:
             msg = self.recv(200)
             if isinstance(msg, M.Placement):
-                self.build_card(msg)
+                try:
+                    self.build_card(msg)
+                except Exception as e:  # noqa: BLE001 - any of them leaves this lane without a card: say why
+                    why = card_failure(self.a, msg, self.model, e)
+                    log.error("lane %d: %s", self.lane, why)
+                    self.send(M.LaneFailed(reason=why))
+                    return 5
             elif isinstance(msg, M.Shutdown):
                 return 0
             elif time.monotonic() > deadline:
@@ -282,6 +288,19 @@ class Lane:
             s.close()
         self.sock.close(linger=200)
         self.ctx.term()
+
+
+def card_failure(a: argparse.Namespace, placement: M.Placement, model: ModelFile, e: Exception) -> str:
+    """Why building card a.card failed, in the terms of the daemon's configuration."""
+    if isinstance(e, ModuleNotFoundError) and (e.name or "").split(".")[0] == "cupy":
+        return (f"card {a.card} is a GPU card but CuPy is not installed (install the gpu extra: "
+                f"pip install 'stratad[gpu]'; or use 'cpu' cards)")
+    if type(e).__name__ == "OutOfMemoryError":  # CuPy's, on the card's first allocation that did not fit
+        gib = placement.n_slots * slot_bytes(model) / 2**30
+        return (f"card {a.card}: out of GPU memory building the lane ({placement.n_slots} expert slots = {gib:.1f} "
+                f"GiB, a KV cache of {a.context_length} tokens, prompt chunks of {a.prompt_chunk} tokens): lower "
+                f"expert_cache, context_length or prompt_chunk ({e})")
+    return f"card {a.card}: {type(e).__name__}: {e}"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

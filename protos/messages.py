@@ -257,6 +257,12 @@ class Loaded(_Msg):
     epoch: int
 
 
+class LaneFailed(_Msg):
+    """The lane could not build its card (sent before it exits): why, for the coordinator's log and status."""
+    type: Literal["lane_failed"] = "lane_failed"
+    reason: str
+
+
 class Shutdown(_Msg):
     type: Literal["shutdown"] = "shutdown"
     reason: str = ""
@@ -264,5 +270,6 @@ class Shutdown(_Msg):
 
 ClientToCoordinator = Annotated[Union[Generate, Cancel, StatusRequest], Field(discriminator="type")]
 CoordinatorToClient = Annotated[Union[Accepted, TokenChunk, Done, Error, Status], Field(discriminator="type")]
-LaneToCoordinator = Annotated[Union[LaneHello, TokenChunk, Done, Error, Heartbeat, EpochAck, Loaded], Field(discriminator="type")]
+LaneToCoordinator = Annotated[Union[LaneHello, TokenChunk, Done, Error, Heartbeat, EpochAck, Loaded, LaneFailed],
+                              Field(discriminator="type")]
 CoordinatorToLane = Annotated[Union[Assign, Cancel, RoleChange, Placement, View, Load, Shutdown], Field(discriminator="type")]

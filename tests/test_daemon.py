@@ -358,11 +358,32 @@ def test_full_queue_is_refused_and_nothing_accepted_is_lost(tiny_model_path, tmp
 
 
 def test_lane_that_cannot_start_is_given_up_with_a_clear_error(tiny_model_path, tmp_path):
-    """A GPU card on a machine without one: the lane fails at start; after a few tries the daemon says why."""
+    """A GPU card on a machine without one: the lane fails at start and says why (no CuPy, or no such device);
+    after a few tries the daemon gives up with that reason."""
     r = run_serve(["--model", str(tiny_model_path), "--cards", "7", "--runtime-dir", str(tmp_path / "rt")], timeout=60)
     assert r.returncode == 3
     assert "failed to start 3 times" in r.stderr and "no lane could be started" in r.stderr
+    try:
+        import cupy  # noqa: F401
+        reason = "card 7: "
+    except ImportError:
+        reason = "card 7 is a GPU card but CuPy is not installed"
+    assert f"lane 0 exited with status 5: {reason}" in r.stderr, r.stderr[-2000:]
     assert not list(shm.SHM_DIR.glob(shm.prefix_for(tmp_path / "rt").lstrip("/") + "*"))
+
+
+def test_lane_says_when_its_card_runs_out_of_memory(tiny_model_path):
+    """A GPU card whose expert slots and workspaces do not fit: the lane's reason names the sizes and the settings
+    that shrink them."""
+    import lane.main
+
+    a = lane.main.parse_args(["--lane", "0", "--card", "1", "--endpoint", "ipc:///tmp/x", "--model", "m",
+                              "--model-hash", "h", "--shm-prefix", "/p", "--context-length", "65536",
+                              "--prompt-chunk", "2048"])
+    oom = type("OutOfMemoryError", (MemoryError,), {})("Out of memory allocating 1,073,741,824 bytes")
+    why = lane.main.card_failure(a, M.Placement(epoch=0, n_slots=40, experts=()), ModelFile(tiny_model_path), oom)
+    assert why.startswith("card 1: out of GPU memory building the lane (40 expert slots")
+    assert "65536 tokens" in why and "2048 tokens" in why and "lower expert_cache, context_length or prompt_chunk" in why
 
 
 def test_learned_profile_kept_between_runs(tiny_model_path, tmp_path):
