@@ -113,6 +113,20 @@ def decode_ms(card, kv, prompt, tokens: int) -> float:
     return (time.perf_counter() - t) / tokens * 1e3
 
 
+def patched_ms(card, kv, prompt, tokens: int, mods, attr: str, value) -> float:
+    """decode_ms with attr of each module in mods replaced by value (the step's graphs captured again), restored
+    after."""
+    old = [getattr(m, attr) for m in mods]
+    for m in mods:
+        setattr(m, attr, value)
+    try:
+        card._graphs.clear()
+        return decode_ms(card, kv, prompt, tokens)
+    finally:
+        for m, o in zip(mods, old):
+            setattr(m, attr, o)
+
+
 def marginal_ms(card, kv, prompt, tokens: int) -> dict:
     """Per idempotent kernel name launched in a step: the step's ms with its launches doubled, less the step's ms
     (the mean of a plain run before and after)."""
@@ -126,12 +140,7 @@ def marginal_ms(card, kv, prompt, tokens: int) -> dict:
         seen.add(names.get(id(getattr(fn, "kernel", fn)), names.get(id(fn), "?")))
         plain(fn, grid, block, args, shared_mem, pdl)
 
-    dense.launch = experts.launch = spy
-    try:
-        card._graphs.clear()
-        base0 = decode_ms(card, kv, prompt, tokens)
-    finally:
-        dense.launch = experts.launch = plain
+    base0 = patched_ms(card, kv, prompt, tokens, (dense, experts), "launch", spy)
     out = {}
     for name in sorted(n for n in seen if n.startswith(IDEMPOTENT)):
         def twice(fn, grid, block, args, shared_mem=0, pdl=True, name=name):
@@ -139,12 +148,7 @@ def marginal_ms(card, kv, prompt, tokens: int) -> dict:
             if names.get(id(getattr(fn, "kernel", fn)), names.get(id(fn))) == name:
                 plain(fn, grid, block, args, shared_mem, pdl)
 
-        dense.launch = experts.launch = twice
-        try:
-            card._graphs.clear()
-            out[name] = decode_ms(card, kv, prompt, tokens)
-        finally:
-            dense.launch = experts.launch = plain
+        out[name] = patched_ms(card, kv, prompt, tokens, (dense, experts), "launch", twice)
     card._graphs.clear()
     base = (base0 + decode_ms(card, kv, prompt, tokens)) / 2
     return {"step_ms": base, "step_ms_first": base0,
@@ -163,12 +167,7 @@ def plan_sweep(card, kv, prompt, tokens: int) -> dict:
         shapes.add((int(qtype), int(rows), int(cols)))
         return default(qtype, rows, cols)
 
-    dense.default_plan = spy
-    try:
-        card._graphs.clear()
-        base0 = decode_ms(card, kv, prompt, tokens)
-    finally:
-        dense.default_plan = default
+    base0 = patched_ms(card, kv, prompt, tokens, (dense,), "default_plan", spy)
     out = []
     # (4, 1) only for tall matrices (no norm_matvec instance of it); the LM head is left at its plan
     for shape in sorted(s for s in shapes if s[1] < 16384):
@@ -176,12 +175,7 @@ def plan_sweep(card, kv, prompt, tokens: int) -> dict:
             def pick(qtype, rows, cols, shape=shape, plan=plan):
                 return plan if (int(qtype), int(rows), int(cols)) == shape else default(qtype, rows, cols)
 
-            dense.default_plan = pick
-            try:
-                card._graphs.clear()
-                ms = decode_ms(card, kv, prompt, tokens)
-            finally:
-                dense.default_plan = default
+            ms = patched_ms(card, kv, prompt, tokens, (dense,), "default_plan", pick)
             out.append({"qtype": shape[0], "rows": shape[1], "cols": shape[2], "default": list(default(*shape)),
                         "plan": list(plan), "step_ms": round(ms, 4)})
     card._graphs.clear()
