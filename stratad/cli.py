@@ -5,6 +5,7 @@ import argparse
 import json
 import sys
 
+from stratad.config import GPU_PROMPT_CHUNK
 from stratad.model.errors import ModelFormatError
 
 
@@ -86,12 +87,13 @@ def _bench(a) -> int:
 
         out = engine.run(model, fractions=[float(x) for x in a.fractions.split(",")],
                          contexts=[int(x) for x in a.contexts.split(",")], tokens=a.tokens,
-                         host_experts=a.host_experts)
+                         host_experts=a.host_experts, prompt_chunk=a.prompt_chunk)
     else:
         from stratad.bench import seed
 
         out = seed.run(model, cards=a.cards, cache=a.cache_fraction, prompt_tokens=int(a.contexts.split(",")[0]),
-                       tokens=a.tokens, modes=a.modes, host_experts=a.host_experts)
+                       tokens=a.tokens, modes=a.modes, host_experts=a.host_experts,
+                       prompt_chunk=a.prompt_chunk)
     out = {"date": datetime.date.today().isoformat(), "hardware": hardware.describe(gpu=gpu)} | out
     text = json.dumps(out, indent=2)
     if a.json:
@@ -155,6 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--host-experts", choices=["cpu", "card"], default="card",
                    help="engine, seed: decode's experts on no card run on the CPU pool or on the card from host memory")
     b.add_argument("--contexts", default="1024", help="engine: prompt lengths; seed: the first is the prompt length")
+    b.add_argument("--prompt-chunk", type=int, default=GPU_PROMPT_CHUNK,
+                   help="engine, seed: tokens a GPU card reads a prompt in at a time (config prompt_chunk)")
     b.add_argument("--cards", default="cpu,cpu", help="seed: the cards")
     b.add_argument("--cache-fraction", type=float, default=0.475, help="seed: each card's share of all experts")
     b.add_argument("--modes", default="1,2,3", help="seed: which modes (1 lead + peer, 2 independent, 3 mutual help)")

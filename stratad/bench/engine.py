@@ -15,6 +15,7 @@ import numpy as np
 import psutil
 
 from stratad.bench.hardware import gpu_copy_bandwidth, gpu_gemm_tflops, gpu_upload_bandwidth, host_read_bandwidth
+from stratad.config import GPU_PROMPT_CHUNK
 from stratad.engine.generation import Generation
 from stratad.engine.prefix_cache import PrefixCache
 from stratad.engine.sampling import SamplingParams
@@ -46,7 +47,7 @@ def _bytes_per_token(model: ModelFile, context: int, resident_share: float) -> i
 
 
 def run(model_path: str, fractions=(1.0, 0.5, 0.25), contexts=(1024,), tokens: int = 128,
-        host_experts: str = "card") -> dict:
+        host_experts: str = "card", prompt_chunk: int = GPU_PROMPT_CHUNK) -> dict:
     import cupy as cp
 
     from lane.cupy_card import CupyCard
@@ -63,7 +64,8 @@ def run(model_path: str, fractions=(1.0, 0.5, 0.25), contexts=(1024,), tokens: i
     profile = None
     for frac in fractions:
         n_slots = int(frac * total)
-        card = CupyCard(model, 0, n_slots, max(contexts) + tokens + NEXT_TURN + 64, host_experts=host_experts)
+        card = CupyCard(model, 0, n_slots, max(contexts) + tokens + NEXT_TURN + 64, host_experts=host_experts,
+                       prompt_chunk=prompt_chunk)
         if profile is None:  # the model's routing profile: counts of a 512-token pass with every expert on the CPU
             card.forward(list(np.random.default_rng(0).integers(0, 2000, 512)), card.new_kv(), logits="none")
             profile = card.counts.copy()
