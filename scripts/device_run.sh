@@ -268,7 +268,9 @@ ncu-src)  # a3b 1K all resident: each decode kernel's stall samples by SASS inst
         timeout 90 ncu --clock-control none -k "regex:^$k" -s 200 -c 1 --section WarpStateStats \
             --section SourceCounters -f -o "/tmp/src-$k" python3 scripts/gpu_decode_profile.py --model "$A3B" \
             --fractions 1.0 --context 1024 --tokens 8 --iters 2 > /dev/null 2>&1
-        ncu --import "/tmp/src-$k.ncu-rep" --page source --print-source sass --csv > "$OUT/src-$k.csv" 2> /dev/null
+        ncu --import "/tmp/src-$k.ncu-rep" --page source --print-source sass --csv > "$OUT/src-$k.csv" 2>&1 ||
+            ncu --import "/tmp/src-$k.ncu-rep" --page source --csv > "$OUT/src-$k.csv" 2>&1  # an older ncu
+        cp "/tmp/src-$k.ncu-rep" "$OUT/"  # for another look (left out where too large to come back)
         python3 scripts/ncu_hot.py "$OUT/src-$k.csv" 12 | tee "$OUT/src-$k.txt" | cut -c1-150
     done
     ;;
