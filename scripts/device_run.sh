@@ -8,7 +8,8 @@
 #   TESTS="FILE::TEST ..." bash scripts/device_run.sh tests   # those tests only (a rerun of what failed)
 #   bash scripts/device_run.sh profile   # a3b IQ3_S: where a decode step's time goes (with and without PDL),
 #                                        # and a prompt's
-#   bash scripts/device_run.sh engine1   # a3b IQ3_S: the engine bench all resident (1K / 32K / 64K)
+#   bash scripts/device_run.sh engine1   # a3b IQ3_S: the engine bench all resident (1K / 32K / 64K; TAG= names
+#                                        # the JSON, e.g. TAG=-route-launch with STRATAD_ROUTE_IN_GATEUP=0)
 #   bash scripts/device_run.sh experts-decode  # the decode expert kernels, gate/up groups over one block or two
 #   bash scripts/device_run.sh marginal  # a3b IQ3_S: each idempotent decode kernel's cost inside the graph (1K, 32K)
 #   bash scripts/device_run.sh plans     # a3b 1K: the decode step with each mat-vec shape on each other plan
@@ -75,7 +76,7 @@ quick)  # what a short device call can check: the card, PDL, the tensor-core til
 engine1)  # the all-resident engine bench
     model "$A3B" --router-skew 1.0
     timeout 150 python3 -m stratad.cli bench --scenario engine --model "$A3B" --fractions 1.0 \
-        --contexts 1024,32768,65536 --json "$OUT/engine-resident.json" 2>&1 | grep "^{'" | cut -c1-200
+        --contexts 1024,32768,65536 --json "$OUT/engine-resident${TAG:-}.json" 2>&1 | grep "^{'" | cut -c1-200
     ;;
 experts-decode)  # the decode expert kernels: gate/up groups over one block or two
     timeout 200 python3 scripts/gpu_experts_bench.py --types IQ3_S --cases decode8,tok8x8 \
