@@ -65,7 +65,8 @@ Q8_VARIANT = "q8_0"              # Q8_0 mat-vec: "q8_0" (4 lanes per block) or "
 # ATTN_RING_STAGES - 1 tiles in flight, 165 registers instead of 247; needs max_ctx % 8 == 0). H200, a3b, one
 # layer (µs, 1K / 8K / 32K / 128K context): plain 7.65 / 11.5 / 25.6 / 80.6, register prefetch 8.35 / 14.4 / 28.1 /
 # 85.6, ring 8.81 / 14.9 / 29.4 / 84.9 (docs/bench/2026-12-03-h200-dense-attn-ring.json): once full tiles skipped
-# the mask and the unmoved rescale, the plain loop's two blocks an SM hide the loads best
+# the mask and the unmoved rescale, the plain loop's two blocks an SM hide the loads best. (The decode step's fused
+# kernel, attn_split_*_qkv, has the prefetch form or the ring only.)
 ATTN_PIPELINED = False
 ATTN_RING = False
 ATTN_RING_STAGES = {False: 3, True: 2}  # by group > 8 (dense.cu AttnRing): two blocks an SM either way
