@@ -264,8 +264,8 @@ ncu-qkv)
 ncu-src)  # a3b 1K all resident: each decode kernel's stall samples by SASS instruction (one launch each)
     command -v ncu > /dev/null || { echo "no ncu here"; exit 0; }
     model "$A3B" --router-skew 1.0
-    for k in norm_matvec_q8_0 matvec_q8_0_r1_k1 expert_gateup expert_down norm_matvec_f32 attn_split \
-        attn_combine; do
+    for k in ${KERNELS:-norm_matvec_q8_0 matvec_q8_0_r1_k1 expert_gateup expert_down norm_matvec_f32 attn_split \
+        attn_combine}; do  # KERNELS: a subset
         timeout 90 ncu --clock-control none -k "regex:^$k" -s 200 -c 1 --section WarpStateStats \
             --section SourceCounters -f -o "/tmp/src-$k" python3 scripts/gpu_decode_profile.py --model "$A3B" \
             --fractions 1.0 --context 1024 --tokens 8 --iters 2 > /dev/null 2>&1

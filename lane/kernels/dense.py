@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import threading
 
 import numpy as np
@@ -66,9 +67,13 @@ Q8_VARIANT = "q8_0"              # Q8_0 mat-vec: "q8_0" (4 lanes per block) or "
 # layer (µs, 1K / 8K / 32K / 128K context): plain 7.65 / 11.5 / 25.6 / 80.6, register prefetch 8.35 / 14.4 / 28.1 /
 # 85.6, ring 8.81 / 14.9 / 29.4 / 84.9 (docs/bench/2026-12-03-h200-dense-attn-ring.json): once full tiles skipped
 # the mask and the unmoved rescale, the plain loop's two blocks an SM hide the loads best. (The decode step's fused
-# kernel, attn_split_*_qkv, has the prefetch form or the ring only.)
-ATTN_PIPELINED = False
-ATTN_RING = False
+# kernel, attn_split_*_qkv, has the prefetch form or the ring only.) STRATAD_ATTN_LOAD=pipe / ring picks another
+# load path for an A/B run.
+ATTN_LOAD = os.environ.get("STRATAD_ATTN_LOAD", "plain")
+if ATTN_LOAD not in ("plain", "pipe", "ring"):
+    raise ValueError(f"STRATAD_ATTN_LOAD={ATTN_LOAD!r}: plain, pipe or ring")
+ATTN_PIPELINED = ATTN_LOAD == "pipe"
+ATTN_RING = ATTN_LOAD == "ring"
 ATTN_RING_STAGES = {False: 3, True: 2}  # by group > 8 (dense.cu AttnRing): two blocks an SM either way
 ATTN_COMBINE = "attn_combine"    # or "attn_combine_v1" (thread per dim)
 # prompt attention: the Q tile in shared memory and two blocks an SM (False: Q in registers, one block an SM). H200,

@@ -1,0 +1,129 @@
+"""Compile the GPU kernel sources with NVRTC on a machine without a GPU, as the lanes do (same source expansion,
+same options), and print each kernel's registers and spills from the cubin.
+
+nvcc accepts code that NVRTC rejects (a generic lambda in device code, for one), so a kernel change is checked here
+before it costs device time. NVRTC comes from the `nvidia-cuda-nvrtc-cu12` wheel (no GPU or driver needed):
+
+    pip install nvidia-cuda-nvrtc-cu12 && python scripts/nvrtc_check.py [--arch 90] [--regs NAME]
+    (or NVRTC_LIB=path/to/libnvrtc.so.12)
+
+Kernels with a stack frame (spills) are named; --regs prints registers too.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import struct
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from lane.kernels import compile as kc  # noqa: E402
+from lane.kernels.experts import SOURCE as EXPERTS, _qtype, exp_defines  # noqa: E402
+from lane.kernels.dense import SOURCE as DENSE  # noqa: E402
+
+
+def expert_defines(qtype: str) -> list[tuple[str, int]]:
+    """The a3b shape's expert defines with the H200 plan (gate/up 16 warps x 2 blocks, down 16 x 2, 2 stages)."""
+    q = int(_qtype(qtype))
+    return [("GU_QT", q), ("GU_KIN", 2048), ("GU_ROWS", 768), ("DN_QT", q), ("DN_KIN", 768), ("DN_ROWS", 2048),
+            ("GU_WPB", 16), ("GU_MINB", 2), ("GU_STAGES", 1), ("TILE_P", 8), ("MMA_MPW", 2), ("MMA_PREFETCH", 0),
+            ("MMA_UNROLL", 2), ("DN_WPB", 16), ("DN_MINB", 2), ("DN_STAGES", 2), ("DN_R", 4), ("GRID_REPL", 0),
+            ("IQ3_FAST", 1)] + exp_defines()
+
+
+def _wheel_lib() -> str:
+    """libnvrtc from an installed nvidia-cuda-nvrtc-cu12 wheel, else the loader's search path."""
+    try:
+        import nvidia.cuda_nvrtc as pkg
+
+        return str(Path(list(pkg.__path__)[0]) / "lib" / "libnvrtc.so.12")
+    except ImportError:
+        return "libnvrtc.so.12"
+
+
+def nvrtc_cubin(lib: ctypes.CDLL, source: str, name: str, options: list[str]) -> bytes:
+    prog = ctypes.c_void_p()
+    if lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), name.encode(), 0, None, None):
+        raise RuntimeError("nvrtcCreateProgram failed")
+    try:
+        opts = (ctypes.c_char_p * len(options))(*[o.encode() for o in options])
+        rc = lib.nvrtcCompileProgram(prog, len(options), opts)
+        if rc:
+            size = ctypes.c_size_t()
+            lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+            log = ctypes.create_string_buffer(size.value)
+            lib.nvrtcGetProgramLog(prog, log)
+            raise RuntimeError(f"NVRTC failed to compile {name}:\n{log.value.decode(errors='replace')}")
+        size = ctypes.c_size_t()
+        lib.nvrtcGetCUBINSize(prog, ctypes.byref(size))
+        buf = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetCUBIN(prog, buf)
+        return buf.raw
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+def resource_usage(cubin: bytes) -> dict[str, tuple[int, int]]:
+    """kernel -> (registers, stack frame bytes), read from the cubin's .nv.info attributes (EIATTR_REGCOUNT 0x2f,
+    EIATTR_FRAME_SIZE 0x11; checked against ptxas --resource-usage on every dense.cu kernel)."""
+    shoff = struct.unpack_from("<Q", cubin, 0x28)[0]
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+    secs = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
+
+    def cstr(sec, at: int) -> str:
+        start = sec[4] + at
+        return cubin[start:cubin.index(b"\0", start)].decode()
+
+    names = [cstr(secs[shstrndx], s[0]) for s in secs]
+    symtab = secs[names.index(".symtab")]
+    syms = [cstr(secs[symtab[6]], struct.unpack_from("<I", cubin, symtab[4] + i * 24)[0])
+            for i in range(symtab[5] // 24)]
+    info = secs[names.index(".nv.info")]
+    at, end, out = info[4], info[4] + info[5], {}
+    while at < end:
+        fmt, attr = cubin[at], cubin[at + 1]
+        if fmt == 4:  # a sized value: u16 size, payload
+            size = struct.unpack_from("<H", cubin, at + 2)[0]
+            if attr in (0x2F, 0x11):
+                sym, value = struct.unpack_from("<II", cubin, at + 4)
+                regs, frame = out.get(syms[sym], (0, 0))
+                out[syms[sym]] = (value, frame) if attr == 0x2F else (regs, value)
+            at += 4 + size
+        else:  # no value (1), a byte (2), a half word (3)
+            at += {1: 2, 2: 3, 3: 4}[fmt]
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", default="90")
+    ap.add_argument("--lib", default=os.environ.get("NVRTC_LIB") or _wheel_lib())
+    ap.add_argument("--regs", nargs="?", const="_", default="",
+                    help="print the registers of kernels whose name holds this (all without a value); a kernel with "
+                         "a stack frame is printed always")
+    args = ap.parse_args()
+    lib = ctypes.CDLL(args.lib)
+    options = list(kc.BASE_OPTIONS) + [f"--gpu-architecture=sm_{args.arch}"]
+    builds = [(DENSE, [])] + [(EXPERTS, expert_defines(q)) for q in ("IQ3_S", "Q4_K", "Q8_0")]
+    failed = 0
+    for filename, defines in builds:
+        label = filename + "".join(f" {n}={v}" for n, v in defines[:1])
+        source = kc._source(kc.HERE / filename)
+        try:
+            cubin = nvrtc_cubin(lib, source, filename, options + [kc._define(d) for d in defines])
+        except RuntimeError as e:
+            print(f"FAIL {label}\n{e}")
+            failed += 1
+            continue
+        print(f"ok   {label}: {len(cubin)} bytes")
+        for fn, (regs, frame) in sorted(resource_usage(cubin).items()):
+            if frame or (args.regs and args.regs in fn):
+                print(f"  {fn}: {regs} registers, {frame} bytes stack frame")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
