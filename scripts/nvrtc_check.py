@@ -7,15 +7,20 @@ before it costs device time. NVRTC comes from the `nvidia-cuda-nvrtc-cu12` wheel
     pip install nvidia-cuda-nvrtc-cu12 && python scripts/nvrtc_check.py [--arch 90] [--regs NAME]
     (or NVRTC_LIB=path/to/libnvrtc.so.12)
 
-Kernels with a stack frame (spills) are named; --regs prints registers too.
+Kernels with a stack frame (spills) are named; --regs prints registers too. --sass NAME prints that kernel's SASS
+(cuobjdump from the `nvidia-cuda-cuobjdump` wheel, or CUOBJDUMP=path): where ptxas put the loads relative to the
+PDL wait (ACQBULK) is read there, not in the PTX.
 """
 from __future__ import annotations
 
 import argparse
 import ctypes
 import os
+import shutil
 import struct
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -97,6 +102,26 @@ def resource_usage(cubin: bytes) -> dict[str, tuple[int, int]]:
     return out
 
 
+def _cuobjdump() -> str:
+    found = os.environ.get("CUOBJDUMP") or shutil.which("cuobjdump")
+    if found:
+        return found
+    try:
+        import nvidia.cu13 as pkg  # the nvidia-cuda-cuobjdump wheel
+
+        return str(Path(list(pkg.__path__)[0]) / "bin" / "cuobjdump")
+    except ImportError:
+        raise SystemExit("--sass needs cuobjdump: pip install nvidia-cuda-cuobjdump, or set CUOBJDUMP") from None
+
+
+def sass(cubin: bytes, kernel: str) -> str:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([_cuobjdump(), "-sass", "-fun", kernel, f.name], capture_output=True, text=True,
+                              check=True).stdout
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", default="90")
@@ -104,6 +129,7 @@ def main() -> int:
     ap.add_argument("--regs", nargs="?", const="_", default="",
                     help="print the registers of kernels whose name holds this (all without a value); a kernel with "
                          "a stack frame is printed always")
+    ap.add_argument("--sass", default="", help="print this kernel's SASS (from the first source that has it)")
     args = ap.parse_args()
     lib = ctypes.CDLL(args.lib)
     options = list(kc.BASE_OPTIONS) + [f"--gpu-architecture=sm_{args.arch}"]
@@ -119,7 +145,11 @@ def main() -> int:
             failed += 1
             continue
         print(f"ok   {label}: {len(cubin)} bytes")
-        for fn, (regs, frame) in sorted(resource_usage(cubin).items()):
+        usage = resource_usage(cubin)
+        if args.sass in usage:
+            print(sass(cubin, args.sass))
+            args.sass = ""
+        for fn, (regs, frame) in sorted(usage.items()):
             if frame or (args.regs and args.regs in fn):
                 print(f"  {fn}: {regs} registers, {frame} bytes stack frame")
     return 1 if failed else 0
