@@ -4,8 +4,10 @@ same options), and print each kernel's registers and spills from the cubin.
 nvcc accepts code that NVRTC rejects (a generic lambda in device code, for one), so a kernel change is checked here
 before it costs device time. NVRTC comes from the `nvidia-cuda-nvrtc-cu12` wheel (no GPU or driver needed):
 
-    pip install nvidia-cuda-nvrtc-cu12 && python scripts/nvrtc_check.py [--arch 90] [--regs NAME]
-    (or NVRTC_LIB=path/to/libnvrtc.so.12)
+    python scripts/nvrtc_check.py [--arch 90] [--regs NAME]   (NVRTC from the test extra's nvidia-cuda-nvrtc wheel,
+    or NVRTC_LIB=path/to/libnvrtc.so)
+
+tests/test_kernel_build.py runs the same builds in CI.
 
 Kernels with a stack frame (spills) are named; --regs prints registers too. --sass NAME prints that kernel's SASS
 (cuobjdump from the `nvidia-cuda-cuobjdump` wheel, or CUOBJDUMP=path): where ptxas put the loads relative to the
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import importlib
 import os
 import shutil
 import struct
@@ -40,13 +43,17 @@ def expert_defines(qtype: str) -> list[tuple[str, int]]:
 
 
 def _wheel_lib() -> str:
-    """libnvrtc from an installed nvidia-cuda-nvrtc-cu12 wheel, else the loader's search path."""
-    try:
-        import nvidia.cuda_nvrtc as pkg
-
-        return str(Path(list(pkg.__path__)[0]) / "lib" / "libnvrtc.so.12")
-    except ImportError:
-        return "libnvrtc.so.12"
+    """libnvrtc from an installed NVRTC wheel (nvidia-cuda-nvrtc for CUDA 13, the project's test extra, or
+    nvidia-cuda-nvrtc-cu12), else the loader's search path."""
+    for module, lib in (("nvidia.cu13", "libnvrtc.so.13"), ("nvidia.cuda_nvrtc", "libnvrtc.so.12")):
+        try:
+            pkg = importlib.import_module(module)
+        except ImportError:
+            continue
+        for base in pkg.__path__:
+            if (Path(base) / "lib" / lib).exists():
+                return str(Path(base) / "lib" / lib)
+    return "libnvrtc.so.12"
 
 
 def nvrtc_cubin(lib: ctypes.CDLL, source: str, name: str, options: list[str]) -> bytes:
@@ -106,12 +113,13 @@ def _cuobjdump() -> str:
     found = os.environ.get("CUOBJDUMP") or shutil.which("cuobjdump")
     if found:
         return found
-    try:
-        import nvidia.cu13 as pkg  # the nvidia-cuda-cuobjdump wheel
-
-        return str(Path(list(pkg.__path__)[0]) / "bin" / "cuobjdump")
+    try:  # the nvidia-cuda-cuobjdump wheel
+        for base in importlib.import_module("nvidia.cu13").__path__:
+            if (Path(base) / "bin" / "cuobjdump").exists():
+                return str(Path(base) / "bin" / "cuobjdump")
     except ImportError:
-        raise SystemExit("--sass needs cuobjdump: pip install nvidia-cuda-cuobjdump, or set CUOBJDUMP") from None
+        pass
+    raise SystemExit("--sass needs cuobjdump: pip install nvidia-cuda-cuobjdump, or set CUOBJDUMP")
 
 
 def sass(cubin: bytes, kernel: str) -> str:
@@ -122,24 +130,34 @@ def sass(cubin: bytes, kernel: str) -> str:
                               check=True).stdout
 
 
+# the sources as the lanes build them: dense.cu, and experts.cu for each expert type at the a3b shape
+BUILDS = [("dense.cu", DENSE, [])] + [(f"experts.cu {q}", EXPERTS, expert_defines(q)) for q in ("IQ3_S", "Q4_K", "Q8_0")]
+
+
+def build(lib: ctypes.CDLL, filename: str, defines, arch: str = "90") -> bytes:
+    """The cubin NVRTC makes of `filename` (lane/kernels) with the lanes' options; RuntimeError with NVRTC's log."""
+    options = list(kc.BASE_OPTIONS) + [f"--gpu-architecture=sm_{arch}"] + [kc._define(d) for d in defines]
+    return nvrtc_cubin(lib, kc._source(kc.HERE / filename), filename, options)
+
+
+def load_nvrtc(path: str | None = None) -> ctypes.CDLL:
+    return ctypes.CDLL(path or os.environ.get("NVRTC_LIB") or _wheel_lib())
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", default="90")
-    ap.add_argument("--lib", default=os.environ.get("NVRTC_LIB") or _wheel_lib())
+    ap.add_argument("--lib", default=None, help="libnvrtc path (default: NVRTC_LIB, else an installed wheel's)")
     ap.add_argument("--regs", nargs="?", const="_", default="",
                     help="print the registers of kernels whose name holds this (all without a value); a kernel with "
                          "a stack frame is printed always")
     ap.add_argument("--sass", default="", help="print this kernel's SASS (from the first source that has it)")
     args = ap.parse_args()
-    lib = ctypes.CDLL(args.lib)
-    options = list(kc.BASE_OPTIONS) + [f"--gpu-architecture=sm_{args.arch}"]
-    builds = [(DENSE, [])] + [(EXPERTS, expert_defines(q)) for q in ("IQ3_S", "Q4_K", "Q8_0")]
+    lib = load_nvrtc(args.lib)
     failed = 0
-    for filename, defines in builds:
-        label = filename + "".join(f" {n}={v}" for n, v in defines[:1])
-        source = kc._source(kc.HERE / filename)
+    for label, filename, defines in BUILDS:
         try:
-            cubin = nvrtc_cubin(lib, source, filename, options + [kc._define(d) for d in defines])
+            cubin = build(lib, filename, defines, args.arch)
         except RuntimeError as e:
             print(f"FAIL {label}\n{e}")
             failed += 1
