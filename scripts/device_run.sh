@@ -23,8 +23,8 @@
 #   bash scripts/device_run.sh seed-card # modes 2 and 3 at 4K prompts, misses read by the card from host memory
 #   bash scripts/device_run.sh seed-mps  # modes 1 and 3 at 4K prompts without and with the CUDA MPS daemon (two
 #                                        # lanes' kernels on one GPU: time slices vs one shared context)
-#   bash scripts/device_run.sh ab        # the engine bench (all resident, 1K / 32K / 64K) on this tree and on the
-#                                        # tree in _ab/ (a `git archive` of another revision), alternated twice
+#   bash scripts/device_run.sh ab        # the engine bench (all resident, 1K / 32K / 64K) on this tree and on each
+#                                        # tree _ab*/ (`git archive`s of other revisions), in turn, twice
 #   bash scripts/device_run.sh old32k    # a 32K all-resident decode step on the tree in _old/ (`git archive REV`, e.g.
 #                                        # f54cf31, 2026-12-02: 194 tok/s at 32K) against this tree's, PDL off and on
 #   bash scripts/device_run.sh flash2    # the prefill attention kernel of the tree in _flash2/ (a `git archive` of
@@ -277,15 +277,17 @@ ncu-src)  # a3b 1K all resident: each decode kernel's stall samples by SASS inst
         python3 scripts/ncu_hot.py "$OUT/src-$k.csv" 12 | tee "$OUT/src-$k.txt" | cut -c1-150
     done
     ;;
-ab)  # the all-resident engine bench on this tree and on the tree in _ab/ (`mkdir _ab && git archive REV | tar -x -C
-     # _ab`), alternated twice on one machine: the A/B a change needs (machines of one kind differ by a few %)
+ab)  # the all-resident engine bench on this tree and on each tree _ab*/ (`mkdir _ab1 && git archive REV | tar -x -C
+     # _ab1`), ROUNDS (2) times in turn on one machine: the A/B a change needs (machines of one kind differ by a few
+     # %); CONTEXTS=1024 for a quick pass over many trees (one per commit of a branch: each change's own share)
     model "$A3B" --router-skew 1.0
-    for round in 1 2; do
-        for tree in . _ab; do
-            name="$OUT/ab-$([ "$tree" = . ] && echo this || echo ab)-$round.json"
-            (cd $tree && PYTHONPATH=/tmp/site:$PWD timeout 150 python3 -m stratad.cli bench --scenario engine \
-                --model "$A3B" --fractions 1.0 --contexts 1024,32768,65536 --json "$name" 2>&1 | grep "^{'" |
-                cut -c1-200)
+    for round in $(seq "${ROUNDS:-2}"); do
+        for tree in . _ab*; do
+            [ -d "$tree" ] || continue
+            name="$OUT/ab-$([ "$tree" = . ] && echo this || echo "${tree#_}")-$round.json"
+            (cd "$tree" && PYTHONPATH=/tmp/site:$PWD timeout 150 python3 -m stratad.cli bench --scenario engine \
+                --model "$A3B" --fractions 1.0 --contexts "${CONTEXTS:-1024,32768,65536}" --json "$name" 2>&1 |
+                grep "^{'" | cut -c1-120 | sed "s|^|$tree: |")
         done
     done
     ;;
