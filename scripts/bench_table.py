@@ -2,11 +2,15 @@
 """Markdown tables from `stratad bench --json` files (engine or seed), for README.md and the perf notes.
 
     python3 scripts/bench_table.py docs/bench/2026-12-02-h200-engine-a3b-iq3s.json [more.json ...]
+    python3 scripts/bench_table.py --ab OUT/ab-*.json   # device_run.sh ab: decode tok/s by tree and context
 """
 from __future__ import annotations
 
 import json
+import re
+import statistics
 import sys
+from pathlib import Path
 
 
 def engine_rows(d: dict) -> list[str]:
@@ -37,7 +41,39 @@ def seed_rows(d: dict) -> list[str]:
     return out
 
 
+def ab_rows(paths: list[str]) -> list[str]:
+    """device_run.sh ab's runs (ab-TREE-ROUND.json): each tree's decode tok/s a context (the rounds' median, then
+    each round's), and its change against the first tree (ab1: the base)."""
+    runs: dict[str, dict[int, list[float]]] = {}
+    for p in paths:
+        m = re.fullmatch(r"ab-(.+)-(\d+)\.json", Path(p).name)
+        if not m:
+            raise SystemExit(f"{p}: not an ab-TREE-ROUND.json file")
+        for r in json.loads(Path(p).read_text())["results"]:
+            runs.setdefault(m.group(1), {}).setdefault(r["context"], []).append(r["decode_tok_s"])
+    trees = sorted(runs, key=lambda t: (t == "this", int(t[2:]) if t[2:].isdigit() else 0, t))
+    contexts = sorted({c for t in runs.values() for c in t})
+    base = {c: statistics.median(runs[trees[0]].get(c, [0])) for c in contexts}
+    out = ["| tree | " + " | ".join(f"{c // 1024}K decode tok/s (runs)" for c in contexts) + " |",
+           "|---|" + "---|" * len(contexts)]
+    for t in trees:
+        cells = []
+        for c in contexts:
+            v = runs[t].get(c)
+            if not v:
+                cells.append("-")
+                continue
+            med = statistics.median(v)
+            delta = f" {med / base[c] - 1:+.1%}" if base[c] and t != trees[0] else ""
+            cells.append(f"{med:.1f}{delta} ({' / '.join(f'{x:.1f}' for x in v)})")
+        out.append(f"| {t} | " + " | ".join(cells) + " |")
+    return out
+
+
 def main(paths: list[str]) -> int:
+    if paths[:1] == ["--ab"]:
+        print("\n".join(ab_rows(paths[1:])))
+        return 0
     for p in paths:
         with open(p) as f:
             d = json.load(f)
