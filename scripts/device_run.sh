@@ -15,7 +15,7 @@
 #   bash scripts/device_run.sh plans     # a3b 1K: the decode step with each mat-vec shape on each other plan
 #   bash scripts/device_run.sh prefill32k  # a3b IQ3_S: a 32K prompt's profile in chunks of 4096 / 8192 tokens
 #   bash scripts/device_run.sh engine    # a3b IQ3_S: the engine bench at 1K / 32K / 64K
-#   bash scripts/device_run.sh engine-card  # the same at 50 % / 25 % resident, decode's misses read from the arena
+#   bash scripts/device_run.sh engine-card  # the same at 50 % / 25 % resident (1K / 32K / 64K), misses read from the arena
 #   bash scripts/device_run.sh experts-prompt  # the prompt expert kernels (tensor cores, dp4a) on a 1024-token chunk
 #   bash scripts/device_run.sh seed13    # the seed table at 60K prompts, modes 1 and 3 (two logical cards; with
 #                                        # CARDS=0,1 on two GPUs, the JSON named seed-*-cards01)
@@ -123,8 +123,9 @@ engine)
     ;;
 engine-card)
     model "$A3B" --router-skew 1.0
-    timeout 200 python3 -m stratad.cli bench --scenario engine --model "$A3B" --fractions 0.5,0.25 \
-        --contexts 1024,32768 --host-experts card --json "$OUT/engine-card.json" 2>&1 | grep "^{'" | cut -c1-260
+    timeout 330 python3 -m stratad.cli bench --scenario engine --model "$A3B" --fractions 0.5,0.25 \
+        --contexts 1024,32768,65536 --host-experts card --json "$OUT/engine-card.json" 2>&1 | grep "^{'" |
+        cut -c1-260  # the issue's grid: 0.5 / 0.25 at 1K / 32K / 64K (the README lacks 25 % at 64K)
     timeout 120 python3 scripts/gpu_decode_profile.py --model "$A3B" --fractions 0.5 --host-experts card \
         --json "$OUT/profile-card.json" 2>&1 | tail -2
     ;;
