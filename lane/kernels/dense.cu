@@ -261,7 +261,8 @@ __device__ __forceinline__ void matvec_q8_0_body(const u8* __restrict__ W, int r
     mv_finish<R, KS>(acc, rg, rows, res, y);
 }
 
-// `wait` (as in the Q8_0 body) runs once the first weights are in flight in registers
+// `wait` (as in the Q8_0 body) comes after the first weights' loads in the source, but ptxas schedules the PDL wait
+// (ACQBULK) ahead of plain loads unless a cp.async precedes it (SASS of the NVRTC build): alone, these go out after it
 template <int QT, int R, int KS, bool XS, class Wait>
 __device__ __forceinline__ void matvec_float_body(const u8* __restrict__ W, int rows, int nchunk, i64 row_bytes,
                                                   const float* x, const float* res, float* y, Wait wait) {
