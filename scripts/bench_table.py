@@ -43,7 +43,7 @@ def seed_rows(d: dict) -> list[str]:
 
 def ab_rows(paths: list[str]) -> list[str]:
     """device_run.sh ab's runs (ab-TREE-ROUND.json): each tree's decode tok/s a context (the rounds' median, then
-    each round's), and its change against the first tree (ab1: the base)."""
+    each round's), and its change against the first tree (ab1, else this tree with AB_ENV: the base)."""
     runs: dict[str, dict[int, list[float]]] = {}
     for p in paths:
         m = re.fullmatch(r"ab-(.+)-(\d+)\.json", Path(p).name)
@@ -51,7 +51,9 @@ def ab_rows(paths: list[str]) -> list[str]:
             raise SystemExit(f"{p}: not an ab-TREE-ROUND.json file")
         for r in json.loads(Path(p).read_text())["results"]:
             runs.setdefault(m.group(1), {}).setdefault(r["context"], []).append(r["decode_tok_s"])
-    trees = sorted(runs, key=lambda t: (t == "this", int(t[2:]) if t[2:].isdigit() else 0, t))
+    # ab1, ab2, .. (ab1: the base), then this tree with AB_ENV set ("env"), then this tree
+    trees = sorted(runs, key=lambda t: (0, int(t[2:]), t) if t[:2] == "ab" and t[2:].isdigit()
+                   else (1 if t == "env" else 2, 0, t))
     contexts = sorted({c for t in runs.values() for c in t})
     base = {c: statistics.median(runs[trees[0]].get(c, [0])) for c in contexts}
     out = ["| tree | " + " | ".join(f"{c // 1024}K decode tok/s (runs)" for c in contexts) + " |",

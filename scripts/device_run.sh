@@ -283,12 +283,14 @@ ab)  # the all-resident engine bench on this tree and on each tree _ab*/ (`mkdir
      # %); CONTEXTS=1024 for a quick pass over many trees (one per commit of a branch: each change's own share)
     model "$A3B" --router-skew 1.0
     for round in $(seq "${ROUNDS:-2}"); do
-        for tree in . _ab*; do
-            [ -d "$tree" ] || continue
-            name="$OUT/ab-$([ "$tree" = . ] && echo this || echo "${tree#_}")-$round.json"
-            (cd "$tree" && PYTHONPATH=/tmp/site:$PWD timeout 150 python3 -m stratad.cli bench --scenario engine \
-                --model "$A3B" --fractions 1.0 --contexts "${CONTEXTS:-1024,32768,65536}" --json "$name" 2>&1 |
-                grep "^{'" | cut -c1-120 | sed "s|^|$tree: |")
+        for tree in . _ab* ${AB_ENV:+env}; do  # AB_ENV="NAME=VALUE ...": this tree once more with those set
+            [ -d "$tree" ] || [ "$tree" = env ] || continue
+            name="$OUT/ab-$(case $tree in .) echo this ;; env) echo env ;; *) echo "${tree#_}" ;; esac)-$round.json"
+            extra=""; [ "$tree" = env ] && extra="$AB_ENV"
+            (cd "$([ "$tree" = env ] && echo . || echo "$tree")" && env $extra PYTHONPATH=/tmp/site:$PWD \
+                timeout 150 python3 -m stratad.cli bench --scenario engine --model "$A3B" --fractions 1.0 \
+                --contexts "${CONTEXTS:-1024,32768,65536}" --json "$name" 2>&1 | grep "^{'" | cut -c1-120 |
+                sed "s|^|$tree: |")
         done
     done
     ;;
