@@ -1122,26 +1122,17 @@ __device__ __forceinline__ void attn_split_body(const float* __restrict__ q, con
                                                    chunk_min, scale_log2, part_o, part_ml,                        \
                                                    AttnQkv{qkv, qnw, knw, eps, cos_t, sin_t});                    \
     }
-ATTN_INST(64, false, false, false, attn_split_hd64_g8)
-ATTN_INST(64, true, false, false, attn_split_hd64_g16)
-ATTN_INST(128, false, false, false, attn_split_hd128_g8)
-ATTN_INST(128, true, false, false, attn_split_hd128_g16)
-ATTN_INST(64, false, true, false, attn_split_hd64_g8_pipe)
-ATTN_INST(64, true, true, false, attn_split_hd64_g16_pipe)
-ATTN_INST(128, false, true, false, attn_split_hd128_g8_pipe)
-ATTN_INST(128, true, true, false, attn_split_hd128_g16_pipe)
-ATTN_INST(64, false, false, true, attn_split_hd64_g8_ring)
-ATTN_INST(64, true, false, true, attn_split_hd64_g16_ring)
-ATTN_INST(128, false, false, true, attn_split_hd128_g8_ring)
-ATTN_INST(128, true, false, true, attn_split_hd128_g16_ring)
-ATTN_QKV_INST(64, false, false, attn_split_hd64_g8_qkv)
-ATTN_QKV_INST(64, true, false, attn_split_hd64_g16_qkv)
-ATTN_QKV_INST(128, false, false, attn_split_hd128_g8_qkv)
-ATTN_QKV_INST(128, true, false, attn_split_hd128_g16_qkv)
-ATTN_QKV_INST(64, false, true, attn_split_hd64_g8_qkv_ring)
-ATTN_QKV_INST(64, true, true, attn_split_hd64_g16_qkv_ring)
-ATTN_QKV_INST(128, false, true, attn_split_hd128_g8_qkv_ring)
-ATTN_QKV_INST(128, true, true, attn_split_hd128_g16_qkv_ring)
+// every kernel of a family at the four head shapes: INST(HD, G16, <the family's flags>, attn_split_hd{HD}_g{8,16}SUF)
+#define ATTN_SHAPES(INST, SUF, ...)                                                                               \
+    INST(64, false, __VA_ARGS__, attn_split_hd64_g8##SUF)                                                         \
+    INST(64, true, __VA_ARGS__, attn_split_hd64_g16##SUF)                                                         \
+    INST(128, false, __VA_ARGS__, attn_split_hd128_g8##SUF)                                                       \
+    INST(128, true, __VA_ARGS__, attn_split_hd128_g16##SUF)
+ATTN_SHAPES(ATTN_INST, , false, false)
+ATTN_SHAPES(ATTN_INST, _pipe, true, false)
+ATTN_SHAPES(ATTN_INST, _ring, false, true)
+ATTN_SHAPES(ATTN_QKV_INST, _qkv, false)
+ATTN_SHAPES(ATTN_QKV_INST, _qkv_ring, true)
 
 // combine the splits: grid (n_head, T, hd / (4 * cols)), block = 128 threads; out (T, n_head, hd) f32. A block
 // takes `cols` float4 columns of one head (every block of the head weighs the splits the same way); thread = (split
