@@ -79,7 +79,8 @@ def normwise(y, ref):
 
 
 # ---- 1. mat-vec ------------------------------------------------------------------------------------------------
-SHAPES = [(512, 2048), (4096, 2048), (2048, 4096), (128, 2048), (130, 256), (1000, 512)]
+# Q8_0 rows of up to 4096 columns stage x in shared memory, 8192 reads it from global memory
+SHAPES = [(512, 2048), (4096, 2048), (2048, 4096), (128, 2048), (130, 256), (1000, 512), (256, 8192)]
 
 
 @pytest.mark.parametrize("qt", DENSE, ids=lambda q: q.name)

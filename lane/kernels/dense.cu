@@ -332,13 +332,45 @@ __device__ __forceinline__ void matvec_float_body(const u8* __restrict__ W, int 
     mv_finish<R, KS>(acc, rg, rows, res, y);
 }
 
+// x staged in shared memory (the fused norm's row, section 2b; the Q8_0 mat-vecs of rows up to NORM_MV_MAX_N) with
+// NORM_MV_RING ring tiles a warp, so that three blocks fit an SM beside it
+#define NORM_MV_MAX_N 4096
+#define NORM_MV_RING 6
+#define NORM_MV_Q8_SMEM (MV_WARPS * NORM_MV_RING * Q8_TILE_BYTES + 4 * NORM_MV_MAX_N)
+
+// x (n floats, n % 4 == 0, n <= NORM_MV_MAX_N) into shared memory by a block of MV_WARPS warps, every thread's
+// loads issued before its first store (a strided copy loop waited one L2 round trip per element: 36 % of the qkv
+// mat-vec's stall samples, ncu on the H200); a barrier must follow before xs is read.
+#define STAGE_V4 (NORM_MV_MAX_N / (4 * MV_WARPS * 32))  // float4 a thread
+__device__ __forceinline__ void stage_row(const float* __restrict__ x, int n, float* xs) {
+    float4 v[STAGE_V4];
+#pragma unroll
+    for (int k = 0; k < STAGE_V4; ++k) {
+        const int i = threadIdx.x + MV_WARPS * 32 * k;
+        if (4 * i < n) v[k] = __ldg((const float4*)x + i);
+    }
+#pragma unroll
+    for (int k = 0; k < STAGE_V4; ++k) {
+        const int i = threadIdx.x + MV_WARPS * 32 * k;
+        if (4 * i < n) ((float4*)xs)[i] = v[k];
+    }
+}
+
 // ncu: Q8_0 -> blocks per row; float types -> 16-byte chunks per row
 #define MV_INST(NAME, QT, R, KS, QV)                                                                                \
     extern "C" __global__ void __launch_bounds__(256, (QT == QT_Q8_0 ? 3 : 1)) NAME(const u8* __restrict__ W, int rows, int ncu,           \
                                                            i64 row_bytes, const float* __restrict__ x,            \
                                                            const float* res, float* y) {                          \
         extern __shared__ __align__(16) u8 mv_smem[];                                                             \
-        if (QT == QT_Q8_0)                                                                                       \
+        if (QT == QT_Q8_0 && R <= 2 && ncu * 32 <= NORM_MV_MAX_N) {                                               \
+            float* xs = (float*)mv_smem;  /* x staged once: the tile steps read it from shared memory */          \
+            matvec_q8_0_body<R, KS, QV, (R <= 2 ? NORM_MV_RING : R), true>(                                       \
+                W, rows, ncu, row_bytes, xs, res, y, mv_smem + 4 * NORM_MV_MAX_N, [&] {                          \
+                    PDL_ENTRY();                                                                                  \
+                    stage_row(x, ncu * 32, xs);                                                                   \
+                    __syncthreads();                                                                              \
+                });                                                                                               \
+        } else if (QT == QT_Q8_0)                                                                                \
             matvec_q8_0_body<R, KS, QV, Q8_RING_TILES, false>(W, rows, ncu, row_bytes, x, res, y, mv_smem,          \
                                                                [] { PDL_ENTRY(); });                              \
         else matvec_float_body<QT, R, KS, false>(W, rows, ncu, row_bytes, x, res, y, [] { PDL_ENTRY(); });       \
@@ -611,18 +643,34 @@ extern "C" __global__ void __launch_bounds__(1024) rms_norm_rows(const float* x,
 // Q8_0 kernels keep 6 ring tiles a warp (not 8) so that three blocks still fit an SM beside the 16 KB of x.
 // Launch with Q8_0: NORM_MV_Q8_SMEM bytes of dynamic shared memory, float types: 4 * NORM_MV_MAX_N.
 // =============================================================================================================
-#define NORM_MV_MAX_N 4096
-#define NORM_MV_RING 6
-#define NORM_MV_Q8_SMEM (MV_WARPS * NORM_MV_RING * Q8_TILE_BYTES + 4 * NORM_MV_MAX_N)
 
+// The norm's weights go into registers before the PDL wait (no predecessor writes them), then x is staged.
 __device__ __forceinline__ void norm_stage(const float* __restrict__ x, const float* __restrict__ w, int n, int L,
                                            int NL, float eps, float* xs, signed char* __restrict__ q,
                                            float* __restrict__ d) {
     const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5, nw = blockDim.x >> 5;
-    for (int i = tid; i < n; i += blockDim.x) xs[i] = x[i];
+    float4 wv[STAGE_V4];
+#pragma unroll
+    for (int k = 0; k < STAGE_V4; ++k) {
+        const int i = tid + MV_WARPS * 32 * k;
+        if (4 * i < n) wv[k] = __ldg((const float4*)w + i);
+    }
+    PDL_ENTRY();
+    stage_row(x, n, xs);
     __syncthreads();
     const float s = row_rms(xs, n, L, NL, eps);
-    for (int i = tid; i < n; i += blockDim.x) xs[i] = f_mul(f_div(xs[i], s), w[i]);
+#pragma unroll
+    for (int k = 0; k < STAGE_V4; ++k) {
+        const int i = tid + MV_WARPS * 32 * k;
+        if (4 * i < n) {
+            float4 a = ((float4*)xs)[i];
+            a.x = f_mul(f_div(a.x, s), wv[k].x);
+            a.y = f_mul(f_div(a.y, s), wv[k].y);
+            a.z = f_mul(f_div(a.z, s), wv[k].z);
+            a.w = f_mul(f_div(a.w, s), wv[k].w);
+            ((float4*)xs)[i] = a;
+        }
+    }
     __syncthreads();
     if (q != nullptr)
         for (int g = blockIdx.x + gridDim.x * wid; g < (n >> 5); g += gridDim.x * nw)  // warp-uniform
@@ -636,10 +684,7 @@ __device__ __forceinline__ void norm_stage(const float* __restrict__ x, const fl
         signed char* __restrict__ q, float* __restrict__ d) {                                                    \
         extern __shared__ __align__(16) u8 mv_smem[];                                                             \
         float* xs = (float*)mv_smem;                                                                              \
-        auto wait = [&] {                                                                                         \
-            PDL_ENTRY();                                                                                          \
-            norm_stage(x, nw, n, L, NL, eps, xs, q, d);                                                           \
-        };                                                                                                        \
+        auto wait = [&] { norm_stage(x, nw, n, L, NL, eps, xs, q, d); };                                          \
         if (QT == QT_Q8_0)                                                                                       \
             matvec_q8_0_body<R, KS, QV, NORM_MV_RING, true>(W, rows, ncu, row_bytes, xs, res, y,                 \
                                                             mv_smem + 4 * NORM_MV_MAX_N, wait);                   \

@@ -322,8 +322,8 @@ def norm_matvec(W: DenseWeight, x, norm_w, eps: float, y=None, residual=None, *,
     if not norm_matvec_ok(W):
         raise ValueError(f"norm_matvec takes fast weights of at most {NORM_MV_MAX_N} columns (got {W.cols})")
     n = W.cols
-    _need(x, np.float32, (n,), "x")
-    _need(norm_w, np.float32, (n,), "norm_w")
+    _need(x, np.float32, (n,), "x", align=16)  # staged in float4 (dense.cu stage_row)
+    _need(norm_w, np.float32, (n,), "norm_w", align=16)
     if y is None:
         y = cp.empty(W.rows, cp.float32)
     _need(y, np.float32, (W.rows,), "y")
