@@ -440,7 +440,7 @@ def test_prefill_attention(cp, D, cfg, L, Tn):
 
 
 # ---- 5. router ---------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("n,k", [(128, 8), (16, 4), (160, 8), (64, 1), (256, 16)])
+@pytest.mark.parametrize("n,k", [(128, 8), (16, 4), (160, 8), (64, 1), (256, 16), (512, 8)])  # 512: past the batch
 def test_route(cp, D, n, k):
     rng = np.random.default_rng(n + k)
     Tn = 9

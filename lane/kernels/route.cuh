@@ -48,10 +48,22 @@ __device__ __forceinline__ u32 redux_min(u32 v) { u32 r; asm volatile("redux.syn
 // expert and writes it and its weight to ids[j], wts[j].
 __device__ __forceinline__ int route_warp(const float* __restrict__ x, int n, int k, float* e, float* sel, int lane,
                                           int* __restrict__ ids, float* __restrict__ wts) {
+    // a lane's first ROUTE_RB logits loaded at once (a strided loop waits one L2 round trip per load); the same
+    // values in the same order, so the same max and the same exps
+    constexpr int ROUTE_RB = 8;
+    float xv[ROUTE_RB];
+#pragma unroll
+    for (int c = 0; c < ROUTE_RB; ++c) xv[c] = lane + 32 * c < n ? x[lane + 32 * c] : NEG_INF;
     float mx = NEG_INF;
-    for (int i = lane; i < n; i += 32) mx = fmaxf(mx, x[i]);
+#pragma unroll
+    for (int c = 0; c < ROUTE_RB; ++c)
+        if (lane + 32 * c < n) mx = fmaxf(mx, xv[c]);
+    for (int i = lane + 32 * ROUTE_RB; i < n; i += 32) mx = fmaxf(mx, x[i]);
     mx = warp_max(mx);
-    for (int i = lane; i < n; i += 32) e[i] = expf(f_sub(x[i], mx));
+#pragma unroll
+    for (int c = 0; c < ROUTE_RB; ++c)
+        if (lane + 32 * c < n) e[lane + 32 * c] = expf(f_sub(xv[c], mx));
+    for (int i = lane + 32 * ROUTE_RB; i < n; i += 32) e[i] = expf(f_sub(x[i], mx));
     __syncwarp();
     float S = 0.f;
     if (lane == 0) S = pw_sum_tree(e, n);
