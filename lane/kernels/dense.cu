@@ -644,19 +644,36 @@ extern "C" __global__ void __launch_bounds__(1024) rms_norm_rows(const float* x,
 // Launch with Q8_0: NORM_MV_Q8_SMEM bytes of dynamic shared memory, float types: 4 * NORM_MV_MAX_N.
 // =============================================================================================================
 
-// The norm's weights go into registers before the PDL wait (no predecessor writes them), then x is staged.
+// The norm's weights are copied into xs with cp.async before the PDL wait (ptxas keeps cp.async ahead of
+// griddepcontrol.wait but sinks plain loads past it, SASS of the NVRTC build), then x is loaded after the wait;
+// each thread reads its own float4s of w back and writes x over them, so no barrier is needed between the two.
 __device__ __forceinline__ void norm_stage(const float* __restrict__ x, const float* __restrict__ w, int n, int L,
                                            int NL, float eps, float* xs, signed char* __restrict__ q,
                                            float* __restrict__ d) {
     const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5, nw = blockDim.x >> 5;
-    float4 wv[STAGE_V4];
+    const u32 xs_addr = smem_addr(xs);
 #pragma unroll
     for (int k = 0; k < STAGE_V4; ++k) {
         const int i = tid + MV_WARPS * 32 * k;
-        if (4 * i < n) wv[k] = __ldg((const float4*)w + i);
+        if (4 * i < n) cp_async16(xs_addr + 16 * i, w + 4 * i);
     }
+    cp_commit();
     PDL_ENTRY();
-    stage_row(x, n, xs);
+    float4 xv[STAGE_V4], wv[STAGE_V4];
+#pragma unroll
+    for (int k = 0; k < STAGE_V4; ++k) {
+        const int i = tid + MV_WARPS * 32 * k;
+        if (4 * i < n) xv[k] = __ldg((const float4*)x + i);
+    }
+    cp_wait<0>();  // this thread's copies of w (and any ring tiles issued before: they were in flight as long)
+#pragma unroll
+    for (int k = 0; k < STAGE_V4; ++k) {
+        const int i = tid + MV_WARPS * 32 * k;
+        if (4 * i < n) {
+            wv[k] = ((const float4*)xs)[i];
+            ((float4*)xs)[i] = xv[k];
+        }
+    }
     __syncthreads();
     const float s = row_rms(xs, n, L, NL, eps);
 #pragma unroll
