@@ -642,12 +642,16 @@ struct DnCombine {
     int k;
 };
 
-template <int TP>
+// `wait` (the PDL wait) runs once the first weight rows are in flight (cp.async, which ptxas keeps ahead of the
+// wait) and the IQ3_S grid is in shared memory: the pair lists are no output of the gate/up kernel before this one
+// (they were complete before that kernel passed its own wait, which it does before letting this one start); h, its
+// output, is read after the wait.
+template <int TP, class Wait>
 __device__ __forceinline__ void down_body(const u8* __restrict__ pool, i64 slot_bytes, const int* __restrict__ pairs,
                                           const int* __restrict__ tiles, const int* __restrict__ n_tiles_p,
                                           int max_tiles, const signed char* __restrict__ qhbuf,
                                           const float* __restrict__ dhbuf, const u32* __restrict__ grid_g,
-                                          float* __restrict__ out, DnCombine cmb = DnCombine{}) {
+                                          float* __restrict__ out, Wait wait, DnCombine cmb = DnCombine{}) {
     constexpr int NC = DN_ROWS / DN_R;
     constexpr int SPL = DNG::SPL, NSUB = DNG::NSUB;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -668,6 +672,7 @@ __device__ __forceinline__ void down_body(const u8* __restrict__ pool, i64 slot_
     }
     if (DN_QT == QT_IQ3_S) fill_grid(grid_g);
     __syncthreads();
+    wait();
 
 #pragma unroll 1
     for (int k = 0;; ++k) {
@@ -762,9 +767,8 @@ expert_down(const u8* __restrict__ pool, i64 slot_bytes, const int* __restrict__
             const int* __restrict__ n_pairs_p, int max_pairs, const signed char* __restrict__ qhbuf,
             const float* __restrict__ dhbuf, const u32* __restrict__ grid_g, float* __restrict__ out, int* count,
             const int* __restrict__ rowmap, const float* __restrict__ w, float* x, int k) {
-    PDL_ENTRY();
     down_body<1>(pool, slot_bytes, pairs, nullptr, n_pairs_p, max_pairs, qhbuf, dhbuf, grid_g, out,
-                 DnCombine{count, rowmap, w, x, k});
+                 [] { PDL_ENTRY(); }, DnCombine{count, rowmap, w, x, k});
 }
 
 extern "C" __global__ void __launch_bounds__(DN_WPB * 32, 1)
@@ -772,8 +776,8 @@ expert_down_tiled(const u8* __restrict__ pool, i64 slot_bytes, const int* __rest
                   const int* __restrict__ tiles, const int* __restrict__ n_tiles_p, int max_tiles,
                   const signed char* __restrict__ qhbuf, const float* __restrict__ dhbuf,
                   const u32* __restrict__ grid_g, float* __restrict__ out) {
-    PDL_ENTRY();
-    down_body<TILE_P>(pool, slot_bytes, pairs, tiles, n_tiles_p, max_tiles, qhbuf, dhbuf, grid_g, out);
+    down_body<TILE_P>(pool, slot_bytes, pairs, tiles, n_tiles_p, max_tiles, qhbuf, dhbuf, grid_g, out,
+                      [] { PDL_ENTRY(); });
 }
 
 #include "experts_mma.cuh"
