@@ -316,6 +316,9 @@ class ExpertKernels:
                        shared_mem=self.gu_smem)
 
     def run_down(self, where, pairs, n_pairs, out, combine=None, stream=None) -> None:
+        """The down half of run(). The kernel reads pairs / n_pairs before its PDL wait: they must not be the
+        output of the launch just before it on the stream (run_gate_up is; route_pairs / build_pairs come before
+        that)."""
         cp = self.cp
         lay = self._where(where)
         self._check_run_args(pairs, n_pairs)
