@@ -879,6 +879,19 @@ template <int HD>
 __device__ __forceinline__ int attn_swz(int r) { return ((r >> 2) | ((r & 1) << 2)) & (HD / 8 - 1); }
 template <bool G16> struct AttnRing { static constexpr int STAGES = G16 ? 2 : 3; };  // two blocks an SM either way
 
+// The decode position, read with cp.async before the PDL wait, then the wait (ptxas keeps cp.async ahead of
+// griddepcontrol.wait but sinks plain loads past it, SASS of the NVRTC build): an earlier step's advance_pos wrote
+// it, never the kernel this one waits for. Every thread of the block calls it (one barrier).
+__device__ __forceinline__ int pos_then_wait(const int* pos_p) {
+    __shared__ int s_pos;
+    if (threadIdx.x == 0) cp_async4(smem_addr(&s_pos), pos_p);
+    cp_commit();
+    PDL_ENTRY();
+    cp_wait<0>();
+    __syncthreads();
+    return s_pos;
+}
+
 template <int HD, bool G16, bool PIPE, bool FUSE, bool RING = false>
 __device__ __forceinline__ void attn_split_body(const float* __restrict__ q, const u16* kc, const u16* vc,
                                                 const int* __restrict__ pos_p, int n_head, int n_kv, int max_ctx,
@@ -900,7 +913,7 @@ __device__ __forceinline__ void attn_split_body(const float* __restrict__ q, con
     int len = 0, chunk = 0, nact = 0;
     const float* qg = FUSE ? nullptr : q + ((i64)t * n_head + (i64)kvh * group) * HD;  // the group's q rows
     if (FUSE) {  // the position first: blocks past the active splits leave before doing anything
-        const int pos = pos_p[0];
+        const int pos = pos_then_wait(pos_p);
         len = min(pos + 1, max_ctx);
         attn_split_geom(len, nsplit, chunk_min, chunk, nact);
         if (s >= nact) return;
@@ -1179,7 +1192,7 @@ __device__ __forceinline__ void attn_split_body(const float* __restrict__ q, con
         const float* __restrict__ qkv, const float* __restrict__ qnw, const float* __restrict__ knw, float eps,  \
         const float* __restrict__ cos_t, const float* __restrict__ sin_t, u16* kc, u16* vc,                      \
         const int* __restrict__ pos_p, int n_head, int n_kv, int max_ctx, int nsplit, int chunk_min,             \
-        float scale_log2, float* __restrict__ part_o, float* __restrict__ part_ml) { PDL_ENTRY();                \
+        float scale_log2, float* __restrict__ part_o, float* __restrict__ part_ml) {                             \
         attn_split_body<HD, G16, true, true, RING>(nullptr, kc, vc, pos_p, n_head, n_kv, max_ctx, nsplit,        \
                                                    chunk_min, scale_log2, part_o, part_ml,                        \
                                                    AttnQkv{qkv, qnw, knw, eps, cos_t, sin_t});                    \
@@ -1206,14 +1219,13 @@ extern "C" __global__ void __launch_bounds__(128) attn_combine(const float* __re
                                                                const int* __restrict__ pos_p, int n_head, int n_kv,
                                                                int hd, int max_ctx, int nsplit, int chunk_min,
                                                                int cols, float* __restrict__ out) {
-    PDL_ENTRY();
     extern __shared__ float wts[];  // nsplit
     __shared__ float red[4];
     __shared__ float s_M, s_L;
     __shared__ float4 accs[128];
     const int h = blockIdx.x, t = blockIdx.y, tid = threadIdx.x, lane = tid & 31, wid = tid >> 5;
     const int group = n_head / n_kv, kvh = h / group, hj = h % group;
-    int len = min(pos_p[0] + t + 1, max_ctx);
+    int len = min(pos_then_wait(pos_p) + t + 1, max_ctx);
     int chunk, nact;
     attn_split_geom(len, nsplit, chunk_min, chunk, nact);
     const i64 base = ((i64)t * n_kv + kvh) * nsplit * group + hj;  // + s * group
@@ -1279,13 +1291,12 @@ extern "C" __global__ void __launch_bounds__(128) attn_combine_v1(const float* _
                                                                const int* __restrict__ pos_p, int n_head, int n_kv,
                                                                int hd, int max_ctx, int nsplit, int chunk_min,
                                                                float* __restrict__ out) {
-    PDL_ENTRY();
     extern __shared__ float wts[];  // nsplit
     __shared__ float red[4];
     __shared__ float s_M, s_L;
     const int h = blockIdx.x, t = blockIdx.y, tid = threadIdx.x, lane = tid & 31, wid = tid >> 5;
     const int group = n_head / n_kv, kvh = h / group, hj = h % group;
-    int len = min(pos_p[0] + t + 1, max_ctx);
+    int len = min(pos_then_wait(pos_p) + t + 1, max_ctx);
     int chunk, nact;
     attn_split_geom(len, nsplit, chunk_min, chunk, nact);
     const i64 base = ((i64)t * n_kv + kvh) * nsplit * group + hj;  // + s * group
