@@ -736,28 +736,38 @@ __device__ __forceinline__ float head_sq_sum(const float* a, int n, int lane) {
     return f_add(__shfl_sync(0xffffffffu, s0, 0), __shfl_sync(0xffffffffu, s1, 0));
 }
 
-// One head's RMSNorm (weights wn) and NEOX RoPE (the position's cos / sin rows ct, stb) by a warp: x (hd <= 256
-// values, shared memory) -> emit(i, out[i], out[i + hd / 2]) for each of the lane's pairs i < hd / 2.
-template <class Emit>
-__device__ __forceinline__ void head_norm_rope(const float* x, const float* __restrict__ wn, float eps,
-                                               const float* __restrict__ ct, const float* __restrict__ stb, int hd,
-                                               int lane, Emit emit) {
+// A lane's norm weights and the position's cos / sin for its pairs i = lane + 32 m < hd / 2 (hd <= 256).
+struct HeadRope {
+    float wa[4], wb[4], cv[4], sv[4];
+};
+__device__ __forceinline__ HeadRope head_rope_load(const float* __restrict__ wn, const float* __restrict__ ct,
+                                                   const float* __restrict__ stb, int hd, int lane) {
+    HeadRope r;
     const int half = hd >> 1;
-    float wa[4], wb[4], cv[4], sv[4];  // prefetched before the norm (hd <= 256: <= 4 pairs per lane)
 #pragma unroll
     for (int m = 0; m < 4; ++m) {
         const int i = lane + 32 * m;
-        if (i < half) { wa[m] = wn[i]; wb[m] = wn[i + half]; cv[m] = ct[i]; sv[m] = stb[i]; }
+        if (i < half) { r.wa[m] = wn[i]; r.wb[m] = wn[i + half]; r.cv[m] = ct[i]; r.sv[m] = stb[i]; }
     }
+    return r;
+}
+
+// One head's RMSNorm (weights wn) and NEOX RoPE (the position's cos / sin rows ct, stb) by a warp: x (hd <= 256
+// values, shared memory) -> emit(i, out[i], out[i + hd / 2]) for each of the lane's pairs i < hd / 2; the weights
+// and tables as head_rope_load read them (loaded before the norm, or earlier by the caller).
+template <class Emit>
+__device__ __forceinline__ void head_norm_rope(const float* x, const HeadRope& r, float eps, int hd, int lane,
+                                               Emit emit) {
+    const int half = hd >> 1;
     const float sum = head_sq_sum(x, hd, lane);
     const float s = f_sqrt(f_add(f_div(sum, (float)hd), eps));
 #pragma unroll
     for (int m = 0; m < 4; ++m) {
         const int i = lane + 32 * m;
         if (i >= half) break;
-        const float a = f_mul(f_div(x[i], s), wa[m]);
-        const float b = f_mul(f_div(x[i + half], s), wb[m]);
-        const float c = cv[m], sn = sv[m];
+        const float a = f_mul(f_div(x[i], s), r.wa[m]);
+        const float b = f_mul(f_div(x[i + half], s), r.wb[m]);
+        const float c = r.cv[m], sn = r.sv[m];
         emit(i, f_sub(f_mul(a, c), f_mul(b, sn)), f_add(f_mul(b, c), f_mul(a, sn)));
     }
 }
@@ -787,7 +797,8 @@ extern "C" __global__ void __launch_bounds__(128) qk_norm_rope_kv(
     }
     const bool is_q = hh < n_head;
     const int pc = min(pos, max_ctx - 1);
-    head_norm_rope(x, is_q ? qnw : knw, eps, cos_t + (i64)pc * half, sin_t + (i64)pc * half, hd, lane,
+    head_norm_rope(x, head_rope_load(is_q ? qnw : knw, cos_t + (i64)pc * half, sin_t + (i64)pc * half, hd, lane),
+                   eps, hd, lane,
                    [&](int i, float oa, float ob) {
                        if (is_q) {
                            float* qo = q_out + ((i64)t * n_head + hh) * hd;
@@ -922,11 +933,28 @@ __device__ __forceinline__ void attn_split_body(const float* __restrict__ q, con
         const int pc = min(pos, max_ctx - 1);
         const float* ct = f.cos_t + (i64)pc * (HD / 2);
         const float* st = f.sin_t + (i64)pc * (HD / 2);
+        const HeadRope rq = head_rope_load(f.qnw, ct, st, HD, lane);  // issued with the q rows' loads
+        {  // the warp's q heads j = w, w + 4, .. (group <= 16: four at most) loaded at once, then staged
+            float v[4][HD / 32];
+#pragma unroll
+            for (int jj = 0; jj < 4; ++jj) {
+                const int j = w + 4 * jj;
+#pragma unroll
+                for (int m = 0; m < HD / 32; ++m)
+                    if (j < group) v[jj][m] = f.qkv[((i64)kvh * group + j) * HD + lane + 32 * m];
+            }
+#pragma unroll
+            for (int jj = 0; jj < 4; ++jj) {
+                const int j = w + 4 * jj;
+#pragma unroll
+                for (int m = 0; m < HD / 32; ++m)
+                    if (j < group) qs[j * HD + lane + 32 * m] = v[jj][m];
+            }
+            __syncwarp();
+        }
         for (int j = w; j < group; j += 4) {  // warp-uniform: head kvh * group + j, normalised and rotated in place
             float* x = qs + j * HD;
-            for (int d = lane; d < HD; d += 32) x[d] = f.qkv[((i64)kvh * group + j) * HD + d];
-            __syncwarp();
-            head_norm_rope(x, f.qnw, f.eps, ct, st, HD, lane, [&](int i, float oa, float ob) {
+            head_norm_rope(x, rq, f.eps, HD, lane, [&](int i, float oa, float ob) {
                 x[i] = oa;
                 x[i + HD / 2] = ob;
             });
@@ -937,9 +965,10 @@ __device__ __forceinline__ void attn_split_body(const float* __restrict__ q, con
             u16* vw = const_cast<u16*>(vc);
             const float* kv_row = f.qkv + (i64)(n_head + kvh) * HD;  // raw k of this kv head; v follows the k heads
             if (w == 0) {
+                const HeadRope rk = head_rope_load(f.knw, ct, st, HD, lane);
                 for (int d = lane; d < HD; d += 32) kx[d] = kv_row[d];
                 __syncwarp();
-                head_norm_rope(kx, f.knw, f.eps, ct, st, HD, lane, [&](int i, float oa, float ob) {
+                head_norm_rope(kx, rk, f.eps, HD, lane, [&](int i, float oa, float ob) {
                     kw[((i64)kvh * max_ctx + pos) * HD + i] = f2h(oa);
                     kw[((i64)kvh * max_ctx + pos) * HD + i + HD / 2] = f2h(ob);
                 });
