@@ -114,6 +114,18 @@ def test_matvec(cp, D, qt, shape):
         assert bound_err(y.get(), W64, x.astype(np.float64), r) <= 1e-5
         assert np.array_equal(y.get(), yi.get())
     note(f"matvec {qt.name} normwise vs numpy f32", normwise(got, D.matvec_ref(raw, qt, x)))
+    if qt == T.Q8_0 and plans is D.PLANS:
+        # one warp a row (KS = 1) sums a row in the same order whatever its rows per warp: the plans that stage x
+        # in shared memory (one or two rows a warp, cols <= 4096) give the bits of the one that reads it from
+        # global memory (four rows a warp)
+        for variant in variants:
+            ys = []
+            for plan in [p for p in D.PLANS if p[1] == 1]:
+                y = nan_like(cp, rows)
+                D.matvec(W, xd, y, residual=rd, plan=plan, variant=variant)
+                ys.append((plan, y.get()))
+            for plan, y in ys[1:]:
+                assert np.array_equal(y, ys[0][1]), (variant, plan, ys[0][0])
 
 
 @pytest.mark.parametrize("qt,cols", [(T.Q8_0, 96), (T.F16, 36), (T.BF16, 20), (T.F32, 10)],
