@@ -52,6 +52,12 @@ __device__ __forceinline__ float warp_max(float v) {
 
 __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 s) { u32 r; asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(s)); return r; }
 
+// the shared-memory address of a generic pointer to shared memory (for cp.async and st.shared)
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u32 r;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"((u64)p));
+    return r;
+}
 __device__ __forceinline__ void cp_async16(u32 saddr, const void* g) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(saddr), "l"(g) : "memory");
 }

@@ -61,11 +61,6 @@ __device__ __forceinline__ uint2 ld_stream_u2(const void* p) {
 __device__ __forceinline__ void st_shared_v4(u32 addr, uint4 v) {
     asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w));
 }
-__device__ __forceinline__ u32 smem_addr(const void* p) {
-    u32 r;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"((u64)p));
-    return r;
-}
 
 // int8 lane k of word u (already xor 0x80808080) as an exact float: 2^23 + (q + 128) - (2^23 + 128)
 #define MAGIC_BIAS 8388736.0f

@@ -880,11 +880,22 @@ extern "C" __global__ void __launch_bounds__(32) route_pairs(const float* __rest
                                                              int* __restrict__ n_pairs, int* __restrict__ rowmap,
                                                              int* __restrict__ miss, int* __restrict__ n_miss,
                                                              int max_miss) {
-    PDL_ENTRY();
     __shared__ float e[1024];
     __shared__ float sel[32];
+    // the layer's expert -> (source, slot) tables, copied while the router still runs (the host writes them on this
+    // stream between steps; cp.async, which ptxas keeps ahead of the wait): pairs_warp then reads shared memory
+    // instead of two dependent L2 round trips after the top-k
+    __shared__ int tab[2][1024];
+    for (int i = threadIdx.x; i < n; i += 32) {
+        cp_async4(smem_addr(&tab[0][i]), src + i);
+        cp_async4(smem_addr(&tab[1][i]), slot + i);
+    }
+    cp_commit();
+    PDL_ENTRY();
     const int id = route_warp(logits, n, k, e, sel, threadIdx.x, ids, wts);
-    pairs_warp(id, k, k, src, slot, n, n_src, max_pairs, pairs, n_pairs, rowmap, miss, n_miss, max_miss);
+    cp_wait<0>();
+    __syncwarp();
+    pairs_warp(id, k, k, tab[0], tab[1], n, n_src, max_pairs, pairs, n_pairs, rowmap, miss, n_miss, max_miss);
 }
 
 // One layer's routed entries (ids: n = T*K expert ids, token = entry / K) -> where each is computed. src[e]: the
