@@ -481,17 +481,25 @@ __device__ __forceinline__ void gateup_body(const u8* __restrict__ pool, i64 slo
     constexpr int SPL = GUG::SPL, NSUB = GUG::NSUB;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const u32 lane4 = 4u * lane;
-    const int n_tiles = clamp_pairs(n_tiles_p, max_tiles);
     const int NB = gridDim.x;
+    // one pair a tile (TP = 1): the first stages' slots are read with the count, not after it (the list has room
+    // for max_tiles entries; a slot past the count is read and dropped), one dependent L2 round trip less
+    int slot0[GU_STAGES];
+#pragma unroll
+    for (int k = 0; k < GU_STAGES; ++k) {
+        const int p = (blockIdx.x + k * NB) / NG;
+        slot0[k] = (TP == 1 && p < max_tiles) ? __ldg(pairs + 2 * p + 1) : 0;
+    }
+    const int n_tiles = clamp_pairs(n_tiles_p, max_tiles);
     const int items = n_tiles * NG;
     const u32 sb = smem_base();
     const u32 wst = GU_TBL + GuSmem<TP>::HS + warp * GU_STAGES * GU_STG;  // this warp's stages (shared offset)
 
-#pragma unroll 1
+#pragma unroll
     for (int k = 0; k < GU_STAGES; ++k) {  // rows in flight before anything else
         const int it = blockIdx.x + k * NB;
         if (it < items) gu_stage(sb + wst + k * GU_STG, pool, slot_bytes, up_off,
-                                 tile_slot<TP>(pairs, tiles, it / NG), it % NG, warp, lane);
+                                 TP == 1 ? slot0[k] : tile_slot<TP>(pairs, tiles, it / NG), it % NG, warp, lane);
         cp_commit();
     }
     if (GU_QT == QT_IQ3_S) fill_grid(grid_g);
