@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# The trees device_run.sh ab compares: _ab1, _ab2, ... from `git archive` of each revision given, in order (the first
+# is the base bench_table.py --ab measures against). Run in the checkout the device copies (it sends no .git, but
+# does send untracked files that git does not ignore; ~3 MB a tree). `scripts/ab_trees.sh clean` removes them; do so
+# before committing.
+#   scripts/ab_trees.sh main c1-exit c2-pf-gateup
+set -eu
+cd "$(git rev-parse --show-toplevel)"
+rm -rf _ab[0-9]*
+[ "${1:-}" = clean ] && exit 0
+i=0
+for rev in "$@"; do
+    i=$((i + 1))
+    mkdir "_ab$i"
+    git archive "$rev" | tar -x -C "_ab$i"
+    echo "_ab$i: $rev ($(git rev-parse --short "$rev"))"
+done
