@@ -278,9 +278,10 @@ ncu-src)  # a3b 1K all resident: each decode kernel's stall samples by SASS inst
         python3 scripts/ncu_hot.py "$OUT/src-$k.csv" 12 | tee "$OUT/src-$k.txt" | cut -c1-150
     done
     ;;
-ab)  # the all-resident engine bench on this tree and on each tree _ab*/ (`mkdir _ab1 && git archive REV | tar -x -C
-     # _ab1`), ROUNDS (2) times in turn on one machine: the A/B a change needs (machines of one kind differ by a few
-     # %); CONTEXTS=1024 for a quick pass over many trees (one per commit of a branch: each change's own share)
+ab)  # the all-resident engine bench on this tree and on each tree _ab*/ (`scripts/ab_trees.sh REV...` makes them
+     # from git archives), ROUNDS (2) times in turn on one machine: the A/B a change needs (machines of one kind
+     # differ by a few %); CONTEXTS=1024 for a quick pass over many trees (one per commit of a branch: each change's
+     # own share)
     model "$A3B" --router-skew 1.0
     for round in $(seq "${ROUNDS:-2}"); do
         for tree in . _ab* ${AB_ENV:+env}; do  # AB_ENV="NAME=VALUE ...": this tree once more with those set
