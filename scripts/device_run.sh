@@ -11,6 +11,7 @@
 #   bash scripts/device_run.sh engine1   # a3b IQ3_S: the engine bench all resident (1K / 32K / 64K; TAG= names
 #                                        # the JSON, e.g. TAG=-route-launch with STRATAD_ROUTE_IN_GATEUP=0)
 #   bash scripts/device_run.sh experts-decode  # the decode expert kernels, gate/up groups over one block or two
+#   bash scripts/device_run.sh experts-ab  # the decode expert kernels alone on this tree and each tree _ab*/, twice
 #   bash scripts/device_run.sh marginal  # a3b IQ3_S: each idempotent decode kernel's cost inside the graph (1K, 32K)
 #   bash scripts/device_run.sh plans     # a3b 1K: the decode step with each mat-vec shape on each other plan
 #   bash scripts/device_run.sh prefill32k  # a3b IQ3_S: a 32K prompt's profile in chunks of 4096 / 8192 tokens
@@ -79,6 +80,18 @@ engine1)  # the all-resident engine bench
     model "$A3B" --router-skew 1.0
     timeout 150 python3 -m stratad.cli bench --scenario engine --model "$A3B" --fractions 1.0 \
         --contexts 1024,32768,65536 --json "$OUT/engine-resident${TAG:-}.json" 2>&1 | grep "^{'" | cut -c1-200
+    ;;
+experts-ab)  # the decode expert kernels alone (8 pairs, and 8 tokens x 8), on this tree and each tree _ab*/ in turn,
+            # twice: a kernel change's own effect, without the rest of the step (scripts/ab_trees.sh makes the trees)
+    for round in 1 2; do
+        for tree in . _ab*; do
+            [ -d "$tree" ] || continue
+            (cd "$tree" && PYTHONPATH=/tmp/site:$PWD timeout 120 python3 scripts/gpu_experts_bench.py --types IQ3_S \
+                --cases decode8,tok8x8 --variants default \
+                --json "$OUT/experts-$(basename "$(realpath "$tree")")-$round.json" 2>&1 | grep "^{" | cut -c1-150 |
+                sed "s|^|$tree: |")
+        done
+    done
     ;;
 experts-decode)  # the decode expert kernels: gate/up groups over one block or two
     timeout 200 python3 scripts/gpu_experts_bench.py --types IQ3_S --cases decode8,tok8x8 \
