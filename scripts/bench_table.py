@@ -3,6 +3,7 @@
 
     python3 scripts/bench_table.py docs/bench/2026-12-02-h200-engine-a3b-iq3s.json [more.json ...]
     python3 scripts/bench_table.py --ab OUT/ab-*.json   # device_run.sh ab: decode tok/s by tree and context
+    python3 scripts/bench_table.py --experts OUT/experts-*.json   # device_run.sh experts-ab: kernel us by tree
 """
 from __future__ import annotations
 
@@ -41,19 +42,36 @@ def seed_rows(d: dict) -> list[str]:
     return out
 
 
+def tree_docs(paths: list[str], prefix: str) -> dict[str, list[dict]]:
+    """device_run.sh's per-tree files PREFIX-TREE-ROUND.json (TREE: this, env, ab1, ab2, ..) -> tree -> documents."""
+    docs: dict[str, list[dict]] = {}
+    for p in paths:
+        m = re.fullmatch(rf"{prefix}-(.+)-(\d+)\.json", Path(p).name)
+        if not m:
+            raise SystemExit(f"{p}: not a {prefix}-TREE-ROUND.json file")
+        docs.setdefault(m.group(1), []).append(json.loads(Path(p).read_text()))
+    return docs
+
+
+def tree_order(trees, first: str = "") -> list[str]:
+    """`first` (if present), then ab1, ab2, .., then this tree with AB_ENV set ("env"), then this tree."""
+    return sorted(trees, key=lambda t: (-1, 0, t) if t == first else (0, int(t[2:]), t)
+                  if t[:2] == "ab" and t[2:].isdigit() else (1 if t == "env" else 2, 0, t))
+
+
+def delta(v: float, base: float) -> str:
+    return f" {v / base - 1:+.1%}" if base and v != base else ""
+
+
 def ab_rows(paths: list[str]) -> list[str]:
     """device_run.sh ab's runs (ab-TREE-ROUND.json): each tree's decode tok/s a context (the rounds' median, then
     each round's), and its change against the first tree (ab1, else this tree with AB_ENV: the base)."""
     runs: dict[str, dict[int, list[float]]] = {}
-    for p in paths:
-        m = re.fullmatch(r"ab-(.+)-(\d+)\.json", Path(p).name)
-        if not m:
-            raise SystemExit(f"{p}: not an ab-TREE-ROUND.json file")
-        for r in json.loads(Path(p).read_text())["results"]:
-            runs.setdefault(m.group(1), {}).setdefault(r["context"], []).append(r["decode_tok_s"])
-    # ab1, ab2, .. (ab1: the base), then this tree with AB_ENV set ("env"), then this tree
-    trees = sorted(runs, key=lambda t: (0, int(t[2:]), t) if t[:2] == "ab" and t[2:].isdigit()
-                   else (1 if t == "env" else 2, 0, t))
+    for tree, docs in tree_docs(paths, "ab").items():
+        for d in docs:
+            for r in d["results"]:
+                runs.setdefault(tree, {}).setdefault(r["context"], []).append(r["decode_tok_s"])
+    trees = tree_order(runs)
     contexts = sorted({c for t in runs.values() for c in t})
     base = {c: statistics.median(runs[trees[0]].get(c, [0])) for c in contexts}
     out = ["| tree | " + " | ".join(f"{c // 1024}K decode tok/s (runs)" for c in contexts) + " |",
@@ -66,15 +84,33 @@ def ab_rows(paths: list[str]) -> list[str]:
                 cells.append("-")
                 continue
             med = statistics.median(v)
-            delta = f" {med / base[c] - 1:+.1%}" if base[c] and t != trees[0] else ""
-            cells.append(f"{med:.1f}{delta} ({' / '.join(f'{x:.1f}' for x in v)})")
+            d = delta(med, base[c]) if t != trees[0] else ""
+            cells.append(f"{med:.1f}{d} ({' / '.join(f'{x:.1f}' for x in v)})")
         out.append(f"| {t} | " + " | ".join(cells) + " |")
     return out
 
 
+def experts_rows(paths: list[str]) -> list[str]:
+    """device_run.sh experts-ab's runs (experts-TREE-ROUND.json, gpu_experts_bench's default variant): each tree's
+    gate/up and down us at 8 pairs and the pair of launches at 8 tokens x 8 (median of every repetition of every
+    round), and the change against this tree (the checkout, e.g. main; else ab1)."""
+    cols = (("decode8", "us_gate_up", "8 pairs gate/up"), ("decode8", "us_down", "8 pairs down"),
+            ("decode8", "us_run", "8 pairs both"), ("tok8x8", "us_run", "8x8 both"))
+    vals: dict[str, list[float]] = {}
+    for tree, docs in tree_docs(paths, "experts").items():
+        vals[tree] = [statistics.median([x for d in docs for r in d["results"] if r["variant"] == "default"
+                                         for x in r["cases"][case][key]]) for case, key, _ in cols]
+    trees = tree_order(vals, first="this")
+    out = ["| tree | " + " | ".join(f"{name} us" for _, _, name in cols) + " |", "|---|" + "---|" * len(cols)]
+    for t in trees:
+        out.append(f"| {t} | " + " | ".join(f"{v:.2f}{delta(v, b) if t != trees[0] else ''}"
+                                            for v, b in zip(vals[t], vals[trees[0]])) + " |")
+    return out
+
+
 def main(paths: list[str]) -> int:
-    if paths[:1] == ["--ab"]:
-        print("\n".join(ab_rows(paths[1:])))
+    if paths[:1] in (["--ab"], ["--experts"]):
+        print("\n".join((ab_rows if paths[0] == "--ab" else experts_rows)(paths[1:])))
         return 0
     for p in paths:
         with open(p) as f:

@@ -88,7 +88,8 @@ experts-ab)  # the decode expert kernels alone (8 pairs, and 8 tokens x 8), on t
             [ -d "$tree" ] || continue
             (cd "$tree" && PYTHONPATH=/tmp/site:$PWD timeout 120 python3 scripts/gpu_experts_bench.py --types IQ3_S \
                 --cases decode8,tok8x8 --variants default \
-                --json "$OUT/experts-$(basename "$(realpath "$tree")")-$round.json" 2>&1 | grep "^{" | cut -c1-150 |
+                --json "$OUT/experts-$(case $tree in .) echo this ;; *) echo "${tree#_}" ;; esac)-$round.json" 2>&1 |
+                grep "^{" | cut -c1-150 |
                 sed "s|^|$tree: |")
         done
     done
