@@ -588,6 +588,8 @@ def _quantize(h, lo, hi, n, qh, dh, hsum):
                 amax = x
         d = amax / _127
         inv = _ONE / d if d > _ZERO else _ZERO
+        if np.isinf(inv):  # a subnormal d whose 1 / d overflows: q = 0 by definition, not a cast of inf
+            inv = _ZERO
         s = 0
         for v in range(SUB):
             q = np.int64(np.rint(h[o + v] * inv))

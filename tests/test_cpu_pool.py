@@ -91,6 +91,27 @@ def test_bit_exact_vs_canonical(pools, seed, qtype, shape):
     assert np.all(da[0, 1] == 0) and np.all(da[2] == 0)
 
 
+def test_quantize_edges_match_canonical():
+    """The pool's quantisation of h at canonical.quantize_act's edges: a group whose d is subnormal with 1 / d = inf
+    (q = 0 by definition), one whose d is subnormal with 1 / d finite, an all-zero group, exact .5 ties."""
+    from lane.cpu_pool import _quantize
+
+    n = 128
+    h = np.random.default_rng(1).standard_normal(2 * n).astype(F32)
+    h[0:32] = 0
+    h[0:3] = [1e-38, -5e-39, 3e-39]
+    h[32:64] = 0
+    h[32:34] = [1e-36, -5e-37]
+    h[64:96] = 0
+    h[96:128] = np.arange(-16, 16, dtype=F32) * F32(0.5)
+    qh, dh, hsum = np.empty(2 * n, np.int8), np.empty(2 * n // 32, F32), np.empty(2 * n // 32, F32)
+    _quantize(h, 0, 2, n, qh, dh, hsum)
+    q, d = canonical.quantize_act(h.reshape(2, n))
+    np.testing.assert_array_equal(qh, q.reshape(-1))
+    assert_bits(dh, d.reshape(-1))
+    assert_bits(hsum, q.reshape(-1, 32).sum(axis=1).astype(F32))
+
+
 @pytest.mark.parametrize("qtype", [T.IQ3_S, T.Q4_K, T.Q8_0], ids=lambda t: t.name)
 def test_exp_clamp_large_inputs(pools, seed, qtype):
     """Gate values far beyond the exp clamp (|g| > 88) on both sides, and large h in the down projection."""
