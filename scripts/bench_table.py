@@ -60,7 +60,7 @@ def tree_order(trees, first: str = "") -> list[str]:
 
 
 def delta(v: float, base: float) -> str:
-    return f" {v / base - 1:+.1%}" if base and v != base else ""
+    return f" {v / base - 1:+.1%}" if base else ""
 
 
 def ab_rows(paths: list[str]) -> list[str]:

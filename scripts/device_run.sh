@@ -51,6 +51,10 @@ mkdir -p "$OUT"
 A3B=/tmp/a3b-iq3s-skew1.gguf
 SEED=/tmp/a3b-iq3s-skew0.7-topics2.gguf
 
+tree_tag() {  # a tree of ab / experts-ab as its JSON names it: . -> this, _abN -> abN, env -> env
+    case $1 in .) echo this ;; *) echo "${1#_}" ;; esac
+}
+
 model() {  # path preset args...
     while [ -f /tmp/model-making ]; do sleep 2; done  # a batch's background model
     [ -f "$1" ] || python3 -m stratad.cli make-model --preset a3b --expert-quant IQ3_S --out "$@" | tail -1
@@ -87,10 +91,8 @@ experts-ab)  # the decode expert kernels alone (8 pairs, and 8 tokens x 8), on t
         for tree in . _ab*; do
             [ -d "$tree" ] || continue
             (cd "$tree" && PYTHONPATH=/tmp/site:$PWD timeout 120 python3 scripts/gpu_experts_bench.py --types IQ3_S \
-                --cases decode8,tok8x8 --variants default \
-                --json "$OUT/experts-$(case $tree in .) echo this ;; *) echo "${tree#_}" ;; esac)-$round.json" 2>&1 |
-                grep "^{" | cut -c1-150 |
-                sed "s|^|$tree: |")
+                --cases decode8,tok8x8 --variants default --json "$OUT/experts-$(tree_tag "$tree")-$round.json" 2>&1 |
+                grep "^{" | cut -c1-150 | sed "s|^|$tree: |")
         done
     done
     ;;
@@ -300,7 +302,7 @@ ab)  # the all-resident engine bench on this tree and on each tree _ab*/ (`scrip
     for round in $(seq "${ROUNDS:-2}"); do
         for tree in . _ab* ${AB_ENV:+env}; do  # AB_ENV="NAME=VALUE ...": this tree once more with those set
             [ -d "$tree" ] || [ "$tree" = env ] || continue
-            name="$OUT/ab-$(case $tree in .) echo this ;; env) echo env ;; *) echo "${tree#_}" ;; esac)-$round.json"
+            name="$OUT/ab-$(tree_tag "$tree")-$round.json"
             extra=""; [ "$tree" = env ] && extra="$AB_ENV"
             (cd "$([ "$tree" = env ] && echo . || echo "$tree")" && env $extra PYTHONPATH=/tmp/site:$PWD \
                 timeout 150 python3 -m stratad.cli bench --scenario engine --model "$A3B" --fractions 1.0 \
