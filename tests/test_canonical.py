@@ -426,8 +426,9 @@ def _prmt(a: np.ndarray, b: np.ndarray | int, sel: int) -> np.ndarray:
 
 def test_signed_grid_holds_signed_groups():
     """experts.py's signed_grid, the IQ3_S decode kernels' table: word (signs4 << 9) | idx is grid entry idx with
-    byte b negated where bit b of signs4 is set (every entry); and the index arithmetic of experts.cu's
-    iq3s_term_fast, mirrored here word for word, fetches decode_int's signed weights of every group of real rows."""
+    byte b negated where bit b of signs4 is set (every entry), which is what fill_grid's byte negation makes of the
+    plain grid; and the index arithmetic of experts.cu's iq3s_term_fast, mirrored here word for word, fetches
+    decode_int's signed weights of every group of real rows."""
     from lane.kernels.experts import signed_grid
 
     g = quants.iq3s_grid().astype(int)
@@ -439,7 +440,11 @@ def test_signed_grid_holds_signed_groups():
     for b in range(4):
         want = np.where((s >> b) & 1, -g[idx, b], g[idx, b])
         np.testing.assert_array_equal(tb[addr + b], want)
-    np.testing.assert_array_equal(t[:512], np.ascontiguousarray(quants.iq3s_grid()).view(np.uint32).reshape(-1))
+    plain = np.ascontiguousarray(quants.iq3s_grid()).view(np.uint32).reshape(-1)
+    np.testing.assert_array_equal(t[:512], plain)
+    for p in range(16):  # experts.cu's fill_grid builds pattern p from the plain grid as (v ^ m) + (m & 0x01010101)
+        m = np.uint32(sum(0xFF << 8 * b for b in range(4) if (p >> b) & 1))
+        np.testing.assert_array_equal((plain ^ m) + (m & np.uint32(0x01010101)), t[512 * p:512 * (p + 1)])
 
     raw = quants.random_rows(T.IQ3_S, np.random.default_rng(3), 8, 4096, 1.0)
     want = quants.decode_int(T.IQ3_S, raw).q.reshape(-1, 8, 32)  # (block, sub-block j, value)

@@ -199,20 +199,20 @@ template <int QT, int KIN> struct Geom {
 constexpr int GRID_TABLE_WORDS = IQ3_FAST ? 16 * 512 : 512;
 constexpr int GRID_TABLE_BYTES = GRID_TABLE_WORDS * 4;
 
-// Copy the first WORDS words of the table from global memory to shared offset 0 with a block of up to NT threads:
-// 16-byte loads, a thread's loads (up to 8) issued before its stores.
-template <int WORDS, int NT> __device__ __forceinline__ void fill_grid(const u32* __restrict__ grid_g) {
-    constexpr int N16 = WORDS / 4, B = (N16 + NT - 1) / NT < 8 ? (N16 + NT - 1) / NT : 8;
-    const uint4* src = reinterpret_cast<const uint4*>(grid_g);
-    uint4* dst = reinterpret_cast<uint4*>(g_smem);
-    for (int e0 = threadIdx.x; e0 < N16; e0 += B * blockDim.x) {
-        uint4 v[B];
+// Build the first WORDS words of the table at shared offset 0 from the plain grid (512 words in global memory, 2 KB
+// from L2 a block instead of the whole table): a thread loads its entries and stores each with the WORDS / 512 sign
+// patterns, pattern s negating byte b where bit b of s is set ((v ^ 0xff) + 1 a byte: no carry for magnitudes 1..127).
+// experts.py: signed_grid is the same table in numpy.
+template <int WORDS> __device__ __forceinline__ void fill_grid(const u32* __restrict__ grid_g) {
+    u32* dst = reinterpret_cast<u32*>(g_smem);
+    for (int i = threadIdx.x; i < 512; i += blockDim.x) {
+        const u32 v = __ldg(grid_g + i);
 #pragma unroll
-        for (int i = 0; i < B; ++i)
-            if (e0 + i * (int)blockDim.x < N16) v[i] = __ldg(src + e0 + i * blockDim.x);
-#pragma unroll
-        for (int i = 0; i < B; ++i)
-            if (e0 + i * (int)blockDim.x < N16) dst[e0 + i * blockDim.x] = v[i];
+        for (int s = 0; s < WORDS / 512; ++s) {
+            const u32 m = ((s & 1) ? 0xffu : 0u) | ((s & 2) ? 0xff00u : 0u) | ((s & 4) ? 0xff0000u : 0u) |
+                          ((s & 8) ? 0xff000000u : 0u);
+            dst[s * 512 + i] = (v ^ m) + (m & 0x01010101u);
+        }
     }
 }
 
@@ -498,7 +498,7 @@ __device__ __forceinline__ void gateup_body(const u8* __restrict__ pool, i64 slo
                                  TP == 1 ? slot0[k] : tile_slot<TP>(pairs, tiles, it / NG), it % NG, warp, lane);
         cp_commit();
     }
-    if (GU_QT == QT_IQ3_S) fill_grid<TP == 1 ? GRID_TABLE_WORDS : 512, GU_WPB * 32>(grid_g);
+    if (GU_QT == QT_IQ3_S && TP != 1) fill_grid<512>(grid_g);  // TP = 1: expert_gateup, before its wait
     __syncthreads();
 
 #pragma unroll 1
@@ -603,6 +603,7 @@ expert_gateup(const u8* __restrict__ pool, i64 slot_bytes, i64 up_off, const int
               const int* __restrict__ n_pairs_p, int max_pairs, const signed char* __restrict__ qa,
               const float* __restrict__ da, const u32* __restrict__ grid_g, float* __restrict__ hbuf,
               signed char* __restrict__ qhbuf, float* __restrict__ dhbuf) {
+    if (GU_QT == QT_IQ3_S) fill_grid<GRID_TABLE_WORDS>(grid_g);  // a constant: while route_pairs runs
     PDL_ENTRY();
     gateup_body<1>(pool, slot_bytes, up_off, pairs, nullptr, n_pairs_p, max_pairs, qa, da, grid_g, hbuf, qhbuf, dhbuf);
 }
@@ -673,7 +674,7 @@ __device__ __forceinline__ void down_body(const u8* __restrict__ pool, i64 slot_
                                  it % NC, lane);
         cp_commit();
     }
-    if (DN_QT == QT_IQ3_S) fill_grid<TP == 1 ? GRID_TABLE_WORDS : 512, DN_WPB * 32>(grid_g);
+    if (DN_QT == QT_IQ3_S) fill_grid<TP == 1 ? GRID_TABLE_WORDS : 512>(grid_g);
     __syncthreads();
     wait();
 

@@ -185,8 +185,8 @@ class ExpertKernels:
                 self._k_gum.max_dynamic_shared_size_bytes = self.mma_gu_smem
                 self._k_dnm.max_dynamic_shared_size_bytes = self.mma_dn_smem
 
-            g = signed_grid()
-            self.grid = cupy.asarray(g if t.iq3_fast else g[:512])  # grid_bytes (= the kernel's, _check_layout)
+            # the plain grid (signs4 = 0); the kernels' fill_grid builds the rest of signed_grid() in shared memory
+            self.grid = cupy.asarray(signed_grid()[:512])
             P, F = self.max_pairs, self.d_ff
             self.h = cupy.empty((P, F), cupy.float32)
             self.qh = cupy.empty((P, F), cupy.int8)
