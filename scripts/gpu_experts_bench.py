@@ -36,8 +36,6 @@ F32 = np.float32
 VARIANTS = {  # Tuning overrides (lane/kernels/experts.py); tests/test_gpu_experts.py checks each one's bits
     "default": {},
     "iq3-slow": {"iq3_fast": 0},
-    "repl": {"grid_repl": 1},
-    "repl-gu32w": {"grid_repl": 1, "gu_warps": 32, "gu_min_blocks": 1},
     "gu8w": {"gu_warps": 8, "gu_min_blocks": 3},
     "gu32w": {"gu_warps": 32, "gu_min_blocks": 1},
     "deep": {"gu_stages": 2, "dn_stages": 4, "dn_rows": 8},
@@ -50,7 +48,7 @@ VARIANTS = {  # Tuning overrides (lane/kernels/experts.py); tests/test_gpu_exper
     "mma-prefetch-unroll1": {"mma_prefetch": 1, "mma_unroll": 1},
     "simt": {"prompt": "simt"},  # prompt tiles on the dp4a kernels instead of tensor cores
     "simt-tile16": {"prompt": "simt", "tile_p": 16},
-    "simt-tile16-deep-repl": {"prompt": "simt", "tile_p": 16, "gu_stages": 2, "grid_repl": 1},
+    "simt-tile16-deep": {"prompt": "simt", "tile_p": 16, "gu_stages": 2},
     "simt-tile4": {"prompt": "simt", "tile_p": 4},
 }
 

@@ -38,7 +38,7 @@ def expert_defines(qtype: str) -> list[tuple[str, int]]:
     q = int(_qtype(qtype))
     return [("GU_QT", q), ("GU_KIN", 2048), ("GU_ROWS", 768), ("DN_QT", q), ("DN_KIN", 768), ("DN_ROWS", 2048),
             ("GU_WPB", 16), ("GU_MINB", 2), ("GU_STAGES", 1), ("TILE_P", 8), ("MMA_MPW", 2), ("MMA_PREFETCH", 0),
-            ("MMA_UNROLL", 2), ("DN_WPB", 16), ("DN_MINB", 2), ("DN_STAGES", 2), ("DN_R", 4), ("GRID_REPL", 0),
+            ("MMA_UNROLL", 2), ("DN_WPB", 16), ("DN_MINB", 2), ("DN_STAGES", 2), ("DN_R", 4),
             ("IQ3_FAST", 1)] + exp_defines()
 
 

@@ -416,3 +416,50 @@ def test_leaf_fold_order_is_lane_sum(nsub):
     # and the order matters: a plain left-to-right sum differs somewhere
     assert nsub < 8 or not np.array_equal(np.cumsum(t, axis=1, dtype=np.float32)[:, -1].view(np.uint32),
                                           want.view(np.uint32))
+
+
+def _prmt(a: np.ndarray, b: np.ndarray | int, sel: int) -> np.ndarray:
+    """PTX prmt.b32 (default mode, selector nibbles 0..7): byte i of the result is byte sel[i] of b:a."""
+    src = [(np.asarray(x, np.uint32) >> np.uint32(8 * i)) & np.uint32(255) for x in (a, b) for i in range(4)]
+    return sum(src[(sel >> 4 * i) & 7] << np.uint32(8 * i) for i in range(4)).astype(np.uint32)
+
+
+def test_signed_grid_holds_signed_groups():
+    """experts.py's signed_grid, the IQ3_S decode kernels' table: word (signs4 << 9) | idx is grid entry idx with
+    byte b negated where bit b of signs4 is set (every entry), which is what fill_grid's byte negation makes of the
+    plain grid; and the index arithmetic of experts.cu's iq3s_term_fast, mirrored here word for word, fetches
+    decode_int's signed weights of every group of real rows."""
+    from lane.kernels.experts import signed_grid
+
+    g = quants.iq3s_grid().astype(int)
+    t = signed_grid()
+    assert t.dtype == np.uint32 and t.shape == (16 * 512,)
+    tb = t.view(np.int8)  # little endian: byte b of word w at 4 w + b, as the kernel's dp4a takes it
+    s, idx = np.meshgrid(np.arange(16), np.arange(512), indexing="ij")
+    addr = (s << 11) | (idx << 2)  # the byte address of word (s << 9) | idx
+    for b in range(4):
+        want = np.where((s >> b) & 1, -g[idx, b], g[idx, b])
+        np.testing.assert_array_equal(tb[addr + b], want)
+    plain = np.ascontiguousarray(quants.iq3s_grid()).view(np.uint32).reshape(-1)
+    np.testing.assert_array_equal(t[:512], plain)
+    for p in range(16):  # experts.cu's fill_grid builds pattern p from the plain grid as (v ^ m) + (m & 0x01010101)
+        m = np.uint32(sum(0xFF << 8 * b for b in range(4) if (p >> b) & 1))
+        np.testing.assert_array_equal((plain ^ m) + (m & np.uint32(0x01010101)), t[512 * p:512 * (p + 1)])
+
+    raw = quants.random_rows(T.IQ3_S, np.random.default_rng(3), 8, 4096, 1.0)
+    want = quants.decode_int(T.IQ3_S, raw).q.reshape(-1, 8, 32)  # (block, sub-block j, value)
+    blk = raw.reshape(-1, 110)
+    u32 = lambda b: b.copy().view(np.uint32)[:, 0]  # noqa: E731  4 bytes (little endian) -> uint32
+    for j in range(8):
+        qs0, qs1 = u32(blk[:, 2 + 8 * j:6 + 8 * j]), u32(blk[:, 6 + 8 * j:10 + 8 * j])
+        sg, qh = u32(blk[:, 74 + 4 * j:78 + 4 * j]), blk[:, 66 + j].astype(np.uint32)
+        tl, th = _prmt(sg, 0, 0x1100), _prmt(sg, 0, 0x3322)
+        gl = (((qh & 15) * 0x00204081) & 0x01010101) | ((tl << 1) & 0x001E001E) | ((tl >> 3) & 0x1E001E00)
+        gh = (((qh >> 4) * 0x00204081) & 0x01010101) | ((th << 1) & 0x001E001E) | ((th >> 3) & 0x1E001E00)
+        P = [_prmt(qs0, gl, 0x5140), _prmt(qs0, gl, 0x7362), _prmt(qs1, gh, 0x5140), _prmt(qs1, gh, 0x7362)]
+        for k in range(8):
+            pw = P[k >> 1].astype(np.int64)
+            a = (pw >> 14) if k & 1 else ((pw << 2) & 0x7FFC)
+            assert a.max() < 16 * 512 * 4
+            got = tb[a[:, None] + np.arange(4)]
+            np.testing.assert_array_equal(got, want[:, j, 4 * k:4 * k + 4], err_msg=f"sub-block {j} group {k}")

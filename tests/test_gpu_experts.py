@@ -173,12 +173,11 @@ def run_case(cp, rng, qgu, qdn, d_model, d_ff, n_slots, n_tokens, n_pairs, max_p
 
 VARIANT_TUNINGS = [  # keep in step with scripts/gpu_experts_bench.py VARIANTS
     {"iq3_fast": 0},
-    {"grid_repl": 1},
-    {"grid_repl": 1, "gu_warps": 32, "gu_min_blocks": 1},
+    {"gu_warps": 32, "gu_min_blocks": 1},
     {"gu_warps": 8, "gu_min_blocks": 3},
     {"gu_warps": 4, "gu_min_blocks": 4, "iq3_fast": 0},
     {"gu_stages": 2, "dn_stages": 4, "dn_rows": 8},
-    {"dn_rows": 2, "dn_min_blocks": 1, "grid_repl": 1},
+    {"dn_rows": 2, "dn_min_blocks": 1},
     {"mma_mpw": 1},
     {"mma_mpw": 4},
     {"mma_prefetch": 1},
@@ -187,7 +186,7 @@ VARIANT_TUNINGS = [  # keep in step with scripts/gpu_experts_bench.py VARIANTS
     {"mma_prefetch": 1, "mma_unroll": 1},
     {"prompt": "simt"},
     {"prompt": "simt", "tile_p": 16},
-    {"prompt": "simt", "tile_p": 16, "gu_stages": 2, "grid_repl": 1},
+    {"prompt": "simt", "tile_p": 16, "gu_stages": 2},
     {"prompt": "simt", "tile_p": 4},
 ]
 

@@ -22,7 +22,10 @@
 //                   tiles.
 //   ring          : the doorbell the host waits on before serving the CPU misses.
 // Within a warp, several rows are decoded and summed as independent chains (ILP); the activation sub-blocks are
-// loaded once per item, before waiting for the weights.
+// loaded once per item, before waiting for the weights. IQ3_S weights are looked up in a table at shared offset 0
+// (each block copies it from grid_g): the decode kernels (IQ3_FAST) read a group of 4 weights with its signs already
+// applied from the 32 KB signed grid (16 sign patterns x 512 grid entries: experts.py's signed_grid), one load a
+// group; decode_sub, the tiled kernels and experts_mma.cuh read the plain grid (its first 2 KB) and negate bytes.
 //
 // Weight formats (GGML type numbers): 21 = IQ3_S (110 B / 256), 12 = Q4_K (144 B / 256), 8 = Q8_0 (34 B / 32).
 
@@ -68,9 +71,6 @@
 #endif
 #ifndef DN_R
 #define DN_R 4
-#endif
-#ifndef GRID_REPL
-#define GRID_REPL 0
 #endif
 #ifndef IQ3_FAST
 #define IQ3_FAST 1
@@ -192,18 +192,28 @@ template <int QT, int KIN> struct Geom {
     static constexpr int RB = KIN / QF<QT>::BV * QF<QT>::BB;  // row bytes
 };
 
-constexpr int GRID_TABLE_BYTES = GRID_REPL ? 512 * 32 * 4 : 512 * 4;
+// The IQ3_S table at shared offset 0 (experts.py: signed_grid). Word (signs4 << 9) | idx holds grid entry idx's
+// four magnitudes with byte b negated where bit b of signs4 is set. IQ3_FAST: all 16 sign patterns (32 KB), read by
+// iq3s_term_fast; else the plain grid only (signs4 = 0: the first 2 KB, which is all decode_sub reads). The tiled
+// kernels reserve GRID_TABLE_BYTES too (one shared layout) but fill the plain 2 KB only.
+constexpr int GRID_TABLE_WORDS = IQ3_FAST ? 16 * 512 : 512;
+constexpr int GRID_TABLE_BYTES = GRID_TABLE_WORDS * 4;
 
-// Fill the IQ3_S grid table at shared offset 0. GRID_REPL: entry i for lane l at word i*32 + l (conflict-free).
-__device__ __forceinline__ void fill_grid(const u32* __restrict__ grid_g) {
-#if GRID_REPL
-    for (int e = threadIdx.x; e < 512 * 8; e += blockDim.x) {
-        const u32 v = __ldg(grid_g + (e >> 3));
-        *reinterpret_cast<uint4*>(g_smem + e * 16) = make_uint4(v, v, v, v);
+// Build the first WORDS words of the table at shared offset 0 from the plain grid (512 words in global memory, 2 KB
+// from L2 a block instead of the whole table): a thread loads its entries and stores each with the WORDS / 512 sign
+// patterns, pattern s negating byte b where bit b of s is set ((v ^ 0xff) + 1 a byte: no carry for magnitudes 1..127).
+// experts.py: signed_grid is the same table in numpy.
+template <int WORDS> __device__ __forceinline__ void fill_grid(const u32* __restrict__ grid_g) {
+    u32* dst = reinterpret_cast<u32*>(g_smem);
+    for (int i = threadIdx.x; i < 512; i += blockDim.x) {
+        const u32 v = __ldg(grid_g + i);
+#pragma unroll
+        for (int s = 0; s < WORDS / 512; ++s) {
+            const u32 m = ((s & 1) ? 0xffu : 0u) | ((s & 2) ? 0xff00u : 0u) | ((s & 4) ? 0xff0000u : 0u) |
+                          ((s & 8) ? 0xff000000u : 0u);
+            dst[s * 512 + i] = (v ^ m) + (m & 0x01010101u);
+        }
     }
-#else
-    for (int e = threadIdx.x; e < 512; e += blockDim.x) reinterpret_cast<u32*>(g_smem)[e] = __ldg(grid_g + e);
-#endif
 }
 
 // One decoded sub-block: 32 signed 8-bit weights (4 per word), scale, minimum (Q4_K only).
@@ -214,9 +224,9 @@ struct SubW {
 };
 
 // Decode sub-block s of the row whose first byte is at shared offset R.
-template <int QT> __device__ __forceinline__ void decode_sub(u32 R, int s, u32 lane4, SubW& w);
+template <int QT> __device__ __forceinline__ void decode_sub(u32 R, int s, SubW& w);
 
-template <> __device__ __forceinline__ void decode_sub<QT_Q8_0>(u32 R, int s, u32, SubW& w) {
+template <> __device__ __forceinline__ void decode_sub<QT_Q8_0>(u32 R, int s, SubW& w) {
     const u32 B = R + 34u * (u32)s;
     w.sc = h2f(sm_u16(B));
     w.mn = 0.0f;
@@ -241,7 +251,7 @@ __device__ __forceinline__ void q4k_scale_min(u32 B, u32 j, float& sc, float& mn
     mn = f_mul(dmin, small_i2f((int)mnv));
 }
 
-template <> __device__ __forceinline__ void decode_sub<QT_Q4_K>(u32 R, int s, u32, SubW& w) {
+template <> __device__ __forceinline__ void decode_sub<QT_Q4_K>(u32 R, int s, SubW& w) {
     const u32 j = (u32)s & 7u;
     const u32 B = R + 144u * ((u32)s >> 3);  // 16-aligned
     q4k_scale_min(B, j, w.sc, w.mn);
@@ -257,7 +267,7 @@ template <> __device__ __forceinline__ void decode_sub<QT_Q4_K>(u32 R, int s, u3
     w.q[7] = (c.w >> nsh) & 0x0f0f0f0fu;
 }
 
-template <> __device__ __forceinline__ void decode_sub<QT_IQ3_S>(u32 R, int s, u32 lane4, SubW& w) {
+template <> __device__ __forceinline__ void decode_sub<QT_IQ3_S>(u32 R, int s, SubW& w) {
     const u32 j = (u32)s & 7u;
     const u32 B = R + 110u * ((u32)s >> 3);  // 2-aligned
     const float d = h2f(sm_u16(B));
@@ -276,11 +286,7 @@ template <> __device__ __forceinline__ void decode_sub<QT_IQ3_S>(u32 R, int s, u
     for (int k = 0; k < 8; ++k) {
         const u32 qw = (k < 4) ? qs0 : qs1;
         const u32 idx = ((qw >> (8 * (k & 3))) & 255u) | (((qh >> k) & 1u) << 8);
-#if GRID_REPL
-        const u32 mag = sm_u32(idx * 128u + lane4);
-#else
         const u32 mag = sm_u32(idx * 4u);
-#endif
         // sign bits of values 4k..4k+3 -> 0/1 in bit 0 of each byte; then negate those bytes (grid values >= 1,
         // so (mag ^ 0xff) + 1 never carries into the next byte)
         const u32 bits = (((sg >> (4 * k)) & 15u) * 0x00204081u) & 0x01010101u;
@@ -288,21 +294,18 @@ template <> __device__ __forceinline__ void decode_sub<QT_IQ3_S>(u32 R, int s, u
     }
 }
 
-// Activation sub-block: 32 int8 (4 per word), its scale; (Q4_K) the sum of its integers; (IQ3_S fast path) the
-// bytes negated, so that a weight's sign bit can select a or -a.
+// Activation sub-block: 32 int8 (4 per word), its scale; (Q4_K) the sum of its integers.
 struct Act {
     u32 a[8];
-    u32 na[8];
     float d;
     int asum;
 };
 
 template <int QT> struct ActNeeds {
     static constexpr bool ASUM = QT == QT_Q4_K;
-    static constexpr bool NEG = QT == QT_IQ3_S && IQ3_FAST;
 };
 
-template <int QT, bool NEG = ActNeeds<QT>::NEG>
+template <int QT>
 __device__ __forceinline__ void load_act(const signed char* __restrict__ q, const float* __restrict__ d, int s,
                                          Act& A) {
     const uint4* p = reinterpret_cast<const uint4*>(q + 32 * s);
@@ -314,10 +317,6 @@ __device__ __forceinline__ void load_act(const signed char* __restrict__ q, cons
     if (ActNeeds<QT>::ASUM) {
 #pragma unroll
         for (int k = 0; k < 8; ++k) A.asum = __dp4a((int)A.a[k], 0x01010101, A.asum);
-    }
-    if (NEG) {
-#pragma unroll
-        for (int k = 0; k < 8; ++k) A.na[k] = __vneg4(A.a[k]);  // |q| <= 127: no overflow
     }
 }
 
@@ -343,10 +342,13 @@ template <int QT> __device__ __forceinline__ float sub_term(const SubW& w, const
     return t;
 }
 
-// IQ3_S term without materialising signed weights: isum = sum_k dp4a(|w|_k, sign_k ? -a_k : a_k).
-// Grid indices of 2 groups come out of one prmt (qs byte | qh bit << 8 in each 16-bit half); the 4 sign bits of a
-// group are moved to the byte msbs by one multiply and widened to byte masks by prmt's sign-replicate mode.
-__device__ __forceinline__ float iq3s_term_fast(u32 R, int s, u32 lane4, const Act& A) {
+// IQ3_S term from the signed table (IQ3_FAST): isum = sum_k dp4a(table[e_k], a_k) with e_k = signs_k << 9 | idx_k
+// (signs_k = sg bits 4k..4k+3, idx_k = qs byte k | qh bit k << 8): the table word is group k's four weights with
+// their signs applied, so a group costs one LDS and one dp4a and the activation is used as it is. The 13-bit
+// indices of 2 groups come out of one prmt (e 2m | e 2m+1 << 16): the low byte of each from qs, the high byte
+// (qh bit | sign nibble << 1) from gl / gh; a group's byte address is then e * 4 (even group: shift and mask; odd
+// group: a shift, the word's bits 29..31 and 14..15 being zero).
+__device__ __forceinline__ float iq3s_term_fast(u32 R, int s, const Act& A) {
     const u32 j = (u32)s & 7u;
     const u32 B = R + 110u * ((u32)s >> 3);
     const float d = h2f(sm_u16(B));
@@ -359,34 +361,29 @@ __device__ __forceinline__ float iq3s_term_fast(u32 R, int s, u32 lane4, const A
     const u32 sg = __funnelshift_r(sm_u32(sa), sm_u32(sa + 4u), sh);
     const u32 qh = sm_u8(B + 66u + j);
     const u32 nib = (sm_u8(B + 106u + (j >> 1)) >> (4u * (j & 1u))) & 15u;
-    const u32 hl = ((qh & 15u) * 0x00204081u) & 0x01010101u;  // qh bits 0..3 -> bit 0 of bytes 0..3
-    const u32 hh = ((qh >> 4) * 0x00204081u) & 0x01010101u;   // qh bits 4..7
-    const u32 P[4] = {prmt(qs0, hl, 0x5140u), prmt(qs0, hl, 0x7362u), prmt(qs1, hh, 0x5140u),
-                      prmt(qs1, hh, 0x7362u)};  // [idx 2m | idx 2m+1 << 16]
+    // byte k of gl (groups 0..3) / gh (4..7): bits 8..15 of group k's table index (signs4 << 9) | idx, i.e.
+    // qh bit k | sign nibble k << 1 (sg bytes doubled by prmt, their nibbles moved to bits 1..4 of a byte)
+    const u32 tl = prmt(sg, 0u, 0x1100u), th = prmt(sg, 0u, 0x3322u);
+    const u32 gl = (((qh & 15u) * 0x00204081u) & 0x01010101u) | ((tl << 1) & 0x001e001eu) | ((tl >> 3) & 0x1e001e00u);
+    const u32 gh = (((qh >> 4) * 0x00204081u) & 0x01010101u) | ((th << 1) & 0x001e001eu) | ((th >> 3) & 0x1e001e00u);
+    const u32 P[4] = {prmt(qs0, gl, 0x5140u), prmt(qs0, gl, 0x7362u), prmt(qs1, gh, 0x5140u),
+                      prmt(qs1, gh, 0x7362u)};  // [e 2m | e 2m+1 << 16], e < 2^13 (bits 13..15, 29..31 zero)
     int isum = 0;
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
         const u32 pw = P[k >> 1];
-#if GRID_REPL
-        const u32 addr = ((k & 1) ? ((pw >> 9) & 0xff80u) : ((pw << 7) & 0xff80u)) | lane4;
-#else
-        const u32 addr = (k & 1) ? ((pw >> 14) & 0x7fcu) : ((pw << 2) & 0x7fcu);
-#endif
-        const u32 mag = sm_u32(addr);
-        const u32 m = prmt(((sg >> (4 * k)) & 15u) * 0x10204080u, 0u, 0xba98u);  // 0xff where the weight is < 0
-        const u32 as = (A.a[k] & ~m) | (A.na[k] & m);
-        isum = __dp4a((int)mag, (int)as, isum);
+        const u32 addr = (k & 1) ? (pw >> 14) : ((pw << 2) & 0x7ffcu);  // e * 4
+        isum = __dp4a((int)sm_u32(addr), (int)A.a[k], isum);
     }
-    (void)lane4;
     const float sc = f_mul(d, small_i2f((int)(1u + 2u * nib)));
     return f_mul(f_mul(sc, A.d), small_i2f(isum));
 }
 
 // Decode sub-block s of the row at shared offset R and return its canonical term against A.
-template <int QT> __device__ __forceinline__ float sub_dot(u32 R, int s, u32 lane4, const Act& A) {
-    if (QT == QT_IQ3_S && IQ3_FAST) return iq3s_term_fast(R, s, lane4, A);
+template <int QT> __device__ __forceinline__ float sub_dot(u32 R, int s, const Act& A) {
+    if (QT == QT_IQ3_S && IQ3_FAST) return iq3s_term_fast(R, s, A);
     SubW w;
-    decode_sub<QT>(R, s, lane4, w);
+    decode_sub<QT>(R, s, w);
     return sub_term<QT>(w, A);
 }
 
@@ -480,7 +477,6 @@ __device__ __forceinline__ void gateup_body(const u8* __restrict__ pool, i64 slo
     constexpr int NG = GU_ROWS / 32;
     constexpr int SPL = GUG::SPL, NSUB = GUG::NSUB;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const u32 lane4 = 4u * lane;
     const int NB = gridDim.x;
     // one pair a tile (TP = 1): the first stages' slots are read with the count, not after it (the list has room
     // for max_tiles entries; a slot past the count is read and dropped), one dependent L2 round trip less
@@ -502,7 +498,7 @@ __device__ __forceinline__ void gateup_body(const u8* __restrict__ pool, i64 slo
                                  TP == 1 ? slot0[k] : tile_slot<TP>(pairs, tiles, it / NG), it % NG, warp, lane);
         cp_commit();
     }
-    if (GU_QT == QT_IQ3_S) fill_grid(grid_g);
+    if (GU_QT == QT_IQ3_S && TP != 1) fill_grid<512>(grid_g);  // TP = 1: expert_gateup, before its wait
     __syncthreads();
 
 #pragma unroll 1
@@ -537,16 +533,16 @@ __device__ __forceinline__ void gateup_body(const u8* __restrict__ pool, i64 slo
                 if (TP == 1) {
                     float tg = 0.0f, tu = 0.0f;
                     if (s < NSUB) {
-                        tg = sub_dot<GU_QT>(Rg + r * GUG::RB, s, lane4, A[i % (TP == 1 ? SPL : 1)]);
-                        tu = sub_dot<GU_QT>(Ru + r * GUG::RB, s, lane4, A[i % (TP == 1 ? SPL : 1)]);
+                        tg = sub_dot<GU_QT>(Rg + r * GUG::RB, s, A[i % (TP == 1 ? SPL : 1)]);
+                        tu = sub_dot<GU_QT>(Ru + r * GUG::RB, s, A[i % (TP == 1 ? SPL : 1)]);
                     }
                     ag[0][r] = f_add(ag[0][r], tg);
                     au[0][r] = f_add(au[0][r], tu);
                 } else {
                     SubW wg, wu;
                     if (s < NSUB) {
-                        decode_sub<GU_QT>(Rg + r * GUG::RB, s, lane4, wg);
-                        decode_sub<GU_QT>(Ru + r * GUG::RB, s, lane4, wu);
+                        decode_sub<GU_QT>(Rg + r * GUG::RB, s, wg);
+                        decode_sub<GU_QT>(Ru + r * GUG::RB, s, wu);
                     }
 #pragma unroll
                     for (int t = 0; t < TP; ++t) {
@@ -555,7 +551,7 @@ __device__ __forceinline__ void gateup_body(const u8* __restrict__ pool, i64 slo
                             if (s < NSUB) {
                                 const int tok = __ldg(pairs + 2 * (p0 + t));
                                 Act B;
-                                load_act<GU_QT, false>(qa + (i64)tok * GU_KIN, da + (i64)tok * NSUB, s, B);
+                                load_act<GU_QT>(qa + (i64)tok * GU_KIN, da + (i64)tok * NSUB, s, B);
                                 tg = sub_term<GU_QT>(wg, B);
                                 tu = sub_term<GU_QT>(wu, B);
                             }
@@ -607,6 +603,7 @@ expert_gateup(const u8* __restrict__ pool, i64 slot_bytes, i64 up_off, const int
               const int* __restrict__ n_pairs_p, int max_pairs, const signed char* __restrict__ qa,
               const float* __restrict__ da, const u32* __restrict__ grid_g, float* __restrict__ hbuf,
               signed char* __restrict__ qhbuf, float* __restrict__ dhbuf) {
+    if (GU_QT == QT_IQ3_S) fill_grid<GRID_TABLE_WORDS>(grid_g);  // a constant: while route_pairs runs
     PDL_ENTRY();
     gateup_body<1>(pool, slot_bytes, up_off, pairs, nullptr, n_pairs_p, max_pairs, qa, da, grid_g, hbuf, qhbuf, dhbuf);
 }
@@ -663,7 +660,6 @@ __device__ __forceinline__ void down_body(const u8* __restrict__ pool, i64 slot_
     constexpr int NC = DN_ROWS / DN_R;
     constexpr int SPL = DNG::SPL, NSUB = DNG::NSUB;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const u32 lane4 = 4u * lane;
     const int n_tiles = clamp_pairs(n_tiles_p, max_tiles);
     const int W = gridDim.x * DN_WPB;
     const int gw = blockIdx.x * DN_WPB + warp;
@@ -678,7 +674,7 @@ __device__ __forceinline__ void down_body(const u8* __restrict__ pool, i64 slot_
                                  it % NC, lane);
         cp_commit();
     }
-    if (DN_QT == QT_IQ3_S) fill_grid(grid_g);
+    if (DN_QT == QT_IQ3_S) fill_grid<TP == 1 ? GRID_TABLE_WORDS : 512>(grid_g);
     __syncthreads();
     wait();
 
@@ -710,11 +706,11 @@ __device__ __forceinline__ void down_body(const u8* __restrict__ pool, i64 slot_
             for (int r = 0; r < DN_R; ++r) {
                 if (TP == 1) {
                     float t1 = 0.0f;
-                    if (s < NSUB) t1 = sub_dot<DN_QT>(R0 + r * DNG::RB, s, lane4, A[i % (TP == 1 ? SPL : 1)]);
+                    if (s < NSUB) t1 = sub_dot<DN_QT>(R0 + r * DNG::RB, s, A[i % (TP == 1 ? SPL : 1)]);
                     acc[0][r] = f_add(acc[0][r], t1);
                 } else {
                     SubW w;
-                    if (s < NSUB) decode_sub<DN_QT>(R0 + r * DNG::RB, s, lane4, w);
+                    if (s < NSUB) decode_sub<DN_QT>(R0 + r * DNG::RB, s, w);
 #pragma unroll
                     for (int t = 0; t < TP; ++t) {
                         if (t < cnt) {
@@ -722,7 +718,7 @@ __device__ __forceinline__ void down_body(const u8* __restrict__ pool, i64 slot_
                             if (s < NSUB) {
                                 const int p = p0 + t;
                                 Act B;
-                                load_act<DN_QT, false>(qhbuf + (i64)p * DN_KIN, dhbuf + (i64)p * NSUB, s, B);
+                                load_act<DN_QT>(qhbuf + (i64)p * DN_KIN, dhbuf + (i64)p * NSUB, s, B);
                                 tt = sub_term<DN_QT>(w, B);
                             }
                             acc[t][r] = f_add(acc[t][r], tt);

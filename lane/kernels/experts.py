@@ -36,8 +36,8 @@ except ImportError:  # pragma: no cover
     _T = None
 
 SOURCE = "experts.cu"
-GRID_REPL_BYTES = 512 * 32 * 4
-GRID_SHARED_BYTES = 512 * 4
+GRID_PLAIN_BYTES = 512 * 4          # the IQ3_S grid (experts.cu's GRID_TABLE_BYTES without IQ3_FAST)
+GRID_SIGNED_BYTES = 16 * 512 * 4    # signed_grid(): the grid under all 16 sign patterns (with IQ3_FAST)
 
 
 def _qtype(q):
@@ -72,14 +72,28 @@ class Tuning:
     dn_min_blocks: int = 2
     dn_stages: int = 2
     dn_rows: int = 4            # down rows per warp item (independent sums in flight)
-    grid_repl: int = 0          # IQ3_S grid table: 1 = one copy per lane (64 KB, no bank conflicts), 0 = shared 2 KB
-    iq3_fast: int = 1           # IQ3_S: apply signs to the activation (prmt) instead of to the weights
+    iq3_fast: int = 1           # IQ3_S decode: 1 = read a group's signed weights from the 32 KB signed grid table
+                                # (signed_grid, one load a 4-weight group), 0 = decode magnitudes from the 2 KB grid
+                                # and negate bytes (decode_sub)
     tile_p: int = 8             # prompt chunks, simt: pairs of one expert per tile (a weight sub-block decoded once)
     prompt: str = "mma"         # prompt tiles: "mma" (int8 tensor cores, MMA_TILE pairs a tile, where the shape
                                 # allows) or "simt" (the tiled dp4a kernels, tile_p pairs a tile)
     mma_mpw: int = 2            # tensor-core tiles: m-tiles (16 pairs) per warp, 1 / 2 / 4 (32 / 16 / 8 warps a block)
     mma_prefetch: int = 0       # tensor-core tiles: decode the next leaf's weight fragments during this leaf's mma
     mma_unroll: int = 2         # tensor-core tiles: leaves per loop iteration (1 or 2); 2 measured fastest
+
+
+def signed_grid() -> np.ndarray:
+    """experts.cu's IQ3_S table: uint32 (16 * 512,), word (signs4 << 9) | idx holds iq3s_grid()[idx]'s four int8
+    values (byte b = value b) with byte b negated where bit b of signs4 is set, i.e. the four weights of a group
+    whose grid index is idx and whose sign bits are signs4. signs4 = 0 is the plain grid (the first 512 words)."""
+    g = iq3s_grid()
+    # decode_sub negates bytes as (m ^ 0xff) + 1, exact for magnitudes >= 1; int8 negation needs them <= 127
+    if int(g.min()) < 1 or int(g.max()) > 127:
+        raise RuntimeError("IQ3_S grid magnitudes must be 1..127")
+    neg = (np.arange(16)[:, None] >> np.arange(4)) & 1  # (16, 4): sign bit b of each pattern
+    t = np.where(neg[:, None, :] == 1, -g, g)  # int8 (16, 512, 4)
+    return np.ascontiguousarray(t).view(np.uint32).reshape(16 * 512)
 
 
 def _staged(qt, kin: int, rows: int) -> int:
@@ -149,7 +163,7 @@ class ExpertKernels:
                 ("GU_WPB", self.gu_warps), ("GU_MINB", self.gu_blocks), ("GU_STAGES", self.gu_stages),
                 ("TILE_P", t.tile_p), ("MMA_MPW", t.mma_mpw), ("MMA_PREFETCH", t.mma_prefetch), ("MMA_UNROLL", t.mma_unroll),
                 ("DN_WPB", self.dn_warps), ("DN_MINB", self.dn_blocks), ("DN_STAGES", self.dn_stages),
-                ("DN_R", t.dn_rows), ("GRID_REPL", t.grid_repl), ("IQ3_FAST", t.iq3_fast),
+                ("DN_R", t.dn_rows), ("IQ3_FAST", t.iq3_fast),
             ] + exp_defines()
             self.defines = defines
             self.module, self.build = load_module(SOURCE, defines, device=self.device.id, return_info=True)
@@ -171,10 +185,8 @@ class ExpertKernels:
                 self._k_gum.max_dynamic_shared_size_bytes = self.mma_gu_smem
                 self._k_dnm.max_dynamic_shared_size_bytes = self.mma_dn_smem
 
-            g = iq3s_grid()
-            if int(g.min()) < 1:  # the kernel's byte negation ((m ^ 0xff) + 1) needs magnitudes >= 1
-                raise RuntimeError("IQ3_S grid has a zero magnitude")
-            self.grid = cupy.asarray(np.ascontiguousarray(g).view(np.uint32).reshape(512))
+            # the plain grid (signs4 = 0); the kernels' fill_grid builds the rest of signed_grid() in shared memory
+            self.grid = cupy.asarray(signed_grid()[:512])
             P, F = self.max_pairs, self.d_ff
             self.h = cupy.empty((P, F), cupy.float32)
             self.qh = cupy.empty((P, F), cupy.int8)
@@ -202,7 +214,7 @@ class ExpertKernels:
 
     def _plan(self, smem_block: int, smem_sm: int) -> None:
         t = self.tuning
-        tbl = GRID_REPL_BYTES if t.grid_repl else GRID_SHARED_BYTES
+        tbl = self.grid_bytes = GRID_SIGNED_BYTES if t.iq3_fast else GRID_PLAIN_BYTES  # experts.cu's GRID_TABLE_BYTES
 
         def fit(qt, fixed, stg, warps, stages, blocks):
             smem = (tbl if qt == _T.IQ3_S else 0) + fixed + warps * stages * stg + 16
@@ -239,9 +251,10 @@ class ExpertKernels:
         info = cp.zeros(16, cp.int32)
         self.module.get_function("layout_info")((1,), (32,), (info,))
         v = info.get()
-        want = (self.gu_smem, self.dn_smem, self.gut_smem, self.tuning.tile_p, self.mma_gu_smem, self.mma_dn_smem)
-        if tuple(int(v[i]) for i in (0, 1, 11, 12, 13, 14)) != want:
-            raise RuntimeError(f"shared memory plan mismatch: kernel {v[[0, 1, 11, 12, 13, 14]]}, host {want}")
+        want = (self.gu_smem, self.dn_smem, self.gut_smem, self.tuning.tile_p, self.mma_gu_smem, self.mma_dn_smem,
+                self.grid_bytes)
+        if tuple(int(v[i]) for i in (0, 1, 11, 12, 13, 14, 8)) != want:
+            raise RuntimeError(f"shared memory plan mismatch: kernel {v[[0, 1, 11, 12, 13, 14, 8]]}, host {want}")
 
     def describe(self) -> dict:
         return {"gate_up": {"qtype": self.qt_gu.name, "grid": self.gu_grid, "warps": self.gu_warps,
