@@ -278,6 +278,26 @@ def test_variants(cp):
                                                                                gu_stages=2, dn_rows=1))
 
 
+def test_quantize_edges(cp):
+    """quantize_rows at canonical.quantize_act's edges: a group whose d is subnormal with 1 / d = inf (q = 0 by
+    definition, not a cast of inf), one whose d is subnormal with 1 / d finite, an all-zero group, exact .5 ties."""
+    from lane.kernels.experts import ExpertKernels
+
+    k = ExpertKernels(256, 256, "IQ3_S", "IQ3_S", 8)
+    x = np.random.default_rng(4).standard_normal((2, 256)).astype(F32)
+    x[0, 0:32] = 0
+    x[0, 0:3] = [1e-38, -5e-39, 3e-39]
+    x[0, 32:64] = 0
+    x[0, 32:34] = [1e-36, -5e-37]
+    x[0, 64:96] = 0
+    x[1, 0:32] = np.arange(-16, 16, dtype=F32) * F32(0.5)
+    qa, da = cp.empty((2, 256), cp.int8), cp.empty((2, 8), cp.float32)
+    k.quantize(cp.asarray(x), qa, da)
+    q_ref, d_ref = canonical.quantize_act(x)
+    np.testing.assert_array_equal(qa.get(), q_ref.reshape(2, 256))
+    assert_bits(da.get(), d_ref, "d")
+
+
 def test_down_kernel_combines_a_decode_step(cp):
     """run(combine=) for one token whose k experts are all in one pool: the residual gains exactly combine_rows'
     sum of the k rows in router order; again from fresh buffers (the counts reset), every quant type."""

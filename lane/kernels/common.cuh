@@ -38,7 +38,8 @@ __device__ __forceinline__ void quant32(float v, int lane, signed char* q, float
 #pragma unroll
     for (int o = 16; o; o >>= 1) m = f_max(m, __shfl_xor_sync(0xffffffffu, m, o));
     const float dd = f_div(m, 127.0f);
-    const float inv = (__float_as_int(dd) > 0) ? f_div(1.0f, dd) : 0.0f;  // dd >= 0: positive bits <=> dd > 0
+    const float i1 = (__float_as_int(dd) > 0) ? f_div(1.0f, dd) : 0.0f;  // dd >= 0: positive bits <=> dd > 0
+    const float inv = __float_as_int(i1) == 0x7f800000 ? 0.0f : i1;  // 1 / d overflows (subnormal d): q = 0
     q[lane] = (signed char)(int)f_rint(f_mul(v, inv));
     if (lane == 0) *d = dd;
 }
