@@ -40,6 +40,7 @@
 #   bash scripts/device_run.sh ncu-step  # a3b 1K: each decode kernel timed alone by Nsight Compute, summed a step;
 #                                        # ncu-qkv: the qkv mat-vec with its RMSNorm in detail
 #   bash scripts/device_run.sh ncu-src   # a3b 1K: each decode kernel's stall samples by SASS instruction
+#   bash scripts/device_run.sh timeline  # a3b 1K / 32K: the replayed step's kernels as the GPU ran them (CUPTI)
 #   bash scripts/device_run.sh ncu       # Nsight Compute on the kernels that hold the targets back (decode experts,
 #                                        # decode attention, prompt experts on tensor cores, prompt flash attention):
 #                                        # occupancy, issue rate, the stall reasons ncu's rules name
@@ -279,6 +280,18 @@ ncu-qkv)
     grep -E "Duration|Achieved Occupancy|Theoretical Occupancy|Registers Per|Issue Slots Busy|Warp Cycles Per Issued|No Eligible|Memory Throughput|Compute \(SM\) Throughput|Est\. Speedup|Grid Size|Waves" \
         "$OUT/ncu-qkv.txt" | sed 's/  */ /g' | cut -c1-200 | head -16
     grep -E "issue_stalled_.*ratio" "$OUT/ncu-qkv.txt" | sed 's/  */ /g' | awk '{print $NF, $1}' | sort -gr | head -6
+    ;;
+timeline)  # a3b all resident: the replayed decode step's kernels as the GPU ran them (CUPTI kernel records; needs
+           # the cupti-python wheel in .whl/ and a libcupti of the driver's CUDA), at CONTEXTS (1024,32768)
+    model "$A3B" --router-skew 1.0
+    lib=$(find /usr/local/cuda*/extras/CUPTI/lib64 $(python3 -c "import site; print(*site.getsitepackages())") \
+        -name 'libcupti.so*' 2> /dev/null | head -1)
+    ctxs=${CONTEXTS:-1024,32768}
+    for ctx in ${ctxs//,/ }; do
+        LD_LIBRARY_PATH=${lib:+$(dirname "$lib"):}${LD_LIBRARY_PATH:-} timeout 240 python3 scripts/gpu_decode_profile.py \
+            --model "$A3B" --fractions 1.0 --context "$ctx" --tokens 32 --iters 5 --timeline \
+            --json "$OUT/timeline-$ctx.json" 2>&1 | grep -A40 "timeline over"
+    done
     ;;
 ncu-src)  # a3b 1K all resident: each decode kernel's stall samples by SASS instruction (one launch each)
     command -v ncu > /dev/null || { echo "no ncu here"; exit 0; }

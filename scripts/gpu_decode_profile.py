@@ -19,6 +19,11 @@ For each cache fraction: a prompt is read, then
   plans    (every expert on the card, --plan-sweep) the step's ms with one mat-vec shape of the step (the qkv, o,
            router weights; not the LM head) on each other plan of dense.PLANS in turn: the plans inside the real
            graph, where the dense bench times them alone.
+  timeline (--timeline; needs the cupti-python package) the replayed step's kernels as the GPU ran them, from
+           CUPTI's kernel records (the device machine has no nsys): per kernel name its launches a step, its device
+           time (start to end, PDL's early start included) and what it adds to the step's critical path (its end
+           minus the latest end before it), and the step's idle time (no kernel running). Unlike `kernels` and
+           `marginal` it covers the o mat-vec and the down kernel and needs no replay of a kernel alone.
 Prints a table last; --json writes everything.
 """
 from __future__ import annotations
@@ -183,8 +188,75 @@ def plan_sweep(card, kv, prompt, tokens: int) -> dict:
     return {"step_ms": round(base, 4), "plans": out}
 
 
+class KernelRecords:
+    """CUPTI's kernel records from now on (enabled before the card exists, so that its graphs are instantiated
+    under tracing and their kernel nodes are recorded)."""
+
+    def __init__(self):
+        from cupti import cupti
+
+        self.cupti, self.kind, self.recs = cupti, cupti.ActivityKind.CONCURRENT_KERNEL, []
+        cupti.activity_register_callbacks(lambda: (8 << 20, 0), self._completed)
+        cupti.activity_enable(self.kind)
+
+    def _completed(self, acts):
+        self.recs.extend((a.start, a.end, a.name) for a in acts if a.kind == self.kind)
+
+    def now(self) -> int:
+        return self.cupti.get_timestamp()
+
+    def since(self, t0: int) -> list:
+        self.cupti.activity_flush_all(1)
+        return sorted(r for r in self.recs if r[0] >= t0)
+
+
+def timeline(card, kv, prompt, tokens: int, records: KernelRecords) -> dict:
+    """`tokens` replayed decode steps' kernel records, summed by kernel name a step (module docstring)."""
+    import cupy as cp
+
+    card.forward([int(prompt[0])], kv)  # the graph exists before the window (captured at most once)
+    cp.cuda.runtime.deviceSynchronize()
+    t0 = records.now()
+    t = time.perf_counter()
+    for i in range(tokens):
+        card.forward([int(prompt[i])], kv)
+    cp.cuda.runtime.deviceSynchronize()
+    wall_ms = (time.perf_counter() - t) / tokens * 1e3
+    recs = records.since(t0)
+    steps, cur = [], []
+    for r in recs:  # a step starts with its embedding lookup
+        if r[2].startswith("embed_rows") and cur:
+            steps.append(cur)
+            cur = []
+        cur.append(r)
+    steps.append(cur)
+    steps = [s for s in steps if s[0][2].startswith("embed_rows")]
+    if not steps:
+        raise RuntimeError("no decode step among CUPTI's kernel records")
+    by = {}
+    span = busy = 0
+    for s in steps:
+        last = s[0][0]
+        busy_end = s[0][0]
+        for start, end, name in s:
+            e = by.setdefault(name, {"launches": 0, "device_us": 0.0, "path_us": 0.0})
+            e["launches"] += 1
+            e["device_us"] += (end - start) / 1e3
+            e["path_us"] += max(0, end - last) / 1e3
+            busy += max(0, end - max(start, busy_end))
+            busy_end = max(busy_end, end)
+            last = max(last, end)
+        span += last - s[0][0]
+    n = len(steps)
+    for e in by.values():
+        for k in e:
+            e[k] /= n
+    return {"steps": n, "wall_ms": wall_ms, "span_ms": span / n / 1e6, "busy_ms": busy / n / 1e6,
+            "kernels": dict(sorted(by.items(), key=lambda kv: -kv[1]["path_us"]))}
+
+
 def profile(path: str, fraction: float, context: int, tokens: int, iters: int, host_experts: str = "card",
-            marginal: bool = False, sweep: bool = False) -> dict:
+            marginal: bool = False, sweep: bool = False, trace: bool = False) -> dict:
     import cupy as cp
 
     from lane.cupy_card import Break, CupyCard
@@ -196,7 +268,9 @@ def profile(path: str, fraction: float, context: int, tokens: int, iters: int, h
     rng = np.random.default_rng(0)
     prompt = [int(t) for t in rng.integers(0, 2000, size=context)]
     out = {"fraction": fraction, "context": context, "host_experts": host_experts}
-    extra = ((len(IDEMPOTENT) + 8) * (tokens + 1) if marginal else 0) + (32 * (tokens + 1) if sweep else 0)
+    records = KernelRecords() if trace else None  # before the card: its step timings then run under tracing too
+    extra = ((len(IDEMPOTENT) + 8) * (tokens + 1) if marginal else 0) + (32 * (tokens + 1) if sweep else 0) + \
+        ((tokens + 1) if trace else 0)
     for graphs in (True, False):
         card = CupyCard(model, 0, n, context + tokens + iters + 64 + extra, graphs=graphs,
                         host_experts=host_experts)
@@ -230,6 +304,8 @@ def profile(path: str, fraction: float, context: int, tokens: int, iters: int, h
                     out["kernels"] = kernel_times(cp, card, ops, iters)
                 if marginal:
                     out["marginal"] = marginal_ms(card, kv, prompt, tokens)
+                if trace:
+                    out["timeline"] = timeline(card, kv, prompt, tokens, records)
                 if sweep:
                     out["plan_sweep"] = plan_sweep(card, kv, prompt, tokens)
             cnt = card.counters
@@ -250,10 +326,12 @@ def main() -> int:
     p.add_argument("--host-experts", choices=["cpu", "card"], default="card")
     p.add_argument("--marginal", action="store_true", help="each idempotent kernel's cost inside the step's graph")
     p.add_argument("--plan-sweep", action="store_true", help="each mat-vec shape on each other plan, in the graph")
+    p.add_argument("--timeline", action="store_true", help="the step's kernels as the GPU ran them (CUPTI)")
     p.add_argument("--json")
     a = p.parse_args()
     path = model_path(a.model)
-    rows = [profile(path, float(f), a.context, a.tokens, a.iters, a.host_experts, a.marginal, a.plan_sweep)
+    rows = [profile(path, float(f), a.context, a.tokens, a.iters, a.host_experts, a.marginal, a.plan_sweep,
+                    a.timeline)
             for f in a.fractions.split(",")]
     keys = ["fraction", "step_ms", "eager_ms", "device_sum_ms", "attend_route_front_ms", "back_ms", "finish_ms",
             "host_per_layer_us", "cpu_share"]
@@ -267,6 +345,12 @@ def main() -> int:
                   "launched twice, the step gains:")
             for name, ms in m["extra_ms"].items():
                 print(f"  {r['fraction']:.2f}   {name:40s} {ms:+8.3f} ms")
+        if "timeline" in r:
+            tl = r["timeline"]
+            print(f"  {r['fraction']:.2f} timeline over {tl['steps']} steps: wall {tl['wall_ms']:.3f} ms a step, "
+                  f"kernels span {tl['span_ms']:.3f}, busy {tl['busy_ms']:.3f}; us a step: path / device / launches")
+            for name, k in tl["kernels"].items():
+                print(f"  {r['fraction']:.2f}   {name:40s} {k['path_us']:8.1f} {k['device_us']:8.1f} {k['launches']:5.0f}")
         if "plan_sweep" in r:
             sw = r["plan_sweep"]
             print(f"  {r['fraction']:.2f} step {sw['step_ms']:.3f} ms at the default plans; with one shape's plan changed:")
