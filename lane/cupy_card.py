@@ -272,18 +272,19 @@ class CupyCard:
                       length: int | None = None) -> None:
         """Launch the step after the one that leaves kv at `length` (kv.length), its input the device's last
         sample (token: the host's name for it, -1 until that step is read), where it needs no host between its
-        layers and returns only its token."""
+        layers, returns only its token and is captured already (a capture here would delay the token the host
+        waits for: the first request's first token took 50-60 ms longer on the H200)."""
         length = kv.length if length is None else length
         ex = self.experts
+        w = self.decode_work
         with self.device, self.stream:
             ex.refresh()
-            if not (self.graphs and ex.full and not ex.peers and not sample.logits and length < self.max_ctx):
+            if not (self.graphs and ex.full and not ex.peers and not sample.logits and length < self.max_ctx
+                    and self._graph_key(w, length, sample) in self._graphs):
                 return
             self._upload_sparams(sample, params, u, slot)
-            w = self.decode_work
             cp.cuda.runtime.memcpyAsync(w.tokens.data.ptr, self.token.data.ptr, 4, D2D, self.stream.ptr)
-            if not self._replay(w, length, sample):
-                return
+            self._replay(w, length, sample)
             self._copy_back(w, sample, slot)
         self._ahead = Ahead(kv, length + 1, token, params, u, slot)
 
@@ -427,12 +428,16 @@ class CupyCard:
         self._copy_back(w, sample, 0)
         return self._done(w, kv, logit_rows, sample)
 
+    def _graph_key(self, w: Work, length: int, sample: DeviceSample | None) -> tuple:
+        """The captured step a decode step at position `length` replays (w.long_ctx set for its capture)."""
+        w.long_ctx = length >= D.ATTN_PDL_MAX_CTX
+        return self.experts.full, self.experts.sources_key(), w.long_ctx, sample
+
     def _replay(self, w: Work, length: int, sample: DeviceSample | None) -> bool:
         """Launch the captured step for the token in w.tokens at position `length` (False: it cannot be captured
         and runs directly instead)."""
         remote = self.experts.remote
-        w.long_ctx = length >= D.ATTN_PDL_MAX_CTX
-        key = (self.experts.full, self.experts.sources_key(), w.long_ctx, sample)
+        key = self._graph_key(w, length, sample)
         if key not in self._graphs:
             if len(self._graphs) >= MAX_CAPTURED:
                 self._graphs.clear()  # peers came and went: the old pointers are gone
