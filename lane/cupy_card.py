@@ -9,6 +9,12 @@ logits, pool, counters, counts.
 A step is a list of launch-only operations with host breaks where the CPU pool serves a layer's misses; a prompt
 chunk runs the list directly, a decode step replays it as CUDA graphs captured once per placement shape: one graph
 when the card and its peers hold every expert, one per layer otherwise (the host serves the misses in between).
+
+Steps ahead: when the card holds every expert itself and samples on the device, forward_token(..., ahead=u) also
+launches the next decode step before the host has seen this one's token (its input is the token the device sampled;
+its draw is u), so the card is not idle while the host streams the token and makes the next call. A next call with
+that token, kv and draw takes the launched step; anything else drops it (the device position goes back; its KV
+entry lies past kv.length and is written again).
 """
 from __future__ import annotations
 
@@ -20,7 +26,7 @@ import numpy as np
 
 from lane.chunks import chunks
 from lane.counters import Counters
-from lane.gpu_experts import D2H, H2D, GpuExperts, pinned
+from lane.gpu_experts import D2D, D2H, H2D, GpuExperts, pinned
 from lane.slot_pool import SlotPool
 from lane.kernels import dense as D
 from protos import messages as M
@@ -40,6 +46,7 @@ class GpuKV:
     def __init__(self, card: "CupyCard"):
         self.card = card
         self.length = 0
+        card._drop_ahead()
         with card.device, card.stream:
             card.pos.fill(0)
 
@@ -48,6 +55,7 @@ class GpuKV:
         if not 0 <= n <= self.length:
             raise ValueError(f"cannot keep {n} of {self.length} positions")
         self.length = n
+        self.card._drop_ahead()
         with self.card.device, self.card.stream:
             self.card.pos.fill(n)
 
@@ -55,7 +63,8 @@ class GpuKV:
 class Work:
     """One step's buffers for T tokens (the decode step's stay put: its graphs point at them)."""
 
-    def __init__(self, c, T: int, logit_rows: int):
+    def __init__(self, c, T: int, logit_rows: int, slots: int = 1):
+        """slots: host copies of the routed ids (a step launched ahead writes the other one)."""
         self.T = T
         self.pos0 = 0  # where a prompt chunk starts (host side; decode steps read the device's pos)
         self.long_ctx = False  # a decode step at ATTN_PDL_MAX_CTX or more (its attention launched without PDL)
@@ -69,7 +78,7 @@ class Work:
         self.w = cp.empty((T, c.n_expert_used), cp.float32)
         self.hl = cp.empty((max(1, logit_rows), c.d_model), cp.float32)
         self.logits = cp.empty((max(1, logit_rows), c.vocab_size), cp.float32)
-        self.ids_h = pinned(self.ids.shape, np.int32)
+        self.ids_h = [pinned(self.ids.shape, np.int32) for _ in range(slots)]
         self.logits_h = pinned(self.logits.shape, np.float32)
 
 
@@ -80,6 +89,17 @@ class DeviceSample:
     ("argmax", "top-k", "cdf"); logits: they come back to the host as well."""
     kind: str
     logits: bool
+
+
+@dataclass
+class Ahead:
+    """A decode step launched before the host knew its input token (the device's last sample)."""
+    kv: GpuKV
+    length: int  # kv.length it extends
+    token: int  # the host's name for its input: the token the step before it returned
+    params: object
+    u: float
+    slot: int  # its host copies (token, routed ids, sampling parameters) and completion event
 
 
 class Break:
@@ -145,11 +165,15 @@ class CupyCard:
         self.device_ident = "cuda:" + cp.cuda.runtime.deviceGetPCIBusId(device)
         self.experts = GpuExperts(model, self.pool, self.prompt_chunk, cpu_threads, self.stream, self.device_ident,
                                   host_experts)
-        self.decode_work = Work(c, 1, 1)
+        self.decode_work = Work(c, 1, 1, slots=2)
         self.argmax, self.topk, self.cdf = D.Argmax(c.vocab_size), D.DeviceSampler(c.vocab_size), \
             D.CdfSampler(c.vocab_size)
-        self.sparams, self.sparams_h = cp.zeros((4,), cp.float64), pinned((4,), np.float64)  # the sampler's params
-        self.token, self.token_h = cp.zeros((1,), cp.int32), pinned((1,), np.int32)
+        # the sampler's parameters and its token; host copies by slot (a step launched ahead uses the other one)
+        self.sparams, self.sparams_h = cp.zeros((4,), cp.float64), pinned((2, 4), np.float64)
+        self.token, self.token_h = cp.zeros((1,), cp.int32), pinned((2,), np.int32)
+        self._done_ev = [cp.cuda.Event(disable_timing=True) for _ in range(2)]  # a step's end, by slot
+        self._last_ev = cp.cuda.Event(disable_timing=True)  # the last launched step's end (slot copies wait for it)
+        self._ahead: Ahead | None = None
         # captured decode steps by placement shape: [(graph, layer served after it or None)]; coverage flips
         # between complete and not as slots swap, so both shapes stay captured
         self._graphs: dict[tuple, list] = {}
@@ -160,6 +184,8 @@ class CupyCard:
         """An expert's matrices into a slot, straight from the (page-locked) arena on the copy stream (the slot
         loader's thread, or the fill at start): decode steps keep running meanwhile."""
         with self.device:
+            # a step launched before the slot left the table (one ahead) may still read it
+            self.copy_stream.wait_event(self._last_ev)
             off = 0
             for part in parts:
                 cp.cuda.runtime.memcpyAsync(dst.data.ptr + off, part.ctypes.data, part.nbytes, H2D,
@@ -173,12 +199,15 @@ class CupyCard:
 
     def set_view(self, view: M.View) -> None:
         """Compute from these other cards' slots from the next token on (peers on this same GPU; see gpu_experts)."""
+        self._drop_ahead()
         with self.device:
             self.experts.set_view(view)
         self.epoch = view.epoch
 
     def close(self) -> None:
+        self._drop_ahead()
         with self.device:
+            self.stream.synchronize()
             self.experts.close()
             self._graphs.clear()
 
@@ -197,26 +226,78 @@ class CupyCard:
             return "argmax"
         return "cdf" if params.top_p >= 1 and not 0 < params.top_k <= D.SAMPLE_KMAX else "top-k"
 
-    def forward_token(self, tokens, kv: GpuKV, params, u: float, logits: bool):
+    steps_ahead = True  # forward_token takes `ahead` (module docstring)
+
+    def forward_token(self, tokens, kv: GpuKV, params, u: float, logits: bool, ahead: float | None = None):
         """forward(tokens, kv, "last") with the last row sampled here (Sampler.pick's token for draw u): only the
-        token crosses the bus (4 bytes, not the vocabulary's logits), unless `logits` asks for them too."""
+        token crosses the bus (4 bytes, not the vocabulary's logits), unless `logits` asks for them too.
+        ahead: the next step's draw; that step is launched now from this one's token where the card can (module
+        docstring), and the next call, with the returned token and this draw, takes it."""
         if not self.samples_on_device(params):
             raise ValueError("these sampling parameters are sampled on the host (samples_on_device)")
         kind = self._sample_kind(params)
         top_p_only = kind == "top-k" and not 0 < params.top_k <= D.SAMPLE_KMAX  # may be left to the host
         sample = DeviceSample(kind, bool(logits) or top_p_only)
+        tokens = np.asarray(tokens, np.int32)
+        pend = self._ahead
+        if pend is None or not (pend.kv is kv and pend.length == kv.length + 1 and tokens.tolist() == [pend.token]
+                                and pend.params == params and pend.u == u and not sample.logits):
+            self._upload_sparams(sample, params, u, 0)
+            out = self._forward(tokens, kv, "last", sample)  # drops a step launched ahead
+            token = int(self.token_h[0])
+            if token < 0:  # a nucleus wider than the card's candidates: the host samples the same logits, same draw
+                token = Sampler(params).pick(out[-1], u)
+            if ahead is not None:
+                self._launch_ahead(kv, token, params, ahead, sample, 1)
+            return token, (out if logits else None)
+        self._ahead = None
+        if ahead is not None:  # launched before this step's token is read: the card keeps going meanwhile
+            self._launch_ahead(kv, -1, params, ahead, sample, 1 - pend.slot, length=pend.length)
+        with self.device:
+            self._done(self.decode_work, kv, 1, sample, pend.slot)
+        token = int(self.token_h[pend.slot])
+        if self._ahead is not None:
+            self._ahead.token = token
+        return token, None
+
+    def _upload_sparams(self, sample: DeviceSample, params, u: float, slot: int) -> None:
+        """The sampler's parameters for the step launched next (on the stream: after the step before it)."""
         if sample.kind != "argmax":
-            self.sparams_h[:] = D.sampling_params(params.temperature, params.top_k, params.top_p, u)
-            with self.device:  # on the step's stream: before the step's replay, after the last one finished
-                cp.cuda.runtime.memcpyAsync(self.sparams.data.ptr, self.sparams_h.ctypes.data, self.sparams.nbytes,
-                                            H2D, self.stream.ptr)
-        out = self._forward(tokens, kv, "last", sample)
-        token = int(self.token_h[0])
-        if token < 0:  # a nucleus wider than the card's candidates: the host samples the same logits, same draw
-            token = Sampler(params).pick(out[-1], u)
-        return token, (out if logits else None)
+            self.sparams_h[slot] = D.sampling_params(params.temperature, params.top_k, params.top_p, u)
+            with self.device:
+                cp.cuda.runtime.memcpyAsync(self.sparams.data.ptr, self.sparams_h[slot].ctypes.data,
+                                            self.sparams.nbytes, H2D, self.stream.ptr)
+
+    def _launch_ahead(self, kv: GpuKV, token: int, params, u: float, sample: DeviceSample, slot: int,
+                      length: int | None = None) -> None:
+        """Launch the step after the one that leaves kv at `length` (kv.length), its input the device's last
+        sample (token: the host's name for it, -1 until that step is read), where it needs no host between its
+        layers, returns only its token and is captured already (a capture here would delay the token the host
+        waits for: the first request's first token took 50-60 ms longer on the H200)."""
+        length = kv.length if length is None else length
+        ex = self.experts
+        w = self.decode_work
+        with self.device, self.stream:
+            ex.refresh()
+            if not (self.graphs and ex.full and not ex.peers and not sample.logits and length < self.max_ctx
+                    and self._graph_key(w, length, sample) in self._graphs):
+                return
+            self._upload_sparams(sample, params, u, slot)
+            cp.cuda.runtime.memcpyAsync(w.tokens.data.ptr, self.token.data.ptr, 4, D2D, self.stream.ptr)
+            self._replay(w, length, sample)
+            self._copy_back(w, sample, slot)
+        self._ahead = Ahead(kv, length + 1, token, params, u, slot)
+
+    def _drop_ahead(self) -> None:
+        """Forget a step launched ahead: the device position goes back to its kv's length (after the step, on the
+        stream); its KV entry lies past that length."""
+        pend, self._ahead = self._ahead, None
+        if pend is not None:
+            with self.device, self.stream:
+                self.pos.fill(pend.length - 1)
 
     def _forward(self, tokens, kv: GpuKV, logits: str, sample: DeviceSample | None):
+        self._drop_ahead()
         tokens = np.asarray(tokens, np.int32)
         if kv.length + len(tokens) > self.max_ctx:
             raise ValueError(f"sequence of {kv.length + len(tokens)} tokens exceeds the card's KV capacity "
@@ -298,15 +379,23 @@ class CupyCard:
                     self.argmax(last, self.token, stream=s)
                 else:
                     (self.topk if sample.kind == "top-k" else self.cdf)(last, self.sparams, self.token, stream=s)
-                rt.memcpyAsync(self.token_h.ctypes.data, self.token.data.ptr, 4, D2H, s.ptr)
-        rt.memcpyAsync(w.ids_h.ctypes.data, w.ids.data.ptr, w.ids.nbytes, D2H, s.ptr)
 
-    def _done(self, w: Work, kv: GpuKV, logit_rows: int, sample: DeviceSample | None = None):
-        """After a step's launches: wait for the card, count where the experts ran, hand out the logits (those
+    def _copy_back(self, w: Work, sample: DeviceSample | None, slot: int) -> None:
+        """After a step's launches (outside its graphs: a step launched ahead writes the other slot): the sampled
+        token and the routed ids to the host, and the step's end marked."""
+        s, rt = self.stream, cp.cuda.runtime
+        if sample is not None:
+            rt.memcpyAsync(self.token_h[slot:].ctypes.data, self.token.data.ptr, 4, D2H, s.ptr)
+        rt.memcpyAsync(w.ids_h[slot].ctypes.data, w.ids.data.ptr, w.ids.nbytes, D2H, s.ptr)
+        self._done_ev[slot].record(s)
+        self._last_ev.record(s)
+
+    def _done(self, w: Work, kv: GpuKV, logit_rows: int, sample: DeviceSample | None = None, slot: int = 0):
+        """After a step's launches: wait for its end, count where the experts ran, hand out the logits (those
         that came back)."""
-        self.stream.synchronize()
+        self._done_ev[slot].synchronize()
         self.counts *= 0.5 ** (w.T / HALF_LIFE_TOKENS)
-        self.experts.tally(w.ids_h, self.counters, self.counts)
+        self.experts.tally(w.ids_h[slot], self.counters, self.counts)
         kv.length += w.T
         back = logit_rows and (sample is None or sample.logits)
         return w.logits_h[:logit_rows].copy() if back else None
@@ -323,6 +412,7 @@ class CupyCard:
                 self.experts.serve(op.layer, w.T)
             else:
                 op()
+        self._copy_back(w, sample, 0)
         return self._done(w, kv, logit_rows, sample)
 
     def _decode(self, token: int, kv: GpuKV, logit_rows: int, sample: DeviceSample | None = None):
@@ -330,11 +420,24 @@ class CupyCard:
         another GPU is captured too (its copies and kernels joined to this card's stream by events: a graph of two
         devices); where the driver refuses that, such steps run directly."""
         w = self.decode_work
-        remote = self.experts.remote
-        if remote and self._remote_direct:
+        if self.experts.remote and self._remote_direct:
             return self._chunk(np.array([token], np.int32), kv, logit_rows, w, sample)
-        w.long_ctx = kv.length >= D.ATTN_PDL_MAX_CTX
-        key = (self.experts.full, self.experts.sources_key(), w.long_ctx, sample)
+        w.tokens.set(np.array([token], np.int32), stream=self.stream)
+        if not self._replay(w, kv.length, sample):
+            return self._chunk(np.array([token], np.int32), kv, logit_rows, w, sample)
+        self._copy_back(w, sample, 0)
+        return self._done(w, kv, logit_rows, sample)
+
+    def _graph_key(self, w: Work, length: int, sample: DeviceSample | None) -> tuple:
+        """The captured step a decode step at position `length` replays (w.long_ctx set for its capture)."""
+        w.long_ctx = length >= D.ATTN_PDL_MAX_CTX
+        return self.experts.full, self.experts.sources_key(), w.long_ctx, sample
+
+    def _replay(self, w: Work, length: int, sample: DeviceSample | None) -> bool:
+        """Launch the captured step for the token in w.tokens at position `length` (False: it cannot be captured
+        and runs directly instead)."""
+        remote = self.experts.remote
+        key = self._graph_key(w, length, sample)
         if key not in self._graphs:
             if len(self._graphs) >= MAX_CAPTURED:
                 self._graphs.clear()  # peers came and went: the old pointers are gone
@@ -346,13 +449,12 @@ class CupyCard:
                 log.warning("a step with a peer on another GPU cannot be captured (%s): such steps run directly", e)
                 self._remote_direct = True
                 self.stream.synchronize()
-                return self._chunk(np.array([token], np.int32), kv, logit_rows, w, sample)
-        w.tokens.set(np.array([token], np.int32), stream=self.stream)
+                return False
         for graph, served in self._graphs[key]:
             graph.launch(self.stream)
             if served is not None:
                 self.experts.serve(served, 1)
-        return self._done(w, kv, logit_rows, sample)
+        return True
 
     def _capture(self, ops: list) -> list:
         """Capture the operations between Breaks as graphs: [(graph, layer to serve after it, or None)]."""

@@ -37,7 +37,7 @@ from stratad.model.gguf_file import ModelFile
 from stratad.model.slot_layout import expert_bytes
 
 log = logging.getLogger("stratad.lane")
-H2D, D2H = 1, 2  # cudaMemcpyHostToDevice, cudaMemcpyDeviceToHost
+H2D, D2H, D2D = 1, 2, 3  # cudaMemcpyHostToDevice, DeviceToHost, DeviceToDevice
 CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM = 91  # cudaDevAttrCanUseHostPointerForRegisteredMem
 # How a peer on another GPU gets its input and returns its rows: "auto" copies peer to peer (cudaMemcpyPeer: over
 # NVLink / PCIe P2P where the topology allows, else the driver stages them); "host" through page-locked host memory

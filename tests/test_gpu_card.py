@@ -242,3 +242,42 @@ def test_prefix_cache_on_the_card(model, CupyCard):
     _, fresh = turn(second, None)
     assert t2 == fresh
     card.close()
+
+
+def test_steps_launched_ahead(model, CupyCard):
+    """forward_token(ahead=u) launches the next decode step before this one's token is read: a generation gives the
+    same tokens, counters and device position as one step at a time; a call that does not follow the launched step
+    drops it (the position goes back) and computes what a fresh sequence computes."""
+    c = model.config
+    card = CupyCard(model, 0, c.n_layer * c.n_expert, 4096)
+    card.pool.fill(experts_by_rank(model))
+    prompt = model.tokenizer.encode(PROMPT)
+    params = SamplingParams(max_tokens=20, temperature=0.8, top_k=40, seed=5)
+    runs = []
+    for ahead in (True, False):
+        card.steps_ahead = ahead
+        before = card.counters.copy()
+        direct = []  # steps run by _forward: not taken from a step launched ahead
+        forward = card._forward
+        card._forward = lambda *a: (direct.append(1), forward(*a))[1]
+        g = Generation(card, model.tokenizer, prompt, params, c.context_length)
+        toks = [t for t, _ in g if t is not None]
+        card._forward = forward
+        card._drop_ahead()  # a step still launched ahead (after a stop token)
+        runs.append((toks, card.counters.minus(before), int(card.pos.get()[0]), len(direct)))
+    assert runs[0][:3] == runs[1][:3]
+    # one step at a time: every step direct; ahead: the prompt and the first decode step (it captures the graph)
+    assert runs[1][3] == len(runs[1][0]) + (len(runs[1][0]) < params.max_tokens) and runs[0][3] == min(2, runs[1][3])
+
+    greedy = SamplingParams(max_tokens=8)
+    card.steps_ahead = True
+    kv = card.new_kv()
+    t, _ = card.forward_token(prompt, kv, greedy, 0.5, False)
+    other = (t + 1) % c.vocab_size
+    expect = [t, card.forward_token([other], kv, greedy, 0.5, False)[0], kv.length]
+    kv = card.new_kv()
+    t, _ = card.forward_token(prompt, kv, greedy, 0.5, False, ahead=0.5)
+    assert card._ahead is not None and int(card.pos.get()[0]) == len(prompt) + 1  # the next step ran ahead
+    got = [t, card.forward_token([other], kv, greedy, 0.5, False)[0], kv.length]
+    assert got == expect and int(card.pos.get()[0]) == kv.length == len(prompt) + 1
+    card.close()

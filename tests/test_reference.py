@@ -293,6 +293,24 @@ class DeviceSampling:
         return Sampler(params).pick(lg[-1], u), (lg[-1:] if logits else None)
 
 
+class StepsAhead(DeviceSampling):
+    """forward_token(ahead=u) as the GPU card takes it (it launches the next step from the token it returns): counts
+    the calls that follow such a step (that token, that draw), the only ones that can take it."""
+    steps_ahead = True
+
+    def __init__(self, engine):
+        super().__init__(engine)
+        self.pending, self.asked, self.followed = None, 0, 0
+
+    def forward_token(self, tokens, kv, params, u, logits, ahead=None):
+        assert not (logits and ahead is not None), "a step that returns logits is not launched ahead"
+        self.followed += self.pending == (list(tokens), u)
+        t, lg = super().forward_token(tokens, kv, params, u, logits)
+        self.asked += ahead is not None
+        self.pending = ([t], ahead) if ahead is not None else None
+        return t, lg
+
+
 @pytest.mark.parametrize("params", [SamplingParams(max_tokens=12),
                                     SamplingParams(max_tokens=12, temperature=0.8, top_k=40, seed=3),
                                     SamplingParams(max_tokens=12, temperature=1.2, top_k=20, top_p=0.9, seed=4)])
@@ -304,8 +322,11 @@ def test_device_sampling_gives_the_host_tokens(tiny_model, params):
     m = tiny_model
     prompt = m.tokenizer.encode("Where is the expert computed?")
     runs = []
-    for eng in (ReferenceEngine(m, "canonical"), DeviceSampling(ReferenceEngine(m, "canonical"))):
+    ahead = StepsAhead(ReferenceEngine(m, "canonical"))
+    for eng in (ReferenceEngine(m, "canonical"), DeviceSampling(ReferenceEngine(m, "canonical")), ahead):
         for digest in (True, False):
             g = Generation(eng, m.tokenizer, prompt, params, m.config.context_length, digest=digest)
             runs.append(([t for t, _ in g if t is not None], g.digest.hexdigest() if digest else None))
-    assert runs[0] == runs[2] and runs[1][0] == runs[3][0] == runs[0][0]
+    assert runs[0] == runs[2] == runs[4] and runs[1][0] == runs[3][0] == runs[5][0] == runs[0][0]
+    # steps ahead only without a digest, and every one followed but one after a stop token
+    assert ahead.asked > 0 and ahead.followed >= ahead.asked - 1 and ahead.asked <= params.max_tokens - 1

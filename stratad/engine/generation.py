@@ -19,6 +19,8 @@ class Engine(Protocol):
     # Optional, for engines that sample on their device (only a token, not the vocabulary's logits, comes back):
     #   samples_on_device(params) -> bool: whether forward_token gives Sampler.pick's token for these params;
     #   forward_token(tokens, kv, params, u, logits: bool) -> (token, last row's logits (1, n) if logits else None)
+    # and, where it can start the next step before the host has read this one's token:
+    #   steps_ahead = True, and forward_token(..., ahead=u_next): the next step's draw (that call passes it as u)
 
 
 class Generation:
@@ -57,10 +59,16 @@ class Generation:
         stepping = True  # inside forward: if it fails, what kv holds is not known
         on_device = getattr(self.engine, "samples_on_device", None)
         on_device = on_device is not None and on_device(self.p)
+        ahead_ok = on_device and getattr(self.engine, "steps_ahead", False) and self.digest is None
+        drawn = []  # the next step's draw, taken early where that step was launched ahead
 
         def step(tokens):  # -> (the next token, the logits: None if sampled on the device without a digest)
-            if on_device:  # the same draw, taken before the step instead of after it
-                return self.engine.forward_token(tokens, kv, self.p, sample.draw(), self.digest is not None)
+            if on_device:  # the same draws in the same order, taken before their steps instead of after them
+                u = drawn.pop() if drawn else sample.draw()
+                if not (ahead_ok and self.generated + 1 < self.p.max_tokens):  # no step follows for certain
+                    return self.engine.forward_token(tokens, kv, self.p, u, self.digest is not None)
+                drawn.append(sample.draw())
+                return self.engine.forward_token(tokens, kv, self.p, u, False, ahead=drawn[0])
             lg = self.engine.forward(tokens, kv)
             return sample(lg[-1]), lg
 
