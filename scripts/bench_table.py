@@ -54,9 +54,9 @@ def tree_docs(paths: list[str], prefix: str) -> dict[str, list[dict]]:
 
 
 def tree_order(trees, first: str = "") -> list[str]:
-    """`first` (if present), then ab1, ab2, .., then this tree with AB_ENV set ("env"), then this tree."""
+    """`first` (if present), then ab1, ab2, .., then this tree with AB_ENVS' sets (env1, env2, ..), then this tree."""
     return sorted(trees, key=lambda t: (-1, 0, t) if t == first else (0, int(t[2:]), t)
-                  if t[:2] == "ab" and t[2:].isdigit() else (1 if t == "env" else 2, 0, t))
+                  if t[:2] == "ab" and t[2:].isdigit() else (1 if t.startswith("env") else 2, 0, t))
 
 
 def delta(v: float, base: float) -> str:

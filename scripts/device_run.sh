@@ -312,12 +312,16 @@ ab)  # the all-resident engine bench on this tree and on each tree _ab*/ (`scrip
      # differ by a few %); CONTEXTS=1024 for a quick pass over many trees (one per commit of a branch: each change's
      # own share)
     model "$A3B" --router-skew 1.0
+    # AB_ENVS="NAME=VALUE ...;NAME=VALUE ...": this tree once more with each set (trees env1, env2, ..; AB_ENV: one),
+    # e.g. AB_ENVS="STRATAD_EXPERT_TUNING=iq3_fast=0;STRATAD_ROUTE_IN_ROUTER=0"
+    IFS=';' read -r -a envs <<< "${AB_ENVS:-${AB_ENV:-}}"
     for round in $(seq "${ROUNDS:-2}"); do
-        for tree in . _ab* ${AB_ENV:+env}; do  # AB_ENV="NAME=VALUE ...": this tree once more with those set
-            [ -d "$tree" ] || [ "$tree" = env ] || continue
+        for tree in . _ab* $(seq -f env%g 1 ${#envs[@]}); do
+            [ -d "$tree" ] || [[ $tree == env* ]] || continue
             name="$OUT/ab-$(tree_tag "$tree")-$round.json"
-            extra=""; [ "$tree" = env ] && extra="$AB_ENV"
-            (cd "$([ "$tree" = env ] && echo . || echo "$tree")" && env $extra PYTHONPATH=/tmp/site:$PWD \
+            extra="" dir=$tree
+            if [[ $tree == env* ]]; then extra=${envs[${tree#env} - 1]} dir=.; fi
+            (cd "$dir" && env $extra PYTHONPATH=/tmp/site:$PWD \
                 timeout 150 python3 -m stratad.cli bench --scenario engine --model "$A3B" --fractions 1.0 \
                 --contexts "${CONTEXTS:-1024,32768,65536}" --json "$name" 2>&1 | grep "^{'" | cut -c1-120 |
                 sed "s|^|$tree: |")

@@ -195,12 +195,19 @@ class KernelRecords:
     def __init__(self):
         from cupti import cupti
 
-        self.cupti, self.kind, self.recs = cupti, cupti.ActivityKind.CONCURRENT_KERNEL, []
+        self.cupti, self.kind, self.recs, self.shapes = cupti, cupti.ActivityKind.CONCURRENT_KERNEL, [], {}
         cupti.activity_register_callbacks(lambda: (8 << 20, 0), self._completed)
         cupti.activity_enable(self.kind)
 
     def _completed(self, acts):
-        self.recs.extend((a.start, a.end, a.name) for a in acts if a.kind == self.kind)
+        for a in acts:
+            if a.kind == self.kind:
+                self.recs.append((a.start, a.end, a.name))
+                # the launch's shape: which kernels' blocks can share an SM (PDL starts a kernel under the last)
+                self.shapes[a.name] = {"blocks": a.grid_x * a.grid_y * a.grid_z,
+                                       "threads": a.block_x * a.block_y * a.block_z,
+                                       "registers": a.registers_per_thread,
+                                       "smem": a.static_shared_memory + a.dynamic_shared_memory}
 
     def now(self) -> int:
         return self.cupti.get_timestamp()
@@ -248,9 +255,10 @@ def timeline(card, kv, prompt, tokens: int, records: KernelRecords) -> dict:
             last = max(last, end)
         span += last - s[0][0]
     n = len(steps)
-    for e in by.values():
+    for name, e in by.items():
         for k in e:
             e[k] /= n
+        e.update(records.shapes.get(name, {}))
     return {"steps": n, "wall_ms": wall_ms, "span_ms": span / n / 1e6, "busy_ms": busy / n / 1e6,
             "kernels": dict(sorted(by.items(), key=lambda kv: -kv[1]["path_us"]))}
 
@@ -348,9 +356,12 @@ def main() -> int:
         if "timeline" in r:
             tl = r["timeline"]
             print(f"  {r['fraction']:.2f} timeline over {tl['steps']} steps: wall {tl['wall_ms']:.3f} ms a step, "
-                  f"kernels span {tl['span_ms']:.3f}, busy {tl['busy_ms']:.3f}; us a step: path / device / launches")
+                  f"kernels span {tl['span_ms']:.3f}, busy {tl['busy_ms']:.3f}; us a step: path / device / launches; "
+                  "blocks x threads, registers, shared memory a block")
             for name, k in tl["kernels"].items():
-                print(f"  {r['fraction']:.2f}   {name:40s} {k['path_us']:8.1f} {k['device_us']:8.1f} {k['launches']:5.0f}")
+                print(f"  {r['fraction']:.2f}   {name:40s} {k['path_us']:8.1f} {k['device_us']:8.1f} {k['launches']:5.0f}"
+                      f"  {k.get('blocks', 0):5d} x {k.get('threads', 0):4d}, {k.get('registers', 0):3d} regs, "
+                      f"{k.get('smem', 0) / 1024:5.1f} KB")
         if "plan_sweep" in r:
             sw = r["plan_sweep"]
             print(f"  {r['fraction']:.2f} step {sw['step_ms']:.3f} ms at the default plans; with one shape's plan changed:")
