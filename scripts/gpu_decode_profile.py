@@ -21,8 +21,9 @@ For each cache fraction: a prompt is read, then
            graph, where the dense bench times them alone.
   timeline (--timeline; needs the cupti-python package) the replayed step's kernels as the GPU ran them, from
            CUPTI's kernel records (the device machine has no nsys): per kernel name its launches a step, its device
-           time (start to end, PDL's early start included) and what it adds to the step's critical path (its end
-           minus the latest end before it), and the step's idle time (no kernel running). Unlike `kernels` and
+           time (start to end, PDL's early start included), what it adds to the step's critical path (its end
+           minus the latest end before it), how long before that end it started (lead), its launch shape, and
+           the step's busy time (some kernel running). Unlike `kernels` and
            `marginal` it covers the o mat-vec and the down kernel and needs no replay of a kernel alone.
 Prints a table last; --json writes everything.
 """
@@ -246,10 +247,11 @@ def timeline(card, kv, prompt, tokens: int, records: KernelRecords) -> dict:
         last = s[0][0]
         busy_end = s[0][0]
         for start, end, name in s:
-            e = by.setdefault(name, {"launches": 0, "device_us": 0.0, "path_us": 0.0})
+            e = by.setdefault(name, {"launches": 0, "device_us": 0.0, "path_us": 0.0, "lead_us": 0.0})
             e["launches"] += 1
             e["device_us"] += (end - start) / 1e3
             e["path_us"] += max(0, end - last) / 1e3
+            e["lead_us"] += max(0, last - start) / 1e3  # started this long before its predecessor ended (PDL)
             busy += max(0, end - max(start, busy_end))
             busy_end = max(busy_end, end)
             last = max(last, end)
@@ -356,10 +358,11 @@ def main() -> int:
         if "timeline" in r:
             tl = r["timeline"]
             print(f"  {r['fraction']:.2f} timeline over {tl['steps']} steps: wall {tl['wall_ms']:.3f} ms a step, "
-                  f"kernels span {tl['span_ms']:.3f}, busy {tl['busy_ms']:.3f}; us a step: path / device / launches; "
+                  f"kernels span {tl['span_ms']:.3f}, busy {tl['busy_ms']:.3f}; us a step: path / device / lead / launches; "
                   "blocks x threads, registers, shared memory a block")
             for name, k in tl["kernels"].items():
-                print(f"  {r['fraction']:.2f}   {name:40s} {k['path_us']:8.1f} {k['device_us']:8.1f} {k['launches']:5.0f}"
+                print(f"  {r['fraction']:.2f}   {name:40s} {k['path_us']:8.1f} {k['device_us']:8.1f} "
+                      f"{k['lead_us']:8.1f} {k['launches']:5.0f}"
                       f"  {k.get('blocks', 0):5d} x {k.get('threads', 0):4d}, {k.get('registers', 0):3d} regs, "
                       f"{k.get('smem', 0) / 1024:5.1f} KB")
         if "plan_sweep" in r:
