@@ -230,7 +230,13 @@ def timeline(card, kv, prompt, tokens: int, records: KernelRecords) -> dict:
         card.forward([int(prompt[i])], kv)
     cp.cuda.runtime.deviceSynchronize()
     wall_ms = (time.perf_counter() - t) / tokens * 1e3
-    recs = records.since(t0)
+    return {"wall_ms": wall_ms, **step_stats(records.since(t0), records.shapes)}
+
+
+def step_stats(recs: list, shapes: dict) -> dict:
+    """Kernel records (start ns, end ns, name), sorted by start, of whole decode steps (each begins with its
+    embedding lookup) -> the steps' mean span and busy time, and per kernel name its launches, device time, path
+    and lead a step (module docstring) with its launch shape from `shapes`."""
     steps, cur = [], []
     for r in recs:  # a step starts with its embedding lookup
         if r[2].startswith("embed_rows") and cur:
@@ -238,7 +244,7 @@ def timeline(card, kv, prompt, tokens: int, records: KernelRecords) -> dict:
             cur = []
         cur.append(r)
     steps.append(cur)
-    steps = [s for s in steps if s[0][2].startswith("embed_rows")]
+    steps = [s for s in steps if s and s[0][2].startswith("embed_rows")]
     if not steps:
         raise RuntimeError("no decode step among CUPTI's kernel records")
     by = {}
@@ -260,8 +266,8 @@ def timeline(card, kv, prompt, tokens: int, records: KernelRecords) -> dict:
     for name, e in by.items():
         for k in e:
             e[k] /= n
-        e.update(records.shapes.get(name, {}))
-    return {"steps": n, "wall_ms": wall_ms, "span_ms": span / n / 1e6, "busy_ms": busy / n / 1e6,
+        e.update(shapes.get(name, {}))
+    return {"steps": n, "span_ms": span / n / 1e6, "busy_ms": busy / n / 1e6,
             "kernels": dict(sorted(by.items(), key=lambda kv: -kv[1]["path_us"]))}
 
 
