@@ -444,6 +444,7 @@ class CupyCard:
         key = self._graph_key(w, length, sample)
         if key not in self._graphs:
             if len(self._graphs) >= MAX_CAPTURED:
+                self.stream.synchronize()  # none of them still running (a step launched ahead and dropped)
                 self._graphs.clear()  # peers came and went: the old pointers are gone
             try:
                 self._graphs[key] = self._capture(self._ops(w, 1, sample))
