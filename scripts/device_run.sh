@@ -92,7 +92,7 @@ experts-ab)  # the decode expert kernels alone (8 pairs, and 8 tokens x 8), on t
         for tree in . _ab*; do
             [ -d "$tree" ] || continue
             (cd "$tree" && PYTHONPATH=/tmp/site:$PWD timeout 120 python3 scripts/gpu_experts_bench.py --types IQ3_S \
-                --cases decode8,tok8x8 --variants default --json "$OUT/experts-$(tree_tag "$tree")-$round.json" 2>&1 |
+                --cases decode8,decode8c,tok8x8 --variants default --json "$OUT/experts-$(tree_tag "$tree")-$round.json" 2>&1 |
                 grep "^{" | cut -c1-150 | sed "s|^|$tree: |")
         done
     done
