@@ -11,11 +11,11 @@ chunk runs the list directly, a decode step replays it as CUDA graphs captured o
 when the card and its peers hold every expert, one per layer otherwise (the host serves the misses in between).
 
 Steps ahead: when no host work sits between a step's layers (every expert on this card, or read from the arena by
-the card; no peers) and the token is sampled on the device, forward_token(..., ahead=u) also
-launches the next decode step before the host has seen this one's token (its input is the token the device sampled;
-its draw is u), so the card is not idle while the host streams the token and makes the next call. A next call with
-that token, kv and draw takes the launched step; anything else drops it (the device position goes back; its KV
-entry lies past kv.length and is written again).
+the card; no peers) and the token is sampled on the device, forward_token(..., ahead=u) also launches the next
+decode step before the host has seen this one's token (its input is the token the device sampled; its draw is u),
+so the card is not idle while the host streams the token and makes the next call. A next call with that token, kv
+and draw takes the launched step; anything else drops it (the device position goes back; its KV entry lies past
+kv.length and is written again).
 """
 from __future__ import annotations
 
