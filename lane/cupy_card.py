@@ -10,10 +10,10 @@ A step is a list of launch-only operations with host breaks where the CPU pool s
 chunk runs the list directly, a decode step replays it as CUDA graphs captured once per placement shape: one graph
 when the card and its peers hold every expert, one per layer otherwise (the host serves the misses in between).
 
-Steps ahead: when no host work sits between a step's layers (every expert on this card, on peers on this GPU or
-read from the arena by the card) and the token is sampled on the device, forward_token(..., ahead=u) also
-launches the next decode step before the host has seen this one's token (its input is the token the device sampled;
-its draw is u), so the card is not idle while the host streams the token and makes the next call. A next call with
+Steps ahead: when no host work sits between a step's layers (every expert on this card, on its peers' cards or
+read from the arena by the card) and the token is sampled on the device, forward_token(..., ahead=u) also launches
+the next decode step before the host has seen this one's token (its input is the token the device sampled; its
+draw is u), so the card is not idle while the host streams the token and makes the next call. A next call with
 that token, kv and draw takes the launched step; anything else drops it (the device position goes back; its KV
 entry lies past kv.length and is written again).
 """
@@ -283,7 +283,7 @@ class CupyCard:
         w = self.decode_work
         with self.device, self.stream:
             ex.refresh()
-            if not (self.graphs and ex.full and not ex.remote and not sample.logits and length < self.max_ctx
+            if not (self.graphs and ex.full and not sample.logits and length < self.max_ctx
                     and self._graph_key(w, length, sample) in self._graphs):
                 return
             self._upload_sparams(sample, params, u, slot)

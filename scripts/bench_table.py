@@ -92,18 +92,23 @@ def ab_rows(paths: list[str]) -> list[str]:
 
 def experts_rows(paths: list[str]) -> list[str]:
     """device_run.sh experts-ab's runs (experts-TREE-ROUND.json, gpu_experts_bench's default variant): each tree's
-    gate/up and down us at 8 pairs and the pair of launches at 8 tokens x 8 (median of every repetition of every
-    round), and the change against this tree (the checkout, e.g. main; else ab1)."""
+    gate/up and down us at 8 pairs (down also with the decode step's combine, where the run has decode8c) and the
+    pair of launches at 8 tokens x 8 (median of every repetition of every round), and the change against this tree
+    (the checkout, e.g. main; else ab1)."""
     cols = (("decode8", "us_gate_up", "8 pairs gate/up"), ("decode8", "us_down", "8 pairs down"),
-            ("decode8", "us_run", "8 pairs both"), ("tok8x8", "us_run", "8x8 both"))
-    vals: dict[str, list[float]] = {}
+            ("decode8c", "us_down", "8 pairs down + combine"), ("decode8", "us_run", "8 pairs both"),
+            ("tok8x8", "us_run", "8x8 both"))
+    vals: dict[str, list[float | None]] = {}
     for tree, docs in tree_docs(paths, "experts").items():
-        vals[tree] = [statistics.median([x for d in docs for r in d["results"] if r["variant"] == "default"
-                                         for x in r["cases"][case][key]]) for case, key, _ in cols]
+        vals[tree] = []
+        for case, key, _ in cols:
+            xs = [x for d in docs for r in d["results"] if r["variant"] == "default"
+                  for x in r["cases"].get(case, {}).get(key, [])]
+            vals[tree].append(statistics.median(xs) if xs else None)
     trees = tree_order(vals, first="this")
     out = ["| tree | " + " | ".join(f"{name} us" for _, _, name in cols) + " |", "|---|" + "---|" * len(cols)]
     for t in trees:
-        out.append(f"| {t} | " + " | ".join(f"{v:.2f}{delta(v, b) if t != trees[0] else ''}"
+        out.append(f"| {t} | " + " | ".join("-" if v is None else f"{v:.2f}{delta(v, b) if t != trees[0] and b else ''}"
                                             for v, b in zip(vals[t], vals[trees[0]])) + " |")
     return out
 

@@ -39,7 +39,7 @@
 #   bash scripts/device_run.sh x2-paths  # two GPUs: seed modes 1 and 3 at 4K prompts, peer copies P2P vs through host
 #   bash scripts/device_run.sh ncu-step  # a3b 1K: each decode kernel timed alone by Nsight Compute, summed a step;
 #                                        # ncu-qkv: the qkv mat-vec with its RMSNorm in detail
-#   bash scripts/device_run.sh ncu-src   # a3b 1K: each decode kernel's stall samples by SASS instruction
+#   bash scripts/device_run.sh ncu-src   # a3b, CONTEXT (1K): each decode kernel's stall samples by SASS instruction, DRAM / SM %
 #   bash scripts/device_run.sh timeline  # a3b 1K / 32K: the replayed step's kernels as the GPU ran them (CUPTI)
 #   bash scripts/device_run.sh ncu       # Nsight Compute on the kernels that hold the targets back (decode experts,
 #                                        # decode attention, prompt experts on tensor cores, prompt flash attention):
@@ -92,7 +92,7 @@ experts-ab)  # the decode expert kernels alone (8 pairs, and 8 tokens x 8), on t
         for tree in . _ab*; do
             [ -d "$tree" ] || continue
             (cd "$tree" && PYTHONPATH=/tmp/site:$PWD timeout 120 python3 scripts/gpu_experts_bench.py --types IQ3_S \
-                --cases decode8,tok8x8 --variants default --json "$OUT/experts-$(tree_tag "$tree")-$round.json" 2>&1 |
+                --cases decode8,decode8c,tok8x8 --variants default --json "$OUT/experts-$(tree_tag "$tree")-$round.json" 2>&1 |
                 grep "^{" | cut -c1-150 | sed "s|^|$tree: |")
         done
     done
@@ -293,18 +293,23 @@ timeline)  # a3b all resident: the replayed decode step's kernels as the GPU ran
             --json "$OUT/timeline-$ctx.json" 2>&1 | grep -A40 "timeline over"
     done
     ;;
-ncu-src)  # a3b 1K all resident: each decode kernel's stall samples by SASS instruction (one launch each)
+ncu-src)  # a3b all resident, CONTEXT (1024): each decode kernel's stall samples by SASS instruction (one launch
+         # each), with its speed-of-light summary (DRAM and SM throughput)
     command -v ncu > /dev/null || { echo "no ncu here"; exit 0; }
     model "$A3B" --router-skew 1.0
+    ctx=${CONTEXT:-1024}
     for k in ${KERNELS:-norm_matvec_q8_0 matvec_q8_0_r1_k1 expert_gateup expert_down norm_matvec_f32 attn_split \
         attn_combine}; do  # KERNELS: a subset
-        timeout 90 ncu --clock-control none -k "regex:^$k" -s 200 -c 1 --section WarpStateStats \
-            --section SourceCounters -f -o "/tmp/src-$k" python3 scripts/gpu_decode_profile.py --model "$A3B" \
-            --fractions 1.0 --context 1024 --tokens 8 --iters 2 > /dev/null 2>&1
-        ncu --import "/tmp/src-$k.ncu-rep" --page source --print-source sass --csv > "$OUT/src-$k.csv" 2>&1 ||
-            ncu --import "/tmp/src-$k.ncu-rep" --page source --csv > "$OUT/src-$k.csv" 2>&1  # an older ncu
-        cp "/tmp/src-$k.ncu-rep" "$OUT/"  # for another look (left out where too large to come back)
-        python3 scripts/ncu_hot.py "$OUT/src-$k.csv" 12 | tee "$OUT/src-$k.txt" | cut -c1-150
+        rep="/tmp/src-$k-$ctx"
+        timeout 150 ncu --clock-control none -k "regex:^$k" -s 200 -c 1 --section WarpStateStats \
+            --section SourceCounters --section SpeedOfLight -f -o "$rep" python3 scripts/gpu_decode_profile.py \
+            --model "$A3B" --fractions 1.0 --context "$ctx" --tokens 8 --iters 2 > /dev/null 2>&1
+        ncu --import "$rep.ncu-rep" --page details --section SpeedOfLight > "$OUT/sol-$k-$ctx.txt" 2>&1
+        grep -E "DRAM Throughput|Memory Throughput|Compute \(SM\) Throughput|Duration" "$OUT/sol-$k-$ctx.txt" | head -4
+        ncu --import "$rep.ncu-rep" --page source --print-source sass --csv > "$OUT/src-$k-$ctx.csv" 2>&1 ||
+            ncu --import "$rep.ncu-rep" --page source --csv > "$OUT/src-$k-$ctx.csv" 2>&1  # an older ncu
+        cp "$rep.ncu-rep" "$OUT/"  # for another look (left out where too large to come back)
+        python3 scripts/ncu_hot.py "$OUT/src-$k-$ctx.csv" 12 | tee "$OUT/src-$k-$ctx.txt" | cut -c1-150
     done
     ;;
 ab)  # the all-resident engine bench on this tree and on each tree _ab*/ (`scripts/ab_trees.sh REV...` makes them

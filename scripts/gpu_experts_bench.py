@@ -3,6 +3,8 @@
 
 Cases (max_pairs = 256 for all, so one captured graph serves every size; n_pairs lives on the device):
   decode8    one token x 8 experts (8 distinct slots)            - decode
+  decode8c   decode8 with the down kernel's combine into the residual, as a decode step with every expert on the
+             card runs it (counts, fences, the last warp of a chunk adding the 8 rows in router order)
   tok8x8     8 tokens x 8 experts, router order (~64 slots)      - small prefill chunk
   tok32x8    32 tokens x 8 experts, router order (~110 slots)    - prefill chunk
   shared256  32 tokens all on the same 8 slots, sorted by slot   - weight reuse across pairs
@@ -93,7 +95,7 @@ def time_graph(cp, stream, fns, iters, repeats=2):
 
 
 def bench_type(cp, qt, variant, args, copy_bw, rng):
-    from lane.kernels.experts import ExpertKernels, Tuning
+    from lane.kernels.experts import ExpertKernels, Tuning, combine_rows_ref
 
     d_model, d_ff, max_pairs = args.d_model, args.d_ff, 256
     k = ExpertKernels(d_model, d_ff, qt, qt, max_pairs, tuning=Tuning(**VARIANTS[variant]))
@@ -128,15 +130,25 @@ def bench_type(cp, qt, variant, args, copy_bw, rng):
                     for t, s in pr[:n]])
     got = out.get()[:n]
     res["exact_decode8"] = bool(np.array_equal(got.view(np.uint32), ref.view(np.uint32)))
+    # the combine (decode8c): x += the 8 rows in router order, against combine_rows_ref on the same rows
+    rowmap = cp.arange(n, dtype=cp.int32)
+    w8 = rng.uniform(0.01, 0.3, (1, n)).astype(F32)
+    xr = cp.asarray(rng.standard_normal((1, d_model), dtype=F32))
+    want_x = combine_rows_ref(xr.get(), w8, list(ref))
+    cmb = (rowmap, cp.asarray(w8), xr)
+    k.run(pool.data.ptr, pairs, n_dev, qa, da, out, combine=cmb)
+    cp.cuda.get_current_stream().synchronize()
+    res["exact_decode8c"] = bool(np.array_equal(xr.get().view(np.uint32), want_x.view(np.uint32)))
 
     for case in args.cases.split(","):
-        sets = [make_pairs(rng, case, perm, r, max_pairs) for r in range(args.reps)]
+        combine = cmb if case == "decode8c" else None  # x keeps adding up over the timed runs: only its time counts
+        sets = [make_pairs(rng, case.rstrip("c"), perm, r, max_pairs) for r in range(args.reps)]
         pairs_l = [cp.asarray(s[0]) for s in sets]
         n_dev = cp.asarray(np.array([sets[0][1]], np.int32))
         distinct = float(np.mean([s[2] for s in sets]))
-        runs = [lambda p=p: k.run(pool.data.ptr, p, n_dev, qa, da, out, stream=stream) for p in pairs_l]
+        runs = [lambda p=p: k.run(pool.data.ptr, p, n_dev, qa, da, out, combine, stream=stream) for p in pairs_l]
         gus = [lambda p=p: k.run_gate_up(pool.data.ptr, p, n_dev, qa, da, stream=stream) for p in pairs_l]
-        dns = [lambda p=p: k.run_down(pool.data.ptr, p, n_dev, out, stream=stream) for p in pairs_l]
+        dns = [lambda p=p: k.run_down(pool.data.ptr, p, n_dev, out, combine, stream=stream) for p in pairs_l]
         t_run = time_graph(cp, stream, runs, args.iters)
         t_gu = time_graph(cp, stream, gus, args.iters)
         t_dn = time_graph(cp, stream, dns, args.iters)
@@ -262,7 +274,7 @@ def main():
             r = bench_type(cp, qt, v, args, copy_bw, rng)
             r["wall_s"] = time.time() - t0
             results.append(r)
-            print(json.dumps({"type": tname, "variant": v, "exact": r["exact_decode8"],
+            print(json.dumps({"type": tname, "variant": v, "exact": r["exact_decode8"] and r["exact_decode8c"],
                               **{c: round(d["us_run"][0], 2) for c, d in r["cases"].items()}}), flush=True)
     doc = {"info": info, "args": vars(args), "results": results}
     if args.json:
@@ -275,7 +287,7 @@ def main():
             print(f"{r['qtype']:6} {r['variant']:16} {c:10} {d['n_pairs']:5d} {d['distinct_slots']:6.1f} "
                   f"{min(d['us_run']):8.2f} {min(d['us_gate_up']):7.2f} {min(d['us_down']):7.2f} {d['GBps']:6.0f} "
                   f"{d['GBps_gate_up']:7.0f} {d['GBps_down']:7.0f} {100 * d['frac_copy']:5.1f}% "
-                  f"{d['floor_us']:6.2f} {r['exact_decode8']}")
+                  f"{d['floor_us']:6.2f} {r['exact_decode8c' if c == 'decode8c' else 'exact_decode8']}")
 
 
 if __name__ == "__main__":

@@ -77,10 +77,14 @@ def test_modes_bit_identical_on_gpu_cards(model, tmp_path, want):
         mutual.stop()
 
 
-def test_steps_ahead_through_the_daemon(model, tmp_path):
+@pytest.mark.parametrize("remote", [False, True])
+def test_steps_ahead_through_the_daemon(model, tmp_path, monkeypatch, remote):
     """Without a digest a GPU lane launches each decode step before it has read the last token (also computing
-    on a peer's slots): greedy tokens equal the solo card's with a digest (one step at a time), for lead + peer and
-    for two chats in mutual help, views changing while steps run ahead."""
+    on a peer's slots, in place or, remote, through the other-GPU path): greedy tokens equal the solo card's with a
+    digest (one step at a time), for lead + peer and for two chats in mutual help, views changing while steps run
+    ahead."""
+    if remote:
+        monkeypatch.setenv("STRATAD_PEERS_AS_REMOTE", "1")
     solo_tokens = {}
     d = start(model, tmp_path, "0", "1.0")
     try:
