@@ -96,7 +96,7 @@ class DeviceSample:
 class Ahead:
     """A decode step launched before the host knew its input token (the device's last sample)."""
     kv: GpuKV
-    length: int  # kv.length it extends
+    length: int  # kv.length once it is taken
     token: int  # the host's name for its input: the token the step before it returned
     params: object
     u: float

@@ -60,15 +60,16 @@ class Generation:
         on_device = getattr(self.engine, "samples_on_device", None)
         on_device = on_device is not None and on_device(self.p)
         ahead_ok = on_device and getattr(self.engine, "steps_ahead", False) and self.digest is None
-        drawn = []  # the next step's draw, taken early where that step was launched ahead
+        ahead = None  # the next step's draw, taken early where that step was launched ahead
 
         def step(tokens):  # -> (the next token, the logits: None if sampled on the device without a digest)
+            nonlocal ahead
             if on_device:  # the same draws in the same order, taken before their steps instead of after them
-                u = drawn.pop() if drawn else sample.draw()
-                if not (ahead_ok and self.generated + 1 < self.p.max_tokens):  # no step follows for certain
+                u = sample.draw() if ahead is None else ahead
+                ahead = sample.draw() if ahead_ok and self.generated + 1 < self.p.max_tokens else None
+                if ahead is None:  # no step after this one, or none launched ahead with this engine
                     return self.engine.forward_token(tokens, kv, self.p, u, self.digest is not None)
-                drawn.append(sample.draw())
-                return self.engine.forward_token(tokens, kv, self.p, u, False, ahead=drawn[0])
+                return self.engine.forward_token(tokens, kv, self.p, u, False, ahead=ahead)
             lg = self.engine.forward(tokens, kv)
             return sample(lg[-1]), lg
 
