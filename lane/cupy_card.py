@@ -10,12 +10,12 @@ A step is a list of launch-only operations with host breaks where the CPU pool s
 chunk runs the list directly, a decode step replays it as CUDA graphs captured once per placement shape: one graph
 when the card and its peers hold every expert, one per layer otherwise (the host serves the misses in between).
 
-Steps ahead: when no host work sits between a step's layers (every expert on this card, or read from the arena by
-the card; no peers) and the token is sampled on the device, forward_token(..., ahead=u) also launches the next
-decode step before the host has seen this one's token (its input is the token the device sampled; its draw is u),
-so the card is not idle while the host streams the token and makes the next call. A next call with that token, kv
-and draw takes the launched step; anything else drops it (the device position goes back; its KV entry lies past
-kv.length and is written again).
+Steps ahead: when no host work sits between a step's layers (every expert on this card, on its peers' cards or
+read from the arena by the card) and the token is sampled on the device, forward_token(..., ahead=u) also launches
+the next decode step before the host has seen this one's token (its input is the token the device sampled; its
+draw is u), so the card is not idle while the host streams the token and makes the next call. A next call with
+that token, kv and draw takes the launched step; anything else drops it (the device position goes back; its KV
+entry lies past kv.length and is written again).
 """
 from __future__ import annotations
 
@@ -199,9 +199,12 @@ class CupyCard:
         return GpuKV(self)
 
     def set_view(self, view: M.View) -> None:
-        """Compute from these other cards' slots from the next token on (peers on this same GPU; see gpu_experts)."""
+        """Compute from these other cards' slots from the next token on (peers on this same GPU; see gpu_experts).
+        Returns once no step of the old view runs: the lane then acknowledges the view, after which the slots it
+        left out may be overwritten (coordinator/epochs.py), and a step launched ahead may have read them."""
         self._drop_ahead()
         with self.device:
+            self.stream.synchronize()
             self.experts.set_view(view)
         self.epoch = view.epoch
 
@@ -280,7 +283,7 @@ class CupyCard:
         w = self.decode_work
         with self.device, self.stream:
             ex.refresh()
-            if not (self.graphs and ex.full and not ex.peers and not sample.logits and length < self.max_ctx
+            if not (self.graphs and ex.full and not sample.logits and length < self.max_ctx
                     and self._graph_key(w, length, sample) in self._graphs):
                 return
             self._upload_sparams(sample, params, u, slot)

@@ -90,15 +90,16 @@ def rejoined_after_split(seen) -> bool:
 
 
 def run_chats(d: Daemon, jobs: list[tuple[str, int]], request, stagger_first: bool = True,
-              timeout_s: float = 120.0) -> dict:
-    """The requests at once, each asking for a digest: request(name) gives generate()'s prompt arguments. With
-    stagger_first the first is already streaming when the others start (so a peer splits off). name -> stream."""
+              timeout_s: float = 120.0, digest: bool = True) -> dict:
+    """The requests at once, each asking for a digest (unless not `digest`: then only tokens come back, and a GPU
+    lane launches its steps ahead): request(name) gives generate()'s prompt arguments. With stagger_first the first
+    is already streaming when the others start (so a peer splits off). name -> stream."""
     out, errors, first = {}, [], threading.Event()
 
     def go(name, n, k):
         try:
             with d.client() as c:
-                s = c.generate(max_tokens=n, digest=True, **request(name))
+                s = c.generate(max_tokens=n, digest=digest, **request(name))
                 for i, _ in enumerate(s):
                     if k == 0 and i == 2:
                         first.set()

@@ -77,6 +77,37 @@ def test_modes_bit_identical_on_gpu_cards(model, tmp_path, want):
         mutual.stop()
 
 
+@pytest.mark.parametrize("remote", [False, True])
+def test_steps_ahead_through_the_daemon(model, tmp_path, monkeypatch, remote):
+    """Without a digest a GPU lane launches each decode step before it has read the last token (also computing
+    on a peer's slots, in place or, remote, through the other-GPU path): greedy tokens equal the solo card's with a
+    digest (one step at a time), for lead + peer and for two chats in mutual help, views changing while steps run
+    ahead."""
+    if remote:
+        monkeypatch.setenv("STRATAD_PEERS_AS_REMOTE", "1")
+    solo_tokens = {}
+    d = start(model, tmp_path, "0", "1.0")
+    try:
+        for name in "AB":
+            with d.client(stream_timeout_s=600) as c:
+                for digest in (True, False):
+                    s = c.generate(tokens=PROMPTS[name], max_tokens=48, digest=digest)
+                    s.result()
+                    solo_tokens.setdefault(name, []).append(list(s.tokens))
+    finally:
+        d.stop()
+    assert all(a == b for a, b in solo_tokens.values())
+    mutual = start(model, tmp_path, CARDS, "0.3", mutual_help=True)
+    try:
+        jobs = {"one": [("A", 48)], "two": [("A", 48), ("B", 48)]}
+        for runs in jobs.values():
+            got = run_chats(mutual, runs, lambda name: {"tokens": PROMPTS[name]}, timeout_s=600, digest=False)
+            for name, s in got.items():
+                assert list(s.tokens) == solo_tokens[name][0] and s.stats.experts_peer > 0, name
+    finally:
+        mutual.stop()
+
+
 @pytest.mark.parametrize("copy", ["auto", "host"])
 def test_peer_computed_on_its_own_gpu(model, tmp_path, want, monkeypatch, copy):
     """The path for a peer on another GPU (pool opened on its device, input copied over, rows back, in the
