@@ -5,7 +5,9 @@
 #   bash scripts/device_run.sh tests     # GPU tests: expert kernels, the card, PDL (a summary line each)
 #   bash scripts/device_run.sh tests2    # GPU tests: dense kernels
 #   bash scripts/device_run.sh tests3    # GPU tests: the daemon (modes, split / rejoin, swaps, a killed peer)
-#   TESTS="FILE::TEST ..." bash scripts/device_run.sh tests   # those tests only (a rerun of what failed)
+#   TESTS="FILE::TEST ..." bash scripts/device_run.sh tests   # those tests only (a rerun of what failed; TESTS_K:
+#                                        # a pytest -k expression besides)
+#   TESTS_ab1="FILE ..." TESTS_K_ab1=EXPR bash scripts/device_run.sh ab-tests  # GPU tests in each tree _abN/
 #   bash scripts/device_run.sh profile   # a3b IQ3_S: where a decode step's time goes (with and without PDL),
 #                                        # and a prompt's
 #   bash scripts/device_run.sh engine1   # a3b IQ3_S: the engine bench all resident (1K / 32K / 64K; TAG= names
@@ -68,8 +70,19 @@ tests | tests2 | tests3)
     [ "$1" = tests3 ] && files="tests/test_gpu_daemon.py"
     for f in ${TESTS:-$files}; do  # TESTS: other files or test ids (a rerun of what failed)
         log="$OUT/$(basename "${f%%::*}" .py)$([[ $f == *::* ]] && echo "-${f##*::}").log"
-        timeout 540 python3 -m pytest -q -m gpu -p no:cacheprovider "$f" > "$log" 2>&1
+        timeout 540 python3 -m pytest -q -m gpu -p no:cacheprovider "$f" ${TESTS_K:+-k "$TESTS_K"} > "$log" 2>&1
         echo "$f: rc=$? $(tail -1 "$log")"
+        grep -E "^(FAILED|ERROR) " "$log" | head -5
+    done
+    ;;
+ab-tests)  # GPU tests in each tree _ab*/ with its own package first on the path: TESTS_abN / TESTS_K_abN (the
+           # tests step's TESTS and TESTS_K, a pytest -k expression) for tree _abN, else TESTS / TESTS_K
+    for tree in _ab*; do
+        t=$(tree_tag "$tree") tv="TESTS_$(tree_tag "$tree")" kv="TESTS_K_$(tree_tag "$tree")"
+        [ -n "${!tv:-${TESTS:-}}" ] || continue
+        mkdir -p "$OUT/$t"
+        (cd "$tree" && PYTHONPATH=/tmp/site:$PWD OUT=$OUT/$t TESTS="${!tv:-${TESTS:-}}" TESTS_K="${!kv:-${TESTS_K:-}}" \
+            bash scripts/device_run.sh tests | sed "s|^|$t: |")
     done
     ;;
 quick)  # what a short device call can check: the card, PDL, the tensor-core tiles; the all-resident engine bench
