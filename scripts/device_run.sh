@@ -337,7 +337,8 @@ ab)  # the all-resident engine bench on this tree and on each tree _ab*/ (`scrip
         for tree in . _ab* $(seq -f env%g 1 ${#envs[@]}); do
             [ -d "$tree" ] || [[ $tree == env* ]] || continue
             name="$OUT/ab-$(tree_tag "$tree")-$round.json"
-            extra="" dir=$tree
+            ev="AB_ENV_$(tree_tag "$tree")"
+            extra=${!ev:-} dir=$tree  # AB_ENV_abN: tree _abN's own env (a branch's change behind a switch)
             if [[ $tree == env* ]]; then extra=${envs[${tree#env} - 1]} dir=.; fi
             (cd "$dir" && env $extra PYTHONPATH=/tmp/site:$PWD \
                 timeout 150 python3 -m stratad.cli bench --scenario engine --model "$A3B" --fractions 1.0 \
