@@ -78,7 +78,8 @@ tests | tests2 | tests3)
 ab-tests)  # GPU tests in each tree _ab*/ with its own package first on the path: TESTS_abN / TESTS_K_abN (the
            # tests step's TESTS and TESTS_K, a pytest -k expression) for tree _abN, else TESTS / TESTS_K
     for tree in _ab*; do
-        t=$(tree_tag "$tree") tv="TESTS_$(tree_tag "$tree")" kv="TESTS_K_$(tree_tag "$tree")"
+        t=$(tree_tag "$tree")
+        tv="TESTS_$t" kv="TESTS_K_$t"
         [ -n "${!tv:-${TESTS:-}}" ] || continue
         mkdir -p "$OUT/$t"
         (cd "$tree" && PYTHONPATH=/tmp/site:$PWD OUT=$OUT/$t TESTS="${!tv:-${TESTS:-}}" TESTS_K="${!kv:-${TESTS_K:-}}" \
