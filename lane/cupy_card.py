@@ -68,7 +68,7 @@ class Work:
         """slots: host copies of the routed ids (a step launched ahead writes the other one)."""
         self.T = T
         self.pos0 = 0  # where a prompt chunk starts (host side; decode steps read the device's pos)
-        self.long_ctx = False  # a decode step at ATTN_PDL_MAX_CTX or more (its attention launched without PDL)
+        self.long_ctx = False  # a decode step at ATTN_PDL_MAX_CTX or more (its attention: no PDL, STEP_PIPELINED)
         self.tokens = cp.zeros((T,), cp.int32)
         self.x, self.h = cp.empty((T, c.d_model), cp.float32), cp.empty((T, c.d_model), cp.float32)
         self.qkv = cp.empty((T, c.q_dim + 2 * c.kv_dim), cp.float32)
@@ -151,7 +151,9 @@ class CupyCard:
                 q_norm=f32(b + "attn_q_norm.weight"), k_norm=f32(b + "attn_k_norm.weight"),
                 kv=D.alloc_kv_cache(c.n_head_kv, self.max_ctx, c.head_dim)))
         self.rope = D.RopeTable(self.max_ctx, c.head_dim, c.rope_base)
-        self.attn = D.DecodeAttention(c.n_head, c.n_head_kv, c.head_dim, self.max_ctx)
+        # decode steps' attention, by long context (Work.long_ctx): each with its own load path and splits
+        self.attn = {long: D.DecodeAttention(c.n_head, c.n_head_kv, c.head_dim, self.max_ctx,
+                                             pipelined=D.STEP_PIPELINED[long]) for long in (False, True)}
         self.prefill_attn = D.PrefillAttention(c.n_head, c.n_head_kv, c.head_dim, self.max_ctx)
         self.pos = cp.zeros((1,), cp.int32)
         # the slot pool is its own cudaMalloc (not a memory-pool sub-allocation), so that its CUDA IPC handle
@@ -355,8 +357,8 @@ class CupyCard:
         c, L, s = self.c, self.layers[i], self.stream
         self._norm_proj(L["attn_norm"], L["qkv"], w, w.qkv)
         if w.T == 1:  # pos on the device: graph-safe; q/k norm, RoPE and the KV append in the split launch
-            self.attn.step(w.qkv, L["q_norm"], L["k_norm"], c.rms_eps, self.rope, self.pos, *L["kv"], w.att,
-                           pdl=not w.long_ctx, stream=s)
+            self.attn[w.long_ctx].step(w.qkv, L["q_norm"], L["k_norm"], c.rms_eps, self.rope, self.pos, *L["kv"],
+                                       w.att, pdl=not w.long_ctx, stream=s)
         else:  # a prompt chunk, run eagerly: the host knows where it starts
             D.qk_norm_rope_kv(w.qkv, L["q_norm"], L["k_norm"], c.rms_eps, self.rope, self.pos, w.q, *L["kv"],
                               n_head=c.n_head, n_kv=c.n_head_kv, stream=s)
@@ -410,6 +412,7 @@ class CupyCard:
         """A prompt chunk (or a decode step that cannot be replayed): the operations run directly."""
         w = w or Work(self.c, len(tokens), logit_rows)
         w.pos0 = kv.length
+        w.long_ctx = self._long_ctx(w, kv.length)
         w.tokens.set(tokens, stream=self.stream)
         for op in self._ops(w, logit_rows, sample):
             if isinstance(op, Break):
@@ -432,9 +435,15 @@ class CupyCard:
         self._copy_back(w, sample, 0)
         return self._done(w, kv, logit_rows, sample)
 
+    @staticmethod
+    def _long_ctx(w: Work, length: int) -> bool:
+        """A decode step's attention kind at position `length` (the same whether it is replayed or run directly:
+        the bits follow it)."""
+        return w.T == 1 and length >= D.ATTN_PDL_MAX_CTX
+
     def _graph_key(self, w: Work, length: int, sample: DeviceSample | None) -> tuple:
         """The captured step a decode step at position `length` replays (w.long_ctx set for its capture)."""
-        w.long_ctx = length >= D.ATTN_PDL_MAX_CTX
+        w.long_ctx = self._long_ctx(w, length)
         return self.experts.full, self.experts.sources_key(), w.long_ctx, sample
 
     def _replay(self, w: Work, length: int, sample: DeviceSample | None) -> bool:

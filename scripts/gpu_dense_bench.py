@@ -206,7 +206,7 @@ def bench_attention(D, cp, rng, bw, out, n_layers=48):
     caches = []
     for _ in range(n_layers):
         K = cp.random.standard_normal((nkv, mc, hd), dtype=cp.float32).astype(cp.float16)
-        V = cp.random.standard_normal((nkv, hd, mc), dtype=cp.float32).astype(cp.float16)
+        V = cp.random.standard_normal(D.v_cache_shape(nkv, hd, mc), dtype=cp.float32).astype(cp.float16)
         caches.append((K, V))
     q = cp.asarray(rng.standard_normal((1, nh, hd), dtype=F32))
     qkv = cp.asarray(rng.standard_normal((1, (nh + 2 * nkv) * hd), dtype=F32))
@@ -217,6 +217,7 @@ def bench_attention(D, cp, rng, bw, out, n_layers=48):
     variants = [("ring+v2", True, True, "attn_combine", 64, None), ("pipe+v2", False, True, "attn_combine", 64, None),
                 ("v1+v1", False, False, "attn_combine_v1", 64, None), ("v1+v2", False, False, "attn_combine", 64, None),
                 ("pipe+v1", False, True, "attn_combine_v1", 64, None),
+                ("pipe+1p", False, True, "attn_combine_1p", 64, None), ("v1+1p", False, False, "attn_combine_1p", 64, None),
                 ("ring+v2 cmin256", True, True, "attn_combine", 256, None),
                 ("ring+v2 cols32", True, True, "attn_combine", 64, 32),
                 ("ring+v2 cols4", True, True, "attn_combine", 64, 4)]
@@ -248,7 +249,7 @@ def bench_prefill(D, cp, rng, bw, out, T=1024):
     for pos0 in (0, 8192, 32768 - T):
         mc = pos0 + T
         K = cp.random.standard_normal((nkv, mc, hd), dtype=cp.float32).astype(cp.float16)
-        V = cp.random.standard_normal((nkv, hd, mc), dtype=cp.float32).astype(cp.float16)
+        V = cp.random.standard_normal(D.v_cache_shape(nkv, hd, mc), dtype=cp.float32).astype(cp.float16)
         q = cp.asarray(rng.standard_normal((T, nh, hd), dtype=F32))
         o = cp.empty((T, nh * hd), cp.float32)
         flops = 4.0 * nh * hd * sum(pos0 + t + 1 for t in range(T))

@@ -276,8 +276,8 @@ def test_qk_norm_rope_kv(cp, D, cfg, Tn, pos0):
     qkv = rng.standard_normal((Tn, (n_head + 2 * n_kv) * hd), dtype=F32) * F32(3)
     qnw, knw = rng.uniform(0.5, 1.5, hd).astype(F32), rng.uniform(0.5, 1.5, hd).astype(F32)
     K0 = rng.standard_normal((n_kv, max_ctx, hd)).astype(np.float16)
-    V0 = rng.standard_normal((n_kv, hd, max_ctx)).astype(np.float16)
-    Kc, Vc = cp.asarray(K0), cp.asarray(V0)
+    V0 = rng.standard_normal((n_kv, hd, max_ctx)).astype(np.float16)  # V^T; the cache holds it in blocks
+    Kc, Vc = cp.asarray(K0), cp.asarray(D.v_blocked(V0))
     q_out = nan_like(cp, (Tn, n_head, hd))
     pos = cp.asarray(np.array([pos0], np.int32))
     D.qk_norm_rope_kv(cp.asarray(qkv), cp.asarray(qnw), cp.asarray(knw), 1e-6, rope, pos, q_out, Kc, Vc,
@@ -285,7 +285,7 @@ def test_qk_norm_rope_kv(cp, D, cfg, Tn, pos0):
     sync(cp)
     q, k, v = D.qk_norm_rope_kv_ref(qkv, pos0, qnw, knw, 1e-6, 1e6, n_head, n_kv, hd)
     assert np.array_equal(q_out.get().view(np.uint32), q.view(np.uint32))
-    K1, V1 = Kc.get(), Vc.get()
+    K1, V1 = Kc.get(), D.v_unblocked(Vc.get())
     Kw, Vw = K0.copy(), V0.copy()
     for t in range(Tn):
         Kw[:, pos0 + t] = k[t].astype(np.float16)
@@ -307,7 +307,7 @@ def test_decode_step_attention_is_qk_norm_rope_kv_then_attention(cp, D, cfg, pos
     qkv = cp.asarray(rng.standard_normal((1, (n_head + 2 * n_kv) * hd), dtype=F32) * F32(3))
     qnw, knw = (cp.asarray(rng.uniform(0.5, 1.5, hd).astype(F32)) for _ in range(2))
     K0 = rng.standard_normal((n_kv, max_ctx, hd)).astype(np.float16)
-    V0 = rng.standard_normal((n_kv, hd, max_ctx)).astype(np.float16)
+    V0 = D.v_blocked(rng.standard_normal((n_kv, hd, max_ctx)).astype(np.float16))
     pos = cp.asarray(np.array([pos0], np.int32))
     att = D.DecodeAttention(n_head, n_kv, hd, max_ctx)
     Ka, Va, Kb, Vb = cp.asarray(K0), cp.asarray(V0), cp.asarray(K0), cp.asarray(V0)
@@ -321,14 +321,16 @@ def test_decode_step_attention_is_qk_norm_rope_kv_then_attention(cp, D, cfg, pos
     assert np.array_equal(got.get().view(np.uint32), want.get().view(np.uint32))
     assert np.array_equal(Kb.get().view(np.uint16), Ka.get().view(np.uint16))
     assert np.array_equal(Vb.get().view(np.uint16), Va.get().view(np.uint16))
-    # the other load path (the shared-memory ring or the register prefetch, whichever att did not take), on the
+    # every load path of the step's kernel (the shared-memory ring, the register prefetch, the plain loop) on the
     # same splits (their occupancy may differ): same bits
-    other = D.DecodeAttention(n_head, n_kv, hd, max_ctx, ring=not att.ring, nsplit=att.nsplit(1))
-    Kc, Vc, got2 = cp.asarray(K0), cp.asarray(V0), nan_like(cp, (1, n_head * hd))
-    other.step(qkv, qnw, knw, 1e-6, rope, pos, Kc, Vc, got2)
-    sync(cp)
-    assert np.array_equal(got2.get().view(np.uint32), got.get().view(np.uint32))
-    assert np.array_equal(Kc.get().view(np.uint16), Ka.get().view(np.uint16))
+    for kw in ({"ring": True}, {"ring": False, "pipelined": True}, {"ring": False, "pipelined": False}):
+        other = D.DecodeAttention(n_head, n_kv, hd, max_ctx, nsplit=att.nsplit(1), **kw)
+        Kc, Vc, got2 = cp.asarray(K0), cp.asarray(V0), nan_like(cp, (1, n_head * hd))
+        other.step(qkv, qnw, knw, 1e-6, rope, pos, Kc, Vc, got2)
+        sync(cp)
+        assert np.array_equal(got2.get().view(np.uint32), got.get().view(np.uint32)), kw
+        assert np.array_equal(Kc.get().view(np.uint16), Ka.get().view(np.uint16)), kw
+        assert np.array_equal(Vc.get().view(np.uint16), Va.get().view(np.uint16)), kw
 
 
 # ---- 4. decode attention ------------------------------------------------------------------------------------------
@@ -340,9 +342,10 @@ def _attn_case(cp, D, rng, n_head, n_kv, hd, max_ctx, L, Tn=1, q_scale=1.0, pref
     Vf = rng.standard_normal((L, n_kv, hd), dtype=F32)
     q = rng.standard_normal((Tn, n_head, hd), dtype=F32) * F32(q_scale)
     Kc = cp.full((n_kv, max_ctx, hd), np.nan, cp.float16)
-    Vc = cp.full((n_kv, hd, max_ctx), np.nan, cp.float16)
+    Vt = np.full((n_kv, hd, max_ctx), np.nan, np.float16)
     Kc[:, :L] = cp.asarray(Kf.transpose(1, 0, 2).astype(np.float16))
-    Vc[:, :, :L] = cp.asarray(Vf.transpose(1, 2, 0).astype(np.float16))
+    Vt[:, :, :L] = Vf.transpose(1, 2, 0).astype(np.float16)
+    Vc = cp.asarray(D.v_blocked(Vt))
     out = nan_like(cp, (Tn, n_head * hd))
     if prefill:  # both kernel shapes (Q's fragments in registers, or its tile in shared memory): the same bits
         other = nan_like(cp, (Tn, n_head * hd))
@@ -365,16 +368,18 @@ def _attn_case(cp, D, rng, n_head, n_kv, hd, max_ctx, L, Tn=1, q_scale=1.0, pref
 ATTN_VARIANTS = [{"ring": True, "combine": "attn_combine"},
                  {"ring": False, "pipelined": True, "combine": "attn_combine"},
                  {"ring": False, "pipelined": False, "combine": "attn_combine_v1"},
+                 {"ring": False, "pipelined": True, "combine": "attn_combine_1p"},
                  {"ring": False, "pipelined": False, "combine": "attn_combine"},
                  {"ring": False, "pipelined": True, "combine": "attn_combine_v1"},
+                 {"ring": False, "pipelined": False, "combine": "attn_combine_1p", "combine_cols": 1},
                  {"combine_cols": 32}, {"combine_cols": 1}]
-ATTN_IDS = ["ring", "pipe-v2", "v1", "v2", "pipe-v1", "cols32", "cols1"]
+ATTN_IDS = ["ring", "pipe-v2", "v1", "pipe-1p", "v2", "pipe-v1", "v2-1p-cols1", "cols32", "cols1"]
 
 
 @pytest.mark.parametrize("cfg", [(32, 4, 128), (4, 2, 64), (16, 1, 128), (8, 8, 64)],
                          ids=["a3b", "tiny", "g16", "mha"])
 @pytest.mark.parametrize("L", [1, 15, 16, 17, 100, 1000, 5000])
-@pytest.mark.parametrize("var", ATTN_VARIANTS[:3], ids=ATTN_IDS[:3])
+@pytest.mark.parametrize("var", ATTN_VARIANTS[:4], ids=ATTN_IDS[:4])
 def test_attention(cp, D, cfg, L, var):
     n_head, n_kv, hd = cfg
     rng = np.random.default_rng(L * 7 + hd)
@@ -397,7 +402,7 @@ def test_attention_splits(cp, D, kw, var):
         assert normwise(got, ref64) <= 3e-3
 
 
-@pytest.mark.parametrize("var", ATTN_VARIANTS[:3], ids=ATTN_IDS[:3])
+@pytest.mark.parametrize("var", ATTN_VARIANTS[:4], ids=ATTN_IDS[:4])
 def test_attention_prefill_tokens(cp, D, var):
     rng = np.random.default_rng(4)
     got, ref64, ref32 = _attn_case(cp, D, rng, 32, 4, 128, 4096, 700, Tn=9, **var)
@@ -415,7 +420,7 @@ def test_attention_ring_is_the_register_paths_bits(cp, D, cfg):
     rng = np.random.default_rng(hd + n_head)
     max_ctx = 8192
     K = cp.asarray(rng.standard_normal((n_kv, max_ctx, hd)).astype(np.float16))
-    V = cp.asarray(rng.standard_normal((n_kv, hd, max_ctx)).astype(np.float16))
+    V = cp.asarray(D.v_blocked(rng.standard_normal((n_kv, hd, max_ctx)).astype(np.float16)))
     for L, Tn in ((1, 1), (16, 1), (47, 1), (64, 1), (200, 1), (1000, 3), (5000, 1), (8192, 1)):
         q = cp.asarray(rng.standard_normal((Tn, n_head, hd), dtype=F32) * F32(2))
         pos = cp.asarray(np.array([L - Tn], np.int32))
@@ -431,7 +436,7 @@ def test_attention_ring_is_the_register_paths_bits(cp, D, cfg):
             assert np.array_equal(o.view(np.uint32), outs[0].view(np.uint32)), (L, Tn)
 
 
-@pytest.mark.parametrize("var", ATTN_VARIANTS[:3], ids=ATTN_IDS[:3])
+@pytest.mark.parametrize("var", ATTN_VARIANTS[:4], ids=ATTN_IDS[:4])
 def test_attention_long(cp, D, var):
     rng = np.random.default_rng(5)
     got, ref64, _ = _attn_case(cp, D, rng, 32, 4, 128, 131072, 100003, q_scale=2.0, **var)

@@ -718,9 +718,14 @@ NORM_MV_PLANS(f32, QT_F32, 0)
 // 3. fused per-head q/k RMSNorm + NEOX RoPE + KV append, T tokens at positions pos[0] + t.
 // qkv: (T, ld) rows = [q (n_head*hd) | k (n_kv*hd) | v (n_kv*hd)]. One warp per (token, head); heads
 // [0, n_head) are q (-> q_out (T, n_head, hd) f32), [n_head, n_head+n_kv) k (-> K cache), then v (-> V cache).
-// K cache (one layer): (n_kv, max_ctx, hd) f16.  V cache: transposed, (n_kv, hd, max_ctx) f16.
-// cos/sin tables: (max_ctx, hd/2) f32. hd <= 256, even.
+// K cache (one layer): (n_kv, max_ctx, hd) f16.  V cache: transposed in blocks of 16 positions, (n_kv, max_ctx / 16,
+// hd, 16) f16 (v_at). cos/sin tables: (max_ctx, hd/2) f32. hd <= 256, even.
 // =============================================================================================================
+// V^T of a 16-position tile is one contiguous hd x 16 piece (4 KB at hd 128), like the tile's K rows: attention
+// reads whole lines, not hd pieces of 32 bytes max_ctx apart. max_ctx is a multiple of 16.
+__device__ __forceinline__ i64 v_at(int kvh, int hd, int max_ctx, int d, int p) {
+    return (((i64)kvh * (max_ctx >> 4) + (p >> 4)) * hd + d) * 16 + (p & 15);
+}
 __device__ __forceinline__ float head_sq_sum(const float* a, int n, int lane) {
     // numpy pairwise order for n <= 256: one leaf (n <= 128) or two leaves split at n2
     if (n <= 128) return __shfl_sync(0xffffffffu, leaf_sq_sum(a, n, lane & 7), 0);
@@ -787,7 +792,8 @@ extern "C" __global__ void __launch_bounds__(128) qk_norm_rope_kv(
     if (hh >= n_head + n_kv) {  // v: plain f16 copy into V^T
         if (pos >= max_ctx) return;
         const int kv = hh - n_head - n_kv;
-        for (int d = lane; d < hd; d += 32) vc[((i64)kv * hd + d) * max_ctx + pos] = f2h(x[d]);
+        u16* vo = vc + v_at(kv, hd, max_ctx, 0, pos);  // dim d at vo[16 d]
+        for (int d = lane; d < hd; d += 32) vo[16 * d] = f2h(x[d]);
         return;
     }
     const bool is_q = hh < n_head;
@@ -969,7 +975,7 @@ __device__ __forceinline__ void attn_split_body(const float* __restrict__ q, con
                 });
             } else if (w == 1) {
                 for (int d = lane; d < HD; d += 32)
-                    vw[((i64)kvh * HD + d) * max_ctx + pos] = f2h(kv_row[(i64)n_kv * HD + d]);
+                    vw[v_at(kvh, HD, max_ctx, d, pos)] = f2h(kv_row[(i64)n_kv * HD + d]);
             }
         }
         __syncthreads();  // q in shared memory; the K / V row written (for this block's own loads)
@@ -1010,7 +1016,7 @@ __device__ __forceinline__ void attn_split_body(const float* __restrict__ q, con
     float m0 = NEG_INF, m8 = NEG_INF, l0 = 0.f, l8 = 0.f;
 
     const u16* kbase = kc + (i64)kvh * max_ctx * HD;
-    const u16* vbase = vc + (i64)kvh * HD * max_ctx;
+    const u16* vbase = vc + v_at(kvh, HD, max_ctx, 0, 0);
 
     // ---- loads of one tile: K rows for the two S tiles, V^T 4 positions x NDT dims ----
     auto load_tile = [&](int it, uint4 (&k)[2][NJ], uint2 (&v)[NDT]) {
@@ -1024,7 +1030,7 @@ __device__ __forceinline__ void attn_split_body(const float* __restrict__ q, con
         }
 #pragma unroll
         for (int dt = 0; dt < NDT; ++dt) {
-            const u16* vp = vbase + (i64)(dt * 8 + g) * max_ctx + p0 + 4 * tq;
+            const u16* vp = vbase + ((i64)(p0 >> 4) * HD + dt * 8 + g) * 16 + 4 * tq;  // p0 % 16 == 0
             v[dt] = ld_stream_u2<!FUSE>(vp);
         }
     };
@@ -1109,9 +1115,9 @@ __device__ __forceinline__ void attn_split_body(const float* __restrict__ q, con
                 cp_async16(smem_addr(kst + r * HD + (c ^ attn_swz<HD>(r)) * 8), kbase + (i64)(p0 + r) * HD + c * 8);
             }
 #pragma unroll
-            for (int u = 0; u < HD / 16; ++u) {
-                const int ci = lane + 32 * u, d = ci >> 1, c = ci & 1;
-                cp_async16(smem_addr(vst + d * 16 + c * 8), vbase + (i64)d * max_ctx + p0 + c * 8);
+            for (int u = 0; u < HD / 16; ++u) {  // the tile's V^T: one contiguous piece, copied as it is
+                const int ci = lane + 32 * u;
+                cp_async16(smem_addr(vst + ci * 8), vbase + (i64)(p0 >> 4) * HD * 16 + ci * 8);
             }
         };
 #pragma unroll
@@ -1211,13 +1217,13 @@ __device__ __forceinline__ void attn_split_body(const float* __restrict__ q, con
                                                     scale_log2, part_o, part_ml, AttnQkv{});                      \
     }
 // the decode step's variant (T = 1) that also does qk_norm_rope_kv's work: q from the raw qkv row, K / V appended
-#define ATTN_QKV_INST(HD, G16, RING, NAME)                                                                        \
+#define ATTN_QKV_INST(HD, G16, PIPE, RING, NAME)                                                                  \
     extern "C" __global__ void __launch_bounds__(128) NAME(                                                       \
         const float* __restrict__ qkv, const float* __restrict__ qnw, const float* __restrict__ knw, float eps,  \
         const float* __restrict__ cos_t, const float* __restrict__ sin_t, u16* kc, u16* vc,                      \
         const int* __restrict__ pos_p, int n_head, int n_kv, int max_ctx, int nsplit, int chunk_min,             \
         float scale_log2, float* __restrict__ part_o, float* __restrict__ part_ml) {                             \
-        attn_split_body<HD, G16, true, true, RING>(nullptr, kc, vc, pos_p, n_head, n_kv, max_ctx, nsplit,        \
+        attn_split_body<HD, G16, PIPE, true, RING>(nullptr, kc, vc, pos_p, n_head, n_kv, max_ctx, nsplit,        \
                                                    chunk_min, scale_log2, part_o, part_ml,                        \
                                                    AttnQkv{qkv, qnw, knw, eps, cos_t, sin_t});                    \
     }
@@ -1230,8 +1236,9 @@ __device__ __forceinline__ void attn_split_body(const float* __restrict__ q, con
 ATTN_SHAPES(ATTN_INST, , false, false)
 ATTN_SHAPES(ATTN_INST, _pipe, true, false)
 ATTN_SHAPES(ATTN_INST, _ring, false, true)
-ATTN_SHAPES(ATTN_QKV_INST, _qkv, false)
-ATTN_SHAPES(ATTN_QKV_INST, _qkv_ring, true)
+ATTN_SHAPES(ATTN_QKV_INST, _qkv, true, false)
+ATTN_SHAPES(ATTN_QKV_INST, _qkv_plain, false, false)
+ATTN_SHAPES(ATTN_QKV_INST, _qkv_ring, false, true)
 
 // combine the splits: grid (n_head, T, hd / (4 * cols)), block = 128 threads; out (T, n_head, hd) f32. A block
 // takes `cols` float4 columns of one head (every block of the head weighs the splits the same way); thread = (split
@@ -1304,6 +1311,72 @@ extern "C" __global__ void __launch_bounds__(128) attn_combine(const float* __re
             const float4 u = accs[k * V4 + tid];
             r.x = f_add(r.x, u.x); r.y = f_add(r.y, u.y); r.z = f_add(r.z, u.z); r.w = f_add(r.w, u.w);
         }
+        *(float4*)(out + ((i64)t * n_head + h) * hd + 4 * (c0 + tid)) = make_float4(f_mul(r.x, inv), f_mul(r.y, inv),
+                                                                             f_mul(r.z, inv), f_mul(r.w, inv));
+    }
+}
+
+// combine the splits in one pass: the grid and threads of attn_combine, but each thread keeps a running maximum of
+// its splits and rescales its sums as it goes, so that the maxima, sums and partial outputs are loaded together: one
+// dependent round trip after the wait instead of attn_combine's three. Other rounding than attn_combine (the weights
+// are products of ex2 factors), the same in every mode.
+extern "C" __global__ void __launch_bounds__(128) attn_combine_1p(const float* __restrict__ part_o,
+                                                                  const float* __restrict__ part_ml,
+                                                                  const int* __restrict__ pos_p, int n_head,
+                                                                  int n_kv, int hd, int max_ctx, int nsplit,
+                                                                  int chunk_min, int cols, float* __restrict__ out) {
+    __shared__ float4 accs[128];
+    __shared__ float2 mls[128];
+    const int h = blockIdx.x, t = blockIdx.y, tid = threadIdx.x;
+    const int group = n_head / n_kv, kvh = h / group, hj = h % group;
+    int len = min(pos_then_wait(pos_p) + t + 1, max_ctx);
+    int chunk, nact;
+    attn_split_geom(len, nsplit, chunk_min, chunk, nact);
+    const i64 base = ((i64)t * n_kv + kvh) * nsplit * group + hj;  // + s * group
+    const int V4 = cols, SG = blockDim.x / V4, c0 = blockIdx.z * cols;
+    const int c = tid % V4, sg = tid / V4;
+    const float* po = part_o + base * hd + 4 * (c0 + c);
+    const float* pm = part_ml + base * 2;
+    const i64 step = (i64)group * hd, mstep = (i64)group * 2;
+    float M = NEG_INF, L = 0.f;
+    float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
+    auto add = [&](float2 ml, float4 v) {  // this split into the running (M, L, a)
+        const float Mn = fmaxf(M, ml.x);
+        const float r = f_ex2(f_sub(M, Mn)), f = f_ex2(f_sub(ml.x, Mn));
+        M = Mn;
+        L = f_fma(f, ml.y, f_mul(r, L));
+        a.x = f_fma(f, v.x, f_mul(r, a.x)); a.y = f_fma(f, v.y, f_mul(r, a.y));
+        a.z = f_fma(f, v.z, f_mul(r, a.z)); a.w = f_fma(f, v.w, f_mul(r, a.w));
+    };
+    int s = sg;
+    for (; s + 3 * SG < nact; s += 4 * SG) {  // 4 splits' loads in flight
+        float2 ml[4];
+        float4 v[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            ml[u] = *(const float2*)(pm + (s + u * SG) * mstep);
+            v[u] = *(const float4*)(po + (s + u * SG) * step);
+        }
+#pragma unroll
+        for (int u = 0; u < 4; ++u) add(ml[u], v[u]);
+    }
+    for (; s < nact; s += SG) add(*(const float2*)(pm + s * mstep), *(const float4*)(po + s * step));
+    accs[tid] = a;
+    mls[tid] = make_float2(M, L);
+    __syncthreads();
+    if (tid < V4) {  // the split groups in order
+        float Mx = mls[tid].x;
+        for (int k = 1; k < SG; ++k) Mx = fmaxf(Mx, mls[k * V4 + tid].x);
+        float4 r = make_float4(0.f, 0.f, 0.f, 0.f);
+        float Ls = 0.f;
+        for (int k = 0; k < SG; ++k) {
+            const float2 ml = mls[k * V4 + tid];
+            const float4 u = accs[k * V4 + tid];
+            const float f = f_ex2(f_sub(ml.x, Mx));  // a group without splits: M = -inf, f = 0 (its sums are 0)
+            Ls = f_fma(f, ml.y, Ls);
+            r.x = f_fma(f, u.x, r.x); r.y = f_fma(f, u.y, r.y); r.z = f_fma(f, u.z, r.z); r.w = f_fma(f, u.w, r.w);
+        }
+        const float inv = f_div(1.f, Ls);
         *(float4*)(out + ((i64)t * n_head + h) * hd + 4 * (c0 + tid)) = make_float4(f_mul(r.x, inv), f_mul(r.y, inv),
                                                                              f_mul(r.z, inv), f_mul(r.w, inv));
     }
@@ -1744,8 +1817,8 @@ __device__ __forceinline__ void ldsm_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32
 
 // keys k0 .. k0 + 63 of one kv head into a stage: K rows (key-major) and V^T rows (dim-major); keys >= S as 0
 template <int HD>
-__device__ __forceinline__ void fa_load(u16* st, const u16* __restrict__ kh, const u16* __restrict__ vh, int max_ctx,
-                                        int k0, int S, int tid) {
+__device__ __forceinline__ void fa_load(u16* st, const u16* __restrict__ kh, const u16* __restrict__ vh, int k0, int S,
+                                        int tid) {
     using F = FaShape<HD, false>;  // the tile strides of both shapes
     u16* ks = st;
     u16* vs = st + FA_BN * F::KST;
@@ -1755,10 +1828,10 @@ __device__ __forceinline__ void fa_load(u16* st, const u16* __restrict__ kh, con
         if (k0 + key < S) cp_async16(smem_addr(dst), kh + (i64)(k0 + key) * HD + c * 8);
         else *(uint4*)dst = make_uint4(0u, 0u, 0u, 0u);
     }
-    for (int i = tid; i < HD * (FA_BN / 8); i += FA_THREADS) {
-        const int d = i / (FA_BN / 8), c = i % (FA_BN / 8), key = k0 + c * 8;
-        u16* dst = vs + d * F::VST + c * 8;
-        const u16* src = vh + (i64)d * max_ctx + key;
+    for (int i = tid; i < HD * (FA_BN / 8); i += FA_THREADS) {  // V^T: the key tiles' 16-position pieces in order
+        const int kt = i / (2 * HD), d = (i >> 1) % HD, key = k0 + 16 * kt + 8 * (i & 1);
+        u16* dst = vs + d * F::VST + (key - k0);
+        const u16* src = vh + ((i64)(key >> 4) * HD + d) * 16 + (key & 15);
         if (key + 8 <= S) {
             cp_async16(smem_addr(dst), src);
         } else {
@@ -1780,7 +1853,7 @@ __device__ __forceinline__ void attn_flash_body(const u16* __restrict__ qp, cons
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, q4 = lane & 3;
     const int S = pos0 + R / group;  // the prefix and the chunk
     const u16* kh = kc + (i64)h * max_ctx * HD;
-    const u16* vh = vc + (i64)h * HD * max_ctx;
+    const u16* vh = vc + v_at(h, HD, max_ctx, 0, 0);
     const int ra = r0 + w * 16 + g, rb = ra + 8;  // this thread's two rows
     const int la_key = pos0 + min(ra, R - 1) / group, lb_key = pos0 + min(rb, R - 1) / group;  // last key each sees
 
@@ -1817,14 +1890,14 @@ __device__ __forceinline__ void attn_flash_body(const u16* __restrict__ qp, cons
     const int warp_first = pos0 + min(r0 + w * 16, R - 1) / group;         // every row of the warp sees keys <= it
 #pragma unroll
     for (int t = 0; t < F::STAGES - 1; ++t) {  // the first tiles in flight (a commit group each, empty or not)
-        if (t < nkb) fa_load<HD>(stages + t * F::STAGE, kh, vh, max_ctx, t * FA_BN, S, tid);
+        if (t < nkb) fa_load<HD>(stages + t * F::STAGE, kh, vh, t * FA_BN, S, tid);
         cp_commit();
     }
     for (int kb = 0; kb < nkb; ++kb) {
         cp_wait<F::STAGES - 2>();  // this thread's copies of tile kb (and of Q) have landed
         __syncthreads();           // everyone's have; and everyone is done with tile kb - 1, whose stage refills now
         const int nx = kb + F::STAGES - 1;
-        if (nx < nkb) fa_load<HD>(stages + (nx % F::STAGES) * F::STAGE, kh, vh, max_ctx, nx * FA_BN, S, tid);
+        if (nx < nkb) fa_load<HD>(stages + (nx % F::STAGES) * F::STAGE, kh, vh, nx * FA_BN, S, tid);
         cp_commit();
         const int k0 = kb * FA_BN;
         if (k0 <= warp_last) {  // else every key of the tile is after this warp's rows

@@ -11,7 +11,8 @@ Buffer layouts (the lane engine is written against these):
   qkv       float32 (T, n_head*hd + 2*n_kv*hd), rows [q | k | v] (the fused mat-vec's output)
   q_out     float32 (T, n_head, hd): q after q_norm + RoPE
   K cache   float16 (n_kv, max_ctx, hd) per layer          (alloc_kv_cache; zero-filled once)
-  V cache   float16 (n_kv, hd, max_ctx) per layer (transposed: attention reads it as mma B fragments)
+  V cache   float16 (n_kv, max_ctx / 16, hd, 16) per layer: V^T (attention reads it as mma B fragments) in blocks of
+            16 positions, so that a tile's V^T is one contiguous piece (v_cache_shape, v_blocked, v_unblocked)
   pos       int32 (1,) on the device: position of the step's first token; token t of a step is at pos + t and
             attends to positions [0, pos + t]. advance_pos(pos, T) adds T (capture it at the end of a step).
   attn out  float32 (T, n_head * hd), ready for the o-projection mat-vec
@@ -63,7 +64,7 @@ DEFAULT_BATCHED_METHOD = "f16"   # dense_batched: cuBLAS fp16 tensor cores on a 
 Q8_VARIANT = "q8_0"              # Q8_0 mat-vec: "q8_0" (4 lanes per block) or "q8_0v1" (a lane per block)
 # decode attention's split kernel, how its warps load K / V tiles: plainly (the default), prefetching the next
 # 16-position tile into registers (ATTN_PIPELINED) or through a per-warp cp.async ring of shared memory (ATTN_RING,
-# ATTN_RING_STAGES - 1 tiles in flight, 165 registers instead of 247; needs max_ctx % 8 == 0). H200, a3b, one
+# ATTN_RING_STAGES - 1 tiles in flight, 165 registers instead of 247). H200, a3b, one
 # layer (µs, 1K / 8K / 32K / 128K context): plain 7.65 / 11.5 / 25.6 / 80.6, register prefetch 8.35 / 14.4 / 28.1 /
 # 85.6, ring 8.81 / 14.9 / 29.4 / 84.9 (docs/bench/2026-12-03-h200-dense-attn-ring.json): once full tiles skipped
 # the mask and the unmoved rescale, the plain loop's two blocks an SM hide the loads best. (The decode step's fused
@@ -75,7 +76,12 @@ if ATTN_LOAD not in ("plain", "pipe", "ring"):
 ATTN_PIPELINED = ATTN_LOAD == "pipe"
 ATTN_RING = ATTN_LOAD == "ring"
 ATTN_RING_STAGES = {False: 3, True: 2}  # by group > 8 (dense.cu AttnRing): two blocks an SM either way
-ATTN_COMBINE = "attn_combine"    # or "attn_combine_v1" (thread per dim)
+# the split combine: "attn_combine" (three passes: maxima, weights, outputs), "attn_combine_1p" (one pass with a
+# running maximum, other rounding) or "attn_combine_v1" (thread per dim); STRATAD_ATTN_COMBINE for an A/B run
+ATTN_COMBINES = ("attn_combine", "attn_combine_1p", "attn_combine_v1")
+ATTN_COMBINE = os.environ.get("STRATAD_ATTN_COMBINE", "attn_combine")
+if ATTN_COMBINE not in ATTN_COMBINES:
+    raise ValueError(f"STRATAD_ATTN_COMBINE={ATTN_COMBINE!r}: one of {', '.join(ATTN_COMBINES)}")
 # prompt attention: the Q tile in shared memory and two blocks an SM (False: Q in registers, one block an SM). H200,
 # a3b, one layer's 1024-token chunk: 2467 -> 2223 us after 31K cached tokens, 760 -> 700 after 8K, 156 -> 158 first
 FLASH_Q_SMEM = True
@@ -84,6 +90,12 @@ ATTN_COMBINE_COLS = 8            # attn_combine: float4 columns a block (hd / 32
 # the edge cost 0.83 ms a step at 32K (5.27 -> 4.44 ms; a fixed shared-memory carveout did not help) and saved
 # 0.07 ms at 1K (3.44 -> 3.37); linear in the context between, the two cross near 3.4K.
 ATTN_PDL_MAX_CTX = 4096
+# The decode step's split kernel (attn_split_*_qkv*) by context, below ATTN_PDL_MAX_CTX and from it: the register
+# prefetch where the PDL edge lets its loads start early, the plain loop (168 registers instead of 246: three blocks
+# an SM) where the context is long. H200, a3b, all resident, tok/s: plain 360.3 / 278.6 at 1K / 32K, prefetch 363.4
+# / 274.7 (docs/perf-notes.md, session 13). The split count follows the kernel, so the bits depend on the position
+# only, never on the mode.
+STEP_PIPELINED = {False: True, True: False}
 
 _lock = threading.Lock()
 _mods: dict[int, "_Module"] = {}
@@ -512,19 +524,43 @@ class RopeTable:
         self.cos, self.sin = cupy.asarray(c), cupy.asarray(s)
 
 
+V_BLOCK = 16  # positions of a V cache block (dense.cu v_at)
+
+
+def v_cache_shape(n_kv: int, head_dim: int, max_ctx: int) -> tuple:
+    """The V cache's shape: (n_kv, max_ctx / 16, hd, 16), V^T in blocks of 16 positions."""
+    if max_ctx % V_BLOCK:
+        raise ValueError(f"max_ctx must be a multiple of {V_BLOCK} (the V cache's blocks)")
+    return (n_kv, max_ctx // V_BLOCK, head_dim, V_BLOCK)
+
+
+def v_blocked(vt):
+    """V^T (n_kv, hd, max_ctx) -> the V cache's layout, numpy or cupy (a copy)."""
+    n_kv, hd, max_ctx = vt.shape
+    _, nb, _, blk = v_cache_shape(n_kv, hd, max_ctx)
+    return vt.reshape(n_kv, hd, nb, blk).transpose(0, 2, 1, 3).copy()
+
+
+def v_unblocked(vc):
+    """The V cache's layout -> V^T (n_kv, hd, max_ctx), numpy or cupy (a copy)."""
+    n_kv, nb, hd, _ = vc.shape
+    return vc.transpose(0, 2, 1, 3).reshape(n_kv, hd, nb * V_BLOCK)
+
+
 def alloc_kv_cache(n_kv: int, max_ctx: int, head_dim: int):
-    """One layer's (K, V) caches, zero-filled: K float16 (n_kv, max_ctx, hd), V float16 (n_kv, hd, max_ctx)."""
+    """One layer's (K, V) caches, zero-filled: K float16 (n_kv, max_ctx, hd), V float16 v_cache_shape."""
     import cupy
 
     if max_ctx % 64:
         raise ValueError("max_ctx must be a multiple of 64")
-    return (cupy.zeros((n_kv, max_ctx, head_dim), cupy.float16), cupy.zeros((n_kv, head_dim, max_ctx), cupy.float16))
+    return (cupy.zeros((n_kv, max_ctx, head_dim), cupy.float16),
+            cupy.zeros(v_cache_shape(n_kv, head_dim, max_ctx), cupy.float16))
 
 
 def qk_norm_rope_kv(qkv, q_norm_w, k_norm_w, eps: float, rope: RopeTable, pos, q_out, k_cache, v_cache, *,
                     n_head: int, n_kv: int, stream=None) -> None:
     """qkv float32 (T, (n_head + 2 n_kv) hd) -> q_out (T, n_head, hd) = rope(rms_norm(q)); K cache[:, pos+t] =
-    f16(rope(rms_norm(k))); V cache[:, :, pos+t] = f16(v). pos: device int32 (1,)."""
+    f16(rope(rms_norm(k))); V^T[:, :, pos+t] = f16(v) (v_unblocked's view). pos: device int32 (1,)."""
     m = kernels()
     hd = rope.head_dim
     if qkv.ndim != 2 or qkv.shape[1] != (n_head + 2 * n_kv) * hd:
@@ -537,7 +573,7 @@ def qk_norm_rope_kv(qkv, q_norm_w, k_norm_w, eps: float, rope: RopeTable, pos, q
     _need(q_out, np.float32, (Tn, n_head, hd), "q_out")
     max_ctx = int(k_cache.shape[1])
     _need(k_cache, np.float16, (n_kv, max_ctx, hd), "k_cache")
-    _need(v_cache, np.float16, (n_kv, hd, max_ctx), "v_cache")
+    _need(v_cache, np.float16, v_cache_shape(n_kv, hd, max_ctx), "v_cache")
     if hd % 2 or hd > 256 or max_ctx > rope.max_ctx:
         raise ValueError("head_dim must be even and <= 256, and the rope table must cover max_ctx")
     heads = n_head + 2 * n_kv
@@ -595,14 +631,18 @@ class DecodeAttention:
         self.group = n_head // n_kv
         self.max_T, self.chunk_min = int(max_T), int(chunk_min)
         pipelined = ATTN_PIPELINED if pipelined is None else pipelined
-        self.ring = (ATTN_RING if ring is None else ring) and max_ctx % 8 == 0
+        v_cache_shape(n_kv, head_dim, max_ctx)  # max_ctx in whole V blocks
+        self.ring = ATTN_RING if ring is None else ring
         g16 = self.group > 8
         base = f"attn_split_hd{head_dim}_g{16 if g16 else 8}"
         self.name = base + ("_ring" if self.ring else "_pipe" if pipelined else "")
-        self.qkv_name = base + "_qkv" + ("_ring" if self.ring else "")  # decode steps: with qk_norm_rope_kv's work
+        # decode steps: the split kernel with qk_norm_rope_kv's work, the same load path
+        self.qkv_name = base + "_qkv" + ("_ring" if self.ring else "" if pipelined else "_plain")
         # the ring: STAGES tiles of K and V^T (16 positions) for each of the 4 warps
         self.smem = 4 * ATTN_RING_STAGES[g16] * 16 * head_dim * 2 * 2 if self.ring else 0
         self.combine = combine or ATTN_COMBINE
+        if self.combine not in ATTN_COMBINES:
+            raise ValueError(f"combine must be one of {', '.join(ATTN_COMBINES)}")
         self.cols = min(head_dim // 4, combine_cols or ATTN_COMBINE_COLS)
         if 128 % self.cols or (head_dim // 4) % self.cols:
             raise ValueError(f"combine_cols must divide 128 and head_dim / 4 (got {self.cols})")
@@ -648,7 +688,7 @@ class DecodeAttention:
         if not 1 <= T_ <= self.max_T:
             raise ValueError(f"T must be in [1, {self.max_T}]")
         _need(k_cache, np.float16, (self.n_kv, self.max_ctx, self.hd), "k_cache", align=16)
-        _need(v_cache, np.float16, (self.n_kv, self.hd, self.max_ctx), "v_cache", align=16)
+        _need(v_cache, np.float16, v_cache_shape(self.n_kv, self.hd, self.max_ctx), "v_cache", align=16)
         _need(pos, np.int32, (1,), "pos")
         _need(out, np.float32, (T_, self.n_head * self.hd), "out")
         ns = self.nsplit(T_)
@@ -659,9 +699,9 @@ class DecodeAttention:
                    (self.scale_log2, self.part_o, self.part_ml), shared_mem=self.smem, pdl=pdl)
             cargs = (self.part_o, self.part_ml, pos, np.int32(self.n_head), np.int32(self.n_kv), np.int32(self.hd),
                       np.int32(self.max_ctx), np.int32(ns), np.int32(self.chunk_min))
-            if self.combine == "attn_combine":  # blocks of self.cols float4 columns
+            if self.combine != "attn_combine_v1":  # blocks of self.cols float4 columns
                 launch(m.fn(self.combine), (self.n_head, T_, self.hd // 4 // self.cols), (128,),
-                       cargs + (np.int32(self.cols), out), shared_mem=4 * ns)
+                       cargs + (np.int32(self.cols), out), shared_mem=4 * ns if self.combine == "attn_combine" else 0)
             else:
                 launch(m.fn(self.combine), (self.n_head, T_), (128,), cargs + (out,), shared_mem=4 * ns)
 
@@ -701,7 +741,7 @@ class PrefillAttention:
             raise ValueError(f"positions {pos0}..{int(pos0) + Tn - 1} outside the cache of {self.max_ctx}")
         _need(q, np.float32, (Tn, self.n_head, hd), "q")
         _need(k_cache, np.float16, (self.n_kv, self.max_ctx, hd), "k_cache")
-        _need(v_cache, np.float16, (self.n_kv, hd, self.max_ctx), "v_cache")
+        _need(v_cache, np.float16, v_cache_shape(self.n_kv, hd, self.max_ctx), "v_cache")
         _need(out, np.float32, (Tn, self.n_head * hd), "out")
         m = self.m
         cp = m.cp
