@@ -76,10 +76,11 @@ if ATTN_LOAD not in ("plain", "pipe", "ring"):
 ATTN_PIPELINED = ATTN_LOAD == "pipe"
 ATTN_RING = ATTN_LOAD == "ring"
 ATTN_RING_STAGES = {False: 3, True: 2}  # by group > 8 (dense.cu AttnRing): two blocks an SM either way
-# the split combine: "attn_combine" (three passes: maxima, weights, outputs), "attn_combine_1p" (one pass with a
-# running maximum, other rounding) or "attn_combine_v1" (thread per dim); STRATAD_ATTN_COMBINE for an A/B run
-ATTN_COMBINES = ("attn_combine", "attn_combine_1p", "attn_combine_v1")
-ATTN_COMBINE = os.environ.get("STRATAD_ATTN_COMBINE", "attn_combine")
+# the split combine: "attn_combine_1p" (one pass with a running maximum), "attn_combine" (three passes: maxima,
+# weights, outputs) or "attn_combine_v1" (thread per dim); STRATAD_ATTN_COMBINE for an A/B run. H200, a3b, all
+# resident, tok/s at 1K / 32K: one pass 382.3 / 290.2, three 378.4 / 287.9 (docs/perf-notes.md, session 14)
+ATTN_COMBINES = ("attn_combine_1p", "attn_combine", "attn_combine_v1")
+ATTN_COMBINE = os.environ.get("STRATAD_ATTN_COMBINE", "attn_combine_1p")
 if ATTN_COMBINE not in ATTN_COMBINES:
     raise ValueError(f"STRATAD_ATTN_COMBINE={ATTN_COMBINE!r}: one of {', '.join(ATTN_COMBINES)}")
 # prompt attention: the Q tile in shared memory and two blocks an SM (False: Q in registers, one block an SM). H200,
