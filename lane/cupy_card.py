@@ -68,7 +68,7 @@ class Work:
         """slots: host copies of the routed ids (a step launched ahead writes the other one)."""
         self.T = T
         self.pos0 = 0  # where a prompt chunk starts (host side; decode steps read the device's pos)
-        self.long_ctx = False  # a decode step at ATTN_PDL_MAX_CTX or more (its attention: no PDL, STEP_PIPELINED)
+        self.long_ctx = False  # a decode step at ATTN_PDL_MAX_CTX or more (its attention: no PDL, STEP_LOAD)
         self.tokens = cp.zeros((T,), cp.int32)
         self.x, self.h = cp.empty((T, c.d_model), cp.float32), cp.empty((T, c.d_model), cp.float32)
         self.qkv = cp.empty((T, c.q_dim + 2 * c.kv_dim), cp.float32)
@@ -153,7 +153,8 @@ class CupyCard:
         self.rope = D.RopeTable(self.max_ctx, c.head_dim, c.rope_base)
         # decode steps' attention, by long context (Work.long_ctx): each with its own load path and splits
         self.attn = {long: D.DecodeAttention(c.n_head, c.n_head_kv, c.head_dim, self.max_ctx,
-                                             pipelined=D.STEP_PIPELINED[long]) for long in (False, True)}
+                                             ring=D.STEP_LOAD[long] == "ring", pipelined=D.STEP_LOAD[long] == "pipe")
+                     for long in (False, True)}
         self.prefill_attn = D.PrefillAttention(c.n_head, c.n_head_kv, c.head_dim, self.max_ctx)
         self.pos = cp.zeros((1,), cp.int32)
         # the slot pool is its own cudaMalloc (not a memory-pool sub-allocation), so that its CUDA IPC handle

@@ -205,7 +205,7 @@ class Lane:
         self.req_id, self.tok_s = a.req_id, 0.0
         s = a.sampling
         params = SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-                                seed=s.seed, stop=tuple(s.stop))
+                                seed=s.seed, stop=tuple(s.stop), ignore_eos=s.ignore_eos)
         before = self.card.counters.copy()
         finish = None
         gen = steps = None

@@ -51,6 +51,7 @@ class Sampling(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     seed: int = 0
     stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
 
 
 # ---- client <-> coordinator ---------------------------------------------------------------------------------

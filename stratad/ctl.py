@@ -63,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--stop", action="append", default=[])
+    g.add_argument("--ignore-eos", action="store_true", help="generate --max-tokens whatever the stop tokens say")
     a = p.parse_args(argv)
     try:
         with Client(runtime_dir=a.runtime_dir, timeout_s=a.timeout) as c:
@@ -71,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(st.model_dump_json(indent=2) if a.json else status_table(st))
                 return 0
             stream = c.generate(messages=[{"role": "user", "content": a.text}], max_tokens=a.max_tokens,
-                                temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.seed, stop=a.stop)
+                                temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.seed, stop=a.stop,
+                                ignore_eos=a.ignore_eos)
             for chunk in stream:
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()

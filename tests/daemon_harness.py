@@ -61,10 +61,11 @@ class RoleWatch:
 
 def split_then_rejoin(d: Daemon, first: dict, second: dict, timeout_s: float = 60.0):
     """A long request A; B splits a peer off while A streams and then idles; A goes on until B's lane has
-    rejoined it as a peer (or timeout_s), then is cancelled. first / second: generate() arguments.
+    rejoined it as a peer (or timeout_s), then is cancelled. first / second: generate() arguments. A ignores the
+    stop tokens (a greedy stream that stopped early would end before the rejoin: compare it with ignore_eos too).
     Returns (A's stream, B's stream, the roles seen)."""
     with RoleWatch(d) as w, d.client(stream_timeout_s=600) as c:
-        a = c.generate(max_tokens=3000, digest=True, **first)
+        a = c.generate(max_tokens=3000, digest=True, ignore_eos=True, **first)
         it = iter(a)
         next(it)
         b = c.generate(max_tokens=5, digest=True, **second)

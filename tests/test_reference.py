@@ -244,6 +244,15 @@ def test_generate_stops_at_stop_token(tiny_model):
     assert list(ForcedStop(tiny_model, at=1).generate(prompt, SamplingParams(max_tokens=8))) == []
 
 
+def test_generate_ignore_eos_runs_to_max_tokens(tiny_model):
+    prompt = tiny_model.tokenizer.encode("Stop when told to.")
+    free = list(ReferenceEngine(tiny_model, "float").generate(prompt, SamplingParams(max_tokens=8)))
+    eng = ForcedStop(tiny_model, at=4)
+    got = list(eng.generate(prompt, SamplingParams(max_tokens=8, ignore_eos=True)))
+    assert len(got) == 8 and eng.calls == 8  # the stop token is generated like any other, and the run goes on
+    assert got[:3] == free[:3] and got[3] == tiny_model.tokenizer.eos_id
+
+
 def test_generate_stops_at_max_tokens(engines):
     eng = engines["canonical"]
     for n in (1, 5):

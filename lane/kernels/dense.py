@@ -91,12 +91,12 @@ ATTN_COMBINE_COLS = 8            # attn_combine: float4 columns a block (hd / 32
 # the edge cost 0.83 ms a step at 32K (5.27 -> 4.44 ms; a fixed shared-memory carveout did not help) and saved
 # 0.07 ms at 1K (3.44 -> 3.37); linear in the context between, the two cross near 3.4K.
 ATTN_PDL_MAX_CTX = 4096
-# The decode step's split kernel (attn_split_*_qkv*) by context, below ATTN_PDL_MAX_CTX and from it: the register
-# prefetch where the PDL edge lets its loads start early, the plain loop (168 registers instead of 246: three blocks
-# an SM) where the context is long. H200, a3b, all resident, tok/s: plain 360.3 / 278.6 at 1K / 32K, prefetch 363.4
-# / 274.7 (docs/perf-notes.md, session 13). The split count follows the kernel, so the bits depend on the position
-# only, never on the mode.
-STEP_PIPELINED = {False: True, True: False}
+# The decode step's split kernel (attn_split_*_qkv*) by context, below ATTN_PDL_MAX_CTX and from it: its load path
+# ("pipe": the register prefetch, "plain", "ring"). The prefetch where the PDL edge lets its loads start early, the
+# plain loop (168 registers instead of 246: three blocks an SM) where the context is long. H200, a3b, all resident,
+# tok/s: plain 360.3 / 278.6 at 1K / 32K, prefetch 363.4 / 274.7 (docs/perf-notes.md, session 13). The split count
+# follows the kernel, so the bits depend on the position only, never on the mode.
+STEP_LOAD = {False: "pipe", True: "plain"}
 
 _lock = threading.Lock()
 _mods: dict[int, "_Module"] = {}

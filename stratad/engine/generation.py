@@ -47,7 +47,7 @@ class Generation:
 
     def __iter__(self) -> Iterator[tuple[int | None, str]]:
         self.t_start = time.monotonic()
-        sample, stops = Sampler(self.p), self.tok.stop_ids
+        sample, stops = Sampler(self.p), () if self.p.ignore_eos else self.tok.stop_ids
         decoder = self.tok.stream_decoder(skip_special=True)
         hold = max((len(s) for s in self.p.stop), default=1) - 1
         pending = ""

@@ -14,6 +14,7 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int = 0
     stop: tuple[str, ...] = ()  # stop strings, in addition to the model's stop tokens
+    ignore_eos: bool = False  # the model's stop tokens do not end the generation (fixed-length runs, benchmarks)
 
     def problems(self) -> list[str]:
         out = []
