@@ -78,7 +78,7 @@ def run(model_path: str, fractions=(1.0, 0.5, 0.25), contexts=(1024,), tokens: i
             card.forward(prompt[300:301], card.new_kv(), logits="last")
             cp.cuda.runtime.deviceSynchronize()
             cache = PrefixCache()  # kept for the next turn below
-            g = Generation(card, model.tokenizer, prompt, SamplingParams(max_tokens=tokens),
+            g = Generation(card, model.tokenizer, prompt, SamplingParams(max_tokens=tokens, ignore_eos=True),
                            ctx + tokens + NEXT_TURN + 64, cache=cache)
             steps = iter(g)
             next(steps)  # the prompt: the counters from here on are decode's

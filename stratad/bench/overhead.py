@@ -49,7 +49,8 @@ def _card(model: ModelFile) -> NumpyCard:
 
 
 def _in_process(card: NumpyCard, prompt: list[int], n: int) -> tuple[float, float]:
-    g = Generation(card, card.model.tokenizer, prompt, SamplingParams(max_tokens=n), card.model.config.context_length)
+    g = Generation(card, card.model.tokenizer, prompt, SamplingParams(max_tokens=n, ignore_eos=True),
+                   card.model.config.context_length)
     t0 = time.monotonic()
     first = last = None
     k = 0
@@ -66,7 +67,7 @@ def _through_daemon(client: Client, n: int) -> tuple[float, float, float, float]
     """(time to first chunk, chunks/s at the client, tokens/s the lane measured inside its own loop, share of the
     lane's decode time spent on the daemon's messaging)."""
     t0 = time.monotonic()
-    s = client.generate(prompt=PROMPT, max_tokens=n)
+    s = client.generate(prompt=PROMPT, max_tokens=n, ignore_eos=True)
     first = last = None
     k = 0
     for ch in s:

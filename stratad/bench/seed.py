@@ -35,7 +35,7 @@ def _chats(d: LocalDaemon, prompts: list[list[int]], topics: list[int], tokens: 
     def go(i, topic):
         with d.client(stream_timeout_s=1800) as c:
             t0 = time.monotonic()
-            s = c.generate(tokens=prompts[i], max_tokens=tokens, temperature=0.7, seed=i)
+            s = c.generate(tokens=prompts[i], max_tokens=tokens, temperature=0.7, seed=i, ignore_eos=True)
             s.result()
             st = s.stats
             replies[i] = list(s.tokens)
