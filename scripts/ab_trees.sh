@@ -2,8 +2,10 @@
 # The trees device_run.sh ab compares: _ab1, _ab2, ... from `git archive` of each revision given, in order (the first
 # is the base bench_table.py --ab measures against). Run in the checkout the device copies (it sends no .git, but
 # does send untracked files that git does not ignore; ~3 MB a tree). `scripts/ab_trees.sh clean` removes them; do so
-# before committing.
+# before committing. REV+PATCH: the revision with a patch file applied (an experiment kept as a patch in docs/experiments/:
+# branches do not outlive a session here).
 #   scripts/ab_trees.sh main c1-exit c2-pf-gateup
+#   scripts/ab_trees.sh HEAD+docs/experiments/attn-last-combine.patch
 set -eu
 cd "$(git rev-parse --show-toplevel)"
 rm -rf _ab[0-9]*
@@ -12,6 +14,7 @@ i=0
 for rev in "$@"; do
     i=$((i + 1))
     mkdir "_ab$i"
-    git archive "$rev" | tar -x -C "_ab$i"
-    echo "_ab$i: $rev ($(git rev-parse --short "$rev"))"
+    git archive "${rev%%+*}" | tar -x -C "_ab$i"
+    [[ $rev == *+* ]] && git apply --directory="_ab$i" "${rev#*+}"
+    echo "_ab$i: $rev ($(git rev-parse --short "${rev%%+*}"))"
 done
