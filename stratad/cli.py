@@ -28,7 +28,7 @@ def _generate(a) -> int:
     text = tok.apply_chat_template([{"role": "user", "content": a.prompt}]) if not a.raw else a.prompt
     prompt = tok.encode(text)
     params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
-                            seed=a.seed)
+                            seed=a.seed, ignore_eos=a.ignore_eos)
     if probs := params.problems():
         print("error: " + "; ".join(probs), file=sys.stderr)
         return 2
@@ -127,6 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--ignore-eos", action="store_true", help="generate --max-tokens whatever the stop tokens say")
     g.add_argument("--experts", choices=["canonical", "float"], default="canonical")
     g.set_defaults(fn=_generate)
 

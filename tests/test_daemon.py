@@ -212,6 +212,9 @@ def test_stratactl(daemon):
     out = subprocess.run(base + ["generate", "hi", "--max-tokens", "5"], capture_output=True, text=True, env=env,
                          timeout=30)
     assert out.returncode == 0 and "tok/s" in out.stderr and "GiB read" in out.stderr
+    out = subprocess.run(base + ["generate", "hi", "--max-tokens", "7", "--ignore-eos"], capture_output=True,
+                         text=True, env=env, timeout=30)
+    assert out.returncode == 0 and "[7 tokens (length)" in out.stderr, out.stderr
 
 
 def test_lane_killed_mid_generation(daemon):
