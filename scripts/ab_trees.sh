@@ -5,7 +5,7 @@
 # before committing. REV+PATCH: the revision with a patch file applied (an experiment kept as a patch in docs/experiments/:
 # branches do not outlive a session here).
 #   scripts/ab_trees.sh main c1-exit c2-pf-gateup
-#   scripts/ab_trees.sh HEAD+docs/experiments/attn-last-combine.patch
+#   scripts/ab_trees.sh HEAD+docs/experiments/NAME.patch
 set -eu
 cd "$(git rev-parse --show-toplevel)"
 rm -rf _ab[0-9]*
