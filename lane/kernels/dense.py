@@ -93,7 +93,8 @@ ATTN_COMBINE_COLS = 8            # attn_combine: float4 columns a block (hd / 32
 ATTN_PDL_MAX_CTX = 4096
 # The decode step's split kernel (attn_split_*_qkv*) by context, below ATTN_PDL_MAX_CTX and from it: its load path
 # ("pipe": the register prefetch, "plain", "ring"). The prefetch where the PDL edge lets its loads start early, the
-# plain loop (168 registers instead of 246: three blocks an SM) where the context is long. H200, a3b, all resident,
+# plain loop (168 registers instead of 246 then, 137 / 212 with O^T = V^T P^T: three blocks an SM against two)
+# where the context is long. H200, a3b, all resident,
 # tok/s: plain 360.3 / 278.6 at 1K / 32K, prefetch 363.4 / 274.7 (docs/perf-notes.md, session 13). The split count
 # follows the kernel, so the bits depend on the position only, never on the mode.
 STEP_LOAD = {False: "pipe", True: "plain"}
