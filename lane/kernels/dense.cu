@@ -376,7 +376,11 @@ __device__ __forceinline__ void stage_row(const float* __restrict__ x, int n, fl
     MV_INST(matvec_##QN##_r1_k1, QT, 1, 1, QV)                                                                    \
     MV_INST(matvec_##QN##_r1_k2, QT, 1, 2, QV)                                                                    \
     MV_INST(matvec_##QN##_r1_k4, QT, 1, 4, QV)                                                                    \
-    MV_INST(matvec_##QN##_r1_k8, QT, 1, 8, QV)
+    MV_INST(matvec_##QN##_r1_k8, QT, 1, 8, QV)                                                                    \
+    MV_INST(matvec_##QN##_r4_k2, QT, 4, 2, QV)                                                                    \
+    MV_INST(matvec_##QN##_r4_k4, QT, 4, 4, QV)                                                                    \
+    MV_INST(matvec_##QN##_r2_k2, QT, 2, 2, QV)                                                                    \
+    MV_INST(matvec_##QN##_r2_k4, QT, 2, 4, QV)
 MV_PLANS(q8_0, QT_Q8_0, 2)    // Q8_0, 4 lanes per block (coalesced activation reads)
 MV_PLANS(q8_0v1, QT_Q8_0, 1)  // Q8_0, one lane per block (the first version)
 MV_PLANS(f16, QT_F16, 0)
@@ -708,7 +712,9 @@ __device__ __forceinline__ void norm_stage(const float* __restrict__ x, const fl
     NORM_MV_INST(norm_matvec_##QN##_r1_k1, QT, 1, 1, QV)                                                          \
     NORM_MV_INST(norm_matvec_##QN##_r1_k2, QT, 1, 2, QV)                                                          \
     NORM_MV_INST(norm_matvec_##QN##_r1_k4, QT, 1, 4, QV)                                                          \
-    NORM_MV_INST(norm_matvec_##QN##_r1_k8, QT, 1, 8, QV)
+    NORM_MV_INST(norm_matvec_##QN##_r1_k8, QT, 1, 8, QV)                                                          \
+    NORM_MV_INST(norm_matvec_##QN##_r2_k2, QT, 2, 2, QV)                                                          \
+    NORM_MV_INST(norm_matvec_##QN##_r2_k4, QT, 2, 4, QV)
 NORM_MV_PLANS(q8_0, QT_Q8_0, 2)
 NORM_MV_PLANS(f16, QT_F16, 0)
 NORM_MV_PLANS(bf16, QT_BF16, 0)

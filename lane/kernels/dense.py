@@ -50,7 +50,9 @@ from .launch import launch
 SOURCE = "dense.cu"
 F32 = np.float32
 QNAME = {T.F32: "f32", T.F16: "f16", T.BF16: "bf16", T.Q8_0: "q8_0"}
-PLANS = ((4, 1), (2, 1), (1, 1), (1, 2), (1, 4), (1, 8))  # (rows per warp, warps per row group)
+# (rows per warp, warps per row group). With KS > 1 and R > 1 a warp reads its K slice of x once for R rows: the
+# activation's shared-memory / L1 traffic (4 bytes a weight at R = 1, against 1 byte of weights) falls by R.
+PLANS = ((4, 1), (2, 1), (1, 1), (1, 2), (1, 4), (1, 8), (4, 2), (4, 4), (2, 2), (2, 4))
 SAMPLE_KMAX = 256       # candidates kept by the sampler (dense.cu SAMPLE_KMAX)
 SAMPLE_CHUNK = 4096     # logits per stage-1 block (dense.cu SAMPLE_CHUNK)
 CDF_CHUNK = 4096        # logits per block of the whole-vocabulary sampler (dense.cu CDF_CHUNK)
