@@ -119,15 +119,19 @@ def _cuobjdump() -> str:
                 return str(Path(base) / "bin" / "cuobjdump")
     except ImportError:
         pass
-    raise SystemExit("--sass needs cuobjdump: pip install nvidia-cuda-cuobjdump, or set CUOBJDUMP")
+    raise SystemExit("--sass needs cuobjdump and nvdisasm: pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm, or "
+                     "set CUOBJDUMP")
 
 
 def sass(cubin: bytes, kernel: str) -> str:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        return subprocess.run([_cuobjdump(), "-sass", "-fun", kernel, f.name], capture_output=True, text=True,
-                              check=True).stdout
+        tool = _cuobjdump()
+        # cuobjdump runs nvdisasm from PATH: the wheels put both in one bin folder
+        env = dict(os.environ, PATH=str(Path(tool).parent) + os.pathsep + os.environ.get("PATH", ""))
+        return subprocess.run([tool, "-sass", "-fun", kernel, f.name], capture_output=True, text=True, check=True,
+                              env=env).stdout
 
 
 # the sources as the lanes build them: dense.cu, and experts.cu for each expert type at the a3b shape
