@@ -271,8 +271,8 @@ def default_plan(qtype, rows: int, cols: int) -> tuple[int, int]:
             return (4, 1)
         if rows >= 4096:
             return (2, 1)
-        if rows >= 1024:
-            return (1, 1)
+        if rows >= 1024:  # o (2048 x 4096): r4k4 took 0.120 ms off a 1K step against r1k1 (s16 plans sweep)
+            return (4, 4) if ntiles >= 4 else (1, 1)
         return (1, 2)
     for R in (4, 2):
         if rows // R >= target:
