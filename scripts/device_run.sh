@@ -138,7 +138,7 @@ marginal)  # a3b all resident: each idempotent kernel's cost inside the decode g
 plans)  # a3b 1K all resident: the step with each mat-vec shape on each other plan, inside the graph
     model "$A3B" --router-skew 1.0
     timeout 420 python3 scripts/gpu_decode_profile.py --model "$A3B" --fractions 1.0 --context 1024 --tokens 32 \
-        --iters 2 --plan-sweep --json "$OUT/plans.json" 2>&1 | grep -A32 "default plans"
+        --iters 2 --plan-sweep --json "$OUT/plans.json" 2>&1 | grep -A48 "default plans"
     ;;
 prefill32k)  # a3b all resident: a 32K prompt's profile by chunk size
     model "$A3B" --router-skew 1.0

@@ -175,9 +175,9 @@ def plan_sweep(card, kv, prompt, tokens: int) -> dict:
 
     base0 = patched_ms(card, kv, prompt, tokens, (dense,), "default_plan", spy)
     out = []
-    # (4, 1) only for tall matrices (no norm_matvec instance of it); the LM head is left at its plan
-    for shape in sorted(s for s in shapes if s[1] < 16384):
-        for plan in (p for p in dense.PLANS if p != (4, 1) and p != default(*shape)):
+    # (4, 1) only for tall matrices (the LM head: no norm_matvec instance of it)
+    for shape in sorted(shapes):
+        for plan in (p for p in dense.PLANS if p != default(*shape) and (p != (4, 1) or shape[1] >= 16384)):
             def pick(qtype, rows, cols, shape=shape, plan=plan):
                 return plan if (int(qtype), int(rows), int(cols)) == shape else default(qtype, rows, cols)
 
