@@ -30,6 +30,7 @@ Prints a table last; --json writes everything.
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -161,19 +162,26 @@ def marginal_ms(card, kv, prompt, tokens: int) -> dict:
             "extra_ms": {n: round(t - base, 4) for n, t in sorted(out.items(), key=lambda x: x[0])}}
 
 
-def plan_sweep(card, kv, prompt, tokens: int) -> dict:
-    """Step ms with each mat-vec shape of the step given each other plan in turn (the rest at their defaults);
-    the base step is the mean of a run before and after (positions advance through the sweep)."""
+def plan_sweep(card, kv, prompt, tokens: int, pairs: int = 2) -> dict:
+    """Each mat-vec shape of the step given each other plan in turn (the rest at their defaults): the step's ms
+    against the default's, measured in `pairs` alternating pairs from the same position (the cache cut back to
+    where the sweep began), the delta the median of the pairs' (a sweep with one base run and the positions
+    advancing through it read 0.2 ms apart for two entries that ran the same kernel, session 16)."""
     from lane.kernels import dense
 
     default = dense.default_plan
     shapes = set()
+    start = kv.length
 
     def spy(qtype, rows, cols):
         shapes.add((int(qtype), int(rows), int(cols)))
         return default(qtype, rows, cols)
 
-    base0 = patched_ms(card, kv, prompt, tokens, (dense,), "default_plan", spy)
+    def step_ms(plans) -> float:
+        kv.truncate(start)
+        return patched_ms(card, kv, prompt, tokens, (dense,), "default_plan", plans)
+
+    base = [step_ms(spy)]
     out = []
     # (4, 1) only for tall matrices (the LM head: no norm_matvec instance of it)
     for shape in sorted(shapes):
@@ -181,12 +189,14 @@ def plan_sweep(card, kv, prompt, tokens: int) -> dict:
             def pick(qtype, rows, cols, shape=shape, plan=plan):
                 return plan if (int(qtype), int(rows), int(cols)) == shape else default(qtype, rows, cols)
 
-            ms = patched_ms(card, kv, prompt, tokens, (dense,), "default_plan", pick)
+            runs = [(step_ms(default), step_ms(pick)) for _ in range(pairs)]
+            base += [b for b, _ in runs]
             out.append({"qtype": shape[0], "rows": shape[1], "cols": shape[2], "default": list(default(*shape)),
-                        "plan": list(plan), "step_ms": round(ms, 4)})
+                        "plan": list(plan), "step_ms": round(statistics.median(c for _, c in runs), 4),
+                        "delta_ms": round(statistics.median(c - b for b, c in runs), 4),
+                        "pairs": [[round(b, 4), round(c, 4)] for b, c in runs]})
     card._graphs.clear()
-    base = (base0 + decode_ms(card, kv, prompt, tokens)) / 2
-    return {"step_ms": round(base, 4), "plans": out}
+    return {"step_ms": round(statistics.median(base), 4), "pairs": pairs, "plans": out}
 
 
 class KernelRecords:
@@ -376,7 +386,7 @@ def main() -> int:
             print(f"  {r['fraction']:.2f} step {sw['step_ms']:.3f} ms at the default plans; with one shape's plan changed:")
             for e in sw["plans"]:
                 print(f"  {r['fraction']:.2f}   qtype {e['qtype']:2d} {e['rows']:6d} x {e['cols']:5d} {e['default']} -> "
-                      f"{e['plan']}: {e['step_ms']:.3f} ms ({e['step_ms'] - sw['step_ms']:+.3f})")
+                      f"{e['plan']}: {e['step_ms']:.3f} ms ({e['delta_ms']:+.3f}, paired)")
     return 0
 
 
