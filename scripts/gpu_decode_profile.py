@@ -183,9 +183,9 @@ def plan_sweep(card, kv, prompt, tokens: int, pairs: int = 2) -> dict:
 
     base = [step_ms(spy)]
     out = []
-    # (4, 1) only for tall matrices (the LM head: no norm_matvec instance of it)
+    # (4, 1) is the tall matrices' default (the LM head) and has no norm_matvec instance: never an alternative
     for shape in sorted(shapes):
-        for plan in (p for p in dense.PLANS if p != default(*shape) and (p != (4, 1) or shape[1] >= 16384)):
+        for plan in (p for p in dense.PLANS if p not in ((4, 1), default(*shape))):
             def pick(qtype, rows, cols, shape=shape, plan=plan):
                 return plan if (int(qtype), int(rows), int(cols)) == shape else default(qtype, rows, cols)
 
