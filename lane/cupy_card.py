@@ -74,6 +74,10 @@ class Work:
         self.qkv = cp.empty((T, c.q_dim + 2 * c.kv_dim), cp.float32)
         self.q = cp.empty((T, c.n_head, c.head_dim), cp.float32)
         self.att = cp.empty((T, c.q_dim), cp.float32)
+        self.att_q = cp.empty((D.q8_row_bytes(c.q_dim),), cp.int8)  # a decode step's, for the o mat-vec on 8 bits
+        if c.d_model % 32 == 0:  # a decode step's LM head input on 8 bits: codes, then scales (D.quantize_row)
+            self.hl_q = cp.empty((D.q8_row_bytes(c.d_model),), cp.int8)
+            self.hl_quant = (self.hl_q[:c.d_model].reshape(1, -1), self.hl_q[c.d_model:].view(cp.float32)[None])
         self.router = cp.empty((T, c.n_expert), cp.float32)
         self.ids = cp.empty((c.n_layer, T, c.n_expert_used), cp.int32)
         self.w = cp.empty((T, c.n_expert_used), cp.float32)
@@ -156,6 +160,11 @@ class CupyCard:
                                              ring=D.STEP_LOAD[long] == "ring", pipelined=D.STEP_LOAD[long] == "pipe")
                      for long in (False, True)}
         self.prefill_attn = D.PrefillAttention(c.n_head, c.n_head_kv, c.head_dim, self.max_ctx)
+        # decode steps: the o mat-vec on the attention output quantised to 8 bits by the combine, the LM head on the
+        # final norm's output quantised by the norm (D.DENSE_QX)
+        self.o_qx = bool("o" in D.DENSE_QX and self.layers and self.layers[0]["o"].takes_qx
+                         and all(a.quantizes() for a in self.attn.values()))
+        self.head_qx = "head" in D.DENSE_QX and self.out_w.takes_qx and c.d_model % 32 == 0
         self.pos = cp.zeros((1,), cp.int32)
         # the slot pool is its own cudaMalloc (not a memory-pool sub-allocation), so that its CUDA IPC handle
         # opens at the pool's first byte in other lanes
@@ -357,14 +366,18 @@ class CupyCard:
     def _attend_and_route(self, i: int, w: Work, export: bool) -> None:
         c, L, s = self.c, self.layers[i], self.stream
         self._norm_proj(L["attn_norm"], L["qkv"], w, w.qkv)
+        qx = w.T == 1 and self.o_qx
         if w.T == 1:  # pos on the device: graph-safe; q/k norm, RoPE and the KV append in the split launch
             self.attn[w.long_ctx].step(w.qkv, L["q_norm"], L["k_norm"], c.rms_eps, self.rope, self.pos, *L["kv"],
-                                       w.att, pdl=not w.long_ctx, stream=s)
+                                       w.att, out_q=w.att_q if qx else None, pdl=not w.long_ctx, stream=s)
         else:  # a prompt chunk, run eagerly: the host knows where it starts
             D.qk_norm_rope_kv(w.qkv, L["q_norm"], L["k_norm"], c.rms_eps, self.rope, self.pos, w.q, *L["kv"],
                               n_head=c.n_head, n_kv=c.n_head_kv, stream=s)
             self.prefill_attn(w.q, *L["kv"], w.pos0, w.att, stream=s)
-        self._proj(L["o"], w.att, w.x, residual=w.x)
+        if qx:
+            D.matvec(L["o"], w.att_q, w.x[0], residual=w.x[0], qx=True, stream=s)
+        else:
+            self._proj(L["o"], w.att, w.x, residual=w.x)
         self._norm_proj(L["ffn_norm"], L["router"], w, w.router, quant=self.experts.inputs(w.T))
         if w.T == 1:  # a decode step: routed in the launch that builds the pair lists
             self.experts.front(i, 1, w.ids[i], export, router=(w.router, w.w), x=w.x)
@@ -376,8 +389,12 @@ class CupyCard:
         s, rt = self.stream, cp.cuda.runtime
         D.advance_pos(self.pos, w.T, stream=s)
         if logit_rows:
-            D.rms_norm(w.x[w.T - logit_rows:], self.out_norm, self.c.rms_eps, w.hl, stream=s)
-            self._proj(self.out_w, w.hl, w.logits)
+            if w.T == 1 and self.head_qx:
+                D.rms_norm(w.x, self.out_norm, self.c.rms_eps, w.hl, quant=w.hl_quant, stream=s)
+                D.matvec(self.out_w, w.hl_q, w.logits[0], qx=True, stream=s)
+            else:
+                D.rms_norm(w.x[w.T - logit_rows:], self.out_norm, self.c.rms_eps, w.hl, stream=s)
+                self._proj(self.out_w, w.hl, w.logits)
             if sample is None or sample.logits:
                 rt.memcpyAsync(w.logits_h.ctypes.data, w.logits.data.ptr, w.logits.nbytes, D2H, s.ptr)
             if sample is not None:

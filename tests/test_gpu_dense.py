@@ -251,6 +251,62 @@ def test_norm_matvec_is_rms_norm_then_matvec(cp, D, qt, rows, cols):
     assert np.array_equal(y.get().view(np.uint32), D.matvec(W, h[0]).get().view(np.uint32))
 
 
+@pytest.mark.parametrize("rows,cols", [(2048, 4096), (512, 2048), (130, 256)])
+def test_matvec_qx(cp, D, rows, cols):
+    """The Q8_0 mat-vec on x quantised to 8 bits (qx, the o projection of a decode step): the function of
+    matvec_q8x_ref summed in float32 within 1e-5 of its float64 value, with a residual out of place and in place
+    (same bits), every plan; plans of one warp a row give the same bits."""
+    rng = np.random.default_rng(rows * cols)
+    raw = rand_weight(rng, T.Q8_0, rows, cols)
+    W = D.DenseWeight.upload(raw, T.Q8_0, cols)
+    W64 = quants.dequantize(T.Q8_0, raw).astype(np.float64)
+    x = rng.standard_normal(cols, dtype=F32) * F32(rng.uniform(0.05, 20))
+    x[rng.integers(cols)] = 0  # a zero, and a group of zeros (scale 0)
+    x[32:64] = 0
+    xr = D.quantize_row(x)
+    q, d = xr[:cols].astype(np.float64), xr[cols:].view(F32).astype(np.float64)
+    xq64 = (q.reshape(-1, 32) * d[:, None]).reshape(-1)
+    ref = D.matvec_q8x_ref(raw, x)
+    assert bound_err(ref, W64, xq64) <= 1e-6
+    res = rng.standard_normal(rows, dtype=F32)
+    xd, rd = cp.asarray(xr), cp.asarray(res)
+    one_warp = {}
+    for plan in D.PLANS:
+        got = D.matvec(W, xd, nan_like(cp, rows), plan=plan, qx=True)
+        with_r = D.matvec(W, xd, nan_like(cp, rows), residual=rd, plan=plan, qx=True)
+        inplace = rd.copy()
+        D.matvec(W, xd, inplace, residual=inplace, plan=plan, qx=True)
+        sync(cp)
+        e = note("matvec qx bound-rel", bound_err(got.get(), W64, xq64))
+        assert e <= 1e-5, (plan, e)
+        assert bound_err(with_r.get(), W64, xq64, res) <= 1e-5, plan
+        assert np.array_equal(with_r.get().view(np.uint32), inplace.get().view(np.uint32)), plan
+        if plan[1] == 1:
+            one_warp[plan] = got.get()
+    first = next(iter(one_warp.values()))
+    assert all(np.array_equal(v.view(np.uint32), first.view(np.uint32)) for v in one_warp.values())
+    note("matvec qx normwise vs float x", normwise(first, W64 @ x.astype(np.float64)))
+    Wf = D.DenseWeight.upload(rand_weight(rng, T.F16, 64, cols), T.F16, cols)
+    with pytest.raises(ValueError, match="8-bit x takes fast Q8_0"):
+        D.matvec(Wf, xd, qx=True)
+    with pytest.raises(TypeError, match="x \\(8-bit\\) must be"):
+        D.matvec(W, cp.asarray(x), qx=True)
+
+
+def test_rms_norm_quant_into_an_8_bit_row(cp, D):
+    """The final norm's quantised output written into one 8-bit row buffer (the LM head's x on 8 bits: codes, then
+    scales) is quantize_row of the norm's output."""
+    rng = np.random.default_rng(11)
+    n = 2048
+    x = cp.asarray(rng.standard_normal((1, n), dtype=F32) * F32(4))
+    w = cp.asarray(rng.uniform(0.5, 1.5, n).astype(F32))
+    row = cp.full((D.q8_row_bytes(n),), 55, cp.int8)
+    y = nan_like(cp, (1, n))
+    D.rms_norm(x, w, 1e-6, y, quant=(row[:n].reshape(1, -1), row[n:].view(cp.float32)[None]))
+    sync(cp)
+    assert np.array_equal(row.get(), D.quantize_row(y.get()[0]))
+
+
 def test_rms_norm_generic(cp, D):
     rng = np.random.default_rng(1)
     n = 200
@@ -331,6 +387,15 @@ def test_decode_step_attention_is_qk_norm_rope_kv_then_attention(cp, D, cfg, pos
         assert np.array_equal(got2.get().view(np.uint32), got.get().view(np.uint32)), kw
         assert np.array_equal(Kc.get().view(np.uint16), Ka.get().view(np.uint16)), kw
         assert np.array_equal(Vc.get().view(np.uint16), Va.get().view(np.uint16)), kw
+    # the output also quantised to 8 bits by the combine (out_q, for the o mat-vec on 8-bit x): the float row's bits
+    # unchanged, the codes and scales those of quantize_row on it
+    n = n_head * hd
+    Kc, Vc, got3 = cp.asarray(K0), cp.asarray(V0), nan_like(cp, (1, n))
+    out_q = cp.full((D.q8_row_bytes(n),), 77, cp.int8)
+    att.step(qkv, qnw, knw, 1e-6, rope, pos, Kc, Vc, got3, out_q=out_q)
+    sync(cp)
+    assert np.array_equal(got3.get().view(np.uint32), got.get().view(np.uint32))
+    assert np.array_equal(out_q.get(), D.quantize_row(got.get()[0]))
 
 
 # ---- 4. decode attention ------------------------------------------------------------------------------------------
@@ -389,6 +454,21 @@ def test_attention(cp, D, cfg, L, var):
         e = note(f"attention vs f64 on f16 cache (q x{q_scale:g})", normwise(got, ref64))
         e2 = note(f"attention vs f32 reference, unrounded K/V (q x{q_scale:g})", normwise(got, ref32))
         assert e <= 3e-3 and e2 <= 6e-3, (e, e2)
+
+
+def test_attention_out_q_takes_one_token_and_the_one_pass_combine(cp, D):
+    n_head, n_kv, hd, max_ctx = 8, 2, 64, 256
+    K = cp.zeros((n_kv, max_ctx, hd), cp.float16)
+    V = cp.zeros(D.v_cache_shape(n_kv, hd, max_ctx), cp.float16)
+    pos = cp.zeros((1,), cp.int32)
+    out_q = cp.zeros((D.q8_row_bytes(n_head * hd),), cp.int8)
+    att = D.DecodeAttention(n_head, n_kv, hd, max_ctx, max_T=2)
+    with pytest.raises(ValueError, match="out_q takes one token"):
+        att(cp.zeros((2, n_head, hd), cp.float32), K, V, pos, cp.zeros((2, n_head * hd), cp.float32), 2, out_q=out_q)
+    three = D.DecodeAttention(n_head, n_kv, hd, max_ctx, combine="attn_combine")
+    assert not three.quantizes()
+    with pytest.raises(ValueError, match="the one-pass combine"):
+        three(cp.zeros((1, n_head, hd), cp.float32), K, V, pos, cp.zeros((1, n_head * hd), cp.float32), out_q=out_q)
 
 
 @pytest.mark.parametrize("kw", [{"nsplit": 1}, {"nsplit": 7, "chunk_min": 16}, {"chunk_min": 1024}],

@@ -31,16 +31,23 @@ __device__ __forceinline__ float f_rint(float a) { float r; asm("cvt.rni.f32.f32
 __device__ __forceinline__ float f_max(float a, float b) { float r; asm("max.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r; }
 __device__ __forceinline__ float f_abs(float a) { return __int_as_float(__float_as_int(a) & 0x7fffffff); }
 
+// canonical.quantize_act's arithmetic for a group whose largest |value| is m: the scale d = m / 127, its inverse
+// (0 where d is 0, or where 1 / d overflows: a subnormal d), and a value's code rint(v / d) as v * inverse
+__device__ __forceinline__ float quant_scale(float m) { return f_div(m, 127.0f); }
+__device__ __forceinline__ float quant_inv(float dd) {
+    const float i1 = (__float_as_int(dd) > 0) ? f_div(1.0f, dd) : 0.0f;  // dd >= 0: positive bits <=> dd > 0
+    return __float_as_int(i1) == 0x7f800000 ? 0.0f : i1;
+}
+__device__ __forceinline__ signed char quant_code(float v, float inv) { return (signed char)(int)f_rint(f_mul(v, inv)); }
+
 // Quantise 32 values held one per lane (canonical.quantize_act on one group): the experts' int8 input. Writes
 // q[lane], and *d from lane 0.
 __device__ __forceinline__ void quant32(float v, int lane, signed char* q, float* d) {
     float m = f_abs(v);
 #pragma unroll
     for (int o = 16; o; o >>= 1) m = f_max(m, __shfl_xor_sync(0xffffffffu, m, o));
-    const float dd = f_div(m, 127.0f);
-    const float i1 = (__float_as_int(dd) > 0) ? f_div(1.0f, dd) : 0.0f;  // dd >= 0: positive bits <=> dd > 0
-    const float inv = __float_as_int(i1) == 0x7f800000 ? 0.0f : i1;  // 1 / d overflows (subnormal d): q = 0
-    q[lane] = (signed char)(int)f_rint(f_mul(v, inv));
+    const float dd = quant_scale(m);
+    q[lane] = quant_code(v, quant_inv(dd));
     if (lane == 0) *d = dd;
 }
 

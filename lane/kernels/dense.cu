@@ -142,12 +142,16 @@ __device__ __forceinline__ void mv_finish(float (&acc)[R], int rg, int rows, con
 // once the first tiles are in flight: it waits for the predecessor (x and res are its output) and may stage x.
 #define Q8_RING_TILES 8
 #define Q8_SMEM_BYTES (MV_WARPS * Q8_RING_TILES * Q8_TILE_BYTES)
-template <int R, int KS, int V, int RT, bool XS, class Wait>
+template <int R, int KS, int V, int RT, bool XS, bool QX, class Wait>
 __device__ __forceinline__ void matvec_q8_0_body(const u8* __restrict__ W, int rows, int nb, i64 row_bytes,
                                                  const float* x, const float* res, float* y,
                                                  u8* q8_ring, Wait wait) {
     constexpr int P = RT / R;
     static_assert(P >= 1, "a ring tile per row at least");
+    static_assert(!QX || (!XS && V == 2), "8-bit x: read from global memory, four lanes a block");
+    // QX: x is a row quantised to 8 bits (attn_combine_1p's out_q): nb * 32 int8 codes, then nb float scales
+    const signed char* xq = (const signed char*)x;
+    const float* xqd = (const float*)(xq + (i64)nb * 32);
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
     const int rg = blockIdx.x * (MV_WARPS / KS) + w / KS;
     const int ks = w % KS;
@@ -195,7 +199,24 @@ __device__ __forceinline__ void matvec_q8_0_body(const u8* __restrict__ W, int r
 #pragma unroll
             for (int st4 = 0; st4 < 4; ++st4) {
                 const int b = st4 * 8 + bl;
-                if (b < nbt) {
+                if (QX && b < nbt) {  // two dp4a: 8 weights by 8 int8 x, exact in int; one float term a lane
+                    const int gb = tile * 32 + b;
+                    const uint2 xv = __ldg((const uint2*)(xq + (i64)gb * 32 + 8 * sub));
+                    const float dx = __ldg(xqd + gb);
+#pragma unroll
+                    for (int r = 0; r < R; ++r) {
+                        const u32 boff = r * Q8_TILE_BYTES + 34 * b;
+                        const float d = h2f(*(const u16*)(sbv + boff));
+                        const u32 qoff = boff + 2 + 8 * sub;
+                        const u32* wp = (const u32*)(sbv + (qoff & ~3u));
+                        const u32 sh = 8 * (qoff & 3u);
+                        const u32 w0 = wp[0], w1 = wp[1];
+                        const u32 w2 = sh ? wp[2] : 0u;
+                        int sum = __dp4a((int)shf_r_clamp(w0, w1, sh), (int)xv.x, 0);
+                        sum = __dp4a((int)shf_r_clamp(w1, w2, sh), (int)xv.y, sum);
+                        acc[r] = f_fma(f_mul(d, dx), (float)sum, acc[r]);
+                    }
+                } else if (b < nbt) {
                     const float4* xp = (const float4*)(x + ((i64)tile * 32 + b) * 32 + 8 * sub);
                     const float4 x0 = ldx4<XS>(xp), x1 = ldx4<XS>(xp + 1);
 #pragma unroll
@@ -352,40 +373,41 @@ __device__ __forceinline__ void stage_row(const float* __restrict__ x, int n, fl
 }
 
 // ncu: Q8_0 -> blocks per row; float types -> 16-byte chunks per row
-#define MV_INST(NAME, QT, R, KS, QV)                                                                                \
-    extern "C" __global__ void __launch_bounds__(256, (QT == QT_Q8_0 ? 3 : 1)) NAME(const u8* __restrict__ W, int rows, int ncu,           \
-                                                           i64 row_bytes, const float* __restrict__ x,            \
-                                                           const float* res, float* y) {                          \
+#define MV_INST(NAME, QT, R, KS, QV, QX)                                                                            \
+    extern "C" __global__ void __launch_bounds__(256, (QT == QT_Q8_0 ? 3 : 1)) NAME(                              \
+        const u8* __restrict__ W, int rows, int ncu, i64 row_bytes, const float* __restrict__ x, const float* res,  \
+        float* y) {                                                                                               \
         extern __shared__ __align__(16) u8 mv_smem[];                                                             \
-        if (QT == QT_Q8_0 && R <= 2 && ncu * 32 <= NORM_MV_MAX_N) {                                               \
+        if (QT == QT_Q8_0 && !QX && R <= 2 && ncu * 32 <= NORM_MV_MAX_N) {                                        \
             float* xs = (float*)mv_smem;  /* x staged once: the tile steps read it from shared memory */          \
-            matvec_q8_0_body<R, KS, QV, (R <= 2 ? NORM_MV_RING : R), true>(                                       \
+            matvec_q8_0_body<R, KS, QV, NORM_MV_RING, true, false>(                                               \
                 W, rows, ncu, row_bytes, xs, res, y, mv_smem + 4 * NORM_MV_MAX_N, [&] {                          \
                     PDL_ENTRY();                                                                                  \
                     stage_row(x, ncu * 32, xs);                                                                   \
                     __syncthreads();                                                                              \
                 });                                                                                               \
         } else if (QT == QT_Q8_0)                                                                                \
-            matvec_q8_0_body<R, KS, QV, Q8_RING_TILES, false>(W, rows, ncu, row_bytes, x, res, y, mv_smem,          \
-                                                               [] { PDL_ENTRY(); });                              \
+            matvec_q8_0_body<R, KS, QV, Q8_RING_TILES, false, QX>(W, rows, ncu, row_bytes, x, res, y, mv_smem,    \
+                                                                  [] { PDL_ENTRY(); });                           \
         else matvec_float_body<QT, R, KS, false>(W, rows, ncu, row_bytes, x, res, y, [] { PDL_ENTRY(); });       \
     }
-#define MV_PLANS(QN, QT, QV)                                                                                      \
-    MV_INST(matvec_##QN##_r4_k1, QT, 4, 1, QV)                                                                    \
-    MV_INST(matvec_##QN##_r2_k1, QT, 2, 1, QV)                                                                    \
-    MV_INST(matvec_##QN##_r1_k1, QT, 1, 1, QV)                                                                    \
-    MV_INST(matvec_##QN##_r1_k2, QT, 1, 2, QV)                                                                    \
-    MV_INST(matvec_##QN##_r1_k4, QT, 1, 4, QV)                                                                    \
-    MV_INST(matvec_##QN##_r1_k8, QT, 1, 8, QV)                                                                    \
-    MV_INST(matvec_##QN##_r4_k2, QT, 4, 2, QV)                                                                    \
-    MV_INST(matvec_##QN##_r4_k4, QT, 4, 4, QV)                                                                    \
-    MV_INST(matvec_##QN##_r2_k2, QT, 2, 2, QV)                                                                    \
-    MV_INST(matvec_##QN##_r2_k4, QT, 2, 4, QV)
-MV_PLANS(q8_0, QT_Q8_0, 2)    // Q8_0, 4 lanes per block (coalesced activation reads)
-MV_PLANS(q8_0v1, QT_Q8_0, 1)  // Q8_0, one lane per block (the first version)
-MV_PLANS(f16, QT_F16, 0)
-MV_PLANS(bf16, QT_BF16, 0)
-MV_PLANS(f32, QT_F32, 0)
+#define MV_PLANS(QN, QT, QV, QX)                                                                                  \
+    MV_INST(matvec_##QN##_r4_k1, QT, 4, 1, QV, QX)                                                                \
+    MV_INST(matvec_##QN##_r2_k1, QT, 2, 1, QV, QX)                                                                \
+    MV_INST(matvec_##QN##_r1_k1, QT, 1, 1, QV, QX)                                                                \
+    MV_INST(matvec_##QN##_r1_k2, QT, 1, 2, QV, QX)                                                                \
+    MV_INST(matvec_##QN##_r1_k4, QT, 1, 4, QV, QX)                                                                \
+    MV_INST(matvec_##QN##_r1_k8, QT, 1, 8, QV, QX)                                                                \
+    MV_INST(matvec_##QN##_r4_k2, QT, 4, 2, QV, QX)                                                                \
+    MV_INST(matvec_##QN##_r4_k4, QT, 4, 4, QV, QX)                                                                \
+    MV_INST(matvec_##QN##_r2_k2, QT, 2, 2, QV, QX)                                                                \
+    MV_INST(matvec_##QN##_r2_k4, QT, 2, 4, QV, QX)
+MV_PLANS(q8_0, QT_Q8_0, 2, false)    // Q8_0, 4 lanes per block (coalesced activation reads)
+MV_PLANS(q8_0x, QT_Q8_0, 2, true)    // Q8_0 on x quantised to 8 bits (dp4a; the attention combine's out_q)
+MV_PLANS(q8_0v1, QT_Q8_0, 1, false)  // Q8_0, one lane per block (the first version)
+MV_PLANS(f16, QT_F16, 0, false)
+MV_PLANS(bf16, QT_BF16, 0, false)
+MV_PLANS(f32, QT_F32, 0, false)
 
 // any shape (unaligned rows, cols not a multiple of the fast paths' granules): one warp per row, scalar loads
 extern "C" __global__ void __launch_bounds__(256) matvec_generic(const u8* __restrict__ W, int qt, int rows, int cols,
@@ -702,8 +724,8 @@ __device__ __forceinline__ void norm_stage(const float* __restrict__ x, const fl
         float* xs = (float*)mv_smem;                                                                              \
         auto wait = [&] { norm_stage(x, nw, n, L, NL, eps, xs, q, d); };                                          \
         if (QT == QT_Q8_0)                                                                                       \
-            matvec_q8_0_body<R, KS, QV, NORM_MV_RING, true>(W, rows, ncu, row_bytes, xs, res, y,                 \
-                                                            mv_smem + 4 * NORM_MV_MAX_N, wait);                   \
+            matvec_q8_0_body<R, KS, QV, NORM_MV_RING, true, false>(W, rows, ncu, row_bytes, xs, res, y,          \
+                                                                   mv_smem + 4 * NORM_MV_MAX_N, wait);            \
         else                                                                                                      \
             matvec_float_body<QT, R, KS, true>(W, rows, ncu, row_bytes, xs, res, y, wait);                        \
     }
@@ -1358,7 +1380,11 @@ extern "C" __global__ void __launch_bounds__(128) attn_combine_1p(const float* _
                                                                   const float* __restrict__ part_ml,
                                                                   const int* __restrict__ pos_p, int n_head,
                                                                   int n_kv, int hd, int max_ctx, int nsplit,
-                                                                  int chunk_min, int cols, float* __restrict__ out) {
+                                                                  int chunk_min, int cols, float* __restrict__ out,
+                                                                  signed char* __restrict__ oq,
+                                                                  float* __restrict__ od) {
+    // oq, od (T = 1, cols a multiple of 8; or null): the output row also quantised to 8 bits a value in groups of
+    // 32 (canonical.quantize_act), for the o mat-vec on 8-bit x (matvec qx)
     __shared__ float4 accs[128];
     __shared__ float2 mls[128];
     const int h = blockIdx.x, t = blockIdx.y, tid = threadIdx.x;
@@ -1411,8 +1437,19 @@ extern "C" __global__ void __launch_bounds__(128) attn_combine_1p(const float* _
             r.x = f_fma(f, u.x, r.x); r.y = f_fma(f, u.y, r.y); r.z = f_fma(f, u.z, r.z); r.w = f_fma(f, u.w, r.w);
         }
         const float inv = f_div(1.f, Ls);
-        *(float4*)(out + ((i64)t * n_head + h) * hd + 4 * (c0 + tid)) = make_float4(f_mul(r.x, inv), f_mul(r.y, inv),
-                                                                             f_mul(r.z, inv), f_mul(r.w, inv));
+        const float4 o = make_float4(f_mul(r.x, inv), f_mul(r.y, inv), f_mul(r.z, inv), f_mul(r.w, inv));
+        const i64 at = ((i64)t * n_head + h) * hd + 4 * (c0 + tid);
+        *(float4*)(out + at) = o;
+        if (oq != nullptr) {  // eight threads a group of 32 values
+            const u32 mask = V4 >= 32 ? 0xffffffffu : (1u << V4) - 1u;
+            float m = f_max(f_max(f_abs(o.x), f_abs(o.y)), f_max(f_abs(o.z), f_abs(o.w)));
+#pragma unroll
+            for (int k = 4; k; k >>= 1) m = f_max(m, __shfl_xor_sync(mask, m, k));
+            const float dd = quant_scale(m), qi = quant_inv(dd);
+            *(char4*)(oq + at) = make_char4(quant_code(o.x, qi), quant_code(o.y, qi), quant_code(o.z, qi),
+                                            quant_code(o.w, qi));
+            if ((tid & 7) == 0) od[at >> 5] = dd;
+        }
     }
 }
 

@@ -41,7 +41,7 @@ import threading
 import numpy as np
 from gguf import GGMLQuantizationType as T
 
-from stratad.engine import reference
+from stratad.engine import canonical, reference
 from stratad.model import quants
 
 from .compile import load_module
@@ -83,6 +83,17 @@ ATTN_RING_STAGES = {False: 3, True: 2}  # by group > 8 (dense.cu AttnRing): two 
 # resident, tok/s at 1K / 32K: one pass 382.3 / 290.2, three 378.4 / 287.9 (docs/perf-notes.md, session 14)
 ATTN_COMBINES = ("attn_combine_1p", "attn_combine", "attn_combine_v1")
 ATTN_COMBINE = os.environ.get("STRATAD_ATTN_COMBINE", "attn_combine_1p")
+# The decode step's Q8_0 mat-vecs on x quantised to 8 bits a value (canonical.quantize_act, the experts' input
+# form) by the launch that writes x, with integer dot products (dp4a) on a quarter of the bytes of x: "o" (the
+# attention output, quantised by the one-pass combine), "head" (the LM head's input, by the final RMSNorm).
+# STRATAD_DENSE_QX: a comma-separated list of those ("" for none); default "o" (H200, 2026-12-04: 1K decode +1.6 %,
+# 32K +0.6 %). "head" adds +0.6 % / +0.4 % more but moved a decode-vs-chunk greedy token on tiny-Q4_K
+# (test_prefix_cache_on_the_card), so it stays opt-in. The logits move against the float reference
+# (tests/test_gpu_card.py bounds them).
+DENSE_QX_NAMES = ("o", "head")
+DENSE_QX = frozenset(n for n in os.environ.get("STRATAD_DENSE_QX", "o").split(",") if n)
+if not DENSE_QX <= set(DENSE_QX_NAMES):
+    raise ValueError(f"STRATAD_DENSE_QX={','.join(sorted(DENSE_QX))!r}: names from {', '.join(DENSE_QX_NAMES)}")
 if ATTN_COMBINE not in ATTN_COMBINES:
     raise ValueError(f"STRATAD_ATTN_COMBINE={ATTN_COMBINE!r}: one of {', '.join(ATTN_COMBINES)}")
 # prompt attention: the Q tile in shared memory and two blocks an SM (False: Q in registers, one block an SM). H200,
@@ -231,6 +242,11 @@ class DenseWeight:
     def nbytes(self) -> int:
         return self.rows * self.row_bytes
 
+    @property
+    def takes_qx(self) -> bool:
+        """Whether matvec takes this weight on 8-bit x (qx): fast Q8_0."""
+        return self.fast and self.qtype == T.Q8_0
+
     def plan(self) -> tuple[int, int]:
         """(R, KS): rows per warp, warps splitting a row group's K. Enough warps for the GPU, R=4 for tall ones."""
         return default_plan(self.qtype, self.rows, self.cols)
@@ -287,12 +303,19 @@ def default_plan(qtype, rows: int, cols: int) -> tuple[int, int]:
 # 1. mat-vec
 # =================================================================================================================
 def matvec(W: DenseWeight, x, y=None, residual=None, *, plan: tuple[int, int] | None = None,
-           variant: str | None = None, stream=None):
+           variant: str | None = None, qx: bool = False, stream=None):
     """y = W x (+ residual); x float32 (cols,), y/residual float32 (rows,) (may be the same array). Returns y.
-    plan: (rows per warp, warps per row) from PLANS (default W.plan()); variant: Q8_0 kernel (Q8_VARIANT)."""
+    plan: (rows per warp, warps per row) from PLANS (default W.plan()); variant: Q8_0 kernel (Q8_VARIANT).
+    qx (Q8_0 weights): x is a row quantised to 8 bits, int8 (q8_row_bytes(cols),): its cols codes, then its
+    cols / 32 float32 scales (quantize_row, or DecodeAttention's out_q), multiplied in integers (matvec_q8x_ref)."""
     m = kernels()
     cp = m.cp
-    _need(x, np.float32, (W.cols,), "x", align=16)
+    if qx:
+        if not W.takes_qx:
+            raise ValueError(f"8-bit x takes fast Q8_0 weights (got {T(W.qtype).name})")
+        _need(x, np.int8, (q8_row_bytes(W.cols),), "x (8-bit)", align=16)
+    else:
+        _need(x, np.float32, (W.cols,), "x", align=16)
     if y is None:
         y = cp.empty(W.rows, cp.float32)
     _need(y, np.float32, (W.rows,), "y")
@@ -301,7 +324,7 @@ def matvec(W: DenseWeight, x, y=None, residual=None, *, plan: tuple[int, int] | 
     with _on(stream):
         if W.fast:
             q8 = W.qtype == T.Q8_0
-            _launch_matvec(m, f"matvec_{(variant or Q8_VARIANT) if q8 else QNAME[W.qtype]}", W,
+            _launch_matvec(m, f"matvec_{'q8_0x' if qx else (variant or Q8_VARIANT) if q8 else QNAME[W.qtype]}", W,
                            plan or W.plan(), (x, _ptr(residual), y), Q8_SMEM_BYTES if q8 else 0)
         else:
             launch(m.fn("matvec_generic"), (-(-W.rows // 8),), (256,),
@@ -361,6 +384,35 @@ def norm_matvec(W: DenseWeight, x, norm_w, eps: float, y=None, residual=None, *,
                        (x, _ptr(residual), y, norm_w, np.int32(n), np.int32(L), np.int32(NL), np.float32(eps)) + qd,
                        NORM_MV_Q8_SMEM if q8 else 4 * NORM_MV_MAX_N)
     return y
+
+
+def q8_row_bytes(n: int) -> int:
+    """Bytes of a row of n values quantised to 8 bits (matvec qx's x): n int8 codes, then n / 32 float32 scales."""
+    if n % 32:
+        raise ValueError(f"an 8-bit row takes a multiple of 32 values (got {n})")
+    return n + n // 8
+
+
+def quantize_row(x: np.ndarray) -> np.ndarray:
+    """numpy: x float32 (n,) as matvec qx reads it (canonical.quantize_act's codes, then its scales)."""
+    q, d = canonical.quantize_act(np.asarray(x, F32))
+    return np.concatenate([q.reshape(-1).view(np.int8), d.view(np.int8)])
+
+
+def matvec_q8x_ref(raw: np.ndarray, x: np.ndarray, residual: np.ndarray | None = None) -> np.ndarray:
+    """numpy float64, returned as float32: Q8_0 rows times x quantised to 8 bits a value in groups of 32
+    (canonical.quantize_act, the experts' input), each group's integer dot product scaled by both scales: the
+    function the qx mat-vecs compute (they sum the scaled terms in float32, in their own order)."""
+    raw = np.asarray(raw)
+    blocks = raw.reshape(raw.shape[0], -1, 34)
+    dw = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float64)
+    qw = blocks[..., 2:].copy().view(np.int8).astype(np.int64)
+    qa, da = canonical.quantize_act(np.asarray(x, F32)[None])
+    isum = np.einsum("rbk,bk->rb", qw, qa[0].astype(np.int64))
+    y = (dw * da[0].astype(np.float64) * isum).sum(axis=1)
+    if residual is not None:
+        y = y + np.asarray(residual, np.float64)
+    return y.astype(F32)
 
 
 def matvec_ref(raw: np.ndarray, qtype, x: np.ndarray, residual: np.ndarray | None = None) -> np.ndarray:
@@ -669,9 +721,9 @@ class DecodeAttention:
         return max(1, self.capacity // (self.n_kv * T_))
 
     def step(self, qkv, q_norm_w, k_norm_w, eps: float, rope: RopeTable, pos, k_cache, v_cache, out, *,
-             pdl: bool = True, stream=None) -> None:
+             out_q=None, pdl: bool = True, stream=None) -> None:
         """A decode step's qk_norm_rope_kv (T = 1; q_out not written) and attention in one split launch and the
-        combine: qkv float32 (1, (n_head + 2 n_kv) hd); the same bits as the two calls."""
+        combine: qkv float32 (1, (n_head + 2 n_kv) hd); the same bits as the two calls. out_q: as __call__'s."""
         m, hd = self.m, self.hd
         _need(qkv, np.float32, (1, (self.n_head + 2 * self.n_kv) * hd), "qkv")
         _need(q_norm_w, np.float32, (hd,), "q_norm_w")
@@ -679,14 +731,23 @@ class DecodeAttention:
         if rope.head_dim != hd or rope.max_ctx < self.max_ctx:
             raise ValueError("the rope table must have this head_dim and cover max_ctx")
         self._launch(m.fn(self.qkv_name), (qkv, q_norm_w, k_norm_w, np.float32(eps), rope.cos, rope.sin, k_cache,
-                                           v_cache), k_cache, v_cache, pos, out, 1, pdl, stream)
+                                           v_cache), k_cache, v_cache, pos, out, 1, pdl, stream, out_q)
 
-    def __call__(self, q, k_cache, v_cache, pos, out, T_: int = 1, *, pdl: bool = True, stream=None) -> None:
-        """pdl: the split kernel may start under its predecessor's tail (in a graph; see ATTN_PDL_MAX_CTX)."""
+    def __call__(self, q, k_cache, v_cache, pos, out, T_: int = 1, *, out_q=None, pdl: bool = True,
+                 stream=None) -> None:
+        """pdl: the split kernel may start under its predecessor's tail (in a graph; see ATTN_PDL_MAX_CTX).
+        out_q (T = 1, the one-pass combine; int8 (q8_row_bytes(n_head hd),)): the output row quantised to 8 bits
+        as well, by the combine (quantize_row's layout), for matvec qx."""
         _need(q, np.float32, (T_, self.n_head, self.hd), "q")
-        self._launch(self.m.fn(self.name), (q, k_cache, v_cache), k_cache, v_cache, pos, out, T_, pdl, stream)
+        self._launch(self.m.fn(self.name), (q, k_cache, v_cache), k_cache, v_cache, pos, out, T_, pdl, stream,
+                     out_q)
 
-    def _launch(self, split, first: tuple, k_cache, v_cache, pos, out, T_: int, pdl: bool, stream) -> None:
+    def quantizes(self) -> bool:
+        """Whether the combine can write out_q (the one-pass combine; groups of 32 values within a block)."""
+        return self.combine == "attn_combine_1p" and self.cols % 8 == 0
+
+    def _launch(self, split, first: tuple, k_cache, v_cache, pos, out, T_: int, pdl: bool, stream,
+                out_q=None) -> None:
         """The split kernel (its own leading arguments `first`) and the combine."""
         m = self.m
         if not 1 <= T_ <= self.max_T:
@@ -695,6 +756,13 @@ class DecodeAttention:
         _need(v_cache, np.float16, v_cache_shape(self.n_kv, self.hd, self.max_ctx), "v_cache", align=16)
         _need(pos, np.int32, (1,), "pos")
         _need(out, np.float32, (T_, self.n_head * self.hd), "out")
+        n = self.n_head * self.hd
+        qd = (np.uint64(0), np.uint64(0))
+        if out_q is not None:
+            if T_ != 1 or not self.quantizes():
+                raise ValueError("out_q takes one token and the one-pass combine with a multiple of 8 columns")
+            _need(out_q, np.int8, (q8_row_bytes(n),), "out_q", align=16)
+            qd = (out_q, out_q[n:])
         ns = self.nsplit(T_)
         common = (np.int32(self.n_head), np.int32(self.n_kv), np.int32(self.max_ctx), np.int32(ns),
                   np.int32(self.chunk_min))
@@ -704,8 +772,10 @@ class DecodeAttention:
             cargs = (self.part_o, self.part_ml, pos, np.int32(self.n_head), np.int32(self.n_kv), np.int32(self.hd),
                       np.int32(self.max_ctx), np.int32(ns), np.int32(self.chunk_min))
             if self.combine != "attn_combine_v1":  # blocks of self.cols float4 columns
+                extra = qd if self.combine == "attn_combine_1p" else ()
                 launch(m.fn(self.combine), (self.n_head, T_, self.hd // 4 // self.cols), (128,),
-                       cargs + (np.int32(self.cols), out), shared_mem=4 * ns if self.combine == "attn_combine" else 0)
+                       cargs + (np.int32(self.cols), out) + extra,
+                       shared_mem=4 * ns if self.combine == "attn_combine" else 0)
             else:
                 launch(m.fn(self.combine), (self.n_head, T_), (128,), cargs + (out,), shared_mem=4 * ns)
 
