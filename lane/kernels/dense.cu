@@ -135,6 +135,19 @@ __device__ __forceinline__ void mv_finish(float (&acc)[R], int rg, int rows, con
     }
 }
 
+// A staged Q8_0 block's scale, and the 8 signed weight bytes of lane part `sub` (0-3) as two words: the block
+// starts at byte `boff` of the stage, 34-byte blocks are only 2-byte aligned, so the words are funnel-shifted.
+__device__ __forceinline__ float q8_staged(const u8* sbv, u32 boff, int sub, u32& qa, u32& qb) {
+    const float d = h2f(*(const u16*)(sbv + boff));
+    const u32 qoff = boff + 2 + 8 * sub;
+    const u32* wp = (const u32*)(sbv + (qoff & ~3u));
+    const u32 sh = 8 * (qoff & 3u);
+    const u32 w0 = wp[0], w1 = wp[1];
+    const u32 w2 = sh ? wp[2] : 0u;
+    qa = shf_r_clamp(w0, w1, sh);
+    qb = shf_r_clamp(w1, w2, sh);
+    return d;
+}
 
 // Q8_0: a warp's items are (its R rows) x (one tile of 32 blocks); P = 8/R items in flight through a cp.async
 // ring in (dynamic) shared memory: 8 warps x 8 row-tiles x 1088 bytes = 69632 bytes per block.
@@ -205,15 +218,10 @@ __device__ __forceinline__ void matvec_q8_0_body(const u8* __restrict__ W, int r
                     const float dx = __ldg(xqd + gb);
 #pragma unroll
                     for (int r = 0; r < R; ++r) {
-                        const u32 boff = r * Q8_TILE_BYTES + 34 * b;
-                        const float d = h2f(*(const u16*)(sbv + boff));
-                        const u32 qoff = boff + 2 + 8 * sub;
-                        const u32* wp = (const u32*)(sbv + (qoff & ~3u));
-                        const u32 sh = 8 * (qoff & 3u);
-                        const u32 w0 = wp[0], w1 = wp[1];
-                        const u32 w2 = sh ? wp[2] : 0u;
-                        int sum = __dp4a((int)shf_r_clamp(w0, w1, sh), (int)xv.x, 0);
-                        sum = __dp4a((int)shf_r_clamp(w1, w2, sh), (int)xv.y, sum);
+                        u32 qa, qb;
+                        const float d = q8_staged(sbv, r * Q8_TILE_BYTES + 34 * b, sub, qa, qb);
+                        int sum = __dp4a((int)qa, (int)xv.x, 0);
+                        sum = __dp4a((int)qb, (int)xv.y, sum);
                         acc[r] = f_fma(f_mul(d, dx), (float)sum, acc[r]);
                     }
                 } else if (b < nbt) {
@@ -221,15 +229,10 @@ __device__ __forceinline__ void matvec_q8_0_body(const u8* __restrict__ W, int r
                     const float4 x0 = ldx4<XS>(xp), x1 = ldx4<XS>(xp + 1);
 #pragma unroll
                     for (int r = 0; r < R; ++r) {
-                        const u32 boff = r * Q8_TILE_BYTES + 34 * b;
-                        const float d = h2f(*(const u16*)(sbv + boff));
-                        const u32 qoff = boff + 2 + 8 * sub;
-                        const u32* wp = (const u32*)(sbv + (qoff & ~3u));
-                        const u32 sh = 8 * (qoff & 3u);
-                        const u32 w0 = wp[0], w1 = wp[1];
-                        const u32 w2 = sh ? wp[2] : 0u;
-                        const u32 qa = shf_r_clamp(w0, w1, sh) ^ 0x80808080u;
-                        const u32 qb = shf_r_clamp(w1, w2, sh) ^ 0x80808080u;
+                        u32 qa, qb;
+                        const float d = q8_staged(sbv, r * Q8_TILE_BYTES + 34 * b, sub, qa, qb);
+                        qa ^= 0x80808080u;  // i8f reads biased bytes
+                        qb ^= 0x80808080u;
                         float a0 = f_mul(x0.x, i8f(qa, 0));
                         float a1 = f_mul(x0.y, i8f(qa, 1));
                         a0 = f_fma(x0.z, i8f(qa, 2), a0);
