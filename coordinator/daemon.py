@@ -93,7 +93,7 @@ class Coordinator:
         for p in self.rt.path.glob("*.sock"):
             p.chmod(0o600)
         self.sup = Supervisor(self.cards, self._lane_argv, self.rt.shm_prefix, self.cfg.lane_timeout_s,
-                              threads.per_lane(self.cfg.cpu_threads, len(self.cards)))
+                              threads.per_lane(self.cfg.cpu_threads, len(self.cards)), self.cfg.lane_start_timeout_s)
         self.sup.start_all()
         log.info("model %s: %d layers x %d experts, slot %.2f MiB, %d slots per card (%s), %d cards %s",
                  self.model.path, c.n_layer, c.n_expert, self.slot_bytes / 2**20, self.n_slots,

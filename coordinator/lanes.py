@@ -47,12 +47,16 @@ class LaneHandle:
 
 
 class Supervisor:
-    def __init__(self, cards: list[str], argv_for, shm_prefix: str, timeout_s: float, threads: int):
+    def __init__(self, cards: list[str], argv_for, shm_prefix: str, timeout_s: float, threads: int,
+                 start_timeout_s: float = 600.0):
         self.lanes = [LaneHandle(i, c) for i, c in enumerate(cards)]
         self.threads = threads
         self.argv_for = argv_for  # lane -> argv
         self.shm_prefix = shm_prefix
         self.timeout_s = timeout_s
+        # building a card (kernels compiled on a cold cache, GBs of experts uploaded, two lanes sharing a GPU) is
+        # silent for longer than a serving lane may be
+        self.start_timeout_s = start_timeout_s
 
     def start(self, h: LaneHandle) -> None:
         h.proc = subprocess.Popen(self.argv_for(h), stdin=subprocess.DEVNULL, env=child_env(self.threads))
@@ -82,8 +86,9 @@ class Supervisor:
             if rc is not None:
                 why = f"lane {h.lane} exited with status {rc}" if rc >= 0 else \
                     f"lane {h.lane} was killed by {signal.Signals(-rc).name}"
-            elif now - h.last_seen > self.timeout_s:
-                why = f"lane {h.lane} stopped answering for {now - h.last_seen:.0f} s"
+            elif now - h.last_seen > (self.timeout_s if h.ready else self.start_timeout_s):
+                why = (f"lane {h.lane} stopped answering for {now - h.last_seen:.0f} s" if h.ready else
+                       f"lane {h.lane} did not finish starting (building its card) in {now - h.last_seen:.0f} s")
                 h.proc.kill()
                 h.proc.wait()
             if why:

@@ -75,6 +75,7 @@ class DaemonConfig(BaseModel):
     queue_limit: int = Field(64, ge=1)
     heartbeat_s: float = Field(1.0, gt=0)
     lane_timeout_s: float = Field(30.0, gt=0, description="a lane silent this long is declared dead")
+    lane_start_timeout_s: float = Field(600.0, gt=0, description="the same for a lane still building its card")
     stop_grace_s: float = Field(5.0, ge=0, description="on SIGTERM, how long in-flight requests may finish")
     cpu_threads: int = Field(0, ge=0, description="compute threads per lane (CPU pool, numpy); 0: cores / lanes")
     host_experts: Literal["cpu", "card"] = Field(
