@@ -48,7 +48,7 @@ class LaneHandle:
 
 class Supervisor:
     def __init__(self, cards: list[str], argv_for, shm_prefix: str, timeout_s: float, threads: int,
-                 start_timeout_s: float = 600.0):
+                 start_timeout_s: float):
         self.lanes = [LaneHandle(i, c) for i, c in enumerate(cards)]
         self.threads = threads
         self.argv_for = argv_for  # lane -> argv
@@ -87,8 +87,8 @@ class Supervisor:
                 why = f"lane {h.lane} exited with status {rc}" if rc >= 0 else \
                     f"lane {h.lane} was killed by {signal.Signals(-rc).name}"
             elif now - h.last_seen > (self.timeout_s if h.ready else self.start_timeout_s):
-                why = (f"lane {h.lane} stopped answering for {now - h.last_seen:.0f} s" if h.ready else
-                       f"lane {h.lane} did not finish starting (building its card) in {now - h.last_seen:.0f} s")
+                what = "stopped answering for" if h.ready else "did not finish starting (building its card) in"
+                why = f"lane {h.lane} {what} {now - h.last_seen:.0f} s"
                 h.proc.kill()
                 h.proc.wait()
             if why:
