@@ -16,16 +16,12 @@ share an expert are grouped so that each weight row is read once for all of its 
 
 The integer parts (IQ3_S decode, sub-block dots, 8 sub-blocks' scaling at once) are LLVM vector IR emitted through
 numba intrinsics; the float parts are plain IEEE float32 operations in the canonical order.
-Measured (IQ3_S, a3b shape, 8 experts x 1 token, bytes of the 8 experts / time): see bench_cpu_pool and the
-`python -m lane.cpu_pool` command line.
+Its throughput (GB/s of expert bytes read) is measured by `stratad.bench.cpu_pool`; figures in docs/perf-notes.md.
 """
 from __future__ import annotations
 
-import os
 import threading
-import time
 import weakref
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,7 +31,6 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from stratad.bench import hardware
 from stratad.model.quants import SUB, fmt, iq3s_grid
 
 F32 = np.float32
@@ -768,57 +763,28 @@ def _flat_readonly(x: np.ndarray) -> np.ndarray:
 
 
 class CpuPool:
-    """Computes experts on `threads` OS threads.
+    """Computes experts on `threads` OS threads: one numba parallel call per layer on numba's own thread pool;
+    inside it `threads` workers take units of CHUNK rows from a shared atomic ticket counter, for gate/up + SwiGLU,
+    then quantise h, then down (so a core that is busy elsewhere just takes fewer units). numba's default threading
+    layer must not be entered from two Python threads at once, so calls are serialised on a module-wide lock.
+    Every output element is computed by the same sequential code whichever worker computes it."""
 
-    mode "prange" (the default): one numba parallel call per layer on numba's own thread pool; inside it `threads`
-    workers take units of CHUNK rows from a shared atomic ticket counter, for gate/up + SwiGLU, then quantise h,
-    then down (so a core that is busy elsewhere just takes fewer units). numba's default threading layer must not
-    be entered from two Python threads at once, so calls are serialised on a module-wide lock.
-    mode "threads": a ThreadPoolExecutor made once; for each phase the calling thread and threads - 1 workers each
-    make one GIL-releasing numba call that takes units from the ticket counter. No numba thread pool, callable
-    from several threads at once, but the Python hand-offs cost ~1.5 ms a layer at 8-16 threads (measured on the
-    H200 host's 16-core Xeon: IQ3_S 8 experts x 1 token, 16 threads: prange 1.0 ms, threads 2.9 ms).
-    Both give identical bits: every output element is computed by the same sequential code whoever computes it.
-    """
-
-    def __init__(self, threads: int, mode: str = "prange"):
+    def __init__(self, threads: int):
         if threads < 1:
             raise ValueError("threads must be >= 1")
-        if mode not in ("threads", "prange"):
-            raise ValueError(f"unknown mode {mode!r}")
-        if mode == "prange":
-            import numba
+        import numba
 
-            threads = min(threads, numba.config.NUMBA_NUM_THREADS)
-        self.threads = threads
-        self.mode = mode
+        self.threads = min(threads, numba.config.NUMBA_NUM_THREADS)
         self._checked: dict[tuple, tuple] = {}
-        self._ex = ThreadPoolExecutor(threads - 1, thread_name_prefix="cpu-pool") \
-            if mode == "threads" and threads > 1 else None
 
     def close(self) -> None:
-        if self._ex is not None:
-            self._ex.shutdown(wait=True)
-            self._ex = None
+        self._checked.clear()
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         self.close()
-
-    def _spread(self, worker, *args) -> None:
-        """worker(ticket, *args) on this thread and the threads - 1 workers, all sharing one ticket counter."""
-        ticket = np.zeros(1, np.int64)
-        if self._ex is None:
-            worker(ticket, *args)
-            return
-        futs = [self._ex.submit(worker, ticket, *args) for _ in range(self.threads - 1)]
-        try:
-            worker(ticket, *args)
-        finally:
-            for f in futs:
-                f.result()
 
     def _weights(self, jobs: LayerJobs) -> tuple:
         """The layer's weights checked and flattened, once per set of tensor objects (LayerJobs.from_model hands
@@ -865,99 +831,11 @@ class CpuPool:
         tg, tu, td = int(jobs.gate_type), int(jobs.up_type), int(jobs.down_type)
         rb_g, rb_u, rb_d = jobs.gate.shape[2], jobs.up.shape[2], jobs.down.shape[2]
         flat = out.reshape(-1)
-        if self.mode == "prange":
-            import numba
+        import numba
 
-            with _PRANGE_LOCK:
-                numba.set_num_threads(self.threads)
-                _layer_parallel(self.threads, np.zeros(16, np.int64), tg, tu, td, gate, up, down, d_ff, d_model,
-                                rb_g, rb_u, rb_d, qa, da, asum, pair_tok, gstart, gpairs, gexp, maxg, h, qh, dh, hsum,
-                                flat, F16E, POW2, GRID)
-            return out
-        self._spread(_gate_up_worker, ngrp * d_ff, tg, tu, gate, up, d_ff, rb_g, rb_u, qa, da, asum, pair_tok, gstart,
-                     gpairs, gexp, maxg, h, F16E, POW2, GRID)
-        _quantize(h, 0, n_pairs, d_ff, qh, dh, hsum)
-        self._spread(_down_worker, ngrp * d_model, td, down, d_model, rb_d, qh, dh, hsum, gstart, gpairs, gexp, maxg,
-                     flat, F16E, GRID)
+        with _PRANGE_LOCK:
+            numba.set_num_threads(self.threads)
+            _layer_parallel(self.threads, np.zeros(16, np.int64), tg, tu, td, gate, up, down, d_ff, d_model,
+                            rb_g, rb_u, rb_d, qa, da, asum, pair_tok, gstart, gpairs, gexp, maxg, h, qh, dh, hsum,
+                            flat, F16E, POW2, GRID)
         return out
-
-
-# ---- benchmark --------------------------------------------------------------------------------------------------
-
-
-def _random_layer(qtype: int, n_expert: int, d_model: int, d_ff: int, seed: int = 0):
-    """A layer's three expert tensors, uint8 (n_expert, rows, row_bytes), random valid blocks."""
-    from stratad.model.quants import random_rows
-
-    rng = np.random.default_rng(seed)
-    gate = np.empty((n_expert, d_ff, fmt(qtype).row_bytes(d_model)), np.uint8)
-    up = np.empty_like(gate)
-    down = np.empty((n_expert, d_model, fmt(qtype).row_bytes(d_ff)), np.uint8)
-    for e in range(n_expert):
-        gate[e] = random_rows(qtype, rng, d_ff, d_model, 0.02)
-        up[e] = random_rows(qtype, rng, d_ff, d_model, 0.02)
-        down[e] = random_rows(qtype, rng, d_model, d_ff, 0.02)
-    return gate, up, down
-
-
-def bench_cpu_pool(threads: int | None = None, qtype: int = IQ3_S, n_expert: int = 128, experts_per_token: int = 8,
-                   tokens: int = 1, d_model: int = 2048, d_ff: int = 768, repeat: int = 30,
-                   modes=("prange", "threads"), seed: int = 0, layer=None, bandwidth: bool = True) -> dict:
-    """GB/s of expert bytes read by CpuPool.run, default the a3b shape, IQ3_S, 8 experts x 1 token.
-
-    Each call draws different experts from an n_expert layer (128 at a3b/IQ3_S: 260 MB, beyond this machine's
-    last-level cache), so the weights stream from memory as they do in serving. Reports the median and best call
-    and, with bandwidth=True, the host's single-thread copy and `threads`-thread read bandwidth for comparison.
-    `layer` may pass pre-built (gate, up, down) tensors.
-    """
-    from gguf import GGMLQuantizationType as T
-    from stratad.engine.canonical import quantize_act
-
-    threads = threads or os.cpu_count() or 1
-    gate, up, down = layer if layer is not None else _random_layer(T(qtype), n_expert, d_model, d_ff, seed)
-    n_expert = gate.shape[0]
-    per_expert = gate[0].nbytes + up[0].nbytes + down[0].nbytes
-    rng = np.random.default_rng(seed + 1)
-    qa, da = quantize_act(rng.standard_normal((tokens, d_model)).astype(F32))
-    res = {"qtype": T(qtype).name, "d_model": d_model, "d_ff": d_ff, "experts": experts_per_token, "tokens": tokens,
-           "threads": threads, "expert_mb": per_expert / 1e6, "layer_mb": (gate.nbytes + up.nbytes + down.nbytes) / 1e6,
-           "modes": {}}
-    for mode in modes:
-        with CpuPool(threads, mode) as pool:
-            times = []
-            for i in range(repeat + 2):
-                es = rng.choice(n_expert, experts_per_token, replace=False)
-                pairs = np.array([(t, e) for t in range(tokens) for e in es], np.int32)
-                jobs = LayerJobs(gate, up, down, int(qtype), int(qtype), int(qtype), pairs, qa, da)
-                t0 = time.perf_counter()
-                pool.run(jobs)
-                if i >= 2:  # the first calls compile / load the cache and start threads
-                    times.append(time.perf_counter() - t0)
-        nb = experts_per_token * per_expert
-        res["modes"][mode] = {"ms": float(np.median(times)) * 1e3, "gb_s": nb / float(np.median(times)) / 1e9,
-                     "best_gb_s": nb / min(times) / 1e9}
-    if bandwidth:
-        res["host_copy_gb_s_1thread"] = hardware.host_bandwidth_gbs()
-        res["host_read_gb_s"] = hardware.host_read_bandwidth(threads)
-    return res
-
-
-if __name__ == "__main__":
-    import argparse
-    import json
-
-    ap = argparse.ArgumentParser(description="CPU pool throughput (GB/s of expert bytes read)")
-    ap.add_argument("--threads", type=int, nargs="*", default=[os.cpu_count() or 1])
-    ap.add_argument("--qtype", default="IQ3_S")
-    ap.add_argument("--experts", type=int, default=8)
-    ap.add_argument("--tokens", type=int, default=1)
-    ap.add_argument("--n-expert", type=int, default=128)
-    ap.add_argument("--modes", nargs="*", default=["prange", "threads"])
-    args = ap.parse_args()
-    from stratad.model.quants import parse_type
-
-    qt = parse_type(args.qtype)
-    layer = _random_layer(qt, args.n_expert, 2048, 768)
-    for th in args.threads:
-        print(json.dumps(bench_cpu_pool(th, int(qt), experts_per_token=args.experts, tokens=args.tokens,
-                                        modes=args.modes, layer=layer)), flush=True)

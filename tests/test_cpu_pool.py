@@ -24,7 +24,7 @@ def seed():
 
 @pytest.fixture(scope="module")
 def pools():
-    ps = {1: CpuPool(1), 2: CpuPool(2), "threads-1": CpuPool(1, mode="threads"), "threads-2": CpuPool(2, mode="threads")}
+    ps = {1: CpuPool(1), 2: CpuPool(2)}
     yield ps
     for p in ps.values():
         p.close()
@@ -203,7 +203,7 @@ def test_empty_and_bad_jobs(pools):
 
 
 def test_concurrent_callers(pools, seed):
-    """Several Python threads may call pools at once (the prange mode serialises them), same bits."""
+    """Several Python threads may call pools at once (calls are serialised on the pool lock), same bits."""
     from concurrent.futures import ThreadPoolExecutor
 
     rng = np.random.default_rng([seed, 19])
@@ -214,6 +214,6 @@ def test_concurrent_callers(pools, seed):
     jobs = LayerJobs(*layer, *map(int, types), pairs, qa, da)
     want = pools[1].run(jobs)
     with ThreadPoolExecutor(4) as ex:
-        outs = list(ex.map(lambda k: pools[k].run(jobs), [2, "threads-2", 2, 1, 2, "threads-2"] * 3))
+        outs = list(ex.map(lambda k: pools[k].run(jobs), [2, 1, 2, 1, 2, 2] * 3))
     for o in outs:
         assert_bits(o, want)
