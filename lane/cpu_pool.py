@@ -1,6 +1,6 @@
 """The CPU pool: threads that compute the experts no card holds, straight from the arena's raw GGUF bytes.
 
-Every output bit equals `stratad.engine.canonical.expert` on `decode_int` of the same rows (DESIGN.md, exactness):
+Every output bit equals `stratad.engine.canonical.expert` on `decode_int` of the same rows (docs/design.md, exactness):
 the kernels read IQ3_S / Q4_K / Q8_0 blocks directly, form exact integer sub-block dots, scale each term as
 `(scale_b * d_b) * isum_b [- (minimum_b * d_b) * asum_b]` in float32 (every op rounded on its own: no fastmath, so
 LLVM never contracts to FMA or reassociates), sum terms in the canonical warp order (virtual lane l adds terms

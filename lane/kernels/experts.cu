@@ -1,6 +1,6 @@
 // stratad GPU expert kernels: bit-exact CUDA versions of stratad/engine/canonical.py.
 //
-// Exactness (DESIGN.md): every float32 operation whose result reaches an output is written as inline PTX with an
+// Exactness (docs/design.md): every float32 operation whose result reaches an output is written as inline PTX with an
 // explicit rounding mode and no .ftz (add.rn / sub.rn / mul.rn / div.rn / cvt.rni), so neither --fmad nor -ftz
 // nor --prec-div can change a bit. Integer block dots use dp4a (exact). Terms of a row are summed in the
 // canonical lane order: lane l adds the terms of sub-blocks l, l+32, ... to 0.0f in order, then the lanes are

@@ -1,4 +1,4 @@
-"""The canonical expert function: the one definition of an expert's output bits (DESIGN.md, exactness).
+"""The canonical expert function: the one definition of an expert's output bits (docs/design.md, exactness).
 
 An expert's output must not depend on where it ran (GPU kernel, peer card, CPU pool), so every implementation
 computes exactly this, in float32 with each multiply and add rounded on its own (no fused multiply-add):
