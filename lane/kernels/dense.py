@@ -43,6 +43,8 @@ from gguf import GGMLQuantizationType as T
 
 from stratad.engine import canonical, reference
 from stratad.model import quants
+from stratad.model import rope as rope_math
+from stratad.model.rope import RopeScaling
 
 from .compile import load_module
 from .launch import launch
@@ -561,22 +563,21 @@ rms_norm_ref = reference.rms_norm
 # =================================================================================================================
 # 3. q/k norm + RoPE + KV append
 # =================================================================================================================
-def rope_tables(max_ctx: int, head_dim: int, base: float) -> tuple[np.ndarray, np.ndarray]:
-    """cos, sin float32 (max_ctx, head_dim/2), computed exactly as reference.rope does (float64, then cast)."""
-    half = head_dim // 2
-    inv = base ** (-np.arange(half, dtype=np.float64) * 2 / head_dim)
-    ang = np.arange(max_ctx, dtype=np.int64)[:, None].astype(np.float64) * inv[None, :]
-    return np.cos(ang).astype(F32), np.sin(ang).astype(F32)
+def rope_tables(max_ctx: int, head_dim: int, base: float,
+                scaling: RopeScaling = rope_math.NONE) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin float32 (max_ctx, head_dim/2) of positions 0..max_ctx-1: the reference's own table function (one
+    definition; YaRN's mscale is in the table, so the kernels apply any scaling unchanged)."""
+    return rope_math.tables(np.arange(max_ctx, dtype=np.int64), head_dim, base, scaling)
 
 
 class RopeTable:
     """rope_tables uploaded once (a3b, 131072 x 64: 2 x 32 MB)."""
 
-    def __init__(self, max_ctx: int, head_dim: int, base: float):
+    def __init__(self, max_ctx: int, head_dim: int, base: float, scaling: RopeScaling = rope_math.NONE):
         import cupy
 
-        c, s = rope_tables(max_ctx, head_dim, base)
-        self.max_ctx, self.head_dim, self.base = int(max_ctx), int(head_dim), float(base)
+        c, s = rope_tables(max_ctx, head_dim, base, scaling)
+        self.max_ctx, self.head_dim, self.base, self.scaling = int(max_ctx), int(head_dim), float(base), scaling
         self.cos, self.sin = cupy.asarray(c), cupy.asarray(s)
 
 

@@ -12,11 +12,14 @@ from typing import Iterator, Protocol
 import numpy as np
 from threadpoolctl import ThreadpoolController
 
+from lane.chunks import PROMPT_CHUNK, chunks
 from stratad.engine import canonical
 from stratad.engine.generation import Generation
 from stratad.engine.sampling import SamplingParams
 from stratad.model import quants
+from stratad.model import rope as rope_tables
 from stratad.model.gguf_file import ModelFile
+from stratad.model.rope import RopeScaling
 
 F32 = np.float32
 _BLAS = ThreadpoolController()
@@ -27,12 +30,12 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return (x / np.sqrt(ms + F32(eps))) * w
 
 
-def rope(x: np.ndarray, pos: np.ndarray, base: float) -> np.ndarray:
-    """NEOX-style rotary embedding (Qwen3): pairs (i, i + head_dim/2). x: (T, heads, head_dim)."""
+def rope(x: np.ndarray, pos: np.ndarray, base: float, scaling: RopeScaling = rope_tables.NONE) -> np.ndarray:
+    """NEOX-style rotary embedding (Qwen3): pairs (i, i + head_dim/2). x: (T, heads, head_dim). cos / sin from
+    the table function the GPU card uploads (stratad/model/rope.py), scaling included."""
     half = x.shape[-1] // 2
-    inv = base ** (-np.arange(half, dtype=np.float64) * 2 / x.shape[-1])
-    ang = pos[:, None].astype(np.float64) * inv[None, :]
-    cos, sin = np.cos(ang).astype(F32)[:, None, :], np.sin(ang).astype(F32)[:, None, :]
+    cos, sin = rope_tables.tables(pos, x.shape[-1], base, scaling)
+    cos, sin = cos[:, None, :], sin[:, None, :]
     a, b = x[..., :half], x[..., half:]
     return np.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)
 
@@ -183,7 +186,7 @@ class ReferenceEngine:
         q = rms_norm(q, self.w(b + "attn_q_norm.weight"), c.rms_eps)
         k = rms_norm(k, self.w(b + "attn_k_norm.weight"), c.rms_eps)
         pos = np.arange(kv.length, kv.length + T)
-        q, k = rope(q, pos, c.rope_base), rope(k, pos, c.rope_base)
+        q, k = rope(q, pos, c.rope_base, c.rope_scaling), rope(k, pos, c.rope_base, c.rope_scaling)
         K, V = kv.append(i, k, v)
         g = c.n_head // c.n_head_kv
         qg = q.reshape(T, c.n_head_kv, g, c.head_dim)
@@ -201,11 +204,17 @@ class ReferenceEngine:
         return canonical.combine(wts, self.experts(i, h, ids))
 
     def forward(self, tokens, kv: KVCache, logits: str = "last", trace: Trace | None = None) -> np.ndarray:
-        """Run new tokens (appended to kv). logits: "last" (1, vocab), "all" (T, vocab) or "none"."""
+        """Run new tokens (appended to kv). logits: "last" (1, vocab), "all" (T, vocab) or "none" (the hidden
+        states, (T, d_model)). Many tokens are read in chunks of PROMPT_CHUNK, as a CPU card reads a prompt: a
+        read's rounding depends on its length (matmul shapes, the softmax's sum), so this gives a card's bits."""
         # a multi-threaded BLAS splits sums differently with its thread count: one thread keeps the bits the
         # same in every process (lanes, the reference in a test), whatever the machine's cores
         with _BLAS.limit(limits=1, user_api="blas"):
-            return self._forward(tokens, kv, logits, trace)
+            if len(tokens) <= PROMPT_CHUNK:
+                return self._forward(tokens, kv, logits, trace)
+            outs = [self._forward(c, kv, logits if logits != "last" or last else "none", trace)
+                    for c, _, last in chunks(tokens, logits)]
+            return outs[-1] if logits == "last" else np.concatenate(outs)
 
     def _forward(self, tokens, kv: KVCache, logits: str, trace: Trace | None) -> np.ndarray:
         tokens = np.asarray(tokens, np.int64)
@@ -224,5 +233,5 @@ class ReferenceEngine:
 
     def generate(self, prompt: list[int], params: SamplingParams) -> Iterator[int]:
         """Sampled token ids; stops at a stop token (not yielded), a stop string or max_tokens."""
-        g = Generation(self, self.model.tokenizer, prompt, params, self.c.context_length)
+        g = Generation(self, self.model.tokenizer, prompt, params, self.c.max_context)
         return (t for t, _ in g if t is not None)

@@ -133,9 +133,11 @@ def model_tensors(c: ModelConfig, expert_q: T, dense_q: T, skew: float, seed: in
 
 
 def make_model(out: str | os.PathLike, preset: str | ModelConfig = "tiny", expert_quant: str = "IQ3_S",
-               dense_quant: str = "Q8_0", router_skew: float = 0.0, seed: int = 0, topics: int = 1) -> dict:
-    """Write the model; returns a small report (path, bytes, seconds). topics=2: two kinds of traffic with
-    different hot experts (even / odd token ids), each chat keeping to the kind its prompt has."""
+               dense_quant: str = "Q8_0", router_skew: float = 0.0, seed: int = 0, topics: int = 1,
+               split_max_size: int = 0) -> dict:
+    """Write the model; returns a small report (path, files, bytes, seconds). topics=2: two kinds of traffic with
+    different hot experts (even / odd token ids), each chat keeping to the kind its prompt has. split_max_size:
+    llama.cpp's split shards of at most that many bytes (the first, `path` -00001-of-N, is the model to load)."""
     if topics not in (1, 2):
         raise ValueError(f"topics must be 1 or 2, got {topics}")
     if topics == 2 and not router_skew:
@@ -153,7 +155,11 @@ def make_model(out: str | os.PathLike, preset: str | ModelConfig = "tiny", exper
     for n in (c.d_model, c.d_ff_expert):
         quants.fmt(eq).row_bytes(n)
         quants.fmt(dq).row_bytes(n)
+    if split_max_size < 0:
+        raise ValueError(f"split_max_size must be >= 0, got {split_max_size}")
     t0 = time.monotonic()
-    write_model(out, c, model_tensors(c, eq, dq, router_skew, seed, topics), build_vocab(c.vocab_size),
-                name=f"stratad-{preset if isinstance(preset, str) else 'custom'}-{eq.name}", file_type=eq)
-    return {"path": str(out), "bytes": os.path.getsize(out), "seconds": round(time.monotonic() - t0, 2)}
+    files = write_model(out, c, model_tensors(c, eq, dq, router_skew, seed, topics), build_vocab(c.vocab_size),
+                        name=f"stratad-{preset if isinstance(preset, str) else 'custom'}-{eq.name}", file_type=eq,
+                        split_max_size=split_max_size)
+    return {"path": files[0], "files": files, "bytes": sum(os.path.getsize(f) for f in files),
+            "seconds": round(time.monotonic() - t0, 2)}

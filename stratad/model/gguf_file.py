@@ -7,7 +7,6 @@ names are llama.cpp's, so a real Qwen3-30B-A3B / 235B-A22B GGUF opens unchanged.
 from __future__ import annotations
 
 import hashlib
-import mmap
 import os
 from dataclasses import dataclass
 from functools import cached_property
@@ -15,11 +14,14 @@ from pathlib import Path
 
 import numpy as np
 from gguf import GGMLQuantizationType as T
-from gguf import GGUFReader, GGUFValueType
+from gguf import GGUFReader
 
-from stratad.model import quants
+from stratad.model import quants, split
 from stratad.model.config import ARCH, ModelConfig
 from stratad.model.errors import ModelFormatError
+from stratad.model.mapping import map_files
+from stratad.model.metadata import metadata
+from stratad.model.rope import RopeScaling
 
 GGUF_MAGIC = b"GGUF"
 NORM_TYPES = (T.F32, T.F16, T.BF16)
@@ -66,85 +68,105 @@ class TensorInfo:
         return quants.fmt(self.qtype).row_bytes(self.shape[-1])
 
 
+@dataclass(frozen=True)
+class Shard:
+    path: Path
+    size: int  # bytes of the file
+    base: int  # where the file starts in the mapping
+    header: int  # bytes of metadata and tensor table (where its tensor data starts)
+
+
 class ModelFile:
-    """A validated qwen3moe GGUF file. Raises ModelFormatError naming the file and the problem."""
+    """A validated qwen3moe GGUF, one file or llama.cpp's split shards (give the first: `…-00001-of-0000N.gguf`).
+    Raises ModelFormatError naming the file (the shard at fault) and the problem."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
-        if not self.path.is_file():
-            raise ModelFormatError(self.path, "no such model file")
-        self.size = self.path.stat().st_size
-        with open(self.path, "rb") as f:
-            if f.read(4) != GGUF_MAGIC:
-                raise ModelFormatError(self.path, "not a GGUF file (bad magic)")
-        reader = GGUFReader.__new__(GGUFReader)  # kept when __init__ fails: how far it got tells where the fault is
-        try:
-            reader.__init__(self.path, "r")
-        except (ValueError, IndexError, OSError, KeyError) as e:
-            if hasattr(reader, "data_offset"):  # header and tensor table were read; the tensor data is short
-                raise ModelFormatError(self.path, f"truncated file or corrupt tensor table: the tensor data does not "
-                                                  f"fit the file's {self.size} bytes ({e})") from None
-            raise ModelFormatError(self.path, f"truncated or corrupt GGUF header ({e})") from None
-        self.reader = reader
-        arch = self.meta("general.architecture")
+        self.reader = _read_gguf(self.path)
+        arch = metadata(self.reader, self.path, "general.architecture", "str", required=False)
         if arch != ARCH:
             raise ModelFormatError(self.path, f"unknown architecture {arch!r}; supported: {ARCH}")
-        self.config = self._read_config()
-        self.tensors = self._read_tensors()
-        self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
+        readers = split.shard_readers(self.path, self.reader, _read_gguf)
+        sizes = [p.stat().st_size for p, _ in readers]
+        self.size = sum(sizes)
+        self.config = self._read_config(readers)
+        self._map, bases = map_files([p for p, _ in readers], sizes)
+        self.shards = [Shard(p, size, base, int(r.data_offset)) for (p, r), size, base in zip(readers, sizes, bases)]
+        self.tensors = self._read_tensors(readers)
+        for _, r in readers[1:]:  # the first keeps its reader (the tokenizer reads it); the others are done
+            _close_reader(r)
 
     # ---- metadata -------------------------------------------------------------------------------------------
     def meta(self, key: str, default=None):
         f = self.reader.fields.get(key)
         return default if f is None else f.contents()
 
-    def _float(self, key: str, v) -> float:
-        # a FLOAT32 value (llama.cpp writes these so) stands for the shortest decimal that rounds to it: 1e-6, not
-        # 9.99999997e-07, so that a written config reads back equal
-        f = self.reader.fields[key]
-        return float(str(np.float32(v))) if f.types and f.types[0] == GGUFValueType.FLOAT32 else float(v)
-
-    def _read_config(self) -> ModelConfig:
+    def _read_config(self, readers) -> ModelConfig:
         vals = {}
         for key, field in ModelConfig.KEYS.items():
-            v = self.meta(f"{ARCH}.{key}")
+            kind = "float" if field in ModelConfig.FLOAT_FIELDS else "int"
+            v = metadata(self.reader, self.path, f"{ARCH}.{key}", kind, required=False)
             if v is None:
-                if field in ("rope_base", "rms_eps"):
+                if field in ModelConfig.FLOAT_FIELDS:
                     continue
                 if field == "head_dim" and "n_head" in vals:
                     v = vals["d_model"] // vals["n_head"]
                 else:
                     raise ModelFormatError(self.path, f"missing metadata key {ARCH}.{key}")
-            elif field in ("rope_base", "rms_eps"):
-                v = self._float(f"{ARCH}.{key}", v)
             vals[field] = v
-        tokens = self.meta("tokenizer.ggml.tokens")
-        emb = next((t for t in self.reader.tensors if t.name == "token_embd.weight"), None)
+        emb = next((t for _, r in readers for t in r.tensors if t.name == "token_embd.weight"), None)
         if emb is not None:
             vals["vocab_size"] = int(emb.shape[1])
-        elif tokens is not None:
+        elif (tokens := self.meta("tokenizer.ggml.tokens")) is not None:
             vals["vocab_size"] = len(tokens)
         else:
             raise ModelFormatError(self.path, "missing tensor token_embd.weight")
-        cfg = ModelConfig(**{k: (float(v) if k in ("rope_base", "rms_eps") else int(v)) for k, v in vals.items()})
+        vals["rope_scaling"] = self._read_rope_scaling(vals["context_length"])
+        cfg = ModelConfig(**vals)
         if probs := cfg.problems():
             raise ModelFormatError(self.path, "bad model shape: " + "; ".join(probs))
         return cfg
 
-    def _read_tensors(self) -> dict[str, TensorInfo]:
+    def _read_rope_scaling(self, context_length: int) -> RopeScaling:
+        """llama.cpp's rope.scaling keys: a factor without a type is linear; yarn's original length defaults to the
+        trained one; a factor of 0 means none."""
+        vals = {}
+        for key, field in ModelConfig.ROPE_KEYS.items():
+            kind = "str" if field == "kind" else "int" if field == "orig_ctx" else "float"
+            v = metadata(self.reader, self.path, f"{ARCH}.{key}", kind, required=False)
+            if v is not None:
+                vals[field] = v
+        log_mul = metadata(self.reader, self.path, f"{ARCH}.rope.scaling.yarn_log_multiplier", "float", required=False)
+        if log_mul:
+            raise ModelFormatError(self.path, f"{ARCH}.rope.scaling.yarn_log_multiplier is not supported")
+        if vals.get("factor") == 0:
+            vals.pop("factor")
+        kind = vals.setdefault("kind", "linear" if "factor" in vals else "none")
+        if kind == "yarn" and not vals.get("orig_ctx"):
+            vals["orig_ctx"] = context_length
+        return RopeScaling(**vals) if kind != "none" else RopeScaling()
+
+    def _read_tensors(self, readers) -> dict[str, TensorInfo]:
         found = {}
-        for t in self.reader.tensors:
-            try:
-                qt = T(int(t.tensor_type))
-                f = quants.fmt(qt)
-            except ValueError:
-                name = getattr(t.tensor_type, "name", str(t.tensor_type))
-                raise ModelFormatError(self.path, f"tensor {t.name} has unsupported type {name}") from None
-            shape = tuple(int(x) for x in reversed(t.shape.tolist()))
-            nbytes = int(np.prod(shape[:-1], dtype=np.int64)) * f.row_bytes(shape[-1]) if shape[-1] % f.block_values == 0 else -1
-            if nbytes < 0:
-                raise ModelFormatError(self.path, f"tensor {t.name}: row of {shape[-1]} values is not a whole number of {qt.name} blocks")
-            found[t.name] = TensorInfo(t.name, qt, shape, int(t.data_offset), nbytes)
+        for (path, reader), shard in zip(readers, self.shards):
+            for t in reader.tensors:
+                if t.name in found:
+                    raise ModelFormatError(path, f"tensor {t.name} is also in {self.shard_of(found[t.name]).path.name}")
+                try:
+                    qt = T(int(t.tensor_type))
+                    f = quants.fmt(qt)
+                except ValueError:
+                    name = getattr(t.tensor_type, "name", str(t.tensor_type))
+                    raise ModelFormatError(path, f"tensor {t.name} has unsupported type {name}") from None
+                shape = tuple(int(x) for x in reversed(t.shape.tolist()))
+                if shape[-1] % f.block_values:
+                    raise ModelFormatError(path, f"tensor {t.name}: row of {shape[-1]} values is not a whole number "
+                                                 f"of {qt.name} blocks")
+                nbytes = int(np.prod(shape[:-1], dtype=np.int64)) * f.row_bytes(shape[-1])
+                if int(t.data_offset) + nbytes > shard.size:
+                    raise ModelFormatError(path, f"truncated: tensor {t.name} ends at byte {int(t.data_offset) + nbytes}"
+                                                 f", the file has {shard.size}")
+                found[t.name] = TensorInfo(t.name, qt, shape, shard.base + int(t.data_offset), nbytes)
         want = expected_tensors(self.config)
         if "output.weight" not in found:
             want.pop("output.weight")  # tied to the embedding
@@ -157,11 +179,10 @@ class ModelFile:
             if ti.qtype not in types:
                 raise ModelFormatError(self.path, f"tensor {name} has type {ti.qtype.name}, which is not supported "
                                                   f"there (supported: {', '.join(t.name for t in types)})")
-        for ti in found.values():
-            if ti.offset + ti.nbytes > self.size:
-                raise ModelFormatError(self.path, f"truncated: tensor {ti.name} ends at byte {ti.offset + ti.nbytes}, "
-                                                  f"the file has {self.size}")
         return found
+
+    def shard_of(self, ti: TensorInfo) -> Shard:
+        return next(s for s in reversed(self.shards) if s.base <= ti.offset)
 
     # ---- tensor access --------------------------------------------------------------------------------------
     def info(self, name: str) -> TensorInfo:
@@ -171,7 +192,7 @@ class ModelFile:
 
     @property
     def mapping(self) -> np.ndarray:
-        """The whole file, mapped read-only (uint8): the arena every lane reads expert bytes from."""
+        """Every shard, mapped read-only into one range (uint8): the arena every lane reads expert bytes from."""
         return self._map
 
     def raw(self, name: str) -> np.ndarray:
@@ -192,14 +213,15 @@ class ModelFile:
 
     @cached_property
     def header_hash(self) -> str:
-        """Identity of the model: sha256 of the metadata, the tensor table, the size and a sample of every
-        tensor's bytes (its first and last 4 KiB), so a file regenerated with other weights differs."""
-        h = hashlib.sha256()
-        with open(self.path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-            h.update(m[: self.reader.data_offset])
-            for ti in sorted(self.tensors.values(), key=lambda t: t.offset):
-                h.update(m[ti.offset:ti.offset + min(ti.nbytes, HASH_SAMPLE)])
-                h.update(m[max(ti.offset, ti.offset + ti.nbytes - HASH_SAMPLE):ti.offset + ti.nbytes])
+        """Identity of the model: sha256 of each shard's metadata and tensor table, the size and a sample of every
+        tensor's bytes (its first and last 4 KiB), so a file regenerated with other weights differs. (One file:
+        the same hash as before split files were read, so kept profiles still match.)"""
+        h, m = hashlib.sha256(), self._map
+        for s in self.shards:
+            h.update(m[s.base:s.base + s.header])
+        for ti in sorted(self.tensors.values(), key=lambda t: t.offset):
+            h.update(m[ti.offset:ti.offset + min(ti.nbytes, HASH_SAMPLE)])
+            h.update(m[max(ti.offset, ti.offset + ti.nbytes - HASH_SAMPLE):ti.offset + ti.nbytes])
         h.update(str(self.size).encode())
         return h.hexdigest()
 
@@ -210,7 +232,31 @@ class ModelFile:
         return Tokenizer.from_gguf(self.reader, self.path)
 
     def close(self) -> None:
-        for m in (getattr(self, "_map", None), getattr(self.reader, "data", None)):
-            mm = getattr(m, "_mmap", None)
-            if mm is not None:
-                mm.close()
+        """Drop the mappings; the shards' range is unmapped once no view of it is left."""
+        _close_reader(self.reader)
+        self._map = None
+
+
+def _close_reader(reader) -> None:
+    mm = getattr(getattr(reader, "data", None), "_mmap", None)
+    if mm is not None:
+        mm.close()
+
+
+def _read_gguf(path: Path):
+    """A GGUFReader of one file, or ModelFormatError saying what is wrong with it."""
+    if not path.is_file():
+        raise ModelFormatError(path, "no such model file")
+    with open(path, "rb") as f:
+        if f.read(4) != GGUF_MAGIC:
+            raise ModelFormatError(path, "not a GGUF file (bad magic)")
+    reader = GGUFReader.__new__(GGUFReader)  # kept when __init__ fails: how far it got tells where the fault is
+    try:
+        reader.__init__(path, "r")
+    except (ValueError, IndexError, OSError, KeyError) as e:
+        size = path.stat().st_size
+        if hasattr(reader, "data_offset"):  # header and tensor table were read; the tensor data is short
+            raise ModelFormatError(path, f"truncated file or corrupt tensor table: the tensor data does not "
+                                         f"fit the file's {size} bytes ({e})") from None
+        raise ModelFormatError(path, f"truncated or corrupt GGUF header ({e})") from None
+    return reader

@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 import numpy as np
 from gguf import GGMLQuantizationType as T
-from gguf import GGUFWriter, LlamaFileType
+from gguf import GGUFWriter, LlamaFileType, RopeScalingType
 
 from stratad.model import quants
 from stratad.model.config import ARCH, ModelConfig
@@ -68,6 +69,14 @@ def _metadata(w: GGUFWriter, c: ModelConfig, name: str, file_type: int) -> None:
     w.add_expert_count(c.n_expert)
     w.add_expert_used_count(c.n_expert_used)
     w.add_expert_feed_forward_length(c.d_ff_expert)
+    r = c.rope_scaling
+    if r.scaled:
+        w.add_rope_scaling_type(RopeScalingType(r.kind))
+        w.add_rope_scaling_factor(r.factor)
+        if r.orig_ctx:
+            w.add_rope_scaling_orig_ctx_len(r.orig_ctx)
+        if r.attn_factor != 1.0:
+            w.add_rope_scaling_attn_factors(r.attn_factor)
 
 
 FILE_TYPES = {T.F32: LlamaFileType.ALL_F32, T.F16: LlamaFileType.MOSTLY_F16, T.BF16: LlamaFileType.MOSTLY_BF16,
@@ -75,31 +84,46 @@ FILE_TYPES = {T.F32: LlamaFileType.ALL_F32, T.F16: LlamaFileType.MOSTLY_F16, T.B
               T.IQ3_S: LlamaFileType.MOSTLY_IQ3_S}
 
 
+class _PartWriter(GGUFWriter):
+    """gguf's writer (its splitting: shards PREFIX-0000i-of-0000N.gguf, split keys in each, metadata in the
+    first) writing every file as NAME.part, renamed once all are complete."""
+
+    def format_shard_names(self, path) -> list:
+        return [p.with_name(p.name + ".part") for p in super().format_shard_names(path)]
+
+
 def write_model(path: str | os.PathLike, config: ModelConfig, tensors: Iterable[TensorSource], vocab,
-                name: str = "stratad-generated", file_type: T = T.F32) -> None:
-    """Write metadata, tokenizer and tensors; the file appears under `path` only once complete."""
+                name: str = "stratad-generated", file_type: T = T.F32, split_max_size: int = 0) -> list[str]:
+    """Write metadata, tokenizer and tensors; the file appears under `path` only once complete. split_max_size
+    > 0: shards of at most that many tensor bytes (a bigger tensor gets a shard of its own), named as llama.cpp's
+    gguf-split names them from `path` (model.gguf -> model-00001-of-00003.gguf ...). Returns the files written."""
     from stratad.model.tokenizer import write_tokenizer
 
     tensors = list(tensors)
-    tmp = f"{path}.part"
-    w = GGUFWriter(tmp, ARCH)
+    w = _PartWriter(Path(path), ARCH, split_max_size=split_max_size)
+    parts: list[Path] = []
     try:
         _metadata(w, config, name, FILE_TYPES.get(file_type, LlamaFileType.ALL_F32))
         write_tokenizer(w, vocab)
         for t in tensors:
             byte_shape = t.shape[:-1] + (quants.fmt(t.qtype).row_bytes(t.shape[-1]),)
             w.add_tensor_info(t.name, byte_shape, np.dtype(np.uint8), t.nbytes, raw_dtype=t.qtype)
+        parts = w.format_shard_names(Path(path))
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
         for t in tensors:
             w.write_tensor_data(_Streamed(t))
         w.close()
-        os.replace(tmp, path)
+        done = [p.with_name(p.name.removesuffix(".part")) for p in parts]
+        for p, d in zip(parts, done):
+            os.replace(p, d)
+        return [str(d) for d in done]
     except BaseException:
         w.close()
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        for p in parts:
+            if p.exists():
+                p.unlink()
         raise
 
 
