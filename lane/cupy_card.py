@@ -29,7 +29,7 @@ from lane.chunks import chunks
 from lane.counters import Counters
 from lane.gpu_experts import D2D, D2H, H2D, GpuExperts, pinned
 from lane.slot_pool import SlotPool
-from lane.kernels import dense as D
+from lane.kernels import attention, embedding, gemm, matvec, norm, rope_kv, router, sampling, weights
 from protos import messages as M
 from stratad.config import GPU_PROMPT_CHUNK
 from stratad.engine.sampling import Sampler
@@ -68,16 +68,13 @@ class Work:
         """slots: host copies of the routed ids (a step launched ahead writes the other one)."""
         self.T = T
         self.pos0 = 0  # where a prompt chunk starts (host side; decode steps read the device's pos)
-        self.long_ctx = False  # a decode step at ATTN_PDL_MAX_CTX or more (its attention: no PDL, STEP_LOAD)
+        self.long_ctx = False  # a decode step at ATTN_PDL_MAX_CTX or more (its attention: no PDL, plain loads)
         self.tokens = cp.zeros((T,), cp.int32)
         self.x, self.h = cp.empty((T, c.d_model), cp.float32), cp.empty((T, c.d_model), cp.float32)
         self.qkv = cp.empty((T, c.q_dim + 2 * c.kv_dim), cp.float32)
         self.q = cp.empty((T, c.n_head, c.head_dim), cp.float32)
         self.att = cp.empty((T, c.q_dim), cp.float32)
-        self.att_q = cp.empty((D.q8_row_bytes(c.q_dim),), cp.int8)  # a decode step's, for the o mat-vec on 8 bits
-        if c.d_model % 32 == 0:  # a decode step's LM head input on 8 bits: codes, then scales (D.quantize_row)
-            self.hl_q = cp.empty((D.q8_row_bytes(c.d_model),), cp.int8)
-            self.hl_quant = (self.hl_q[:c.d_model].reshape(1, -1), self.hl_q[c.d_model:].view(cp.float32)[None])
+        self.att_q = cp.empty((matvec.q8_row_bytes(c.q_dim),), cp.int8)  # a decode step's, for the o mat-vec on 8 bits
         self.router = cp.empty((T, c.n_expert), cp.float32)
         self.ids = cp.empty((c.n_layer, T, c.n_expert_used), cp.int32)
         self.w = cp.empty((T, c.n_expert_used), cp.float32)
@@ -135,7 +132,7 @@ class CupyCard:
         self.counts = counts if counts is not None else np.zeros((c.n_layer, c.n_expert))
         self.epoch = 0
         self.graphs = graphs
-        up = D.DenseWeight.upload
+        up = weights.DenseWeight.upload
 
         def w(name):
             ti = model.info(name)
@@ -149,22 +146,19 @@ class CupyCard:
         for i in range(c.n_layer):
             b = f"blk.{i}."
             self.layers.append(dict(
-                qkv=D.DenseWeight.concat([w(b + "attn_q.weight"), w(b + "attn_k.weight"), w(b + "attn_v.weight")]),
+                qkv=weights.DenseWeight.concat([w(b + "attn_q.weight"), w(b + "attn_k.weight"), w(b + "attn_v.weight")]),
                 o=w(b + "attn_output.weight"), router=w(b + "ffn_gate_inp.weight"),
                 attn_norm=f32(b + "attn_norm.weight"), ffn_norm=f32(b + "ffn_norm.weight"),
                 q_norm=f32(b + "attn_q_norm.weight"), k_norm=f32(b + "attn_k_norm.weight"),
-                kv=D.alloc_kv_cache(c.n_head_kv, self.max_ctx, c.head_dim)))
-        self.rope = D.RopeTable(self.max_ctx, c.head_dim, c.rope_base)
+                kv=rope_kv.alloc_kv_cache(c.n_head_kv, self.max_ctx, c.head_dim)))
+        self.rope = rope_kv.RopeTable(self.max_ctx, c.head_dim, c.rope_base, c.rope_scaling)
         # decode steps' attention, by long context (Work.long_ctx): each with its own load path and splits
-        self.attn = {long: D.DecodeAttention(c.n_head, c.n_head_kv, c.head_dim, self.max_ctx,
-                                             ring=D.STEP_LOAD[long] == "ring", pipelined=D.STEP_LOAD[long] == "pipe")
+        self.attn = {long: attention.DecodeAttention(c.n_head, c.n_head_kv, c.head_dim, self.max_ctx,
+                                                     pipelined=not long)
                      for long in (False, True)}
-        self.prefill_attn = D.PrefillAttention(c.n_head, c.n_head_kv, c.head_dim, self.max_ctx)
-        # decode steps: the o mat-vec on the attention output quantised to 8 bits by the combine, the LM head on the
-        # final norm's output quantised by the norm (D.DENSE_QX)
-        self.o_qx = bool("o" in D.DENSE_QX and self.layers and self.layers[0]["o"].takes_qx
-                         and all(a.quantizes() for a in self.attn.values()))
-        self.head_qx = "head" in D.DENSE_QX and self.out_w.takes_qx and c.d_model % 32 == 0
+        self.prefill_attn = attention.PrefillAttention(c.n_head, c.n_head_kv, c.head_dim, self.max_ctx)
+        # decode steps: the o mat-vec on the attention output quantised to 8 bits by the combine
+        self.o_qx = bool(self.layers and self.layers[0]["o"].takes_qx and all(a.quantizes() for a in self.attn.values()))
         self.pos = cp.zeros((1,), cp.int32)
         # the slot pool is its own cudaMalloc (not a memory-pool sub-allocation), so that its CUDA IPC handle
         # opens at the pool's first byte in other lanes
@@ -179,8 +173,8 @@ class CupyCard:
         self.experts = GpuExperts(model, self.pool, self.prompt_chunk, cpu_threads, self.stream, self.device_ident,
                                   host_experts)
         self.decode_work = Work(c, 1, 1, slots=2)
-        self.argmax, self.topk, self.cdf = D.Argmax(c.vocab_size), D.DeviceSampler(c.vocab_size), \
-            D.CdfSampler(c.vocab_size)
+        self.argmax, self.topk, self.cdf = sampling.Argmax(c.vocab_size), sampling.DeviceSampler(c.vocab_size), \
+            sampling.CdfSampler(c.vocab_size)
         # the sampler's parameters and its token; host copies by slot (a step launched ahead uses the other one)
         self.sparams, self.sparams_h = cp.zeros((4,), cp.float64), pinned((2, 4), np.float64)
         self.token, self.token_h = cp.zeros((1,), cp.int32), pinned((2,), np.int32)
@@ -235,12 +229,12 @@ class CupyCard:
         without top-p), or no top-k (temperature alone, or with top-p: the nucleus on the card where it fits the
         SAMPLE_KMAX candidates, else on the host); not a top-k wider than the candidates."""
         whole = params.top_k == 0 or params.top_k >= self.c.vocab_size
-        return params.temperature == 0 or 0 < params.top_k <= D.SAMPLE_KMAX or whole
+        return params.temperature == 0 or 0 < params.top_k <= sampling.SAMPLE_KMAX or whole
 
     def _sample_kind(self, params) -> str:
         if params.temperature == 0:
             return "argmax"
-        return "cdf" if params.top_p >= 1 and not 0 < params.top_k <= D.SAMPLE_KMAX else "top-k"
+        return "cdf" if params.top_p >= 1 and not 0 < params.top_k <= sampling.SAMPLE_KMAX else "top-k"
 
     steps_ahead = True  # forward_token takes `ahead` (module docstring)
 
@@ -252,7 +246,7 @@ class CupyCard:
         if not self.samples_on_device(params):
             raise ValueError("these sampling parameters are sampled on the host (samples_on_device)")
         kind = self._sample_kind(params)
-        top_p_only = kind == "top-k" and not 0 < params.top_k <= D.SAMPLE_KMAX  # may be left to the host
+        top_p_only = kind == "top-k" and not 0 < params.top_k <= sampling.SAMPLE_KMAX  # may be left to the host
         sample = DeviceSample(kind, bool(logits) or top_p_only)
         tokens = np.asarray(tokens, np.int32)
         pend = self._ahead
@@ -279,7 +273,7 @@ class CupyCard:
     def _upload_sparams(self, sample: DeviceSample, params, u: float, slot: int) -> None:
         """The sampler's parameters for the step launched next (on the stream: after the step before it)."""
         if sample.kind != "argmax":
-            self.sparams_h[slot] = D.sampling_params(params.temperature, params.top_k, params.top_p, u)
+            self.sparams_h[slot] = sampling.sampling_params(params.temperature, params.top_k, params.top_p, u)
             with self.device:
                 cp.cuda.runtime.memcpyAsync(self.sparams.data.ptr, self.sparams_h[slot].ctypes.data,
                                             self.sparams.nbytes, H2D, self.stream.ptr)
@@ -337,7 +331,7 @@ class CupyCard:
         """The step for w.T tokens: callables that only launch work on the card's stream, and Breaks (a decode
         step's layers whose misses the CPU pool serves; a prompt chunk stages them on the card instead)."""
         export = not self.experts.full and w.T == 1
-        ops = [lambda: D.embed(self.embed_w, w.tokens, w.x, stream=self.stream)]
+        ops = [lambda: embedding.embed(self.embed_w, w.tokens, w.x, stream=self.stream)]
         for i in range(self.c.n_layer):
             ops.append(lambda i=i: self._attend_and_route(i, w, export))
             if export:
@@ -346,21 +340,21 @@ class CupyCard:
         ops.append(lambda: self._finish(w, logit_rows, sample))
         return ops
 
-    def _proj(self, W: D.DenseWeight, X: cp.ndarray, Y: cp.ndarray, residual: cp.ndarray | None = None) -> None:
+    def _proj(self, W: weights.DenseWeight, X: cp.ndarray, Y: cp.ndarray, residual: cp.ndarray | None = None) -> None:
         """Y = X W^T (+ residual; Y may be residual): the mat-vec kernel for one token, cuBLAS fp16 for more."""
         if X.shape[0] == 1:
             r = None if residual is None else residual[0]
-            D.matvec(W, X[0], Y[0], residual=r, stream=self.stream)
+            matvec.matvec(W, X[0], Y[0], residual=r, stream=self.stream)
         else:
-            D.dense_batched(W, X, Y, residual=residual, cache=True, stream=self.stream)
+            gemm.dense_batched(W, X, Y, residual=residual, cache=True, stream=self.stream)
 
-    def _norm_proj(self, norm: cp.ndarray, W: D.DenseWeight, w: Work, Y: cp.ndarray, quant=None) -> None:
+    def _norm_proj(self, norm: cp.ndarray, W: weights.DenseWeight, w: Work, Y: cp.ndarray, quant=None) -> None:
         """Y = W rms_norm(w.x) (quant: also the experts' quantised input): one launch for a decode step where the
         kernel takes W, else the norm into w.h, then the projection (same bits)."""
-        if w.T == 1 and D.norm_matvec_ok(W):
-            D.norm_matvec(W, w.x[0], norm, self.c.rms_eps, Y[0], quant=quant, stream=self.stream)
+        if w.T == 1 and matvec.norm_matvec_ok(W):
+            matvec.norm_matvec(W, w.x[0], norm, self.c.rms_eps, Y[0], quant=quant, stream=self.stream)
         else:
-            D.rms_norm(w.x, norm, self.c.rms_eps, w.h, quant=quant, stream=self.stream)
+            norm.rms_norm(w.x, norm, self.c.rms_eps, w.h, quant=quant, stream=self.stream)
             self._proj(W, w.h, Y)
 
     def _attend_and_route(self, i: int, w: Work, export: bool) -> None:
@@ -371,30 +365,26 @@ class CupyCard:
             self.attn[w.long_ctx].step(w.qkv, L["q_norm"], L["k_norm"], c.rms_eps, self.rope, self.pos, *L["kv"],
                                        w.att, out_q=w.att_q if qx else None, pdl=not w.long_ctx, stream=s)
         else:  # a prompt chunk, run eagerly: the host knows where it starts
-            D.qk_norm_rope_kv(w.qkv, L["q_norm"], L["k_norm"], c.rms_eps, self.rope, self.pos, w.q, *L["kv"],
+            rope_kv.qk_norm_rope_kv(w.qkv, L["q_norm"], L["k_norm"], c.rms_eps, self.rope, self.pos, w.q, *L["kv"],
                               n_head=c.n_head, n_kv=c.n_head_kv, stream=s)
             self.prefill_attn(w.q, *L["kv"], w.pos0, w.att, stream=s)
         if qx:
-            D.matvec(L["o"], w.att_q, w.x[0], residual=w.x[0], qx=True, stream=s)
+            matvec.matvec(L["o"], w.att_q, w.x[0], residual=w.x[0], qx=True, stream=s)
         else:
             self._proj(L["o"], w.att, w.x, residual=w.x)
         self._norm_proj(L["ffn_norm"], L["router"], w, w.router, quant=self.experts.inputs(w.T))
         if w.T == 1:  # a decode step: routed in the launch that builds the pair lists
             self.experts.front(i, 1, w.ids[i], export, router=(w.router, w.w), x=w.x)
         else:
-            D.route(w.router, c.n_expert_used, w.ids[i], w.w, stream=s)
+            router.route(w.router, c.n_expert_used, w.ids[i], w.w, stream=s)
             self.experts.front(i, w.T, w.ids[i], export)
 
     def _finish(self, w: Work, logit_rows: int, sample: DeviceSample | None) -> None:
         s, rt = self.stream, cp.cuda.runtime
-        D.advance_pos(self.pos, w.T, stream=s)
+        rope_kv.advance_pos(self.pos, w.T, stream=s)
         if logit_rows:
-            if w.T == 1 and self.head_qx:
-                D.rms_norm(w.x, self.out_norm, self.c.rms_eps, w.hl, quant=w.hl_quant, stream=s)
-                D.matvec(self.out_w, w.hl_q, w.logits[0], qx=True, stream=s)
-            else:
-                D.rms_norm(w.x[w.T - logit_rows:], self.out_norm, self.c.rms_eps, w.hl, stream=s)
-                self._proj(self.out_w, w.hl, w.logits)
+            norm.rms_norm(w.x[w.T - logit_rows:], self.out_norm, self.c.rms_eps, w.hl, stream=s)
+            self._proj(self.out_w, w.hl, w.logits)
             if sample is None or sample.logits:
                 rt.memcpyAsync(w.logits_h.ctypes.data, w.logits.data.ptr, w.logits.nbytes, D2H, s.ptr)
             if sample is not None:
@@ -457,7 +447,7 @@ class CupyCard:
     def _long_ctx(w: Work, length: int) -> bool:
         """A decode step's attention kind at position `length` (the same whether it is replayed or run directly:
         the bits follow it)."""
-        return w.T == 1 and length >= D.ATTN_PDL_MAX_CTX
+        return w.T == 1 and length >= attention.ATTN_PDL_MAX_CTX
 
     def _graph_key(self, w: Work, length: int, sample: DeviceSample | None) -> tuple:
         """The captured step a decode step at position `length` replays (w.long_ctx set for its capture)."""

@@ -17,7 +17,7 @@ For each cache fraction: a prompt is read, then
            graph, PDL overlap and boundary waits included (the second launch finds its weights in L2: an estimate of
            what removing the launch would save, not of its bytes).
   plans    (every expert on the card, --plan-sweep) the step's ms with one mat-vec shape of the step (the qkv, o,
-           router weights; not the LM head) on each other plan of dense.PLANS in turn: the plans inside the real
+           router weights; not the LM head) on each other plan of weights.PLANS in turn: the plans inside the real
            graph, where the dense bench times them alone.
   timeline (--timeline; needs the cupti-python package) the replayed step's kernels as the GPU ran them, from
            CUPTI's kernel records (the device machine has no nsys): per kernel name its launches a step, its device
@@ -40,7 +40,12 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from profile_report import model_path, report  # noqa: E402
+from lane.kernels import (attention, device, embedding, experts, gemm, matvec, norm, rope_kv, router,  # noqa: E402
+                          sampling, weights)
 from stratad.model.gguf_file import ModelFile  # noqa: E402
+
+# every kernel module that launches through its own `launch` name (patched to time or spy on the launches)
+LAUNCHERS = (attention, embedding, experts, gemm, matvec, norm, rope_kv, router, sampling, weights)
 
 
 def graph_time_ms(cp, stream, fn, iters: int) -> float:
@@ -67,10 +72,8 @@ def kernel_times(cp, card, ops, iters: int) -> dict:
     alone and replayed (side effects repeat: only for steps without a doorbell, i.e. full coverage)."""
     from collections import defaultdict
 
-    from lane.kernels import dense, experts
-
     names = kernel_names(card)
-    plain = dense.launch
+    plain = experts.launch
     ms, count = defaultdict(float), defaultdict(int)
 
     def timed(fn, grid, block, args, shared_mem=0, pdl=True):
@@ -80,13 +83,15 @@ def kernel_times(cp, card, ops, iters: int) -> dict:
         count[name] += 1
         plain(fn, grid, block, args, shared_mem, pdl)
 
-    dense.launch = experts.launch = timed
+    for mod in LAUNCHERS:
+        mod.launch = timed
     try:
         for op in ops:
             op()
         card.stream.synchronize()
     finally:
-        dense.launch = experts.launch = plain
+        for mod in LAUNCHERS:
+            mod.launch = plain
     return {n: {"ms": ms[n], "launches": count[n]} for n in sorted(ms, key=ms.get, reverse=True)}
 
 
@@ -96,11 +101,9 @@ IDEMPOTENT = ("norm_matvec_", "attn_split_", "attn_combine", "route_pairs", "exp
 
 
 def kernel_names(card) -> dict:
-    """id(CuPy function) -> kernel name, for the dense module and the card's expert kernels."""
-    from lane.kernels import dense
-
+    """id(CuPy function) -> kernel name, for the dense op modules and the card's expert kernels."""
     names = {}
-    for mod in dense._mods.values():
+    for mod in device._mods.values():
         names.update({id(f): n for n, f in mod._fns.items()})
     for k in card.experts.kernels.values():
         names.update({id(f): n.lstrip("_") for n, f in vars(k).items() if type(f).__name__ == "Function"})
@@ -137,17 +140,15 @@ def patched_ms(card, kv, prompt, tokens: int, mods, attr: str, value) -> float:
 def marginal_ms(card, kv, prompt, tokens: int) -> dict:
     """Per idempotent kernel name launched in a step: the step's ms with its launches doubled, less the step's ms
     (the mean of a plain run before and after)."""
-    from lane.kernels import dense, experts
-
     names = kernel_names(card)
-    plain = dense.launch
+    plain = experts.launch
     seen = set()
 
     def spy(fn, grid, block, args, shared_mem=0, pdl=True):
         seen.add(names.get(id(getattr(fn, "kernel", fn)), names.get(id(fn), "?")))
         plain(fn, grid, block, args, shared_mem, pdl)
 
-    base0 = patched_ms(card, kv, prompt, tokens, (dense, experts), "launch", spy)
+    base0 = patched_ms(card, kv, prompt, tokens, LAUNCHERS, "launch", spy)
     out = {}
     for name in sorted(n for n in seen if n.startswith(IDEMPOTENT)):
         def twice(fn, grid, block, args, shared_mem=0, pdl=True, name=name):
@@ -155,7 +156,7 @@ def marginal_ms(card, kv, prompt, tokens: int) -> dict:
             if names.get(id(getattr(fn, "kernel", fn)), names.get(id(fn))) == name:
                 plain(fn, grid, block, args, shared_mem, pdl)
 
-        out[name] = patched_ms(card, kv, prompt, tokens, (dense, experts), "launch", twice)
+        out[name] = patched_ms(card, kv, prompt, tokens, LAUNCHERS, "launch", twice)
     card._graphs.clear()
     base = (base0 + decode_ms(card, kv, prompt, tokens)) / 2
     return {"step_ms": base, "step_ms_first": base0,
@@ -167,9 +168,7 @@ def plan_sweep(card, kv, prompt, tokens: int, pairs: int = 2) -> dict:
     against the default's, measured in `pairs` alternating pairs from the same position (the cache cut back to
     where the sweep began), the delta the median of the pairs' (a sweep with one base run and the positions
     advancing through it read 0.2 ms apart for two entries that ran the same kernel, session 16)."""
-    from lane.kernels import dense
-
-    default = dense.default_plan
+    default = weights.default_plan
     shapes = set()
     start = kv.length
 
@@ -179,13 +178,13 @@ def plan_sweep(card, kv, prompt, tokens: int, pairs: int = 2) -> dict:
 
     def step_ms(plans) -> float:
         kv.truncate(start)
-        return patched_ms(card, kv, prompt, tokens, (dense,), "default_plan", plans)
+        return patched_ms(card, kv, prompt, tokens, (weights,), "default_plan", plans)
 
     base = [step_ms(spy)]
     out = []
     # (4, 1) is the tall matrices' default (the LM head) and has no norm_matvec instance: never an alternative
     for shape in sorted(shapes):
-        for plan in (p for p in dense.PLANS if p not in ((4, 1), default(*shape))):
+        for plan in (p for p in weights.PLANS if p not in ((4, 1), default(*shape))):
             def pick(qtype, rows, cols, shape=shape, plan=plan):
                 return plan if (int(qtype), int(rows), int(cols)) == shape else default(qtype, rows, cols)
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Time the dense-path GPU kernels (lane/kernels/dense.py) at the a3b shape against the copy bandwidth.
+"""Time the dense-path GPU kernels (lane/kernels: matvec, gemm, norm, attention, ...) at the a3b shape against the
+copy bandwidth.
 
 Each decode kernel is timed as a CUDA graph of launches replayed between CUDA events (median of --repeats), so
 launch overhead is the graph's (~1 us), not Python's. Weights smaller than ~3x the L2 are rotated over several
@@ -23,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gguf import GGMLQuantizationType as T  # noqa: E402
 
+from lane.kernels import attention, device, embedding, gemm, matvec, norm, rope_kv, router, sampling, weights  # noqa: E402
 from stratad.model import quants  # noqa: E402
 
 F32 = np.float32
@@ -77,11 +79,11 @@ def rand_raw(rng, qt, rows, cols):
     return np.ascontiguousarray(raw).view(np.uint8).reshape(rows, -1)
 
 
-def weight_copies(D, cp, rng, qt, rows, cols, max_copies=16):
+def weight_copies(cp, rng, qt, rows, cols, max_copies=16):
     raw = rand_raw(rng, qt, rows, cols)
-    w0 = D.DenseWeight.upload(raw, qt, cols)
+    w0 = weights.DenseWeight.upload(raw, qt, cols)
     n = 1 if w0.nbytes >= 3 * L2_BYTES else min(max_copies, math.ceil(3 * L2_BYTES / w0.nbytes))
-    ws = [w0] + [D.DenseWeight(w0.data.copy(), qt, cols) for _ in range(n - 1)]
+    ws = [w0] + [weights.DenseWeight(w0.data.copy(), qt, cols) for _ in range(n - 1)]
     return ws
 
 
@@ -93,7 +95,7 @@ def rec(name, us, nbytes, bw, **kw):
     return r
 
 
-def bench_matvec(D, cp, rng, bw, out):
+def bench_matvec(cp, rng, bw, out):
     c = A3B
     cases = [("q 2048->4096", T.Q8_0, 4096, 2048), ("k/v 2048->512", T.Q8_0, 512, 2048),
              ("o 4096->2048", T.Q8_0, 2048, 4096), ("qkv 2048->5120", T.Q8_0, 5120, 2048),
@@ -102,19 +104,16 @@ def bench_matvec(D, cp, rng, bw, out):
              ("q 2048->4096", T.F32, 4096, 2048), ("lm_head 2048->151936", T.F16, c["vocab"], 2048),
              ("lm_head 2048->151936", T.BF16, c["vocab"], 2048)]
     for name, qt, rows, cols in cases:
-        ws = weight_copies(D, cp, rng, qt, rows, cols)
+        ws = weight_copies(cp, rng, qt, rows, cols)
         x = cp.asarray(rng.standard_normal(cols, dtype=F32))
         y = cp.empty(rows, cp.float32)
         nbytes = ws[0].nbytes + 4 * (rows + cols)
         default = ws[0].plan()
-        plans = D.PLANS if qt == T.Q8_0 or name.startswith("router") else [default]
-        variants = ["q8_0", "q8_0v1"] if qt == T.Q8_0 else [None]
+        plans = weights.PLANS if qt == T.Q8_0 or name.startswith("router") else [default]
         res = {}
-        for v in variants:
-            for plan in plans:
-                us, _ = graph_us(cp, [lambda s, w=w, p=plan, v=v: D.matvec(w, x, y, plan=p, variant=v, stream=s)
-                                      for w in ws])
-                res[f"{v + ':' if v and v != D.Q8_VARIANT else ''}r{plan[0]}k{plan[1]}"] = us
+        for plan in plans:
+            us, _ = graph_us(cp, [lambda s, w=w, p=plan: matvec.matvec(w, x, y, plan=p, stream=s) for w in ws])
+            res[f"r{plan[0]}k{plan[1]}"] = us
         best = min(res, key=res.get)
         dkey = f"r{default[0]}k{default[1]}"
         out.append(rec(f"matvec {name} {qt.name}", res[dkey], nbytes, bw, plan=dkey, plans=res, best=best,
@@ -123,107 +122,99 @@ def bench_matvec(D, cp, rng, bw, out):
         cp.get_default_memory_pool().free_all_blocks()
 
 
-def bench_batched(D, cp, rng, bw, out):
+def bench_batched(cp, rng, bw, out):
     for name, rows, cols in [("q 2048->4096", 4096, 2048), ("k/v 2048->512", 512, 2048), ("o 4096->2048", 2048, 4096),
                              ("qkv 2048->5120", 5120, 2048)]:
         raw = rand_raw(rng, T.Q8_0, rows, cols)
-        W = D.DenseWeight.upload(raw, T.Q8_0, cols)
-        us, _ = eager_us(cp, lambda s: W.dequantized("f16", cache=False, stream=s))
+        W = weights.DenseWeight.upload(raw, T.Q8_0, cols)
+        us, _ = eager_us(cp, lambda s: W.dequantized(cache=False, stream=s))
         out.append(rec(f"dequant->f16 {name}", us, W.nbytes + 2 * rows * cols, bw))
         for Tn in (512, 2048):
             X = cp.asarray(rng.standard_normal((Tn, cols), dtype=F32))
             Y = cp.empty((Tn, rows), cp.float32)
             flop = 2.0 * Tn * rows * cols
-            for method, cache in [("kernel", False), ("f16", True), ("f16", False), ("bf16", True), ("tf32", True),
-                                  ("sgemm", True)]:
+            for cache in (True, False):
                 W.drop_cache()
                 if cache:
-                    W.dequantized({"f16": "f16", "bf16": "bf16"}.get(method, "f32"))
-                us, _ = eager_us(cp, lambda s: D.dense_batched(W, X, Y, method=method, cache=cache, stream=s),
-                                 iters=5 if method == "kernel" else 10)
+                    W.dequantized()
+                us, _ = eager_us(cp, lambda s: gemm.dense_batched(W, X, Y, cache=cache, stream=s), iters=10)
                 nbytes = W.nbytes + 4 * Tn * (rows + cols)
-                out.append(rec(f"batched {name} T={Tn} {method}{'' if cache or method == 'kernel' else ' +dequant'}",
+                out.append(rec(f"batched {name} T={Tn} f16{'' if cache else ' +dequant'}",
                                us, nbytes, bw, TFLOPs=flop / (us * 1e-6) / 1e12))
             W.drop_cache()
         del W
         cp.get_default_memory_pool().free_all_blocks()
 
 
-def bench_small(D, cp, rng, bw, out):
+def bench_small(cp, rng, bw, out):
     c = A3B
     d, nh, nkv, hd = c["d"], c["n_head"], c["n_kv"], c["hd"]
     x = cp.asarray(rng.standard_normal((1, d), dtype=F32))
     w = cp.asarray(rng.uniform(0.5, 1.5, d).astype(F32))
     y = cp.empty_like(x)
-    us, _ = graph_us(cp, [lambda s: D.rms_norm(x, w, 1e-6, y, stream=s)] * 8)
+    us, _ = graph_us(cp, [lambda s: norm.rms_norm(x, w, 1e-6, y, stream=s)] * 8)
     out.append(rec("rms_norm d_model 2048", us, 3 * 4 * d, bw))
     xh = cp.asarray(rng.standard_normal((nh, hd), dtype=F32))
     wh = cp.asarray(rng.uniform(0.5, 1.5, hd).astype(F32))
     yh = cp.empty_like(xh)
-    us, _ = graph_us(cp, [lambda s: D.rms_norm(xh, wh, 1e-6, yh, stream=s)] * 8)
+    us, _ = graph_us(cp, [lambda s: norm.rms_norm(xh, wh, 1e-6, yh, stream=s)] * 8)
     out.append(rec("rms_norm per-head 32x128", us, 2 * 4 * nh * hd, bw))
-    rope = D.RopeTable(c["max_ctx"], hd, 1e6)
-    K, V = D.alloc_kv_cache(nkv, c["max_ctx"], hd)
+    rope = rope_kv.RopeTable(c["max_ctx"], hd, 1e6)
+    K, V = rope_kv.alloc_kv_cache(nkv, c["max_ctx"], hd)
     qkv = cp.asarray(rng.standard_normal((1, (nh + 2 * nkv) * hd), dtype=F32))
     q_out = cp.empty((1, nh, hd), cp.float32)
     pos = cp.asarray(np.array([77777], np.int32))
-    us, _ = graph_us(cp, [lambda s: D.qk_norm_rope_kv(qkv, wh, wh, 1e-6, rope, pos, q_out, K, V, n_head=nh,
+    us, _ = graph_us(cp, [lambda s: rope_kv.qk_norm_rope_kv(qkv, wh, wh, 1e-6, rope, pos, q_out, K, V, n_head=nh,
                                                       n_kv=nkv, stream=s)] * 8)
     out.append(rec("qk_norm_rope_kv T=1", us, 4 * qkv.size + 4 * q_out.size + 2 * 2 * nkv * hd, bw))
     lg = cp.asarray(rng.standard_normal((1, c["n_exp"]), dtype=F32))
     ids, wts = cp.empty((1, c["k"]), cp.int32), cp.empty((1, c["k"]), cp.float32)
-    us, _ = graph_us(cp, [lambda s: D.route(lg, c["k"], ids, wts, stream=s)] * 8)
+    us, _ = graph_us(cp, [lambda s: router.route(lg, c["k"], ids, wts, stream=s)] * 8)
     out.append(rec("route 128 -> top 8", us, 4 * 128, bw))
     V_ = c["vocab"]
     logits = cp.asarray(rng.standard_normal(V_, dtype=F32) * F32(3))
     tok = cp.zeros(1, cp.int32)
-    am = D.Argmax(V_)
+    am = sampling.Argmax(V_)
     us, _ = graph_us(cp, [lambda s: am(logits, tok, stream=s)] * 8)
     out.append(rec("argmax 151936", us, 4 * V_, bw))
-    smp = D.DeviceSampler(V_)
-    st1 = D.kernels().fn("topk_stage1")
+    smp = sampling.DeviceSampler(V_)
+    st1 = device.module("sampling.cu").fn("topk_stage1")
     us, _ = graph_us(cp, [lambda s: st1((smp.nb,), (1024,), (logits, np.int32(V_), smp.cand))] * 4)
     out.append(rec("sample stage 1 (38 block sorts of 4096)", us, 4 * V_, bw))
     for tk, tp in [(40, 0.9), (0, 1.0)]:
-        params = cp.asarray(D.sampling_params(0.7, tk, tp, 0.37))
+        params = cp.asarray(sampling.sampling_params(0.7, tk, tp, 0.37))
         us, _ = graph_us(cp, [lambda s: smp(logits, params, tok, stream=s)] * 4)
         out.append(rec(f"sample 151936 top_k={tk} top_p={tp}", us, 4 * V_, bw))
-    cdf = D.CdfSampler(V_)
-    params = cp.asarray(D.sampling_params(0.7, 0, 1.0, 0.37))
+    cdf = sampling.CdfSampler(V_)
+    params = cp.asarray(sampling.sampling_params(0.7, 0, 1.0, 0.37))
     us, _ = graph_us(cp, [lambda s: cdf(logits, params, tok, stream=s)] * 4)
     out.append(rec("sample 151936 whole vocabulary (cdf)", us, 4 * V_, bw))
     raw = rand_raw(rng, T.Q8_0, 4096, d)
-    tab = D.DenseWeight.upload(raw, T.Q8_0, d)
+    tab = weights.DenseWeight.upload(raw, T.Q8_0, d)
     toks = cp.asarray(np.array([1234], np.int32))
     e = cp.empty((1, d), cp.float32)
-    us, _ = graph_us(cp, [lambda s: D.embed(tab, toks, e, stream=s)] * 8)
+    us, _ = graph_us(cp, [lambda s: embedding.embed(tab, toks, e, stream=s)] * 8)
     out.append(rec("embed Q8_0 row 2048", us, tab.row_bytes + 4 * d, bw))
 
 
-def bench_attention(D, cp, rng, bw, out, n_layers=48):
+def bench_attention(cp, rng, bw, out, n_layers=48):
     c = A3B
     nh, nkv, hd, mc = c["n_head"], c["n_kv"], c["hd"], c["max_ctx"]
     caches = []
     for _ in range(n_layers):
         K = cp.random.standard_normal((nkv, mc, hd), dtype=cp.float32).astype(cp.float16)
-        V = cp.random.standard_normal(D.v_cache_shape(nkv, hd, mc), dtype=cp.float32).astype(cp.float16)
+        V = cp.random.standard_normal(rope_kv.v_cache_shape(nkv, hd, mc), dtype=cp.float32).astype(cp.float16)
         caches.append((K, V))
     q = cp.asarray(rng.standard_normal((1, nh, hd), dtype=F32))
     qkv = cp.asarray(rng.standard_normal((1, (nh + 2 * nkv) * hd), dtype=F32))
     hw = cp.asarray(rng.uniform(0.5, 1.5, hd).astype(F32))
-    rope = D.RopeTable(mc, hd, 1e6)
+    rope = rope_kv.RopeTable(mc, hd, 1e6)
     o = cp.empty((1, nh * hd), cp.float32)
-    main = ("ring+v2", "pipe+v2")  # the shared-memory ring and the register prefetch, each with the fused step
-    variants = [("ring+v2", True, True, "attn_combine", 64, None), ("pipe+v2", False, True, "attn_combine", 64, None),
-                ("v1+v1", False, False, "attn_combine_v1", 64, None), ("v1+v2", False, False, "attn_combine", 64, None),
-                ("pipe+v1", False, True, "attn_combine_v1", 64, None),
-                ("pipe+1p", False, True, "attn_combine_1p", 64, None), ("v1+1p", False, False, "attn_combine_1p", 64, None),
-                ("ring+v2 cmin256", True, True, "attn_combine", 256, None),
-                ("ring+v2 cols32", True, True, "attn_combine", 64, 32),
-                ("ring+v2 cols4", True, True, "attn_combine", 64, 4)]
-    for vname, ring, pipe, comb, chunk_min, cols in variants:
-        att = D.DecodeAttention(nh, nkv, hd, mc, chunk_min=chunk_min, ring=ring, pipelined=pipe, combine=comb,
-                                combine_cols=cols)
+    main = ("pipe", "plain")  # the register prefetch and the plain loop, each with the fused step
+    variants = [("pipe", True, 64, None), ("plain", False, 64, None), ("plain cmin256", False, 256, None),
+                ("plain cols32", False, 64, 32), ("plain cols4", False, 64, 4)]
+    for vname, pipe, chunk_min, cols in variants:
+        att = attention.DecodeAttention(nh, nkv, hd, mc, chunk_min=chunk_min, pipelined=pipe, combine_cols=cols)
         for ctx in (1024, 8192, 32768, 65536, 131072):
             if vname not in main and ctx == 65536:
                 continue
@@ -240,51 +231,49 @@ def bench_attention(D, cp, rng, bw, out, n_layers=48):
     cp.get_default_memory_pool().free_all_blocks()
 
 
-def bench_prefill(D, cp, rng, bw, out, T=1024):
-    """One layer's prompt attention for a chunk of T tokens after pos0 cached ones, both kernel shapes (Q's
-    fragments in registers, one block an SM; Q's tile in shared memory, two); TFLOP/s counts the causal QK^T and PV
-    multiply-adds. Floor: the chunk's K / V read once (the kernel re-reads them per 128-row block, from L2)."""
+def bench_prefill(cp, rng, bw, out, T=1024):
+    """One layer's prompt attention for a chunk of T tokens after pos0 cached ones; TFLOP/s counts the causal QK^T
+    and PV multiply-adds. Floor: the chunk's K / V read once (the kernel re-reads them per 128-row block, from L2)."""
     c = A3B
     nh, nkv, hd = c["n_head"], c["n_kv"], c["hd"]
     for pos0 in (0, 8192, 32768 - T):
         mc = pos0 + T
         K = cp.random.standard_normal((nkv, mc, hd), dtype=cp.float32).astype(cp.float16)
-        V = cp.random.standard_normal(D.v_cache_shape(nkv, hd, mc), dtype=cp.float32).astype(cp.float16)
+        V = cp.random.standard_normal(rope_kv.v_cache_shape(nkv, hd, mc), dtype=cp.float32).astype(cp.float16)
         q = cp.asarray(rng.standard_normal((T, nh, hd), dtype=F32))
         o = cp.empty((T, nh * hd), cp.float32)
         flops = 4.0 * nh * hd * sum(pos0 + t + 1 for t in range(T))
-        for q_smem in (False, True):
-            att = D.PrefillAttention(nh, nkv, hd, mc, q_smem=q_smem)
-            us, _ = eager_us(cp, lambda st: att(q, K, V, pos0, o, stream=st))
-            out.append(rec(f"prefill attention T={T} after {pos0} q_smem={int(q_smem)}", us, mc * nkv * hd * 4, bw,
-                           TFLOPs=flops / (us * 1e-6) / 1e12))
+        att = attention.PrefillAttention(nh, nkv, hd, mc)
+        us, _ = eager_us(cp, lambda st: att(q, K, V, pos0, o, stream=st))
+        out.append(rec(f"prefill attention T={T} after {pos0}", us, mc * nkv * hd * 4, bw,
+                       TFLOPs=flops / (us * 1e-6) / 1e12))
         del K, V
     cp.get_default_memory_pool().free_all_blocks()
 
 
-def bench_decode_chain(D, cp, rng, bw, out, ctx=1024):
+def bench_decode_chain(cp, rng, bw, out, ctx=1024):
     """One token's dense path over 48 layers (no experts): embed, per layer norm + fused qkv + q/k norm/rope/KV +
     attention + o-proj (+res) + norm + router + route, then final norm + LM head + argmax."""
     c = A3B
     d, nh, nkv, hd, L = c["d"], c["n_head"], c["n_kv"], c["hd"], c["n_layer"]
     mc = 4096
     qkv_rows = (nh + 2 * nkv) * hd
-    Wqkv0 = D.DenseWeight.upload(rand_raw(rng, T.Q8_0, qkv_rows, d), T.Q8_0, d)
-    Wo0 = D.DenseWeight.upload(rand_raw(rng, T.Q8_0, d, nh * hd), T.Q8_0, nh * hd)
-    Wr0 = D.DenseWeight.upload(rand_raw(rng, T.F32, c["n_exp"], d), T.F32, d)
+    Wqkv0 = weights.DenseWeight.upload(rand_raw(rng, T.Q8_0, qkv_rows, d), T.Q8_0, d)
+    Wo0 = weights.DenseWeight.upload(rand_raw(rng, T.Q8_0, d, nh * hd), T.Q8_0, nh * hd)
+    Wr0 = weights.DenseWeight.upload(rand_raw(rng, T.F32, c["n_exp"], d), T.F32, d)
     layers = []
     for _ in range(L):
-        K, V = D.alloc_kv_cache(nkv, mc, hd)
+        K, V = rope_kv.alloc_kv_cache(nkv, mc, hd)
         K[...] = cp.random.standard_normal(K.shape, dtype=cp.float32).astype(cp.float16)
         V[...] = cp.random.standard_normal(V.shape, dtype=cp.float32).astype(cp.float16)
-        layers.append((D.DenseWeight(Wqkv0.data.copy(), T.Q8_0, d), D.DenseWeight(Wo0.data.copy(), T.Q8_0, nh * hd),
-                       D.DenseWeight(Wr0.data.copy(), T.F32, d), K, V))
-    head = D.DenseWeight.upload(rand_raw(rng, T.Q8_0, c["vocab"], d), T.Q8_0, d)
+        layers.append((weights.DenseWeight(Wqkv0.data.copy(), T.Q8_0, d), weights.DenseWeight(Wo0.data.copy(), T.Q8_0, nh * hd),
+                       weights.DenseWeight(Wr0.data.copy(), T.F32, d), K, V))
+    head = weights.DenseWeight.upload(rand_raw(rng, T.Q8_0, c["vocab"], d), T.Q8_0, d)
     nw = cp.asarray(rng.uniform(0.5, 1.5, d).astype(F32))
     hw = cp.asarray(rng.uniform(0.5, 1.5, hd).astype(F32))
-    rope = D.RopeTable(mc, hd, 1e6)
-    att = D.DecodeAttention(nh, nkv, hd, mc)
-    am = D.Argmax(c["vocab"])
+    rope = rope_kv.RopeTable(mc, hd, 1e6)
+    att = attention.DecodeAttention(nh, nkv, hd, mc)
+    am = sampling.Argmax(c["vocab"])
     b = {n: cp.empty(s, cp.float32) for n, s in [("x", (1, d)), ("h", (1, d)), ("qkv", (1, qkv_rows)),
                                                  ("q", (1, nh, hd)), ("a", (1, nh * hd)), ("lg", (1, c["n_exp"])),
                                                  ("logits", (c["vocab"],))]}
@@ -294,25 +283,25 @@ def bench_decode_chain(D, cp, rng, bw, out, ctx=1024):
 
     def norm_proj(W, y, s, fused):  # y = W rms_norm(x): as the GPU card runs it (fused) or in two launches
         if fused:
-            D.norm_matvec(W, b["x"][0], nw, 1e-6, y, stream=s)
+            matvec.norm_matvec(W, b["x"][0], nw, 1e-6, y, stream=s)
         else:
-            D.rms_norm(b["x"], nw, 1e-6, b["h"], stream=s)
-            D.matvec(W, b["h"][0], y, stream=s)
+            norm.rms_norm(b["x"], nw, 1e-6, b["h"], stream=s)
+            matvec.matvec(W, b["h"][0], y, stream=s)
 
     def step(s, fused):
-        D.embed(head, tok, b["x"], stream=s)
+        embedding.embed(head, tok, b["x"], stream=s)
         for Wqkv, Wo, Wr, K, V in layers:
             norm_proj(Wqkv, b["qkv"][0], s, fused)
             if fused:
                 att.step(b["qkv"], hw, hw, 1e-6, rope, pos, K, V, b["a"], stream=s)
             else:
-                D.qk_norm_rope_kv(b["qkv"], hw, hw, 1e-6, rope, pos, b["q"], K, V, n_head=nh, n_kv=nkv, stream=s)
+                rope_kv.qk_norm_rope_kv(b["qkv"], hw, hw, 1e-6, rope, pos, b["q"], K, V, n_head=nh, n_kv=nkv, stream=s)
                 att(b["q"], K, V, pos, b["a"], stream=s)
-            D.matvec(Wo, b["a"][0], b["x"][0], residual=b["x"][0], stream=s)
+            matvec.matvec(Wo, b["a"][0], b["x"][0], residual=b["x"][0], stream=s)
             norm_proj(Wr, b["lg"][0], s, fused)
-            D.route(b["lg"], c["k"], ids, wts, stream=s)
-        D.rms_norm(b["x"], nw, 1e-6, b["h"], stream=s)
-        D.matvec(head, b["h"][0], b["logits"], stream=s)
+            router.route(b["lg"], c["k"], ids, wts, stream=s)
+        norm.rms_norm(b["x"], nw, 1e-6, b["h"], stream=s)
+        matvec.matvec(head, b["h"][0], b["logits"], stream=s)
         am(b["logits"], tok, stream=s)
 
     nbytes = L * (Wqkv0.nbytes + Wo0.nbytes + Wr0.nbytes + ctx * nkv * hd * 4) + head.nbytes
@@ -334,19 +323,19 @@ def main():
 
     from stratad.bench.hardware import gpu_copy_bandwidth, gpu_info
 
-    from lane.kernels import dense as D
-
     info = gpu_info(cp)
     t0 = time.time()
-    m = D.kernels()
+    kernels = {"matvec.cu": ["matvec_q8_0_r4_k1", "matvec_q8_0_r1_k1", "matvec_f16_r1_k1"],
+               "attention_decode.cu": ["attn_split_hd128_g8", "attn_split_hd128_g8_pipe", "attn_combine"],
+               "attention_prefill.cu": ["attn_flash_prefill_128"], "norm.cu": ["rms_norm_rows"],
+               "rope_kv.cu": ["qk_norm_rope_kv"], "sampling.cu": ["topk_sample"]}
+    mods = {source: device.module(source) for source in kernels}
     info["compile_s"] = time.time() - t0
-    info["build"] = m.build
+    info["build"] = {source: m.build for source, m in mods.items()}
     regs = {}
-    for name in ["matvec_q8_0_r4_k1", "matvec_q8_0_r1_k1", "matvec_f16_r1_k1", "attn_split_hd128_g8",
-                 "attn_split_hd128_g8_ring", "attn_combine", "attn_flash_prefill_128", "attn_flash_prefill_128_qs",
-                 "gemm_f32", "rms_norm_rows", "qk_norm_rope_kv", "topk_sample"]:
+    for source, name in ((s_, n) for s_, ns in kernels.items() for n in ns):
         try:
-            f = m.fn(name)
+            f = mods[source].fn(name)
             regs[name] = {"regs": int(f.num_regs), "smem": int(f.shared_size_bytes),
                           "local": int(f.local_size_bytes)}
         except Exception as e:  # noqa: BLE001
@@ -361,7 +350,7 @@ def main():
     for sec in args.sections.split(","):
         t = time.time()
         try:
-            sections[sec](D, cp, rng, bw, results)
+            sections[sec](cp, rng, bw, results)
         except Exception:  # noqa: BLE001 - keep the other sections' numbers
             errors[sec] = traceback.format_exc()
             print(f"section {sec} failed:\n{errors[sec]}", file=sys.stderr)

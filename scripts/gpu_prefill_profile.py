@@ -28,13 +28,10 @@ from stratad.model.gguf_file import ModelFile  # noqa: E402
 KINDS = ("dense", "attention", "experts", "combine")
 
 
-def profile(path: str, fraction: float, context: int, host_experts: str, q_smem: bool, chunk: int) -> dict:
+def profile(path: str, fraction: float, context: int, host_experts: str, chunk: int) -> dict:
     import cupy as cp
 
     from lane.cupy_card import CupyCard
-    from lane.kernels import dense
-
-    dense.FLASH_Q_SMEM = q_smem
 
     model = ModelFile(path)
     c = model.config
@@ -68,7 +65,7 @@ def profile(path: str, fraction: float, context: int, host_experts: str, q_smem:
     for kind, e0, e1 in marks:
         sums[kind] += cp.cuda.get_elapsed_time(e0, e1)
     card.close()
-    out = {"fraction": fraction, "context": context, "host_experts": host_experts, "flash_q_smem": q_smem,
+    out = {"fraction": fraction, "context": context, "host_experts": host_experts,
            "prompt_chunk": chunk,
            "prefill_tok_s": round(context / wall_ms * 1e3, 1), "wall_ms": round(wall_ms, 1)}
     out |= {f"{k}_ms": round(v, 1) for k, v in sums.items()}
@@ -82,15 +79,13 @@ def main() -> int:
     p.add_argument("--fractions", default="1.0,0.5")
     p.add_argument("--contexts", default="1024,32768")
     p.add_argument("--host-experts", choices=["cpu", "card"], default="card")
-    p.add_argument("--flash-q-smem", default="1", help="comma list of 0 / 1: the prompt attention kernel's shape "
-                   "(lane.kernels.dense.FLASH_Q_SMEM), each a row")
     p.add_argument("--prompt-chunks", default=str(GPU_PROMPT_CHUNK), help="comma list: tokens a prompt chunk, each a row")
     p.add_argument("--json")
     a = p.parse_args()
     path = model_path(a.model)
-    rows = [profile(path, float(f), int(n), a.host_experts, bool(int(q)), int(ch)) for f in a.fractions.split(",")
-            for n in a.contexts.split(",") for q in a.flash_q_smem.split(",") for ch in a.prompt_chunks.split(",")]
-    keys = ["fraction", "context", "flash_q_smem", "prompt_chunk", "prefill_tok_s", "wall_ms"] + \
+    rows = [profile(path, float(f), int(n), a.host_experts, int(ch)) for f in a.fractions.split(",")
+            for n in a.contexts.split(",") for ch in a.prompt_chunks.split(",")]
+    keys = ["fraction", "context", "prompt_chunk", "prefill_tok_s", "wall_ms"] + \
         [f"{k}_ms" for k in KINDS] + ["other_ms"]
     report(rows, keys, a.json)
     return 0

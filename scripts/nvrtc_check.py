@@ -30,7 +30,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lane.kernels import compile as kc  # noqa: E402
 from lane.kernels.experts import SOURCE as EXPERTS, _qtype, exp_defines  # noqa: E402
-from lane.kernels.dense import SOURCE as DENSE  # noqa: E402
 
 
 def expert_defines(qtype: str) -> list[tuple[str, int]]:
@@ -80,7 +79,7 @@ def nvrtc_cubin(lib: ctypes.CDLL, source: str, name: str, options: list[str]) ->
 
 def resource_usage(cubin: bytes) -> dict[str, tuple[int, int]]:
     """kernel -> (registers, stack frame bytes), read from the cubin's .nv.info attributes (EIATTR_REGCOUNT 0x2f,
-    EIATTR_FRAME_SIZE 0x11; checked against ptxas --resource-usage on every dense.cu kernel)."""
+    EIATTR_FRAME_SIZE 0x11; checked against ptxas --resource-usage on every dense kernel)."""
     shoff = struct.unpack_from("<Q", cubin, 0x28)[0]
     shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
     secs = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
@@ -134,8 +133,11 @@ def sass(cubin: bytes, kernel: str) -> str:
                               env=env).stdout
 
 
-# the sources as the lanes build them: dense.cu, and experts.cu for each expert type at the a3b shape
-BUILDS = [("dense.cu", DENSE, [])] + [(f"experts.cu {q}", EXPERTS, expert_defines(q)) for q in ("IQ3_S", "Q4_K", "Q8_0")]
+# the sources as the lanes build them: each dense op's, and experts.cu for each expert type at the a3b shape
+DENSE_SOURCES = ("matvec.cu", "gemm.cu", "norm.cu", "rope_kv.cu", "attention_decode.cu", "attention_prefill.cu",
+                 "router.cu", "sampling.cu", "embedding.cu")
+BUILDS = [(name, name, []) for name in DENSE_SOURCES] + \
+    [(f"experts.cu {q}", EXPERTS, expert_defines(q)) for q in ("IQ3_S", "Q4_K", "Q8_0")]
 
 
 def build(lib: ctypes.CDLL, filename: str, defines, arch: str = "90") -> bytes:

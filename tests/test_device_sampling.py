@@ -1,13 +1,13 @@
 """The GPU card samples on its device where that gives the host Sampler's token: greedy, top-k of at most SAMPLE_KMAX
 candidates, and top-p without a top-k while its nucleus fits the candidates (else the card hands the logits to
-Sampler.pick). The device kernels match lane.kernels.dense.sample_ref (tests/test_gpu_dense.py); this checks
+Sampler.pick). The device kernels match lane.kernels.sampling.sample_ref (tests/test_gpu_dense.py); this checks
 sample_ref against Sampler.pick on the CPU, ties at the top and at the top-k cut included."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from lane.kernels.dense import SAMPLE_KMAX, sample_ref
+from lane.kernels.sampling import SAMPLE_KMAX, sample_ref
 from stratad.engine.sampling import Sampler, SamplingParams
 
 DEVICE_PARAMS = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_k=40),

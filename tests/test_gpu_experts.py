@@ -411,10 +411,10 @@ def check_pairs(ids, src, slot, got_pairs, got_n, rm, miss, n_miss, P):
 
 
 def test_route_pairs_is_route_then_build_pairs(cp):
-    """A decode step's fused router + pair lists: ids and weights with dense.route's bits (the same logits), the
+    """A decode step's fused router + pair lists: ids and weights with router.route's bits (the same logits), the
     pair lists with build_pairs' contract; experts on several sources and on none."""
     from lane.gpu_experts import pinned
-    from lane.kernels import dense as D
+    from lane.kernels import router
     from lane.kernels.experts import ExpertKernels
 
     rng = np.random.default_rng(17)
@@ -423,7 +423,7 @@ def test_route_pairs_is_route_then_build_pairs(cp):
     miss, n_miss = pinned((K, 2), np.int32), pinned((1,), np.int32)
     for trial in range(20):
         logits = cp.asarray((rng.standard_normal((1, n_expert)) * rng.uniform(0.5, 8)).astype(F32))
-        want_ids, want_w = D.route(logits, K)
+        want_ids, want_w = router.route(logits, K)
         src = rng.integers(-1, S, n_expert).astype(np.int32)
         slot = rng.integers(0, 1000, n_expert).astype(np.int32)
         ids, w = cp.full((1, K), -7, cp.int32), cp.full((1, K), np.nan, cp.float32)

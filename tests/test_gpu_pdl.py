@@ -46,11 +46,10 @@ def test_pdl_changes_no_bit(model, monkeypatch, frac):
 
 
 def test_bad_argument_is_named(cp, monkeypatch):
-    from lane.kernels import dense as D
-    from lane.kernels import launch
+    from lane.kernels import device, launch
 
     monkeypatch.setattr(launch, "PDL", True)
-    fn, pos, s = D.kernels().fn("advance_pos"), cp.zeros(1, cp.int32), cp.cuda.Stream(non_blocking=True)
+    fn, pos, s = device.module("rope_kv.cu").fn("advance_pos"), cp.zeros(1, cp.int32), cp.cuda.Stream(non_blocking=True)
     with s, pytest.raises(TypeError, match="kernel argument of type int"):
         s.begin_capture()  # PDL launches are the captured ones
         try:

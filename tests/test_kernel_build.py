@@ -5,6 +5,7 @@ nvidia-cuda-nvrtc wheel; without it the test is skipped."""
 from __future__ import annotations
 
 import importlib.util
+import re
 from pathlib import Path
 
 import pytest
@@ -28,12 +29,21 @@ def nc():
     return mod
 
 
-@pytest.mark.parametrize("i", range(4), ids=["dense", "experts-IQ3_S", "experts-Q4_K", "experts-Q8_0"])
-def test_kernels_build_without_decode_spills(nc, i):
-    label, filename, defines = nc.BUILDS[i]
-    cubin = nc.build(nc.lib, filename, defines)
-    usage = nc.resource_usage(cubin)
-    assert len(usage) > 10, f"{label}: only {sorted(usage)}"
+BUILD_IDS = ["matvec", "gemm", "norm", "rope_kv", "attention_decode", "attention_prefill", "router", "sampling",
+             "embedding", "experts-IQ3_S", "experts-Q4_K", "experts-Q8_0"]
+
+
+@pytest.fixture(scope="module")
+def usages(nc):
+    """label -> {kernel: (registers, stack frame)}, each source built once."""
+    return {label: nc.resource_usage(nc.build(nc.lib, filename, defines)) for label, filename, defines in nc.BUILDS}
+
+
+@pytest.mark.parametrize("i", range(len(BUILD_IDS)), ids=BUILD_IDS)
+def test_kernels_build_without_decode_spills(nc, usages, i):
+    label = nc.BUILDS[i][0]
+    usage = usages[label]
+    assert usage, f"{label}: no kernels"
     spills = {k: v for k, v in usage.items() if v[1] and k.startswith(DECODE_KERNELS)}
     assert not spills, f"{label}: decode kernels with a stack frame (registers, bytes): {spills}"
 
@@ -41,3 +51,37 @@ def test_kernels_build_without_decode_spills(nc, i):
 def test_build_error_names_the_line(nc):
     with pytest.raises(RuntimeError, match=r"bad\.cu\(2\)"):
         nc.nvrtc_cubin(nc.lib, '__global__ void k() {\n  undeclared = 1;\n}\n', "bad.cu", ["-std=c++17"])
+
+
+def test_every_kernel_a_wrapper_launches_is_in_its_source(usages):
+    """The dense wrappers look kernels up by name in their own op's module (lane/kernels/<op>.py -> <op>.cu): every
+    name they can ask for is built there, so a kernel moved or renamed without its wrapper fails here, not on a GPU."""
+    from lane.kernels import weights
+
+    def names(q, R, KS):
+        return f"{q}_r{R}_k{KS}"
+
+    wanted = {
+        "matvec.cu": {f"matvec_{names(q, R, KS)}" for q in ("q8_0", "q8_0x", "f16", "bf16", "f32")
+                      for R, KS in weights.PLANS}
+        | {f"norm_matvec_{names(q, min(R, 2), KS)}" for q in ("q8_0", "f16", "bf16", "f32") for R, KS in weights.PLANS}
+        | {"matvec_generic"},
+        "gemm.cu": {"dequant_rows", "convert_f32"},
+        "norm.cu": {"rms_norm_rows"},
+        "rope_kv.cu": {"qk_norm_rope_kv", "advance_pos"},
+        "attention_decode.cu": {f"attn_split_hd{hd}_g{g}{suf}" for hd in (64, 128) for g in (8, 16)
+                                for suf in ("", "_pipe", "_qkv", "_qkv_plain")} | {"attn_combine"},
+        "attention_prefill.cu": {"attn_flash_prefill_64", "attn_flash_prefill_128", "attn_q_pack", "attn_o_unpack"},
+        "router.cu": {"route_topk"},
+        "sampling.cu": {"argmax_k", "topk_stage1", "topk_sample", "cdf_max", "cdf_sample"},
+        "embedding.cu": {"embed_rows"},
+    }
+    for source, want in wanted.items():
+        missing = want - set(usages[source])
+        assert not missing, f"{source} lacks {sorted(missing)}"
+    # and every literal name a wrapper asks its module for is among them
+    here = Path(__file__).resolve().parent.parent / "lane" / "kernels"
+    for py in ("matvec", "gemm", "norm", "rope_kv", "attention", "router", "sampling", "embedding", "weights"):
+        text = (here / f"{py}.py").read_text()
+        for name in re.findall(r'\.fn\("(\w+)"', text):
+            assert any(name in built for built in wanted.values()), f"{py}.py asks for {name}, built nowhere"

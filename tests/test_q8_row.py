@@ -1,10 +1,10 @@
-"""The 8-bit activation row of the o mat-vec (lane/kernels/dense.py: quantize_row, matvec_q8x_ref): numpy only,
+"""The 8-bit activation row of the o mat-vec (lane/kernels/matvec.py: quantize_row, matvec_q8x_ref): numpy only,
 so CI checks the reference the GPU tests hold the kernels to."""
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
 
-from lane.kernels import dense as D
+from lane.kernels import matvec
 from stratad.engine import canonical
 from stratad.model import quants
 
@@ -13,8 +13,8 @@ def test_quantize_row_is_the_canonical_codes_then_scales():
     rng = np.random.default_rng(7)
     x = rng.standard_normal(256).astype(np.float32) * np.float32(3)
     x[64:96] = 0  # a group of zeros: scale 0, codes 0
-    row = D.quantize_row(x)
-    assert row.dtype == np.int8 and row.shape == (D.q8_row_bytes(256),) == (288,)
+    row = matvec.quantize_row(x)
+    assert row.dtype == np.int8 and row.shape == (matvec.q8_row_bytes(256),) == (288,)
     q, d = canonical.quantize_act(x)
     assert np.array_equal(row[:256], q.reshape(-1))
     assert np.array_equal(row[256:].view(np.float32).view(np.uint32), d.view(np.uint32))
@@ -23,7 +23,7 @@ def test_quantize_row_is_the_canonical_codes_then_scales():
 
 def test_q8_row_bytes_needs_whole_groups():
     with pytest.raises(ValueError, match="multiple of 32"):
-        D.q8_row_bytes(100)
+        matvec.q8_row_bytes(100)
 
 
 def test_matvec_q8x_ref_is_the_product_with_the_rounded_row():
@@ -38,8 +38,8 @@ def test_matvec_q8x_ref_is_the_product_with_the_rounded_row():
     W = quants.dequantize(T.Q8_0, raw).astype(np.float64)
     q, d = canonical.quantize_act(x)
     xq = (q.astype(np.float64) * d[:, None].astype(np.float64)).reshape(-1)
-    y = D.matvec_q8x_ref(raw, x, res)
+    y = matvec.matvec_q8x_ref(raw, x, res)
     want = W @ xq + res
     assert np.max(np.abs(y - want) / (np.abs(W) @ np.abs(xq) + np.abs(res))) < 1e-6
     slack = np.abs(W) @ np.repeat(d.astype(np.float64) / 2, 32)  # |x - xq| <= d / 2 a value
-    assert np.all(np.abs(D.matvec_q8x_ref(raw, x) - W @ x.astype(np.float64)) <= slack * (1 + 1e-5) + 1e-6)
+    assert np.all(np.abs(matvec.matvec_q8x_ref(raw, x) - W @ x.astype(np.float64)) <= slack * (1 + 1e-5) + 1e-6)

@@ -1,5 +1,5 @@
-// What dense.cu and experts.cu share: integer types, exact float32 arithmetic, the experts' input quantisation
-// (rms_norm_rows can produce it), byte permute, cp.async, and the
+// What every kernel source shares (the dense ops and experts.cu): integer types, exact float32 arithmetic, the
+// experts' input quantisation (rms_norm_rows can produce it), byte permute, cp.async, and the
 // programmatic-dependent-launch entry every kernel begins with. compile.py inlines this file where a .cu says
 // #include "common.cuh" (so the cubin cache key covers it); nvcc finds it beside the source.
 typedef unsigned int u32;

@@ -477,7 +477,7 @@ class ExpertKernels:
     def route_pairs(self, logits, k: int, ids, wts, src, slot, pairs, n_pairs, rowmap, miss_ptr: int,
                     n_miss_ptr: int, max_miss: int, stream=None) -> None:
         """A decode step's router and pair lists in one launch: logits float32 (1, n_expert) -> ids int32 (1, k)
-        and weights float32 (1, k) with dense.route's bits, then build_pairs' lists for those k entries (no tiles)."""
+        and weights float32 (1, k) with router.route's bits, then build_pairs' lists for those k entries (no tiles)."""
         cp = self.cp
         n_expert = int(src.shape[0])
         if not 1 <= k <= min(32, n_expert) or n_expert > 1024:

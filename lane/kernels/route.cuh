@@ -1,4 +1,4 @@
-// The router of one token in one warp (dense.cu's route_topk; experts.cu's route_pairs routes and builds a decode
+// The router of one token in one warp (router.cu's route_topk; experts.cu's route_pairs routes and builds a decode
 // step's pair lists in the same launch): softmax over n logits, top-k (descending, ties to the lower index),
 // renormalised. Ranking key: the float32 probability p_i = expf(x_i - max) / S, ties to the lower index, as numpy
 // ranks (also where exp underflows to 0: then the zeros tie and go by index, as in numpy). Sums use numpy's pairwise

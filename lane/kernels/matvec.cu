@@ -1,0 +1,141 @@
+// Mat-vecs over GGUF rows (a decode step's projections and LM head) and the RMSNorm folded into them.
+#include "common.cuh"
+#include "dense_common.cuh"
+#include "norm.cuh"
+#include "matvec.cuh"
+
+#define MV_INST(NAME, QT, R, KS, QX)                                                                            \
+    extern "C" __global__ void __launch_bounds__(256, (QT == QT_Q8_0 ? 3 : 1)) NAME(                              \
+        const u8* __restrict__ W, int rows, int ncu, i64 row_bytes, const float* __restrict__ x, const float* res,  \
+        float* y) {                                                                                               \
+        extern __shared__ __align__(16) u8 mv_smem[];                                                             \
+        if (QT == QT_Q8_0 && !QX && R <= 2 && ncu * 32 <= NORM_MV_MAX_N) {                                        \
+            float* xs = (float*)mv_smem;  /* x staged once: the tile steps read it from shared memory */          \
+            matvec_q8_0_body<R, KS, NORM_MV_RING, true, false>(                                                   \
+                W, rows, ncu, row_bytes, xs, res, y, mv_smem + 4 * NORM_MV_MAX_N, [&] {                          \
+                    PDL_ENTRY();                                                                                  \
+                    stage_row(x, ncu * 32, xs);                                                                   \
+                    __syncthreads();                                                                              \
+                });                                                                                               \
+        } else if (QT == QT_Q8_0)                                                                                \
+            matvec_q8_0_body<R, KS, Q8_RING_TILES, false, QX>(W, rows, ncu, row_bytes, x, res, y, mv_smem,        \
+                                                                  [] { PDL_ENTRY(); });                           \
+        else matvec_float_body<QT, R, KS, false>(W, rows, ncu, row_bytes, x, res, y, [] { PDL_ENTRY(); });       \
+    }
+#define MV_PLANS(QN, QT, QX)                                                                                  \
+    MV_INST(matvec_##QN##_r4_k1, QT, 4, 1, QX)                                                                \
+    MV_INST(matvec_##QN##_r2_k1, QT, 2, 1, QX)                                                                \
+    MV_INST(matvec_##QN##_r1_k1, QT, 1, 1, QX)                                                                \
+    MV_INST(matvec_##QN##_r1_k2, QT, 1, 2, QX)                                                                \
+    MV_INST(matvec_##QN##_r1_k4, QT, 1, 4, QX)                                                                \
+    MV_INST(matvec_##QN##_r1_k8, QT, 1, 8, QX)                                                                \
+    MV_INST(matvec_##QN##_r4_k2, QT, 4, 2, QX)                                                                \
+    MV_INST(matvec_##QN##_r4_k4, QT, 4, 4, QX)                                                                \
+    MV_INST(matvec_##QN##_r2_k2, QT, 2, 2, QX)                                                                \
+    MV_INST(matvec_##QN##_r2_k4, QT, 2, 4, QX)
+MV_PLANS(q8_0, QT_Q8_0, false)
+MV_PLANS(q8_0x, QT_Q8_0, true)  // Q8_0 on x quantised to 8 bits (dp4a; the attention combine's out_q)
+MV_PLANS(f16, QT_F16, false)
+MV_PLANS(bf16, QT_BF16, false)
+MV_PLANS(f32, QT_F32, false)
+
+// any shape (unaligned rows, cols not a multiple of the fast paths' granules): one warp per row, scalar loads
+extern "C" __global__ void __launch_bounds__(256) matvec_generic(const u8* __restrict__ W, int qt, int rows, int cols,
+                                                                 i64 row_bytes, const float* __restrict__ x,
+                                                                 const float* res, float* y) {
+    PDL_ENTRY();
+    const int lane = threadIdx.x & 31;
+    const int row = blockIdx.x * 8 + (threadIdx.x >> 5);
+    if (row >= rows) return;
+    const u8* rp = W + (i64)row * row_bytes;
+    float a = 0.f;
+    for (int c = lane; c < cols; c += 32) a = f_fma(load_elem(qt, rp, c), x[c], a);
+    a = warp_sum(a);
+    if (lane == 0) y[row] = res ? f_add(a, res[row]) : a;
+}
+
+// =============================================================================================================
+// 2b. RMSNorm folded into the mat-vec that reads it (a decode step's attention and FFN norms; one launch less
+// each). Every block stages the raw row x (n <= NORM_MV_MAX_N) in shared memory, computes its rms with row_rms and
+// normalises it there with rms_norm_rows' expressions (the same bits), then runs the mat-vec on it. With q, the
+// blocks also write the row's quantisation for the experts (group g by block g % gridDim.x, warp by warp). The
+// Q8_0 kernels keep 6 ring tiles a warp (not 8) so that three blocks still fit an SM beside the 16 KB of x.
+// Launch with Q8_0: NORM_MV_Q8_SMEM bytes of dynamic shared memory, float types: 4 * NORM_MV_MAX_N.
+// =============================================================================================================
+
+// The norm's weights are copied into xs with cp.async before the PDL wait (ptxas keeps cp.async ahead of
+// griddepcontrol.wait but sinks plain loads past it, SASS of the NVRTC build), then x is loaded after the wait;
+// each thread reads its own float4s of w back and writes x over them, so no barrier is needed between the two.
+__device__ __forceinline__ void norm_stage(const float* __restrict__ x, const float* __restrict__ w, int n, int L,
+                                           int NL, float eps, float* xs, signed char* __restrict__ q,
+                                           float* __restrict__ d) {
+    const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5, nw = blockDim.x >> 5;
+    const u32 xs_addr = smem_addr(xs);
+#pragma unroll
+    for (int k = 0; k < STAGE_V4; ++k) {
+        const int i = tid + MV_WARPS * 32 * k;
+        if (4 * i < n) cp_async16(xs_addr + 16 * i, w + 4 * i);
+    }
+    cp_commit();
+    PDL_ENTRY();
+    float4 xv[STAGE_V4], wv[STAGE_V4];
+#pragma unroll
+    for (int k = 0; k < STAGE_V4; ++k) {
+        const int i = tid + MV_WARPS * 32 * k;
+        if (4 * i < n) xv[k] = __ldg((const float4*)x + i);
+    }
+    cp_wait<0>();  // this thread's copies of w (and any ring tiles issued before: they were in flight as long)
+#pragma unroll
+    for (int k = 0; k < STAGE_V4; ++k) {
+        const int i = tid + MV_WARPS * 32 * k;
+        if (4 * i < n) {
+            wv[k] = ((const float4*)xs)[i];
+            ((float4*)xs)[i] = xv[k];
+        }
+    }
+    __syncthreads();
+    const float s = row_rms(xs, n, L, NL, eps);
+#pragma unroll
+    for (int k = 0; k < STAGE_V4; ++k) {
+        const int i = tid + MV_WARPS * 32 * k;
+        if (4 * i < n) {
+            float4 a = ((float4*)xs)[i];
+            a.x = f_mul(f_div(a.x, s), wv[k].x);
+            a.y = f_mul(f_div(a.y, s), wv[k].y);
+            a.z = f_mul(f_div(a.z, s), wv[k].z);
+            a.w = f_mul(f_div(a.w, s), wv[k].w);
+            ((float4*)xs)[i] = a;
+        }
+    }
+    __syncthreads();
+    if (q != nullptr)
+        for (int g = blockIdx.x + gridDim.x * wid; g < (n >> 5); g += gridDim.x * nw)  // warp-uniform
+            quant32(xs[g * 32 + lane], lane, q + (i64)g * 32, d + g);
+}
+
+#define NORM_MV_INST(NAME, QT, R, KS)                                                                         \
+    extern "C" __global__ void __launch_bounds__(256, (QT == QT_Q8_0 ? 3 : 1)) NAME(                              \
+        const u8* __restrict__ W, int rows, int ncu, i64 row_bytes, const float* __restrict__ x,                 \
+        const float* res, float* y, const float* __restrict__ nw, int n, int L, int NL, float eps,               \
+        signed char* __restrict__ q, float* __restrict__ d) {                                                    \
+        extern __shared__ __align__(16) u8 mv_smem[];                                                             \
+        float* xs = (float*)mv_smem;                                                                              \
+        auto wait = [&] { norm_stage(x, nw, n, L, NL, eps, xs, q, d); };                                          \
+        if (QT == QT_Q8_0)                                                                                       \
+            matvec_q8_0_body<R, KS, NORM_MV_RING, true, false>(W, rows, ncu, row_bytes, xs, res, y,              \
+                                                                   mv_smem + 4 * NORM_MV_MAX_N, wait);            \
+        else                                                                                                      \
+            matvec_float_body<QT, R, KS, true>(W, rows, ncu, row_bytes, xs, res, y, wait);                        \
+    }
+#define NORM_MV_PLANS(QN, QT)                                                                                 \
+    NORM_MV_INST(norm_matvec_##QN##_r2_k1, QT, 2, 1)                                                          \
+    NORM_MV_INST(norm_matvec_##QN##_r1_k1, QT, 1, 1)                                                          \
+    NORM_MV_INST(norm_matvec_##QN##_r1_k2, QT, 1, 2)                                                          \
+    NORM_MV_INST(norm_matvec_##QN##_r1_k4, QT, 1, 4)                                                          \
+    NORM_MV_INST(norm_matvec_##QN##_r1_k8, QT, 1, 8)                                                          \
+    NORM_MV_INST(norm_matvec_##QN##_r2_k2, QT, 2, 2)                                                          \
+    NORM_MV_INST(norm_matvec_##QN##_r2_k4, QT, 2, 4)
+NORM_MV_PLANS(q8_0, QT_Q8_0)
+NORM_MV_PLANS(f16, QT_F16)
+NORM_MV_PLANS(bf16, QT_BF16)
+NORM_MV_PLANS(f32, QT_F32)

@@ -1,0 +1,259 @@
+// =============================================================================================================
+// 1. mat-vec  y[r] = sum_c W[r, c] x[c] (+ res[r])
+// Block = 8 warps. A warp owns R rows (its "row group"); KS warps of a block split a row group's K dimension
+// (tiles round-robin) and are summed in shared memory in warp order (deterministic). Loads are 16-byte,
+// coalesced, several tiles in flight per warp (R * U = 4 row-tiles for Q8_0, 8 for the float types).
+// Q8_0 rows (34-byte blocks, 2-byte aligned quants) stream through a per-warp cp.async ring in shared memory
+// (tile = 32 blocks = 1088 bytes = 68 x 16 B; 8 row-tiles in flight per warp; launch with Q8_SMEM_BYTES of
+// dynamic shared memory), then four lanes dot a block of a tile, 8 values each; needs row_bytes % 16 == 0
+// (cols % 256 == 0).
+// Float types read 16-byte chunks straight into registers (tile = 32 lanes * 16 bytes); row_bytes % 16 == 0.
+// y and res may alias (in-place residual add).
+// =============================================================================================================
+#define MV_WARPS 8
+#define Q8_TILE_BYTES 1088
+
+// a mat-vec's activation: global (read-only path) or shared memory (XS: the fused RMSNorm's output, section 2b)
+template <bool XS>
+__device__ __forceinline__ float4 ldx4(const float4* p) { return XS ? *p : __ldg(p); }
+
+template <int R, int KS>
+__device__ __forceinline__ void mv_finish(float (&acc)[R], int rg, int rows, const float* res, float* y) {
+    __shared__ float red[MV_WARPS][R];
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[r] = warp_sum(acc[r]);
+    if (KS > 1) {
+        if (lane == 0) {
+#pragma unroll
+            for (int r = 0; r < R; ++r) red[w][r] = acc[r];
+        }
+        __syncthreads();
+        if ((w % KS) != 0) return;
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            float s = red[w][r];
+            for (int k = 1; k < KS; ++k) s = f_add(s, red[w + k][r]);
+            acc[r] = s;
+        }
+    }
+    if (lane == 0) {
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            int row = rg * R + r;
+            if (row < rows) y[row] = res ? f_add(acc[r], res[row]) : acc[r];
+        }
+    }
+}
+
+// A staged Q8_0 block's scale, and the 8 signed weight bytes of lane part `sub` (0-3) as two words: the block
+// starts at byte `boff` of the stage, 34-byte blocks are only 2-byte aligned, so the words are funnel-shifted.
+__device__ __forceinline__ float q8_staged(const u8* sbv, u32 boff, int sub, u32& qa, u32& qb) {
+    const float d = h2f(*(const u16*)(sbv + boff));
+    const u32 qoff = boff + 2 + 8 * sub;
+    const u32* wp = (const u32*)(sbv + (qoff & ~3u));
+    const u32 sh = 8 * (qoff & 3u);
+    const u32 w0 = wp[0], w1 = wp[1];
+    const u32 w2 = sh ? wp[2] : 0u;
+    qa = shf_r_clamp(w0, w1, sh);
+    qb = shf_r_clamp(w1, w2, sh);
+    return d;
+}
+
+// Q8_0: a warp's items are (its R rows) x (one tile of 32 blocks); P = 8/R items in flight through a cp.async
+// ring in (dynamic) shared memory: 8 warps x 8 row-tiles x 1088 bytes = 69632 bytes per block.
+// RT row-tiles in flight per warp (Q8_RING_TILES; fewer where x shares the block's shared memory, XS). `wait` runs
+// once the first tiles are in flight: it waits for the predecessor (x and res are its output) and may stage x.
+#define Q8_RING_TILES 8
+#define Q8_SMEM_BYTES (MV_WARPS * Q8_RING_TILES * Q8_TILE_BYTES)
+template <int R, int KS, int RT, bool XS, bool QX, class Wait>
+__device__ __forceinline__ void matvec_q8_0_body(const u8* __restrict__ W, int rows, int nb, i64 row_bytes,
+                                                 const float* x, const float* res, float* y,
+                                                 u8* q8_ring, Wait wait) {
+    constexpr int P = RT / R;
+    static_assert(P >= 1, "a ring tile per row at least");
+    static_assert(!QX || !XS, "8-bit x: read from global memory");
+    // QX: x is a row quantised to 8 bits (attn_combine_1p's out_q): nb * 32 int8 codes, then nb float scales
+    const signed char* xq = (const signed char*)x;
+    const float* xqd = (const float*)(xq + (i64)nb * 32);
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    const int rg = blockIdx.x * (MV_WARPS / KS) + w / KS;
+    const int ks = w % KS;
+    const int ntiles = (nb + 31) >> 5;
+    const int nitems = ks < ntiles ? (ntiles - ks + KS - 1) / KS : 0;
+    float acc[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[r] = 0.f;
+    u8* st = q8_ring + w * (RT * Q8_TILE_BYTES);
+    const u32 st_addr = smem_addr(st);
+
+    auto issue = [&](int i) {
+        if (i < nitems) {
+            const int tile = ks + i * KS;
+            const int nch = min(32, nb - tile * 32) * 34 / 16;
+            const u32 sb = st_addr + (i % P) * (R * Q8_TILE_BYTES);
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                const int row = rg * R + r;
+                if (row < rows) {
+                    const u8* src = W + (i64)row * row_bytes + (i64)tile * Q8_TILE_BYTES;
+#pragma unroll
+                    for (int c = 0; c < 3; ++c) {
+                        const int ch = lane + 32 * c;
+                        if (ch < nch) cp_async16(sb + r * Q8_TILE_BYTES + ch * 16, src + ch * 16);
+                    }
+                }
+            }
+        }
+        cp_commit();  // one group per item, empty past the end, so wait_group counts stay uniform
+    };
+#pragma unroll
+    for (int i = 0; i < P - 1; ++i) issue(i);
+    wait();
+    for (int i = 0; i < nitems; ++i) {
+        issue(i + P - 1);
+        cp_wait<P - 1>();
+        __syncwarp();
+        const int tile = ks + i * KS;
+        const int nbt = min(32, nb - tile * 32);
+        const u8* sbv = st + (i % P) * (R * Q8_TILE_BYTES);
+        // 4 lanes per block, 8 values each: a warp step covers 8 blocks and its x reads are 1 KB contiguous
+        const int bl = lane >> 2, sub = lane & 3;
+#pragma unroll
+        for (int st4 = 0; st4 < 4; ++st4) {
+            const int b = st4 * 8 + bl;
+            if (QX && b < nbt) {  // two dp4a: 8 weights by 8 int8 x, exact in int; one float term a lane
+                const int gb = tile * 32 + b;
+                const uint2 xv = __ldg((const uint2*)(xq + (i64)gb * 32 + 8 * sub));
+                const float dx = __ldg(xqd + gb);
+#pragma unroll
+                for (int r = 0; r < R; ++r) {
+                    u32 qa, qb;
+                    const float d = q8_staged(sbv, r * Q8_TILE_BYTES + 34 * b, sub, qa, qb);
+                    int sum = __dp4a((int)qa, (int)xv.x, 0);
+                    sum = __dp4a((int)qb, (int)xv.y, sum);
+                    acc[r] = f_fma(f_mul(d, dx), (float)sum, acc[r]);
+                }
+            } else if (b < nbt) {
+                const float4* xp = (const float4*)(x + ((i64)tile * 32 + b) * 32 + 8 * sub);
+                const float4 x0 = ldx4<XS>(xp), x1 = ldx4<XS>(xp + 1);
+#pragma unroll
+                for (int r = 0; r < R; ++r) {
+                    u32 qa, qb;
+                    const float d = q8_staged(sbv, r * Q8_TILE_BYTES + 34 * b, sub, qa, qb);
+                    qa ^= 0x80808080u;  // i8f reads biased bytes
+                    qb ^= 0x80808080u;
+                    float a0 = f_mul(x0.x, i8f(qa, 0));
+                    float a1 = f_mul(x0.y, i8f(qa, 1));
+                    a0 = f_fma(x0.z, i8f(qa, 2), a0);
+                    a1 = f_fma(x0.w, i8f(qa, 3), a1);
+                    a0 = f_fma(x1.x, i8f(qb, 0), a0);
+                    a1 = f_fma(x1.y, i8f(qb, 1), a1);
+                    a0 = f_fma(x1.z, i8f(qb, 2), a0);
+                    a1 = f_fma(x1.w, i8f(qb, 3), a1);
+                    acc[r] = f_fma(d, f_add(a0, a1), acc[r]);
+                }
+            }
+        }
+        __syncwarp();  // stage i % P is refilled by the next iteration's issue
+    }
+    cp_wait<0>();
+    mv_finish<R, KS>(acc, rg, rows, res, y);
+}
+
+// `wait` (as in the Q8_0 body) comes after the first weights' loads in the source, but ptxas schedules the PDL wait
+// (ACQBULK) ahead of plain loads unless a cp.async precedes it (SASS of the NVRTC build): alone, these go out after it
+template <int QT, int R, int KS, bool XS, class Wait>
+__device__ __forceinline__ void matvec_float_body(const u8* __restrict__ W, int rows, int nchunk, i64 row_bytes,
+                                                  const float* x, const float* res, float* y, Wait wait) {
+    constexpr int U = 8 / R;
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    const int rg = blockIdx.x * (MV_WARPS / KS) + w / KS;
+    const int ks = w % KS;
+    const int ntiles = (nchunk + 31) >> 5;
+    float acc[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[r] = 0.f;
+    uint4 v[U][R];
+    auto load = [&](int it) {
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int ch = (it + u * KS) * 32 + lane;
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                const int row = rg * R + r;
+                if (row < rows && ch < nchunk) v[u][r] = ld_stream(W + (i64)row * row_bytes + (i64)ch * 16);
+                else v[u][r] = make_uint4(0, 0, 0, 0);
+            }
+        }
+    };
+    load(ks);  // weights are no predecessor's output
+    wait();
+    for (int it = ks; it < ntiles; it += KS * U) {
+        if (it != ks) load(it);
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int ch = (it + u * KS) * 32 + lane;
+            if (ch < nchunk) {
+                if (QT == QT_F32) {
+                    const float4 xx = ldx4<XS>((const float4*)x + ch);
+#pragma unroll
+                    for (int r = 0; r < R; ++r) {
+                        float a = acc[r];
+                        a = f_fma(xx.x, __int_as_float(v[u][r].x), a);
+                        a = f_fma(xx.y, __int_as_float(v[u][r].y), a);
+                        a = f_fma(xx.z, __int_as_float(v[u][r].z), a);
+                        a = f_fma(xx.w, __int_as_float(v[u][r].w), a);
+                        acc[r] = a;
+                    }
+                } else {
+                    const float4 x0 = ldx4<XS>((const float4*)x + 2 * ch), x1 = ldx4<XS>((const float4*)x + 2 * ch + 1);
+#pragma unroll
+                    for (int r = 0; r < R; ++r) {
+                        const uint4 q = v[u][r];
+                        float a = acc[r], b = 0.f;
+                        if (QT == QT_F16) {
+                            a = f_fma(x0.x, h2f((u16)(q.x & 0xffff)), a); b = f_fma(x0.y, h2f((u16)(q.x >> 16)), b);
+                            a = f_fma(x0.z, h2f((u16)(q.y & 0xffff)), a); b = f_fma(x0.w, h2f((u16)(q.y >> 16)), b);
+                            a = f_fma(x1.x, h2f((u16)(q.z & 0xffff)), a); b = f_fma(x1.y, h2f((u16)(q.z >> 16)), b);
+                            a = f_fma(x1.z, h2f((u16)(q.w & 0xffff)), a); b = f_fma(x1.w, h2f((u16)(q.w >> 16)), b);
+                        } else {
+                            a = f_fma(x0.x, __int_as_float(q.x << 16), a); b = f_fma(x0.y, __int_as_float(q.x & 0xffff0000u), b);
+                            a = f_fma(x0.z, __int_as_float(q.y << 16), a); b = f_fma(x0.w, __int_as_float(q.y & 0xffff0000u), b);
+                            a = f_fma(x1.x, __int_as_float(q.z << 16), a); b = f_fma(x1.y, __int_as_float(q.z & 0xffff0000u), b);
+                            a = f_fma(x1.z, __int_as_float(q.w << 16), a); b = f_fma(x1.w, __int_as_float(q.w & 0xffff0000u), b);
+                        }
+                        acc[r] = f_add(a, b);
+                    }
+                }
+            }
+        }
+    }
+    mv_finish<R, KS>(acc, rg, rows, res, y);
+}
+
+// x staged in shared memory (the fused norm's row, section 2b; the Q8_0 mat-vecs of rows up to NORM_MV_MAX_N) with
+// NORM_MV_RING ring tiles a warp, so that three blocks fit an SM beside it
+#define NORM_MV_MAX_N 4096
+#define NORM_MV_RING 6
+#define NORM_MV_Q8_SMEM (MV_WARPS * NORM_MV_RING * Q8_TILE_BYTES + 4 * NORM_MV_MAX_N)
+
+// x (n floats, n % 4 == 0, n <= NORM_MV_MAX_N) into shared memory by a block of MV_WARPS warps, every thread's
+// loads issued before its first store (a strided copy loop waited one L2 round trip per element: 36 % of the qkv
+// mat-vec's stall samples, ncu on the H200); a barrier must follow before xs is read.
+#define STAGE_V4 (NORM_MV_MAX_N / (4 * MV_WARPS * 32))  // float4 a thread
+__device__ __forceinline__ void stage_row(const float* __restrict__ x, int n, float* xs) {
+    float4 v[STAGE_V4];
+#pragma unroll
+    for (int k = 0; k < STAGE_V4; ++k) {
+        const int i = threadIdx.x + MV_WARPS * 32 * k;
+        if (4 * i < n) v[k] = __ldg((const float4*)x + i);
+    }
+#pragma unroll
+    for (int k = 0; k < STAGE_V4; ++k) {
+        const int i = threadIdx.x + MV_WARPS * 32 * k;
+        if (4 * i < n) ((float4*)xs)[i] = v[k];
+    }
+}
+
+// ncu: Q8_0 -> blocks per row; float types -> 16-byte chunks per row

@@ -1,0 +1,145 @@
+"""Mat-vecs over GGUF rows (matvec.cu): a decode step's projections and LM head, the RMSNorm folded into the one
+that reads it, and the o projection on an 8-bit x; numpy references beside them.
+
+  matvec(W, x, y, residual)               matvec_ref(raw, qtype, x, residual)
+  matvec(W, xq, y, qx=True)               matvec_q8x_ref(raw, x, residual)
+  norm_matvec(W, x, norm_w, eps, y)       matvec_ref(raw, qtype, norm.rms_norm_ref(x, norm_w, eps))
+"""
+from __future__ import annotations
+
+import numpy as np
+from gguf import GGMLQuantizationType as T
+
+from stratad.engine import canonical
+from stratad.model import quants
+
+from .device import QNAME, dense_qtype, module, need, on_stream, ptr
+from .launch import launch
+from .norm import pairwise_plan
+from .weights import PLANS, DenseWeight
+
+SOURCE = "matvec.cu"
+F32 = np.float32
+Q8_SMEM_BYTES = 8 * 8 * 1088  # Q8_0 mat-vec cp.async ring (matvec.cuh Q8_SMEM_BYTES)
+NORM_MV_MAX_N = 4096  # RMSNorm folded into a mat-vec: the row staged in shared memory (matvec.cuh)
+NORM_MV_Q8_SMEM = 8 * 6 * 1088 + 4 * NORM_MV_MAX_N  # matvec.cuh NORM_MV_Q8_SMEM
+
+
+def matvec(W: DenseWeight, x, y=None, residual=None, *, plan: tuple[int, int] | None = None, qx: bool = False,
+           stream=None):
+    """y = W x (+ residual); x float32 (cols,), y/residual float32 (rows,) (may be the same array). Returns y.
+    plan: (rows per warp, warps per row) from PLANS (default W.plan()).
+    qx (Q8_0 weights): x is a row quantised to 8 bits, int8 (q8_row_bytes(cols),): its cols codes, then its
+    cols / 32 float32 scales (quantize_row, or DecodeAttention's out_q), multiplied in integers (matvec_q8x_ref)."""
+    m = module(SOURCE)
+    cp = m.cp
+    if qx:
+        if not W.takes_qx:
+            raise ValueError(f"8-bit x takes fast Q8_0 weights (got {T(W.qtype).name})")
+        need(x, np.int8, (q8_row_bytes(W.cols),), "x (8-bit)", align=16)
+    else:
+        need(x, np.float32, (W.cols,), "x", align=16)
+    if y is None:
+        y = cp.empty(W.rows, cp.float32)
+    need(y, np.float32, (W.rows,), "y")
+    if residual is not None:
+        need(residual, np.float32, (W.rows,), "residual")
+    with on_stream(stream):
+        if W.fast:
+            q8 = W.qtype == T.Q8_0
+            _launch_matvec(m, f"matvec_{'q8_0x' if qx else QNAME[W.qtype]}", W, plan or W.plan(),
+                           (x, ptr(residual), y), Q8_SMEM_BYTES if q8 else 0)
+        else:
+            launch(m.fn("matvec_generic"), (-(-W.rows // 8),), (256,),
+                                   (W.data, np.int32(int(W.qtype)), np.int32(W.rows), np.int32(W.cols),
+                                    np.int64(W.row_bytes), x, ptr(residual), y))
+    return y
+
+
+def _launch_matvec(m, kernel: str, W: DenseWeight, plan: tuple[int, int], args: tuple, smem: int) -> None:
+    """A fast mat-vec kernel (`kernel`_r{R}_k{KS}) over W's rows: (W, rows, ncu, row_bytes) + args."""
+    R, KS = plan
+    if (R, KS) not in PLANS:
+        raise ValueError(f"plan {(R, KS)} not in {PLANS}")
+    groups = -(-W.rows // R)  # a warp's R rows, 8 / KS row groups a block
+    grid = -(-groups // (8 // KS))
+    ncu = W.cols // 32 if W.qtype == T.Q8_0 else W.row_bytes // 16
+    launch(m.fn(f"{kernel}_r{R}_k{KS}", smem), (grid,), (256,),
+           (W.data, np.int32(W.rows), np.int32(ncu), np.int64(W.row_bytes)) + args, shared_mem=smem)
+
+
+def norm_matvec_ok(W: DenseWeight) -> bool:
+    """Whether norm_matvec takes W (else: rms_norm, then matvec)."""
+    plan = pairwise_plan(W.cols)
+    return W.fast and W.cols <= NORM_MV_MAX_N and (plan is None or plan[1] * 8 <= 256)
+
+
+def norm_matvec(W: DenseWeight, x, norm_w, eps: float, y=None, residual=None, *, quant=None,
+                plan: tuple[int, int] | None = None, stream=None):
+    """y = W rms_norm(x, norm_w, eps) (+ residual) in one launch (x float32 (cols,)), with the bits of rms_norm then
+    matvec; quant (q int8 (1, cols), d float32 (1, cols / 32)) also receives rms_norm's quantised row. The
+    normalised row itself is not written. W must pass norm_matvec_ok. Returns y."""
+    m = module(SOURCE)
+    cp = m.cp
+    if not norm_matvec_ok(W):
+        raise ValueError(f"norm_matvec takes fast weights of at most {NORM_MV_MAX_N} columns (got {W.cols})")
+    n = W.cols
+    need(x, np.float32, (n,), "x", align=16)  # staged in float4 (matvec.cuh stage_row)
+    need(norm_w, np.float32, (n,), "norm_w", align=16)
+    if y is None:
+        y = cp.empty(W.rows, cp.float32)
+    need(y, np.float32, (W.rows,), "y")
+    if residual is not None:
+        need(residual, np.float32, (W.rows,), "residual")
+    qd = (np.uint64(0), np.uint64(0))
+    if quant is not None:
+        if n % 32:
+            raise ValueError("quantised output needs cols to be a multiple of 32")
+        need(quant[0], np.int8, (1, n), "q")
+        need(quant[1], np.float32, (1, n // 32), "d")
+        qd = tuple(quant)
+    R, KS = plan or W.plan()
+    R = min(R, 2)  # no four-row variant: the ring is smaller beside the staged row
+    L, NL = pairwise_plan(n) or (0, 0)
+    q8 = W.qtype == T.Q8_0
+    with on_stream(stream):
+        _launch_matvec(m, f"norm_matvec_{QNAME[W.qtype]}", W, (R, KS),
+                       (x, ptr(residual), y, norm_w, np.int32(n), np.int32(L), np.int32(NL), np.float32(eps)) + qd,
+                       NORM_MV_Q8_SMEM if q8 else 4 * NORM_MV_MAX_N)
+    return y
+
+
+def q8_row_bytes(n: int) -> int:
+    """Bytes of a row of n values quantised to 8 bits (matvec qx's x): n int8 codes, then n / 32 float32 scales."""
+    if n % 32:
+        raise ValueError(f"an 8-bit row takes a multiple of 32 values (got {n})")
+    return n + n // 8
+
+
+def quantize_row(x: np.ndarray) -> np.ndarray:
+    """numpy: x float32 (n,) as matvec qx reads it (canonical.quantize_act's codes, then its scales)."""
+    q, d = canonical.quantize_act(np.asarray(x, F32))
+    return np.concatenate([q.reshape(-1).view(np.int8), d.view(np.int8)])
+
+
+def matvec_q8x_ref(raw: np.ndarray, x: np.ndarray, residual: np.ndarray | None = None) -> np.ndarray:
+    """numpy float64, returned as float32: Q8_0 rows times x quantised to 8 bits a value in groups of 32
+    (canonical.quantize_act, the experts' input), each group's integer dot product scaled by both scales: the
+    function the qx mat-vecs compute (they sum the scaled terms in float32, in their own order)."""
+    raw = np.asarray(raw)
+    blocks = raw.reshape(raw.shape[0], -1, 34)
+    dw = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float64)
+    qw = blocks[..., 2:].copy().view(np.int8).astype(np.int64)
+    qa, da = canonical.quantize_act(np.asarray(x, F32)[None])
+    isum = np.einsum("rbk,bk->rb", qw, qa[0].astype(np.int64))
+    y = (dw * da[0].astype(np.float64) * isum).sum(axis=1)
+    if residual is not None:
+        y = y + np.asarray(residual, np.float64)
+    return y.astype(F32)
+
+
+def matvec_ref(raw: np.ndarray, qtype, x: np.ndarray, residual: np.ndarray | None = None) -> np.ndarray:
+    """numpy float32: dequantise the rows, W @ x (+ residual) (what ReferenceEngine computes, through BLAS)."""
+    w = quants.dequantize(dense_qtype(qtype), np.asarray(raw))
+    y = (w @ np.asarray(x, F32)).astype(F32)
+    return y + residual if residual is not None else y
