@@ -49,7 +49,7 @@ class Sampling(BaseModel):
     temperature: float = Field(0.0, ge=0.0, allow_inf_nan=False)
     top_k: int = Field(0, ge=0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int = 0
+    seed: int = Field(0, ge=-2**63, lt=2**63)  # any int64; each one its own reproducible draws (-1 is not "random")
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
 
