@@ -154,7 +154,7 @@ class CupyCard:
                 attn_norm=f32(b + "attn_norm.weight"), ffn_norm=f32(b + "ffn_norm.weight"),
                 q_norm=f32(b + "attn_q_norm.weight"), k_norm=f32(b + "attn_k_norm.weight"),
                 kv=D.alloc_kv_cache(c.n_head_kv, self.max_ctx, c.head_dim)))
-        self.rope = D.RopeTable(self.max_ctx, c.head_dim, c.rope_base)
+        self.rope = D.RopeTable(self.max_ctx, c.head_dim, c.rope_base, c.rope_scaling)
         # decode steps' attention, by long context (Work.long_ctx): each with its own load path and splits
         self.attn = {long: D.DecodeAttention(c.n_head, c.n_head_kv, c.head_dim, self.max_ctx,
                                              ring=D.STEP_LOAD[long] == "ring", pipelined=D.STEP_LOAD[long] == "pipe")
