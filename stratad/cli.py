@@ -41,7 +41,7 @@ def _generate(a) -> int:
     params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
                             seed=a.seed, ignore_eos=a.ignore_eos)
     try:
-        gen = Generation(ReferenceEngine(model, a.experts), tok, prompt, params, model.config.context_length)
+        gen = Generation(ReferenceEngine(model, a.experts), tok, prompt, params, model.config.max_context)
     except BadRequest as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

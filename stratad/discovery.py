@@ -18,8 +18,9 @@ SOCKET = "client.sock"
 
 
 def registry_dir() -> Path:
-    """Beside the default runtime directory: $XDG_RUNTIME_DIR/stratad.daemons (root: /run/stratad.daemons)."""
-    return Path(default_runtime_dir()).parent / "stratad.daemons"
+    """$XDG_RUNTIME_DIR/stratad.daemons; without that variable beside the default runtime directory (root:
+    /run/stratad.daemons)."""
+    return Path(os.environ.get("XDG_RUNTIME_DIR") or Path(default_runtime_dir()).parent) / "stratad.daemons"
 
 
 def register(runtime_dir: str | os.PathLike) -> Path:
