@@ -11,34 +11,37 @@ import numpy as np
 Expert = tuple[int, int]  # (layer, expert)
 
 
-def hottest_first(weights: np.ndarray) -> list[Expert]:
-    """All (layer, expert) by decreasing weight, ties by (layer, expert): plans are reproducible."""
-    n_expert = weights.shape[1]
+def _ranked(weights: np.ndarray) -> np.ndarray:
+    """Flat (layer * n_expert + expert) indices by decreasing weight, ties by index: plans are reproducible."""
     flat = weights.reshape(-1)
-    order = np.lexsort((np.arange(flat.size), -flat))
-    return [(int(i // n_expert), int(i % n_expert)) for i in order]
+    return np.lexsort((np.arange(flat.size), -flat))
+
+
+def hottest_first(weights: np.ndarray) -> list[Expert]:
+    """All (layer, expert) by decreasing weight, ties by (layer, expert)."""
+    n_expert = weights.shape[1]
+    return [(int(i // n_expert), int(i % n_expert)) for i in _ranked(weights)]
 
 
 def pooled(weights: np.ndarray, budgets: list[int]) -> list[list[Expert]]:
-    """The experts each card of one group should hold, hottest first."""
-    ranked = hottest_first(weights)
-    held: list[list[Expert]] = [[] for _ in budgets]
-    room = list(budgets)
-    for x in ranked:  # deal to the card with the most room left: hot experts spread over all cards
-        c = max(range(len(room)), key=lambda i: (room[i], -i))
-        if room[c] == 0:
-            break
-        held[c].append(x)
-        room[c] -= 1
-    for c in range(len(budgets)):  # spare room once all are placed: replicate the hottest
-        have = set(held[c])
-        for x in ranked:
-            if room[c] == 0:
-                break
-            if x not in have:
-                held[c].append(x)
-                room[c] -= 1
-    return held
+    """The experts each card of one group should hold, hottest first: each expert in turn to the card with the
+    most room left (ties to the lower card), so hot experts spread over all cards; once every expert has a place,
+    each card's spare room replicates the hottest it lacks. Vectorised (a235b: 12,032 experts): a card's u-th
+    expert is dealt while its room is budget - u, and the deal takes every card at room r, lowest first, before
+    any at r - 1, so the deal order is sorting (room before, card)."""
+    n_expert = weights.shape[1]
+    ranked = _ranked(weights)
+    card = np.repeat(np.arange(len(budgets)), budgets)
+    room_before = np.concatenate([np.arange(b, 0, -1) for b in budgets]) if card.size else card
+    deal = card[np.lexsort((card, -room_before))][:ranked.size]
+    held_idx = [list(ranked[:deal.size][deal == c]) for c in range(len(budgets))]
+    for c, b in enumerate(budgets):  # spare room once all are placed: replicate the hottest not yet held
+        spare = b - len(held_idx[c])
+        if spare > 0:
+            mine = np.zeros(ranked.size, bool)
+            mine[held_idx[c]] = True
+            held_idx[c] += list(ranked[~mine[ranked]][:spare])
+    return [[(int(i // n_expert), int(i % n_expert)) for i in h] for h in held_idx]
 
 
 def stable_slots(current: list[Expert | None], wanted: list[Expert]) -> list[Expert | None]:

@@ -177,13 +177,20 @@ class CardPool:
 
     def _send_views(self) -> None:
         vis = self.epochs.visible()
+        views: dict[int, M.CardView] = {}  # a card's view is the same for every lane using it: built once (a235b:
+        # 12,032 experts, a message of thousands of slots per card, each validated)
+
+        def view(c: int) -> M.CardView:
+            if c not in views:
+                views[c] = M.CardView(card=c, pool=self.pools[c][0], device=self.pools[c][1],
+                                      generation=self.generation[c],
+                                      experts=tuple((x[0], x[1], s) for s, x in enumerate(vis[c]) if x is not None))
+            return views[c]
+
         for i in range(self.n):
             if not self.ready[i]:
                 continue
-            cards = tuple(M.CardView(card=c, pool=self.pools[c][0], device=self.pools[c][1],
-                                     generation=self.generation[c],
-                                     experts=tuple((x[0], x[1], s) for s, x in enumerate(vis[c]) if x is not None))
-                          for c in self.roles.cards_for(i)[1:] if self.ready[c])
+            cards = tuple(view(c) for c in self.roles.cards_for(i)[1:] if self.ready[c])
             self.send(i, M.View(epoch=self.epochs.epoch, cards=cards))  # an unreachable lane's death is noticed
 
     def users(self, card: int) -> tuple[int, ...]:

@@ -3,11 +3,14 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import os
 import stat
 from pathlib import Path
 
-from stratad import shm
+from stratad import discovery, shm
+
+log = logging.getLogger("stratad.runtime")
 
 
 class RuntimeDirError(RuntimeError):
@@ -20,6 +23,7 @@ class RuntimeDir:
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         self._lock_fd: int | None = None
+        self._record: Path | None = None  # this daemon's entry in the user's registry (stratad.discovery)
 
     @property
     def client_endpoint(self) -> str:
@@ -53,6 +57,10 @@ class RuntimeDir:
         self._lock_fd = fd
         reclaimed = self._reclaim()
         (self.path / "stratad.pid").write_text(f"{os.getpid()}\n")
+        try:  # so that a client not told the directory finds it
+            self._record = discovery.register(self.path)
+        except OSError as e:
+            log.warning("runtime dir %s not registered for clients (%s): they need --runtime-dir", self.path, e)
         return reclaimed
 
     def read_pid(self) -> int | None:
@@ -73,6 +81,9 @@ class RuntimeDir:
         for p in list(self.path.glob("*.sock")) + [self.path / "stratad.pid"]:
             p.unlink(missing_ok=True)
         shm.unlink_prefix(self.shm_prefix)
+        if self._record is not None:
+            discovery.unregister(self._record)
+            self._record = None
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None

@@ -26,7 +26,7 @@ from protos import messages as M
 from protos.codec import FrameError, decode, encode
 from stratad import shm
 from stratad.config import GPU_PROMPT_CHUNK
-from stratad.engine.generation import Generation
+from stratad.engine.generation import BadRequest, Generation
 from stratad.engine.prefix_cache import PrefixCache
 from stratad.engine.sampling import SamplingParams
 from stratad.model.gguf_file import ModelFile
@@ -225,8 +225,10 @@ class Lane:
             finish = gen.finish_reason
         except Cancelled:
             finish = "cancelled"
-        except ValueError as e:
-            self.send(M.Error(req_id=a.req_id, code=M.ErrorCode.BAD_REQUEST, message=str(e)))
+        except Exception as e:  # noqa: BLE001 - the request fails with its cause; the lane goes on serving
+            if not isinstance(e, BadRequest):
+                log.exception("lane %d: request %s failed", self.lane, a.req_id)
+            self.send(error_reply(self.lane, a.req_id, e))
         finally:
             if steps is not None:
                 steps.close()  # a cancel ends the steps here: the sequence's KV is kept for the next prompt
@@ -290,6 +292,15 @@ class Lane:
         self.ctx.term()
 
 
+def error_reply(lane: int, req_id: str, e: Exception) -> M.Error:
+    """A request's failure as the client sees it: `bad_request` only for input Generation refused (BadRequest),
+    anything else is this lane's fault (`internal`, with the exception's type; the traceback is in the log)."""
+    if isinstance(e, BadRequest):
+        return M.Error(req_id=req_id, code=M.ErrorCode.BAD_REQUEST, message=str(e))
+    return M.Error(req_id=req_id, code=M.ErrorCode.INTERNAL,
+                   message=f"lane {lane} failed serving the request: {type(e).__name__}: {e} (see the daemon's log)")
+
+
 def card_failure(a: argparse.Namespace, placement: M.Placement, model: ModelFile, e: Exception) -> str:
     """Why building card a.card failed, in the terms of the daemon's configuration."""
     if isinstance(e, ModuleNotFoundError) and (e.name or "").split(".")[0] == "cupy":
@@ -328,6 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=a.log_level.upper(), format=f"%(asctime)s lane{a.lane} %(levelname)s %(message)s")
     _die_with_parent()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C on `stratad serve` reaches the group: the coordinator stops us
     lane = Lane(a)
     try:
         if lane.model.header_hash != a.model_hash:

@@ -142,7 +142,9 @@ class NumpyCard:
     def forward(self, tokens, kv, logits: str = "last"):
         outs = []
         for chunk, rows, last in chunks(tokens, logits):  # as the GPU card reads prompts (the lane's hook between)
-            outs.append(self.engine.forward(chunk, kv, "all" if logits == "all" else "last" if rows else "none"))
+            out = self.engine.forward(chunk, kv, "all" if logits == "all" else "last" if rows else "none")
+            if rows:  # a chunk read with "none" gives the engine's hidden states, which are no logits
+                outs.append(out)
             if self.on_chunk is not None and not last:
                 self.on_chunk()
-        return None if logits == "none" else np.concatenate([o for o in outs if o is not None])
+        return np.concatenate(outs) if outs else None

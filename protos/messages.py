@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from enum import Enum
-from typing import Annotated, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -37,10 +37,42 @@ class _Msg(BaseModel):
     v: int = PROTOCOL_VERSION
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    name: str = Field(min_length=1)
+    arguments: dict[str, Any]  # a mapping, as transformers' chat templates render it (not a JSON string)
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     role: str
     content: str
+    # Protocol v1, tools (optional: a message without them is what it was before): an assistant turn's calls, a
+    # tool result's call id and tool name, an assistant turn's reasoning. Passed to the chat template as given.
+    tool_calls: tuple[ToolCall, ...] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+    reasoning_content: str | None = None
+
+
+class ToolFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # JSON Schema of the arguments
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    type: Literal["function"] = "function"
+    function: ToolFunction
 
 
 class Sampling(BaseModel):
@@ -49,7 +81,7 @@ class Sampling(BaseModel):
     temperature: float = Field(0.0, ge=0.0, allow_inf_nan=False)
     top_k: int = Field(0, ge=0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int = 0
+    seed: int = Field(0, ge=-2**63, lt=2**63)  # any int64; each one its own reproducible draws (-1 is not "random")
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
 
@@ -63,13 +95,32 @@ class Generate(_Msg):
     tokens: tuple[int, ...] | None = None
     sampling: Sampling = Sampling()
     digest: bool = False  # report a sha256 of every step's logits (bit-exactness checks across modes)
+    # Protocol v1, tools (optional; with messages only): the tools the chat template shows the model, the
+    # template's enable_thinking (None: the template's default), and text the reply starts with (rendered after
+    # the generation prompt: a forced tool call's opening, or an assistant turn to continue).
+    tools: tuple[Tool, ...] | None = None
+    enable_thinking: bool | None = None
+    prefill: str = ""
 
     @model_validator(mode="after")
     def _one_input(self):
         given = [n for n in ("prompt", "messages", "tokens") if getattr(self, n) is not None]
         if len(given) != 1:
             raise ValueError(f"exactly one of prompt, messages, tokens is required (got {given or 'none'})")
+        if self.messages is None:
+            extra = [n for n in ("tools", "enable_thinking") if getattr(self, n) is not None]
+            if extra or self.prefill:
+                raise ValueError(f"{', '.join(extra + ['prefill'] * bool(self.prefill))} need messages")
         return self
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """The chat template's arguments besides the messages (those given)."""
+        kw: dict[str, Any] = {}
+        if self.tools is not None:
+            kw["tools"] = [t.model_dump(exclude_none=True) for t in self.tools]
+        if self.enable_thinking is not None:
+            kw["enable_thinking"] = self.enable_thinking
+        return kw
 
 
 class Cancel(_Msg):

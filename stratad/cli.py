@@ -3,8 +3,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from pathlib import Path
 
+from stratad import discovery
 from stratad.config import GPU_PROMPT_CHUNK
 from stratad.model.errors import ModelFormatError
 
@@ -12,13 +15,21 @@ from stratad.model.errors import ModelFormatError
 def _make_model(a) -> int:
     from stratad.model.generator import make_model
 
-    rep = make_model(a.out, a.preset, a.expert_quant, a.dense_quant, a.router_skew, a.seed, a.topics)
+    try:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        rep = make_model(a.out, a.preset, a.expert_quant, a.dense_quant, a.router_skew, a.seed, a.topics)
+    except OSError as e:  # a folder that cannot be made, a file that cannot be written: which one, and why
+        print(f"error: cannot write {e.filename or a.out}: {e.strerror or e}", file=sys.stderr)
+        return 2
+    except ValueError as e:  # options that do not go together
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(json.dumps(rep))
     return 0
 
 
 def _generate(a) -> int:
-    from stratad.engine.generation import Generation
+    from stratad.engine.generation import BadRequest, Generation
     from stratad.engine.reference import ReferenceEngine
     from stratad.engine.sampling import SamplingParams
     from stratad.model.gguf_file import ModelFile
@@ -29,11 +40,11 @@ def _generate(a) -> int:
     prompt = tok.encode(text)
     params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
                             seed=a.seed, ignore_eos=a.ignore_eos)
-    if probs := params.problems():
-        print("error: " + "; ".join(probs), file=sys.stderr)
+    try:
+        gen = Generation(ReferenceEngine(model, a.experts), tok, prompt, params, model.config.max_context)
+    except BadRequest as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
-    engine = ReferenceEngine(model, a.experts)
-    gen = Generation(engine, tok, prompt, params, model.config.context_length)
     for _, piece in gen:
         sys.stdout.write(piece)
         sys.stdout.flush()
@@ -48,7 +59,8 @@ def _serve(a) -> int:
     from coordinator.runtime import RuntimeDirError
     from stratad import config
 
-    overrides = {"model": a.model, "cards": a.cards, "runtime_dir": a.runtime_dir, "expert_cache": a.expert_cache,
+    overrides = {"model": a.model, "cards": a.cards, "expert_cache": a.expert_cache,
+                 "runtime_dir": a.runtime_dir or os.environ.get(discovery.ENV),  # over the config file's
                  "context_length": a.context_length, "rejoin_idle_s": a.rejoin_idle_s, "log_level": a.log_level}
     for flag in ("mutual_help", "prefix_cache"):
         if getattr(a, flag):
@@ -68,8 +80,6 @@ def _bench(a) -> int:
 
     model = a.model
     if model is None:
-        from pathlib import Path
-
         from stratad.model.generator import make_model
 
         topics = "-topics2" if a.scenario == "seed" else ""
@@ -135,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--config", help="TOML config file; flags below override it")
     s.add_argument("--model")
     s.add_argument("--cards", help="comma-separated GPU indices or 'cpu' virtual cards, e.g. cpu,cpu")
-    s.add_argument("--runtime-dir")
+    s.add_argument("--runtime-dir", help=f"sockets, lock, pid file (else ${discovery.ENV}, else the config's)")
     s.add_argument("--expert-cache", help="per-card expert-cache budget: fraction 0..1 or size like 40GiB")
     s.add_argument("--context-length", type=int)
     s.add_argument("--rejoin-idle-s", type=float)
@@ -150,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--preset", choices=["tiny", "mini", "a3b"], default="tiny")
     b.add_argument("--expert-quant", default="IQ3_S", choices=["IQ3_S", "Q4_K", "Q8_0"])
     b.add_argument("--router-skew", type=float, default=1.0)
-    b.add_argument("--cache-dir", default=str(__import__("pathlib").Path.home() / ".cache" / "stratad"))
+    b.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "stratad"))
     b.add_argument("--tokens", type=int, default=128)
     b.add_argument("--repeats", type=int, default=5)
     b.add_argument("--threads", type=int, default=1, help="compute threads of the lane and of the in-process side")

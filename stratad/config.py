@@ -95,6 +95,10 @@ class DaemonConfig(BaseModel):
     tcp: str | None = Field(None, description="opt-in TCP listener, e.g. tcp://0.0.0.0:5555; needs CURVE keys")
     curve_secret_key_file: str | None = None
     curve_authorized_dir: str | None = Field(None, description="directory of clients' public key files")
+    http: str | None = Field(None, description="HTTP gateway (OpenAI / Anthropic APIs) at HOST:PORT, e.g. "
+                                                "127.0.0.1:8080; a non-loopback address needs api_key_file")
+    api_key_file: str | None = Field(None, validate_default=True, description="file holding the HTTP gateway's "
+                                                                             "API key")
     log_level: str = Field("info", pattern="^(debug|info|warning|error)$")
 
     @field_validator("expert_cache", mode="before")
@@ -114,6 +118,26 @@ class DaemonConfig(BaseModel):
                 raise ValueError(f"a card is a GPU index or 'cpu', got {c!r}")
             out.append(c)
         return tuple(out)
+
+    @field_validator("http")
+    @classmethod
+    def _http(cls, v):
+        if v is not None:
+            from stratad.gateway.launch import parse_listen  # the gateway's own check, so both agree
+
+            parse_listen(v)
+        return v
+
+    @field_validator("api_key_file")
+    @classmethod
+    def _http_key(cls, v, info):
+        http = info.data.get("http")
+        if http is not None and v is None:
+            from stratad.gateway.launch import is_loopback, parse_listen
+
+            if not is_loopback(parse_listen(http)[0]):
+                raise ValueError(f"http on {http} (not a loopback address) needs api_key_file")
+        return v
 
     @field_validator("tcp")
     @classmethod

@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 
+from stratad import discovery
 from stratad.client import Client, DaemonUnavailable, RequestError
 
 
@@ -48,25 +50,44 @@ def status_table(st) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="stratactl", description=__doc__)
-    p.add_argument("--runtime-dir", help="the daemon's runtime directory (default as the daemon's)")
-    p.add_argument("--timeout", type=float, default=10.0)
+def _options(defaults: bool) -> argparse.ArgumentParser:
+    """The options taken before or after the subcommand; after it, unset ones keep what came before it."""
+    keep = argparse.SUPPRESS
+    o = argparse.ArgumentParser(add_help=False)
+    o.add_argument("--runtime-dir", default=None if defaults else keep,
+                   help=f"the daemon's runtime directory (default: ${discovery.ENV}, the default directory, "
+                        f"else the one daemon of this user that is running)")
+    o.add_argument("--timeout", type=float, default=10.0 if defaults else keep, help="seconds to wait for the daemon")
+    o.add_argument("--json", action="store_true", default=False if defaults else keep,
+                   help="status: the whole status as JSON; generate: the reply and its stats as one JSON object")
+    return o
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="stratactl", description=__doc__, parents=[_options(True)])
     sub = p.add_subparsers(dest="cmd", required=True)
-    s = sub.add_parser("status", help="lanes, roles, hit rates and cards")
-    s.add_argument("--json", action="store_true")
-    g = sub.add_parser("generate", help="stream a reply to one user message")
+    after = _options(False)
+    sub.add_parser("status", help="lanes, roles, hit rates and cards", parents=[after])
+    g = sub.add_parser("generate", help="stream a reply to one user message", parents=[after])
     g.add_argument("text")
     g.add_argument("--max-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0, help="any 64-bit integer; the same seed, the same draws")
     g.add_argument("--stop", action="append", default=[])
     g.add_argument("--ignore-eos", action="store_true", help="generate --max-tokens whatever the stop tokens say")
-    a = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    found = discovery.lookup(a.runtime_dir)
+    if found.path is None:
+        print(f"error: {found.message()}", file=sys.stderr)
+        return 3
     try:
-        with Client(runtime_dir=a.runtime_dir, timeout_s=a.timeout) as c:
+        with Client(runtime_dir=str(found.path), timeout_s=a.timeout) as c:
             if a.cmd == "status":
                 st = c.status()
                 print(st.model_dump_json(indent=2) if a.json else status_table(st))
@@ -75,9 +96,14 @@ def main(argv: list[str] | None = None) -> int:
                                 temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.seed, stop=a.stop,
                                 ignore_eos=a.ignore_eos)
             for chunk in stream:
-                sys.stdout.write(chunk.text)
-                sys.stdout.flush()
+                if not a.json:
+                    sys.stdout.write(chunk.text)
+                    sys.stdout.flush()
             st = stream.stats
+            if a.json:
+                print(json.dumps({"text": stream.text, "tokens": stream.tokens, "finish_reason": stream.finish_reason,
+                                  "stats": st.model_dump()}))
+                return 0
             gib = st.expert_bytes / 2**30
             print(f"\n[{st.generated_tokens} tokens ({stream.finish_reason}), lane {st.lane}, first token "
                   f"{st.ttft_s * 1e3:.0f} ms, {st.decode_tok_s:.1f} tok/s, experts card/peer/cpu "

@@ -9,10 +9,27 @@ import threading
 from stratad.ctl import status_table
 from stratad.local_daemon import LocalDaemon
 
+# Each first turn is longer than the 64 tokens a prompt must share with a lane's kept sequence to go back to that
+# lane (coordinator PREFIX_MIN): chat 0's next turn then reads only what is new.
 CHATS = [
-    [{"role": "user", "content": "Tell me about the experts on the cards."}],
-    [{"role": "user", "content": "Why do two chats share one pool of slots?"}],
+    [{"role": "user", "content": "I am new to stratad. It runs one process per card, and the cards share their "
+                                 "expert caches as one pool. Tell me, in a few sentences, how the experts are placed "
+                                 "on the cards and what happens when a chat needs an expert that no card holds."}],
+    [{"role": "user", "content": "Two chats are running at the same time on two cards. Why do they share one pool "
+                                 "of expert slots instead of each keeping its own, and what does a lane do when it "
+                                 "has been idle for a while and another chat is still busy?"}],
 ]
+
+
+def random_weights(model: str) -> bool:
+    """A model written by `stratad make-model` (random weights), by the name it gives the file."""
+    from stratad.model.gguf_file import ModelFile
+
+    m = ModelFile(model)
+    try:
+        return str(m.meta("general.name", "")).startswith("stratad-")
+    finally:
+        m.close()
 
 
 def _cards() -> str:
@@ -38,6 +55,9 @@ def main(argv=None) -> int:
     # and the prefix cache: a chat's next turn reads only its new tokens
     daemon = LocalDaemon(a.model, cards, args=["--expert-cache", "0.5", "--mutual-help", "--prefix-cache",
                                                "--log-level", "warning"])
+    if random_weights(a.model):
+        print("note: this model has random weights (stratad make-model): its replies are not meant to read as "
+              "language; the demo shows the serving (two chats, pooled expert caches, the next turn's reuse)")
     print(f"starting stratad on cards {cards} (runtime dir {daemon.runtime_dir})")
     daemon.start()
     try:
@@ -69,7 +89,8 @@ def main(argv=None) -> int:
             turn.result()
             st = turn.stats
             print(f"\nchat 0, next turn (lane {st.lane}): {st.prompt_tokens} prompt tokens, "
-                  f"{st.prompt_cached_tokens} of them kept from the first turn, first token {st.ttft_s * 1e3:.0f} ms")
+                  f"{st.prompt_cached_tokens} of them reused from the first turn (their KV kept by the lane), "
+                  f"{st.prompt_tokens - st.prompt_cached_tokens} read; first token {st.ttft_s * 1e3:.0f} ms")
             print("\n$ stratactl status\n" + status_table(c.status()))
     finally:
         rc = daemon.stop()

@@ -9,12 +9,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
-from gguf import GGML_QUANT_SIZES, GGUFReader, GGUFWriter, LlamaFileType
+from gguf import GGML_QUANT_SIZES, GGUFReader, GGUFValueType, GGUFWriter, LlamaFileType
+from gguf.gguf_writer import GGUFValue
 
 from stratad.model import generator, quants, writer
 from stratad.model.config import ARCH, PRESETS
 from stratad.model.errors import ModelFormatError
 from stratad.model.gguf_file import ModelFile, expected_tensors
+from stratad.model.rope import RopeScaling
 from stratad.model.tokenizer import build_vocab, write_tokenizer
 from stratad.model.writer import TensorSource
 
@@ -48,13 +50,16 @@ def as_bytes(src: TensorSource) -> np.ndarray:
 
 
 def write_raw(path: Path, tensors: list[tuple[str, T, np.ndarray]], arch: str = ARCH, config=TINY,
-              drop_keys: tuple[str, ...] = ()) -> Path:
-    """A GGUF written with gguf's GGUFWriter directly: any architecture, any tensor type, keys left out."""
+              drop_keys: tuple[str, ...] = (), set_keys: dict | None = None) -> Path:
+    """A GGUF written with gguf's GGUFWriter directly: any architecture, any tensor type, keys left out or
+    given any value and type (set_keys: key -> (value, GGUFValueType))."""
     w = GGUFWriter(str(path), arch)
     writer._metadata(w, config, "test", LlamaFileType.ALL_F32)
     write_tokenizer(w, build_vocab(config.vocab_size))
     for key in drop_keys:
         del w.kv_data[0][key]
+    for key, (value, vtype) in (set_keys or {}).items():
+        w.kv_data[0][key] = GGUFValue(value, vtype, None)
     for name, qtype, data in tensors:
         w.add_tensor(name, data, raw_dtype=qtype)
     w.write_header_to_file()
@@ -359,3 +364,85 @@ def test_not_whole_blocks(tmp_path):
     p.write_bytes(bytes(data))
     e = open_error(p)
     assert "corrupt tensor table" in e.problem and "250" in e.problem, e.problem
+
+
+# ---- metadata of the wrong type ---------------------------------------------------------------------------------
+V = GGUFValueType
+
+
+@pytest.mark.parametrize("key,value,vtype,found,expected", [
+    ("qwen3moe.block_count", "4", V.STRING, "STRING", "an integer"),
+    ("qwen3moe.expert_count", 16.0, V.FLOAT32, "FLOAT32", "an integer"),
+    ("qwen3moe.context_length", True, V.BOOL, "BOOL", "an integer"),
+    ("qwen3moe.rope.freq_base", "1e6", V.STRING, "STRING", "a number"),
+    ("qwen3moe.attention.layer_norm_rms_epsilon", [1e-6], V.ARRAY, "ARRAY of FLOAT32", "a number"),
+    ("general.architecture", 7, V.UINT32, "UINT32", "STRING"),
+    ("qwen3moe.rope.scaling.type", 2, V.UINT32, "UINT32", "STRING"),
+    ("qwen3moe.rope.scaling.factor", "4", V.STRING, "STRING", "a number"),
+    ("split.count", "3", V.STRING, "STRING", "an integer"),
+])
+def test_metadata_of_the_wrong_type(tmp_path, key, value, vtype, found, expected):
+    """Every type error names the file, the key, the type expected and the type found (block_count as a string
+    used to surface as int()'s 'invalid literal')."""
+    p = write_raw(tmp_path / "typed.gguf", raw_list(tiny_tensors()), set_keys={key: (value, vtype)})
+    e = open_error(p)
+    assert e.problem.startswith(f"metadata key {key} has type {found}, expected {expected}"), e.problem
+
+
+def test_integer_widths_and_float64_accepted(tmp_path):
+    """Any integer width (a converter may write UINT64) and FLOAT64 are the same values."""
+    p = write_raw(tmp_path / "wide.gguf", raw_list(tiny_tensors()),
+                  set_keys={"qwen3moe.block_count": (4, V.UINT64), "qwen3moe.rope.freq_base": (1e6, V.FLOAT64),
+                            "qwen3moe.attention.head_count": (4, V.INT16)})
+    m = ModelFile(p)
+    assert m.config == TINY
+    m.close()
+
+
+def test_tokenizer_without_merges(tmp_path):
+    p = write_raw(tmp_path / "nomerges.gguf", raw_list(tiny_tensors()), drop_keys=("tokenizer.ggml.merges",))
+    m = ModelFile(p)  # the tensors are fine; the tokenizer is read when first used (the daemon: at start)
+    with pytest.raises(ModelFormatError) as ei:
+        m.tokenizer
+    assert str(ei.value).startswith(f"{p}: ") and "tokenizer.ggml.merges" in ei.value.problem
+    m.close()
+
+
+# ---- RoPE scaling keys --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scaling", [RopeScaling("yarn", 4.0, 2048), RopeScaling("linear", 2.0),
+                                     RopeScaling("yarn", 8.0, 1024, attn_factor=0.5)])
+def test_rope_scaling_round_trips(tmp_path, scaling):
+    c = dataclasses.replace(TINY, rope_scaling=scaling)
+    m = ModelFile(write(tmp_path / "scaled.gguf", tiny_tensors(), config=c))
+    assert m.config == c
+    assert m.meta("qwen3moe.rope.scaling.type") == scaling.kind
+    m.close()
+
+
+def test_rope_scaling_llama_cpp_defaults(tmp_path):
+    """As llama.cpp reads them: a factor without a type is linear, yarn's original length defaults to the trained
+    one, a factor of 0 means none, the yarn keys (ext_factor, betas) are read."""
+    def scaling(keys):
+        m = ModelFile(write_raw(tmp_path / "k.gguf", raw_list(tiny_tensors()), set_keys=keys))
+        r = m.config.rope_scaling
+        m.close()
+        return r
+
+    assert scaling({"qwen3moe.rope.scaling.factor": (2.0, V.FLOAT32)}) == RopeScaling("linear", 2.0)
+    assert scaling({"qwen3moe.rope.scaling.factor": (0.0, V.FLOAT32)}) == RopeScaling()
+    assert scaling({"qwen3moe.rope.scaling.type": ("yarn", V.STRING), "qwen3moe.rope.scaling.factor": (4.0, V.FLOAT32),
+                    "qwen3moe.rope.scaling.yarn_beta_fast": (16.0, V.FLOAT32)}) == \
+        RopeScaling("yarn", 4.0, TINY.context_length, beta_fast=16.0)
+
+
+@pytest.mark.parametrize("keys,msg", [
+    ({"qwen3moe.rope.scaling.type": ("longrope", V.STRING)}, "rope scaling type 'longrope' is not supported"),
+    ({"qwen3moe.rope.scaling.type": ("yarn", V.STRING), "qwen3moe.rope.scaling.factor": (0.5, V.FLOAT32)},
+     "rope scaling factor must be >= 1, got 0.5"),
+    ({"qwen3moe.rope.scaling.type": ("yarn", V.STRING), "qwen3moe.rope.scaling.factor": (4.0, V.FLOAT32),
+      "qwen3moe.rope.scaling.yarn_log_multiplier": (0.1, V.FLOAT32)}, "yarn_log_multiplier is not supported"),
+])
+def test_unsupported_rope_scaling(tmp_path, keys, msg):
+    assert msg in open_error(write_raw(tmp_path / "r.gguf", raw_list(tiny_tensors()), set_keys=keys)).problem

@@ -25,6 +25,7 @@ from stratad.model import quants  # noqa: E402
 from stratad.model.config import PRESETS, ModelConfig  # noqa: E402
 from stratad.model.generator import make_model  # noqa: E402
 from stratad.model.gguf_file import ModelFile  # noqa: E402
+from stratad.model.rope import RopeScaling  # noqa: E402
 from stratad.model.tokenizer import build_vocab  # noqa: E402
 from stratad.model.writer import TensorSource, write_model  # noqa: E402
 
@@ -38,12 +39,29 @@ def hf_config(c: ModelConfig):
         num_hidden_layers=c.n_layer, num_attention_heads=c.n_head, num_key_value_heads=c.n_head_kv,
         head_dim=c.head_dim, num_experts=c.n_expert, num_experts_per_tok=c.n_expert_used,
         moe_intermediate_size=c.d_ff_expert, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
-        tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": c.rope_base},
-        rms_norm_eps=c.rms_eps, attention_bias=False, max_position_embeddings=c.context_length,
+        tie_word_embeddings=False, rope_parameters=hf_rope(c),
+        rms_norm_eps=c.rms_eps, attention_bias=False, max_position_embeddings=hf_max_positions(c),
         use_sliding_window=False, hidden_act="silu", bos_token_id=None, eos_token_id=None, pad_token_id=None,
         # the plain reference implementations: eager attention, a python loop over experts
         attn_implementation="eager", experts_implementation="eager",
     )
+
+
+def hf_rope(c: ModelConfig) -> dict:
+    """transformers' rope_parameters for our RoPE scaling."""
+    r = c.rope_scaling
+    if r.kind == "none":
+        return {"rope_type": "default", "rope_theta": c.rope_base}
+    out = {"rope_type": r.kind, "rope_theta": c.rope_base, "factor": r.factor}
+    if r.kind == "yarn":
+        out |= {"original_max_position_embeddings": r.orig_ctx, "beta_fast": r.beta_fast, "beta_slow": r.beta_slow}
+    return out
+
+
+def hf_max_positions(c: ModelConfig) -> int:
+    """YaRN's scaled length, as transformers expects it (original length x factor); else the trained one."""
+    r = c.rope_scaling
+    return int(r.orig_ctx * r.factor) if r.kind == "yarn" else c.context_length
 
 
 def hf_model(c: ModelConfig):
@@ -243,8 +261,11 @@ def compare(eng: ReferenceEngine, m, prompt, name: str, bounds: dict[str, float]
     return got | {"tokens": our_toks}
 
 
-def test_random_hf_model_matches_reference(tmp_path):
-    c = ORACLE_CFG
+@pytest.mark.parametrize("scaling", [None, RopeScaling("yarn", 4.0, 16)], ids=["plain", "yarn"])
+def test_random_hf_model_matches_reference(tmp_path, scaling):
+    """With YaRN (transformers' rope_type "yarn", factor 4, original_max_position_embeddings 16): every position
+    of the 24-token prompt and the 32 generated past 16, the original length, under the same bounds."""
+    c = ORACLE_CFG if scaling is None else replace(ORACLE_CFG, rope_scaling=scaling)
     torch.manual_seed(1234)
     m = hf_model(c)
     _scale_random(m, c, seed=1234)
@@ -268,7 +289,7 @@ def test_random_hf_model_matches_reference(tmp_path):
 
     prompt = np.random.default_rng(7).integers(0, c.vocab_size, PROMPT_LEN).tolist()
     # measured (2 cores, OpenBLAS + torch CPU): abs 5.9e-6, rel 6.6e-7, prefill+decode vs full 6.2e-6
-    compare(ReferenceEngine(model, experts="float"), m, prompt, "random HF model",
+    compare(ReferenceEngine(model, experts="float"), m, prompt, f"random HF model ({scaling or 'no scaling'})",
             dict(abs=3e-5, rel=3e-6, inc=3e-5))
     model.close()
 
@@ -342,3 +363,26 @@ def test_rope_matches_transformers():
         amax = float(np.abs(x).max())
         assert np.abs(ours - exact).max() < 1e-6  # measured <= 2.8e-7
         assert np.abs(ours - hf).max() <= 1e-6 + 2 * (start + 8) * 2.0 ** -24 * amax  # measured: see above
+
+
+@pytest.mark.parametrize("scaling", [RopeScaling("yarn", 4.0, 32768), RopeScaling("yarn", 4.0, 16),
+                                     RopeScaling("linear", 2.0)], ids=["yarn-32k", "yarn-16", "linear"])
+def test_scaled_rope_matches_transformers(scaling):
+    """Our scaled RoPE against HF's rotary embedding with the same rope_parameters (cos and sin times its
+    attention_factor, as llama.cpp multiplies by mscale), past the original length; the bound allows HF's float32
+    angles as test_rope_matches_transformers does."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRotaryEmbedding, apply_rotary_pos_emb
+
+    c = replace(PRESETS["a3b"], context_length=40960, rope_scaling=scaling)
+    rot = Qwen3MoeRotaryEmbedding(hf_config(c))
+    assert rot.attention_scaling == pytest.approx(scaling.mscale(), rel=1e-12)
+    rng = np.random.default_rng(5)
+    for start in (0, 20, 1000, 40000, 131000):
+        pos = np.arange(start, start + 8)
+        x = rng.standard_normal((8, 4, c.head_dim)).astype(np.float32)
+        ours = rope(x, pos, c.rope_base, scaling)
+        xt = torch.from_numpy(x).transpose(0, 1)[None]
+        cos, sin = rot(xt, torch.from_numpy(pos)[None])
+        hf = apply_rotary_pos_emb(xt, xt, cos, sin)[0][0].transpose(0, 1).numpy()
+        amax = float(np.abs(x).max()) * scaling.mscale()
+        assert np.abs(ours - hf).max() <= 2e-6 + 2 * (start + 8) * 2.0 ** -24 * amax, start

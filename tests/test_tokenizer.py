@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 import time
+import unicodedata
 from pathlib import Path
 
 import gguf
@@ -222,12 +223,25 @@ def test_tokenizer_properties(tok, tiny_vocab):
 # ---------------------------------------------------------------------------------------------------- encode/decode
 
 
+def _nfc(text: str) -> str:
+    return unicodedata.normalize("NFC", text)
+
+
 @pytest.mark.parametrize("text", ROUND_TRIP_TEXTS)
 def test_round_trip(tok, text):
+    """Decoding gives the text back, NFC-normalised as Hugging Face's Qwen2 tokenizer normalises it (only the
+    decomposed e + U+0301 of one text changes)."""
     ids = tok.encode(text)
     assert all(0 <= i < tok.vocab_size for i in ids)
-    assert tok.decode(ids) == text
-    assert tok.hf.decode(ids, skip_special_tokens=False) == text  # agrees with the tokenizers library
+    assert tok.decode(ids) == _nfc(text)
+    assert tok.hf.decode(ids, skip_special_tokens=False) == _nfc(text)  # agrees with the tokenizers library
+    assert tok.hf.encode(text, add_special_tokens=False).ids == ids
+
+
+def test_nfc_normalisation(tok):
+    assert unicodedata.normalize("NFC", "e\u0301") == "\u00e9"
+    assert tok.encode("caf" + "e\u0301 ok") == tok.encode("caf\u00e9 ok")
+    assert tok.decode(tok.encode("e\u0301")) == "\u00e9"
 
 
 def test_bpe_merges_are_used(tok):
@@ -264,7 +278,7 @@ def _stream(tok, ids):
 def test_stream_decoder_matches_decode(tok, text):
     ids = tok.encode(text)
     pieces, tail = _stream(tok, ids)
-    assert "".join(pieces) + tail == tok.decode(ids) == text
+    assert "".join(pieces) + tail == tok.decode(ids) == _nfc(text)
     assert tail == ""
     assert all("\ufffd" not in p for p in pieces)
 

@@ -23,6 +23,11 @@ class Engine(Protocol):
     #   steps_ahead = True, and forward_token(..., ahead=u_next): the next step's draw (that call passes it as u)
 
 
+class BadRequest(ValueError):
+    """The request's own input cannot be served as given (the client's to fix). Any other exception out of a
+    generation, ValueErrors included, is a fault of the engine."""
+
+
 class Generation:
     """Iterate to get (token, text) pieces; afterwards `finish_reason` is "stop" or "length" and the timings are set.
 
@@ -33,10 +38,16 @@ class Generation:
     def __init__(self, engine: Engine, tokenizer, prompt: list[int], params: SamplingParams, context_length: int,
                  digest: bool = False, cache: PrefixCache | None = None):
         if not prompt:
-            raise ValueError("the prompt is empty")
+            raise BadRequest("the prompt is empty")
+        if problems := params.problems():
+            raise BadRequest("; ".join(problems))
         if len(prompt) + params.max_tokens > context_length:
-            raise ValueError(f"prompt of {len(prompt)} tokens + max_tokens {params.max_tokens} exceeds the "
+            raise BadRequest(f"prompt of {len(prompt)} tokens + max_tokens {params.max_tokens} exceeds the "
                              f"context length {context_length}")
+        ids = np.asarray(prompt, np.int64)
+        if ids.min() < 0 or ids.max() >= tokenizer.vocab_size:
+            bad = int(ids[(ids < 0) | (ids >= tokenizer.vocab_size)][0])
+            raise BadRequest(f"token id {bad} outside the vocabulary (0..{tokenizer.vocab_size - 1})")
         self.engine, self.tok, self.prompt, self.p = engine, tokenizer, list(prompt), params
         self.finish_reason: str | None = None
         self.generated = 0

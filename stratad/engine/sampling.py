@@ -26,6 +26,8 @@ class SamplingParams:
             out.append(f"top_k must be >= 0, got {self.top_k}")
         if not (0 < self.top_p <= 1):
             out.append(f"top_p must be in (0, 1], got {self.top_p}")
+        if not -2**63 <= self.seed < 2**63:
+            out.append(f"seed must be a 64-bit signed integer, got {self.seed}")
         return out
 
 
@@ -56,7 +58,7 @@ class Sampler:
 
     def __init__(self, params: SamplingParams):
         self.p = params
-        self.rng = np.random.default_rng(params.seed)
+        self.rng = np.random.default_rng(params.seed % 2**64)  # any int64 (-1 too): its two's-complement bits
 
     def __call__(self, logits: np.ndarray) -> int:
         return self.pick(logits, self.draw())

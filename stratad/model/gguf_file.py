@@ -83,10 +83,10 @@ class ModelFile:
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         self.reader = _read_gguf(self.path)
+        readers = split.shard_readers(self.path, self.reader, _read_gguf)  # first: a later shard has no metadata
         arch = metadata(self.reader, self.path, "general.architecture", "str", required=False)
         if arch != ARCH:
             raise ModelFormatError(self.path, f"unknown architecture {arch!r}; supported: {ARCH}")
-        readers = split.shard_readers(self.path, self.reader, _read_gguf)
         sizes = [p.stat().st_size for p, _ in readers]
         self.size = sum(sizes)
         self.config = self._read_config(readers)

@@ -9,31 +9,45 @@ Three parts:
   (``python -m stratad.model.tokenizer --regenerate``); a test checks the committed file still matches.
 * ``write_tokenizer(writer, vocab)``: writes the same ``tokenizer.*`` keys llama.cpp's converter writes for Qwen3.
 * ``Tokenizer.from_gguf(reader, path)``: the one code path that serves real Qwen3 GGUFs and our generated ones:
-  encode / decode / streaming decode / chat template.
+  encode / decode / streaming decode / chat template (``chat_template.py``).
+
+Encoding is Hugging Face's Qwen2 tokenizer: text is NFC-normalised, split by the pre-tokenizer that
+``tokenizer.ggml.pre`` names (only ``qwen2`` is implemented; any other name is refused when the file is loaded), and
+BPE-merged; the added tokens (token types CONTROL and USER_DEFINED: ``<|im_start|>``, ``<think>``, ``<tool_call>``,
+...) are cut out of the text first and become one id each. It gives llama.cpp's ids on llama.cpp's test vectors
+for the real Qwen2 vocabulary (tests/test_tokenizer_real.py). Where a text is not NFC (e.g. an ``e`` followed by a
+combining accent) llama.cpp's ids differ from Hugging Face's; we follow Hugging Face, which the model was trained
+with, and decoding gives the NFC text.
+
+``encode(text)`` takes added tokens wherever the text has them (a raw prompt). ``encode_chat(messages, ...)`` takes
+them only where the chat template wrote them: what the caller sent (message content, tool arguments and results,
+tools) is encoded as plain text even when it contains ``<|im_end|>``, so a user cannot write a system turn; for
+content without added tokens the ids are those of ``encode(apply_chat_template(...))``.
 """
 
 from __future__ import annotations
 
 import codecs
-import datetime
+import copy
 import hashlib
 import json
+import re
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 import gguf
 import jinja2
-import jinja2.ext
-import jinja2.sandbox
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
+from stratad.model.chat_template import ChatTemplate, ChatTemplateError, Rendered
 from stratad.model.errors import ModelFormatError
 
 __all__ = [
     "QWEN2_PRETOKENIZE_REGEX",
+    "PRE_TOKENIZERS",
     "DEFAULT_CHAT_TEMPLATE",
     "ENDOFTEXT",
     "IM_START",
@@ -58,6 +72,10 @@ BPE_PATH = DATA_DIR / "bpe.json"
 QWEN2_PRETOKENIZE_REGEX = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+
+# tokenizer.ggml.pre -> the split regex. llama.cpp knows more names; a file naming one of them is refused rather
+# than split with the wrong regex. Each is Hugging Face's tokenizer for that model: NFC, then this split.
+PRE_TOKENIZERS = {"qwen2": QWEN2_PRETOKENIZE_REGEX}
 
 ENDOFTEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -126,13 +144,17 @@ BYTE_TO_CHAR: dict[int, str] = _bytes_to_unicode()
 CHAR_TO_BYTE: dict[str, int] = {c: b for b, c in BYTE_TO_CHAR.items()}
 
 
-def _qwen2_pre_tokenizer() -> pre_tokenizers.PreTokenizer:
+def _pre_tokenizer(regex: str) -> pre_tokenizers.PreTokenizer:
     return pre_tokenizers.Sequence(
         [
-            pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ]
     )
+
+
+def _qwen2_pre_tokenizer() -> pre_tokenizers.PreTokenizer:
+    return _pre_tokenizer(QWEN2_PRETOKENIZE_REGEX)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -270,32 +292,6 @@ def write_tokenizer(writer: gguf.GGUFWriter, vocab: Vocab) -> None:
 # The runtime tokenizer
 
 
-class ChatTemplateError(ValueError):
-    """The chat template refused the messages (raise_exception) or failed while rendering."""
-
-
-def _raise_exception(message: str) -> None:
-    raise ChatTemplateError(message)
-
-
-def _tojson(value: Any, indent: int | None = None) -> str:
-    return json.dumps(value, ensure_ascii=False, indent=indent)
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.datetime.now().strftime(fmt)
-
-
-def _compile_chat_template(source: str) -> jinja2.Template:
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    return env.from_string(source)
-
-
 _MISSING = object()
 
 
@@ -350,7 +346,7 @@ class StreamDecoder:
 
 
 class Tokenizer:
-    """A gpt2-style byte-level BPE tokenizer with the Qwen2 pre-tokenizer, built from GGUF tokenizer metadata."""
+    """A gpt2-style byte-level BPE tokenizer (NFC, then the pre-tokenizer ``pre`` names), built from GGUF metadata."""
 
     def __init__(
         self,
@@ -365,11 +361,18 @@ class Tokenizer:
         add_bos_token: bool = False,
         chat_template: str | None = None,
         model: str = "gpt2",
+        pre: str = "qwen2",
         path: str | Path = "<tokenizer>",
     ):
         self.path = str(path)
         if model != "gpt2":
             raise ModelFormatError(path, f"tokenizer.ggml.model is {model!r}; only 'gpt2' (byte-level BPE) is supported")
+        if pre not in PRE_TOKENIZERS:
+            raise ModelFormatError(
+                path,
+                f"tokenizer.ggml.pre is {pre!r}: that pre-tokenizer is not implemented here "
+                f"(implemented: {', '.join(PRE_TOKENIZERS)})",
+            )
         tokens = list(tokens)
         if not tokens:
             raise ModelFormatError(path, "tokenizer.ggml.tokens is empty: the file has no vocabulary")
@@ -413,7 +416,9 @@ class Tokenizer:
 
         self._tokens = tokens
         self._types = token_types
-        self._merges = list(merges)
+        self._vocab = vocab
+        self._merge_pairs = merge_pairs
+        self.pre = pre
         self._eos_id = int(eos_id)
         self._bos_id = None if bos_id is None else int(bos_id)
         self._pad_id = None if pad_id is None else int(pad_id)
@@ -431,28 +436,61 @@ class Tokenizer:
             stop.add(int(eot_id))
         self._stop_ids = frozenset(stop)
 
-        hf = HFTokenizer(models.BPE(vocab=vocab, merges=merge_pairs, fuse_unk=False, byte_fallback=False))
-        hf.pre_tokenizer = _qwen2_pre_tokenizer()
-        hf.decoder = decoders.ByteLevel()
-        special = [AddedToken(tokens[i], special=True, normalized=False) for i in sorted(self._control_ids)]
-        user = [
-            AddedToken(tokens[i], special=False, normalized=False)
-            for i in sorted(self._added_ids - self._control_ids)
-        ]
-        if special:
-            hf.add_special_tokens(special)
-        if user:
-            hf.add_tokens(user)
-        for i in sorted(self._added_ids):
-            if vocab[tokens[i]] == i and hf.token_to_id(tokens[i]) != i:
-                raise ModelFormatError(path, f"special token {tokens[i]!r} (id {i}) could not be registered")
-        self.hf = hf
+        # Added tokens are cut out of the text before the BPE sees it, longest first where two start at one place
+        # (Hugging Face's leftmost-longest match). Empty texts cannot be matched.
+        added = sorted({tokens[i] for i in self._added_ids if tokens[i]}, key=len, reverse=True)
+        self._added_re = re.compile("|".join(map(re.escape, added))) if added else None
+        reply = sorted({tokens[i] for i in self._added_ids - self._control_ids if tokens[i]}, key=len, reverse=True)
+        self._reply_re = re.compile("|".join(map(re.escape, reply))) if reply else None
+
+        # The BPE alone, no added tokens: every piece of text between added tokens goes through it.
+        self._bpe = self._hf_tokenizer(added_tokens=False)
 
         self.chat_template = DEFAULT_CHAT_TEMPLATE if chat_template is None else chat_template
+        self._chat = self._compile_template(self.chat_template, path)
+
+    def _hf_tokenizer(self, added_tokens: bool) -> HFTokenizer:
+        hf = HFTokenizer(models.BPE(vocab=self._vocab, merges=self._merge_pairs, fuse_unk=False, byte_fallback=False))
+        hf.normalizer = normalizers.NFC()
+        hf.pre_tokenizer = _pre_tokenizer(PRE_TOKENIZERS[self.pre])
+        hf.decoder = decoders.ByteLevel()
+        if added_tokens:
+            toks = self._tokens
+            special = [AddedToken(toks[i], special=True, normalized=False) for i in sorted(self._control_ids)]
+            user = [
+                AddedToken(toks[i], special=False, normalized=False)
+                for i in sorted(self._added_ids - self._control_ids)
+            ]
+            if special:
+                hf.add_special_tokens(special)
+            if user:
+                hf.add_tokens(user)
+            for i in sorted(self._added_ids):
+                if self._vocab[toks[i]] == i and hf.token_to_id(toks[i]) != i:
+                    raise ModelFormatError(self.path, f"special token {toks[i]!r} (id {i}) could not be registered")
+        return hf
+
+    def _compile_template(self, source: str, path) -> ChatTemplate:
+        special = {"eos_token": self._tokens[self._eos_id]}
+        if self._bos_id is not None:
+            special["bos_token"] = self._tokens[self._bos_id]
         try:
-            self._template = _compile_chat_template(self.chat_template)
+            return ChatTemplate(source, special)
         except jinja2.TemplateError as e:
             raise ModelFormatError(path, f"tokenizer.chat_template does not compile: {e}") from e
+
+    @cached_property
+    def hf(self) -> HFTokenizer:
+        """The same tokenizer as a Hugging Face ``tokenizers`` object with the added tokens registered (CONTROL as
+        special), e.g. for transformers' ``PreTrainedTokenizerFast(tokenizer_object=...)``. Built on first use."""
+        return self._hf_tokenizer(added_tokens=True)
+
+    def with_chat_template(self, source: str) -> "Tokenizer":
+        """The same vocabulary with another chat template (e.g. an operator's template file instead of the GGUF's)."""
+        other = copy.copy(self)
+        other.chat_template = source
+        other._chat = self._compile_template(source, "<chat template>")
+        return other
 
     # ---- construction ----
 
@@ -463,6 +501,12 @@ class Tokenizer:
         model = _field(reader, KEY_MODEL, path, "str")
         if model != "gpt2":
             raise ModelFormatError(path, f"tokenizer.ggml.model is {model!r}; only 'gpt2' (byte-level BPE) is supported")
+        pre = _field(reader, KEY_PRE, path, "str", required=False)
+        if pre is _MISSING:
+            raise ModelFormatError(
+                path, f"tokenizer.ggml.pre is missing: the file does not name its pre-tokenizer "
+                f"(implemented: {', '.join(PRE_TOKENIZERS)})"
+            )
         tokens = _field(reader, KEY_TOKENS, path, "str[]")
         if not tokens:
             raise ModelFormatError(path, "tokenizer.ggml.tokens is empty: the file has no vocabulary")
@@ -485,6 +529,7 @@ class Tokenizer:
             add_bos_token=bool(opt(KEY_ADD_BOS, "bool") or False),
             chat_template=opt(KEY_CHAT_TEMPLATE, "str"),
             model=model,
+            pre=pre,
             path=path,
         )
 
@@ -542,7 +587,7 @@ class Tokenizer:
 
     def token_id(self, text: str) -> int | None:
         """The id of a token given its vocabulary text, or None."""
-        return self.hf.token_to_id(text)
+        return self._vocab.get(text)
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes the token stands for when decoded."""
@@ -573,12 +618,32 @@ class Tokenizer:
 
     # ---- encode / decode ----
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids for text; special tokens written in the text (e.g. <|im_start|>) become their single id."""
-        ids = self.hf.encode(text, add_special_tokens=False).ids
-        if self.add_bos_token and self._bos_id is not None:
-            ids = [self._bos_id, *ids]
+    def _encode(self, text: str, cuts: list[re.Match]) -> list[int]:
+        """Ids of text where the matches ``cuts`` (ordered, not overlapping) are added tokens and every piece
+        between them is plain text."""
+        pieces, specials, at = [], [], 0
+        for m in cuts:
+            pieces.append(text[at : m.start()])
+            specials.append(self._vocab[m.group()])
+            at = m.end()
+        pieces.append(text[at:])
+        encoded = self._bpe.encode_batch_fast(pieces, add_special_tokens=False) if len(pieces) > 1 else [
+            self._bpe.encode(pieces[0], add_special_tokens=False)
+        ]
+        ids = [self._bos_id] if self.add_bos_token and self._bos_id is not None else []
+        for k, enc in enumerate(encoded):
+            ids.extend(enc.ids)
+            if k < len(specials):
+                ids.append(specials[k])
         return ids
+
+    def encode(self, text: str, special: bool = True) -> list[int]:
+        """Token ids for text. special: added tokens written in the text (e.g. <|im_start|>) become their single
+        id; False: the whole text is plain text."""
+        if not isinstance(text, str):
+            raise TypeError(f"encode takes a str, got {type(text).__name__}")
+        cuts = list(self._added_re.finditer(text)) if special and self._added_re is not None else []
+        return self._encode(text, cuts)
 
     def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
         """Text for token ids; invalid UTF-8 (e.g. a character cut off at the end) becomes U+FFFD."""
@@ -589,20 +654,47 @@ class Tokenizer:
 
     # ---- chat ----
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
-        """Render the GGUF's chat template (sandboxed jinja2). Extra keyword arguments (tools, enable_thinking,
-        ...) are passed to the template. Raises ChatTemplateError when the template refuses the messages."""
-        context = dict(kwargs)
-        context.setdefault("bos_token", self._tokens[self._bos_id] if self._bos_id is not None else "")
-        context.setdefault("eos_token", self._tokens[self._eos_id])
-        try:
-            return self._template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt, **context
-            )
-        except ChatTemplateError:
-            raise
-        except jinja2.TemplateError as e:
-            raise ChatTemplateError(f"chat template failed: {e}") from e
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        tools: list[dict] | None = None,
+        add_generation_prompt: bool = True,
+        enable_thinking: bool | None = None,
+        **kwargs: Any,
+    ) -> str:
+        """The chat as the GGUF's template renders it (sandboxed Jinja; what transformers' apply_chat_template gives).
+        Extra keyword arguments are passed to the template. Raises ChatTemplateError (a ValueError).
+
+        Text only: encode it with ``encode_chat`` instead, which keeps the caller's text from writing special tokens.
+        """
+        return self._chat.render(messages, tools, add_generation_prompt, enable_thinking, **kwargs).plain()
+
+    def encode_chat(
+        self,
+        messages: list[dict],
+        tools: list[dict] | None = None,
+        add_generation_prompt: bool = True,
+        enable_thinking: bool | None = None,
+        *,
+        prefill: str = "",
+        **kwargs: Any,
+    ) -> list[int]:
+        """The chat's token ids: added tokens only where the template wrote them; the messages, tools and keyword
+        arguments are plain text, whatever they contain. ``prefill`` (the start of the reply, after the generation
+        prompt) may write the tokens a reply holds (USER_DEFINED: ``<think>``, ``<tool_call>``, ...) but not the
+        CONTROL ones that end a turn (``<|im_end|>``, ``<|im_start|>``, ``<|endoftext|>``).
+        Raises ChatTemplateError (a ValueError)."""
+        if not isinstance(prefill, str):
+            raise ChatTemplateError(f"prefill must be a string, got {type(prefill).__name__}")
+        chat = self._chat.render(messages, tools, add_generation_prompt, enable_thinking, **kwargs)
+        text = chat.plain() + prefill
+        cuts = []
+        if self._added_re is not None:
+            for s, e in chat.literal_spans:
+                cuts.extend(self._added_re.finditer(text, s, e))
+        if prefill and self._reply_re is not None:
+            cuts.extend(self._reply_re.finditer(text, len(chat)))
+        return self._encode(text, cuts)
 
 
 def _main(argv: list[str] | None = None) -> int:

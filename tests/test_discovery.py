@@ -1,0 +1,108 @@
+"""How stratactl and the client find a daemon: $STRATAD_RUNTIME_DIR for both, a daemon started with another runtime
+dir found through the user's registry, options after the subcommand, and an error that names every place looked."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from daemon_harness import ROOT  # noqa: F401 - sets PYTHONPATH for the daemon subprocess
+from stratad import ctl, discovery
+from stratad.client import Client, DaemonUnavailable
+from stratad.config import default_runtime_dir
+
+
+@pytest.fixture
+def session(tmp_path, monkeypatch):
+    """This user's session, as far as finding a daemon goes: its own XDG_RUNTIME_DIR, no STRATAD_RUNTIME_DIR."""
+    if (Path(default_runtime_dir()) / "client.sock").exists():
+        pytest.skip("a daemon is running in the default runtime dir: it would be found first")
+    xdg = tmp_path / "xdg"
+    xdg.mkdir(mode=0o700)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(xdg))
+    monkeypatch.delenv(discovery.ENV, raising=False)
+    return xdg
+
+
+def serve(model: Path, rt: Path, log: Path) -> subprocess.Popen:
+    """`stratad serve` told its runtime dir only by STRATAD_RUNTIME_DIR; returns once it answers."""
+    proc = subprocess.Popen([sys.executable, "-m", "stratad.cli", "serve", "--model", str(model), "--cards", "cpu"],
+                            env=dict(os.environ, **{discovery.ENV: str(rt)}), stdout=open(log, "wb"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, log.read_text()
+        try:
+            with Client(runtime_dir=str(rt), timeout_s=2) as c:
+                if all(ln.role.value not in ("starting", "down") for ln in c.status().lanes):
+                    return proc
+        except DaemonUnavailable:
+            time.sleep(0.1)
+    proc.kill()
+    raise TimeoutError(log.read_text())
+
+
+def test_stratactl_finds_a_daemon_started_with_another_runtime_dir(tiny_model_path, tmp_path, session, capsys):
+    rt = tmp_path / "st"
+    proc = serve(tiny_model_path, rt, tmp_path / "serve.log")
+    try:
+        assert (rt / "client.sock").exists()  # the daemon took STRATAD_RUNTIME_DIR
+        assert discovery.lookup().path == rt.resolve()
+        for argv in (["status", "--json"], ["--json", "status"], ["status", "--runtime-dir", str(rt), "--json"]):
+            assert ctl.main(argv) == 0, argv
+            assert [ln["card"] for ln in json.loads(capsys.readouterr().out)["lanes"]] == ["cpu"]
+        with Client(runtime_dir=str(discovery.runtime_dir())) as c:  # the client library's default, the same way
+            assert len(c.status().lanes) == 1
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    assert list((session / "stratad.daemons").iterdir()) == []  # a clean stop takes its record away
+    assert ctl.main(["status"]) == 3
+    err = capsys.readouterr().err
+    for place in (f"{discovery.ENV} is not set", f"{Path(default_runtime_dir()) / 'client.sock'}",
+                  f"no running daemon registered in {session / 'stratad.daemons'}"):
+        assert place in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def fake_daemon(rt: Path, pid: int) -> None:
+    """What a running daemon leaves for discovery: its pid file and client socket in rt, its record."""
+    rt.mkdir(parents=True)
+    (rt / "stratad.pid").write_text(f"{pid}\n")
+    (rt / "client.sock").touch()
+    reg = discovery.registry_dir()
+    reg.mkdir(parents=True, exist_ok=True)
+    (reg / str(pid)).write_text(f"{rt}\n")
+
+
+def test_dead_records_are_skipped_and_several_daemons_are_named_not_picked(tmp_path, session, monkeypatch):
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    fake_daemon(tmp_path / "gone", dead.pid)  # killed without its stop: record, pid file and socket left
+    assert discovery.lookup().path is None
+    live = subprocess.Popen(["sleep", "60"])
+    try:
+        fake_daemon(tmp_path / "a", live.pid)
+        assert discovery.lookup().path == tmp_path / "a"
+        record = discovery.register(tmp_path / "b")  # this process as a second daemon; drops the dead record
+        (tmp_path / "b").mkdir()
+        (tmp_path / "b" / "stratad.pid").write_text(f"{os.getpid()}\n")
+        (tmp_path / "b" / "client.sock").touch()
+        assert sorted(p.name for p in discovery.registry_dir().iterdir()) == sorted([str(live.pid), str(os.getpid())])
+        found = discovery.lookup()
+        assert found.path is None
+        assert f"2 daemons registered in {discovery.registry_dir()}, none picked: {tmp_path / 'a'}, " \
+               f"{tmp_path / 'b'}" in found.message()
+        discovery.unregister(record)
+        assert discovery.lookup().path == tmp_path / "a"
+        monkeypatch.setenv(discovery.ENV, str(tmp_path / "b"))  # the session's variable wins
+        assert discovery.lookup().path == tmp_path / "b"
+    finally:
+        live.kill()
+        live.wait()
