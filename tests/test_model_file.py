@@ -253,14 +253,14 @@ def test_truncated_tensor_table_checked_by_us(tmp_path, monkeypatch, tiny_model_
 
     import stratad.model.gguf_file as gf
 
-    class LenientReader(GGUFReader):  # a reader that maps tensors past the end without complaint
+    class LenientReader(gf._Reader):  # a reader that maps tensors past the end without complaint
         def _build_tensors(self, start_offs, fields):
             size = self.data.size
             self.data = np.concatenate([self.data, np.zeros(64, np.uint8)])
             super()._build_tensors(start_offs, fields)
             self.data = self.data[:size]
 
-    monkeypatch.setattr(gf, "GGUFReader", LenientReader)
+    monkeypatch.setattr(gf, "_Reader", LenientReader)
     e = open_error(p)
     assert f"truncated: tensor {last.name} ends at byte" in e.problem and f"the file has {len(data) - 10}" in e.problem
 

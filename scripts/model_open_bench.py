@@ -1,0 +1,135 @@
+"""Open time and resident memory of a full-size model file, and the coordinator's start work on it, without the
+disk for one: `--preset a235b` is ~100 GB of IQ3_S experts, so the file is written sparse (metadata, tokenizer
+and tensor table real, every tensor's bytes a hole that reads as zeros), optionally as llama.cpp split shards.
+
+    .venv/bin/python scripts/model_open_bench.py --preset a235b --dir /work/tmp-a235b [--split-max-size 50000000000]
+
+Prints JSON: the file size, then, measured in a fresh process, ModelFile's open (seconds, resident memory before
+and after: the mapping is not read), the header hash, the tokenizer, the slot size and the card pool's first
+placement (CardPool construction with every lane ready), i.e. what the coordinator does before its lanes start.
+The zeros are no model to serve: the lanes' start (which reads weights) is not part of this.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+
+from stratad.model import generator, quants  # noqa: E402
+from stratad.model.config import ARCH, PRESETS  # noqa: E402
+from stratad.model.writer import FILE_TYPES, _metadata, _PartWriter  # noqa: E402
+
+
+def write_sparse(out: Path, preset: str, expert_quant: str, split_max_size: int) -> list[str]:
+    from stratad.model.tokenizer import build_vocab, write_tokenizer
+
+    c = PRESETS[preset]
+    eq, dq = quants.parse_type(expert_quant), quants.parse_type("Q8_0")
+    sources = generator.model_tensors(c, eq, dq, skew=0.0, seed=0)  # shapes only: no tensor is generated
+    w = _PartWriter(out, ARCH, split_max_size=split_max_size)
+    _metadata(w, c, f"sparse-{preset}", FILE_TYPES[eq])
+    write_tokenizer(w, build_vocab(c.vocab_size))
+    for t in sources:
+        byte_shape = t.shape[:-1] + (quants.fmt(t.qtype).row_bytes(t.shape[-1]),)
+        w.add_tensor_info(t.name, byte_shape, np.dtype(np.uint8), t.nbytes, raw_dtype=t.qtype)
+    parts = w.format_shard_names(out)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    ends = {}
+    for shard, tensors in enumerate(w.tensors):  # each shard's data: aligned offsets, then a hole to its end
+        f = w.fout[shard]
+        pos = f.tell()
+        for ti in tensors.values():
+            pos = -(-pos // w.data_alignment) * w.data_alignment + ti.nbytes
+        ends[shard] = -(-pos // w.data_alignment) * w.data_alignment
+    w.close()
+    done = []
+    for shard, p in enumerate(parts):
+        os.truncate(p, ends[shard])
+        d = p.with_name(p.name.removesuffix(".part"))
+        os.replace(p, d)
+        done.append(str(d))
+    return done
+
+
+def rss_mb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def measure(path: str, n_cards: int) -> dict:
+    from coordinator.pool import CardPool
+    from stratad.model.gguf_file import ModelFile
+    from stratad.model.slot_layout import slot_bytes
+
+    out = {"rss_before_mb": round(rss_mb(), 1)}
+    t0 = time.perf_counter()
+    m = ModelFile(path)
+    out["open_s"] = round(time.perf_counter() - t0, 3)
+    out["rss_after_open_mb"] = round(rss_mb(), 1)
+    out["mapped_gb"] = round(m.mapping.nbytes / 1e9, 2)
+    out["shards"] = len(m.shards)
+    t0 = time.perf_counter()
+    _ = m.header_hash
+    out["header_hash_s"] = round(time.perf_counter() - t0, 3)
+    t0 = time.perf_counter()
+    _ = m.tokenizer
+    out["tokenizer_s"] = round(time.perf_counter() - t0, 3)
+    t0 = time.perf_counter()
+    sb = slot_bytes(m)
+    out["slot_bytes"] = sb
+    out["slot_bytes_s"] = round(time.perf_counter() - t0, 3)
+    c = m.config
+    shape = (c.n_layer, c.n_expert)
+
+    class Ready:
+        pool, device = "pool", "cpu"
+
+    t0 = time.perf_counter()
+    pool = CardPool(n_cards, c.n_layer * c.n_expert // n_cards, shape, np.ones(shape), "/stratad-bench-none-",
+                    lambda lane, msg: True, mutual_help=True, rejoin_idle_s=30, replan_interval_s=2, replan_min_gain=0.02)
+    for i in range(n_cards):
+        pool.lane_ready(i, False, Ready)
+    out["card_pool_s"] = round(time.perf_counter() - t0, 3)
+    out["rss_end_mb"] = round(rss_mb(), 1)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="a235b", choices=sorted(PRESETS))
+    ap.add_argument("--expert-quant", default="IQ3_S")
+    ap.add_argument("--dir", required=True)
+    ap.add_argument("--split-max-size", type=int, default=0)
+    ap.add_argument("--cards", type=int, default=8)
+    ap.add_argument("--measure", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.measure:
+        print(json.dumps(measure(a.measure, a.cards)))
+        return 0
+    d = Path(a.dir)
+    d.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    files = write_sparse(d / f"{a.preset}-sparse.gguf", a.preset, a.expert_quant, a.split_max_size)
+    rep = {"preset": a.preset, "files": files, "bytes": sum(os.path.getsize(f) for f in files),
+           "disk_bytes": sum(os.stat(f).st_blocks * 512 for f in files), "write_s": round(time.perf_counter() - t0, 2)}
+    r = subprocess.run([sys.executable, __file__, "--dir", a.dir, "--cards", str(a.cards), "--measure", files[0]],
+                       capture_output=True, text=True, check=True)
+    rep |= json.loads(r.stdout)
+    print(json.dumps(rep, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
