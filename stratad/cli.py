@@ -13,11 +13,12 @@ from stratad.model.errors import ModelFormatError
 
 
 def _make_model(a) -> int:
-    from stratad.model.generator import make_model
+    from stratad.model.generator import make_model, split_size
 
     try:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        rep = make_model(a.out, a.preset, a.expert_quant, a.dense_quant, a.router_skew, a.seed, a.topics)
+        rep = make_model(a.out, a.preset, a.expert_quant, a.dense_quant, a.router_skew, a.seed, a.topics,
+                         split_max_size=split_size(a.split_max_size) if a.split_max_size else 0)
     except OSError as e:  # a folder that cannot be made, a file that cannot be written: which one, and why
         print(f"error: cannot write {e.filename or a.out}: {e.strerror or e}", file=sys.stderr)
         return 2
@@ -118,13 +119,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
 
     m = sub.add_parser("make-model", help="write a qwen3moe GGUF with random, well-scaled weights")
-    m.add_argument("--preset", choices=["tiny", "mini", "a3b"], default="tiny")
+    m.add_argument("--preset", choices=["tiny", "mini", "a3b", "a235b"], default="tiny")
     m.add_argument("--expert-quant", default="IQ3_S", choices=["IQ3_S", "Q4_K", "Q8_0"])
     m.add_argument("--dense-quant", default="Q8_0", choices=["Q8_0", "F16", "BF16", "F32"])
     m.add_argument("--router-skew", type=float, default=0.0, help="Zipf-like expert popularity (0: none)")
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--topics", type=int, choices=[1, 2], default=1,
                    help="2: even / odd token ids are two kinds of traffic with different hot experts")
+    m.add_argument("--split-max-size", metavar="SIZE",
+                   help="write llama.cpp split shards of at most SIZE (bytes, or N M / N G), OUT-00001-of-0000N.gguf ...")
     m.add_argument("--out", required=True)
     m.set_defaults(fn=_make_model)
 

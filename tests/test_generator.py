@@ -239,3 +239,29 @@ def test_two_topics_keep_their_kind_and_route_to_different_experts(tmp_path):
     assert np.minimum(*dist).sum() < 0.8  # the two kinds of traffic overlap far from fully
     with pytest.raises(ValueError, match="router skew"):
         make_model(tmp_path / "x.gguf", "tiny", topics=2)
+
+
+def test_cli_make_model_split(tmp_path, tiny_model_path):
+    """--split-max-size as gguf-split takes it: shards named from --out, the first is the model, the same tensors
+    and bytes as one file."""
+    out = tmp_path / "m" / "tiny.gguf"
+    r = cli("make-model", "--preset", "tiny", "--router-skew", "1.0", "--split-max-size", "2M", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(r.stdout)
+    n = len(rep["files"])
+    assert n >= 2 and rep["path"] == str(tmp_path / "m" / f"tiny-00001-of-{n:05d}.gguf") and not out.exists()
+    assert rep["bytes"] == sum(Path(f).stat().st_size for f in rep["files"])
+    m, one = ModelFile(rep["path"]), ModelFile(tiny_model_path)
+    assert len(m.shards) == n and all(np.array_equal(m.raw(t), one.raw(t)) for t in one.tensors)
+    m.close()
+    one.close()
+    for bad in ("2X", "0", "-5M"):
+        r = cli("make-model", "--preset", "tiny", f"--split-max-size={bad}", "--out", str(tmp_path / "bad.gguf"))
+        assert r.returncode == 2 and "split size" in r.stderr and bad in r.stderr, r.stderr
+
+
+def test_a235b_preset_is_the_qwen3_235b_shape():
+    c = PRESETS["a235b"]
+    assert (c.n_layer, c.d_model, c.n_head, c.n_head_kv, c.head_dim, c.n_expert, c.n_expert_used, c.d_ff_expert,
+            c.vocab_size, c.context_length) == (94, 4096, 64, 4, 128, 128, 8, 1536, 151936, 40960)
+    assert c.n_layer * c.n_expert == 12032 and not c.problems()

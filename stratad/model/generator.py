@@ -132,6 +132,21 @@ def model_tensors(c: ModelConfig, expert_q: T, dense_q: T, skew: float, seed: in
     return ts
 
 
+def split_size(text: str) -> int:
+    """A shard size as llama.cpp's gguf-split --split-max-size takes it: bytes, or a number with M or G
+    (10^6, 10^9 bytes)."""
+    t = text.strip().upper()
+    scale = {"M": 10**6, "G": 10**9}.get(t[-1:], 1)
+    try:
+        n = int(t[:-1] if scale > 1 else t) * scale
+    except ValueError:
+        raise ValueError(f"a split size is a number of bytes or a number with M or G (gguf-split's), got {text!r}") \
+            from None
+    if n <= 0:
+        raise ValueError(f"a split size must be positive, got {text!r}")
+    return n
+
+
 def make_model(out: str | os.PathLike, preset: str | ModelConfig = "tiny", expert_quant: str = "IQ3_S",
                dense_quant: str = "Q8_0", router_skew: float = 0.0, seed: int = 0, topics: int = 1,
                split_max_size: int = 0) -> dict:
