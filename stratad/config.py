@@ -67,6 +67,12 @@ class DaemonConfig(BaseModel):
     cards: tuple[str, ...] = Field((), description="GPU indices or 'cpu' virtual cards; empty: every GPU, else 2 CPU cards")
     runtime_dir: str = Field(default_factory=default_runtime_dir)
     context_length: int = Field(8192, ge=16, description="KV-cache capacity of each lane, in tokens")
+    rope_scaling: Literal["none", "linear", "yarn"] | None = Field(
+        None, description="RoPE scaling as llama-server's --rope-scaling; unset: the model file's")
+    rope_scale: float | None = Field(None, gt=1.0, description="RoPE context expansion factor (--rope-scale); "
+                                                               "unset: the model file's")
+    yarn_orig_ctx: int | None = Field(None, ge=16, description="YaRN: the context the model was trained at "
+                                                               "(--yarn-orig-ctx); unset: the file's, else its length")
     expert_cache: CacheBudget = Field(CacheBudget(fraction=1.0), description="per-card expert-cache budget")
     rejoin_idle_s: float = Field(30.0, ge=0)
     mutual_help: bool = False
