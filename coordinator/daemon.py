@@ -284,18 +284,6 @@ class Coordinator:
         elif isinstance(msg, M.Generate):
             self._generate(sock, client, msg)
 
-    def _prompt_tokens(self, g: M.Generate) -> list[int]:
-        if g.tokens is not None:
-            bad = [t for t in g.tokens if not 0 <= t < self.tokenizer.vocab_size]
-            if bad:
-                raise ValueError(f"token id {bad[0]} outside the vocabulary (0..{self.tokenizer.vocab_size - 1})")
-            return list(g.tokens)
-        if g.messages is not None:
-            text = self.tokenizer.apply_chat_template([m.model_dump() for m in g.messages])
-        else:
-            text = g.prompt
-        return self.tokenizer.encode(text)
-
     def _generate(self, sock, client, g: M.Generate) -> None:
         def refuse(code, message):
             self._reply(sock, client, M.Error(req_id=g.req_id, code=code, message=message))
@@ -305,7 +293,7 @@ class Coordinator:
         if g.req_id in self.requests:
             return refuse(M.ErrorCode.DUPLICATE_REQUEST, f"request {g.req_id} is already in flight")
         try:
-            tokens = self._prompt_tokens(g)
+            tokens = prompt_tokens(self.tokenizer, g)
         except Exception as e:  # template errors, bad ids
             return refuse(M.ErrorCode.BAD_REQUEST, str(e))
         if not tokens:
@@ -468,6 +456,20 @@ class Coordinator:
                         cards=tuple(cards), queue=tuple(self.queue), queue_limit=self.cfg.queue_limit,
                         epoch=self.pool.epochs.epoch, role_log=tuple(self.pool.role_log),
                         profile=self.profile_source)
+
+
+def prompt_tokens(tokenizer, g: M.Generate) -> list[int]:
+    """g's prompt as token ids (its template rendered); ValueError for what cannot be. A module-level function of
+    the tokenizer alone: the HTTP gateway counts prompts with it."""
+    if g.tokens is not None:
+        bad = [t for t in g.tokens if not 0 <= t < tokenizer.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} outside the vocabulary (0..{tokenizer.vocab_size - 1})")
+        return list(g.tokens)
+    if g.messages is not None:  # the messages' text never writes special tokens; the prefill may open a call
+        return tokenizer.encode_chat([m.model_dump(exclude_none=True) for m in g.messages], **g.template_kwargs(),
+                                     prefill=g.prefill)
+    return tokenizer.encode(g.prompt)
 
 
 def detect_cards() -> list[str]:

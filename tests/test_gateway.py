@@ -1,0 +1,422 @@
+"""The HTTP gateway against the real daemon on two CPU cards, with the official openai and anthropic packages as
+clients. The tiny model (random weights) carries Qwen3's real chat template, so tools, tool calls, tool results and
+enable_thinking are rendered as Qwen3 renders them; it never writes a tool call by itself, so the calls seen here
+are forced (tool_choice) and the round trip is checked where it is exact: the prompt the daemon read."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import anthropic
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from daemon_harness import ROOT, Daemon
+from stratad.gateway.parsing import OutputParser
+from stratad.model import quants
+from stratad.model.config import PRESETS
+from stratad.model.generator import model_tensors
+from stratad.model.tokenizer import Tokenizer, build_vocab
+from stratad.model.writer import write_model
+
+QWEN3_TEMPLATE = (ROOT / "tests" / "data" / "realdata" / "Qwen-Qwen3-0.6B.jinja").read_text()
+KEY = "test-key-0123456789"
+GREEDY = {"temperature": 0}  # Anthropic's SDK no longer has sampling arguments; the gateway still reads them
+CHAT = [{"role": "user", "content": "Tell me about the experts on the cards."}]
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                   "required": ["city"]}}}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Gateway:
+    """python -m stratad.gateway as the coordinator starts it, on a free loopback port."""
+
+    def __init__(self, d: Daemon, model: Path, *extra: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = d.runtime_dir.parent / f"gateway-{self.port}.log"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "stratad.gateway", "--runtime-dir", str(d.runtime_dir), "--listen",
+             f"127.0.0.1:{self.port}", "--model", str(model), *extra],
+            stdout=open(self.log, "wb"), stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.log.read_text()
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(self.log.read_text())
+
+    def stop(self):
+        self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(15)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    """The tiny preset with Qwen3's chat template in its GGUF."""
+    c = PRESETS["tiny"]
+    eq, dq = quants.parse_type("IQ3_S"), quants.parse_type("Q8_0")
+    path = tmp_path_factory.mktemp("gwmodel") / "tiny-qwen3.gguf"
+    vocab = dataclasses.replace(build_vocab(c.vocab_size), chat_template=QWEN3_TEMPLATE)
+    write_model(path, c, model_tensors(c, eq, dq, 1.0, 0, 1), vocab, name="stratad-tiny-qwen3", file_type=eq)
+    return path
+
+
+@pytest.fixture(scope="module")
+def daemon(model, tmp_path_factory):
+    rt = tmp_path_factory.mktemp("gwrt")
+    cfg = rt / "stratad.toml"
+    cfg.write_text("queue_limit = 1\n")  # two lanes and one waiting: the next request finds the queue full
+    d = Daemon(model, rt / "run", extra=["--expert-cache", "0.5"], config=cfg).start()
+    yield d
+    d.stop()
+
+
+@pytest.fixture(scope="module")
+def gateway(daemon, model):
+    keyfile = daemon.runtime_dir.parent / "api-key"
+    keyfile.write_text(KEY + "\n")
+    g = Gateway(daemon, model, "--api-key-file", str(keyfile))
+    yield g
+    g.stop()
+
+
+@pytest.fixture(scope="module")
+def tok(model):
+    return Tokenizer.from_file(model)
+
+
+@pytest.fixture
+def oa(gateway):
+    return openai.OpenAI(base_url=gateway.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture
+def an(gateway):
+    return anthropic.Anthropic(base_url=gateway.url, api_key=KEY, max_retries=0, timeout=120)
+
+
+def zmq_run(daemon, **kw):
+    with daemon.client() as c:
+        s = c.generate(**kw)
+        s.result()
+        return s
+
+
+def metrics(gateway) -> dict:
+    text = httpx.get(gateway.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def wait_idle(daemon, timeout_s=15.0) -> float:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        if all(ln.req_id is None for ln in daemon.status().lanes):
+            return time.monotonic() - t0
+        time.sleep(0.05)
+    raise AssertionError(f"a lane is still busy: {daemon.status().lanes}")
+
+
+# ---- serving -------------------------------------------------------------------------------------------------
+def test_models_health(gateway, oa):
+    assert [m.id for m in oa.models.list().data] == ["tiny-qwen3"]
+    r = httpx.get(gateway.url + "/health")
+    assert r.status_code == 200 and r.json()["status"] == "ok"
+
+
+def test_chat_plain_and_streamed_match_the_zmq_client(daemon, oa):
+    """Greedy: the same tokens through HTTP as through the ZeroMQ client (text, count, finish reason, prompt)."""
+    ref = zmq_run(daemon, messages=CHAT, max_tokens=16)
+    r = oa.chat.completions.create(model="any", messages=CHAT, max_tokens=16, temperature=0)
+    assert r.choices[0].message.content == ref.text
+    assert r.choices[0].finish_reason == {"length": "length", "stop": "stop"}[ref.finish_reason]
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (ref.stats.prompt_tokens, ref.stats.generated_tokens)
+    assert r.usage.prompt_tokens_details.cached_tokens == 0
+    chunks = list(oa.chat.completions.create(model="any", messages=CHAT, max_completion_tokens=16, temperature=0,
+                                             stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == r.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == ref.stats.generated_tokens
+
+
+def test_completions_match_the_zmq_client(daemon, oa):
+    ref = zmq_run(daemon, prompt="Once upon a time", max_tokens=12)
+    r = oa.completions.create(model="any", prompt="Once upon a time", max_tokens=12, temperature=0)
+    assert r.choices[0].text == ref.text and r.usage.completion_tokens == ref.stats.generated_tokens
+    streamed = oa.completions.create(model="any", prompt="Once upon a time", max_tokens=12, temperature=0,
+                                     stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == ref.text
+
+
+def test_anthropic_messages_plain_and_streamed(daemon, an):
+    """No `thinking` is Anthropic's default, thinking off: Qwen3's template then writes an empty think block."""
+    ref = zmq_run(daemon, messages=CHAT, max_tokens=16, enable_thinking=False)
+    m = an.messages.create(model="claude-x", max_tokens=16, messages=CHAT, extra_body=GREEDY)
+    assert m.model == "claude-x" and m.content[0].type == "text" and m.content[0].text == ref.text
+    assert m.usage.input_tokens == ref.stats.prompt_tokens and m.usage.output_tokens == ref.stats.generated_tokens
+    assert m.stop_reason == {"length": "max_tokens", "stop": "end_turn"}[ref.finish_reason]
+    with an.messages.stream(model="claude-x", max_tokens=16, messages=CHAT, extra_body=GREEDY) as s:
+        kinds = [e.type for e in s]
+        final = s.get_final_message()
+    assert final.content[0].text == ref.text
+    assert kinds[:2] == ["message_start", "content_block_start"] or kinds[0] == "message_start"
+    assert kinds[-2:] == ["message_delta", "message_stop"] and "content_block_stop" in kinds
+
+
+def test_stop_sequence_is_named(daemon, an):
+    ref = zmq_run(daemon, messages=CHAT, max_tokens=16, enable_thinking=False)
+    stop = ref.text.strip()[3:5]  # two characters the greedy reply writes
+    m = an.messages.create(model="c", max_tokens=16, messages=CHAT, stop_sequences=[stop], extra_body=GREEDY)
+    assert m.stop_reason == "stop_sequence" and m.stop_sequence == stop
+    assert stop not in m.content[0].text and ref.text.startswith(m.content[0].text)
+
+
+# ---- bad requests --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("extra,field", [
+    ({"n": 2}, "n"), ({"logprobs": True}, "logprobs"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format"),
+    ({"temperature": 7}, "temperature"), ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0].content[0].type"),
+    ({"messages": []}, "messages"), ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+])
+def test_openai_bad_request_names_the_field(oa, extra, field):
+    args = {"model": "m", "messages": CHAT, "max_tokens": 4} | extra
+    with pytest.raises(openai.BadRequestError) as e:
+        oa.chat.completions.create(**args)
+    assert e.value.status_code == 400 and field in e.value.message
+
+
+def test_prompt_too_long_names_the_limit(oa, an):
+    with pytest.raises(openai.BadRequestError) as e:
+        oa.chat.completions.create(model="m", messages=CHAT, max_tokens=10**6)
+    assert "context length" in e.value.message
+    with pytest.raises(anthropic.BadRequestError) as e:
+        an.messages.create(model="m", max_tokens=10**6, messages=CHAT)
+    assert "context length" in e.value.message
+
+
+def test_anthropic_bad_request_names_the_field(gateway, an):
+    with pytest.raises(anthropic.BadRequestError) as e:
+        an.messages.create(model="m", max_tokens=4, messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}]}])
+    assert "messages[0].content[0].type" in e.value.message
+    r = httpx.post(gateway.url + "/v1/messages", headers={"x-api-key": KEY},
+                   json={"model": "m", "messages": CHAT})  # no max_tokens
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    assert "max_tokens" in r.json()["error"]["message"]
+    r = httpx.post(gateway.url + "/v1/chat/completions", headers={"x-api-key": KEY}, content=b"{not json")
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+
+
+def test_body_size_is_bounded(gateway):
+    big = b'{"model": "m", "messages": [{"role": "user", "content": "' + b"a" * (17 << 20) + b'"}]}'
+    r = httpx.post(gateway.url + "/v1/chat/completions", headers={"x-api-key": KEY}, content=big, timeout=60)
+    assert r.status_code == 413 and r.json()["error"]["type"] == "invalid_request_error"
+
+    def chunked():  # no Content-Length: counted as it arrives
+        for _ in range(18):
+            yield b"a" * (1 << 20)
+
+    r = httpx.post(gateway.url + "/v1/messages", headers={"x-api-key": KEY}, content=chunked(), timeout=60)
+    assert r.status_code == 413 and r.json()["error"]["type"] == "request_too_large"
+
+
+# ---- tools ---------------------------------------------------------------------------------------------------
+def test_tool_round_trip_is_rendered_as_the_template_renders_it(oa, an, tok):
+    """A call and its result, sent back: the daemon reads exactly what Qwen3's template renders for them (the
+    prompt's length, through both APIs), and the parser reads the rendered call back as the same call."""
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris", "days": 2})}}
+    convo = CHAT + [{"role": "assistant", "content": None, "tool_calls": [call]},
+                    {"role": "tool", "tool_call_id": "call_1", "content": "18C and sunny"}]
+    r = oa.chat.completions.create(model="m", messages=convo, tools=[WEATHER], max_tokens=2, temperature=0)
+    rendered_msgs = CHAT + [
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": {"city": "Paris", "days": 2}}}]},
+        {"role": "tool", "content": "18C and sunny", "tool_call_id": "call_1", "name": "get_weather"}]
+    text = tok.apply_chat_template(rendered_msgs, tools=[WEATHER])
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>' in text
+    assert "<tool_response>\n18C and sunny\n</tool_response>" in text and '"name": "get_weather"' in text
+    assert r.usage.prompt_tokens == len(tok.encode_chat(rendered_msgs, tools=[WEATHER]))
+    # the assistant turn as rendered, read back by the output parser: the same call
+    turn = text.split("<|im_start|>assistant\n")[1].split("<|im_end|>")[0]
+    p = OutputParser(new_id=lambda: "x")
+    events = p.feed(turn) + p.finish()
+    assert p.calls == 1 and events[0].name == "get_weather"
+    assert json.loads("".join(e.fragment for e in events[1:-1])) == {"city": "Paris", "days": 2}
+    # Anthropic's shape of the same turns (thinking off by default: the template's empty think block added)
+    n = an.messages.count_tokens(model="m", tools=[{"name": "get_weather", "description": "The weather in a city",
+                                                    "input_schema": WEATHER["function"]["parameters"]}],
+                                 messages=CHAT + [
+                                     {"role": "assistant", "content": [{"type": "tool_use", "id": "call_1",
+                                                                        "name": "get_weather",
+                                                                        "input": {"city": "Paris", "days": 2}}]},
+                                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "call_1",
+                                                                   "content": "18C and sunny"}]}])
+    assert n.input_tokens == len(tok.encode_chat(rendered_msgs, tools=[WEATHER], enable_thinking=False))
+
+
+@pytest.fixture(scope="module")
+def xml_gateway(daemon, model, gateway):
+    """A second gateway on the same daemon reading calls as Qwen3-Coder's XML (no key: loopback)."""
+    g = Gateway(daemon, model, "--tool-format", "xml")
+    yield g
+    g.stop()
+
+
+def test_forced_call_streams_name_then_arguments(xml_gateway):
+    """tool_choice naming a function: the reply is opened as that call (a prefill), so even random weights
+    answer with it; OpenAI's stream gives the id and name first, then argument fragments."""
+    oa = openai.OpenAI(base_url=xml_gateway.url + "/v1", api_key="unused", max_retries=0)
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    r = oa.chat.completions.create(model="m", messages=CHAT, tools=[WEATHER], tool_choice=choice, max_tokens=24,
+                                   temperature=0)
+    (tc,) = r.choices[0].message.tool_calls
+    assert tc.function.name == "get_weather" and tc.id.startswith("call_")
+    assert isinstance(json.loads(tc.function.arguments), dict)
+    assert r.choices[0].finish_reason in ("tool_calls", "length")
+    deltas = [c.choices[0].delta.tool_calls for c in oa.chat.completions.create(
+        model="m", messages=CHAT, tools=[WEATHER], tool_choice=choice, max_tokens=24, temperature=0, stream=True)
+        if c.choices and c.choices[0].delta.tool_calls]
+    assert deltas[0][0].id == tc.id[:5] + deltas[0][0].id[5:] and deltas[0][0].function.name == "get_weather"
+    assert all(d[0].id is None and d[0].function.name is None for d in deltas[1:])
+    assert "".join(d[0].function.arguments or "" for d in deltas) == tc.function.arguments
+    an = anthropic.Anthropic(base_url=xml_gateway.url, api_key="unused", max_retries=0)
+    with an.messages.stream(model="m", max_tokens=24, messages=CHAT, extra_body=GREEDY,
+                            tools=[{"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}],
+                            tool_choice={"type": "tool", "name": "get_weather"}) as s:
+        kinds = [e.type for e in s]
+        final = s.get_final_message()
+    assert final.content[0].type == "tool_use" and final.content[0].name == "get_weather"
+    assert final.content[0].id.startswith("toolu_") and "input_json" in kinds
+    assert final.stop_reason in ("tool_use", "max_tokens")
+
+
+def test_forced_json_call_that_does_not_parse_is_text(oa):
+    """Qwen3's JSON format: the random continuation is no JSON object, so the call is given back as text."""
+    r = oa.chat.completions.create(model="m", messages=CHAT, tools=[WEATHER], max_tokens=8, temperature=0,
+                                   tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    m = r.choices[0].message
+    assert not m.tool_calls and m.content.startswith('<tool_call>\n{"name": "get_weather", "arguments": ')
+
+
+# ---- trouble -------------------------------------------------------------------------------------------------
+def test_disconnect_mid_stream_frees_the_lane(gateway, daemon):
+    before = metrics(gateway).get(("stratad:request_success_total", (("finished_reason", "abort"),)), 0)
+    with httpx.stream("POST", gateway.url + "/v1/chat/completions", headers={"x-api-key": KEY}, timeout=60,
+                      json={"model": "m", "messages": CHAT, "max_tokens": 3000, "stream": True}) as r:
+        got = 0
+        for line in r.iter_lines():
+            got += '"content"' in line
+            if got == 3:
+                break
+        assert got == 3 and any(ln.req_id for ln in daemon.status().lanes)
+    wait_idle(daemon)
+    deadline = time.monotonic() + 5
+    while metrics(gateway).get(("stratad:request_success_total", (("finished_reason", "abort"),)), 0) <= before:
+        assert time.monotonic() < deadline, "the cancelled request was not counted"
+        time.sleep(0.05)
+
+
+def test_queue_full_is_429_and_529(daemon, oa, an):
+    with daemon.client() as c:
+        busy = [c.generate(messages=CHAT, max_tokens=3000, ignore_eos=True) for _ in range(2)]
+        for s in busy:
+            next(iter(s))
+        queued = c.generate(messages=CHAT, max_tokens=2)
+        assert queued.wait_accepted().queue_position == 1
+        with pytest.raises(openai.RateLimitError) as e:
+            oa.chat.completions.create(model="m", messages=CHAT, max_tokens=2)
+        assert e.value.status_code == 429 and "queue" in e.value.message
+        with pytest.raises(anthropic.APIStatusError) as e:
+            an.messages.create(model="m", max_tokens=2, messages=CHAT)
+        assert e.value.status_code == 529 and e.value.body["error"]["type"] == "overloaded_error"
+        for s in busy:
+            s.cancel()
+            s.result()
+        queued.result()
+    wait_idle(daemon)
+
+
+def test_metrics_parse_and_move_with_traffic(gateway, daemon, oa):
+    m0 = metrics(gateway)
+    r = oa.chat.completions.create(model="m", messages=CHAT, max_tokens=5, temperature=0)
+    m1 = metrics(gateway)
+    gen = ("stratad:generation_tokens_total", ())
+    assert m1[gen] - m0.get(gen, 0) == r.usage.completion_tokens
+    assert m1[("stratad:prompt_tokens_total", ())] - m0.get(("stratad:prompt_tokens_total", ()), 0) == \
+        r.usage.prompt_tokens
+    assert m1[("stratad:time_to_first_token_seconds_count", ())] == m0.get(
+        ("stratad:time_to_first_token_seconds_count", ()), 0) + 1
+    assert m1[("stratad:daemon_up", ())] == 1 and m1[("stratad:num_requests_waiting", ())] == 0
+    roles = [dict(k[1]) for k in m1 if k[0] == "stratad:lane_role"]
+    assert sorted(r["lane"] for r in roles) == ["0", "1"]
+    places = {dict(k[1])["place"] for k in m1 if k[0] == "stratad:lane_expert_work_share"}
+    assert places == {"own_card", "peer_card", "host_read", "cpu_pool"}
+    work = sum(v for k, v in m1.items() if k[0] == "stratad:expert_computations_total") - \
+        sum(v for k, v in m0.items() if k[0] == "stratad:expert_computations_total")
+    assert work > 0
+    for name in ("stratad:lane_slots_used", "stratad:lane_slots_total", "stratad:lane_restarts_total",
+                 "stratad:epoch_swaps_total", "stratad:prefix_cache_hits_total", "stratad:num_requests_running"):
+        assert any(k[0] == name for k in m1), name
+
+
+def test_api_key_is_enforced(gateway, model, daemon):
+    body = {"model": "m", "messages": CHAT, "max_tokens": 1}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"x-api-key": KEY[:-1]}):
+        r = httpx.post(gateway.url + "/v1/chat/completions", json=body, headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    r = httpx.post(gateway.url + "/v1/messages", json=body, headers={"x-api-key": "nope"})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(gateway.url + "/metrics").status_code == 401
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=gateway.url + "/v1", api_key="bad", max_retries=0).models.list()
+    # not on loopback and no key: refused before it listens
+    p = subprocess.run([sys.executable, "-m", "stratad.gateway", "--runtime-dir", str(daemon.runtime_dir),
+                        "--listen", f"0.0.0.0:{free_port()}", "--model", str(model)],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "--api-key-file" in p.stderr
+
+
+def test_lane_death_ends_the_stream_with_an_error_event(daemon, oa):
+    """Last (it restarts a lane): the stream ends with OpenAI's error event, the daemon keeps serving."""
+    stream = oa.chat.completions.create(model="m", messages=CHAT, max_tokens=3000, stream=True)
+    it = iter(stream)
+    next(it)
+    next(it)
+    lane = next(ln for ln in daemon.status().lanes if ln.req_id)
+    os.kill(lane.pid, signal.SIGKILL)
+    with pytest.raises(openai.APIError) as e:
+        for _ in it:
+            pass
+    assert "lane" in str(e.value)
+    daemon.wait_ready(60, restarts=1)
+    assert oa.chat.completions.create(model="m", messages=CHAT, max_tokens=2).usage.completion_tokens >= 1
