@@ -260,6 +260,15 @@ def test_special_tokens_encode_to_one_id(tok, tiny_vocab, special):
     assert tok.decode(ids) == f"before{special}after"
 
 
+def test_encode_plain_text(tok, tiny_vocab):
+    """special=False: added tokens in the text are text (what encode_chat does with the caller's strings)."""
+    text = "a<|im_end|>b<think>c"
+    ids = tok.encode(text, special=False)
+    assert not set(ids) & {tiny_vocab.tokens.index(t) for t in ("<|im_end|>", "<think>")}
+    assert tok.decode(ids) == text
+    assert tok.encode("no specials here", special=False) == tok.encode("no specials here")
+
+
 def test_decode_skip_special(tok):
     ids = tok.encode("<|im_start|>user\nhi<|im_end|><think>x</think>")
     assert tok.decode(ids, skip_special=True) == "user\nhi<think>x</think>"
@@ -377,6 +386,18 @@ def test_error_no_tokenizer_at_all(tmp_path):
 def test_error_wrong_model(tmp_path, tiny_vocab):
     path = _write_gguf(tmp_path / "llama.gguf", kv=_kv_from_vocab(tiny_vocab, add_tokenizer_model="llama"))
     _expect_error(path, "tokenizer.ggml.model", "'llama'", "gpt2")
+
+
+@pytest.mark.parametrize("pre", ["llama-bpe", "deepseek-llm", "default"])
+def test_error_unknown_pre_tokenizer(tmp_path, tiny_vocab, pre):
+    """A pre-tokenizer without an implementation is refused by name, never split with the qwen2 regex."""
+    path = _write_gguf(tmp_path / "pre.gguf", kv=_kv_from_vocab(tiny_vocab, add_tokenizer_pre=pre))
+    _expect_error(path, "tokenizer.ggml.pre", repr(pre), "not implemented", "qwen2")
+
+
+def test_error_missing_pre_tokenizer(tmp_path, tiny_vocab):
+    path = _write_gguf(tmp_path / "nopre.gguf", kv=_kv_from_vocab(tiny_vocab, add_tokenizer_pre=None))
+    _expect_error(path, "tokenizer.ggml.pre", "missing", "qwen2")
 
 
 def test_error_merge_with_unknown_token(tmp_path, tiny_vocab):

@@ -33,6 +33,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.filters
 import jinja2.nodes as nodes
 import jinja2.sandbox
 from jinja2.visitor import NodeTransformer
@@ -183,6 +184,13 @@ def _concat(*values: Any) -> Rendered:
     return join_rendered(str(v) for v in values)  # str() as Jinja's ~ does: 1 ~ 'a' is '1a'
 
 
+@jinja2.pass_eval_context
+def _join_filter(eval_ctx, value, d: Any = "", attribute=None) -> str:
+    # Jinja's join with its default separator "" (not a literal of the template) would build a plain str
+    sep = d if isinstance(d, Rendered) else Rendered.make(str(d), ())
+    return jinja2.filters.sync_do_join(eval_ctx, value, sep, attribute)
+
+
 def _raise_exception(message: Any) -> None:
     raise ChatTemplateError(str(message))
 
@@ -309,6 +317,7 @@ class ChatTemplate:
         self.source = source
         env = _Environment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
         env.filters["tojson"] = _tojson
+        env.filters["join"] = _join_filter
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = _strftime_now
         env.extend(stratad_literal=Rendered.literal, stratad_concat=_concat)
