@@ -9,7 +9,7 @@ import re
 import numpy as np
 import pytest
 
-from lane.kernels import dense as D
+from lane.kernels import rope_kv
 from stratad import config as daemon_config
 from stratad.engine.reference import ReferenceEngine, rope
 from stratad.model import rope as R
@@ -26,7 +26,7 @@ def test_unscaled_table_bytes_unchanged():
         half = hd // 2
         inv = base ** (-np.arange(half, dtype=np.float64) * 2 / hd)
         ang = np.arange(max_ctx, dtype=np.int64)[:, None].astype(np.float64) * inv[None, :]
-        c, s = D.rope_tables(max_ctx, hd, base)
+        c, s = rope_kv.rope_tables(max_ctx, hd, base)
         assert c.tobytes() == np.cos(ang).astype(np.float32).tobytes()
         assert s.tobytes() == np.sin(ang).astype(np.float32).tobytes()
 
@@ -36,7 +36,7 @@ def test_gpu_table_is_the_reference_rotation(scaling):
     """rope_tables (uploaded by the GPU card) and reference.rope come from one function: rotating by the table's
     rows gives the reference's bits."""
     hd, base, pos = 128, 1e6, np.array([0, 1, 5000, 40000, 131071])
-    c, s = D.rope_tables(131072, hd, base, scaling)
+    c, s = rope_kv.rope_tables(131072, hd, base, scaling)
     x = np.random.default_rng(0).standard_normal((len(pos), 3, hd)).astype(np.float32)
     a, b = x[..., :hd // 2], x[..., hd // 2:]
     cc, ss = c[pos][:, None, :], s[pos][:, None, :]
