@@ -42,7 +42,7 @@ import jinja2
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from stratad.model.chat_template import ChatTemplate, ChatTemplateError, Rendered
+from stratad.model.chat_template import ChatTemplate, ChatTemplateError
 from stratad.model.errors import ModelFormatError
 
 __all__ = [
@@ -627,12 +627,12 @@ class Tokenizer:
             specials.append(self._vocab[m.group()])
             at = m.end()
         pieces.append(text[at:])
-        encoded = self._bpe.encode_batch_fast(pieces, add_special_tokens=False) if len(pieces) > 1 else [
-            self._bpe.encode(pieces[0], add_special_tokens=False)
-        ]
         ids = [self._bos_id] if self.add_bos_token and self._bos_id is not None else []
-        for k, enc in enumerate(encoded):
-            ids.extend(enc.ids)
+        # One piece at a time: the batch calls use the tokenizers thread pool, which a later fork (a lane started)
+        # would have to disable with a warning in the child.
+        for k, piece in enumerate(pieces):
+            if piece:
+                ids.extend(self._bpe.encode(piece, add_special_tokens=False).ids)
             if k < len(specials):
                 ids.append(specials[k])
         return ids
