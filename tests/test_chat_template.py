@@ -279,6 +279,16 @@ def test_literal_spans_through_jinja_constructs():
     assert tok.decode(ids) == text
 
 
+def test_every_added_token_the_template_writes_is_one_id():
+    """Each of Qwen3's 26 added tokens (CONTROL and USER_DEFINED), written by the template, is its one id; the same
+    texts in the content are text."""
+    texts = [t for t, _ in rv.QWEN3_ADDED]
+    tok = rv.qwen3().with_chat_template("".join(texts) + "{{ messages[0].content }}")
+    ids = tok.encode_chat([{"role": "user", "content": "".join(texts)}])
+    assert ids == list(range(rv.FIRST_ADDED, rv.FIRST_ADDED + 26)) + tok.encode("".join(texts), special=False)
+    assert not set(ids[26:]) & set(range(rv.FIRST_ADDED, rv.N_VOCAB))
+
+
 def test_generated_model_template_plain_chat_ids_unchanged():
     """The generated models' own ChatML template: encode_chat gives what encode(apply_chat_template) gave."""
     tok = Tokenizer.from_vocab(build_vocab(1024))
