@@ -16,6 +16,7 @@ import numpy as np
 import zmq
 
 from coordinator import profile_store
+from coordinator.gateway_child import GatewayChild
 from coordinator.lanes import LaneHandle, Supervisor, lane_argv
 from coordinator.pool import CardPool
 from coordinator.runtime import RuntimeDir
@@ -95,6 +96,10 @@ class Coordinator:
         self.sup = Supervisor(self.cards, self._lane_argv, self.rt.shm_prefix, self.cfg.lane_timeout_s,
                               threads.per_lane(self.cfg.cpu_threads, len(self.cards)), self.cfg.lane_start_timeout_s)
         self.sup.start_all()
+        self.gateway = GatewayChild.for_config(self.cfg, str(self.rt.path), str(self.model.path),
+                                               self.context_length) if self.cfg.http else None
+        if self.gateway:
+            self.gateway.start()
         log.info("model %s: %d layers x %d experts, slot %.2f MiB, %d slots per card (%s), %d cards %s",
                  self.model.path, c.n_layer, c.n_expert, self.slot_bytes / 2**20, self.n_slots,
                  self.cfg.expert_cache, len(self.cards), ",".join(self.cards))
@@ -218,6 +223,8 @@ class Coordinator:
             self.pool.lane_dead(h.lane)
         if not self.stopping:
             self.sup.restart_due()
+            if self.gateway:
+                self.gateway.poll()
             self.pool.tick(time.monotonic())
             self._dispatch()
             if time.monotonic() - self.last_profile_save >= self.cfg.profile_save_s:
@@ -245,6 +252,8 @@ class Coordinator:
         return True
 
     def close(self) -> None:
+        if getattr(self, "gateway", None):
+            self.gateway.stop()
         if getattr(self, "pool", None):
             self.pool.close()
         if getattr(self, "sup", None):

@@ -18,6 +18,7 @@ from pathlib import Path
 import anthropic
 import httpx
 import openai
+import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -48,19 +49,19 @@ def free_port() -> int:
 class Gateway:
     """python -m stratad.gateway as the coordinator starts it, on a free loopback port."""
 
-    def __init__(self, d: Daemon, model: Path, *extra: str):
+    def __init__(self, runtime_dir: Path, model: Path, *extra: str, wait_for: int = 200):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log = d.runtime_dir.parent / f"gateway-{self.port}.log"
+        self.log = runtime_dir.parent / f"gateway-{self.port}.log"
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "stratad.gateway", "--runtime-dir", str(d.runtime_dir), "--listen",
+            [sys.executable, "-m", "stratad.gateway", "--runtime-dir", str(runtime_dir), "--listen",
              f"127.0.0.1:{self.port}", "--model", str(model), *extra],
             stdout=open(self.log, "wb"), stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, self.log.read_text()
             try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                if httpx.get(self.url + "/health", timeout=2).status_code == wait_for:
                     return
             except httpx.TransportError:
                 pass
@@ -83,23 +84,55 @@ def model(tmp_path_factory):
     return path
 
 
+class Supervised:
+    """The gateway `stratad serve` starts itself (config key http), with the /health answers seen while the daemon
+    started."""
+
+    def __init__(self, port: int):
+        self.url = f"http://127.0.0.1:{port}"
+        self.seen: list[tuple[bool, int]] = []  # (the daemon was ready, /health's status)
+        self.ready = threading.Event()
+        self.done = threading.Event()
+        self.t = threading.Thread(target=self.watch, daemon=True)
+        self.t.start()
+
+    def watch(self):
+        while not self.done.is_set():
+            try:
+                ready = self.ready.is_set()
+                self.seen.append((ready, httpx.get(self.url + "/health", timeout=2).status_code))
+                if ready and self.seen[-1][1] == 200:
+                    return
+            except httpx.TransportError:
+                pass  # not listening yet
+            time.sleep(0.05)
+
+
 @pytest.fixture(scope="module")
-def daemon(model, tmp_path_factory):
+def daemon_and_gateway(model, tmp_path_factory):
     rt = tmp_path_factory.mktemp("gwrt")
+    (rt / "api-key").write_text(KEY + "\n")
+    port = free_port()
     cfg = rt / "stratad.toml"
-    cfg.write_text("queue_limit = 1\n")  # two lanes and one waiting: the next request finds the queue full
+    # two lanes and one waiting: the next request finds the queue full
+    cfg.write_text(f'queue_limit = 1\nhttp = "127.0.0.1:{port}"\napi_key_file = "{rt / "api-key"}"\n')
+    g = Supervised(port)
     d = Daemon(model, rt / "run", extra=["--expert-cache", "0.5"], config=cfg).start()
-    yield d
+    g.ready.set()
+    g.t.join(30)
+    g.done.set()
+    yield d, g
     d.stop()
 
 
 @pytest.fixture(scope="module")
-def gateway(daemon, model):
-    keyfile = daemon.runtime_dir.parent / "api-key"
-    keyfile.write_text(KEY + "\n")
-    g = Gateway(daemon, model, "--api-key-file", str(keyfile))
-    yield g
-    g.stop()
+def daemon(daemon_and_gateway):
+    return daemon_and_gateway[0]
+
+
+@pytest.fixture(scope="module")
+def gateway(daemon_and_gateway):
+    return daemon_and_gateway[1]
 
 
 @pytest.fixture(scope="module")
@@ -143,10 +176,25 @@ def wait_idle(daemon, timeout_s=15.0) -> float:
 
 
 # ---- serving -------------------------------------------------------------------------------------------------
-def test_models_health(gateway, oa):
+def test_started_by_the_daemon_health_follows_the_lanes(gateway, daemon, oa):
+    """`http` in the config: stratad serve starts the gateway; /health is 503 until the lanes serve, then 200."""
+    codes = [code for _, code in gateway.seen]
+    assert codes[-1] == 200 and set(codes) <= {200, 503}, codes
+    assert 503 not in codes[codes.index(200):], codes  # ready stays ready
+    assert 503 in codes, codes  # the gateway listens before the lanes serve
     assert [m.id for m in oa.models.list().data] == ["tiny-qwen3"]
-    r = httpx.get(gateway.url + "/health")
-    assert r.status_code == 200 and r.json()["status"] == "ok"
+    assert httpx.get(gateway.url + "/health").json()["status"] == "ok"
+
+
+def test_health_without_a_daemon(model, tmp_path):
+    g = Gateway(tmp_path / "none", model, wait_for=503)
+    try:
+        r = httpx.get(g.url + "/health")
+        assert r.status_code == 503 and r.json()["status"] == "unavailable"
+        r = httpx.post(g.url + "/v1/chat/completions", json={"model": "m", "messages": CHAT})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "daemon_unavailable"
+    finally:
+        g.stop()
 
 
 def test_chat_plain_and_streamed_match_the_zmq_client(daemon, oa):
@@ -287,7 +335,7 @@ def test_tool_round_trip_is_rendered_as_the_template_renders_it(oa, an, tok):
 @pytest.fixture(scope="module")
 def xml_gateway(daemon, model, gateway):
     """A second gateway on the same daemon reading calls as Qwen3-Coder's XML (no key: loopback)."""
-    g = Gateway(daemon, model, "--tool-format", "xml")
+    g = Gateway(daemon.runtime_dir, model, "--tool-format", "xml")
     yield g
     g.stop()
 
@@ -404,6 +452,22 @@ def test_api_key_is_enforced(gateway, model, daemon):
                         "--listen", f"0.0.0.0:{free_port()}", "--model", str(model)],
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "--api-key-file" in p.stderr
+
+
+def test_a_gateway_that_dies_is_restarted(daemon, gateway, oa):
+    (child,) = [p for p in psutil.Process(daemon.proc.pid).children() if "stratad.gateway" in p.cmdline()]
+    child.kill()
+    child.wait(10)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            if httpx.get(gateway.url + "/health", timeout=2).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "the gateway was not restarted"
+        time.sleep(0.1)
+    assert oa.chat.completions.create(model="m", messages=CHAT, max_tokens=2).usage.completion_tokens >= 1
 
 
 def test_lane_death_ends_the_stream_with_an_error_event(daemon, oa):

@@ -1,0 +1,55 @@
+"""The HTTP gateway as the coordinator's child (config key `http`): started with the daemon, restarted with the
+lanes' back-off when it dies, stopped with the daemon. It holds no model memory; its log is the daemon's."""
+from __future__ import annotations
+
+import logging
+import signal
+import subprocess
+import time
+
+from coordinator.lanes import RESTART_BACKOFF_S, child_env
+from stratad.config import DaemonConfig
+from stratad.gateway.launch import gateway_argv
+
+log = logging.getLogger("stratad.coordinator")
+
+
+class GatewayChild:
+    def __init__(self, argv: list[str]):
+        self.argv = argv
+        self.proc: subprocess.Popen | None = None
+        self.restarts = 0
+        self.restart_at = 0.0
+
+    @classmethod
+    def for_config(cls, cfg: DaemonConfig, runtime_dir: str, model: str, context_length: int) -> "GatewayChild":
+        return cls(gateway_argv(runtime_dir, cfg.http, model, context_length, cfg.api_key_file, cfg.log_level))
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, env=child_env(1))
+        log.info("HTTP gateway started, pid %d: %s", self.proc.pid, " ".join(self.argv[3:]))
+
+    def poll(self) -> None:
+        """From the coordinator's tick: a gateway that exited is started again once its back-off has passed."""
+        if self.proc is not None:
+            rc = self.proc.poll()
+            if rc is None:
+                return
+            self.proc = None
+            self.restart_at = time.monotonic() + RESTART_BACKOFF_S[min(self.restarts, len(RESTART_BACKOFF_S) - 1)]
+            self.restarts += 1
+            log.error("HTTP gateway exited with status %d; restarting it", rc)
+        elif time.monotonic() >= self.restart_at:
+            self.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)  # uvicorn ends its open responses, then exits
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
