@@ -37,8 +37,8 @@ def _generate(a) -> int:
 
     model = ModelFile(a.model)
     tok = model.tokenizer
-    text = tok.apply_chat_template([{"role": "user", "content": a.prompt}]) if not a.raw else a.prompt
-    prompt = tok.encode(text)
+    # chat: the user's text never becomes special tokens (encode_chat); --raw: the text as given, specials parsed
+    prompt = tok.encode(a.prompt) if a.raw else tok.encode_chat([{"role": "user", "content": a.prompt}])
     params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
                             seed=a.seed, ignore_eos=a.ignore_eos)
     try:
