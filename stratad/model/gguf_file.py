@@ -1,7 +1,8 @@
 """Open a qwen3moe GGUF: memory-mapped, validated, with a typed config and raw tensor views.
 
-Tensor bytes are never read whole into RAM: `ModelFile.raw(name)` is a view of the file's mapping. Layout and
-names are llama.cpp's, so a real Qwen3-30B-A3B / 235B-A22B GGUF opens unchanged. Shapes below are numpy order
+Tensor bytes are never read whole into RAM: `ModelFile.raw(name)` is a view of the mapping (a split model's
+shards mapped into one range: mapping.py, split.py). Layout and names are llama.cpp's, so a real Qwen3-30B-A3B /
+235B-A22B GGUF opens unchanged, in one file or in shards. Shapes below are numpy order
 (the reverse of GGUF's ne order): experts are one 3-D tensor per layer, (n_expert, rows, cols).
 """
 from __future__ import annotations

@@ -56,7 +56,8 @@ def map_files(paths: list[str | os.PathLike], sizes: list[int]) -> tuple[np.ndar
         _libc.munmap(base, total)
         raise
     buf = (ctypes.c_uint8 * total).from_address(base)
-    weakref.finalize(buf, _libc.munmap, base, total)  # every view holds buf: unmapped after the last one
+    fin = weakref.finalize(buf, _libc.munmap, base, total)  # every view holds buf: unmapped after the last one
+    fin.atexit = False  # not at interpreter exit, where a thread may still read it: the exit unmaps it anyway
     arr = np.frombuffer(buf, np.uint8)
     arr.flags.writeable = False
     return arr, offsets
