@@ -1,13 +1,15 @@
 """The coordinator process: owns the arena, the directory, the lanes and the request queue.
 
 One thread runs a poll loop over the client socket(s) and the lane socket; lanes do the computing. Clients'
-requests are validated and tokenised here, queued (bounded FIFO), handed to free lanes; lanes' token chunks are
-routed back to the client that asked.
+requests are validated and tokenised here (long texts in a worker process: coordinator/intake.py), queued (bounded
+FIFO), handed to free lanes; lanes' token chunks are routed back to the client that asked, through per-client
+bounded queues that never block the loop (coordinator/client_io.py).
 """
 from __future__ import annotations
 
 import logging
 import signal
+from concurrent.futures import Future
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -16,6 +18,8 @@ import numpy as np
 import zmq
 
 from coordinator import profile_store
+from coordinator.client_io import ClientIO
+from coordinator.intake import HEAVY_CHARS, Intake, text_chars
 from coordinator.gateway_child import GatewayChild
 from coordinator.lanes import LaneHandle, Supervisor, lane_argv
 from coordinator.pool import CardPool
@@ -32,6 +36,10 @@ log = logging.getLogger("stratad.coordinator")
 POLL_MS = 50
 TOKEN_PREFIX = b'{"v":%d,"type":"tokens",' % M.PROTOCOL_VERSION  # how a lane's TokenChunk frame begins
 PREFIX_MIN = 64  # prefix_cache: a shorter common prefix does not make a lane the request's lane
+BUSY_POLL_MS = 5  # while replies wait for a client's room or a prompt is being prepared
+# A token stands for at most the vocabulary's longest token's bytes, so a text longer than context x that cannot
+# fit; x4 leaves room for normalisation (NFC) composing characters. Refused before it is tokenised.
+PROMPT_BYTES_SLACK = 4
 
 
 @dataclass
@@ -61,7 +69,9 @@ class Coordinator:
         self.last_prompt: dict[int, list[int]] = {}  # lane -> the prompt it read last (prefix_cache affinity)
         self.queue: deque[str] = deque()
         self.ctx: zmq.Context | None = None
-        self.client_socks: list[zmq.Socket] = []
+        self.io: ClientIO | None = None
+        self.intake: Intake | None = None
+        self.stop_signalled = False
         self.auth = None
 
     # ---- start ----------------------------------------------------------------------------------------------
@@ -73,6 +83,9 @@ class Coordinator:
         self.tokenizer = self.model.tokenizer
         c = self.model.config
         self.context_length = min(self.cfg.context_length, c.context_length)
+        longest = max(len(self.tokenizer.token_bytes(i)) for i in range(self.tokenizer.vocab_size))
+        self.max_prompt_bytes = PROMPT_BYTES_SLACK * longest * self.context_length
+        self.intake = Intake(str(self.model.path), prompt_tokens)
         self.cards = list(self.cfg.cards) or detect_cards()
         self.slot_bytes = slot_bytes(self.model)
         self.n_slots = self._slots_per_card()
@@ -88,9 +101,10 @@ class Coordinator:
         self.lane_sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.lane_sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted lane takes over its identity
         self.lane_sock.bind(self.rt.lane_endpoint)
-        self.client_socks.append(self._client_socket(self.rt.client_endpoint))
+        self.io = ClientIO(self.ctx, self.cfg.client_queue_messages, self.cfg.client_queue_bytes, self._client_lost)
+        self.io.socket(self.rt.client_endpoint)
         if self.cfg.tcp:
-            self.client_socks.append(self._tcp_socket())
+            self._tcp_socket()
         for p in self.rt.path.glob("*.sock"):
             p.chmod(0o600)
         self.sup = Supervisor(self.cards, self._lane_argv, self.rt.shm_prefix, self.cfg.lane_timeout_s,
@@ -151,13 +165,6 @@ class Coordinator:
                          host_experts=self.cfg.host_experts, prompt_chunk=self.cfg.prompt_chunk,
                          prefix_cache=self.cfg.prefix_cache)
 
-    def _client_socket(self, endpoint: str) -> zmq.Socket:
-        s = self.ctx.socket(zmq.ROUTER)
-        s.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        s.setsockopt(zmq.LINGER, 0)
-        s.bind(endpoint)
-        return s
-
     def _tcp_socket(self) -> zmq.Socket:
         import zmq.auth
         from zmq.auth.thread import ThreadAuthenticator
@@ -170,15 +177,14 @@ class Coordinator:
         public, secret = zmq.auth.load_certificate(self.cfg.curve_secret_key_file)
         if secret is None:
             raise ValueError(f"{self.cfg.curve_secret_key_file} holds no secret key")
-        s = self.ctx.socket(zmq.ROUTER)
-        s.curve_secretkey, s.curve_publickey, s.curve_server = secret, public, True
-        s.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        s.setsockopt(zmq.LINGER, 0)
-        s.bind(self.cfg.tcp)
-        return s
+        return self.io.socket(self.cfg.tcp, curve=(secret, public))
 
     # ---- loop -----------------------------------------------------------------------------------------------
-    def request_stop(self, *_a) -> None:
+    def signal_stop(self, *_a) -> None:
+        """SIGTERM / SIGINT: only a flag, so that no reply is sent from inside a send (the loop stops)."""
+        self.stop_signalled = True
+
+    def request_stop(self) -> None:
         if not self.stopping:
             log.info("stopping: in-flight requests get %.1f s to finish", self.cfg.stop_grace_s)
             self.stopping = True
@@ -186,16 +192,21 @@ class Coordinator:
             sd_notify.notify("STOPPING=1")
             for rid in list(self.queue):
                 self._fail(self.requests[rid], M.ErrorCode.SHUTTING_DOWN, "the daemon is stopping")
+            for (sock, client), msg, _ in self.intake.ready(everything=True):
+                if isinstance(msg, M.Generate):
+                    self._reply(sock, client, M.Error(req_id=msg.req_id, code=M.ErrorCode.SHUTTING_DOWN,
+                                                      message="the daemon is stopping"))
 
     def run(self) -> int:
         poller = zmq.Poller()
         poller.register(self.lane_sock, zmq.POLLIN)
-        for s in self.client_socks:
+        for s in self.io.socks:
             poller.register(s, zmq.POLLIN)
         wd = sd_notify.watchdog_interval_s()
         last_wd = 0.0
         while True:
-            for sock, _ in poller.poll(POLL_MS):
+            busy = self.io.pending() or self.intake.pending()
+            for sock, _ in poller.poll(BUSY_POLL_MS if busy else POLL_MS):
                 for _ in range(256):  # drain, bounded so one busy socket cannot starve the others
                     try:
                         parts = sock.recv_multipart(zmq.NOBLOCK)
@@ -205,6 +216,11 @@ class Coordinator:
                         self._on_lane(parts)
                     else:
                         self._on_client(sock, parts)
+            if self.stop_signalled:
+                self.request_stop()
+            for (sock, client), msg, prepared in self.intake.ready():
+                self._guarded(sock, client, self._handle, sock, client, msg, prepared)
+            self.io.flush()
             self._tick()
             if wd and time.monotonic() - last_wd >= wd:
                 sd_notify.notify("WATCHDOG=1")
@@ -214,6 +230,12 @@ class Coordinator:
 
     def _tick(self) -> None:
         for h, why in self.sup.reap():
+            if self.stopping:  # stopped with the daemon (Ctrl-C reaches the lanes too): neither restarted nor a fault
+                log.info("%s while the daemon stops", why)
+                if h.req_id in self.requests:
+                    self._fail(self.requests[h.req_id], M.ErrorCode.SHUTTING_DOWN, "the daemon is stopping")
+                h.req_id = None
+                continue
             log.error(h.failed or f"{why}; restarting it")
             if h.req_id and h.req_id in self.requests:
                 self._fail(self.requests[h.req_id], M.ErrorCode.LANE_FAILED,
@@ -258,6 +280,10 @@ class Coordinator:
             self.pool.close()
         if getattr(self, "sup", None):
             self.sup.stop_all()
+        if self.intake is not None:
+            self.intake.close()
+        if self.io is not None:
+            self.io.close()
         if self.auth is not None:
             self.auth.stop()
         if self.ctx is not None:
@@ -266,14 +292,30 @@ class Coordinator:
 
     # ---- clients --------------------------------------------------------------------------------------------
     def _reply(self, sock: zmq.Socket, client: bytes, msg) -> bool:
+        return self.io.send(sock, client, msg)
+
+    def _client_lost(self, sock: zmq.Socket, client: bytes, why: str) -> None:
+        """A client gone or cut off (ClientIO): what it asked for is cancelled, its lanes freed."""
+        self.intake.drop((sock, client))
+        for r in [r for r in self.requests.values() if r.sock is sock and r.client == client]:
+            self._cancel_request(r)
+
+    def _guarded(self, sock: zmq.Socket, client: bytes, handler, *args) -> None:
+        """One client message's handling: whatever it raises is logged, answered with an error, and the loop goes
+        on serving everyone else."""
         try:
-            sock.send_multipart([client, encode(msg)])
-            return True
-        except zmq.ZMQError as e:  # EHOSTUNREACH: the client is gone
-            log.info("client %s unreachable (%s)", client.hex(), e)
-            return False
+            handler(*args)
+        except Exception as e:  # noqa: BLE001 - a bug met by one message must not end the daemon
+            log.exception("client %s: error handling its message", client.hex())
+            self._reply(sock, client, M.Error(code=M.ErrorCode.INTERNAL,
+                                              message=f"the daemon failed handling this message ({type(e).__name__}; "
+                                                      f"see its log)"))
 
     def _on_client(self, sock: zmq.Socket, parts: list[bytes]) -> None:
+        if not self.io.is_lost(sock, parts[0]):  # a client cut off is not listened to either
+            self._guarded(sock, parts[0], self._on_client_frame, sock, parts)
+
+    def _on_client_frame(self, sock: zmq.Socket, parts: list[bytes]) -> None:
         client = parts[0]
         if len(parts) != 2:
             log.warning("client %s: %d-part message refused", client.hex(), len(parts) - 1)
@@ -286,24 +328,51 @@ class Coordinator:
             log.warning("client %s: %s", client.hex(), e)
             self._reply(sock, client, M.Error(code=e.code, message=str(e)))
             return
+        heavy = isinstance(msg, M.Generate) and text_chars(msg) > HEAVY_CHARS and self._refusal(msg) is None
+        if heavy or self.intake.busy((sock, client)):  # behind this client's earlier messages
+            self.intake.add((sock, client), msg, heavy)
+        else:
+            self._handle(sock, client, msg)
+
+    def _handle(self, sock, client, msg, prepared: Future | None = None) -> None:
         if isinstance(msg, M.StatusRequest):
             self._reply(sock, client, self.status())
         elif isinstance(msg, M.Cancel):
             self._cancel(sock, client, msg.req_id)
         elif isinstance(msg, M.Generate):
-            self._generate(sock, client, msg)
+            self._generate(sock, client, msg, prepared)
 
-    def _generate(self, sock, client, g: M.Generate) -> None:
+    def _refusal(self, g: M.Generate) -> tuple[M.ErrorCode, str] | None:
+        """Why g cannot be served, from what is known before its prompt is tokenised; None if it may be."""
+        if self.stopping:
+            return M.ErrorCode.SHUTTING_DOWN, "the daemon is stopping"
+        if g.req_id in self.requests:
+            return M.ErrorCode.DUPLICATE_REQUEST, f"request {g.req_id} is already in flight"
+        n, ctx = g.sampling.max_tokens, self.context_length
+        if n >= ctx:
+            return M.ErrorCode.BAD_REQUEST, f"max_tokens {n} exceeds what the context length {ctx} can hold " \
+                                            f"beside a prompt (at most {ctx - 1})"
+        if g.tokens is not None and len(g.tokens) + n > ctx:
+            return M.ErrorCode.PROMPT_TOO_LONG, f"prompt of {len(g.tokens)} tokens + max_tokens {n} exceeds " \
+                                                f"the context length {ctx}"
+        texts = [g.prompt] if g.prompt is not None else [m.content for m in g.messages or ()]
+        size = sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
+        if size > self.max_prompt_bytes:
+            return M.ErrorCode.PROMPT_TOO_LONG, f"prompt of {size} bytes exceeds the limit of " \
+                f"{self.max_prompt_bytes} bytes (the context length {ctx} x {self.max_prompt_bytes // ctx} " \
+                f"bytes, {PROMPT_BYTES_SLACK}x the longest token's)"
+        return None
+
+    def _generate(self, sock, client, g: M.Generate, prepared: Future | None = None) -> None:
+        """prepared: g's tokens from the intake worker (a long text), else tokenised here."""
         def refuse(code, message):
             self._reply(sock, client, M.Error(req_id=g.req_id, code=code, message=message))
 
-        if self.stopping:
-            return refuse(M.ErrorCode.SHUTTING_DOWN, "the daemon is stopping")
-        if g.req_id in self.requests:
-            return refuse(M.ErrorCode.DUPLICATE_REQUEST, f"request {g.req_id} is already in flight")
+        if (why := self._refusal(g)) is not None:
+            return refuse(*why)
         try:
-            tokens = prompt_tokens(self.tokenizer, g)
-        except Exception as e:  # template errors, bad ids
+            tokens = prepared.result() if prepared is not None else prompt_tokens(self.tokenizer, g)
+        except Exception as e:  # noqa: BLE001 - template errors, bad ids (the worker's too)
             return refuse(M.ErrorCode.BAD_REQUEST, str(e))
         if not tokens:
             return refuse(M.ErrorCode.BAD_REQUEST, "the prompt is empty")
@@ -440,10 +509,7 @@ class Coordinator:
         r = self.requests.get(peek(frame).get("req_id", ""))
         if r is None or r.lane is not h:
             return  # a request already failed or cancelled here
-        try:
-            r.sock.send_multipart([r.client, frame])
-        except zmq.ZMQError:  # the client went away: free the lane
-            self._cancel_request(r)
+        self.io.send_frame(r.sock, r.client, frame)  # a client gone or too slow is cancelled by _client_lost
 
     # ---- status ---------------------------------------------------------------------------------------------
     def status(self) -> M.Status:
@@ -468,17 +534,18 @@ class Coordinator:
 
 
 def prompt_tokens(tokenizer, g: M.Generate) -> list[int]:
-    """g's prompt as token ids (its template rendered); ValueError for what cannot be. A module-level function of
-    the tokenizer alone: the HTTP gateway counts prompts with it."""
+    """g's prompt as token ids (its template rendered); ValueError for what cannot be. Run by the intake worker
+    too (a long text), so a module-level function of the tokenizer alone."""
     if g.tokens is not None:
         bad = [t for t in g.tokens if not 0 <= t < tokenizer.vocab_size]
         if bad:
             raise ValueError(f"token id {bad[0]} outside the vocabulary (0..{tokenizer.vocab_size - 1})")
         return list(g.tokens)
-    if g.messages is not None:  # the messages' text never writes special tokens; the prefill may open a call
-        return tokenizer.encode_chat([m.model_dump(exclude_none=True) for m in g.messages], **g.template_kwargs(),
-                                     prefill=g.prefill)
-    return tokenizer.encode(g.prompt)
+    if g.messages is not None:
+        text = tokenizer.apply_chat_template([m.model_dump() for m in g.messages])
+    else:
+        text = g.prompt
+    return tokenizer.encode(text)
 
 
 def detect_cards() -> list[str]:
@@ -500,8 +567,8 @@ def detect_cards() -> list[str]:
 def serve(cfg: DaemonConfig) -> int:
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s coordinator %(levelname)s %(message)s")
     co = Coordinator(cfg)
-    signal.signal(signal.SIGTERM, co.request_stop)
-    signal.signal(signal.SIGINT, co.request_stop)
+    signal.signal(signal.SIGTERM, co.signal_stop)
+    signal.signal(signal.SIGINT, co.signal_stop)
     try:
         co.start()
         return co.run()

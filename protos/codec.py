@@ -1,10 +1,16 @@
-"""Frames <-> messages. A frame is one ZeroMQ part holding a message as JSON; anything else is a FrameError."""
+"""Frames <-> messages. A frame is one ZeroMQ part holding a message as JSON; anything else is a FrameError.
+
+Untrusted frames are parsed only by pydantic-core's JSON parser, after the size check: it refuses nesting deeper
+than its recursion limit and numbers past its digit limit with a validation error, so a frame can neither recurse
+nor allocate beyond a small multiple of MAX_FRAME_BYTES (Python's json.loads recursed into a RecursionError on
+`[` * 1000 and killed the coordinator)."""
 from __future__ import annotations
 
 import json
 from functools import lru_cache
+from typing import Any
 
-from pydantic import BaseModel, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 
 from protos.messages import MAX_FRAME_BYTES, PROTOCOL_VERSION, ErrorCode
 
@@ -24,6 +30,15 @@ def _adapter(union) -> TypeAdapter:
     return TypeAdapter(union)
 
 
+class _Versioned(BaseModel):
+    """Just the version of a frame that failed validation: a newer peer's message deserves bad_version."""
+    model_config = ConfigDict(extra="ignore")
+    v: Any = PROTOCOL_VERSION
+
+
+_VERSION = TypeAdapter(_Versioned)
+
+
 def decode(frame: bytes, union) -> BaseModel:
     """Parse one frame as one of the message types in `union`; FrameError names what is wrong."""
     if len(frame) > MAX_FRAME_BYTES:
@@ -31,10 +46,10 @@ def decode(frame: bytes, union) -> BaseModel:
     try:
         msg = _adapter(union).validate_json(frame)  # parsed and validated in one pass (pydantic-core)
     except ValidationError as e:
-        _check_version(frame)
-        first = e.errors()[0]
-        if first["type"] == "json_invalid":
+        first = e.errors(include_url=False)[0]
+        if first["type"] == "json_invalid":  # not JSON, or past the parser's depth or number limits
             raise FrameError(ErrorCode.BAD_FRAME, f"frame is not JSON ({first['msg']})") from None
+        _check_version(frame)
         where = ".".join(str(p) for p in first["loc"]) or "message"
         raise FrameError(ErrorCode.BAD_FRAME, f"invalid message at {where}: {first['msg']}") from None
     if msg.v != PROTOCOL_VERSION:
@@ -43,14 +58,14 @@ def decode(frame: bytes, union) -> BaseModel:
 
 
 def _check_version(frame: bytes) -> None:
+    """A second parse, bounded as the first (same parser, a frame it already read whole)."""
     try:
-        obj = json.loads(frame)
-    except ValueError:
+        v = _VERSION.validate_json(frame).v
+    except ValidationError:  # not an object
         return
-    v = obj.get("v", PROTOCOL_VERSION) if isinstance(obj, dict) else PROTOCOL_VERSION
     if v != PROTOCOL_VERSION:
-        raise FrameError(ErrorCode.BAD_VERSION, f"protocol version {v!r} not supported (this daemon speaks "
-                                                f"{PROTOCOL_VERSION})")
+        raise FrameError(ErrorCode.BAD_VERSION, f"protocol version {repr(v)[:40]} not supported (this daemon "
+                                                f"speaks {PROTOCOL_VERSION})")
 
 
 def peek(frame: bytes) -> dict:

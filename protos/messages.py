@@ -20,6 +20,7 @@ class ErrorCode(str, Enum):
     UNKNOWN_REQUEST = "unknown_request"
     LANE_FAILED = "lane_failed"  # the lane serving the request died
     SHUTTING_DOWN = "shutting_down"
+    CLIENT_TOO_SLOW = "client_too_slow"  # the client stopped reading: its replies outgrew their queue; cut off
     INTERNAL = "internal"
 
 

@@ -79,6 +79,9 @@ class DaemonConfig(BaseModel):
     replan_interval_s: float = Field(2.0, gt=0, description="how often live counts are checked for a better placement")
     replan_min_gain: float = Field(0.02, ge=0, description="swap experts only when coverage of live work rises this much")
     queue_limit: int = Field(64, ge=1)
+    client_queue_messages: int = Field(4096, ge=1, description="replies waiting for one client that does not read "
+                                                               "them; past this (or client_queue_bytes) it is cut off")
+    client_queue_bytes: int = Field(8 << 20, ge=1024, description="the same limit in bytes")
     heartbeat_s: float = Field(1.0, gt=0)
     lane_timeout_s: float = Field(30.0, gt=0, description="a lane silent this long is declared dead")
     lane_start_timeout_s: float = Field(600.0, gt=0, description="the same for a lane still building its card")
