@@ -8,11 +8,19 @@
         print(stream.stats)
 
 `AsyncClient` is the asyncio twin. Every request has its own DEALER socket, so streams are independent.
+
+Liveness: each socket watches its own connection (a socket monitor) and never reconnects (a new connection could
+not continue the request): a daemon that dies closes the connection and every open stream raises DaemonUnavailable
+at once (ipc); over TCP the kernel's keepalive finds a vanished host in about KEEPALIVE_*'s 5 s. Not ZMTP
+heartbeats: a client that stops reading its stream cannot see them, so they drop its connection, and libzmq 4.3
+then may abort the process (libzmq #3937; it happened here with a receive HWM of 1). A daemon alive but stuck is
+the stream timeout's case.
 """
 from __future__ import annotations
 
 import asyncio
 import os
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,10 +28,16 @@ from typing import AsyncIterator, Iterator
 
 import zmq
 import zmq.asyncio
+from pydantic import ValidationError
+from pydantic_core import PydanticSerializationError
+from zmq.utils.monitor import parse_monitor_message
 
 from protos import messages as M
 from protos.codec import FrameError, decode, encode
 from stratad.config import default_runtime_dir
+
+
+KEEPALIVE_IDLE_S, KEEPALIVE_INTVL_S, KEEPALIVE_CNT = 2, 1, 3  # TCP: a host silent 2 s, then 3 probes 1 s apart
 
 
 class DaemonUnavailable(ConnectionError):
@@ -43,17 +57,47 @@ class Chunk:
 
 
 def _generate_msg(req_id, prompt, messages, tokens, max_tokens, temperature, top_p, top_k, seed, stop,
-                  digest=False, ignore_eos=False, tools=None, enable_thinking=None, prefill="") -> M.Generate:
+                  digest=False, ignore_eos=False) -> M.Generate:
+    """The Generate message for generate()'s arguments; RequestError(bad_request) naming the argument at fault."""
     try:
-        return M.Generate(req_id=req_id or uuid.uuid4().hex, prompt=prompt,
-                          messages=None if messages is None else tuple(M.ChatMessage(**m) for m in messages),
-                          tokens=None if tokens is None else tuple(tokens),
-                          sampling=M.Sampling(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                              top_k=top_k, seed=seed, stop=tuple(stop), ignore_eos=ignore_eos),
-                          digest=digest, tools=None if tools is None else tuple(tools),
-                          enable_thinking=enable_thinking, prefill=prefill)
-    except ValueError as e:
-        raise RequestError(M.ErrorCode.BAD_REQUEST, str(e)) from None
+        msg = M.Generate.model_validate(dict(
+            req_id=req_id or uuid.uuid4().hex, prompt=prompt, messages=messages, tokens=tokens, digest=digest,
+            sampling=dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                          stop=stop, ignore_eos=ignore_eos)))
+        frame = encode(msg)
+    except ValidationError as e:
+        raise RequestError(M.ErrorCode.BAD_REQUEST, _first_problem(e)) from None
+    except PydanticSerializationError:  # a str Python holds but UTF-8 cannot: a lone surrogate
+        raise RequestError(M.ErrorCode.BAD_REQUEST, _unencodable(msg)) from None
+    if len(frame) > M.MAX_FRAME_BYTES:
+        raise RequestError(M.ErrorCode.PROMPT_TOO_LONG, f"the request is {len(frame)} bytes, over the daemon's limit "
+                                                        f"of {M.MAX_FRAME_BYTES} bytes a message")
+    return msg
+
+
+def _first_problem(e: ValidationError) -> str:
+    """One line naming the argument (sampling's fields by their generate() names) and what is wrong with it."""
+    err = e.errors(include_url=False)[0]
+    loc = [str(p) for p in err["loc"]]
+    where = ".".join(loc[1:] if loc[:1] == ["sampling"] else loc)
+    problem = err["msg"].removeprefix("Value error, ").replace("a valid tuple", "a list")
+    return f"{where}: {problem}" if where else problem
+
+
+def _unencodable(msg: M.Generate) -> str:
+    def walk(v, path):
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError as e:
+                return f"{path}: not valid Unicode text (a lone surrogate at character {e.start})"
+        elif isinstance(v, dict):
+            return next((w for k, x in v.items() if (w := walk(x, f"{path}.{k}" if path else k))), None)
+        elif isinstance(v, (list, tuple)):
+            return next((w for i, x in enumerate(v) if (w := walk(x, f"{path}.{i}"))), None)
+        return None
+
+    return walk(msg.model_dump(), "") or "the request is not valid Unicode text"
 
 
 class _Base:
@@ -72,11 +116,24 @@ class _Base:
 
     def _setup(self, s: zmq.Socket) -> zmq.Socket:
         s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.RECONNECT_IVL, -1)
+        s.setsockopt(zmq.TCP_KEEPALIVE, 1)
+        s.setsockopt(zmq.TCP_KEEPALIVE_IDLE, KEEPALIVE_IDLE_S)
+        s.setsockopt(zmq.TCP_KEEPALIVE_INTVL, KEEPALIVE_INTVL_S)
+        s.setsockopt(zmq.TCP_KEEPALIVE_CNT, KEEPALIVE_CNT)
         if self.curve:
             server_key, (public, secret) = self.curve
             s.curve_serverkey, s.curve_publickey, s.curve_secretkey = server_key, public, secret
         s.connect(self.endpoint)
         return s
+
+    def _watch(self, s: zmq.Socket) -> zmq.Socket:
+        """The monitor of s's connection (before connecting, so no event is missed)."""
+        return s.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+
+    def _gone(self, req_id: str | None) -> DaemonUnavailable:
+        what = f"during request {req_id}" if req_id else "before answering"
+        return DaemonUnavailable(f"stratad at {self.endpoint} went away {what} (connection lost)")
 
     def _timeout(self, first: bool) -> float | None:
         return self.timeout_s if first else self.stream_timeout_s
@@ -117,19 +174,47 @@ class _StreamState:
         return None
 
 
+def _wait(sock: zmq.Socket, monitor: zmq.Socket, timeout_s: float | None) -> bool:
+    """Until sock has a message (True) or timeout_s passes (False); raises ConnectionError when the connection
+    drops first (a message that arrived before the drop is still read)."""
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    poller.register(monitor, zmq.POLLIN)
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        left = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
+        ready = dict(poller.poll(left))
+        if sock in ready:
+            return True
+        if monitor in ready:
+            if parse_monitor_message(monitor.recv_multipart())["event"] == zmq.EVENT_DISCONNECTED:
+                if sock.poll(0):
+                    return True
+                raise ConnectionError
+        elif deadline is not None and time.monotonic() >= deadline:
+            return False
+
+
 class Stream(_StreamState):
     """Iterate for Chunks; then `.stats`, `.finish_reason`, `.text`. `cancel()` stops the request."""
 
     def __init__(self, client: "Client", msg: M.Generate):
         super().__init__(msg.req_id)
         self.client = client
-        self.sock = client._setup(client.ctx.socket(zmq.DEALER))
+        sock = client.ctx.socket(zmq.DEALER)
+        self.monitor = client._watch(sock)
+        self.sock = client._setup(sock)
         self.sock.send(encode(msg))
 
     def _recv(self):
         first = self.accepted is None
         t = self.client._timeout(first)
-        if not self.sock.poll(None if t is None else int(t * 1000)):
+        try:
+            arrived = _wait(self.sock, self.monitor, t)
+        except ConnectionError:
+            self.close()
+            raise self.client._gone(self.req_id) from None
+        if not arrived:
             self.close()
             if first:
                 raise self.client._unavailable()
@@ -162,6 +247,8 @@ class Stream(_StreamState):
 
     def close(self) -> None:
         if not self.sock.closed:
+            self.sock.disable_monitor()
+            self.monitor.close(linger=0)
             self.sock.close(linger=0)
 
 
@@ -173,26 +260,30 @@ class Client(_Base):
     def generate(self, prompt: str | None = None, *, messages: list[dict] | None = None,
                  tokens: list[int] | None = None, max_tokens: int = 128, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: int = 0, stop: tuple[str, ...] | list[str] = (),
-                 req_id: str | None = None, digest: bool = False, ignore_eos: bool = False,
-                 tools: list[dict] | None = None, enable_thinking: bool | None = None, prefill: str = "") -> Stream:
+                 req_id: str | None = None, digest: bool = False, ignore_eos: bool = False) -> Stream:
         """digest: the final stats carry a sha256 of every step's logits (to compare runs bit for bit).
-        ignore_eos: generate max_tokens tokens whatever the model's stop tokens say (stop strings still apply).
-        With messages: tools (OpenAI-style {"type": "function", "function": {...}}) and enable_thinking go to the
-        chat template; prefill is text the reply starts with (rendered after the generation prompt)."""
+        ignore_eos: generate max_tokens tokens whatever the model's stop tokens say (stop strings still apply)."""
         msg = _generate_msg(req_id, prompt, messages, tokens, max_tokens, temperature, top_p, top_k, seed, stop,
-                            digest, ignore_eos, tools, enable_thinking, prefill)
+                            digest, ignore_eos)
         self._check_endpoint()
         return Stream(self, msg)
 
     def status(self) -> M.Status:
         self._check_endpoint()
-        s = self._setup(self.ctx.socket(zmq.DEALER))
+        s = self.ctx.socket(zmq.DEALER)
+        monitor = self._watch(s)
+        self._setup(s)
         try:
             s.send(encode(M.StatusRequest()))
-            if not s.poll(int(self.timeout_s * 1000)):
-                raise self._unavailable()
+            try:
+                if not _wait(s, monitor, self.timeout_s):
+                    raise self._unavailable()
+            except ConnectionError:
+                raise self._gone(None) from None
             msg = self._parse(s.recv())
         finally:
+            s.disable_monitor()
+            monitor.close(linger=0)
             s.close(linger=0)
         if isinstance(msg, M.Error):
             raise RequestError(msg.code, msg.message)
@@ -208,11 +299,34 @@ class Client(_Base):
         self.close()
 
 
+async def _await(sock: zmq.asyncio.Socket, monitor: zmq.asyncio.Socket, timeout_s: float | None) -> bytes | None:
+    """_wait's asyncio twin: sock's next message, or None after timeout_s; ConnectionError when the connection
+    drops first."""
+    poller = zmq.asyncio.Poller()
+    poller.register(sock, zmq.POLLIN)
+    poller.register(monitor, zmq.POLLIN)
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        left = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
+        ready = dict(await poller.poll(left))
+        if sock in ready:
+            return await sock.recv()
+        if monitor in ready:
+            if parse_monitor_message(await monitor.recv_multipart())["event"] == zmq.EVENT_DISCONNECTED:
+                if await sock.poll(0):
+                    return await sock.recv()
+                raise ConnectionError
+        elif deadline is not None and time.monotonic() >= deadline:
+            return None
+
+
 class AsyncStream(_StreamState):
     def __init__(self, client: "AsyncClient", msg: M.Generate):
         super().__init__(msg.req_id)
         self.client, self.msg = client, msg
-        self.sock = client._setup(client.ctx.socket(zmq.DEALER))
+        sock = client.ctx.socket(zmq.DEALER)
+        self.monitor = client._watch(sock)
+        self.sock = client._setup(sock)
 
     async def __aiter__(self) -> AsyncIterator[Chunk]:
         await self.sock.send(encode(self.msg))
@@ -220,12 +334,16 @@ class AsyncStream(_StreamState):
             while self.finish_reason is None:
                 t = self.client._timeout(self.accepted is None)
                 try:
-                    frame = await asyncio.wait_for(self.sock.recv(), t)
-                except asyncio.TimeoutError:
-                    raise self.client._unavailable() from None
+                    frame = await _await(self.sock, self.monitor, t)
+                except ConnectionError:
+                    raise self.client._gone(self.req_id) from None
+                if frame is None:
+                    raise self.client._unavailable()
                 if (chunk := self.apply(self.client._parse(frame))) is not None:
                     yield chunk
         finally:
+            self.sock.disable_monitor()
+            self.monitor.close(linger=0)
             self.sock.close(linger=0)
 
     async def cancel(self) -> None:
@@ -240,22 +358,27 @@ class AsyncClient(_Base):
 
     def generate(self, prompt: str | None = None, **kw) -> AsyncStream:
         args = dict(messages=None, tokens=None, max_tokens=128, temperature=0.0, top_p=1.0, top_k=0, seed=0,
-                    stop=(), req_id=None, digest=False, ignore_eos=False, tools=None, enable_thinking=None,
-                    prefill="") | kw
+                    stop=(), req_id=None, digest=False, ignore_eos=False) | kw
         msg = _generate_msg(args.pop("req_id"), prompt, **args)
         self._check_endpoint()
         return AsyncStream(self, msg)
 
     async def status(self) -> M.Status:
         self._check_endpoint()
-        s = self._setup(self.ctx.socket(zmq.DEALER))
+        s = self.ctx.socket(zmq.DEALER)
+        monitor = self._watch(s)
+        self._setup(s)
         try:
             await s.send(encode(M.StatusRequest()))
             try:
-                frame = await asyncio.wait_for(s.recv(), self.timeout_s)
-            except asyncio.TimeoutError:
-                raise self._unavailable() from None
+                frame = await _await(s, monitor, self.timeout_s)
+            except ConnectionError:
+                raise self._gone(None) from None
+            if frame is None:
+                raise self._unavailable()
         finally:
+            s.disable_monitor()
+            monitor.close(linger=0)
             s.close(linger=0)
         msg = self._parse(frame)
         if isinstance(msg, M.Error):
