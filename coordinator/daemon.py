@@ -534,18 +534,17 @@ class Coordinator:
 
 
 def prompt_tokens(tokenizer, g: M.Generate) -> list[int]:
-    """g's prompt as token ids (its template rendered); ValueError for what cannot be. Run by the intake worker
-    too (a long text), so a module-level function of the tokenizer alone."""
+    """g's prompt as token ids (its template rendered); ValueError for what cannot be. A module-level function of
+    the tokenizer alone: the intake worker runs it for a long text, the HTTP gateway counts prompts with it."""
     if g.tokens is not None:
         bad = [t for t in g.tokens if not 0 <= t < tokenizer.vocab_size]
         if bad:
             raise ValueError(f"token id {bad[0]} outside the vocabulary (0..{tokenizer.vocab_size - 1})")
         return list(g.tokens)
-    if g.messages is not None:
-        text = tokenizer.apply_chat_template([m.model_dump() for m in g.messages])
-    else:
-        text = g.prompt
-    return tokenizer.encode(text)
+    if g.messages is not None:  # the messages' text never writes special tokens; the prefill may open a call
+        return tokenizer.encode_chat([m.model_dump(exclude_none=True) for m in g.messages], **g.template_kwargs(),
+                                     prefill=g.prefill)
+    return tokenizer.encode(g.prompt)
 
 
 def detect_cards() -> list[str]:

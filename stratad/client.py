@@ -57,13 +57,14 @@ class Chunk:
 
 
 def _generate_msg(req_id, prompt, messages, tokens, max_tokens, temperature, top_p, top_k, seed, stop,
-                  digest=False, ignore_eos=False) -> M.Generate:
+                  digest=False, ignore_eos=False, tools=None, enable_thinking=None, prefill="") -> M.Generate:
     """The Generate message for generate()'s arguments; RequestError(bad_request) naming the argument at fault."""
     try:
         msg = M.Generate.model_validate(dict(
             req_id=req_id or uuid.uuid4().hex, prompt=prompt, messages=messages, tokens=tokens, digest=digest,
             sampling=dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                          stop=stop, ignore_eos=ignore_eos)))
+                          stop=stop, ignore_eos=ignore_eos),
+            tools=tools, enable_thinking=enable_thinking, prefill=prefill))
         frame = encode(msg)
     except ValidationError as e:
         raise RequestError(M.ErrorCode.BAD_REQUEST, _first_problem(e)) from None
@@ -260,11 +261,14 @@ class Client(_Base):
     def generate(self, prompt: str | None = None, *, messages: list[dict] | None = None,
                  tokens: list[int] | None = None, max_tokens: int = 128, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: int = 0, stop: tuple[str, ...] | list[str] = (),
-                 req_id: str | None = None, digest: bool = False, ignore_eos: bool = False) -> Stream:
+                 req_id: str | None = None, digest: bool = False, ignore_eos: bool = False,
+                 tools: list[dict] | None = None, enable_thinking: bool | None = None, prefill: str = "") -> Stream:
         """digest: the final stats carry a sha256 of every step's logits (to compare runs bit for bit).
-        ignore_eos: generate max_tokens tokens whatever the model's stop tokens say (stop strings still apply)."""
+        ignore_eos: generate max_tokens tokens whatever the model's stop tokens say (stop strings still apply).
+        With messages: tools (OpenAI-style {"type": "function", "function": {...}}) and enable_thinking go to the
+        chat template; prefill is text the reply starts with (rendered after the generation prompt)."""
         msg = _generate_msg(req_id, prompt, messages, tokens, max_tokens, temperature, top_p, top_k, seed, stop,
-                            digest, ignore_eos)
+                            digest, ignore_eos, tools, enable_thinking, prefill)
         self._check_endpoint()
         return Stream(self, msg)
 
@@ -358,7 +362,8 @@ class AsyncClient(_Base):
 
     def generate(self, prompt: str | None = None, **kw) -> AsyncStream:
         args = dict(messages=None, tokens=None, max_tokens=128, temperature=0.0, top_p=1.0, top_k=0, seed=0,
-                    stop=(), req_id=None, digest=False, ignore_eos=False) | kw
+                    stop=(), req_id=None, digest=False, ignore_eos=False, tools=None, enable_thinking=None,
+                    prefill="") | kw
         msg = _generate_msg(args.pop("req_id"), prompt, **args)
         self._check_endpoint()
         return AsyncStream(self, msg)
