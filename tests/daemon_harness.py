@@ -120,3 +120,45 @@ def run_chats(d: Daemon, jobs: list[tuple[str, int]], request, stagger_first: bo
     assert not errors, errors
     return out
 
+
+
+GREEDY_PROMPT = "Why do the experts sit on the cards?"
+
+
+def greedy(d: Daemon, n: int = 12) -> list[int]:
+    """A short greedy generation: the same tokens before and after a fault say the daemon still computes right."""
+    with d.client(timeout_s=10, stream_timeout_s=30) as c:
+        s = c.generate(prompt=GREEDY_PROMPT, max_tokens=n, ignore_eos=True)
+        s.result()
+        return s.tokens
+
+
+def raw_socket(d: Daemon, rcvhwm: int = 1000, rcvbuf: int = -1):
+    """A bare DEALER on the daemon's client socket (for what the client library would not send or would read);
+    rcvhwm / rcvbuf small: a client that stops reading fills up soon. Returns (context, socket)."""
+    import zmq
+
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.RCVHWM, rcvhwm)
+    s.setsockopt(zmq.RCVBUF, rcvbuf)
+    s.connect(f"ipc://{d.runtime_dir / 'client.sock'}")
+    return ctx, s
+
+
+def coordinator_rss(d: Daemon) -> int:
+    import psutil
+
+    return psutil.Process(d.proc.pid).memory_info().rss
+
+
+class Gaps:
+    """The longest pause between a stream's chunks (and before the first), as it is iterated."""
+
+    def __init__(self):
+        self.last, self.longest, self.n = time.monotonic(), 0.0, 0
+
+    def tick(self) -> None:
+        now = time.monotonic()
+        self.longest, self.last, self.n = max(self.longest, now - self.last), now, self.n + 1

@@ -1,0 +1,310 @@
+"""Faults against the real daemon on CPU cards (tiny model): clients that stop reading, flood, send oversized frames
+or prompts, a coordinator or lanes killed mid-stream, Ctrl-C and SIGTERM in the foreground. After each, status
+answers and a greedy generation gives the tokens it gave before."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+
+import pytest
+import zmq
+
+from daemon_harness import Daemon, Gaps, coordinator_rss, greedy, raw_socket
+from protos import messages as M
+from protos.codec import decode, encode
+from stratad.client import AsyncClient, DaemonUnavailable, RequestError
+
+MAX_GAP_S = 1.0  # a reading client's stream may not pause longer than this because of another client
+LONG = dict(prompt="Tell me everything about the cards.", ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def daemon(tiny_model_path, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("faults")
+    cfg = tmp / "c.toml"
+    cfg.write_text("client_queue_messages = 32\nclient_queue_bytes = 65536\nstop_grace_s = 1.0\n")
+    d = Daemon(tiny_model_path, tmp / "run", config=cfg).start()
+    d.reference = greedy(d)
+    yield d
+    t0 = time.monotonic()
+    assert d.stop() == 0 and time.monotonic() - t0 < 10  # whatever the clients did
+    assert d.leftovers() == []
+
+
+def still_right(d: Daemon) -> None:
+    t0 = time.monotonic()
+    d.status()
+    assert time.monotonic() - t0 < 1.0
+    assert greedy(d) == d.reference
+
+
+def lane_of(d: Daemon, req_id: str):
+    return next((ln for ln in d.status().lanes if ln.req_id == req_id), None)
+
+
+def read_until_error(s: zmq.Socket, timeout_s: float) -> M.Error | None:
+    deadline = time.monotonic() + timeout_s
+    while s.poll(max(1, int((deadline - time.monotonic()) * 1000))):
+        msg = decode(s.recv(), M.CoordinatorToClient)
+        if isinstance(msg, M.Error):
+            return msg
+    return None
+
+
+def stream_beside(d: Daemon, until, timeout_s: float = 60.0) -> Gaps:
+    """A reading client's long stream, iterated until until() holds (checked about every 0.3 s) and for a few more
+    chunks; the status latency is checked on the way. The pauses seen."""
+    gaps, t_check, done_at = Gaps(), 0.0, None
+    deadline = time.monotonic() + timeout_s
+    with d.client(stream_timeout_s=30) as c:
+        s = c.generate(max_tokens=6000, **LONG)
+        for _ in s:
+            gaps.tick()
+            if done_at is None and time.monotonic() - t_check > 0.3:
+                t0 = time.monotonic()
+                if until():
+                    done_at = gaps.n
+                assert time.monotonic() - t0 < MAX_GAP_S, "status took too long"
+                gaps.last = t_check = time.monotonic()  # the status call is the test's pause, not the daemon's
+            if (done_at is not None and gaps.n > done_at + 20) or time.monotonic() > deadline:
+                s.cancel()
+        assert s.finish_reason == "cancelled"
+    assert done_at is not None, "the condition never held"
+    return gaps
+
+
+def test_a_stalled_reader_is_cut_off_and_nobody_waits_for_it(daemon):
+    ctx, stalled = raw_socket(daemon, rcvhwm=1, rcvbuf=4096)
+    try:
+        stalled.send(encode(M.Generate(req_id="stalled", prompt=LONG["prompt"],
+                                       sampling=M.Sampling(max_tokens=7000, ignore_eos=True))))
+        deadline = time.monotonic() + 10
+        while lane_of(daemon, "stalled") is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert lane_of(daemon, "stalled") is not None
+        gaps = stream_beside(daemon, lambda: lane_of(daemon, "stalled") is None)
+        assert gaps.longest < MAX_GAP_S, gaps.longest
+        err = read_until_error(stalled, 10)  # reading at last: what fitted in the pipe, then the error
+        assert err is not None and err.code == M.ErrorCode.CLIENT_TOO_SLOW and "did not read" in err.message
+    finally:
+        ctx.destroy(linger=0)
+    assert "stopped reading its replies" in daemon.log_text()
+    still_right(daemon)
+
+
+def test_a_client_flooding_status_requests_without_reading(daemon):
+    ctx, flood = raw_socket(daemon, rcvhwm=1, rcvbuf=4096)
+    flood.setsockopt(zmq.SNDTIMEO, 5000)
+    status = encode(M.StatusRequest())
+    cut = daemon.log_text().count("stopped reading its replies")
+    try:
+        def cut_off():
+            return daemon.log_text().count("stopped reading its replies") > cut
+
+        sender = threading.Thread(target=lambda: [flood.send(status) for _ in range(3000)])
+        sender.start()
+        gaps = stream_beside(daemon, cut_off)
+        sender.join(30)
+        assert gaps.longest < MAX_GAP_S, gaps.longest
+    finally:
+        ctx.destroy(linger=0)  # and it disconnects, never having read
+    still_right(daemon)
+
+
+def test_oversized_frames_and_prompts_are_refused_with_the_limit_and_memory_stays_bounded(daemon):
+    base = coordinator_rss(daemon)
+    peak, stop = [base], threading.Event()
+
+    def sample():
+        while not stop.is_set():
+            peak[0] = max(peak[0], coordinator_rss(daemon))
+            time.sleep(0.01)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    ctx, s = raw_socket(daemon)
+    try:
+        s.send(b"{" * (64 << 20))  # libzmq drops the connection on the size in the header: never allocated
+        s.send(b"[" * (12 << 20))  # under the socket's cap: read, then refused naming the limit
+        assert s.poll(10000)
+        err = decode(s.recv(), M.CoordinatorToClient)
+        assert err.code == M.ErrorCode.BAD_FRAME and str(M.MAX_FRAME_BYTES) in err.message
+        with daemon.client() as c:
+            with pytest.raises(RequestError) as e:  # refused by the client library before sending
+                c.generate(prompt="x" * (64 << 20))
+            assert e.value.code == M.ErrorCode.PROMPT_TOO_LONG and str(M.MAX_FRAME_BYTES) in e.value.message
+            t0 = time.monotonic()
+            with pytest.raises(RequestError) as e:  # fits a frame, cannot fit the context: refused untokenised
+                c.generate(prompt="word " * (7_000_000 // 5), max_tokens=5).result()
+            assert time.monotonic() - t0 < 1.0
+            assert e.value.code == M.ErrorCode.PROMPT_TOO_LONG and "bytes exceeds the limit of" in e.value.message
+            with pytest.raises(RequestError) as e:
+                c.generate(prompt="hi", max_tokens=10**12).result()
+            assert e.value.code == M.ErrorCode.BAD_REQUEST
+            assert "max_tokens 1000000000000" in e.value.message and "context length 8192" in e.value.message
+    finally:
+        stop.set()
+        sampler.join()
+        ctx.destroy(linger=0)
+    assert peak[0] - base < 200 << 20, (base, peak[0])
+    time.sleep(1.0)
+    assert coordinator_rss(daemon) - base < 64 << 20
+    still_right(daemon)
+
+
+def test_a_long_prompt_is_tokenised_off_the_loop_in_the_clients_order(daemon):
+    """300 KB of text (fits the byte bound, not the context): tokenised in the intake worker while another stream
+    goes on; the same client's status request, sent right after it, is answered after its refusal."""
+    ctx, s = raw_socket(daemon)
+    done = threading.Event()
+
+    def long_prompts():
+        for i in range(3):
+            s.send(encode(M.Generate(req_id=f"long{i}", prompt="word " * 60000)))
+            s.send(encode(M.StatusRequest()))
+            for want in (M.Error, M.Status):
+                assert s.poll(30000)
+                msg = decode(s.recv(), M.CoordinatorToClient)
+                assert isinstance(msg, want), msg
+                if want is M.Error:
+                    assert msg.code == M.ErrorCode.PROMPT_TOO_LONG and msg.req_id == f"long{i}"
+        done.set()
+
+    t = threading.Thread(target=long_prompts)
+
+    def start_then_done():  # the prompts go once the other stream is under way
+        if t.ident is None:
+            t.start()
+        return done.is_set()
+
+    try:
+        gaps = stream_beside(daemon, start_then_done)
+        t.join(60)
+        assert done.is_set() and gaps.longest < MAX_GAP_S, gaps.longest
+    finally:
+        ctx.destroy(linger=0)
+    still_right(daemon)
+
+
+def test_every_lane_killed_mid_stream_fails_its_request_within_5_s(daemon):
+    with daemon.client(stream_timeout_s=60) as c:
+        streams = [c.generate(max_tokens=5000, req_id=f"victim{i}", **LONG) for i in range(2)]
+        its = [iter(s) for s in streams]
+        for it in its:
+            next(it)
+        lanes = {ln.lane: ln for ln in daemon.status().lanes if ln.req_id}
+        assert len(lanes) == 2
+        restarts = sum(ln.restarts for ln in daemon.status().lanes)
+        t0 = time.monotonic()
+        for ln in lanes.values():
+            os.kill(ln.pid, signal.SIGKILL)
+        for it in its:
+            with pytest.raises(RequestError) as e:
+                for _ in it:
+                    pass
+            assert e.value.code == M.ErrorCode.LANE_FAILED
+            assert time.monotonic() - t0 < 5.0
+    daemon.wait_ready(30, restarts=restarts + 2)
+    still_right(daemon)
+
+
+def kill_coordinator_mid_stream(d: Daemon) -> None:
+    """A sync and an async stream open; SIGKILL of the coordinator alone: both raise DaemonUnavailable in 5 s."""
+    outcome, started = {}, threading.Barrier(3)
+
+    def sync_stream():
+        with d.client(stream_timeout_s=600) as c:
+            s = c.generate(max_tokens=5000, **LONG)
+            try:
+                for i, _ in enumerate(s):
+                    if i == 0:
+                        started.wait()
+            except Exception as e:  # noqa: BLE001
+                outcome["sync"] = (e, time.monotonic())
+
+    def async_stream():
+        async def go():
+            async with AsyncClient(runtime_dir=str(d.runtime_dir), stream_timeout_s=600) as c:
+                first = True
+                try:
+                    async for _ in c.generate(max_tokens=5000, **LONG):
+                        if first:
+                            await asyncio.get_running_loop().run_in_executor(None, started.wait)
+                            first = False
+                except Exception as e:  # noqa: BLE001
+                    outcome["async"] = (e, time.monotonic())
+        asyncio.run(go())
+
+    ts = [threading.Thread(target=f) for f in (sync_stream, async_stream)]
+    for t in ts:
+        t.start()
+    started.wait(30)
+    t0 = time.monotonic()
+    d.proc.kill()
+    for t in ts:
+        t.join(10)
+    for name in ("sync", "async"):
+        e, t = outcome[name]
+        assert isinstance(e, DaemonUnavailable) and "went away" in str(e), (name, e)
+        assert t - t0 < 5.0, (name, t - t0)
+    d.proc.wait()
+
+
+def test_coordinator_killed_mid_stream(tiny_model_path, tmp_path):
+    d = Daemon(tiny_model_path, tmp_path / "run").start()
+    reference = greedy(d)
+    old_lanes = d.lane_pids()
+    kill_coordinator_mid_stream(d)
+    deadline = time.monotonic() + 10
+    while any(pid_alive(p) for p in old_lanes) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(pid_alive(p) for p in old_lanes)  # the lanes follow their coordinator
+    assert d.leftovers()  # what a crash leaves: the next start reclaims it
+    t_restart = time.time()
+    d.start()
+    try:
+        assert "reclaimed leftovers" in d.log_text()
+        assert all(os.stat(p).st_ctime >= t_restart - 1 for p in d.leftovers())  # only the new daemon's
+        assert greedy(d) == reference
+    finally:
+        assert d.stop() == 0
+    assert d.leftovers() == []
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_a_foreground_stop_ends_streams_with_shutting_down(tiny_model_path, tmp_path, sig):
+    """Ctrl-C (SIGINT to the whole process group, lanes included) or SIGTERM with a stream open: the stream gets
+    shutting_down after stop_grace_s, the daemon exits 0 with no traceback and leaves nothing behind."""
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("stop_grace_s = 1.0\n")
+    d = Daemon(tiny_model_path, tmp_path / "run", cards="cpu", config=cfg).start()
+    with d.client(stream_timeout_s=30) as c:
+        s = c.generate(max_tokens=6000, **LONG)
+        it = iter(s)
+        next(it)
+        t0 = time.monotonic()
+        if sig == "SIGINT":
+            os.killpg(d.proc.pid, signal.SIGINT)
+        else:
+            d.proc.send_signal(signal.SIGTERM)
+        with pytest.raises(RequestError) as e:
+            for _ in it:
+                pass
+        assert e.value.code == M.ErrorCode.SHUTTING_DOWN
+    rc = d.proc.wait(1.0 + 5.0)
+    assert rc == 0 and time.monotonic() - t0 < 6.0
+    d.proc = None
+    log = d.log_text()
+    assert "Traceback" not in log and "KeyboardInterrupt" not in log and "restarting" not in log, log[-3000:]
+    assert d.leftovers() == []
