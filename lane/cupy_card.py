@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import cupy as cp
 import numpy as np
 
-from lane.chunks import chunks
+from stratad.engine.chunks import chunks
 from lane.counters import Counters
 from lane.gpu_experts import D2D, D2H, H2D, GpuExperts, pinned
 from lane.slot_pool import SlotPool
@@ -185,7 +185,6 @@ class CupyCard:
         # between complete and not as slots swap, so both shapes stay captured
         self._graphs: dict[tuple, list] = {}
         self._remote_direct = False  # a step with a peer on another GPU failed to capture: such steps run directly
-        self.on_chunk = None  # called between prompt chunks (the lane's heartbeat: long prompts take a while)
 
     def _write_slot(self, dst: cp.ndarray, parts: list[np.ndarray]) -> None:
         """An expert's matrices into a slot, straight from the (page-locked) arena on the copy stream (the slot
@@ -321,8 +320,6 @@ class CupyCard:
                     outs.append(self._decode(int(chunk[0]), kv, rows, smp))
                 else:
                     outs.append(self._chunk(chunk, kv, rows, sample=smp))
-                if self.on_chunk is not None and not last:
-                    self.on_chunk()
         outs = [o for o in outs if o is not None]
         return None if logits == "none" or not outs else np.concatenate(outs)
 

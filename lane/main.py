@@ -26,7 +26,7 @@ from protos import messages as M
 from protos.codec import FrameError, decode, encode
 from stratad import shm
 from stratad.config import GPU_PROMPT_CHUNK
-from stratad.engine.generation import BadRequest, Generation
+from stratad.engine.generation import CHUNK_READ, BadRequest, Generation
 from stratad.engine.prefix_cache import PrefixCache
 from stratad.engine.sampling import SamplingParams
 from stratad.model.gguf_file import ModelFile
@@ -136,7 +136,6 @@ class Lane:
 
             self.card = CupyCard(self.model, int(self.a.card), n, self.a.context_length, live, self.a.cpu_threads,
                                  host_experts=self.a.host_experts, prompt_chunk=self.a.prompt_chunk)
-        self.card.on_chunk = self.between_chunks
         self.card.pool.fill(list(placement.experts))
         self.loader = SlotLoader(self.card.pool)
         if placement.warmup_tokens:
@@ -176,8 +175,7 @@ class Lane:
             self.send(M.Loaded(epoch=epoch))
 
     def between_chunks(self) -> None:
-        """Between a long prompt's chunks: heartbeats, slot loads that have landed (the card's table for this prompt
-        was taken at its start: new slots are used from the next step, dropped ones were dropped before), and a
+        """Between a long prompt's chunks (Generation's CHUNK_READ): heartbeats, slot loads that have landed, and a
         cancel of this request or a shutdown; other control waits for the next token (a View must not change the
         peers under a prompt)."""
         if self.loader is not None:
@@ -216,6 +214,9 @@ class Lane:
                                         self.a.context_length, digest=a.digest, cache=self.prefix)
             steps = iter(gen)
             for tok, text in steps:
+                if (tok, text) == CHUNK_READ:
+                    self.between_chunks()
+                    continue
                 if prompt_done is None:
                     prompt_done = self.card.counters.copy()
                 t0 = time.perf_counter()

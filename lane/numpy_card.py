@@ -11,13 +11,14 @@ from collections import OrderedDict
 
 import numpy as np
 
-from lane.chunks import chunks
+from stratad.engine.chunks import PROMPT_CHUNK, chunks
 from lane.counters import Counters
 from lane.cpu_pool import CpuPool, LayerJobs
 from lane.slot_pool import SlotPool
 from protos import messages as M
 from stratad import shm
 from stratad.engine import canonical
+from stratad.engine.card import HostSampled
 from stratad.engine.reference import ReferenceEngine
 from stratad.model import quants
 from stratad.model.gguf_file import ModelFile
@@ -34,8 +35,9 @@ class PeerCard:
             np.zeros((0, slot_bytes), np.uint8)
 
 
-class NumpyCard:
+class NumpyCard(HostSampled):
     kind = "cpu"
+    prompt_chunk = PROMPT_CHUNK
     device_ident = "cpu"
     HALF_LIFE_TOKENS = 256  # live expert counts decay so placement follows the current traffic
 
@@ -55,7 +57,6 @@ class NumpyCard:
         # experts no card holds: the numba CPU pool, straight from the arena (the GPU lanes' CPU pool too)
         self.cpu_pool = CpuPool(int(os.environ.get("NUMBA_NUM_THREADS", "1")))
         self._cap = decoded_cache
-        self.on_chunk = None  # called between prompt chunks (the lane's: heartbeats, a cancel)
 
     def set_view(self, view: M.View) -> None:
         """Use these other cards' slots from now on (called between tokens only)."""
@@ -141,10 +142,8 @@ class NumpyCard:
 
     def forward(self, tokens, kv, logits: str = "last"):
         outs = []
-        for chunk, rows, last in chunks(tokens, logits):  # as the GPU card reads prompts (the lane's hook between)
+        for chunk, rows, _ in chunks(tokens, logits, self.prompt_chunk):
             out = self.engine.forward(chunk, kv, "all" if logits == "all" else "last" if rows else "none")
             if rows:  # a chunk read with "none" gives the engine's hidden states, which are no logits
                 outs.append(out)
-            if self.on_chunk is not None and not last:
-                self.on_chunk()
         return np.concatenate(outs) if outs else None

@@ -1,9 +1,9 @@
-"""How a card cuts a prompt into chunks (lane.chunks): sizes, the rows of logits each returns, the last flag."""
+"""How a card cuts a prompt into chunks (stratad.engine.chunks): sizes, the rows of logits each returns, the last flag."""
 from __future__ import annotations
 
 import pytest
 
-from lane.chunks import PROMPT_CHUNK, chunks
+from stratad.engine.chunks import PROMPT_CHUNK, chunks
 
 
 @pytest.mark.parametrize("logits,rows", [("all", [4, 4, 2]), ("last", [0, 0, 1]), ("none", [0, 0, 0])])

@@ -7,7 +7,7 @@ import pytest
 import zmq
 
 from daemon_harness import Daemon
-from lane.chunks import PROMPT_CHUNK
+from stratad.engine.chunks import PROMPT_CHUNK
 from lane.main import error_reply
 from protos import messages as M
 from protos.codec import decode

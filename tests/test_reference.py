@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from stratad.engine.chunks import PROMPT_CHUNK
 from stratad.engine.reference import KVCache, ReferenceEngine, Trace, route
 from stratad.engine.sampling import Sampler, SamplingParams
 from stratad.model.gguf_file import ModelFile
@@ -285,6 +286,9 @@ class DeviceSampling:
     """An engine that samples where it computes (as the GPU card does): forward_token with Sampler.pick's token
     for the draw it is given, the logits only when asked."""
 
+    prompt_chunk = PROMPT_CHUNK
+    steps_ahead = False
+
     def __init__(self, engine):
         self.engine = engine
 
@@ -297,7 +301,7 @@ class DeviceSampling:
     def samples_on_device(self, params):
         return True
 
-    def forward_token(self, tokens, kv, params, u, logits):
+    def forward_token(self, tokens, kv, params, u, logits, ahead=None):
         lg = self.engine.forward(tokens, kv)
         return Sampler(params).pick(lg[-1], u), (lg[-1:] if logits else None)
 

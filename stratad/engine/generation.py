@@ -1,26 +1,18 @@
-"""One request's token loop, shared by every engine: sampling, stop tokens, stop strings, streamed text."""
+"""One request's token loop, shared by every card: the prompt in chunks, sampling, stop tokens, stop strings,
+streamed text."""
 from __future__ import annotations
 
 import hashlib
 import time
-from typing import Iterator, Protocol
+from typing import Iterator
 
 import numpy as np
 
+from stratad.engine.card import Card
 from stratad.engine.prefix_cache import PrefixCache
 from stratad.engine.sampling import Sampler, SamplingParams
 
-
-class Engine(Protocol):
-    def new_kv(self): ...
-
-    def forward(self, tokens, kv, logits: str = "last") -> np.ndarray: ...
-
-    # Optional, for engines that sample on their device (only a token, not the vocabulary's logits, comes back):
-    #   samples_on_device(params) -> bool: whether forward_token gives Sampler.pick's token for these params;
-    #   forward_token(tokens, kv, params, u, logits: bool) -> (token, last row's logits (1, n) if logits else None)
-    # and, where it can start the next step before the host has read this one's token:
-    #   steps_ahead = True, and forward_token(..., ahead=u_next): the next step's draw (that call passes it as u)
+CHUNK_READ = (None, "")  # what the iteration yields between a prompt's chunks: nothing to send, a point to stop at
 
 
 class BadRequest(ValueError):
@@ -31,11 +23,13 @@ class BadRequest(ValueError):
 class Generation:
     """Iterate to get (token, text) pieces; afterwards `finish_reason` is "stop" or "length" and the timings are set.
 
-    Text that could still become the start of a stop string is held back, so a stop string never reaches the
-    client; the text before it does.
+    A prompt longer than the card's prompt_chunk is read a chunk a forward, and CHUNK_READ is yielded after each
+    chunk but the last: the caller's point to beat, read its control messages, and stop (close the iteration) on a
+    cancel; the KV of the chunks read stays with the prefix cache. Text that could still become the start of a
+    stop string is held back, so a stop string never reaches the client; the text before it does.
     """
 
-    def __init__(self, engine: Engine, tokenizer, prompt: list[int], params: SamplingParams, context_length: int,
+    def __init__(self, engine: Card, tokenizer, prompt: list[int], params: SamplingParams, context_length: int,
                  digest: bool = False, cache: PrefixCache | None = None):
         if not prompt:
             raise BadRequest("the prompt is empty")
@@ -66,27 +60,30 @@ class Generation:
             kv, self.cached = self.cache.take(self.engine, self.prompt)
         else:
             kv = self.engine.new_kv()
-        read = list(self.prompt)  # the tokens whose KV entries kv holds once forward returns
-        stepping = True  # inside forward: if it fails, what kv holds is not known
-        on_device = getattr(self.engine, "samples_on_device", None)
-        on_device = on_device is not None and on_device(self.p)
-        ahead_ok = on_device and getattr(self.engine, "steps_ahead", False) and self.digest is None
+        read = self.prompt[:self.cached]  # the tokens whose KV entries kv holds
+        stepping = False  # inside a forward: if it fails, what kv holds is not known
+        ahead_ok = (self.engine.steps_ahead and self.engine.samples_on_device(self.p) and self.digest is None)
         ahead = None  # the next step's draw, taken early where that step was launched ahead
 
         def step(tokens):  # -> (the next token, the logits: None if sampled on the device without a digest)
             nonlocal ahead
-            if on_device:  # the same draws in the same order, taken before their steps instead of after them
-                u = sample.draw() if ahead is None else ahead
-                ahead = sample.draw() if ahead_ok and self.generated + 1 < self.p.max_tokens else None
-                if ahead is None:  # no step after this one, or none launched ahead with this engine
-                    return self.engine.forward_token(tokens, kv, self.p, u, self.digest is not None)
-                return self.engine.forward_token(tokens, kv, self.p, u, False, ahead=ahead)
-            lg = self.engine.forward(tokens, kv)
-            return sample(lg[-1]), lg
+            u = sample.draw() if ahead is None else ahead  # one draw a step, in order, wherever it is picked
+            ahead = sample.draw() if ahead_ok and self.generated + 1 < self.p.max_tokens else None
+            return self.engine.forward_token(tokens, kv, self.p, u, self.digest is not None, ahead=ahead)
 
         try:
-            t, logits = step(self.prompt[self.cached:])
+            todo, n = self.prompt[self.cached:], self.engine.prompt_chunk
+            while len(todo) > n:
+                stepping = True
+                self.engine.forward(todo[:n], kv, logits="none")
+                stepping = False
+                read += todo[:n]
+                todo = todo[n:]
+                yield CHUNK_READ
+            stepping = True
+            t, logits = step(todo)
             stepping = False
+            read += todo
             while True:
                 if self.digest is not None:
                     self.digest.update(np.ascontiguousarray(logits[-1], np.float32).tobytes())

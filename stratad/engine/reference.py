@@ -12,8 +12,9 @@ from typing import Iterator, Protocol
 import numpy as np
 from threadpoolctl import ThreadpoolController
 
-from lane.chunks import PROMPT_CHUNK, chunks
+from stratad.engine.chunks import PROMPT_CHUNK, chunks
 from stratad.engine import canonical
+from stratad.engine.card import HostSampled
 from stratad.engine.generation import Generation
 from stratad.engine.sampling import SamplingParams
 from stratad.model import quants
@@ -152,7 +153,11 @@ class Trace:
     rms: list[float] = field(default_factory=list)
 
 
-class ReferenceEngine:
+class ReferenceEngine(HostSampled):
+    """The numpy forward pass: the oracle every card is checked against, and a Card of its own (stratad generate)."""
+
+    prompt_chunk = PROMPT_CHUNK
+
     def __init__(self, model: ModelFile, experts: str | ExpertRunner = "canonical", cache_dense: bool = True):
         self.model, self.c = model, model.config
         if isinstance(experts, str):
@@ -205,15 +210,15 @@ class ReferenceEngine:
 
     def forward(self, tokens, kv: KVCache, logits: str = "last", trace: Trace | None = None) -> np.ndarray:
         """Run new tokens (appended to kv). logits: "last" (1, vocab), "all" (T, vocab) or "none" (the hidden
-        states, (T, d_model)). Many tokens are read in chunks of PROMPT_CHUNK, as a CPU card reads a prompt: a
+        states, (T, d_model)). Many tokens are read in chunks of prompt_chunk, as a CPU card reads a prompt: a
         read's rounding depends on its length (matmul shapes, the softmax's sum), so this gives a card's bits."""
         # a multi-threaded BLAS splits sums differently with its thread count: one thread keeps the bits the
         # same in every process (lanes, the reference in a test), whatever the machine's cores
         with _BLAS.limit(limits=1, user_api="blas"):
-            if len(tokens) <= PROMPT_CHUNK:
+            if len(tokens) <= self.prompt_chunk:
                 return self._forward(tokens, kv, logits, trace)
             outs = [self._forward(c, kv, logits if logits != "last" or last else "none", trace)
-                    for c, _, last in chunks(tokens, logits)]
+                    for c, _, last in chunks(tokens, logits, self.prompt_chunk)]
             return outs[-1] if logits == "last" else np.concatenate(outs)
 
     def _forward(self, tokens, kv: KVCache, logits: str, trace: Trace | None) -> np.ndarray:

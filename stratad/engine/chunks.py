@@ -1,5 +1,6 @@
-"""How a card reads a prompt: in chunks of PROMPT_CHUNK tokens (an expert's weights are read once a chunk), with
-the lane's between-chunks hook after every chunk but the last (heartbeats and cancels during a long prompt)."""
+"""How a card reads a prompt: in chunks of its prompt_chunk tokens (an expert's weights are read once a chunk; a
+read's rounding depends on its length, so the chunking is part of a card's bits). Generation hands a card one chunk
+a forward, so the lane sees heartbeats and cancels between them."""
 from __future__ import annotations
 
 from typing import Iterator

@@ -1,0 +1,44 @@
+"""What a request's token loop (Generation) needs of whatever computes the model: the numpy card, the GPU card and
+the in-process reference engine all implement `Card`.
+
+A card reads at most `prompt_chunk` tokens a forward the way the loop calls it (the loop cuts a prompt into such
+chunks and hands control back to the lane between them). `forward_token` is a forward whose last row is sampled
+with the step's draw u; `samples_on_device` says whether that happens on the card (only the token crosses the bus)
+or on the host from the logits. A card with `steps_ahead` can launch the next step before the host has read this
+one's token (`ahead`: that step's draw).
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+
+from stratad.engine.sampling import Sampler, SamplingParams
+
+
+class Card(Protocol):
+    prompt_chunk: int
+    steps_ahead: bool
+
+    def new_kv(self): ...
+
+    def forward(self, tokens, kv, logits: str = "last") -> np.ndarray | None: ...
+
+    def samples_on_device(self, params: SamplingParams) -> bool: ...
+
+    def forward_token(self, tokens, kv, params: SamplingParams, u: float, logits: bool,
+                      ahead: float | None = None) -> tuple[int, np.ndarray | None]: ...
+
+
+class HostSampled:
+    """Card members for a card that samples on the host: the whole logits come back and Sampler.pick runs here."""
+
+    steps_ahead = False
+
+    def samples_on_device(self, params: SamplingParams) -> bool:
+        return False
+
+    def forward_token(self, tokens, kv, params: SamplingParams, u: float, logits: bool,
+                      ahead: float | None = None) -> tuple[int, np.ndarray]:
+        lg = self.forward(tokens, kv)
+        return Sampler(params).pick(lg[-1], u), lg
