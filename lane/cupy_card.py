@@ -345,13 +345,13 @@ class CupyCard:
         else:
             gemm.dense_batched(W, X, Y, residual=residual, cache=True, stream=self.stream)
 
-    def _norm_proj(self, norm: cp.ndarray, W: weights.DenseWeight, w: Work, Y: cp.ndarray, quant=None) -> None:
+    def _norm_proj(self, norm_w: cp.ndarray, W: weights.DenseWeight, w: Work, Y: cp.ndarray, quant=None) -> None:
         """Y = W rms_norm(w.x) (quant: also the experts' quantised input): one launch for a decode step where the
         kernel takes W, else the norm into w.h, then the projection (same bits)."""
         if w.T == 1 and matvec.norm_matvec_ok(W):
-            matvec.norm_matvec(W, w.x[0], norm, self.c.rms_eps, Y[0], quant=quant, stream=self.stream)
+            matvec.norm_matvec(W, w.x[0], norm_w, self.c.rms_eps, Y[0], quant=quant, stream=self.stream)
         else:
-            norm.rms_norm(w.x, norm, self.c.rms_eps, w.h, quant=quant, stream=self.stream)
+            norm.rms_norm(w.x, norm_w, self.c.rms_eps, w.h, quant=quant, stream=self.stream)
             self._proj(W, w.h, Y)
 
     def _attend_and_route(self, i: int, w: Work, export: bool) -> None:
