@@ -149,6 +149,7 @@ class MessagesRequest(CountRequest):
     temperature: float | None = Field(None, ge=0.0, le=1.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0)
+    ignore_eos: bool = False  # as vLLM's OpenAI extension: exactly max_tokens tokens
 
     def job(self, backend) -> Job:
         chat, plan = self.chat(backend)
@@ -156,6 +157,7 @@ class MessagesRequest(CountRequest):
         parallel = not (tc and tc.disable_parallel_tool_use)
         return Job(dict(**chat, max_tokens=self.max_tokens, temperature=1.0 if self.temperature is None
                         else self.temperature, top_p=1.0 if self.top_p is None else self.top_p,
-                        top_k=self.top_k or 0, seed=secrets.randbits(31), stop=list(self.stop_sequences or [])),
+                        top_k=self.top_k or 0, seed=secrets.randbits(31), stop=list(self.stop_sequences or []),
+                        ignore_eos=self.ignore_eos),
                    parse=True, tools_on=plan.tools_on, param_types=plan.param_types, parallel_tool_calls=parallel,
                    id_prefix="toolu_")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -12,6 +13,7 @@ from stratad.gateway.backend import Backend
 from stratad.gateway.metrics import Metrics
 from stratad.gateway.parsing import CallEnd, Event, OutputParser, Reasoning, Text
 
+log = logging.getLogger("stratad.gateway")
 IDLE = object()  # nothing new within idle_s (a stream sends a keep-alive)
 _END = object()
 ABANDON_WAIT_S = 5.0  # after a cancel, how long the daemon's final Done is waited for
@@ -138,6 +140,8 @@ class Generation:
         if self.done:
             return
         self.done = True
+        log.info("request %s cancelled (%s)", self.stream.req_id, "one tool call asked for" if self.cut
+                 else "the client went away")
         with anyio.CancelScope(shield=True):
             try:
                 await self.stream.cancel()

@@ -76,6 +76,7 @@ class _Sampling(_Open):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
+    ignore_eos: bool = False  # vLLM's extension: exactly max_tokens tokens (benchmarks, fixed-length tests)
 
     def refuse(self) -> None:
         """A field we cannot honour that would change the result: a 400 naming it, never ignored."""
@@ -93,12 +94,11 @@ class _Sampling(_Open):
             if why:
                 raise ApiError("invalid_request", f"{name}: {why}", name)
 
-    def sampling(self, max_tokens: int, default_temperature: float = 1.0) -> dict:
-        return dict(max_tokens=max_tokens,
-                    temperature=default_temperature if self.temperature is None else self.temperature,
+    def sampling(self, max_tokens: int) -> dict:
+        return dict(max_tokens=max_tokens, temperature=1.0 if self.temperature is None else self.temperature,
                     top_p=1.0 if self.top_p is None else self.top_p, top_k=max(0, self.top_k or 0),
                     seed=secrets.randbits(31) if self.seed is None else self.seed,  # no seed: a fresh draw
-                    stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []))
+                    stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []), ignore_eos=self.ignore_eos)
 
 
 _EXTRA_REFUSED = {
