@@ -18,7 +18,6 @@ the stream timeout's case.
 """
 from __future__ import annotations
 
-import asyncio
 import os
 import time
 import uuid

@@ -308,3 +308,22 @@ def test_a_foreground_stop_ends_streams_with_shutting_down(tiny_model_path, tmp_
     log = d.log_text()
     assert "Traceback" not in log and "KeyboardInterrupt" not in log and "restarting" not in log, log[-3000:]
     assert d.leftovers() == []
+
+
+def test_bad_arguments_are_one_line_bad_requests_naming_the_argument(tmp_path):
+    """Refused by the client library before anything is sent (no daemon needed)."""
+    from stratad.client import Client
+
+    cases = [(dict(messages="hello"), "messages: Input should be a list"),
+             (dict(prompt="a\ud800b"), "prompt: not valid Unicode text (a lone surrogate at character 1)"),
+             (dict(messages=[{"role": "user", "content": "\udc00"}]), "messages.0.content: not valid Unicode"),
+             (dict(prompt="x", max_tokens=0), "max_tokens: Input should be greater than or equal to 1"),
+             (dict(prompt="x", stop="ab"), "stop: Input should be a list"),
+             (dict(tokens=[1.5]), "tokens.0: Input should be a valid integer"),
+             (dict(), "exactly one of prompt, messages, tokens is required")]
+    with Client(runtime_dir=str(tmp_path)) as c:
+        for kw, message in cases:
+            with pytest.raises(RequestError) as e:
+                c.generate(**kw)
+            assert e.value.code == M.ErrorCode.BAD_REQUEST and e.value.message.startswith(message), (kw, e.value)
+            assert "\n" not in e.value.message and "http" not in e.value.message

@@ -19,8 +19,8 @@ FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None,
 
 VALID = {"type": "generate", "req_id": "fz", "prompt": "hi", "sampling": {"max_tokens": 3}}
 WRONG = st.one_of(st.none(), st.booleans(), st.floats(allow_nan=False), st.integers(-2**70, 2**70),
-                  st.text(max_size=20), st.lists(st.integers(), max_size=3), st.dictionaries(st.text(max_size=5),
-                                                                                              st.integers(), max_size=2))
+                  st.text(max_size=20), st.lists(st.integers(), max_size=3),
+                  st.dictionaries(st.text(max_size=5), st.integers(), max_size=2))
 
 
 @st.composite
