@@ -114,8 +114,10 @@ def daemon_and_gateway(model, tmp_path_factory):
     (rt / "api-key").write_text(KEY + "\n")
     port = free_port()
     cfg = rt / "stratad.toml"
-    # two lanes and one waiting: the next request finds the queue full
-    cfg.write_text(f'queue_limit = 1\nhttp = "127.0.0.1:{port}"\napi_key_file = "{rt / "api-key"}"\n')
+    # two lanes and one waiting: the next request finds the queue full; lane 0's longer routing warm-up (~4 s)
+    # keeps the lanes starting well after the gateway listens
+    cfg.write_text(f'queue_limit = 1\nwarmup_tokens = 1024\nhttp = "127.0.0.1:{port}"\n'
+                   f'api_key_file = "{rt / "api-key"}"\n')
     g = Supervised(port)
     d = Daemon(model, rt / "run", extra=["--expert-cache", "0.5"], config=cfg).start()
     g.ready.set()
