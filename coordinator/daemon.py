@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import signal
 from concurrent.futures import Future
+from concurrent.futures.process import BrokenProcessPool
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -372,6 +373,8 @@ class Coordinator:
             return refuse(*why)
         try:
             tokens = prepared.result() if prepared is not None else prompt_tokens(self.tokenizer, g)
+        except BrokenProcessPool:
+            return refuse(M.ErrorCode.INTERNAL, "the worker tokenising this prompt died; send it again")
         except Exception as e:  # noqa: BLE001 - template errors, bad ids (the worker's too)
             return refuse(M.ErrorCode.BAD_REQUEST, str(e))
         if not tokens:

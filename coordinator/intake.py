@@ -12,6 +12,7 @@ import multiprocessing
 import signal
 from collections import deque
 from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from typing import Callable
 
 from protos import messages as M
@@ -57,11 +58,19 @@ class Intake:
         """Queue a client's message behind its earlier ones; a heavy Generate starts preparing now."""
         fut = None
         if heavy:
-            if self.pool is None:
-                self.pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
-                                                initializer=_start_worker, initargs=(self.model_path,))
-            fut = self.pool.submit(_prepare_in_worker, msg.model_dump_json().encode(), self.prepare)
+            frame = msg.model_dump_json().encode()
+            try:
+                fut = self._pool().submit(_prepare_in_worker, frame, self.prepare)
+            except BrokenProcessPool:  # the worker died since the last long text: a new one
+                self.close()
+                fut = self._pool().submit(_prepare_in_worker, frame, self.prepare)
         self.waiting.setdefault(peer, deque()).append((msg, fut))
+
+    def _pool(self) -> ProcessPoolExecutor:
+        if self.pool is None:
+            self.pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
+                                            initializer=_start_worker, initargs=(self.model_path,))
+        return self.pool
 
     def ready(self, everything: bool = False) -> list[tuple[tuple, object, Future | None]]:
         """(peer, message, its preparation or None) for each message whose turn has come, in each client's order;
@@ -69,7 +78,10 @@ class Intake:
         out = []
         for peer, items in list(self.waiting.items()):
             while items and (everything or items[0][1] is None or items[0][1].done()):
-                out.append((peer, *items.popleft()))
+                msg, fut = items.popleft()
+                if fut is not None and fut.done() and isinstance(fut.exception(), BrokenProcessPool):
+                    self.close()  # the worker died (killed, out of memory): the next long text starts a new one
+                out.append((peer, msg, fut))
             if not items:
                 del self.waiting[peer]
         return out

@@ -327,3 +327,32 @@ def test_bad_arguments_are_one_line_bad_requests_naming_the_argument(tmp_path):
                 c.generate(**kw)
             assert e.value.code == M.ErrorCode.BAD_REQUEST and e.value.message.startswith(message), (kw, e.value)
             assert "\n" not in e.value.message and "http" not in e.value.message
+
+
+def test_a_killed_prompt_worker_is_replaced(daemon):
+    """The intake worker (long texts) SIGKILLed: the next long prompt gets a new one."""
+    import psutil
+
+    ctx, s = raw_socket(daemon)
+
+    def long_prompt(i: int) -> M.Error:
+        s.send(encode(M.Generate(req_id=f"worker{i}", prompt="word " * 60000)))
+        assert s.poll(30000)
+        return decode(s.recv(), M.CoordinatorToClient)
+
+    def workers():
+        return [p for p in psutil.Process(daemon.proc.pid).children() if "spawn_main" in " ".join(p.cmdline())]
+
+    try:
+        assert long_prompt(0).code == M.ErrorCode.PROMPT_TOO_LONG  # tokenised by the worker, then refused
+        (worker,) = workers()
+        worker.kill()
+        worker.wait(5)
+        for i in (1, 2):  # the first may still meet the dead one (internal), then a new worker serves
+            err = long_prompt(i)
+            assert err.code in (M.ErrorCode.PROMPT_TOO_LONG, M.ErrorCode.INTERNAL), err
+        assert err.code == M.ErrorCode.PROMPT_TOO_LONG and "tokens + max_tokens 128 exceeds" in err.message
+        assert len(workers()) == 1 and workers()[0].pid != worker.pid
+    finally:
+        ctx.destroy(linger=0)
+    still_right(daemon)
