@@ -129,9 +129,12 @@ class _Base:
 
     def _watch(self, s: zmq.Socket) -> zmq.Socket:
         """The monitor of s's connection (before connecting, so no event is missed)."""
-        return s.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        return s.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED)
 
-    def _gone(self, req_id: str | None) -> DaemonUnavailable:
+    def _gone(self, req_id: str | None, e: ConnectionError) -> DaemonUnavailable:
+        if isinstance(e, ConnectionRefusedError):  # closed without ever connecting (no reconnection: see above)
+            return DaemonUnavailable(f"no stratad listens at {self.endpoint} (connection refused): is the daemon "
+                                     f"running (runtime dir {self.runtime_dir})?")
         what = f"during request {req_id}" if req_id else "before answering"
         return DaemonUnavailable(f"stratad at {self.endpoint} went away {what} (connection lost)")
 
@@ -176,7 +179,8 @@ class _StreamState:
 
 def _wait(sock: zmq.Socket, monitor: zmq.Socket, timeout_s: float | None) -> bool:
     """Until sock has a message (True) or timeout_s passes (False); raises ConnectionError when the connection
-    drops first (a message that arrived before the drop is still read)."""
+    drops first (a message that arrived before the drop is still read), ConnectionRefusedError when it closed
+    without ever connecting (a socket file nobody listens at)."""
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
     poller.register(monitor, zmq.POLLIN)
@@ -187,10 +191,10 @@ def _wait(sock: zmq.Socket, monitor: zmq.Socket, timeout_s: float | None) -> boo
         if sock in ready:
             return True
         if monitor in ready:
-            if parse_monitor_message(monitor.recv_multipart())["event"] == zmq.EVENT_DISCONNECTED:
-                if sock.poll(0):
-                    return True
-                raise ConnectionError
+            event = parse_monitor_message(monitor.recv_multipart())["event"]
+            if sock.poll(0):
+                return True
+            raise ConnectionError() if event == zmq.EVENT_DISCONNECTED else ConnectionRefusedError()
         elif deadline is not None and time.monotonic() >= deadline:
             return False
 
@@ -211,9 +215,9 @@ class Stream(_StreamState):
         t = self.client._timeout(first)
         try:
             arrived = _wait(self.sock, self.monitor, t)
-        except ConnectionError:
+        except ConnectionError as e:
             self.close()
-            raise self.client._gone(self.req_id) from None
+            raise self.client._gone(self.req_id, e) from None
         if not arrived:
             self.close()
             if first:
@@ -281,8 +285,8 @@ class Client(_Base):
             try:
                 if not _wait(s, monitor, self.timeout_s):
                     raise self._unavailable()
-            except ConnectionError:
-                raise self._gone(None) from None
+            except ConnectionError as e:
+                raise self._gone(None, e) from None
             msg = self._parse(s.recv())
         finally:
             s.disable_monitor()
@@ -315,10 +319,10 @@ async def _await(sock: zmq.asyncio.Socket, monitor: zmq.asyncio.Socket, timeout_
         if sock in ready:
             return await sock.recv()
         if monitor in ready:
-            if parse_monitor_message(await monitor.recv_multipart())["event"] == zmq.EVENT_DISCONNECTED:
-                if await sock.poll(0):
-                    return await sock.recv()
-                raise ConnectionError
+            event = parse_monitor_message(await monitor.recv_multipart())["event"]
+            if await sock.poll(0):
+                return await sock.recv()
+            raise ConnectionError() if event == zmq.EVENT_DISCONNECTED else ConnectionRefusedError()
         elif deadline is not None and time.monotonic() >= deadline:
             return None
 
@@ -338,8 +342,8 @@ class AsyncStream(_StreamState):
                 t = self.client._timeout(self.accepted is None)
                 try:
                     frame = await _await(self.sock, self.monitor, t)
-                except ConnectionError:
-                    raise self.client._gone(self.req_id) from None
+                except ConnectionError as e:
+                    raise self.client._gone(self.req_id, e) from None
                 if frame is None:
                     raise self.client._unavailable()
                 if (chunk := self.apply(self.client._parse(frame))) is not None:
@@ -376,8 +380,8 @@ class AsyncClient(_Base):
             await s.send(encode(M.StatusRequest()))
             try:
                 frame = await _await(s, monitor, self.timeout_s)
-            except ConnectionError:
-                raise self._gone(None) from None
+            except ConnectionError as e:
+                raise self._gone(None, e) from None
             if frame is None:
                 raise self._unavailable()
         finally:

@@ -263,6 +263,10 @@ def test_coordinator_killed_mid_stream(tiny_model_path, tmp_path):
         time.sleep(0.1)
     assert not any(pid_alive(p) for p in old_lanes)  # the lanes follow their coordinator
     assert d.leftovers()  # what a crash leaves: the next start reclaims it
+    t0 = time.monotonic()
+    with pytest.raises(DaemonUnavailable, match="connection refused"):  # a socket file nobody listens at
+        d.status()
+    assert time.monotonic() - t0 < 1.0
     t_restart = time.time()
     d.start()
     try:
