@@ -28,8 +28,9 @@ from coordinator.runtime import RuntimeDir
 from protos import messages as M
 from protos.codec import FrameError, decode, encode, peek
 from stratad import sd_notify, threads
-from stratad.config import DaemonConfig
+from stratad.config import DaemonConfig, LaneConfig
 from stratad.engine.prefix_cache import common_prefix
+from stratad.model.config import effective_context_length
 from stratad.model.gguf_file import ModelFile
 from stratad.model.slot_layout import slot_bytes
 
@@ -82,8 +83,11 @@ class Coordinator:
             log.warning("reclaimed leftovers of an earlier daemon: %s", ", ".join(reclaimed))
         self.model = ModelFile(self.cfg.model)  # the arena: the GGUF mapped shared, read by every lane
         self.tokenizer = self.model.tokenizer
-        c = self.model.config
-        self.context_length = min(self.cfg.context_length, c.context_length)
+        cfg = self.cfg
+        c = self.model.config = self.model.config.with_rope_overrides(cfg.rope_scaling, cfg.rope_scale,
+                                                                      cfg.yarn_orig_ctx)
+        self.context_length = effective_context_length(cfg.context_length, c,
+                                                       explicit="context_length" in cfg.model_fields_set)
         longest = max(len(self.tokenizer.token_bytes(i)) for i in range(self.tokenizer.vocab_size))
         self.max_prompt_bytes = PROMPT_BYTES_SLACK * longest * self.context_length
         self.intake = Intake(str(self.model.path), prompt_tokens)
@@ -158,13 +162,10 @@ class Coordinator:
         self.last_profile_save = time.monotonic()
 
     def _lane_argv(self, h: LaneHandle) -> list[str]:
-        return lane_argv(h, endpoint=self.rt.lane_endpoint, model=str(self.model.path),
-                         model_hash=self.model.header_hash, shm_prefix=self.rt.shm_prefix,
-                         context_length=self.context_length, heartbeat_s=self.cfg.heartbeat_s,
-                         log_level=self.cfg.log_level,
-                         cpu_threads=threads.per_lane(self.cfg.cpu_threads, len(self.cards)),
-                         host_experts=self.cfg.host_experts, prompt_chunk=self.cfg.prompt_chunk,
-                         prefix_cache=self.cfg.prefix_cache)
+        return lane_argv(LaneConfig.for_lane(self.cfg, lane=h.lane, card=h.card, endpoint=self.rt.lane_endpoint,
+                                             model=str(self.model.path), model_hash=self.model.header_hash,
+                                             shm_prefix=self.rt.shm_prefix, context_length=self.context_length,
+                                             cpu_threads=threads.per_lane(self.cfg.cpu_threads, len(self.cards))))
 
     def _tcp_socket(self) -> zmq.Socket:
         import zmq.auth

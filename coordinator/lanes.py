@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from protos import messages as M
 from stratad import shm
-from stratad.config import GPU_PROMPT_CHUNK
+from stratad.config import LaneConfig
 from stratad.threads import env_with as threads_env
 
 log = logging.getLogger("stratad.coordinator")
@@ -131,15 +131,9 @@ class Supervisor:
         shm.unlink_prefix(self.shm_prefix + "lane")
 
 
-def lane_argv(h: LaneHandle, *, endpoint: str, model: str, model_hash: str, shm_prefix: str, context_length: int,
-              heartbeat_s: float, log_level: str, cpu_threads: int, host_experts: str = "card",
-              prompt_chunk: int = GPU_PROMPT_CHUNK, prefix_cache: bool = False) -> list[str]:
-    return [sys.executable, "-m", "lane.main", "--lane", str(h.lane), "--card", h.card, "--endpoint", endpoint,
-            "--model", model, "--model-hash", model_hash, "--shm-prefix", shm_prefix,
-            "--context-length", str(context_length), "--heartbeat-s", str(heartbeat_s), "--log-level", log_level,
-            "--cpu-threads", str(cpu_threads), "--host-experts", host_experts,
-            "--prompt-chunk", str(prompt_chunk)] + \
-        (["--prefix-cache"] if prefix_cache else [])
+def lane_argv(cfg: LaneConfig) -> list[str]:
+    """The lane's command line: its whole configuration as one JSON argument (lane/main.py reads it)."""
+    return [sys.executable, "-m", "lane.main", cfg.model_dump_json()]
 
 
 def child_env(threads: int) -> dict[str, str]:

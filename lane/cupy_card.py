@@ -29,9 +29,10 @@ from stratad.engine.chunks import chunks
 from lane.counters import Counters
 from lane.gpu_experts import D2D, D2H, H2D, GpuExperts, pinned
 from lane.slot_pool import SlotPool
-from lane.kernels import attention, embedding, gemm, matvec, norm, rope_kv, router, sampling, weights
+from lane.kernels import attention, compile, embedding, gemm, launch, matvec, norm, rope_kv, router, sampling, weights
+from lane.kernels.experts import Tuning
 from protos import messages as M
-from stratad.config import GPU_PROMPT_CHUNK
+from stratad.config import GPU_PROMPT_CHUNK, GpuOptions
 from stratad.engine.sampling import Sampler
 from stratad.model.gguf_file import ModelFile
 from stratad.model.slot_layout import slot_bytes
@@ -116,12 +117,17 @@ class CupyCard:
 
     def __init__(self, model: ModelFile, device: int, n_slots: int, context_length: int,
                  counts: np.ndarray | None = None, cpu_threads: int = 0, graphs: bool = True,
-                 host_experts: str = "card", prompt_chunk: int = GPU_PROMPT_CHUNK):
-        """prompt_chunk: tokens a prompt chunk (the expert kernels' pair lists and workspaces are sized for it)."""
+                 host_experts: str = "card", prompt_chunk: int = GPU_PROMPT_CHUNK, options: GpuOptions = GpuOptions(),
+                 tuning: Tuning | None = None):
+        """prompt_chunk: tokens a prompt chunk (the expert kernels' pair lists and workspaces are sized for it);
+        options: the config's [gpu] code paths (process-wide: PDL, the kernel cache); tuning: the expert kernels'
+        launch shape (default: the measured one)."""
         c = self.c = model.config
         if prompt_chunk < 1:
             raise ValueError("prompt_chunk must be at least 1")
         self.prompt_chunk = int(prompt_chunk)
+        launch.PDL = options.pdl
+        compile.CACHE_DIR = options.kernel_cache
         self.model = model
         self.device = cp.cuda.Device(device)
         self.device.use()
@@ -171,7 +177,7 @@ class CupyCard:
         self.pool_ident = bytes(cp.cuda.runtime.ipcGetMemHandle(self._pool_mem.ptr)).hex()
         self.device_ident = "cuda:" + cp.cuda.runtime.deviceGetPCIBusId(device)
         self.experts = GpuExperts(model, self.pool, self.prompt_chunk, cpu_threads, self.stream, self.device_ident,
-                                  host_experts)
+                                  host_experts, options, tuning)
         self.decode_work = Work(c, 1, 1, slots=2)
         self.argmax, self.topk, self.cdf = sampling.Argmax(c.vocab_size), sampling.DeviceSampler(c.vocab_size), \
             sampling.CdfSampler(c.vocab_size)

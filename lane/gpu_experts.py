@@ -31,20 +31,15 @@ import numpy as np
 from lane import host_lock
 from lane.cpu_pool import CpuPool, LayerJobs
 from lane.expert_counts import entries_by_source, routed_counts
-from lane.kernels.experts import MAX_SOURCES, ExpertKernels, max_tiles
+from lane.kernels.experts import MAX_SOURCES, ExpertKernels, Tuning, max_tiles
 from lane.slot_pool import SlotPool
+from stratad.config import GpuOptions
 from stratad.model.gguf_file import ModelFile
 from stratad.model.slot_layout import expert_bytes
 
 log = logging.getLogger("stratad.lane")
 H2D, D2H, D2D = 1, 2, 3  # cudaMemcpyHostToDevice, DeviceToHost, DeviceToDevice
 CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM = 91  # cudaDevAttrCanUseHostPointerForRegisteredMem
-# How a peer on another GPU gets its input and returns its rows: "auto" copies peer to peer (cudaMemcpyPeer: over
-# NVLink / PCIe P2P where the topology allows, else the driver stages them); "host" through page-locked host memory
-# of our own, each card's copy engine moving its side (to measure both paths on one machine, #5)
-PEER_COPY = os.environ.get("STRATAD_PEER_COPY", "auto")
-if PEER_COPY not in ("auto", "host"):
-    raise ValueError(f"STRATAD_PEER_COPY must be auto or host, not {PEER_COPY!r}")
 
 
 def pinned(shape, dtype) -> np.ndarray:
@@ -72,7 +67,7 @@ class RemotePool(PeerPool):
     """A peer card's slot pool on another GPU, computed there: the pool is opened on its device, the layer's
     quantised input and pair list are copied over, that device's expert kernels run on its own stream and the
     result rows come back (cudaMemcpyPeer: over NVLink / PCIe P2P where the cards have it; through page-locked host
-    memory with STRATAD_PEER_COPY=host), while this card computes its own experts. Decode steps capture it with the
+    memory with [gpu] peer_copy = "host"), while this card computes its own experts. Decode steps capture it with the
     rest (events join its stream to this card's)."""
 
     remote = True
@@ -81,7 +76,9 @@ class RemotePool(PeerPool):
     def __init__(self, card: int, generation: int, handle: str, device: int, experts: "GpuExperts"):
         self.device = device
         self.here = experts.stream.device_id
-        self.via_host = PEER_COPY == "host"
+        # its input in and its rows back: peer to peer (cudaMemcpyPeer: NVLink / PCIe P2P where the topology
+        # allows, else the driver stages them), or through page-locked host memory of our own ([gpu] peer_copy)
+        self.via_host = experts.options.peer_copy == "host"
         with cp.cuda.Device(device):
             super().__init__(card, generation, handle)
             for a, b in ((self.here, device), (device, self.here)):
@@ -205,8 +202,10 @@ def device_index(bus_id: str) -> int | None:
 
 class GpuExperts:
     def __init__(self, model: ModelFile, pool: SlotPool, max_tokens: int, cpu_threads: int, stream: cp.cuda.Stream,
-                 own_device: str, host_experts: str = "card"):
+                 own_device: str, host_experts: str = "card", options: GpuOptions = GpuOptions(),
+                 tuning: Tuning | None = None):
         c = model.config
+        self.options, self.tuning = options, tuning or Tuning()
         self.model, self.c, self.pool, self.stream, self.own_device = model, c, pool, stream, own_device
         self.k, self.max_tokens = c.n_expert_used, max_tokens
         P = self.max_pairs = max_tokens * self.k
@@ -289,14 +288,14 @@ class GpuExperts:
             key = self.key(layer)
             if key not in out:
                 out[key] = ExpertKernels(c.d_model, c.d_ff_expert, key[0], key[1], self.max_pairs,
-                                         slot_stride=self.pool.slot_bytes)
+                                         slot_stride=self.pool.slot_bytes, tuning=self.tuning)
         return out
 
     # ---- placement ------------------------------------------------------------------------------------------
     def set_view(self, view) -> None:
         """Use these other cards' slots from the next step on (nothing in flight uses the old ones). Peers on this
-        GPU are computed here; peers on another GPU there (RemotePool; STRATAD_PEERS_AS_REMOTE=1 treats same-GPU
-        peers that way too, to test that path on one GPU)."""
+        GPU are computed here; peers on another GPU there (RemotePool; [gpu] peers_as_remote treats same-GPU peers
+        that way too, to test that path on one GPU)."""
         self.stream.synchronize()
         cards = {cv.card: cv for cv in view.cards if cv.pool and cv.device.startswith("cuda:")}
         for card, p in list(self.peers.items()):
@@ -321,7 +320,7 @@ class GpuExperts:
         self._view_version += 1
 
     def _open(self, cv) -> PeerPool | None:
-        if cv.device == self.own_device and os.environ.get("STRATAD_PEERS_AS_REMOTE") != "1":
+        if cv.device == self.own_device and not self.options.peers_as_remote:
             return PeerPool(cv.card, cv.generation, cv.pool)
         dev = device_index(cv.device[len("cuda:"):])
         if dev is None:  # not a GPU this process can see

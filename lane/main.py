@@ -6,7 +6,6 @@ between tokens it reads cancels and role changes and sends heartbeats.
 """
 from __future__ import annotations
 
-import argparse
 import ctypes
 import logging
 import os
@@ -25,7 +24,7 @@ from lane.slot_pool import SlotPool
 from protos import messages as M
 from protos.codec import FrameError, decode, encode
 from stratad import shm
-from stratad.config import GPU_PROMPT_CHUNK
+from stratad.config import LaneConfig
 from stratad.engine.generation import CHUNK_READ, BadRequest, Generation
 from stratad.engine.prefix_cache import PrefixCache
 from stratad.engine.sampling import SamplingParams
@@ -49,23 +48,24 @@ class Cancelled(Exception):
 
 
 class Lane:
-    def __init__(self, a):
-        self.a = a
-        self.lane, self.card_name = a.lane, a.card
+    def __init__(self, cfg: LaneConfig):
+        self.cfg = cfg
+        self.lane, self.card_name = cfg.lane, cfg.card
         self.role = M.Role.STARTING
         self.role_since = time.time()
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.IDENTITY, f"lane-{a.lane}".encode())
+        self.sock.setsockopt(zmq.IDENTITY, f"lane-{cfg.lane}".encode())
         self.sock.setsockopt(zmq.LINGER, 500)
-        self.sock.connect(a.endpoint)
-        self.model = ModelFile(a.model)
+        self.sock.connect(cfg.endpoint)
+        self.model = ModelFile(cfg.model)
+        self.model.config = self.model.config.with_rope_overrides(cfg.rope_scaling, cfg.rope_scale, cfg.yarn_orig_ctx)
         self.segments: list[shm.Segment] = []
         self.card = None
         self.loader: SlotLoader | None = None
         self.req_id: str | None = None
         self.gen: Generation | None = None  # the request in progress
-        self.prefix = PrefixCache() if a.prefix_cache else None  # the last sequence, for the next prompt
+        self.prefix = PrefixCache() if cfg.prefix_cache else None  # the last sequence, for the next prompt
         self.tok_s = 0.0
         self.last_beat = 0.0
         self.stopping = False
@@ -112,21 +112,21 @@ class Lane:
 
     def beat(self, force: bool = False) -> None:
         now = time.monotonic()
-        if force or now - self.last_beat >= self.a.heartbeat_s:
+        if force or now - self.last_beat >= self.cfg.heartbeat_s:
             self.send(M.Heartbeat(status=self.status()))
             self.last_beat = now
 
     # ---- card -----------------------------------------------------------------------------------------------
     def build_card(self, placement: M.Placement) -> None:
         c = self.model.config
-        counts_name = f"{self.a.shm_prefix}lane{self.lane}-counts"
+        counts_name = f"{self.cfg.shm_prefix}lane{self.lane}-counts"
         shm.unlink(counts_name)  # a previous incarnation of this lane that was killed
         counts = shm.Segment(counts_name, c.n_layer * c.n_expert * 8, create=True)
         self.segments.append(counts)
         live = counts.array(np.float64, shape=(c.n_layer, c.n_expert))
         n = placement.n_slots
-        if self.a.card == "cpu":
-            name = f"{self.a.shm_prefix}lane{self.lane}-slots"
+        if self.cfg.card == "cpu":
+            name = f"{self.cfg.shm_prefix}lane{self.lane}-slots"
             shm.unlink(name)
             seg = shm.Segment(name, max(1, n * slot_bytes(self.model)), create=True)
             self.segments.append(seg)
@@ -134,8 +134,9 @@ class Lane:
         else:
             from lane.cupy_card import CupyCard  # CUDA only where a GPU card is asked for
 
-            self.card = CupyCard(self.model, int(self.a.card), n, self.a.context_length, live, self.a.cpu_threads,
-                                 host_experts=self.a.host_experts, prompt_chunk=self.a.prompt_chunk)
+            self.card = CupyCard(self.model, int(self.cfg.card), n, self.cfg.context_length, live,
+                                 self.cfg.cpu_threads, host_experts=self.cfg.host_experts,
+                                 prompt_chunk=self.cfg.prompt_chunk, options=self.cfg.gpu)
         self.card.pool.fill(list(placement.experts))
         self.loader = SlotLoader(self.card.pool)
         if placement.warmup_tokens:
@@ -143,7 +144,7 @@ class Lane:
 
     def warm_up(self, n: int) -> None:
         """Route the built-in text through the card once: its live expert counts seed the first placement."""
-        tokens = self.model.tokenizer.encode(warmup_text())[:min(n, self.a.context_length)]
+        tokens = self.model.tokenizer.encode(warmup_text())[:min(n, self.cfg.context_length)]
         t0 = time.monotonic()
         self.card.forward(tokens, self.card.new_kv(), logits="none")
         self.card.counters = Counters()  # the warm-up is no request's work
@@ -211,7 +212,7 @@ class Lane:
         prompt_done = None  # counters once the prompt is read
         try:
             gen = self.gen = Generation(self.card, self.model.tokenizer, list(a.tokens), params,
-                                        self.a.context_length, digest=a.digest, cache=self.prefix)
+                                        self.cfg.context_length, digest=a.digest, cache=self.prefix)
             steps = iter(gen)
             for tok, text in steps:
                 if (tok, text) == CHUNK_READ:
@@ -253,14 +254,14 @@ class Lane:
 
     def run(self) -> int:
         self.send(M.LaneHello(lane=self.lane, pid=os.getpid(), card=self.card_name, model_hash=self.model.header_hash))
-        deadline = time.monotonic() + self.a.startup_timeout_s
+        deadline = time.monotonic() + self.cfg.start_timeout_s
         while self.card is None:
             msg = self.recv(200)
             if isinstance(msg, M.Placement):
                 try:
                     self.build_card(msg)
                 except Exception as e:  # noqa: BLE001 - any of them leaves this lane without a card: say why
-                    why = card_failure(self.a, msg, self.model, e)
+                    why = card_failure(self.cfg, msg, self.model, e)
                     log.error("lane %d: %s", self.lane, why)
                     self.send(M.LaneFailed(reason=why))
                     return 5
@@ -272,7 +273,7 @@ class Lane:
         self.role = M.Role.SOLO
         self.beat(force=True)
         while not self.stopping:
-            msg = self.recv(2 if self.loader.busy else int(self.a.heartbeat_s * 1000))
+            msg = self.recv(2 if self.loader.busy else int(self.cfg.heartbeat_s * 1000))
             if msg is not None:
                 try:
                     self.handle(msg)
@@ -302,7 +303,7 @@ def error_reply(lane: int, req_id: str, e: Exception) -> M.Error:
                    message=f"lane {lane} failed serving the request: {type(e).__name__}: {e} (see the daemon's log)")
 
 
-def card_failure(a: argparse.Namespace, placement: M.Placement, model: ModelFile, e: Exception) -> str:
+def card_failure(a: LaneConfig, placement: M.Placement, model: ModelFile, e: Exception) -> str:
     """Why building card a.card failed, in the terms of the daemon's configuration."""
     if isinstance(e, ModuleNotFoundError) and (e.name or "").split(".")[0] == "cupy":
         return (f"card {a.card} is a GPU card but CuPy is not installed (install the gpu extra: "
@@ -315,36 +316,24 @@ def card_failure(a: argparse.Namespace, placement: M.Placement, model: ModelFile
     return f"card {a.card}: {type(e).__name__}: {e}"
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The lane's command line (coordinator/lanes.py's lane_argv writes it)."""
-    p = argparse.ArgumentParser(prog="stratad-lane")
-    p.add_argument("--lane", type=int, required=True)
-    p.add_argument("--card", required=True)
-    p.add_argument("--endpoint", required=True)
-    p.add_argument("--model", required=True)
-    p.add_argument("--model-hash", required=True)
-    p.add_argument("--shm-prefix", required=True)
-    p.add_argument("--context-length", type=int, required=True)
-    p.add_argument("--heartbeat-s", type=float, default=1.0)
-    p.add_argument("--cpu-threads", type=int, default=0)
-    p.add_argument("--host-experts", choices=["cpu", "card"], default="card")
-    p.add_argument("--prompt-chunk", type=int, default=GPU_PROMPT_CHUNK, help="GPU cards: tokens a prompt chunk")
-    p.add_argument("--prefix-cache", action="store_true", help="reuse the last sequence's KV for a common prefix")
-    p.add_argument("--startup-timeout-s", type=float, default=120.0)
-    p.add_argument("--log-level", default="info")
-    return p.parse_args(argv)
+def parse_args(argv: list[str] | None = None) -> LaneConfig:
+    """The lane's command line: one argument, its LaneConfig as JSON (coordinator/lanes.py lane_argv writes it)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        raise SystemExit("usage: python -m lane.main LANE_CONFIG_JSON (the coordinator starts lanes)")
+    return LaneConfig.model_validate_json(argv[0])
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = parse_args(argv)
-    logging.basicConfig(level=a.log_level.upper(), format=f"%(asctime)s lane{a.lane} %(levelname)s %(message)s")
+    cfg = parse_args(argv)
+    logging.basicConfig(level=cfg.log_level.upper(), format=f"%(asctime)s lane{cfg.lane} %(levelname)s %(message)s")
     _die_with_parent()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C on `stratad serve` reaches the group: the coordinator stops us
-    lane = Lane(a)
+    lane = Lane(cfg)
     try:
-        if lane.model.header_hash != a.model_hash:
-            log.error("lane %d: model file changed under the daemon (header hash differs)", a.lane)
+        if lane.model.header_hash != cfg.model_hash:
+            log.error("lane %d: model file changed under the daemon (header hash differs)", cfg.lane)
             return 4
         return lane.run()
     finally:

@@ -11,7 +11,7 @@
 #   bash scripts/device_run.sh profile   # a3b IQ3_S: where a decode step's time goes (with and without PDL),
 #                                        # and a prompt's
 #   bash scripts/device_run.sh engine1   # a3b IQ3_S: the engine bench all resident (1K / 32K / 64K; TAG= names
-#                                        # the JSON, e.g. TAG=-route-launch with STRATAD_ROUTE_IN_GATEUP=0)
+#                                        # the JSON)
 #   bash scripts/device_run.sh experts-decode  # the decode expert kernels, gate/up groups over one block or two
 #   bash scripts/device_run.sh experts-ab  # the decode expert kernels alone on this tree and each tree _ab*/, twice
 #   bash scripts/device_run.sh marginal  # a3b IQ3_S: each idempotent decode kernel's cost inside the graph (1K, 32K)
@@ -28,8 +28,6 @@
 #                                        # lanes' kernels on one GPU: time slices vs one shared context)
 #   bash scripts/device_run.sh ab        # the engine bench (all resident, 1K / 32K / 64K) on this tree and on each
 #                                        # tree _ab*/ (`git archive`s of other revisions), in turn, twice
-#   bash scripts/device_run.sh old32k    # a 32K all-resident decode step on the tree in _old/ (`git archive REV`, e.g.
-#                                        # f54cf31, 2026-12-02: 194 tok/s at 32K) against this tree's, PDL off and on
 #   bash scripts/device_run.sh flash2    # the prefill attention kernel of the tree in _flash2/ (a `git archive` of
 #                                        # another branch) against this tree's: its tests and a 32K prompt's profile
 #   bash scripts/device_run.sh dense     # the dense kernels' bench: prompt attention (both shapes), decode attention
@@ -120,10 +118,10 @@ profile)
     model "$A3B" --router-skew 1.0
     timeout 150 python3 scripts/gpu_decode_profile.py --model "$A3B" --fractions 1.0,0.5 --json "$OUT/profile.json" \
         2>&1 | tail -3
-    STRATAD_PDL=0 timeout 90 python3 scripts/gpu_decode_profile.py --model "$A3B" --fractions 1.0 \
+    timeout 90 python3 scripts/gpu_decode_profile.py --model "$A3B" --fractions 1.0 --no-pdl \
         --json "$OUT/profile-nopdl.json" 2>&1 | tail -2
     for pdl in 1 0; do  # the long-context step with and without PDL (32K decoded 194 tok/s before PDL, 170 after)
-        STRATAD_PDL=$pdl timeout 90 python3 scripts/gpu_decode_profile.py --model "$A3B" --fractions 1.0 \
+        timeout 90 python3 scripts/gpu_decode_profile.py --model "$A3B" --fractions 1.0 $([ $pdl = 0 ] && echo --no-pdl) \
             --context 32768 --json "$OUT/profile-32k-pdl$pdl.json" 2>&1 | tail -1
     done
     timeout 150 python3 scripts/gpu_prefill_profile.py --model "$A3B" --fractions 1.0,0.5 --contexts 1024,32768 \
@@ -238,7 +236,7 @@ x2-tests)
 x2-paths)
     model "$SEED" --router-skew 0.7 --topics 2
     for copy in auto host; do
-        STRATAD_PEER_COPY=$copy timeout 250 python3 -m stratad.cli bench --scenario seed --model "$SEED" --cards 0,1 \
+        timeout 250 python3 -m stratad.cli bench --scenario seed --model "$SEED" --cards 0,1 --peer-copy $copy \
             --cache-fraction 0.475 --contexts 4096 --tokens 96 --modes 1,3 --json "$OUT/x2-paths-$copy.json" \
             > "$OUT/x2-paths-$copy.log" 2>&1
         python3 -c "
@@ -332,8 +330,9 @@ ab)  # the all-resident engine bench on this tree and on each tree _ab*/ (`scrip
      # differ by a few %); CONTEXTS=1024 for a quick pass over many trees (one per commit of a branch: each change's
      # own share)
     model "$A3B" --router-skew 1.0
-    # AB_ENVS="NAME=VALUE ...;NAME=VALUE ...": this tree once more with each set (trees env1, env2, ..; AB_ENV: one),
-    # e.g. AB_ENVS="STRATAD_EXPERT_TUNING=iq3_fast=0;STRATAD_ROUTE_IN_ROUTER=0"
+    # AB_ENVS="NAME=VALUE ...;NAME=VALUE ...": this tree once more with each set (trees env1, env2, ..; AB_ENV: one);
+    # the tree reads no switches from the environment since the options moved to the config, so this serves trees
+    # of older revisions (their STRATAD_* switches)
     IFS=';' read -r -a envs <<< "${AB_ENVS:-${AB_ENV:-}}"
     for round in $(seq "${ROUNDS:-2}"); do
         for tree in . _ab* $(seq -f env%g 1 ${#envs[@]}); do
@@ -346,16 +345,6 @@ ab)  # the all-resident engine bench on this tree and on each tree _ab*/ (`scrip
                 timeout 150 python3 -m stratad.cli bench --scenario engine --model "$A3B" --fractions 1.0 \
                 --contexts "${CONTEXTS:-1024,32768,65536}" --json "$name" 2>&1 | grep "^{'" | cut -c1-120 |
                 sed "s|^|$tree: |")
-        done
-    done
-    ;;
-old32k)
-    model "$A3B" --router-skew 1.0
-    for tree in _old .; do
-        for pdl in 0 1; do
-            name="$OUT/old32k-$(basename "$(realpath $tree)")-pdl$pdl.json"
-            (cd $tree && STRATAD_PDL=$pdl PYTHONPATH=/tmp/site:$PWD timeout 90 python3 scripts/gpu_decode_profile.py \
-                --model "$A3B" --fractions 1.0 --context 32768 --json "$name" 2>&1 | tail -1)
         done
     done
     ;;
@@ -373,7 +362,7 @@ batch)
     done
     ;;
 *)
-    echo "usage: $0 tests|tests2|tests3|profile|engine|engine-card|experts-prompt|seed13|seed2|seed-card|seed-mps|flash2|old32k|batch" >&2
+    echo "usage: $0 tests|tests2|tests3|profile|engine|engine-card|experts-prompt|seed13|seed2|seed-card|seed-mps|flash2|batch" >&2
     exit 2
     ;;
 esac

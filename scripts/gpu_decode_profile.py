@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from profile_report import model_path, report  # noqa: E402
 from lane.kernels import (attention, device, embedding, experts, gemm, matvec, norm, rope_kv, router,  # noqa: E402
                           sampling, weights)
+from stratad.config import GpuOptions  # noqa: E402
 from stratad.model.gguf_file import ModelFile  # noqa: E402
 
 # every kernel module that launches through its own `launch` name (patched to time or spy on the launches)
@@ -281,7 +282,7 @@ def step_stats(recs: list, shapes: dict) -> dict:
 
 
 def profile(path: str, fraction: float, context: int, tokens: int, iters: int, host_experts: str = "card",
-            marginal: bool = False, sweep: bool = False, trace: bool = False) -> dict:
+            marginal: bool = False, sweep: bool = False, trace: bool = False, pdl: bool = True) -> dict:
     import cupy as cp
 
     from lane.cupy_card import Break, CupyCard
@@ -292,13 +293,13 @@ def profile(path: str, fraction: float, context: int, tokens: int, iters: int, h
     n = int(fraction * total)
     rng = np.random.default_rng(0)
     prompt = [int(t) for t in rng.integers(0, 2000, size=context)]
-    out = {"fraction": fraction, "context": context, "host_experts": host_experts}
+    out = {"fraction": fraction, "context": context, "host_experts": host_experts, "pdl": pdl}
     records = KernelRecords() if trace else None  # before the card: its step timings then run under tracing too
     extra = ((len(IDEMPOTENT) + 8) * (tokens + 1) if marginal else 0) + (32 * (tokens + 1) if sweep else 0) + \
         ((tokens + 1) if trace else 0)
     for graphs in (True, False):
         card = CupyCard(model, 0, n, context + tokens + iters + 64 + extra, graphs=graphs,
-                        host_experts=host_experts)
+                        host_experts=host_experts, options=GpuOptions(pdl=pdl))
         card.forward(prompt[:512], card.new_kv(), logits="none")  # routing profile with nothing resident
         order = np.lexsort((np.arange(total), -card.counts.reshape(-1)))
         card.pool.fill([(int(i // c.n_expert), int(i % c.n_expert)) for i in order[:n]])
@@ -352,11 +353,12 @@ def main() -> int:
     p.add_argument("--marginal", action="store_true", help="each idempotent kernel's cost inside the step's graph")
     p.add_argument("--plan-sweep", action="store_true", help="each mat-vec shape on each other plan, in the graph")
     p.add_argument("--timeline", action="store_true", help="the step's kernels as the GPU ran them (CUPTI)")
+    p.add_argument("--no-pdl", action="store_true", help="captured steps without programmatic dependent launch")
     p.add_argument("--json")
     a = p.parse_args()
     path = model_path(a.model)
     rows = [profile(path, float(f), a.context, a.tokens, a.iters, a.host_experts, a.marginal, a.plan_sweep,
-                    a.timeline)
+                    a.timeline, not a.no_pdl)
             for f in a.fractions.split(",")]
     keys = ["fraction", "step_ms", "eager_ms", "device_sum_ms", "attend_route_front_ms", "back_ms", "finish_ms",
             "host_per_layer_us", "cpu_share"]

@@ -2,7 +2,7 @@
 """Peer copies between the GPUs of this machine (#5): whether each card can reach the other directly, and what a
 copy costs both ways over each path a peer lane's input and result rows can take: "p2p" (cudaMemcpyPeerAsync with
 peer access enabled: NVLink / PCIe P2P), "peer" (the same call before peer access is enabled: the driver picks the
-path) and "staged" (RemotePool with STRATAD_PEER_COPY=host: one card's copy engine into page-locked host memory,
+path) and "staged" (RemotePool with the config's [gpu] peer_copy = "host": one card's copy engine into page-locked host memory,
 the other's out of it; the two copies' times added).
 
     python3 scripts/gpu_p2p.py --json p2p.json

@@ -104,7 +104,7 @@ def _bench(a) -> int:
 
         out = seed.run(model, cards=a.cards, cache=a.cache_fraction, prompt_tokens=int(a.contexts.split(",")[0]),
                        tokens=a.tokens, modes=a.modes, host_experts=a.host_experts,
-                       prompt_chunk=a.prompt_chunk)
+                       prompt_chunk=a.prompt_chunk, peer_copy=a.peer_copy)
     out = {"date": datetime.date.today().isoformat(), "hardware": hardware.describe(gpu=gpu)} | out
     text = json.dumps(out, indent=2)
     if a.json:
@@ -176,6 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--cards", default="cpu,cpu", help="seed: the cards")
     b.add_argument("--cache-fraction", type=float, default=0.475, help="seed: each card's share of all experts")
     b.add_argument("--modes", default="1,2,3", help="seed: which modes (1 lead + peer, 2 independent, 3 mutual help)")
+    b.add_argument("--peer-copy", choices=["auto", "host"], default="auto",
+                   help="seed: a peer on another GPU, P2P or through host memory (config [gpu] peer_copy)")
     b.add_argument("--json", help="also write the JSON here")
     b.set_defaults(fn=_bench)
     return p

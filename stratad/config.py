@@ -60,6 +60,22 @@ class CacheBudget(BaseModel):
         return f"{self.fraction:g} of the experts" if self.fraction is not None else f"{self.bytes} bytes"
 
 
+class GpuOptions(BaseModel):
+    """GPU cards' code paths, the config's [gpu] table: the defaults are the measured best; the others exist to
+    measure a path on the machine at hand (docs/perf-notes.md)."""
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    pdl: bool = Field(True, description="programmatic dependent launch in captured decode graphs (sm_90+): each "
+                                        "kernel's launch overlaps its predecessor's tail")
+    peer_copy: Literal["auto", "host"] = Field("auto", description="a peer on another GPU: its input and result "
+                                                                   "rows copied peer to peer (auto) or through "
+                                                                   "page-locked host memory (host)")
+    peers_as_remote: bool = Field(False, description="compute a same-GPU peer's experts by the other-GPU path (to "
+                                                     "run that path on a one-GPU machine)")
+    kernel_cache: str | None = Field(None, description="folder of compiled kernels (cubins); unset: "
+                                                       "$TMPDIR/stratad-kernels-<uid>")
+
+
 class DaemonConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -108,6 +124,7 @@ class DaemonConfig(BaseModel):
                                                 "127.0.0.1:8080; a non-loopback address needs api_key_file")
     api_key_file: str | None = Field(None, validate_default=True, description="file holding the HTTP gateway's "
                                                                              "API key")
+    gpu: GpuOptions = Field(GpuOptions(), description="GPU cards' code paths ([gpu] table)")
     log_level: str = Field("info", pattern="^(debug|info|warning|error)$")
 
     @field_validator("expert_cache", mode="before")
@@ -154,6 +171,41 @@ class DaemonConfig(BaseModel):
         if v is not None and not v.startswith("tcp://"):
             raise ValueError(f"expected tcp://HOST:PORT, got {v!r}")
         return v
+
+
+class LaneConfig(BaseModel):
+    """Everything a lane process starts with: built by the coordinator (for_lane) and handed to the lane whole, as
+    JSON on its command line. The defaults are DaemonConfig's; nothing here has one of its own."""
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    lane: int
+    card: str
+    endpoint: str
+    model: str
+    model_hash: str
+    shm_prefix: str
+    context_length: int
+    cpu_threads: int
+    heartbeat_s: float
+    start_timeout_s: float  # how long to wait for the coordinator's placement
+    log_level: str
+    host_experts: Literal["cpu", "card"]
+    prompt_chunk: int
+    prefix_cache: bool
+    rope_scaling: Literal["none", "linear", "yarn"] | None
+    rope_scale: float | None
+    yarn_orig_ctx: int | None
+    gpu: GpuOptions
+
+    @classmethod
+    def for_lane(cls, cfg: DaemonConfig, *, lane: int, card: str, endpoint: str, model: str, model_hash: str,
+                 shm_prefix: str, context_length: int, cpu_threads: int) -> "LaneConfig":
+        return cls(lane=lane, card=card, endpoint=endpoint, model=model, model_hash=model_hash,
+                   shm_prefix=shm_prefix, context_length=context_length, cpu_threads=cpu_threads,
+                   heartbeat_s=cfg.heartbeat_s, start_timeout_s=cfg.lane_start_timeout_s, log_level=cfg.log_level,
+                   host_experts=cfg.host_experts, prompt_chunk=cfg.prompt_chunk, prefix_cache=cfg.prefix_cache,
+                   rope_scaling=cfg.rope_scaling, rope_scale=cfg.rope_scale, yarn_orig_ctx=cfg.yarn_orig_ctx,
+                   gpu=cfg.gpu)
 
 
 def load(path: str | None, overrides: dict[str, Any]) -> DaemonConfig:

@@ -463,15 +463,3 @@ def test_signed_grid_holds_signed_groups():
             assert a.max() < 16 * 512 * 4
             got = tb[a[:, None] + np.arange(4)]
             np.testing.assert_array_equal(got, want[:, j, 4 * k:4 * k + 4], err_msg=f"sub-block {j} group {k}")
-
-
-def test_expert_tuning_from_the_environment():
-    """STRATAD_EXPERT_TUNING overrides the expert kernels' launch shape for an engine A/B; a bad entry is named."""
-    from lane.kernels.experts import Tuning
-
-    assert Tuning.from_env({}) == Tuning()
-    t = Tuning.from_env({"STRATAD_EXPERT_TUNING": " gu_warps=32, gu_min_blocks=1,iq3_fast=0 ,prompt=simt"})
-    assert (t.gu_warps, t.gu_min_blocks, t.iq3_fast, t.prompt) == (32, 1, 0, "simt") and t.dn_rows == Tuning().dn_rows
-    for bad, msg in (("gu_wraps=32", "gu_wraps=32"), ("gu_warps", "gu_warps"), ("dn_rows=four", "dn_rows takes int")):
-        with pytest.raises(ValueError, match=msg):
-            Tuning.from_env({"STRATAD_EXPERT_TUNING": bad})

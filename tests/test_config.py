@@ -1,9 +1,9 @@
-"""Configuration: the host_experts choice, prompt_chunk and prefix_cache are validated and reach every lane's command line."""
+"""Configuration: the settings are validated and reach every lane whole (its LaneConfig, on its command line)."""
 from __future__ import annotations
 
 import pytest
 
-from coordinator.lanes import LaneHandle, lane_argv
+from coordinator.lanes import lane_argv
 from stratad import config
 
 
@@ -14,39 +14,54 @@ def test_host_experts_default_and_choices():
         config.load(None, {"model": "m.gguf", "host_experts": "gpu"})
 
 
-def test_lane_command_line_carries_host_experts():
+def lane_config(**daemon_keys) -> config.LaneConfig:
+    """The LaneConfig the coordinator hands lane 0 for a daemon configured with these keys, as the lane reads it
+    back from its command line."""
     import lane.main
 
-    argv = lane_argv(LaneHandle(lane=1, card="0"), endpoint="ipc:///tmp/x", model="m.gguf", model_hash="h",
-                     shm_prefix="/p", context_length=4096, heartbeat_s=1.0, log_level="info", cpu_threads=2,
-                     host_experts="cpu")
-    assert argv[argv.index("--host-experts") + 1] == "cpu"
-    assert lane.main.parse_args(argv[3:]).host_experts == "cpu"
+    cfg = config.load(None, {"model": "m.gguf"} | daemon_keys)
+    lc = config.LaneConfig.for_lane(cfg, lane=0, card="0", endpoint="ipc:///tmp/x", model="m.gguf", model_hash="h",
+                                    shm_prefix="/p", context_length=4096, cpu_threads=2)
+    argv = lane_argv(lc)
+    assert argv[1:3] == ["-m", "lane.main"] and len(argv) == 4  # the whole configuration in one argument
+    return lane.main.parse_args(argv[3:])
+
+
+def test_lane_command_line_carries_host_experts():
+    assert lane_config(host_experts="cpu").host_experts == "cpu"
+    assert lane_config().host_experts == "card"
 
 
 def test_prefix_cache_reaches_the_lane():
-    import lane.main
-
     assert config.load(None, {"model": "m.gguf"}).prefix_cache is False
-    common = dict(endpoint="ipc:///tmp/x", model="m.gguf", model_hash="h", shm_prefix="/p", context_length=4096,
-                  heartbeat_s=1.0, log_level="info", cpu_threads=2)
-    on = lane_argv(LaneHandle(lane=0, card="cpu"), prefix_cache=True, **common)
-    off = lane_argv(LaneHandle(lane=0, card="cpu"), **common)
-    assert lane.main.parse_args(on[3:]).prefix_cache and not lane.main.parse_args(off[3:]).prefix_cache
+    assert lane_config(prefix_cache=True).prefix_cache and not lane_config().prefix_cache
 
 
 def test_prompt_chunk_reaches_the_lane():
-    import lane.main
-
     assert config.load(None, {"model": "m.gguf"}).prompt_chunk == config.GPU_PROMPT_CHUNK
     with pytest.raises(config.ConfigError, match="key 'prompt_chunk'"):
         config.load(None, {"model": "m.gguf", "prompt_chunk": 0})
-    common = dict(endpoint="ipc:///tmp/x", model="m.gguf", model_hash="h", shm_prefix="/p", context_length=4096,
-                  heartbeat_s=1.0, log_level="info", cpu_threads=2)
-    assert lane.main.parse_args(lane_argv(LaneHandle(lane=0, card="0"), prompt_chunk=2048, **common)[3:]) \
-        .prompt_chunk == 2048
-    assert lane.main.parse_args(lane_argv(LaneHandle(lane=0, card="0"), **common)[3:]).prompt_chunk == \
-        config.GPU_PROMPT_CHUNK
+    assert lane_config(prompt_chunk=2048).prompt_chunk == 2048
+    assert lane_config().prompt_chunk == config.GPU_PROMPT_CHUNK
+
+
+def test_every_lane_setting_reaches_the_lane():
+    """Each daemon setting a lane uses arrives as the daemon has it: the rope overrides, the [gpu] table, the
+    heartbeat and start timeout, the log level."""
+    lc = lane_config(rope_scaling="yarn", rope_scale=4.0, yarn_orig_ctx=32768, heartbeat_s=0.5,
+                     lane_start_timeout_s=90.0, log_level="debug",
+                     gpu={"pdl": False, "peer_copy": "host", "peers_as_remote": True, "kernel_cache": "/k"})
+    assert (lc.rope_scaling, lc.rope_scale, lc.yarn_orig_ctx) == ("yarn", 4.0, 32768)
+    assert (lc.heartbeat_s, lc.start_timeout_s, lc.log_level) == (0.5, 90.0, "debug")
+    assert lc.gpu == config.GpuOptions(pdl=False, peer_copy="host", peers_as_remote=True, kernel_cache="/k")
+    assert lane_config().gpu == config.GpuOptions()
+
+
+def test_gpu_table_refuses_unknown_keys_and_values():
+    with pytest.raises(config.ConfigError, match="key 'gpu.peer_copy'"):
+        config.load(None, {"model": "m.gguf", "gpu": {"peer_copy": "nvlink"}})
+    with pytest.raises(config.ConfigError, match="key 'gpu.attn_load'"):
+        config.load(None, {"model": "m.gguf", "gpu": {"attn_load": "ring"}})
 
 
 def test_status_says_where_host_memory_work_ran():

@@ -380,9 +380,11 @@ def test_lane_says_when_its_card_runs_out_of_memory(tiny_model_path):
     that shrink them."""
     import lane.main
 
-    a = lane.main.parse_args(["--lane", "0", "--card", "1", "--endpoint", "ipc:///tmp/x", "--model", "m",
-                              "--model-hash", "h", "--shm-prefix", "/p", "--context-length", "65536",
-                              "--prompt-chunk", "2048"])
+    from stratad.config import LaneConfig, load
+
+    a = LaneConfig.for_lane(load(None, {"model": "m", "prompt_chunk": 2048}), lane=0, card="1",
+                            endpoint="ipc:///tmp/x", model="m", model_hash="h", shm_prefix="/p",
+                            context_length=65536, cpu_threads=1)
     oom = type("OutOfMemoryError", (MemoryError,), {})("Out of memory allocating 1,073,741,824 bytes")
     why = lane.main.card_failure(a, M.Placement(epoch=0, n_slots=40, experts=()), ModelFile(tiny_model_path), oom)
     assert why.startswith("card 1: out of GPU memory building the lane (40 expert slots")

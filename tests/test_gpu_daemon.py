@@ -29,10 +29,16 @@ def model(tmp_path_factory, cp):
     return path
 
 
-def start(model, tmp_path, cards: str, cache: str, **cfg) -> Daemon:
+def toml_value(v) -> str:
+    return str(v).lower() if isinstance(v, bool) else f'"{v}"' if isinstance(v, str) else str(v)
+
+
+def start(model, tmp_path, cards: str, cache: str, gpu: dict | None = None, **cfg) -> Daemon:
+    """A daemon on these cards; cfg: top-level config keys, gpu: the [gpu] table's."""
     cfg = {"mutual_help": False, "rejoin_idle_s": 3600.0} | cfg
     conf = tmp_path / f"{cards}-{len(list(tmp_path.iterdir()))}.toml"
-    conf.write_text("".join(f"{k} = {str(v).lower() if isinstance(v, bool) else v}\n" for k, v in cfg.items()))
+    conf.write_text("".join(f"{k} = {toml_value(v)}\n" for k, v in cfg.items()) +
+                    "[gpu]\n" + "".join(f"{k} = {toml_value(v)}\n" for k, v in (gpu or {}).items()))
     return Daemon(model, tmp_path / f"run-{conf.stem}", cards=cards, config=conf,
                   extra=["--expert-cache", cache]).start(timeout_s=300)
 
@@ -78,13 +84,11 @@ def test_modes_bit_identical_on_gpu_cards(model, tmp_path, want):
 
 
 @pytest.mark.parametrize("remote", [False, True])
-def test_steps_ahead_through_the_daemon(model, tmp_path, monkeypatch, remote):
+def test_steps_ahead_through_the_daemon(model, tmp_path, remote):
     """Without a digest a GPU lane launches each decode step before it has read the last token (also computing
     on a peer's slots, in place or, remote, through the other-GPU path): greedy tokens equal the solo card's with a
     digest (one step at a time), for lead + peer and for two chats in mutual help, views changing while steps run
     ahead."""
-    if remote:
-        monkeypatch.setenv("STRATAD_PEERS_AS_REMOTE", "1")
     solo_tokens = {}
     d = start(model, tmp_path, "0", "1.0")
     try:
@@ -97,7 +101,7 @@ def test_steps_ahead_through_the_daemon(model, tmp_path, monkeypatch, remote):
     finally:
         d.stop()
     assert all(a == b for a, b in solo_tokens.values())
-    mutual = start(model, tmp_path, CARDS, "0.3", mutual_help=True)
+    mutual = start(model, tmp_path, CARDS, "0.3", gpu={"peers_as_remote": remote}, mutual_help=True)
     try:
         jobs = {"one": [("A", 48)], "two": [("A", 48), ("B", 48)]}
         for runs in jobs.values():
@@ -109,13 +113,11 @@ def test_steps_ahead_through_the_daemon(model, tmp_path, monkeypatch, remote):
 
 
 @pytest.mark.parametrize("copy", ["auto", "host"])
-def test_peer_computed_on_its_own_gpu(model, tmp_path, want, monkeypatch, copy):
+def test_peer_computed_on_its_own_gpu(model, tmp_path, want, copy):
     """The path for a peer on another GPU (pool opened on its device, input copied over, rows back, in the
     captured step; peer to peer, or through page-locked host memory), taken here between two logical cards of one
     GPU (STRATAD_TEST_CARDS=0,1: two GPUs): the bits are those of the solo card."""
-    monkeypatch.setenv("STRATAD_PEERS_AS_REMOTE", "1")
-    monkeypatch.setenv("STRATAD_PEER_COPY", copy)
-    d = start(model, tmp_path, CARDS, "0.3", mutual_help=True)
+    d = start(model, tmp_path, CARDS, "0.3", gpu={"peers_as_remote": True, "peer_copy": copy}, mutual_help=True)
     try:
         one = run(d, [("A", 48)])
         assert one["A"].logits_sha256 == want("A", 48) and one["A"].experts_peer > 0
@@ -128,7 +130,7 @@ def test_peer_computed_on_its_own_gpu(model, tmp_path, want, monkeypatch, copy):
 def test_host_experts_read_by_the_card(model, tmp_path, want):
     """host_experts = "card": lead + peer hold 60 % of the experts, the rest are read by the lead's card from the
     page-locked arena; the bits are those of the solo card and no expert is left to the CPU pool."""
-    d = start(model, tmp_path, CARDS, "0.3", host_experts='"card"')
+    d = start(model, tmp_path, CARDS, "0.3", host_experts="card")
     try:
         one = run(d, [("A", 48)])["A"]
         assert one.logits_sha256 == want("A", 48)

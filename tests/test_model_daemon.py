@@ -66,3 +66,38 @@ def test_bad_files_stop_the_daemon_before_it_starts(tmp_path):
         assert not list(rt.glob("*.sock")) and not (rt / "stratad.pid").exists(), case
         assert not list(shm.SHM_DIR.glob(shm.prefix_for(rt).lstrip("/") + "*")), case
     shutil.rmtree(tmp_path / "split")
+
+
+def test_context_beyond_the_model_is_refused_and_yarn_extends_it(tiny_model, tiny_model_path, tmp_path):
+    """context_length above the model's trained length stops `stratad serve` naming the setting; with YaRN set in
+    the config the same length serves, and the lanes compute with the scaled RoPE (the reference's tokens with
+    the same overrides)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    n = tiny_model.config.context_length
+    r = subprocess.run([sys.executable, "-m", "stratad.cli", "serve", "--model", str(tiny_model_path), "--cards",
+                        "cpu", "--runtime-dir", str(tmp_path / "rt"), "--context-length", str(2 * n)],
+                       capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode == 2 and f"context_length {2 * n} exceeds the model's {n} tokens" in r.stderr, r.stderr[-2000:]
+    conf = tmp_path / "yarn.toml"
+    conf.write_text(f'context_length = {2 * n}\nrope_scaling = "yarn"\nrope_scale = 2.0\nyarn_orig_ctx = {n}\n')
+    from stratad.engine.generation import Generation
+    from stratad.model.gguf_file import ModelFile
+
+    def reference(model) -> tuple[list[int], str]:
+        g = Generation(ReferenceEngine(model), model.tokenizer, prompt, SamplingParams(max_tokens=12, ignore_eos=True),
+                       2 * n, digest=True)
+        return [t for t, _ in g if t is not None], g.digest.hexdigest()
+
+    scaled = ModelFile(tiny_model_path)
+    scaled.config = scaled.config.with_rope_overrides("yarn", 2.0, n)
+    prompt = tiny_model.tokenizer.encode(PROMPT)
+    want, plain = reference(scaled), reference(tiny_model)
+    assert want[1] != plain[1]  # the scaling moves the logits
+    d = Daemon(tiny_model_path, tmp_path / "run", cards="cpu", config=conf).start()
+    try:
+        with d.client() as c:
+            s = c.generate(tokens=prompt, max_tokens=12, ignore_eos=True, digest=True)
+            s.result()
+        assert (list(s.tokens), s.stats.logits_sha256) == want
+    finally:
+        d.stop()

@@ -22,6 +22,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 BASE_OPTIONS = ("--fmad=false", "-std=c++17", "-ftz=false", "-prec-div=true", "-prec-sqrt=true")
 
+CACHE_DIR: str | None = None  # where compiled cubins are kept ([gpu] kernel_cache; set by the card), else below
 _lock = threading.Lock()
 _cache: dict[tuple, object] = {}
 module_info: dict[tuple, dict] = {}  # cache key -> {"path": "nvrtc-direct" | "cupy-rawmodule", "options": [...]}
@@ -35,7 +36,7 @@ def _define(d) -> str:
 
 
 def _cache_dir() -> Path:
-    base = os.environ.get("STRATAD_KERNEL_CACHE") or os.path.join(tempfile.gettempdir(), f"stratad-kernels-{os.getuid()}")
+    base = CACHE_DIR or os.path.join(tempfile.gettempdir(), f"stratad-kernels-{os.getuid()}")
     p = Path(base)
     p.mkdir(parents=True, exist_ok=True, mode=0o700)
     return p

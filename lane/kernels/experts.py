@@ -20,8 +20,7 @@ Intermediates (h, qh, dh; max_pairs rows each) belong to the instance: one insta
 from __future__ import annotations
 
 import contextlib
-import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -83,25 +82,6 @@ class Tuning:
     mma_prefetch: int = 0       # tensor-core tiles: decode the next leaf's weight fragments during this leaf's mma
     mma_unroll: int = 2         # tensor-core tiles: leaves per loop iteration (1 or 2); 2 measured fastest
 
-    @classmethod
-    def from_env(cls, env=None) -> "Tuning":
-        """The defaults with STRATAD_EXPERT_TUNING's overrides ("name=value,..."): a launch shape tried in the whole
-        engine (gpu_experts_bench.py times the kernels alone, which cannot show how their blocks share SMs with the
-        launches around them)."""
-        spec = (os.environ if env is None else env).get("STRATAD_EXPERT_TUNING", "")
-        over = {}
-        names = sorted(f.name for f in fields(cls))
-        for item in filter(None, (i.strip() for i in spec.split(","))):
-            name, sep, value = (p.strip() for p in item.partition("="))
-            if not sep or name not in names:
-                raise ValueError(f"STRATAD_EXPERT_TUNING: {item!r} is not name=value with a name of {names}")
-            kind = type(getattr(cls, name))
-            try:
-                over[name] = kind(value)
-            except ValueError:
-                raise ValueError(f"STRATAD_EXPERT_TUNING: {name} takes {kind.__name__}, not {value!r}") from None
-        return cls(**over)
-
 
 def signed_grid() -> np.ndarray:
     """experts.cu's IQ3_S table: uint32 (16 * 512,), word (signs4 << 9) | idx holds iq3s_grid()[idx]'s four int8
@@ -148,7 +128,7 @@ class ExpertKernels:
             raise ValueError("d_model and d_ff must be multiples of 32")
         if self.max_pairs < 1:
             raise ValueError("max_pairs must be >= 1")
-        self.tuning = tuning or Tuning.from_env()
+        self.tuning = tuning or Tuning()
         t = self.tuning
         if t.gu_warps not in (1, 2, 4, 8, 16, 32):
             raise ValueError("gu_warps must divide 32")

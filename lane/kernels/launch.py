@@ -6,16 +6,16 @@ PDL_ENTRY (griddepcontrol.wait: its predecessors have completed and their writes
 griddepcontrol.launch_dependents), so the overlap is safe and a normal launch is unchanged. CuPy's RawKernel cannot
 set launch attributes, so PDL launches go through the driver's cuLaunchKernelEx (ctypes). Only launches being
 captured into a CUDA graph use it (the graph keeps the programmatic edges; the H200 decode step went 4.28 ->
-3.90 ms): an eager ctypes launch costs more host time than the overlap saves. STRATAD_PDL=0 turns it off.
+3.90 ms): an eager ctypes launch costs more host time than the overlap saves. The config's [gpu] pdl = false turns it
+off (the card sets PDL).
 """
 from __future__ import annotations
 
 import ctypes
-import os
 
 import numpy as np
 
-PDL = os.environ.get("STRATAD_PDL", "1") != "0"
+PDL = True
 ATTR_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID
 
 

@@ -8,7 +8,6 @@ from live counts), then measures.
 """
 from __future__ import annotations
 
-import os
 import tempfile
 import threading
 import time
@@ -60,11 +59,11 @@ def _chats(d: LocalDaemon, prompts: list[list[int]], topics: list[int], tokens: 
 
 
 def _mode(model: str, cards: str, cache: float, mutual: bool, topics: list[int], prompt_tokens: int, tokens: int,
-          settle_s: float, host_experts: str, prompt_chunk: int) -> list[dict]:
+          settle_s: float, host_experts: str, prompt_chunk: int, peer_copy: str) -> list[dict]:
     conf = tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False)
     conf.write(f"mutual_help = {str(mutual).lower()}\nrejoin_idle_s = 3600.0\nreplan_interval_s = 0.5\n"
                f"context_length = {prompt_tokens + 2 * tokens + NEXT_TURN + 64}\nhost_experts = \"{host_experts}\"\n"
-               f"prefix_cache = true\nprompt_chunk = {prompt_chunk}\n")
+               f"prefix_cache = true\nprompt_chunk = {prompt_chunk}\n[gpu]\npeer_copy = \"{peer_copy}\"\n")
     conf.close()
     d = LocalDaemon(model, cards, args=["--expert-cache", str(cache), "--log-level", "warning"],
                     config=conf.name).start()
@@ -94,16 +93,17 @@ MODES = {  # name: (mutual_help, the chats' topics)
 
 def run(model_path: str, cards: str = "cpu,cpu", cache: float = 0.475, prompt_tokens: int = 1024,
         tokens: int = 128, settle_s: float = 3.0, modes: str = "1,2,3", host_experts: str = "card",
-        prompt_chunk: int = GPU_PROMPT_CHUNK) -> dict:
+        prompt_chunk: int = GPU_PROMPT_CHUNK, peer_copy: str = "auto") -> dict:
     """modes: which of the three to run ("1,3" and "2" in two runs fit long prompts into shorter jobs);
-    prompt_chunk: the GPU lanes' (config prompt_chunk)."""
+    prompt_chunk: the GPU lanes' (config prompt_chunk); peer_copy: a peer on another GPU, P2P or through host
+    memory (config [gpu] peer_copy)."""
     card_list = cards.split(",")
     n_cards = len(card_list)
     gpus = [c for c in card_list if c != "cpu"]
     shared = len(gpus) != len(set(gpus))
     wanted = {int(m) for m in modes.split(",")}
     results = {name: _mode(model_path, cards, cache, mutual, topics, prompt_tokens, tokens, settle_s, host_experts,
-                         prompt_chunk)
+                         prompt_chunk, peer_copy)
                for i, (name, (mutual, topics)) in enumerate(MODES.items(), start=1) if i in wanted}
     share = {name: [c["share_some_card"] for c in chats] for name, chats in results.items()}
     targets = {"mode3_share_some_card_min": 0.95} | {f"{name}_share_some_card": v for name, v in share.items()}
@@ -115,7 +115,7 @@ def run(model_path: str, cards: str = "cpu,cpu", cache: float = 0.475, prompt_to
         "scenario": "seed", "model": str(model_path), "cards": cards,
         "host_experts": host_experts if gpus else "cpu",  # CPU cards compute every miss on their own pool
         "prompt_chunk": prompt_chunk if gpus else None,
-        "peer_copy": os.environ.get("STRATAD_PEER_COPY", "auto"),  # a peer on another GPU: P2P or via host memory
+        "peer_copy": peer_copy,
         "cache_fraction_per_card": cache, "cache_fraction_all_cards": round(min(1.0, cache * n_cards), 3),
         "prompt_tokens": prompt_tokens, "generated_tokens": tokens, "modes": results,
         "decode_tok_s_together": {m: round(sum(c["decode_tok_s"] for c in chats), 2) for m, chats in results.items()},
