@@ -1,14 +1,12 @@
-"""A GPU card: the qwen3moe forward on one CUDA device with the kernels of lane/kernels, for one sequence.
+"""A GPU card: runs qwen3moe (lane/gpu_model.py, the model's weights and a step's launches) on one CUDA device
+for one sequence. The card owns what is not the model: the sequence's KV caches and device position, the
+captured decode steps and their replay, steps launched ahead, and the slot pool's memory with its CUDA IPC export
+(the experts the card holds; lane/gpu_experts.py computes them, those on peers' cards and the misses). It is a
+Card (stratad/engine/card.py) like the numpy card.
 
-Dense weights stay in their GGUF encoding on the card (mat-vecs read Q8_0 / F16 / BF16 / F32 rows directly; prompt
-chunks use cuBLAS on a dequantised fp16 copy made once); the experts the card holds sit in its VRAM slot pool,
-exported to the other lanes through a CUDA IPC handle; experts another card holds run there, the rest on the CPU
-pool (lane/gpu_experts.py). Same interface as the numpy card: new_kv(), forward(tokens, kv, logits) -> host
-logits, pool, counters, counts.
-
-A step is a list of launch-only operations with host breaks where the CPU pool serves a layer's misses; a prompt
-chunk runs the list directly, a decode step replays it as CUDA graphs captured once per placement shape: one graph
-when the card and its peers hold every expert, one per layer otherwise (the host serves the misses in between).
+A step is the model's list of launch-only operations with host breaks where the CPU pool serves a layer's misses; a
+prompt chunk runs the list directly, a decode step replays it as CUDA graphs captured once per placement shape: one
+graph when the card and its peers hold every expert, one per layer otherwise (the host serves the misses between).
 
 Steps ahead: when no host work sits between a step's layers (every expert on this card, on its peers' cards or
 read from the arena by the card) and the token is sampled on the device, forward_token(..., ahead=u) also launches
@@ -27,9 +25,11 @@ import numpy as np
 
 from stratad.engine.chunks import chunks
 from lane.counters import Counters
-from lane.gpu_experts import D2D, D2H, H2D, GpuExperts, pinned
+from lane.gpu_experts import D2D, D2H, H2D, GpuExperts
+from lane.gpu_model import Break, DeviceSample, Qwen3MoeGpu, Work
 from lane.slot_pool import SlotPool
-from lane.kernels import attention, compile, embedding, gemm, launch, matvec, norm, rope_kv, router, sampling, weights
+from lane.kernels import attention, launch, rope_kv, sampling
+from lane.kernels import compile as kernel_compile
 from lane.kernels.experts import Tuning
 from protos import messages as M
 from stratad.config import GPU_PROMPT_CHUNK, GpuOptions
@@ -62,38 +62,6 @@ class GpuKV:
             self.card.pos.fill(n)
 
 
-class Work:
-    """One step's buffers for T tokens (the decode step's stay put: its graphs point at them)."""
-
-    def __init__(self, c, T: int, logit_rows: int, slots: int = 1):
-        """slots: host copies of the routed ids (a step launched ahead writes the other one)."""
-        self.T = T
-        self.pos0 = 0  # where a prompt chunk starts (host side; decode steps read the device's pos)
-        self.long_ctx = False  # a decode step at ATTN_PDL_MAX_CTX or more (its attention: no PDL, plain loads)
-        self.tokens = cp.zeros((T,), cp.int32)
-        self.x, self.h = cp.empty((T, c.d_model), cp.float32), cp.empty((T, c.d_model), cp.float32)
-        self.qkv = cp.empty((T, c.q_dim + 2 * c.kv_dim), cp.float32)
-        self.q = cp.empty((T, c.n_head, c.head_dim), cp.float32)
-        self.att = cp.empty((T, c.q_dim), cp.float32)
-        self.att_q = cp.empty((matvec.q8_row_bytes(c.q_dim),), cp.int8)  # a decode step's, for the o mat-vec on 8 bits
-        self.router = cp.empty((T, c.n_expert), cp.float32)
-        self.ids = cp.empty((c.n_layer, T, c.n_expert_used), cp.int32)
-        self.w = cp.empty((T, c.n_expert_used), cp.float32)
-        self.hl = cp.empty((max(1, logit_rows), c.d_model), cp.float32)
-        self.logits = cp.empty((max(1, logit_rows), c.vocab_size), cp.float32)
-        self.ids_h = [pinned(self.ids.shape, np.int32) for _ in range(slots)]
-        self.logits_h = pinned(self.logits.shape, np.float32)
-
-
-@dataclass(frozen=True)
-class DeviceSample:
-    """A step's last logits row sampled on the card: by argmax (greedy), the top-k sampler (also top-p without a
-    top-k, the host sampling where its nucleus is wider than the candidates) or the whole-vocabulary sampler
-    ("argmax", "top-k", "cdf"); logits: they come back to the host as well."""
-    kind: str
-    logits: bool
-
-
 @dataclass
 class Ahead:
     """A decode step launched before the host knew its input token (the device's last sample)."""
@@ -103,13 +71,6 @@ class Ahead:
     params: object
     u: float
     slot: int  # its host copies (token, routed ids, sampling parameters) and completion event
-
-
-class Break:
-    """A host break in a step: the CPU pool serves this layer's misses."""
-
-    def __init__(self, layer: int):
-        self.layer = layer
 
 
 class CupyCard:
@@ -127,7 +88,7 @@ class CupyCard:
             raise ValueError("prompt_chunk must be at least 1")
         self.prompt_chunk = int(prompt_chunk)
         launch.PDL = options.pdl
-        compile.CACHE_DIR = options.kernel_cache
+        kernel_compile.CACHE_DIR = options.kernel_cache
         self.model = model
         self.device = cp.cuda.Device(device)
         self.device.use()
@@ -138,33 +99,6 @@ class CupyCard:
         self.counts = counts if counts is not None else np.zeros((c.n_layer, c.n_expert))
         self.epoch = 0
         self.graphs = graphs
-        up = weights.DenseWeight.upload
-
-        def w(name):
-            ti = model.info(name)
-            return up(model.raw(name).reshape(-1, ti.row_bytes), ti.qtype, ti.shape[-1])
-
-        def f32(name):
-            return cp.asarray(model.dense(name).astype(np.float32))
-
-        self.embed_w, self.out_w, self.out_norm = w("token_embd.weight"), w("output.weight"), f32("output_norm.weight")
-        self.layers = []
-        for i in range(c.n_layer):
-            b = f"blk.{i}."
-            self.layers.append(dict(
-                qkv=weights.DenseWeight.concat([w(b + "attn_q.weight"), w(b + "attn_k.weight"), w(b + "attn_v.weight")]),
-                o=w(b + "attn_output.weight"), router=w(b + "ffn_gate_inp.weight"),
-                attn_norm=f32(b + "attn_norm.weight"), ffn_norm=f32(b + "ffn_norm.weight"),
-                q_norm=f32(b + "attn_q_norm.weight"), k_norm=f32(b + "attn_k_norm.weight"),
-                kv=rope_kv.alloc_kv_cache(c.n_head_kv, self.max_ctx, c.head_dim)))
-        self.rope = rope_kv.RopeTable(self.max_ctx, c.head_dim, c.rope_base, c.rope_scaling)
-        # decode steps' attention, by long context (Work.long_ctx): each with its own load path and splits
-        self.attn = {long: attention.DecodeAttention(c.n_head, c.n_head_kv, c.head_dim, self.max_ctx,
-                                                     pipelined=not long)
-                     for long in (False, True)}
-        self.prefill_attn = attention.PrefillAttention(c.n_head, c.n_head_kv, c.head_dim, self.max_ctx)
-        # decode steps: the o mat-vec on the attention output quantised to 8 bits by the combine
-        self.o_qx = bool(self.layers and self.layers[0]["o"].takes_qx and all(a.quantizes() for a in self.attn.values()))
         self.pos = cp.zeros((1,), cp.int32)
         # the slot pool is its own cudaMalloc (not a memory-pool sub-allocation), so that its CUDA IPC handle
         # opens at the pool's first byte in other lanes
@@ -178,12 +112,10 @@ class CupyCard:
         self.device_ident = "cuda:" + cp.cuda.runtime.deviceGetPCIBusId(device)
         self.experts = GpuExperts(model, self.pool, self.prompt_chunk, cpu_threads, self.stream, self.device_ident,
                                   host_experts, options, tuning)
+        # the sequence's KV caches, one (K, V) a layer, and its position (the device's: decode steps read it)
+        self.kv_caches = [rope_kv.alloc_kv_cache(c.n_head_kv, self.max_ctx, c.head_dim) for _ in range(c.n_layer)]
+        self.net = Qwen3MoeGpu(model, self.stream, self.experts, self.kv_caches, self.pos, self.max_ctx)
         self.decode_work = Work(c, 1, 1, slots=2)
-        self.argmax, self.topk, self.cdf = sampling.Argmax(c.vocab_size), sampling.DeviceSampler(c.vocab_size), \
-            sampling.CdfSampler(c.vocab_size)
-        # the sampler's parameters and its token; host copies by slot (a step launched ahead uses the other one)
-        self.sparams, self.sparams_h = cp.zeros((4,), cp.float64), pinned((2, 4), np.float64)
-        self.token, self.token_h = cp.zeros((1,), cp.int32), pinned((2,), np.int32)
         self._done_ev = [cp.cuda.Event(disable_timing=True) for _ in range(2)]  # a step's end, by slot
         self._last_ev = cp.cuda.Event(disable_timing=True)  # the last launched step's end (slot copies wait for it)
         self._ahead: Ahead | None = None
@@ -259,7 +191,7 @@ class CupyCard:
                                 and pend.params == params and pend.u == u and not sample.logits):
             self._upload_sparams(sample, params, u, 0)
             out = self._forward(tokens, kv, "last", sample)  # drops a step launched ahead
-            token = int(self.token_h[0])
+            token = int(self.net.token_h[0])
             if token < 0:  # a nucleus wider than the card's candidates: the host samples the same logits, same draw
                 token = Sampler(params).pick(out[-1], u)
             if ahead is not None:
@@ -270,7 +202,7 @@ class CupyCard:
             self._launch_ahead(kv, -1, params, ahead, sample, 1 - pend.slot, length=pend.length)
         with self.device:
             self._done(self.decode_work, kv, 1, sample, pend.slot)
-        token = int(self.token_h[pend.slot])
+        token = int(self.net.token_h[pend.slot])
         if self._ahead is not None:
             self._ahead.token = token
         return token, None
@@ -278,10 +210,10 @@ class CupyCard:
     def _upload_sparams(self, sample: DeviceSample, params, u: float, slot: int) -> None:
         """The sampler's parameters for the step launched next (on the stream: after the step before it)."""
         if sample.kind != "argmax":
-            self.sparams_h[slot] = sampling.sampling_params(params.temperature, params.top_k, params.top_p, u)
+            self.net.sparams_h[slot] = sampling.sampling_params(params.temperature, params.top_k, params.top_p, u)
             with self.device:
-                cp.cuda.runtime.memcpyAsync(self.sparams.data.ptr, self.sparams_h[slot].ctypes.data,
-                                            self.sparams.nbytes, H2D, self.stream.ptr)
+                cp.cuda.runtime.memcpyAsync(self.net.sparams.data.ptr, self.net.sparams_h[slot].ctypes.data,
+                                            self.net.sparams.nbytes, H2D, self.stream.ptr)
 
     def _launch_ahead(self, kv: GpuKV, token: int, params, u: float, sample: DeviceSample, slot: int,
                       length: int | None = None) -> None:
@@ -298,7 +230,7 @@ class CupyCard:
                     and self._graph_key(w, length, sample) in self._graphs):
                 return
             self._upload_sparams(sample, params, u, slot)
-            cp.cuda.runtime.memcpyAsync(w.tokens.data.ptr, self.token.data.ptr, 4, D2D, self.stream.ptr)
+            cp.cuda.runtime.memcpyAsync(w.tokens.data.ptr, self.net.token.data.ptr, 4, D2D, self.stream.ptr)
             self._replay(w, length, sample)
             self._copy_back(w, sample, slot)
         self._ahead = Ahead(kv, length + 1, token, params, u, slot)
@@ -330,79 +262,12 @@ class CupyCard:
         return None if logits == "none" or not outs else np.concatenate(outs)
 
     # ---- a step as operations -----------------------------------------------------------------------------------
-    def _ops(self, w: Work, logit_rows: int, sample: DeviceSample | None = None) -> list:
-        """The step for w.T tokens: callables that only launch work on the card's stream, and Breaks (a decode
-        step's layers whose misses the CPU pool serves; a prompt chunk stages them on the card instead)."""
-        export = not self.experts.full and w.T == 1
-        ops = [lambda: embedding.embed(self.embed_w, w.tokens, w.x, stream=self.stream)]
-        for i in range(self.c.n_layer):
-            ops.append(lambda i=i: self._attend_and_route(i, w, export))
-            if export:
-                ops.append(Break(i))
-            ops.append(lambda i=i: self.experts.back(i, w.w, w.x))
-        ops.append(lambda: self._finish(w, logit_rows, sample))
-        return ops
-
-    def _proj(self, W: weights.DenseWeight, X: cp.ndarray, Y: cp.ndarray, residual: cp.ndarray | None = None) -> None:
-        """Y = X W^T (+ residual; Y may be residual): the mat-vec kernel for one token, cuBLAS fp16 for more."""
-        if X.shape[0] == 1:
-            r = None if residual is None else residual[0]
-            matvec.matvec(W, X[0], Y[0], residual=r, stream=self.stream)
-        else:
-            gemm.dense_batched(W, X, Y, residual=residual, cache=True, stream=self.stream)
-
-    def _norm_proj(self, norm_w: cp.ndarray, W: weights.DenseWeight, w: Work, Y: cp.ndarray, quant=None) -> None:
-        """Y = W rms_norm(w.x) (quant: also the experts' quantised input): one launch for a decode step where the
-        kernel takes W, else the norm into w.h, then the projection (same bits)."""
-        if w.T == 1 and matvec.norm_matvec_ok(W):
-            matvec.norm_matvec(W, w.x[0], norm_w, self.c.rms_eps, Y[0], quant=quant, stream=self.stream)
-        else:
-            norm.rms_norm(w.x, norm_w, self.c.rms_eps, w.h, quant=quant, stream=self.stream)
-            self._proj(W, w.h, Y)
-
-    def _attend_and_route(self, i: int, w: Work, export: bool) -> None:
-        c, L, s = self.c, self.layers[i], self.stream
-        self._norm_proj(L["attn_norm"], L["qkv"], w, w.qkv)
-        qx = w.T == 1 and self.o_qx
-        if w.T == 1:  # pos on the device: graph-safe; q/k norm, RoPE and the KV append in the split launch
-            self.attn[w.long_ctx].step(w.qkv, L["q_norm"], L["k_norm"], c.rms_eps, self.rope, self.pos, *L["kv"],
-                                       w.att, out_q=w.att_q if qx else None, pdl=not w.long_ctx, stream=s)
-        else:  # a prompt chunk, run eagerly: the host knows where it starts
-            rope_kv.qk_norm_rope_kv(w.qkv, L["q_norm"], L["k_norm"], c.rms_eps, self.rope, self.pos, w.q, *L["kv"],
-                              n_head=c.n_head, n_kv=c.n_head_kv, stream=s)
-            self.prefill_attn(w.q, *L["kv"], w.pos0, w.att, stream=s)
-        if qx:
-            matvec.matvec(L["o"], w.att_q, w.x[0], residual=w.x[0], qx=True, stream=s)
-        else:
-            self._proj(L["o"], w.att, w.x, residual=w.x)
-        self._norm_proj(L["ffn_norm"], L["router"], w, w.router, quant=self.experts.inputs(w.T))
-        if w.T == 1:  # a decode step: routed in the launch that builds the pair lists
-            self.experts.front(i, 1, w.ids[i], export, router=(w.router, w.w), x=w.x)
-        else:
-            router.route(w.router, c.n_expert_used, w.ids[i], w.w, stream=s)
-            self.experts.front(i, w.T, w.ids[i], export)
-
-    def _finish(self, w: Work, logit_rows: int, sample: DeviceSample | None) -> None:
-        s, rt = self.stream, cp.cuda.runtime
-        rope_kv.advance_pos(self.pos, w.T, stream=s)
-        if logit_rows:
-            norm.rms_norm(w.x[w.T - logit_rows:], self.out_norm, self.c.rms_eps, w.hl, stream=s)
-            self._proj(self.out_w, w.hl, w.logits)
-            if sample is None or sample.logits:
-                rt.memcpyAsync(w.logits_h.ctypes.data, w.logits.data.ptr, w.logits.nbytes, D2H, s.ptr)
-            if sample is not None:
-                last = w.logits[logit_rows - 1]
-                if sample.kind == "argmax":
-                    self.argmax(last, self.token, stream=s)
-                else:
-                    (self.topk if sample.kind == "top-k" else self.cdf)(last, self.sparams, self.token, stream=s)
-
     def _copy_back(self, w: Work, sample: DeviceSample | None, slot: int) -> None:
         """After a step's launches (outside its graphs: a step launched ahead writes the other slot): the sampled
         token and the routed ids to the host, and the step's end marked."""
         s, rt = self.stream, cp.cuda.runtime
         if sample is not None:
-            rt.memcpyAsync(self.token_h[slot:].ctypes.data, self.token.data.ptr, 4, D2H, s.ptr)
+            rt.memcpyAsync(self.net.token_h[slot:].ctypes.data, self.net.token.data.ptr, 4, D2H, s.ptr)
         rt.memcpyAsync(w.ids_h[slot].ctypes.data, w.ids.data.ptr, w.ids.nbytes, D2H, s.ptr)
         self._done_ev[slot].record(s)
         self._last_ev.record(s)
@@ -425,7 +290,7 @@ class CupyCard:
         w.pos0 = kv.length
         w.long_ctx = self._long_ctx(w, kv.length)
         w.tokens.set(tokens, stream=self.stream)
-        for op in self._ops(w, logit_rows, sample):
+        for op in self.net.ops(w, logit_rows, sample):
             if isinstance(op, Break):
                 self.experts.serve(op.layer, w.T)
             else:
@@ -467,7 +332,7 @@ class CupyCard:
                 self.stream.synchronize()  # none of them still running (a step launched ahead and dropped)
                 self._graphs.clear()  # peers came and went: the old pointers are gone
             try:
-                self._graphs[key] = self._capture(self._ops(w, 1, sample))
+                self._graphs[key] = self._capture(self.net.ops(w, 1, sample))
             except (cp.cuda.runtime.CUDARuntimeError, cp.cuda.driver.CUDADriverError) as e:
                 if not remote:
                     raise

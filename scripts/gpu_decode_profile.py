@@ -285,7 +285,8 @@ def profile(path: str, fraction: float, context: int, tokens: int, iters: int, h
             marginal: bool = False, sweep: bool = False, trace: bool = False, pdl: bool = True) -> dict:
     import cupy as cp
 
-    from lane.cupy_card import Break, CupyCard
+    from lane.cupy_card import CupyCard
+    from lane.gpu_model import Break
 
     model = ModelFile(path)
     c = model.config
@@ -314,7 +315,7 @@ def profile(path: str, fraction: float, context: int, tokens: int, iters: int, h
         if graphs:
             w = card.decode_work
             # the operations, in order: embed, (attend + route + front, back) x layers, finish
-            ops = [op for op in card._ops(w, 1) if not isinstance(op, Break)]
+            ops = [op for op in card.net.ops(w, 1) if not isinstance(op, Break)]
             with card.device, card.stream:
                 t_each = [graph_time_ms(cp, card.stream, op, iters) for op in ops]
             L = c.n_layer

@@ -53,8 +53,8 @@ def profile(path: str, fraction: float, context: int, host_experts: str, chunk: 
             return out
         return run
 
-    card._proj = timed("dense", card._proj)
-    card.prefill_attn = timed("attention", card.prefill_attn)
+    card.net._proj = timed("dense", card.net._proj)
+    card.net.prefill_attn = timed("attention", card.net.prefill_attn)
     card.experts.front = timed("experts", card.experts.front)
     card.experts.back = timed("combine", card.experts.back)
     cp.cuda.runtime.deviceSynchronize()

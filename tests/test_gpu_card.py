@@ -210,12 +210,12 @@ def test_dense_mat_vecs_on_8_bit_x(model, CupyCard):
     c = model.config
     card = CupyCard(model, 0, c.n_layer * c.n_expert, 4096)
     card.pool.fill(experts_by_rank(model))
-    if not card.o_qx:
+    if not card.net.o_qx:
         pytest.skip("no Q8_0 o projection here")
     tokens = model.tokenizer.encode(PROMPT)
     outs = {}
     for qx in (True, False):
-        card.o_qx = qx
+        card.net.o_qx = qx
         card._graphs.clear()  # steps captured on the other paths
         kv = card.new_kv()
         card.forward(tokens[:-8], kv)
