@@ -18,7 +18,6 @@ the stream timeout's case.
 """
 from __future__ import annotations
 
-import os
 import time
 import uuid
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from protos import messages as M
 from protos.codec import FrameError, decode, encode
+from stratad import discovery
 from stratad.config import default_runtime_dir
 
 
@@ -104,13 +104,19 @@ class _Base:
     def __init__(self, runtime_dir: str | None = None, endpoint: str | None = None, timeout_s: float = 30.0,
                  stream_timeout_s: float | None = 600.0, curve_server_key: bytes | None = None,
                  curve_keypair: tuple[bytes, bytes] | None = None):
-        self.runtime_dir = Path(runtime_dir or os.environ.get("STRATAD_RUNTIME_DIR") or default_runtime_dir())
+        # the daemon's runtime dir: the one given, STRATAD_RUNTIME_DIR, the default, else the one running daemon
+        # this user registered (stratad/discovery.py: stratactl finds daemons the same way)
+        self.found = discovery.lookup(runtime_dir) if endpoint is None else None
+        self.runtime_dir = (self.found.path if self.found and self.found.path else
+                            Path(runtime_dir or default_runtime_dir()))
         self.endpoint = endpoint or f"ipc://{self.runtime_dir / 'client.sock'}"
         self.timeout_s, self.stream_timeout_s = timeout_s, stream_timeout_s
         self.curve = (curve_server_key, curve_keypair) if curve_server_key else None
 
     def _check_endpoint(self) -> None:
         if self.endpoint.startswith("ipc://") and not Path(self.endpoint[6:]).exists():
+            if self.found is not None and self.found.path is None:
+                raise DaemonUnavailable(self.found.message())
             raise DaemonUnavailable(f"no stratad socket at {self.endpoint[6:]}: is the daemon running "
                                     f"(runtime dir {self.runtime_dir})?")
 

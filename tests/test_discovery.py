@@ -57,8 +57,8 @@ def test_stratactl_finds_a_daemon_started_with_another_runtime_dir(tiny_model_pa
         for argv in (["status", "--json"], ["--json", "status"], ["status", "--runtime-dir", str(rt), "--json"]):
             assert ctl.main(argv) == 0, argv
             assert [ln["card"] for ln in json.loads(capsys.readouterr().out)["lanes"]] == ["cpu"]
-        with Client(runtime_dir=str(discovery.runtime_dir())) as c:  # the client library's default, the same way
-            assert len(c.status().lanes) == 1
+        with Client() as c:  # the client library's default finds it the same way
+            assert len(c.status().lanes) == 1 and c.runtime_dir == rt.resolve()
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
@@ -69,6 +69,9 @@ def test_stratactl_finds_a_daemon_started_with_another_runtime_dir(tiny_model_pa
                   f"no running daemon registered in {session / 'stratad.daemons'}"):
         assert place in err
     assert len(err.strip().splitlines()) == 1
+    with pytest.raises(DaemonUnavailable, match="no running stratad found: .*no running daemon registered"):
+        with Client() as c:  # the library names the places it looked too
+            c.status()
 
 
 def fake_daemon(rt: Path, pid: int) -> None:
