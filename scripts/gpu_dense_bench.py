@@ -24,7 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gguf import GGMLQuantizationType as T  # noqa: E402
 
-from lane.kernels import attention, device, embedding, gemm, matvec, norm, rope_kv, router, sampling, weights  # noqa: E402
+from gpu_timing import graph_ms  # noqa: E402
+from lane.kernels import (attention, device, embedding, gemm, matvec, norm, rope_kv, router, sampling,  # noqa: E402
+                          weights)
 from stratad.model import quants  # noqa: E402
 
 F32 = np.float32
@@ -33,26 +35,10 @@ A3B = dict(d=2048, n_head=32, n_kv=4, hd=128, n_exp=128, k=8, vocab=151936, n_la
 
 
 def graph_us(cp, fns, iters=20, repeats=5):
-    """Median microseconds per call of fns (a list of launches captured as one graph)."""
+    """Median microseconds per call of fns (a list of launches, each taking the stream, captured as one graph)."""
     cp.cuda.Device().synchronize()  # inputs were written on the null stream: let them land first
     s = cp.cuda.Stream(non_blocking=True)
-    with s:
-        s.begin_capture()
-        for f in fns:
-            f(s)
-        g = s.end_capture()
-        for _ in range(3):
-            g.launch(s)
-        s.synchronize()
-        e0, e1 = cp.cuda.Event(), cp.cuda.Event()
-        out = []
-        for _ in range(repeats):
-            e0.record(s)
-            for _ in range(iters):
-                g.launch(s)
-            e1.record(s)
-            e1.synchronize()
-            out.append(cp.cuda.get_elapsed_time(e0, e1) * 1e3 / (iters * len(fns)))
+    out = [t * 1e3 / (iters * len(fns)) for t in graph_ms(cp, s, [lambda f=f: f(s) for f in fns], iters, repeats)]
     return float(np.median(out)), out
 
 

@@ -31,6 +31,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from gpu_timing import graph_ms  # noqa: E402
 from stratad.engine import canonical  # noqa: E402
 from stratad.model.quants import decode_int, parse_type, random_rows  # noqa: E402
 
@@ -71,27 +72,6 @@ def make_pairs(rng, case, perm, r, max_pairs):
     a = np.full((max_pairs, 2), -1, np.int32)
     a[:len(pr)] = pr
     return a, len(pr), len({p[1] for p in pr})
-
-
-def time_graph(cp, stream, fns, iters, repeats=2):
-    with stream:
-        stream.begin_capture()
-        for f in fns:
-            f()
-        g = stream.end_capture()
-        for _ in range(3):
-            g.launch(stream)
-        stream.synchronize()
-        e0, e1 = cp.cuda.Event(), cp.cuda.Event()
-        out = []
-        for _ in range(repeats):
-            e0.record(stream)
-            for _ in range(iters):
-                g.launch(stream)
-            e1.record(stream)
-            e1.synchronize()
-            out.append(cp.cuda.get_elapsed_time(e0, e1))
-    return out  # ms per `iters` launches
 
 
 def bench_type(cp, qt, variant, args, copy_bw, rng):
@@ -149,9 +129,9 @@ def bench_type(cp, qt, variant, args, copy_bw, rng):
         runs = [lambda p=p: k.run(pool.data.ptr, p, n_dev, qa, da, out, combine, stream=stream) for p in pairs_l]
         gus = [lambda p=p: k.run_gate_up(pool.data.ptr, p, n_dev, qa, da, stream=stream) for p in pairs_l]
         dns = [lambda p=p: k.run_down(pool.data.ptr, p, n_dev, out, combine, stream=stream) for p in pairs_l]
-        t_run = time_graph(cp, stream, runs, args.iters)
-        t_gu = time_graph(cp, stream, gus, args.iters)
-        t_dn = time_graph(cp, stream, dns, args.iters)
+        t_run = graph_ms(cp, stream, runs, args.iters, 2)
+        t_gu = graph_ms(cp, stream, gus, args.iters, 2)
+        t_dn = graph_ms(cp, stream, dns, args.iters, 2)
         per = args.iters * args.reps
         us = [t * 1e3 / per for t in t_run]
         us_gu = [t * 1e3 / per for t in t_gu]
@@ -210,7 +190,7 @@ def bench_prompt(cp, qt, variant, args, rng):
     n_dev = cp.asarray(np.array([n_tiles], np.int32))
     stream = cp.cuda.Stream(non_blocking=True)
     run = [lambda: k.run_tiled(pool.data.ptr, pairs, tiles, n_dev, qa, da, out, stream=stream)]
-    ms = [t / args.iters for t in time_graph(cp, stream, run, args.iters)]
+    ms = [t / args.iters for t in graph_ms(cp, stream, run, args.iters, 2)]
     qa_ref, da_ref = canonical.quantize_act(x)
     got = out.get()
     sample = rng.choice(P, 16, replace=False)
