@@ -1,11 +1,4 @@
-#include "common.cuh"
-#include "dense_common.cuh"
-#include "norm.cuh"
-#include "rope.cuh"
-#include "attention.cuh"
-
-// =============================================================================================================
-// 4. decode attention, split-K ("flash decoding") on fp16 tensor cores (mma.m16n8k16, fp32 accumulate).
+// decode attention, split-K ("flash decoding") on fp16 tensor cores (mma.m16n8k16, fp32 accumulate).
 // Grid (nsplit, n_kv, T), 4 warps per block. Token t attends to positions [0, pos[0] + t] of its kv head.
 // chunk = roundup64(max(chunk_min, ceil(len / nsplit))), block s covers [s*chunk, min(len, (s+1)*chunk));
 // blocks past ceil(len / chunk) exit. Warp w takes 16-position tiles w, w+4, ... of the block's range.
@@ -19,7 +12,12 @@
 // The block merges its 4 warps and writes one partial (m, l, O unnormalised) per (t, kv head, split, head).
 // A warp's K / V tiles reach its registers one of two ways, the arithmetic the same: loaded where used (plain), or
 // the next tile prefetched into registers (PIPE, 246 registers at 16 heads).
-// =============================================================================================================
+#include "common.cuh"
+#include "dense_common.cuh"
+#include "norm.cuh"
+#include "rope.cuh"
+#include "attention.cuh"
+
 __device__ __forceinline__ void attn_split_geom(int len, int nsplit, int chunk_min, int& chunk, int& nact) {
     int c = (len + nsplit - 1) / nsplit;
     c = max(c, chunk_min);

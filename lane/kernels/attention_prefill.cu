@@ -1,13 +1,12 @@
+// prefill attention (a prompt chunk of T tokens at positions pos0 .. pos0+T-1 over the whole cached prefix):
+// the query rows packed per kv head (r = t * group + j: head h * group + j of token t), the flash kernel below, the
+// output unpacked (attention.py: PrefillAttention).
 #include "common.cuh"
 #include "dense_common.cuh"
 #include "norm.cuh"
 #include "rope.cuh"
 #include "attention.cuh"
 
-// 8. prefill attention (a prompt chunk of T tokens at positions pos0 .. pos0+T-1 over the whole cached prefix):
-// the query rows packed per kv head (r = t * group + j: head h * group + j of token t), the flash kernel below, the
-// output unpacked (attention.py: PrefillAttention).
-// =============================================================================================================
 // q (T, n_head, hd) f32 -> qp (n_kv, T * group, hd) f16, times scale (softmax's 1/sqrt(hd), applied before the
 // fp16 rounding so scores need no scaling).
 // element idx of a (T, n_head, hd) array -> its place in (n_kv, T * group, hd)

@@ -1,9 +1,7 @@
+// embedding: out[t] = dequantised row tokens[t] of the table (a bad token id gives a NaN row).
 #include "common.cuh"
 #include "dense_common.cuh"
 
-// =============================================================================================================
-// 7. embedding: out[t] = dequantised row tokens[t] of the table (a bad token id gives a NaN row).
-// =============================================================================================================
 extern "C" __global__ void __launch_bounds__(256) embed_rows(const u8* __restrict__ table, int qt, int vocab,
                                                              int d, i64 row_bytes, const int* __restrict__ tokens,
                                                              float* __restrict__ out) {

@@ -55,7 +55,7 @@ extern "C" __global__ void __launch_bounds__(256) matvec_generic(const u8* __res
 }
 
 // =============================================================================================================
-// 2b. RMSNorm folded into the mat-vec that reads it (a decode step's attention and FFN norms; one launch less
+// RMSNorm folded into the mat-vec that reads it (a decode step's attention and FFN norms; one launch less
 // each). Every block stages the raw row x (n <= NORM_MV_MAX_N) in shared memory, computes its rms with row_rms and
 // normalises it there with rms_norm_rows' expressions (the same bits), then runs the mat-vec on it. With q, the
 // blocks also write the row's quantisation for the experts (group g by block g % gridDim.x, warp by warp). The

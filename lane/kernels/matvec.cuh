@@ -1,5 +1,5 @@
 // =============================================================================================================
-// 1. mat-vec  y[r] = sum_c W[r, c] x[c] (+ res[r])
+// mat-vec  y[r] = sum_c W[r, c] x[c] (+ res[r])
 // Block = 8 warps. A warp owns R rows (its "row group"); KS warps of a block split a row group's K dimension
 // (tiles round-robin) and are summed in shared memory in warp order (deterministic). Loads are 16-byte,
 // coalesced, several tiles in flight per warp (R * U = 4 row-tiles for Q8_0, 8 for the float types).
@@ -13,7 +13,7 @@
 #define MV_WARPS 8
 #define Q8_TILE_BYTES 1088
 
-// a mat-vec's activation: global (read-only path) or shared memory (XS: the fused RMSNorm's output, section 2b)
+// a mat-vec's activation: global (read-only path) or shared memory (XS: the fused RMSNorm's output, matvec.cu's norm_matvec)
 template <bool XS>
 __device__ __forceinline__ float4 ldx4(const float4* p) { return XS ? *p : __ldg(p); }
 
@@ -232,7 +232,7 @@ __device__ __forceinline__ void matvec_float_body(const u8* __restrict__ W, int 
     mv_finish<R, KS>(acc, rg, rows, res, y);
 }
 
-// x staged in shared memory (the fused norm's row, section 2b; the Q8_0 mat-vecs of rows up to NORM_MV_MAX_N) with
+// x staged in shared memory (the fused norm's row, norm_matvec; the Q8_0 mat-vecs of rows up to NORM_MV_MAX_N) with
 // NORM_MV_RING ring tiles a warp, so that three blocks fit an SM beside it
 #define NORM_MV_MAX_N 4096
 #define NORM_MV_RING 6

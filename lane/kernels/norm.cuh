@@ -1,5 +1,5 @@
 // =============================================================================================================
-// 2. RMSNorm, numpy's exact summation tree.
+// RMSNorm, numpy's exact summation tree.
 // numpy's float32 add.reduce over a contiguous row of n values (pairwise_sum): n < 8: sequential from 0;
 // n <= 128: 8 accumulators r[j] = a[j] + a[j+8] + ... over the first n - n%8 values, then
 // ((r0+r1)+(r2+r3))+((r4+r5)+(r6+r7)), then the n%8 leftovers sequentially; n > 128: split at

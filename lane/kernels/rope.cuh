@@ -1,5 +1,5 @@
 // =============================================================================================================
-// 3. fused per-head q/k RMSNorm + NEOX RoPE + KV append, T tokens at positions pos[0] + t.
+// fused per-head q/k RMSNorm + NEOX RoPE + KV append, T tokens at positions pos[0] + t.
 // qkv: (T, ld) rows = [q (n_head*hd) | k (n_kv*hd) | v (n_kv*hd)]. One warp per (token, head); heads
 // [0, n_head) are q (-> q_out (T, n_head, hd) f32), [n_head, n_head+n_kv) k (-> K cache), then v (-> V cache).
 // K cache (one layer): (n_kv, max_ctx, hd) f16.  V cache: transposed in blocks of 16 positions, (n_kv, max_ctx / 16,

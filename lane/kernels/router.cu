@@ -1,9 +1,7 @@
+// router: one warp per token (route.cuh)
 #include "common.cuh"
 #include "dense_common.cuh"
 
-// =============================================================================================================
-// 5. router: one warp per token (route.cuh)
-// =============================================================================================================
 #include "route.cuh"
 
 extern "C" __global__ void __launch_bounds__(32) route_topk(const float* __restrict__ logits, i64 ld, int n, int k,

@@ -1,10 +1,8 @@
+// argmax (np.argmax: first index of the maximum; a NaN counts as the maximum) and top-k / top-p sampling.
+// Keys: u64 (order(x) << 32) | (0xffffffff - index), larger = better; order(): -0 -> +0, NaN above +inf.
 #include "common.cuh"
 #include "dense_common.cuh"
 
-// =============================================================================================================
-// 6. argmax (np.argmax: first index of the maximum; a NaN counts as the maximum) and top-k / top-p sampling.
-// Keys: u64 (order(x) << 32) | (0xffffffff - index), larger = better; order(): -0 -> +0, NaN above +inf.
-// =============================================================================================================
 __device__ __forceinline__ u64 sort_key(float v, int i) {
     u32 b = __float_as_uint(v);
     if (v != v) b = 0xffffffffu;
