@@ -1,9 +1,9 @@
 """A client's Generate turned into prompt tokens off the coordinator's loop, in the order the client sent it.
 
-Rendering a chat template and tokenising a long text take seconds for megabytes (a 7 MB prompt: 8 s on a 2-core
-box), and the `tokenizers` encode holds the GIL throughout, so a thread would pause the loop as much: a long text
+Rendering a chat template and tokenising a long text take seconds for megabytes (docs/perf-notes.md), and the
+`tokenizers` encode holds the GIL throughout, so a thread would pause the loop as much: a long text
 is prepared in a worker process instead (started once, with its own copy of the tokenizer), and its tokens come
-back through `ready()`, polled every loop turn. Short texts are prepared in the loop (under ~10 ms). While one of a
+back through `ready()`, polled every loop turn. Short texts (HEAVY_CHARS and under) are prepared in the loop. While one of a
 client's requests is being prepared, that client's later messages wait behind it, so its order is kept.
 """
 from __future__ import annotations

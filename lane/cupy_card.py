@@ -220,7 +220,7 @@ class CupyCard:
         """Launch the step after the one that leaves kv at `length` (kv.length), its input the device's last
         sample (token: the host's name for it, -1 until that step is read), where it needs no host between its
         layers, returns only its token and is captured already (a capture here would delay the token the host
-        waits for: the first request's first token took 50-60 ms longer on the H200)."""
+        waits for by the capture's time)."""
         length = kv.length if length is None else length
         ex = self.experts
         w = self.decode_work

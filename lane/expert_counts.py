@@ -2,9 +2,8 @@
 
 A GPU card tallies every step: how often each expert was routed (the live counts placement follows) and where each
 routed entry ran (the card, a peer pool, the arena, the CPU pool). Both come from one (n_layer, n_expert) count
-matrix, so the host work is a bincount over the step's ids and then O(n_layer * n_expert), not per entry: for a
-1024-token prompt chunk (393,216 entries of the a3b shape) that is ~2 ms against ~11 ms for np.add.at and a
-per-entry source lookup, time in which the card waited for the next chunk.
+matrix, so the host work is a bincount over the step's ids and then O(n_layer * n_expert), not per entry (a prompt
+chunk has hundreds of thousands of entries, and the card waits for the next chunk meanwhile).
 """
 from __future__ import annotations
 

@@ -16,9 +16,8 @@ _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(B|KiB|MiB|GiB|TiB)\s*$")
 _UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
 
 
-# The GPU card's prompt chunk: a bigger chunk gives each expert more tokens a tensor-core tile. H200, a3b all
-# resident, a 32K prompt: 6270 / 7247 / 8430 tok/s at chunks of 1024 / 2048 / 4096 (expert kernels 3038 -> 1826
-# ms); the expert workspaces grow with it (a3b at 4096: ~0.27 GB of result rows a source, 4x those at 1024)
+# The GPU card's prompt chunk: a bigger chunk gives each expert more tokens a tensor-core tile (faster prompts), and
+# the expert workspaces grow with it (figures: docs/perf-notes.md, "Where the defaults come from")
 GPU_PROMPT_CHUNK = 4096
 
 class ConfigError(ValueError):
@@ -105,8 +104,8 @@ class DaemonConfig(BaseModel):
     cpu_threads: int = Field(0, ge=0, description="compute threads per lane (CPU pool, numpy); 0: cores / lanes")
     host_experts: Literal["cpu", "card"] = Field(
         "card", description="GPU cards, decode: the experts no card holds are read by the card from the page-locked "
-                            "arena over the bus (card: 124 vs 76 tok/s half resident, H200) or computed by the CPU "
-                            "pool (cpu)")
+                            "arena over the bus (card: the faster, docs/perf-notes.md) or computed by the CPU pool "
+                            "(cpu)")
     prompt_chunk: int = Field(GPU_PROMPT_CHUNK, ge=16, description="GPU cards: tokens a prompt is read in at a "
                               "time (bigger: faster prompts, more workspace, cancels and role changes seen less often)")
     prefix_cache: bool = Field(False, description="a lane keeps its last sequence's KV and reuses it for the next "

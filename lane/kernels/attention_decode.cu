@@ -7,7 +7,7 @@
 //  the two 8-column S tiles are interleaved so that the S accumulators become the P A-fragments of
 //  O (heads x hd) = P V, and each thread's B-fragment of V^T is 4 consecutive positions (8 bytes). With 8 heads a
 //  group (half of an A operand padding) O^T = V^T P^T instead: the same V^T loads as A fragments, the first half of
-//  the P fragments as B, half the MMAs and accumulators (H200, a3b: 168 -> 137 registers plain, 250 -> 212 fused).
+//  the P fragments as B, half the MMAs and accumulators (fewer registers: docs/perf-notes.md).
 // Online softmax in base 2 (scores * log2(e)/sqrt(hd)), P rounded to f16 and l summed from the rounded values.
 // The block merges its 4 warps and writes one partial (m, l, O unnormalised) per (t, kv head, split, head).
 // A warp's K / V tiles reach its registers one of two ways, the arithmetic the same: loaded where used (plain), or

@@ -5,8 +5,8 @@ its blocks made resident while its predecessor is still running; every kernel of
 PDL_ENTRY (griddepcontrol.wait: its predecessors have completed and their writes are visible; then
 griddepcontrol.launch_dependents), so the overlap is safe and a normal launch is unchanged. CuPy's RawKernel cannot
 set launch attributes, so PDL launches go through the driver's cuLaunchKernelEx (ctypes). Only launches being
-captured into a CUDA graph use it (the graph keeps the programmatic edges; the H200 decode step went 4.28 ->
-3.90 ms): an eager ctypes launch costs more host time than the overlap saves. The config's [gpu] pdl = false turns it
+captured into a CUDA graph use it (the graph keeps the programmatic edges; docs/perf-notes.md has the step's
+times): an eager ctypes launch costs more host time than the overlap saves. The config's [gpu] pdl = false turns it
 off (the card sets PDL).
 """
 from __future__ import annotations

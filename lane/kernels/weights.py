@@ -102,12 +102,12 @@ def default_plan(qtype, rows: int, cols: int) -> tuple[int, int]:
     else:
         ntiles = -(-(f.row_bytes(cols) // 16) // 32)
     target = 4096  # warps: ~31 per SM on 132 SMs
-    if qt == T.Q8_0:  # measured on the H200 (docs/perf-notes.md): best or within 0.3 us of it at every a3b shape
+    if qt == T.Q8_0:  # measured on the H200, each a3b shape's best plan (docs/perf-notes.md, the plan sweep)
         if rows >= 16384:
             return (4, 1)
         if rows >= 4096:
             return (2, 1)
-        if rows >= 1024:  # o (2048 x 4096): r4k4 took 0.120 ms off a 1K step against r1k1 (s16 plans sweep)
+        if rows >= 1024:  # o (2048 x 4096): four rows a warp, each row's tiles over four warps
             return (4, 4) if ntiles >= 4 else (1, 1)
         return (1, 2)
     for R in (4, 2):

@@ -255,7 +255,7 @@ class ModelFile:
 class _Reader(GGUFReader):
     """gguf's reader working on a plain ndarray view of its np.memmap: numpy's memmap subclass runs
     __array_finalize__ on every view the reader makes, some 2 million for a 151,936-token vocabulary and its
-    merges (a235b's first shard: 13.0 -> 3.2 s to read, 336 -> 170 MB resident)."""
+    merges (docs/perf-notes.md has the open time and memory)."""
 
     @property
     def data(self):
