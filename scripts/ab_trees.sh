@@ -2,10 +2,10 @@
 # The trees device_run.sh ab compares: _ab1, _ab2, ... from `git archive` of each revision given, in order (the first
 # is the base bench_table.py --ab measures against). Run in the checkout the device copies (it sends no .git, but
 # does send untracked files that git does not ignore; ~3 MB a tree). `scripts/ab_trees.sh clean` removes them; do so
-# before committing. REV+PATCH: the revision with a patch file applied (an experiment kept as a patch in docs/experiments/:
+# before committing. REV+PATCH: the revision with a patch file applied (an experiment kept as a patch file, since
 # branches do not outlive a session here).
-#   scripts/ab_trees.sh main c1-exit c2-pf-gateup
-#   scripts/ab_trees.sh HEAD+docs/experiments/NAME.patch
+#   scripts/ab_trees.sh a77b0e2            # then device_run.sh ab: this tree against a77b0e2, in turn
+#   scripts/ab_trees.sh HEAD+/path/to/experiment.patch
 set -eu
 cd "$(git rev-parse --show-toplevel)"
 rm -rf _ab[0-9]*
