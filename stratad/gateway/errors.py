@@ -16,10 +16,16 @@ _KINDS = {
     "unavailable": (503, "server_error", 503, "api_error"),
     "internal": (500, "server_error", 500, "api_error"),
 }
+# Every daemon error code -> kind (tests/test_gateway_errors.py checks that none is missing). The HTTP client's
+# own input is a 400; what the gateway itself sent wrong as the daemon's client (a frame, a version, a request id:
+# the HTTP client chose none of them) is the server's fault, as is a lane that died; a daemon that is stopping or
+# has cut the gateway off for reading too slowly will serve again: 503, worth a retry.
 _CODES = {
     ErrorCode.BAD_REQUEST: "invalid_request", ErrorCode.PROMPT_TOO_LONG: "invalid_request",
-    ErrorCode.BAD_FRAME: "invalid_request", ErrorCode.QUEUE_FULL: "overloaded",
-    ErrorCode.SHUTTING_DOWN: "unavailable",
+    ErrorCode.QUEUE_FULL: "overloaded",
+    ErrorCode.SHUTTING_DOWN: "unavailable", ErrorCode.CLIENT_TOO_SLOW: "unavailable",
+    ErrorCode.BAD_FRAME: "internal", ErrorCode.BAD_VERSION: "internal", ErrorCode.DUPLICATE_REQUEST: "internal",
+    ErrorCode.UNKNOWN_REQUEST: "internal", ErrorCode.LANE_FAILED: "internal", ErrorCode.INTERNAL: "internal",
 }
 
 
