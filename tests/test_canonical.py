@@ -1,8 +1,9 @@
 """The canonical expert function (stratad.engine.canonical), bit for bit against a slow scalar re-implementation.
 
 The scalar code below is written from the format descriptions (llama.cpp's block layouts and the canonical rule in
-canonical.py's docstring), not from quants.decode_int: it parses a row's bytes one block at a time and does every
-float operation on one np.float32 scalar, in the documented order. Any difference in the bits is a bug in one of
+canonical.py's docstring), not from quants.decode_int: it parses a row's bytes one block at a time (IQ3_S, Q4_K,
+Q8_0; the other types' sub-blocks come from their integer view, which test_quants checks value for value against
+gguf.quants.dequantize) and does every float operation on one np.float32 scalar, in the documented order. Any difference in the bits is a bug in one of
 the two, and the GPU kernels and the CPU pool will be checked against the same function.
 """
 from __future__ import annotations
@@ -14,6 +15,7 @@ from gguf import quants as gq
 
 from stratad.engine import canonical
 from stratad.model import quants
+from stratad.model.quants import iquants
 
 F32 = np.float32
 EXPERT_TYPES = list(quants.EXPERT_TYPES)
@@ -32,8 +34,9 @@ def _iq3s_table() -> np.ndarray:
     return gq.IQ3_S.grid.reshape(512, 4).astype(int)
 
 
-def scalar_subblocks(qtype: T, row: bytes) -> list[tuple[list[int], np.float32, np.float32 | None]]:
-    """One row's sub-blocks of 32 values: (integer values, scale, minimum or None), block by block."""
+def scalar_subblocks(qtype: T, row: bytes) -> list[tuple]:
+    """One row's sub-blocks of 32 values: (integer values, scale, minimum or None[, minimum weights]), block by
+    block."""
     out = []
     if qtype == T.Q8_0:
         for o in range(0, len(row), 34):
@@ -70,8 +73,12 @@ def scalar_subblocks(qtype: T, row: bytes) -> list[tuple[list[int], np.float32, 
                         neg = (signs[4 * ib + v // 8] >> (v % 8)) & 1
                         q.append(-int(grid[idx][j]) if neg else int(grid[idx][j]))
                 out.append((q, d * F32(1 + 2 * nib), None))
-    else:
-        raise AssertionError(qtype)
+    else:  # from the integer view (see the module doc)
+        ib = quants.decode_int(qtype, np.frombuffer(bytes(row), np.uint8)[None])
+        for j in range(ib.q.shape[1]):
+            mw = None if ib.mweight is None else [int(v) for v in ib.mweight[0, j]]
+            out.append(([int(v) for v in ib.q[0, j]], ib.scale[0, j],
+                        None if ib.minimum is None else ib.minimum[0, j], mw))
     return out
 
 
@@ -106,13 +113,15 @@ def scalar_lane_sum(terms: list) -> np.float32:
 
 def scalar_qdot(sub: list, qa: list[list[int]], da: list) -> np.float32:
     terms = []
-    for (qw, scale, minimum), qx, d in zip(sub, qa, da, strict=True):
+    for blk, qx, d in zip(sub, qa, da, strict=True):
+        qw, scale, minimum = blk[:3]
+        mw = blk[3] if len(blk) > 3 and blk[3] is not None else [1] * len(qx)
         isum = 0
         for a, b in zip(qw, qx, strict=True):
             isum += a * b
         t = (scale * d) * F32(isum)
         if minimum is not None:
-            t = t - (minimum * d) * F32(sum(qx))
+            t = t - (minimum * d) * F32(sum(m * a for m, a in zip(mw, qx, strict=True)))
         terms.append(t)
     return scalar_lane_sum(terms)
 
@@ -140,10 +149,18 @@ def weight_rows(qtype: T, rng: np.random.Generator, rows: int, n: int, source: s
     f = quants.fmt(qtype)
     raw = np.frombuffer(rng.bytes(rows * f.row_bytes(n)), np.uint8).reshape(rows, -1, f.block_bytes).copy()
     nb = raw.shape[1]
-    for off in ((0, 2) if qtype == T.Q4_K else (0,)):
+    for off in F16_AT.get(qtype, (0,)):
         s = (rng.uniform(-1, 1, (rows, nb)) * 10.0 ** rng.uniform(-4, 0, (rows, nb))).astype(np.float16)
-        raw[..., off:off + 2] = s.view(np.uint8).reshape(rows, nb, 2)
+        if qtype == T.IQ1_M:  # d in the top nibbles of the four scale words
+            iquants._put_iq1m_d(raw, s.astype(F32))
+        else:
+            raw[..., off:off + 2] = s.view(np.uint8).reshape(rows, nb, 2)
     return raw.reshape(rows, -1)
+
+
+# byte offsets of each type's f16 fields where they are not just d at 0
+F16_AT = {T.Q4_1: (0, 2), T.Q5_1: (0, 2), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q2_K: (80, 82), T.Q3_K: (108,),
+          T.Q6_K: (208,), T.IQ1_M: (None,)}
 
 
 def activations(rng: np.random.Generator, tokens: int, n: int) -> np.ndarray:
@@ -222,6 +239,26 @@ def test_expert_matches_scalar(qtype):
     want = scalar_expert(*subs, list(x[0]))
     assert ours.shape == (1, d_model)
     assert bits_equal(ours[0], np.array(want, F32))
+
+
+@pytest.mark.parametrize("qtype", EXPERT_TYPES, ids=IDS)
+def test_qdot_close_to_float_dot(qtype):
+    """The canonical dot against the float64 dot of gguf's dequantised weights with the unquantised input. Stated
+    bound: |qdot - w.x| <= sum_v |w_v| (d_b / 2 + 2^-22 |x_v|) + 2^-20 sum_v |w_v| |x_v| (the activation's rounding to
+    the grid of step d_b, then float32 rounding of the terms and their sum); a wrong scale in a view breaks it."""
+    rng = np.random.default_rng([13, int(qtype)])
+    rows, n = 16, 2048
+    raw = quants.random_rows(qtype, rng, rows, n, rms=0.05)
+    x = activations(rng, 3, n)
+    qa, da = canonical.quantize_act(x)
+    ours = canonical.qdot(quants.decode_int(qtype, raw), qa, da).astype(np.float64)
+    w = gq.dequantize(np.ascontiguousarray(raw), qtype).astype(np.float64)
+    x64, step = x.astype(np.float64), np.repeat(da.astype(np.float64), 32, axis=1)
+    want = x64 @ w.T
+    bound = np.abs(w) @ (step / 2 + 2.0 ** -22 * np.abs(x64)).T + 2.0 ** -20 * (np.abs(x64) @ np.abs(w).T).T
+    err = np.abs(ours - want)
+    assert np.all(err <= bound.T), f"worst error / bound {float((err / bound.T).max()):.3g}"
+    assert float((err / bound.T).max()) > 1e-3  # the bound is not vacuous: errors come within reach of it
 
 
 # ---- quantize_act ---------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from gguf import GGMLQuantizationType as T
 from gguf import quants as gq
 
 from stratad.model import quants
+from stratad.model.quants import iquants
 
 ALL_TYPES = list(quants.FORMATS)
 QUANTISED = [t for t in ALL_TYPES if quants.FORMATS[t].quantised]
@@ -62,9 +63,15 @@ def test_format_sizes_match_gguf(qtype):
         assert f.row_bytes(n) == gq.quant_shape_to_byte_shape((n,), qtype)[0]
 
 
+# every type llama.cpp's quantiser writes for a qwen3moe file (the issue's list)
+WRITTEN_TYPES = [T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K,
+                 T.IQ1_S, T.IQ1_M, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ4_NL, T.IQ4_XS]
+
+
 def test_supported_type_sets():
-    assert set(quants.EXPERT_TYPES) == {T.IQ3_S, T.Q4_K, T.Q8_0}
-    assert set(quants.DENSE_TYPES) == {T.Q8_0, T.F16, T.BF16, T.F32}
+    assert set(quants.FORMATS) == set(WRITTEN_TYPES)
+    assert set(quants.DENSE_TYPES) == set(WRITTEN_TYPES)
+    assert set(quants.EXPERT_TYPES) == set(WRITTEN_TYPES) - {T.F32, T.F16, T.BF16}
 
 
 # ---- random_rows output ----------------------------------------------------------------------------------------
@@ -120,22 +127,33 @@ def test_special_f16_scales(qtype):
     f = quants.fmt(qtype)
     rng = np.random.default_rng([4, int(qtype)])
     raw = random_bytes(rng, qtype, len(specials) * 2, f.block_values)
+    d_at, other_at = F16_FIELDS.get(qtype, (0, None))
     for i, s in enumerate(specials):
-        raw[2 * i, 0:2] = s  # d
-        raw[2 * i + 1, 0:2] = s
-        if qtype == T.Q4_K:
-            raw[2 * i + 1, 2:4] = s  # dmin as well
+        for r, fields in ((2 * i, (d_at,)), (2 * i + 1, (d_at, other_at))):
+            for at in fields:
+                if at is not None:
+                    raw[r, at:at + 2] = s
+    if qtype == T.IQ1_M:  # its d is spread over the top nibbles of the four scale words
+        raw = raw.reshape(-1, 1, f.block_bytes)
+        iquants._put_iq1m_d(raw, np.repeat(specials.view(np.float16).astype(np.float32), 2)[:, None])
+        raw = raw.reshape(-1, f.block_bytes)
     assert_bits_equal(quants.dequantize(qtype, raw), gguf_dequantize(qtype, raw))
+
+
+# byte offsets of (d, the second f16: dmin or m) where they are not (0, none)
+F16_FIELDS = {T.Q4_1: (0, 2), T.Q5_1: (0, 2), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q2_K: (80, 82), T.Q3_K: (108, None),
+              T.Q6_K: (208, None), T.IQ1_M: (None, None)}
 
 
 # ---- the integer view ------------------------------------------------------------------------------------------
 
 
-def _reconstruct(ib: quants.IntBlocks) -> np.ndarray:
-    v = ib.scale[..., None] * ib.q.astype(np.float32)
-    if ib.minimum is not None:
-        v = v - ib.minimum[..., None]
-    return v.reshape(v.shape[:-2] + (-1,))
+# the canonical views' shapes: q's integer type, and which types carry a minimum (per sub-block, or weighted)
+WIDE_Q = {T.Q3_K, T.Q6_K, T.IQ2_XS, T.IQ2_S, T.IQ1_M}  # 16-value scales folded into q: int16
+WITH_MINIMUM = {T.Q4_1, T.Q5_1, T.Q4_K, T.Q5_K, T.Q2_K}
+# (d * sc) * code in ggml against d * (sc * code) in the view: equal values, but a zero code under a negative scale
+# is -0.0 in ggml and +0.0 in the view (docs/quant-types.md); the float decode follows ggml's order
+ZERO_SIGN_ONLY = {T.Q3_K, T.Q6_K}
 
 
 @IGNORE_NAN_WARNINGS
@@ -148,19 +166,31 @@ def test_decode_int_reconstructs_gguf_dequantize(qtype, source):
            else random_bytes(rng, qtype, rows, n))
     ib = quants.decode_int(qtype, raw)
     nsub = n // quants.SUB
-    assert ib.q.dtype == np.int8 and ib.q.shape == (rows, nsub, quants.SUB)
+    assert ib.q.dtype == (np.int16 if qtype in WIDE_Q else np.int8) and ib.q.shape == (rows, nsub, quants.SUB)
+    assert np.abs(ib.q.astype(np.int32)).max() <= 4096  # the canonical dot's exactness bound (canonical.py)
     assert ib.scale.dtype == np.float32 and ib.scale.shape == (rows, nsub)
-    if qtype == T.Q4_K:
+    if qtype in WITH_MINIMUM:
         assert ib.minimum is not None and ib.minimum.dtype == np.float32 and ib.minimum.shape == (rows, nsub)
-        assert ib.q.min() >= 0 and ib.q.max() <= 15
     else:
         assert ib.minimum is None
+    if qtype == T.Q2_K:
+        assert ib.mweight.dtype == np.int8 and ib.mweight.shape == ib.q.shape
+        assert ib.mweight.min() >= 0 and ib.mweight.max() <= 15
+    else:
+        assert ib.mweight is None
+    if qtype == T.Q4_K:
+        assert ib.q.min() >= 0 and ib.q.max() <= 15
     if qtype == T.IQ3_S:
         mag = np.abs(ib.q.astype(np.int32))
         assert np.all(mag % 2 == 1) and mag.max() <= 15  # grid values are 1, 3, ..., 15
     if qtype == T.Q8_0 and source == "random_rows":
         assert ib.q.min() >= -127  # the symmetric range llama.cpp's quantiser produces
-    assert_bits_equal(_reconstruct(ib), gguf_dequantize(qtype, raw))
+    ref = gguf_dequantize(qtype, raw)
+    if qtype in ZERO_SIGN_ONLY:
+        v = ib.values()
+        assert np.array_equal(v, ref, equal_nan=True)
+    else:
+        assert_bits_equal(ib.values(), ref)
 
 
 def test_iq3s_grid_is_the_format_table():
@@ -204,7 +234,8 @@ def test_random_rows_reproducible(qtype):
 # ---- errors ----------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("qtype,n", [(T.Q4_K, 100), (T.Q4_K, 288), (T.IQ3_S, 32), (T.IQ3_S, 384), (T.Q8_0, 48)])
+@pytest.mark.parametrize("qtype,n", [(T.Q4_K, 100), (T.Q4_K, 288), (T.IQ3_S, 32), (T.IQ3_S, 384), (T.Q8_0, 48),
+                                     (T.Q6_K, 128), (T.IQ4_NL, 48), (T.IQ1_M, 512 + 32)])
 def test_row_size_not_whole_blocks(qtype, n):
     f = quants.fmt(qtype)
     with pytest.raises(ValueError, match=rf"{qtype.name} rows must be multiples of {f.block_values} values, got {n}"):
@@ -221,9 +252,9 @@ def test_row_bytes_values():
     assert quants.fmt(T.BF16).row_bytes(5) == 10
 
 
-@pytest.mark.parametrize("qtype", [T.Q5_K, T.Q6_K, T.Q4_0, T.IQ2_XXS])
+@pytest.mark.parametrize("qtype", [T.Q8_1, T.TQ1_0, T.TQ2_0, T.MXFP4])
 def test_unsupported_type_named(qtype):
-    with pytest.raises(ValueError, match=rf"unsupported tensor type {qtype.name}"):
+    with pytest.raises(ValueError, match=rf"unsupported tensor type {qtype.name}; supported: F32, F16, BF16, Q4_0"):
         quants.fmt(qtype)
     with pytest.raises(ValueError, match=rf"unsupported tensor type {qtype.name}"):
         quants.parse_type(qtype.name.lower())

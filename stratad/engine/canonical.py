@@ -5,8 +5,10 @@ computes exactly this, in float32 with each multiply and add rounded on its own 
 
 1. The input row is quantised per 32 values: d = amax / 127, q = rint(x * (1 / d)) (half to even); q = 0 where
    d = 0 or 1 / d overflows to inf (a subnormal d, amax < ~3.7e-37).
-2. Dot of a weight row with it: per sub-block b an exact integer sum isum_b = sum(qw * qa) (and, for Q4_K,
-   asum_b = sum(qa)); the sub-block's term is (scale_b * d_b) * isum_b  [ - (minimum_b * d_b) * asum_b ].
+2. Dot of a weight row with it, on the weight's integer view (quants.IntBlocks, docs/quant-types.md): per
+   sub-block b an exact integer sum isum_b = sum(q * qa) (and, for types with a minimum, msum_b = sum(mweight * qa),
+   mweight = 1 unless the type says otherwise); the sub-block's term is
+   (scale_b * d_b) * isum_b  [ - (minimum_b * d_b) * msum_b ].
 3. The terms are summed as a warp would: virtual lane l (0..31) adds terms l, l+32, l+64, ... to 0.0 in order,
    then lanes are folded with offsets 16, 8, 4, 2, 1 (lane l += lane l + offset).
 4. SwiGLU: h = silu(gate) * up, silu(g) = g / (1 + exp(-g)) with `exp` below (float32 ops only).
@@ -52,15 +54,22 @@ def lane_sum(terms: np.ndarray) -> np.ndarray:
     return acc[..., 0]
 
 
+def _isums(w: np.ndarray, qa: np.ndarray) -> np.ndarray:
+    """Exact integer sums sum_v w[r, b, v] * qa[t, b, v] as float32 (tokens, rows, nsub)."""
+    # Integer-valued float32 products (|w| <= 4096, |qa| <= 127) summed over 32 values stay below 2^24, so a float32
+    # matmul gives the exact integer sums in any order: BLAS is safe here and much faster than an integer einsum.
+    return np.matmul(qa.astype(F32).transpose(1, 0, 2), w.astype(F32).transpose(1, 2, 0)).transpose(1, 2, 0)
+
+
 def qdot(w: IntBlocks, qa: np.ndarray, da: np.ndarray) -> np.ndarray:
     """Canonical dot of weight rows w (rows, nsub, 32) with quantised inputs (tokens, nsub, 32) -> (tokens, rows)."""
-    # Integer-valued float32 products (|q| <= 127) summed over 32 values stay below 2^24, so a float32 matmul
-    # gives the exact integer sums in any order: BLAS is safe here and much faster than an integer einsum.
-    isum = np.matmul(qa.astype(F32).transpose(1, 0, 2), w.q.astype(F32).transpose(1, 2, 0)).transpose(1, 2, 0)
-    t = (w.scale[None, :, :] * da[:, None, :]) * isum
+    t = (w.scale[None, :, :] * da[:, None, :]) * _isums(w.q, qa)
     if w.minimum is not None:
-        asum = qa.astype(np.int32).sum(axis=-1).astype(F32)
-        t = t - (w.minimum[None, :, :] * da[:, None, :]) * asum[:, None, :]
+        if w.mweight is None:
+            msum = qa.astype(np.int32).sum(axis=-1).astype(F32)[:, None, :]
+        else:
+            msum = _isums(w.mweight, qa)
+        t = t - (w.minimum[None, :, :] * da[:, None, :]) * msum
     return lane_sum(t.astype(F32, copy=False))
 
 

@@ -70,7 +70,8 @@ class _ExpertCache:
 
     @staticmethod
     def _size(v) -> int:
-        parts = [a for m in v for a in ((m.q, m.scale, m.minimum) if isinstance(m, quants.IntBlocks) else (m,))]
+        parts = [a for m in v for a in ((m.q, m.scale, m.minimum, m.mweight) if isinstance(m, quants.IntBlocks)
+                                        else (m,))]
         return sum(a.nbytes for a in parts if a is not None)
 
     def get(self, layer: int, e: int):
