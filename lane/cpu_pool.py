@@ -1,7 +1,9 @@
 """The CPU pool: threads that compute the experts no card holds, straight from the arena's raw GGUF bytes.
 
-Every output bit equals `stratad.engine.canonical.expert` on `decode_int` of the same rows (docs/design.md, exactness):
-the kernels read IQ3_S / Q4_K / Q8_0 blocks directly, form exact integer sub-block dots, scale each term as
+Every output bit equals `stratad.engine.canonical.expert` on `decode_int` of the same rows (docs/design.md, exactness),
+for every expert type: a layer whose types are all IQ3_S / Q4_K / Q8_0 runs the raw-block kernels below; any other
+(or a mix with one) runs the generic path, the same arithmetic on the types' integer views (see `_run_generic`).
+The raw-block kernels read IQ3_S / Q4_K / Q8_0 blocks directly, form exact integer sub-block dots, scale each term as
 `(scale_b * d_b) * isum_b [- (minimum_b * d_b) * asum_b]` in float32 (every op rounded on its own: no fastmath, so
 LLVM never contracts to FMA or reassociates), sum terms in the canonical warp order (virtual lane l adds terms
 l, l+32, ... to 0.0, then folds 16, 8, 4, 2, 1), apply SwiGLU with the canonical float32 `exp`, quantise h
@@ -31,7 +33,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from stratad.model.quants import SUB, fmt, iq3s_grid
+from stratad.model.quants import EXPERT_TYPES, SUB, decode_int, fmt, iq3s_grid
 
 F32 = np.float32
 LANES = 32
@@ -40,7 +42,8 @@ LANES = 32
 IQ3_S = 21
 Q4_K = 12
 Q8_0 = 8
-_BLOCK_BYTES = {IQ3_S: 110, Q4_K: 144, Q8_0: 34}
+_BLOCK_BYTES = {IQ3_S: 110, Q4_K: 144, Q8_0: 34}  # the types with kernels reading raw blocks; others: _generic
+_SUPPORTED = {int(t) for t in EXPERT_TYPES}
 
 
 def _tables() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -676,6 +679,106 @@ def _layer_parallel(nthreads, tickets, tg, tu, td, gate, up, down, d_ff, d_model
                      grid)
 
 
+# ---- the generic path: any expert type, from its canonical integer view (quants.decode_int) --------------------
+# Layers whose three types are not all in _BLOCK_BYTES: the pairs' experts are decoded to their integer views by the
+# types' own units (bounded batches of experts), then these kernels do the canonical arithmetic on the views: exact
+# integer sub-block sums, each term (scale_b * d_b) * isum_b [- (minimum_b * d_b) * msum_b] in float32, the warp
+# order of lanes, SwiGLU, h quantised, the down dot. mode: 0 no minimum, 1 minimum with weight 1 (msum = the
+# activation's sub-block sum), 2 minimum with per-value weights.
+
+
+@njit(nogil=True, cache=True)
+def _view_dot(q, s, m, mw, mode, wrow, nsub, a, da, asum, arow, acc):
+    """Canonical dot of view row wrow (q: int16 flat, 32 a sub-block) with activation row arow."""
+    for lane in range(LANES):
+        acc[lane] = _ZERO
+    for b in range(nsub):
+        wo = (wrow * nsub + b) * SUB
+        ao = (arow * nsub + b) * SUB
+        isum = 0
+        for v in range(SUB):
+            isum += np.int32(q[wo + v]) * np.int32(a[ao + v])
+        ab = arow * nsub + b
+        t = (s[wrow * nsub + b] * da[ab]) * np.float32(isum)
+        if mode == 1:
+            t = t - (m[wrow * nsub + b] * da[ab]) * asum[ab]
+        elif mode == 2:
+            msum = 0
+            for v in range(SUB):
+                msum += np.int32(mw[wo + v]) * np.int32(a[ao + v])
+            t = t - (m[wrow * nsub + b] * da[ab]) * np.float32(msum)
+        acc[b & 31] = acc[b & 31] + t
+    return _fold32(acc, 0)
+
+
+@njit(nogil=True, cache=True, parallel=True)
+def _generic_layer(nthreads, gv, uv, dv, modes, d_ff, d_model, a, da, asum, pair_tok, pair_slot, h, qh, dh, hsum,
+                   out, pow2):
+    """gv / uv / dv: (q int16, scale, minimum, mweight) flat views of the batch's experts (slot-major); pair p is
+    token pair_tok[p] through expert slot pair_slot[p]; out: float32 flat (n_pairs * d_model)."""
+    npair = pair_tok.shape[0]
+    nin, nff = d_model // SUB, d_ff // SUB
+    n = npair * d_ff
+    for c in prange(nthreads):
+        acc = np.empty(LANES, np.float32)
+        for i in range(c * n // nthreads, (c + 1) * n // nthreads):
+            p = i // d_ff
+            wrow = pair_slot[p] * d_ff + i - p * d_ff
+            g = _view_dot(gv[0], gv[1], gv[2], gv[3], modes[0], wrow, nin, a, da, asum, pair_tok[p], acc)
+            u = _view_dot(uv[0], uv[1], uv[2], uv[3], modes[1], wrow, nin, a, da, asum, pair_tok[p], acc)
+            h[i] = (g / (_ONE + _exp(-g, pow2))) * u
+    for c in prange(nthreads):
+        _quantize(h, c * npair // nthreads, (c + 1) * npair // nthreads, d_ff, qh, dh, hsum)
+    n = npair * d_model
+    for c in prange(nthreads):
+        acc = np.empty(LANES, np.float32)
+        for i in range(c * n // nthreads, (c + 1) * n // nthreads):
+            p = i // d_model
+            wrow = pair_slot[p] * d_model + i - p * d_model
+            out[i] = _view_dot(dv[0], dv[1], dv[2], dv[3], modes[2], wrow, nff, qh, dh, hsum, p, acc)
+
+
+_NO_F32 = np.zeros(1, F32)
+_NO_I8 = np.zeros(1, np.int8)
+GENERIC_BATCH_BYTES = 64 << 20  # decoded view bytes per batch of experts: bounds the generic path's memory
+
+
+def _flat_view(qtype: int, mats: np.ndarray) -> tuple[tuple, int]:
+    """((q int16, scale, minimum, mweight) flat, mode) of the integer view of mats (n, rows, row_bytes)."""
+    ib = decode_int(qtype, mats)
+    mode = 0 if ib.minimum is None else 1 if ib.mweight is None else 2
+    return ((np.ascontiguousarray(ib.q, np.int16).reshape(-1), np.ascontiguousarray(ib.scale, F32).reshape(-1),
+             _NO_F32 if ib.minimum is None else np.ascontiguousarray(ib.minimum, F32).reshape(-1),
+             _NO_I8 if ib.mweight is None else np.ascontiguousarray(ib.mweight, np.int8).reshape(-1)), mode)
+
+
+def _run_generic(threads: int, jobs: "LayerJobs", pairs: np.ndarray, qa: np.ndarray, da: np.ndarray,
+                 asum: np.ndarray, out: np.ndarray) -> None:
+    """The pairs of a layer with a type that has no raw-block kernel, in batches of experts (see above)."""
+    d_ff, d_model = jobs.gate.shape[1], jobs.down.shape[1]
+    experts = np.unique(pairs[:, 1])
+    per_expert = 3 * d_ff * d_model * 4  # int16 q and int8 mweight per value, with room for the scales
+    per_batch = max(1, GENERIC_BATCH_BYTES // per_expert)
+    for k in range(0, len(experts), per_batch):
+        batch = experts[k:k + per_batch]
+        slot_of = np.full(jobs.gate.shape[0], -1, np.int64)
+        slot_of[batch] = np.arange(len(batch))
+        sel = np.flatnonzero(slot_of[pairs[:, 1]] >= 0)
+        views = [_flat_view(t, np.asarray(m)[batch]) for t, m in ((jobs.gate_type, jobs.gate),
+                                                                    (jobs.up_type, jobs.up),
+                                                                    (jobs.down_type, jobs.down))]
+        npair = len(sel)
+        h = np.empty(npair * d_ff, F32)
+        qh = np.empty(npair * d_ff, np.int8)
+        dh = np.empty(npair * d_ff // SUB, F32)
+        hsum = np.empty(npair * d_ff // SUB, F32)
+        res = np.empty(npair * d_model, F32)
+        _generic_layer(threads, views[0][0], views[1][0], views[2][0], np.array([v[1] for v in views], np.int64),
+                       d_ff, d_model, qa, da, asum, pairs[sel, 0].astype(np.int64), slot_of[pairs[sel, 1]], h, qh,
+                       dh, hsum, res, POW2)
+        out[sel] = res.reshape(npair, d_model)
+
+
 # ---- the pool ---------------------------------------------------------------------------------------------------
 
 
@@ -685,7 +788,7 @@ class LayerJobs:
 
     gate, up: uint8 (n_expert, d_ff, row_bytes); down: uint8 (n_expert, d_model, row_bytes) — the GGUF bytes as
     they are (ModelFile.raw(f"blk.{layer}.ffn_gate_exps.weight"), or the arena's view of the same bytes).
-    gate_type / up_type / down_type: GGML type codes (IQ3_S 21, Q4_K 12, Q8_0 8).
+    gate_type / up_type / down_type: GGML type codes (any of quants.EXPERT_TYPES; each may differ).
     pairs: int32 (n_pairs, 2) of (token, expert); qa int8 (n_tok, d_model / 32, 32), da float32 (n_tok,
     d_model / 32): the tokens' activations quantised by canonical.quantize_act.
     """
@@ -730,7 +833,7 @@ def _check_tensors(jobs: LayerJobs) -> None:
     for name, arr, rows, n, t in (("gate", jobs.gate, d_ff, d_model, jobs.gate_type),
                                   ("up", jobs.up, d_ff, d_model, jobs.up_type),
                                   ("down", jobs.down, d_model, d_ff, jobs.down_type)):
-        if t not in _BLOCK_BYTES:
+        if t not in _SUPPORTED:
             raise ValueError(f"{name}: unsupported expert type {t}")
         if arr.dtype != np.uint8 or arr.ndim != 3 or arr.shape[0] != ne or arr.shape[1] != rows:
             raise ValueError(f"{name}: expected uint8 ({ne}, {rows}, row_bytes), got {arr.dtype} {arr.shape}")
@@ -814,16 +917,23 @@ class CpuPool:
         if n_pairs == 0:
             return out
         # group the pairs by expert (each weight row is then read once for all its tokens)
-        gpairs, gstart, gexp = np.empty(n_pairs, np.int64), np.empty(n_pairs + 1, np.int64), np.empty(n_pairs, np.int64)
-        ngrp, maxg = _group(pairs, jobs.gate.shape[0], jobs.qa.shape[0], gpairs, gstart, gexp)
-        if ngrp < 0:
-            raise ValueError("pairs: token or expert index out of range")
-        gstart, gexp = gstart[:ngrp + 1], gexp[:ngrp]
-        pair_tok = pairs[:, 0].astype(np.int64)
         qa = np.ascontiguousarray(jobs.qa).reshape(-1)
         da = np.ascontiguousarray(jobs.da).reshape(-1)
         asum = np.empty(da.shape, F32)
         _act_sums(qa, asum)
+        import numba
+
+        gpairs, gstart, gexp = np.empty(n_pairs, np.int64), np.empty(n_pairs + 1, np.int64), np.empty(n_pairs, np.int64)
+        ngrp, maxg = _group(pairs, jobs.gate.shape[0], jobs.qa.shape[0], gpairs, gstart, gexp)
+        if ngrp < 0:
+            raise ValueError("pairs: token or expert index out of range")
+        if not all(int(t) in _BLOCK_BYTES for t in (jobs.gate_type, jobs.up_type, jobs.down_type)):
+            with _PRANGE_LOCK:
+                numba.set_num_threads(self.threads)
+                _run_generic(self.threads, jobs, pairs, qa, da, asum, out)
+            return out
+        gstart, gexp = gstart[:ngrp + 1], gexp[:ngrp]
+        pair_tok = pairs[:, 0].astype(np.int64)
         h = np.empty(n_pairs * d_ff, F32)
         qh = np.empty(n_pairs * d_ff, np.int8)
         dh = np.empty(n_pairs * d_ff // SUB, F32)
@@ -831,8 +941,6 @@ class CpuPool:
         tg, tu, td = int(jobs.gate_type), int(jobs.up_type), int(jobs.down_type)
         rb_g, rb_u, rb_d = jobs.gate.shape[2], jobs.up.shape[2], jobs.down.shape[2]
         flat = out.reshape(-1)
-        import numba
-
         with _PRANGE_LOCK:
             numba.set_num_threads(self.threads)
             _layer_parallel(self.threads, np.zeros(16, np.int64), tg, tu, td, gate, up, down, d_ff, d_model,

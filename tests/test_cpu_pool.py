@@ -7,7 +7,7 @@ from gguf import GGMLQuantizationType as T
 
 from lane.cpu_pool import CpuPool, LayerJobs
 from stratad.engine import canonical
-from stratad.model.quants import decode_int, random_rows
+from stratad.model.quants import EXPERT_TYPES, decode_int, random_rows
 
 F32 = np.float32
 TINY = (256, 256)  # (d_model, d_ff)
@@ -89,6 +89,56 @@ def test_bit_exact_vs_canonical(pools, seed, qtype, shape):
     jobs = LayerJobs(*layer, *map(int, types), pairs, qa, da)
     assert_bits(run_all(pools, jobs), reference(types, layer, pairs, qa, da))
     assert np.all(da[0, 1] == 0) and np.all(da[2] == 0)
+
+
+GENERIC = [t for t in EXPERT_TYPES if t not in (T.IQ3_S, T.Q4_K, T.Q8_0)]
+
+
+@pytest.mark.parametrize("qtype", GENERIC, ids=lambda t: t.name)
+def test_every_type_bit_exact_vs_canonical(pools, seed, qtype):
+    """The types without raw-block kernels (the generic path on their integer views), several tokens per expert."""
+    d_model, d_ff = TINY
+    rng = np.random.default_rng([seed, int(qtype), 3])
+    types = (qtype,) * 3
+    layer = make_layer(rng, types, 4, d_model, d_ff)
+    qa, da = make_tokens(rng, 3, d_model)
+    pairs = np.array([(0, 3), (1, 1), (2, 3), (1, 3), (0, 0)], np.int32)
+    jobs = LayerJobs(*layer, *map(int, types), pairs, qa, da)
+    assert_bits(run_all(pools, jobs), reference(types, layer, pairs, qa, da))
+
+
+@pytest.mark.parametrize("types", [(T.Q4_K, T.Q4_K, T.Q6_K), (T.IQ3_S, T.IQ3_S, T.Q6_K), (T.Q2_K, T.Q3_K, T.Q6_K),
+                                   (T.IQ2_XXS, T.IQ2_XXS, T.IQ3_S), (T.IQ1_M, T.IQ1_S, T.IQ4_XS)],
+                         ids=lambda ts: "-".join(t.name for t in ts))
+def test_mixed_types_bit_exact(pools, seed, types):
+    """One layer's gate / up / down of different types, as llama.cpp's mixes write them, at the a3b shape."""
+    d_model, d_ff = A3B
+    rng = np.random.default_rng([seed, *map(int, types)])
+    layer = make_layer(rng, types, 3, d_model, d_ff)
+    qa, da = make_tokens(rng, 2, d_model)
+    pairs = np.array([(0, 2), (1, 0), (1, 2)], np.int32)
+    jobs = LayerJobs(*layer, *map(int, types), pairs, qa, da)
+    assert_bits(run_all(pools, jobs), reference(types, layer, pairs, qa, da))
+
+
+@pytest.mark.parametrize("qtype", [T.IQ3_S, T.Q4_K, T.Q8_0], ids=lambda t: t.name)
+def test_generic_path_equals_block_kernels(seed, qtype, monkeypatch):
+    """The generic path on a type that has raw-block kernels gives their bits (two implementations, one function);
+    small expert batches (several passes) change nothing."""
+    import lane.cpu_pool as cp
+
+    d_model, d_ff = TINY
+    rng = np.random.default_rng([seed, int(qtype), 5])
+    types = (qtype,) * 3
+    layer = make_layer(rng, types, 5, d_model, d_ff)
+    qa, da = make_tokens(rng, 3, d_model)
+    pairs = np.array([(0, 4), (1, 1), (2, 4), (1, 0), (2, 2)], np.int32)
+    jobs = LayerJobs(*layer, *map(int, types), pairs, qa, da)
+    with CpuPool(2) as pool:
+        fast = pool.run(jobs)
+        monkeypatch.setattr(cp, "_BLOCK_BYTES", {})
+        monkeypatch.setattr(cp, "GENERIC_BATCH_BYTES", 1)  # one expert a batch
+        assert_bits(pool.run(jobs), fast)
 
 
 def test_quantize_edges_match_canonical():
