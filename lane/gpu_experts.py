@@ -31,6 +31,7 @@ import numpy as np
 from lane import host_lock
 from lane.cpu_pool import CpuPool, LayerJobs
 from lane.expert_counts import entries_by_source, routed_counts
+from lane.gpu_types import check_gpu_types
 from lane.kernels.experts import MAX_SOURCES, ExpertKernels, Tuning, max_tiles
 from lane.slot_pool import SlotPool
 from stratad.config import GpuOptions
@@ -204,6 +205,7 @@ class GpuExperts:
     def __init__(self, model: ModelFile, pool: SlotPool, max_tokens: int, cpu_threads: int, stream: cp.cuda.Stream,
                  own_device: str, host_experts: str = "card", options: GpuOptions = GpuOptions(),
                  tuning: Tuning | None = None):
+        check_gpu_types(model)  # before anything is allocated: no half-loaded card
         c = model.config
         self.options, self.tuning = options, tuning or Tuning()
         self.model, self.c, self.pool, self.stream, self.own_device = model, c, pool, stream, own_device

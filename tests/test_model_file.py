@@ -319,7 +319,7 @@ def test_misshaped_tensor(tmp_path, name, qtype, shape):
     assert open_error(p).problem == f"tensor {name} has shape {list(shape)}, expected {list(want)}"
 
 
-@pytest.mark.parametrize("qtype", [T.Q5_K, T.Q6_K, T.Q4_0], ids=["Q5_K", "Q6_K", "Q4_0"])
+@pytest.mark.parametrize("qtype", [T.TQ1_0, T.TQ2_0, T.MXFP4], ids=["TQ1_0", "TQ2_0", "MXFP4"])
 def test_unsupported_tensor_type(tmp_path, qtype):
     """A type the model reader has no decoder for (written with GGUFWriter's raw_dtype): the error names it."""
     name = "blk.1.ffn_down_exps.weight"
@@ -329,11 +329,12 @@ def test_unsupported_tensor_type(tmp_path, qtype):
     tensors = [(n, q, a) if n != name else (n, qtype, data) for n, q, a in raw_list(tiny_tensors())]
     p = write_raw(tmp_path / "unsupported.gguf", tensors)
     assert GGUFReader(p).tensors[0].tensor_type is not None  # gguf itself reads the file
-    assert open_error(p).problem == f"tensor {name} has unsupported type {qtype.name}"
+    assert open_error(p).problem == (f"tensor {name} has unsupported type {qtype.name}; supported: "
+                                     f"{', '.join(t.name for t in quants.FORMATS)}")
 
 
 @pytest.mark.parametrize("name,qtype", [
-    ("blk.0.attn_q.weight", T.IQ3_S),  # an expert type where only dense types go
+    ("blk.0.ffn_gate_exps.weight", T.BF16),  # a float type where only types with an integer view go
     ("blk.2.ffn_up_exps.weight", T.F16),  # a float type where only expert types go
     ("output_norm.weight", T.Q8_0),  # norms are float
 ])

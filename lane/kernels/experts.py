@@ -25,7 +25,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from stratad.engine import canonical
-from stratad.model.quants import EXPERT_TYPES, fmt, iq3s_grid, parse_type
+from lane.gpu_types import GPU_EXPERT_TYPES as EXPERT_TYPES
+from stratad.model.quants import fmt, iq3s_grid, parse_type
 
 from .compile import load_module
 from .launch import launch

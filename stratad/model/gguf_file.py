@@ -158,7 +158,8 @@ class ModelFile:
                     f = quants.fmt(qt)
                 except ValueError:
                     name = getattr(t.tensor_type, "name", str(t.tensor_type))
-                    raise ModelFormatError(path, f"tensor {t.name} has unsupported type {name}") from None
+                    raise ModelFormatError(path, f"tensor {t.name} has unsupported type {name}; supported: "
+                                                 f"{quants.supported_names()}") from None
                 shape = tuple(int(x) for x in reversed(t.shape.tolist()))
                 if shape[-1] % f.block_values:
                     raise ModelFormatError(path, f"tensor {t.name}: row of {shape[-1]} values is not a whole number "
