@@ -141,6 +141,57 @@ class CupyCard:
     def new_kv(self) -> GpuKV:
         return GpuKV(self)
 
+    # ---- KV blocks for the host conversation cache (stratad/engine/card.py KvBlockCard) -----------------------
+    # Written to the brief's layout, NOT YET RUN on a GPU. A block: every layer's K (n_kv, tokens, hd) then V in the
+    # cache's own blocks of V_BLOCK positions (n_kv, tokens / V_BLOCK, hd, V_BLOCK), float16, as bytes. The copies
+    # go through the compute stream (ordered after the steps that wrote the KV) and pageable host memory; a copy
+    # stream and page-locked staging are the next step.
+    kv_layout = "cuda-f16-vblock16/v1"
+
+    def kv_block_bytes(self, block_tokens: int) -> int:
+        c = self.c
+        return c.n_layer * 2 * c.n_head_kv * block_tokens * c.head_dim * 2
+
+    def _kv_span(self, start: int, n_blocks: int, block_tokens: int) -> tuple[int, int]:
+        if block_tokens % rope_kv.V_BLOCK:
+            raise ValueError(f"KV blocks of {block_tokens} tokens are not whole V cache blocks of {rope_kv.V_BLOCK}")
+        return start * block_tokens, (start + n_blocks) * block_tokens
+
+    def export_kv(self, kv: GpuKV, start: int, n_blocks: int, block_tokens: int) -> np.ndarray:
+        a, b = self._kv_span(start, n_blocks, block_tokens)
+        if b > kv.length:
+            raise ValueError(f"blocks up to position {b} asked of a KV of {kv.length} positions")
+        c, vb = self.c, rope_kv.V_BLOCK
+        with self.device, self.stream:
+            out = cp.empty((n_blocks, c.n_layer, 2, c.n_head_kv * block_tokens * c.head_dim), cp.float16)
+            for layer, (k, v) in enumerate(self.kv_caches):
+                kk = k[:, a:b].reshape(c.n_head_kv, n_blocks, block_tokens, c.head_dim).transpose(1, 0, 2, 3)
+                vv = v[:, a // vb:b // vb].reshape(c.n_head_kv, n_blocks, block_tokens // vb, c.head_dim, vb)
+                out[:, layer, 0] = kk.reshape(n_blocks, -1)
+                out[:, layer, 1] = vv.transpose(1, 0, 2, 3, 4).reshape(n_blocks, -1)
+            host = out.get(stream=self.stream)
+            self.stream.synchronize()
+        return host.reshape(n_blocks, -1).view(np.uint8)
+
+    def import_kv(self, kv: GpuKV, start: int, blocks: np.ndarray, block_tokens: int) -> None:
+        n = len(blocks)
+        a, b = self._kv_span(start, n, block_tokens)
+        if b > self.max_ctx:
+            raise ValueError(f"{b} positions exceed the card's KV capacity of {self.max_ctx}")
+        kv.truncate(a)
+        c, vb = self.c, rope_kv.V_BLOCK
+        with self.device, self.stream:
+            x = cp.asarray(np.ascontiguousarray(blocks).view(np.float16).reshape(n, c.n_layer, 2, -1))
+            for layer, (k, v) in enumerate(self.kv_caches):
+                k[:, a:b] = x[:, layer, 0].reshape(n, c.n_head_kv, block_tokens, c.head_dim).transpose(
+                    1, 0, 2, 3).reshape(c.n_head_kv, b - a, c.head_dim)
+                v[:, a // vb:b // vb] = x[:, layer, 1].reshape(n, c.n_head_kv, block_tokens // vb, c.head_dim,
+                                                               vb).transpose(1, 0, 2, 3, 4).reshape(
+                    c.n_head_kv, (b - a) // vb, c.head_dim, vb)
+            kv.length = b
+            self.pos.fill(b)
+            self.stream.synchronize()
+
     def set_view(self, view: M.View) -> None:
         """Compute from these other cards' slots from the next token on (peers on this same GPU; see gpu_experts).
         Returns once no step of the old view runs: the lane then acknowledges the view, after which the slots it

@@ -18,6 +18,7 @@ from lane.slot_pool import SlotPool
 from protos import messages as M
 from stratad import shm
 from stratad.engine import canonical
+from stratad.engine import kv_blocks
 from stratad.engine.card import HostSampled
 from stratad.engine.reference import ReferenceEngine
 from stratad.model import quants
@@ -139,6 +140,19 @@ class NumpyCard(HostSampled):
 
     def new_kv(self):
         return self.engine.new_kv()
+
+    # ---- KV blocks for the host conversation cache (KvBlockCard) ------------------------------------------------
+    kv_layout = kv_blocks.LAYOUT
+
+    def kv_block_bytes(self, block_tokens: int) -> int:
+        c = self.model.config
+        return kv_blocks.block_bytes(c.n_layer, c.n_head_kv, c.head_dim, block_tokens)
+
+    def export_kv(self, kv, start: int, n_blocks: int, block_tokens: int) -> np.ndarray:
+        return kv_blocks.export(kv, start, n_blocks, block_tokens)
+
+    def import_kv(self, kv, start: int, blocks: np.ndarray, block_tokens: int) -> None:
+        kv_blocks.restore(kv, start, blocks, block_tokens)
 
     def forward(self, tokens, kv, logits: str = "last"):
         outs = []

@@ -30,6 +30,21 @@ class Card(Protocol):
                       ahead: float | None = None) -> tuple[int, np.ndarray | None]: ...
 
 
+class KvBlockCard(Protocol):
+    """A card whose KV goes to and comes back from the host conversation cache (stratad/kv_store.py) as blocks of
+    block_tokens positions, its own dtype and layout as bytes, bit for bit. `kv_layout` names that layout: a
+    block's hash chain starts from it, so only cards of the same layout share blocks."""
+    kv_layout: str
+
+    def kv_block_bytes(self, block_tokens: int) -> int: ...
+
+    def export_kv(self, kv, start: int, n_blocks: int, block_tokens: int) -> np.ndarray:
+        """Blocks start .. start + n_blocks of kv as (n_blocks, kv_block_bytes) uint8 in host memory."""
+
+    def import_kv(self, kv, start: int, blocks: np.ndarray, block_tokens: int) -> None:
+        """Write blocks at block index start; kv then holds (start + len(blocks)) * block_tokens positions."""
+
+
 class HostSampled:
     """Card members for a card that samples on the host: the whole logits come back and Sampler.pick runs here."""
 

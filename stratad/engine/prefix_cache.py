@@ -1,5 +1,8 @@
 """A lane's last sequence kept for the next request: the KV of the tokens it has read, reused for the longest
-common prefix of the next prompt (agents send the whole conversation again on every turn).
+common prefix of the next prompt (agents send the whole conversation again on every turn). With the host
+conversation cache (stratad/kv_store.py, shared by every lane) a prompt whose longest prefix is there rather than
+on this lane uploads those blocks and reads only the rest; after a request the sequence's new whole blocks go
+there. A restored KV holds the same bits as the kept one it was written from.
 
 Reuse is not bit-identical to reading the prompt afresh: the reused tokens' KV was computed in other chunks (or
 one token at a time, for generated tokens), and a prompt chunk and a decode step round differently. Where the
@@ -7,7 +10,11 @@ experts are computed still changes nothing.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
+
+from stratad import kv_store
 
 
 def common_prefix(a, b) -> int:
@@ -19,26 +26,88 @@ def common_prefix(a, b) -> int:
     return int(diff[0]) if diff.size else n
 
 
-class PrefixCache:
-    """Holds one KV (the engine's object) and the tokens whose entries it has, in order."""
+@dataclass
+class BlockWrite:
+    """A sequence's blocks not yet in the store, exported from the card (the KV may change once the lane serves
+    again): written by write() in the background."""
+    hashes: list[bytes]
+    blocks: np.ndarray  # (len(hashes), block bytes) uint8
 
-    def __init__(self):
+    def write(self, store: kv_store.KvStore) -> int:
+        """Claim slots and publish the blocks (a block another lane wrote meanwhile is skipped); blocks written."""
+        index = {h: i for i, h in enumerate(self.hashes)}
+        claimed = store.claim(self.hashes)
+        for h, slot in claimed:
+            store.publish(slot, h, self.blocks[index[h]])
+        return len(claimed)
+
+
+class PrefixCache:
+    """Holds one KV (the engine's object) and the tokens whose entries it has, in order; with a store, the host
+    cache's blocks too."""
+
+    def __init__(self, store: kv_store.KvStore | None = None):
         self.kv = None
         self.tokens: list[int] = []
+        self.store = store
+        self.from_store = 0  # tokens of the last take() uploaded from the store
 
     def take(self, engine, prompt: list[int]):
         """(kv, n): a KV holding the prompt's first n tokens (n < len(prompt): the last prompt token is always
-        read, its logits are the first step's); a fresh KV and 0 without a useful match."""
+        read, its logits are the first step's), from this lane's kept sequence or the store, whichever holds
+        more; a fresh KV and 0 without a useful match."""
         n = min(common_prefix(self.tokens, prompt), len(prompt) - 1)
         kv, self.kv, self.tokens = self.kv, None, []  # in use until keep()
+        self.from_store = 0
         if kv is None or n == 0:
+            kv, n = None, 0
+        if self.store is not None and hasattr(engine, "kv_layout"):
+            kv, n = self._restore(engine, prompt, kv, n)
+        if kv is None:
             return engine.new_kv(), 0
         kv.truncate(n)
         return kv, n
 
+    def _restore(self, engine, prompt: list[int], kv, n: int):
+        """Upload the store's blocks of the prompt's prefix past what kv holds (its n tokens), if it has more."""
+        st, B = self.store, self.store.block_tokens
+        st.count(kv_store.LOOKUPS)
+        slots = st.find(kv_store.chain_hashes(prompt[:(len(prompt) - 1) // B * B], engine.kv_layout, B))
+        first = n // B if kv is not None else 0  # the kept sequence's whole blocks stay; the rest is uploaded
+        if len(slots) * B <= n:
+            st.touch(slots)
+            return kv, n
+        buf = np.empty((len(slots) - first, engine.kv_block_bytes(B)), np.uint8)
+        got = st.read(slots[first:], buf)  # fewer where a block was evicted meanwhile
+        if (first + got) * B <= n:
+            return kv, n
+        if kv is None:
+            kv = engine.new_kv()
+        engine.import_kv(kv, first, buf[:got], B)
+        self.from_store = (first + got) * B - n
+        st.count(kv_store.HITS)
+        st.count(kv_store.TOKENS, self.from_store)
+        return kv, (first + got) * B
+
     def keep(self, kv, tokens: list[int]) -> None:
         """After a request: kv holds the entries of these tokens (kv.length == len(tokens))."""
         self.kv, self.tokens = kv, tokens
+
+    def unsaved(self, engine) -> BlockWrite | None:
+        """The kept sequence's whole blocks the store lacks, exported now (None: nothing to write); those it has
+        are touched (the conversation is live)."""
+        if self.store is None or self.kv is None or not hasattr(engine, "kv_layout"):
+            return None
+        st, B = self.store, self.store.block_tokens
+        hashes = kv_store.chain_hashes(self.tokens, engine.kv_layout, B)
+        have = st.present(hashes)
+        st.touch([have[h] for h in hashes if h in have])
+        missing = [i for i, h in enumerate(hashes) if h not in have]
+        if not missing:
+            return None
+        lo = missing[0]  # exported as one run from the first missing block; only the missing ones are written
+        run = engine.export_kv(self.kv, lo, len(hashes) - lo, B)
+        return BlockWrite([hashes[i] for i in missing], run[[i - lo for i in missing]])
 
     def clear(self) -> None:
         self.kv, self.tokens = None, []
