@@ -9,6 +9,7 @@ from pathlib import Path
 
 from stratad import discovery
 from stratad.config import GPU_PROMPT_CHUNK
+from stratad.model import mixes, quants
 from stratad.model.errors import ModelFormatError
 
 
@@ -17,8 +18,10 @@ def _make_model(a) -> int:
 
     try:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        rep = make_model(a.out, a.preset, a.expert_quant, a.dense_quant, a.router_skew, a.seed, a.topics,
-                         split_max_size=split_size(a.split_max_size) if a.split_max_size else 0)
+        if a.mix and (a.expert_quant or a.dense_quant):
+            raise ValueError("--mix gives every tensor its type; it does not go with --expert-quant / --dense-quant")
+        rep = make_model(a.out, a.preset, a.expert_quant or "IQ3_S", a.dense_quant or "Q8_0", a.router_skew, a.seed,
+                         a.topics, split_max_size=split_size(a.split_max_size) if a.split_max_size else 0, mix=a.mix)
     except OSError as e:  # a folder that cannot be made, a file that cannot be written: which one, and why
         print(f"error: cannot write {e.filename or a.out}: {e.strerror or e}", file=sys.stderr)
         return 2
@@ -120,8 +123,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     m = sub.add_parser("make-model", help="write a qwen3moe GGUF with random, well-scaled weights")
     m.add_argument("--preset", choices=["tiny", "mini", "a3b", "a235b"], default="tiny")
-    m.add_argument("--expert-quant", default="IQ3_S", choices=["IQ3_S", "Q4_K", "Q8_0"])
-    m.add_argument("--dense-quant", default="Q8_0", choices=["Q8_0", "F16", "BF16", "F32"])
+    m.add_argument("--expert-quant", choices=[t.name for t in quants.EXPERT_TYPES],
+                   help="one type for every expert tensor (default IQ3_S)")
+    m.add_argument("--dense-quant", choices=[t.name for t in quants.DENSE_TYPES],
+                   help="one type for every other matrix (default Q8_0)")
+    m.add_argument("--mix", choices=list(mixes.MIXES), metavar="FILE_TYPE",
+                   help="a llama.cpp file type (q4_k_m, iq3_s, q3_k_m, q2_k, iq4_xs, ...): each tensor gets the type "
+                        "llama.cpp's quantiser gives it in such a file")
     m.add_argument("--router-skew", type=float, default=0.0, help="Zipf-like expert popularity (0: none)")
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--topics", type=int, choices=[1, 2], default=1,

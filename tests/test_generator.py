@@ -65,10 +65,14 @@ def test_each_quant_loads_and_generates(tmp_path, experts, dense):
 def test_unsupported_quant_choices(tmp_path):
     with pytest.raises(ValueError, match="expert quant F16 not supported"):
         make_model(tmp_path / "a.gguf", "tiny", "F16")
-    with pytest.raises(ValueError, match="dense quant IQ3_S not supported"):
-        make_model(tmp_path / "b.gguf", "tiny", "IQ3_S", "IQ3_S")
-    with pytest.raises(ValueError, match="unsupported tensor type Q5_K"):
-        make_model(tmp_path / "c.gguf", "tiny", "Q5_K")
+    with pytest.raises(ValueError, match="dense quant IQ3_S: token_embd.weight would be IQ3_S; with a router skew"):
+        make_model(tmp_path / "b.gguf", "tiny", "IQ3_S", "IQ3_S", router_skew=1.0)
+    with pytest.raises(ValueError, match="unsupported tensor type TQ1_0"):
+        make_model(tmp_path / "c.gguf", "tiny", "TQ1_0")
+    with pytest.raises(ValueError, match="unknown mix 'q4_k_x'; llama.cpp file types: q4_0, "):
+        make_model(tmp_path / "e.gguf", "tiny", mix="q4_k_x")
+    with pytest.raises(ValueError, match="mix q4_k_m: token_embd.weight would be Q4_K; with a router skew"):
+        make_model(tmp_path / "f.gguf", "tiny", mix="q4_k_m", router_skew=1.0)
     import dataclasses
 
     odd = dataclasses.replace(TINY, d_model=288)  # not a whole number of 256-value IQ3_S blocks
@@ -210,7 +214,7 @@ def test_cli_generate_bad_params(tiny_model_path):
 def test_cli_make_model_rejects_unknown_choice(tmp_path):
     r = cli("make-model", "--preset", "huge", "--out", str(tmp_path / "x.gguf"))
     assert r.returncode == 2 and "invalid choice" in r.stderr
-    r = cli("make-model", "--expert-quant", "Q5_K", "--out", str(tmp_path / "x.gguf"))
+    r = cli("make-model", "--expert-quant", "TQ1_0", "--out", str(tmp_path / "x.gguf"))
     assert r.returncode == 2 and "invalid choice" in r.stderr
     assert not (tmp_path / "x.gguf").exists()
 
@@ -265,3 +269,92 @@ def test_a235b_preset_is_the_qwen3_235b_shape():
     assert (c.n_layer, c.d_model, c.n_head, c.n_head_kv, c.head_dim, c.n_expert, c.n_expert_used, c.d_ff_expert,
             c.vocab_size, c.context_length) == (94, 4096, 64, 4, 128, 128, 8, 1536, 151936, 40960)
     assert c.n_layer * c.n_expert == 12032 and not c.problems()
+
+
+# ---- llama.cpp mixes -------------------------------------------------------------------------------------------
+
+
+def _a3b_types(mix: str) -> dict:
+    from stratad.model import mixes
+    from stratad.model.gguf_file import expected_tensors
+
+    c = PRESETS["a3b"]
+    return mixes.mix_types(mixes.parse_mix(mix), {n: s for n, (s, _) in expected_tensors(c).items()}, c)
+
+
+def test_mix_table_facts_a3b():
+    """Types llama.cpp's quantiser gives Qwen3-30B-A3B (48 layers, 32 / 4 heads) in a few file types, from
+    llama_tensor_get_type's rules; router and norms are not quantised."""
+    t = _a3b_types("q4_k_m")
+    assert t["token_embd.weight"] == T.Q4_K and t["output.weight"] == T.Q6_K
+    # use_more_bits: first and last eighth of the layers, every third between
+    more = [i for i in range(48) if t[f"blk.{i}.ffn_down_exps.weight"] == T.Q6_K]
+    assert more == [0, 1, 2, 3, 4, 5, 8, 11, 14, 17, 20, 23, 26, 29, 32, 35, 38, 41, 42, 43, 44, 45, 46, 47]
+    assert [i for i in range(48) if t[f"blk.{i}.attn_v.weight"] == T.Q6_K] == more
+    assert t["blk.7.ffn_gate_exps.weight"] == t["blk.7.ffn_up_exps.weight"] == t["blk.7.ffn_down_exps.weight"] == T.Q4_K
+    assert "blk.0.ffn_gate_inp.weight" not in t and "blk.0.attn_norm.weight" not in t
+    t = _a3b_types("iq3_s")
+    assert t["blk.3.attn_v.weight"] == T.Q4_K and t["blk.3.ffn_down_exps.weight"] == T.IQ3_S  # n_gqa 8 >= 4
+    t = _a3b_types("q3_k_m")
+    assert [t[f"blk.{i}.attn_v.weight"] for i in (0, 1, 2)] == [T.Q5_K, T.Q5_K, T.Q4_K]
+    assert [t[f"blk.{i}.ffn_down_exps.weight"] for i in (2, 3)] == [T.Q5_K, T.Q4_K]  # first sixteenth: Q5_K
+    assert t["blk.9.attn_output.weight"] == T.Q4_K and t["blk.9.ffn_up_exps.weight"] == T.Q3_K
+    t = _a3b_types("q2_k")
+    assert t["blk.9.ffn_down_exps.weight"] == T.Q3_K and t["blk.9.attn_v.weight"] == T.Q4_K
+    assert t["blk.9.ffn_gate_exps.weight"] == T.Q2_K and t["blk.9.attn_output.weight"] == T.Q3_K
+    t = _a3b_types("iq1_m")
+    assert t["token_embd.weight"] == T.Q2_K and t["output.weight"] == T.Q5_K
+    assert [t[f"blk.{i}.ffn_down_exps.weight"] for i in (5, 6)] == [T.Q2_K, T.IQ1_M]
+    assert t["blk.9.attn_output.weight"] == T.IQ2_XXS and t["blk.9.ffn_up_exps.weight"] == T.IQ1_M
+    t = _a3b_types("iq3_xs")
+    assert [t[f"blk.{i}.ffn_gate_exps.weight"] for i in (5, 6, 41, 42)] == [T.IQ3_S, T.IQ3_XXS, T.IQ3_XXS, T.IQ3_S]
+    assert t["blk.0.attn_q.weight"] == T.IQ3_XXS
+    t = _a3b_types("iq4_xs")
+    assert t["blk.0.ffn_down_exps.weight"] == T.IQ4_XS and t["blk.0.attn_v.weight"] == T.Q5_K
+
+
+def test_mix_fallback_for_rows_that_are_not_whole_blocks():
+    from stratad.model import mixes
+
+    c = PRESETS["tiny"]
+    f = mixes.parse_mix("q4_k_m")
+    assert mixes.tensor_type(f, "blk.1.ffn_up_exps.weight", 288, c) == T.Q5_0
+    assert mixes.tensor_type(f, "output.weight", 288, c) == T.Q8_0
+    assert mixes.tensor_type(mixes.parse_mix("iq3_s"), "blk.1.ffn_up_exps.weight", 288, c) == T.IQ4_NL
+    assert mixes.tensor_type(mixes.parse_mix("iq3_s"), "blk.1.ffn_up_exps.weight", 48, c) == T.F16
+
+
+def _mix_names():
+    from stratad.model import mixes
+
+    return list(mixes.MIXES)
+
+
+@pytest.mark.parametrize("mix", _mix_names())
+def test_each_mix_loads_and_generates(tmp_path, mix):
+    """Every llama.cpp file type: the file holds the table's types and generates through the canonical engine."""
+    from stratad.model import mixes
+
+    p = tmp_path / f"{mix}.gguf"
+    make_model(p, "tiny", mix=mix, seed=2)
+    m = ModelFile(p)
+    from stratad.model.gguf_file import expected_tensors
+
+    want = mixes.mix_types(mixes.parse_mix(mix), {n: s for n, (s, _) in expected_tensors(TINY).items()}, TINY)
+    assert {n: ti.qtype for n, ti in m.tensors.items() if n in want} == want
+    assert m.meta("general.file_type") == int(mixes.parse_mix(mix))
+    eng = ReferenceEngine(m, "canonical")
+    logits = eng.forward(m.tokenizer.encode("Mixed types"), eng.new_kv())
+    assert np.all(np.isfinite(logits)) and logits.std() > 0.1
+    m.close()
+
+
+def test_cli_mix(tmp_path):
+    out = tmp_path / "mix.gguf"
+    r = cli("make-model", "--preset", "tiny", "--mix", "q3_k_m", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    m = ModelFile(out)
+    assert m.expert_type(0, "down") == T.Q4_K and m.expert_type(1, "gate") == T.Q3_K  # 4 layers: no sixteenth
+    assert m.info("blk.1.attn_v.weight").qtype == T.Q5_K and m.info("blk.2.attn_v.weight").qtype == T.Q4_K
+    r = cli("make-model", "--mix", "q3_k_m", "--expert-quant", "Q4_K", "--out", str(tmp_path / "x.gguf"))
+    assert r.returncode == 2 and "--mix gives every tensor its type" in r.stderr

@@ -16,7 +16,7 @@ import time
 import numpy as np
 from gguf import GGMLQuantizationType as T
 
-from stratad.model import quants
+from stratad.model import mixes, quants
 from stratad.model.config import PRESETS, ModelConfig
 from stratad.model.writer import TensorSource, row_chunks, write_model
 
@@ -24,6 +24,9 @@ CHUNK_BYTES = 64 << 20  # rows generated per write: bounds peak memory
 SKEW_DIM_VALUE = 3.0  # constant embedding component on dimension 0
 OUT_DAMP = 0.5  # attention / expert output projections: keeps the residual growth slow
 TOPIC_STICKINESS = 8.0  # LM-head weight on the topic dimensions
+# the types whose rows can be written from float values (gguf.quants has their encoders): the embedding with a router
+# skew and the LM head with two topics have columns set by value
+FLOAT_ENCODED = (T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0)
 
 
 def _seed(seed: int, name: str) -> np.random.Generator:
@@ -107,27 +110,38 @@ def _norm(rng_name: str, n: int, seed: int) -> np.ndarray:
 
 
 def model_tensors(c: ModelConfig, expert_q: T, dense_q: T, skew: float, seed: int,
-                  topics: int = 1) -> list[TensorSource]:
+                  topics: int = 1, types: dict[str, T] | None = None) -> list[TensorSource]:
+    """types: a type per tensor name (a llama.cpp mix, stratad.model.mixes) over expert_q / dense_q."""
     d, ff, E = c.d_model, c.d_ff_expert, c.n_expert
-    ts = [_embedding(c, dense_q, seed, skew, topics),
+    types = types or {}
+
+    def dq(name: str) -> T:
+        return types.get(name, dense_q)
+
+    def eq(name: str) -> T:
+        return types.get(name, expert_q)
+
+    ts = [_embedding(c, dq("token_embd.weight"), seed, skew, topics),
           _fixed("output_norm.weight", T.F32, _norm("output_norm", d, seed)),
-          _lm_head(c, dense_q, seed, topics)]
+          _lm_head(c, dq("output.weight"), seed, topics)]
     for i in range(c.n_layer):
         b = f"blk.{i}."
         ts += [
             _fixed(b + "attn_norm.weight", T.F32, _norm(b + "attn_norm", d, seed)),
-            _random(b + "attn_q.weight", dense_q, (c.q_dim, d), 1 / np.sqrt(d), seed),
-            _random(b + "attn_k.weight", dense_q, (c.kv_dim, d), 1 / np.sqrt(d), seed),
-            _random(b + "attn_v.weight", dense_q, (c.kv_dim, d), 1 / np.sqrt(d), seed),
-            _random(b + "attn_output.weight", dense_q, (d, c.q_dim), OUT_DAMP / np.sqrt(c.q_dim), seed),
+            _random(b + "attn_q.weight", dq(b + "attn_q.weight"), (c.q_dim, d), 1 / np.sqrt(d), seed),
+            _random(b + "attn_k.weight", dq(b + "attn_k.weight"), (c.kv_dim, d), 1 / np.sqrt(d), seed),
+            _random(b + "attn_v.weight", dq(b + "attn_v.weight"), (c.kv_dim, d), 1 / np.sqrt(d), seed),
+            _random(b + "attn_output.weight", dq(b + "attn_output.weight"), (d, c.q_dim), OUT_DAMP / np.sqrt(c.q_dim),
+                    seed),
             _fixed(b + "attn_q_norm.weight", T.F32, _norm(b + "attn_q_norm", c.head_dim, seed)),
             _fixed(b + "attn_k_norm.weight", T.F32, _norm(b + "attn_k_norm", c.head_dim, seed)),
             _fixed(b + "ffn_norm.weight", T.F32, _norm(b + "ffn_norm", d, seed)),
             # llama.cpp's quantiser leaves the router in F32 too
             _fixed(b + "ffn_gate_inp.weight", T.F32, _router(c, i, seed, skew, topics)),
-            _random(b + "ffn_gate_exps.weight", expert_q, (E, ff, d), 1 / np.sqrt(d), seed),
-            _random(b + "ffn_up_exps.weight", expert_q, (E, ff, d), 1 / np.sqrt(d), seed),
-            _random(b + "ffn_down_exps.weight", expert_q, (E, d, ff), 2 * OUT_DAMP / np.sqrt(ff), seed),
+            _random(b + "ffn_gate_exps.weight", eq(b + "ffn_gate_exps.weight"), (E, ff, d), 1 / np.sqrt(d), seed),
+            _random(b + "ffn_up_exps.weight", eq(b + "ffn_up_exps.weight"), (E, ff, d), 1 / np.sqrt(d), seed),
+            _random(b + "ffn_down_exps.weight", eq(b + "ffn_down_exps.weight"), (E, d, ff), 2 * OUT_DAMP / np.sqrt(ff),
+                    seed),
         ]
     return ts
 
@@ -149,32 +163,51 @@ def split_size(text: str) -> int:
 
 def make_model(out: str | os.PathLike, preset: str | ModelConfig = "tiny", expert_quant: str = "IQ3_S",
                dense_quant: str = "Q8_0", router_skew: float = 0.0, seed: int = 0, topics: int = 1,
-               split_max_size: int = 0) -> dict:
+               split_max_size: int = 0, mix: str | None = None) -> dict:
     """Write the model; returns a small report (path, files, bytes, seconds). topics=2: two kinds of traffic with
     different hot experts (even / odd token ids), each chat keeping to the kind its prompt has. split_max_size:
-    llama.cpp's split shards of at most that many bytes (the first, `path` -00001-of-N, is the model to load)."""
+    llama.cpp's split shards of at most that many bytes (the first, `path` -00001-of-N, is the model to load).
+    mix: a llama.cpp file type (q4_k_m, iq3_s, ...): each tensor gets the type llama.cpp's quantiser gives it in
+    such a file (stratad.model.mixes); expert_quant / dense_quant are then not used."""
     if topics not in (1, 2):
         raise ValueError(f"topics must be 1 or 2, got {topics}")
     if topics == 2 and not router_skew:
         raise ValueError("topics=2 needs a router skew (it gives each topic its own hot experts)")
+    from stratad.model.gguf_file import expected_tensors
     from stratad.model.tokenizer import build_vocab
 
     c = preset if isinstance(preset, ModelConfig) else PRESETS[preset]
     eq, dq = quants.parse_type(expert_quant), quants.parse_type(dense_quant)
+    types, file_type, label = {}, eq, eq.name
+    if mix is not None:
+        ftype = mixes.parse_mix(mix)
+        types = mixes.mix_types(ftype, {n: s for n, (s, _) in expected_tensors(c).items()}, c)
+        file_type, label = ftype, mix.upper()
+    pinned = (["token_embd.weight"] if router_skew else []) + (["output.weight"] if topics == 2 else [])
+    for name in pinned:  # rows with set columns are encoded from floats (writer.TensorSource.of)
+        if types.get(name, dq) not in FLOAT_ENCODED:
+            raise ValueError(f"{f'mix {mix}' if mix else f'dense quant {dq.name}'}: {name} would be {types.get(name, dq).name}; with a router skew or two topics the "
+                             f"generator sets some of its columns and can encode those rows only as "
+                             f"{quants.supported_names(FLOAT_ENCODED)}")
+    for name, t in types.items():
+        if "_exps." in name and t not in quants.EXPERT_TYPES:
+            raise ValueError(f"mix {mix}: {name} would be {t.name}, which is not an expert type "
+                             f"({quants.supported_names(quants.EXPERT_TYPES)})")
     if eq not in quants.EXPERT_TYPES:
         raise ValueError(f"expert quant {eq.name} not supported; use one of "
-                         f"{', '.join(t.name for t in quants.EXPERT_TYPES)}")
+                         f"{quants.supported_names(quants.EXPERT_TYPES)}")
     if dq not in quants.DENSE_TYPES:
         raise ValueError(f"dense quant {dq.name} not supported; use one of "
-                         f"{', '.join(t.name for t in quants.DENSE_TYPES)}")
-    for n in (c.d_model, c.d_ff_expert):
-        quants.fmt(eq).row_bytes(n)
-        quants.fmt(dq).row_bytes(n)
+                         f"{quants.supported_names(quants.DENSE_TYPES)}")
+    if not types:
+        for n in (c.d_model, c.d_ff_expert):
+            quants.fmt(eq).row_bytes(n)
+            quants.fmt(dq).row_bytes(n)
     if split_max_size < 0:
         raise ValueError(f"split_max_size must be >= 0, got {split_max_size}")
     t0 = time.monotonic()
-    files = write_model(out, c, model_tensors(c, eq, dq, router_skew, seed, topics), build_vocab(c.vocab_size),
-                        name=f"stratad-{preset if isinstance(preset, str) else 'custom'}-{eq.name}", file_type=eq,
+    files = write_model(out, c, model_tensors(c, eq, dq, router_skew, seed, topics, types), build_vocab(c.vocab_size),
+                        name=f"stratad-{preset if isinstance(preset, str) else 'custom'}-{label}", file_type=file_type,
                         split_max_size=split_max_size)
     return {"path": files[0], "files": files, "bytes": sum(os.path.getsize(f) for f in files),
             "seconds": round(time.monotonic() - t0, 2)}

@@ -93,7 +93,8 @@ class _PartWriter(GGUFWriter):
 
 
 def write_model(path: str | os.PathLike, config: ModelConfig, tensors: Iterable[TensorSource], vocab,
-                name: str = "stratad-generated", file_type: T = T.F32, split_max_size: int = 0) -> list[str]:
+                name: str = "stratad-generated", file_type: T | LlamaFileType = T.F32,
+                split_max_size: int = 0) -> list[str]:
     """Write metadata, tokenizer and tensors; the file appears under `path` only once complete. split_max_size
     > 0: shards of at most that many tensor bytes (a bigger tensor gets a shard of its own), named as llama.cpp's
     gguf-split names them from `path` (model.gguf -> model-00001-of-00003.gguf ...). Returns the files written."""
@@ -103,7 +104,8 @@ def write_model(path: str | os.PathLike, config: ModelConfig, tensors: Iterable[
     w = _PartWriter(Path(path), ARCH, split_max_size=split_max_size)
     parts: list[Path] = []
     try:
-        _metadata(w, config, name, FILE_TYPES.get(file_type, LlamaFileType.ALL_F32))
+        _metadata(w, config, name, file_type if isinstance(file_type, LlamaFileType)  # a mix's own file type
+                  else FILE_TYPES.get(file_type, LlamaFileType.ALL_F32))
         write_tokenizer(w, vocab)
         for t in tensors:
             byte_shape = t.shape[:-1] + (quants.fmt(t.qtype).row_bytes(t.shape[-1]),)
