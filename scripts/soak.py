@@ -122,7 +122,11 @@ class Soak:
                 continue
             victim = self.rng.choice(lanes)
             if victim.pid:
-                os.kill(victim.pid, signal.SIGKILL)
+                try:
+                    os.kill(victim.pid, signal.SIGKILL)
+                except ProcessLookupError:  # it exited between the status and the kill (a restart under way)
+                    self.count("faults", "lane_already_gone")
+                    continue
                 self.count("faults", "lane_sigkill")
                 self.check(f"SIGKILL of lane {victim.lane}", want)
 
