@@ -11,6 +11,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from collections import deque
 
@@ -23,7 +24,7 @@ from lane.slot_loader import SlotLoader
 from lane.slot_pool import SlotPool
 from protos import messages as M
 from protos.codec import FrameError, decode, encode
-from stratad import shm
+from stratad import kv_store, shm
 from stratad.config import LaneConfig
 from stratad.engine.generation import CHUNK_READ, BadRequest, Generation
 from stratad.engine.prefix_cache import PrefixCache
@@ -65,7 +66,10 @@ class Lane:
         self.loader: SlotLoader | None = None
         self.req_id: str | None = None
         self.gen: Generation | None = None  # the request in progress
-        self.prefix = PrefixCache() if cfg.prefix_cache else None  # the last sequence, for the next prompt
+        # the host conversation cache shared by every lane (its segment is the coordinator's)
+        self.store = kv_store.KvStore(cfg.kv_store, lane=cfg.lane) if cfg.prefix_cache and cfg.kv_store else None
+        self.prefix = PrefixCache(self.store) if cfg.prefix_cache else None  # the last sequence, for the next prompt
+        self.saver: threading.Thread | None = None  # writes the last sequence's new blocks to the store
         self.tok_s = 0.0
         self.last_beat = 0.0
         self.stopping = False
@@ -128,7 +132,7 @@ class Lane:
         if self.cfg.card == "cpu":
             name = f"{self.cfg.shm_prefix}lane{self.lane}-slots"
             shm.unlink(name)
-            seg = shm.Segment(name, max(1, n * slot_bytes(self.model)), create=True)
+            seg = shm.Segment(name, max(1, n) * slot_bytes(self.model), create=True)
             self.segments.append(seg)
             self.card = NumpyCard(self.model, SlotPool(self.model, seg.array(), n), live, pool_ident=name)
         else:
@@ -251,6 +255,29 @@ class Lane:
             self.beat(force=True)  # before Done: a status read right after the Done sees this request's figures
             if done is not None:
                 self.send(done)
+            self.save_blocks()
+
+    def save_blocks(self) -> None:
+        """After Done (the lane is free at once): the kept sequence's new whole blocks to the host cache. The
+        export is a copy made here (the next request may change the KV); the store is written by a thread."""
+        if self.store is None or self.prefix.kv is None:
+            return
+        if self.saver is not None:
+            self.saver.join()  # one write at a time: its blocks may be the next one's parents
+        try:
+            w = self.prefix.unsaved(self.card)
+        except Exception:  # noqa: BLE001 - the cache is an optimisation: serving goes on without it
+            log.exception("lane %d: exporting KV blocks for the host cache failed", self.lane)
+            return
+        if w is not None:
+            self.saver = threading.Thread(target=self._write_blocks, args=(w,), daemon=True)
+            self.saver.start()
+
+    def _write_blocks(self, w) -> None:
+        try:
+            w.write(self.store)
+        except Exception:  # noqa: BLE001
+            log.exception("lane %d: writing KV blocks to the host cache failed", self.lane)
 
     def run(self) -> int:
         self.send(M.LaneHello(lane=self.lane, pid=os.getpid(), card=self.card_name, model_hash=self.model.header_hash))
@@ -288,6 +315,10 @@ class Lane:
             self.loader.close()
         if self.card is not None:
             self.card.close()
+        if self.saver is not None:
+            self.saver.join()
+        if self.store is not None:
+            self.store.close()
         for s in self.segments:
             s.close()
         self.sock.close(linger=200)
