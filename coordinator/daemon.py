@@ -7,6 +7,7 @@ bounded queues that never block the loop (coordinator/client_io.py).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import signal
 from concurrent.futures import Future
@@ -27,7 +28,7 @@ from coordinator.pool import CardPool
 from coordinator.runtime import RuntimeDir
 from protos import messages as M
 from protos.codec import FrameError, decode, encode, peek
-from stratad import sd_notify, threads
+from stratad import kv_store, sd_notify, threads
 from stratad.config import DaemonConfig, LaneConfig
 from stratad.engine.prefix_cache import common_prefix
 from stratad.model.config import effective_context_length
@@ -98,6 +99,7 @@ class Coordinator:
                            if self.cfg.state_dir else None)
         self.profile = self._profile()
         self.last_profile_save = time.monotonic()
+        self.kv_store = self._kv_store()
         self.pool = CardPool(len(self.cards), self.n_slots, (c.n_layer, c.n_expert), self.profile,
                              self.rt.shm_prefix, self._send_lane, self.cfg.mutual_help, self.cfg.rejoin_idle_s,
                              self.cfg.replan_interval_s, self.cfg.replan_min_gain)
@@ -122,6 +124,23 @@ class Coordinator:
         log.info("model %s: %d layers x %d experts, slot %.2f MiB, %d slots per card (%s), %d cards %s",
                  self.model.path, c.n_layer, c.n_expert, self.slot_bytes / 2**20, self.n_slots,
                  self.cfg.expert_cache, len(self.cards), ",".join(self.cards))
+
+    def _kv_store(self) -> kv_store.KvStore | None:
+        """The host conversation cache's segment (with prefix_cache), sized by kv_cache_host."""
+        if not self.cfg.prefix_cache:
+            return None
+        block = kv_store.block_bytes(self.model.config, self.cards)
+        pools = sum(self.n_slots * self.slot_bytes for card in self.cards if card == "cpu")
+        limit = kv_store.host_limit(self.cfg.kv_cache_host, self.model.size + pools)
+        if limit < block:
+            log.info("host conversation cache off (kv_cache_host %s: %d bytes, a block is %d)",
+                     self.cfg.kv_cache_host, limit, block)
+            return None
+        st = kv_store.KvStore(kv_store.segment_name(self.rt.shm_prefix), create=True, limit_bytes=limit,
+                              slot_bytes=block)
+        log.info("host conversation cache: %.1f MiB, %d blocks of %d tokens", st.n_slots * block / 2**20,
+                 st.n_slots, st.block_tokens)
+        return st
 
     def _slots_per_card(self) -> int:
         c, b = self.model.config, self.cfg.expert_cache
@@ -165,7 +184,8 @@ class Coordinator:
         return lane_argv(LaneConfig.for_lane(self.cfg, lane=h.lane, card=h.card, endpoint=self.rt.lane_endpoint,
                                              model=str(self.model.path), model_hash=self.model.header_hash,
                                              shm_prefix=self.rt.shm_prefix, context_length=self.context_length,
-                                             cpu_threads=threads.per_lane(self.cfg.cpu_threads, len(self.cards))))
+                                             cpu_threads=threads.per_lane(self.cfg.cpu_threads, len(self.cards)),
+                                             kv_store=self.kv_store.name if self.kv_store else ""))
 
     def _tcp_socket(self) -> zmq.Socket:
         import zmq.auth
@@ -282,6 +302,8 @@ class Coordinator:
             self.pool.close()
         if getattr(self, "sup", None):
             self.sup.stop_all()
+        if getattr(self, "kv_store", None):
+            self.kv_store.close()  # unlinks the segment, once the lanes are gone
         if self.intake is not None:
             self.intake.close()
         if self.io is not None:
@@ -534,7 +556,12 @@ class Coordinator:
         return M.Status(model=str(self.model.path), uptime_s=time.time() - self.t_start, lanes=tuple(lanes),
                         cards=tuple(cards), queue=tuple(self.queue), queue_limit=self.cfg.queue_limit,
                         epoch=self.pool.epochs.epoch, role_log=tuple(self.pool.role_log),
-                        profile=self.profile_source)
+                        profile=self.profile_source, kv_cache=self._kv_status())
+
+    def _kv_status(self) -> M.KvCacheStatus | None:
+        if self.kv_store is None:
+            return None
+        return M.KvCacheStatus(**dataclasses.asdict(self.kv_store.stats()))
 
 
 def prompt_tokens(tokenizer, g: M.Generate) -> list[int]:

@@ -225,6 +225,20 @@ class RoleEvent(BaseModel):
     role: Role
 
 
+class KvCacheStatus(BaseModel):
+    """The host conversation cache (stratad/kv_store.py): blocks held, their bytes, and what lanes got from it
+    (hits: requests that restored some of their prompt from it; tokens: prompt tokens restored)."""
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    entries: int = 0
+    bytes_used: int = 0
+    bytes_limit: int = 0
+    block_tokens: int = 0
+    lookups: int = 0
+    hits: int = 0
+    tokens_served: int = 0
+    blocks_written: int = 0
+
+
 class Status(_Msg):
     type: Literal["status"] = "status"
     model: str
@@ -236,6 +250,7 @@ class Status(_Msg):
     epoch: int = 0
     role_log: tuple[RoleEvent, ...] = ()  # the latest role changes, oldest first
     profile: str = ""  # where the starting expert profile came from (a file, a saved run, a warm-up, none)
+    kv_cache: KvCacheStatus | None = None  # the host conversation cache; None: off
 
 
 # ---- coordinator <-> lane -----------------------------------------------------------------------------------

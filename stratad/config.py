@@ -32,7 +32,7 @@ def default_runtime_dir() -> str:
 
 
 class CacheBudget(BaseModel):
-    """A card's expert-cache budget: a fraction of all experts, or a number of bytes."""
+    """A budget: a fraction (of all experts: expert_cache; of the host memory left: kv_cache_host) or bytes."""
     model_config = ConfigDict(frozen=True)
     fraction: float | None = None
     bytes: int | None = None
@@ -43,7 +43,7 @@ class CacheBudget(BaseModel):
             return v
         if isinstance(v, (int, float)) and not isinstance(v, bool):
             if not 0.0 <= v <= 1.0:
-                raise ValueError(f"a fraction of all experts must be within 0..1, got {v}")
+                raise ValueError(f"a fraction must be within 0..1, got {v}")
             return cls(fraction=float(v))
         if isinstance(v, str):
             m = _SIZE.match(v)
@@ -111,6 +111,10 @@ class DaemonConfig(BaseModel):
     prefix_cache: bool = Field(False, description="a lane keeps its last sequence's KV and reuses it for the next "
                                                   "prompt's common prefix (agents resending a conversation); not "
                                                   "bit-identical to reading the prompt afresh")
+    kv_cache_host: CacheBudget = Field(CacheBudget(fraction=0.25), description="the host conversation cache "
+                                       "shared by every lane (with prefix_cache): a fraction 0..1 of the host "
+                                       "memory left beside the model and the CPU cards' pools, or a size "
+                                       "('16GiB'); 0: off")
     profile: str | None = Field(None, description="expert profile: per-(layer, expert) counts, .npy")
     state_dir: str | None = Field(None, description="keeps the learned expert profile between runs (the systemd "
                                                     "unit: /var/lib/stratad); unset: nothing is kept")
@@ -126,7 +130,7 @@ class DaemonConfig(BaseModel):
     gpu: GpuOptions = Field(GpuOptions(), description="GPU cards' code paths ([gpu] table)")
     log_level: str = Field("info", pattern="^(debug|info|warning|error)$")
 
-    @field_validator("expert_cache", mode="before")
+    @field_validator("expert_cache", "kv_cache_host", mode="before")
     @classmethod
     def _budget(cls, v):
         return CacheBudget.parse(v)
@@ -191,6 +195,7 @@ class LaneConfig(BaseModel):
     host_experts: Literal["cpu", "card"]
     prompt_chunk: int
     prefix_cache: bool
+    kv_store: str  # the host conversation cache's segment ("": none)
     rope_scaling: Literal["none", "linear", "yarn"] | None
     rope_scale: float | None
     yarn_orig_ctx: int | None
@@ -198,11 +203,12 @@ class LaneConfig(BaseModel):
 
     @classmethod
     def for_lane(cls, cfg: DaemonConfig, *, lane: int, card: str, endpoint: str, model: str, model_hash: str,
-                 shm_prefix: str, context_length: int, cpu_threads: int) -> "LaneConfig":
+                 shm_prefix: str, context_length: int, cpu_threads: int, kv_store: str = "") -> "LaneConfig":
         return cls(lane=lane, card=card, endpoint=endpoint, model=model, model_hash=model_hash,
                    shm_prefix=shm_prefix, context_length=context_length, cpu_threads=cpu_threads,
                    heartbeat_s=cfg.heartbeat_s, start_timeout_s=cfg.lane_start_timeout_s, log_level=cfg.log_level,
                    host_experts=cfg.host_experts, prompt_chunk=cfg.prompt_chunk, prefix_cache=cfg.prefix_cache,
+                   kv_store=kv_store,
                    rope_scaling=cfg.rope_scaling, rope_scale=cfg.rope_scale, yarn_orig_ctx=cfg.yarn_orig_ctx,
                    gpu=cfg.gpu)
 

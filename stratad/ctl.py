@@ -42,6 +42,11 @@ def status_table(st) -> str:
     for c in st.cards:
         lines.append(f"{c.card:<6} {c.kind:<4} {c.memory_used / 2**20:>10.1f} / {c.memory_total / 2**20:.1f} MiB   "
                      f"{', '.join(map(str, c.used_by)) or '-'}")
+    if st.kv_cache is not None:
+        k = st.kv_cache
+        lines += ["", f"host conversation cache: {k.entries} blocks of {k.block_tokens} tokens, "
+                      f"{k.bytes_used / 2**20:.1f} / {k.bytes_limit / 2**20:.1f} MiB; {k.hits} hits of {k.lookups} "
+                      f"lookups, {k.tokens_served} prompt tokens restored, {k.blocks_written} blocks written"]
     if st.role_log:
         lines += ["", "role changes (latest last)"]
         for ev in st.role_log[-8:]:

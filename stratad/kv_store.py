@@ -225,3 +225,29 @@ class KvStore:
 
 def _round(n: int) -> int:
     return -(-n // 4096) * 4096
+
+
+def block_bytes(config, cards) -> int:
+    """A slot's bytes for these cards' KV layouts: float32 on CPU cards (engine/kv_blocks.py), float16 on GPU
+    cards (lane/cupy_card.py); the larger where both serve."""
+    per = config.n_layer * 2 * BLOCK_TOKENS * config.n_head_kv * config.head_dim
+    return per * (4 if "cpu" in cards else 2)
+
+
+def host_limit(budget, reserved: int) -> int:
+    """kv_cache_host in bytes: a size as given, or a fraction of the memory available beside `reserved` (the
+    model's mapping and the CPU cards' pools: the arena and the lanes keep what they need); never more than
+    /dev/shm can hold (a page that does not fit there would kill its writer)."""
+    st = os.statvfs(shm.SHM_DIR)
+    shm_free = int(0.9 * st.f_bavail * st.f_frsize)
+    if budget.bytes is not None:
+        return min(budget.bytes, shm_free)
+    return min(int(budget.fraction * max(0, mem_available() - reserved)), shm_free)
+
+
+def mem_available() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise OSError("no MemAvailable in /proc/meminfo")

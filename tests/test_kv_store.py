@@ -155,3 +155,18 @@ def test_restored_kv_gives_the_kept_kvs_bits(card, tmp_path):
         assert (s.hits, s.tokens_served) == (1, 48)
     finally:
         st.close()
+
+
+def test_kv_cache_host_config():
+    from stratad import config
+
+    assert config.load(None, {"model": "m"}).kv_cache_host.fraction == 0.25
+    assert config.load(None, {"model": "m", "kv_cache_host": "2GiB"}).kv_cache_host.bytes == 2 << 30
+    assert config.load(None, {"model": "m", "kv_cache_host": 0}).kv_cache_host.fraction == 0.0
+    with pytest.raises(config.ConfigError, match="key 'kv_cache_host'.*fraction must be within 0..1"):
+        config.load(None, {"model": "m", "kv_cache_host": 3})
+    with pytest.raises(config.ConfigError, match="key 'kv_cache_host'.*'40GiB'"):
+        config.load(None, {"model": "m", "kv_cache_host": "lots"})
+    mem = kv_store.mem_available()
+    assert 0 < kv_store.host_limit(config.CacheBudget(fraction=0.5), 0) <= mem // 2
+    assert kv_store.host_limit(config.CacheBudget(fraction=0.5), 2 * mem) == 0  # nothing left beside the arena
