@@ -91,7 +91,8 @@ def _bench(a) -> int:
         if not Path(model).exists():
             Path(a.cache_dir).mkdir(parents=True, exist_ok=True)
             make_model(model, a.preset, a.expert_quant, "Q8_0", a.router_skew, 0, topics=2 if a.scenario == "seed" else 1)
-    gpu = a.scenario == "engine" or (a.scenario == "seed" and any(c != "cpu" for c in a.cards.split(",")))
+    gpu = a.scenario == "engine" or (a.scenario in ("seed", "agents")
+                                     and any(c != "cpu" for c in a.cards.split(",")))
     if a.scenario == "overhead":
         from stratad.bench import overhead
 
@@ -102,6 +103,11 @@ def _bench(a) -> int:
         out = engine.run(model, fractions=[float(x) for x in a.fractions.split(",")],
                          contexts=[int(x) for x in a.contexts.split(",")], tokens=a.tokens,
                          host_experts=a.host_experts, prompt_chunk=a.prompt_chunk)
+    elif a.scenario == "agents":
+        from stratad.bench import agents
+
+        out = agents.run(model, cards=a.cards, history=a.history, turns=a.turns, new_tokens=a.new_tokens,
+                         kv_cache_host=a.kv_cache_host, prompt_chunk=a.prompt_chunk)
     else:
         from stratad.bench import seed
 
@@ -166,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=_serve)
 
     b = sub.add_parser("bench", help="measure; JSON with hardware, floor and fraction reached")
-    b.add_argument("--scenario", choices=["overhead", "engine", "seed"], default="overhead")
+    b.add_argument("--scenario", choices=["overhead", "engine", "seed", "agents"], default="overhead")
     b.add_argument("--model", help="GGUF to use; default: generate --preset into --cache-dir")
     b.add_argument("--preset", choices=["tiny", "mini", "a3b"], default="tiny")
     b.add_argument("--expert-quant", default="IQ3_S", choices=["IQ3_S", "Q4_K", "Q8_0"])
@@ -186,6 +192,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--modes", default="1,2,3", help="seed: which modes (1 lead + peer, 2 independent, 3 mutual help)")
     b.add_argument("--peer-copy", choices=["auto", "host"], default="auto",
                    help="seed: a peer on another GPU, P2P or through host memory (config [gpu] peer_copy)")
+    b.add_argument("--history", type=int, default=32768, help="agents: tokens of each conversation's history")
+    b.add_argument("--turns", type=int, default=4, help="agents: follow-up turns of each conversation")
+    b.add_argument("--new-tokens", type=int, default=512, help="agents: new tokens in each follow-up turn")
+    b.add_argument("--kv-cache-host", default="0.25", help="agents: the host conversation cache (config "
+                                                           "kv_cache_host) of the run with it")
     b.add_argument("--json", help="also write the JSON here")
     b.set_defaults(fn=_bench)
     return p
