@@ -1,9 +1,9 @@
 """The CPU pool: threads that compute the experts no card holds, straight from the arena's raw GGUF bytes.
 
 Every output bit equals `stratad.engine.canonical.expert` on `decode_int` of the same rows (docs/design.md, exactness),
-for every expert type: a layer whose types are all IQ3_S / Q4_K / Q8_0 runs the raw-block kernels below; any other
-(or a mix with one) runs the generic path, the same arithmetic on the types' integer views (see `_run_generic`).
-The raw-block kernels read IQ3_S / Q4_K / Q8_0 blocks directly, form exact integer sub-block dots, scale each term as
+for every expert type: a layer whose types are all IQ3_S / Q4_K / Q6_K / Q8_0 runs the raw-block kernels below (each
+of gate / up / down may be any of them: llama.cpp's Q4_K_M layers); any other runs the generic path, the same arithmetic on the types' integer views (see `_run_generic`).
+The raw-block kernels read IQ3_S / Q4_K / Q8_0 blocks directly (Q6_K: a scalar kernel, below), form exact integer sub-block dots, scale each term as
 `(scale_b * d_b) * isum_b [- (minimum_b * d_b) * asum_b]` in float32 (every op rounded on its own: no fastmath, so
 LLVM never contracts to FMA or reassociates), sum terms in the canonical warp order (virtual lane l adds terms
 l, l+32, ... to 0.0, then folds 16, 8, 4, 2, 1), apply SwiGLU with the canonical float32 `exp`, quantise h
@@ -41,8 +41,9 @@ LANES = 32
 # GGML type codes the kernels dispatch on
 IQ3_S = 21
 Q4_K = 12
+Q6_K = 14
 Q8_0 = 8
-_BLOCK_BYTES = {IQ3_S: 110, Q4_K: 144, Q8_0: 34}  # the types with kernels reading raw blocks; others: _generic
+_BLOCK_BYTES = {IQ3_S: 110, Q4_K: 144, Q6_K: 210, Q8_0: 34}  # the types with kernels reading raw blocks; others: _generic
 _SUPPORTED = {int(t) for t in EXPERT_TYPES}
 
 
@@ -484,6 +485,43 @@ def _rows_q80(w, ro, rb, nrows, nsub, a, da, asum, idx, n, acc, sbuf, res, f16e)
             res[k * nrows + i] = _fold32(acc, k * LANES)
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _rows_q6k(w, ro, rb, nrows, nsub, a, da, idx, n, acc, wbuf, res, f16e):
+    """Q6_K: per block, the 256 codes - 32 into wbuf (int8), then per sub-block of 32 the two 16-value halves'
+    integer sums, each times its int8 scale: isum = sc_lo * sum_lo + sc_hi * sum_hi, the view's exact integer sum
+    (q = sc * (code - 32), scale = d: docs/quant-types.md)."""
+    for i in range(nrows):
+        for l in range(n * LANES):
+            acc[l] = _ZERO
+        for bi in range(nsub // 8):
+            o = ro + i * rb + bi * 210
+            d = _f16(w[o + 208], w[o + 209], f16e)
+            for h in range(2):  # per 128 values: ql's 64 bytes low nibbles then high; qh's 32 bytes, 2 bits x 4
+                for i in range(32):
+                    qh = np.int32(w[o + 128 + h * 32 + i])
+                    q0 = np.int32(w[o + h * 64 + i])
+                    q1 = np.int32(w[o + h * 64 + 32 + i])
+                    wbuf[h * 128 + i] = np.int8(((q0 & 15) | ((qh & 3) << 4)) - 32)
+                    wbuf[h * 128 + 32 + i] = np.int8(((q1 & 15) | (((qh >> 2) & 3) << 4)) - 32)
+                    wbuf[h * 128 + 64 + i] = np.int8(((q0 >> 4) | (((qh >> 4) & 3) << 4)) - 32)
+                    wbuf[h * 128 + 96 + i] = np.int8(((q1 >> 4) | (((qh >> 6) & 3) << 4)) - 32)
+            lane0 = (bi * 8) & 31
+            for k in range(n):
+                t = idx[k] * nsub + bi * 8
+                for j in range(8):
+                    s_lo = 0
+                    s_hi = 0
+                    for v in range(16):
+                        s_lo += np.int32(wbuf[32 * j + v]) * np.int32(a[(t + j) * SUB + v])
+                        s_hi += np.int32(wbuf[32 * j + 16 + v]) * np.int32(a[(t + j) * SUB + 16 + v])
+                    sc_lo = np.int32(np.int8(w[o + 192 + 2 * j]))
+                    sc_hi = np.int32(np.int8(w[o + 193 + 2 * j]))
+                    term = (d * da[t + j]) * np.float32(sc_lo * s_lo + sc_hi * s_hi)
+                    acc[k * LANES + lane0 + j] = acc[k * LANES + lane0 + j] + term
+        for k in range(n):
+            res[k * nrows + i] = _fold32(acc, k * LANES)
+
+
 @njit(nogil=True, cache=True)
 def _rows(qtype, w, ro, rb, nrows, a, da, asum, idx, n, acc, wbuf, sbuf, mbuf, res, f16e, grid):
     """res[k * nrows + i] = canonical dot of raw weight row i (w[ro + i * rb:], rb bytes) with activation idx[k]."""
@@ -491,6 +529,8 @@ def _rows(qtype, w, ro, rb, nrows, a, da, asum, idx, n, acc, wbuf, sbuf, mbuf, r
         _rows_iq3s(w, ro, rb, nrows, rb // 110 * 8, a, da, asum, idx, n, acc, wbuf, sbuf, res, f16e, grid)
     elif qtype == Q4_K:
         _rows_q4k(w, ro, rb, nrows, rb // 144 * 8, a, da, asum, idx, n, acc, sbuf, mbuf, res, f16e)
+    elif qtype == Q6_K:
+        _rows_q6k(w, ro, rb, nrows, rb // 210 * 8, a, da, idx, n, acc, wbuf, res, f16e)
     else:
         _rows_q80(w, ro, rb, nrows, rb // 34, a, da, asum, idx, n, acc, sbuf, res, f16e)
 

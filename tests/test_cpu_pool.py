@@ -76,7 +76,7 @@ def run_all(pools, jobs):
     return outs[1]
 
 
-@pytest.mark.parametrize("qtype", [T.IQ3_S, T.Q4_K, T.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [T.IQ3_S, T.Q4_K, T.Q6_K, T.Q8_0], ids=lambda t: t.name)
 @pytest.mark.parametrize("shape", [TINY, A3B], ids=["tiny", "a3b"])
 def test_bit_exact_vs_canonical(pools, seed, qtype, shape):
     d_model, d_ff = shape
@@ -91,12 +91,12 @@ def test_bit_exact_vs_canonical(pools, seed, qtype, shape):
     assert np.all(da[0, 1] == 0) and np.all(da[2] == 0)
 
 
-GENERIC = [t for t in EXPERT_TYPES if t not in (T.IQ3_S, T.Q4_K, T.Q8_0)]
+BLOCK_KERNELS = [T.IQ3_S, T.Q4_K, T.Q6_K, T.Q8_0]  # cpu_pool's raw-block kernels; the other types: generic path
 
 
-@pytest.mark.parametrize("qtype", GENERIC, ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", EXPERT_TYPES, ids=lambda t: t.name)
 def test_every_type_bit_exact_vs_canonical(pools, seed, qtype):
-    """The types without raw-block kernels (the generic path on their integer views), several tokens per expert."""
+    """Every expert type (raw-block kernels or the generic path on the integer views), several tokens per expert."""
     d_model, d_ff = TINY
     rng = np.random.default_rng([seed, int(qtype), 3])
     types = (qtype,) * 3
@@ -108,6 +108,7 @@ def test_every_type_bit_exact_vs_canonical(pools, seed, qtype):
 
 
 @pytest.mark.parametrize("types", [(T.Q4_K, T.Q4_K, T.Q6_K), (T.IQ3_S, T.IQ3_S, T.Q6_K), (T.Q2_K, T.Q3_K, T.Q6_K),
+                                   (T.Q6_K, T.Q6_K, T.Q8_0),
                                    (T.IQ2_XXS, T.IQ2_XXS, T.IQ3_S), (T.IQ1_M, T.IQ1_S, T.IQ4_XS)],
                          ids=lambda ts: "-".join(t.name for t in ts))
 def test_mixed_types_bit_exact(pools, seed, types):
@@ -121,12 +122,13 @@ def test_mixed_types_bit_exact(pools, seed, types):
     assert_bits(run_all(pools, jobs), reference(types, layer, pairs, qa, da))
 
 
-@pytest.mark.parametrize("qtype", [T.IQ3_S, T.Q4_K, T.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", BLOCK_KERNELS, ids=lambda t: t.name)
 def test_generic_path_equals_block_kernels(seed, qtype, monkeypatch):
     """The generic path on a type that has raw-block kernels gives their bits (two implementations, one function);
     small expert batches (several passes) change nothing."""
     import lane.cpu_pool as cp
 
+    assert set(cp._BLOCK_BYTES) == {int(t) for t in BLOCK_KERNELS}
     d_model, d_ff = TINY
     rng = np.random.default_rng([seed, int(qtype), 5])
     types = (qtype,) * 3
