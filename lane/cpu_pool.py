@@ -497,14 +497,14 @@ def _rows_q6k(w, ro, rb, nrows, nsub, a, da, idx, n, acc, wbuf, res, f16e):
             o = ro + i * rb + bi * 210
             d = _f16(w[o + 208], w[o + 209], f16e)
             for h in range(2):  # per 128 values: ql's 64 bytes low nibbles then high; qh's 32 bytes, 2 bits x 4
-                for i in range(32):
-                    qh = np.int32(w[o + 128 + h * 32 + i])
-                    q0 = np.int32(w[o + h * 64 + i])
-                    q1 = np.int32(w[o + h * 64 + 32 + i])
-                    wbuf[h * 128 + i] = np.int8(((q0 & 15) | ((qh & 3) << 4)) - 32)
-                    wbuf[h * 128 + 32 + i] = np.int8(((q1 & 15) | (((qh >> 2) & 3) << 4)) - 32)
-                    wbuf[h * 128 + 64 + i] = np.int8(((q0 >> 4) | (((qh >> 4) & 3) << 4)) - 32)
-                    wbuf[h * 128 + 96 + i] = np.int8(((q1 >> 4) | (((qh >> 6) & 3) << 4)) - 32)
+                for c in range(32):
+                    qh = np.int32(w[o + 128 + h * 32 + c])
+                    q0 = np.int32(w[o + h * 64 + c])
+                    q1 = np.int32(w[o + h * 64 + 32 + c])
+                    wbuf[h * 128 + c] = np.int8(((q0 & 15) | ((qh & 3) << 4)) - 32)
+                    wbuf[h * 128 + 32 + c] = np.int8(((q1 & 15) | (((qh >> 2) & 3) << 4)) - 32)
+                    wbuf[h * 128 + 64 + c] = np.int8(((q0 >> 4) | (((qh >> 4) & 3) << 4)) - 32)
+                    wbuf[h * 128 + 96 + c] = np.int8(((q1 >> 4) | (((qh >> 6) & 3) << 4)) - 32)
             lane0 = (bi * 8) & 31
             for k in range(n):
                 t = idx[k] * nsub + bi * 8
