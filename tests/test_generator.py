@@ -65,14 +65,13 @@ def test_each_quant_loads_and_generates(tmp_path, experts, dense):
 def test_unsupported_quant_choices(tmp_path):
     with pytest.raises(ValueError, match="expert quant F16 not supported"):
         make_model(tmp_path / "a.gguf", "tiny", "F16")
-    with pytest.raises(ValueError, match="dense quant IQ3_S: token_embd.weight would be IQ3_S; with a router skew"):
-        make_model(tmp_path / "b.gguf", "tiny", "IQ3_S", "IQ3_S", router_skew=1.0)
+    with pytest.raises(ValueError, match="dense quant IQ2_XS: token_embd.weight would be IQ2_XS; with a router skew"):
+        make_model(tmp_path / "b.gguf", "tiny", "IQ3_S", "IQ2_XS", router_skew=1.0)
     with pytest.raises(ValueError, match="unsupported tensor type TQ1_0"):
         make_model(tmp_path / "c.gguf", "tiny", "TQ1_0")
     with pytest.raises(ValueError, match="unknown mix 'q4_k_x'; llama.cpp file types: q4_0, "):
         make_model(tmp_path / "e.gguf", "tiny", mix="q4_k_x")
-    with pytest.raises(ValueError, match="mix q4_k_m: token_embd.weight would be Q4_K; with a router skew"):
-        make_model(tmp_path / "f.gguf", "tiny", mix="q4_k_m", router_skew=1.0)
+
     import dataclasses
 
     odd = dataclasses.replace(TINY, d_model=288)  # not a whole number of 256-value IQ3_S blocks
@@ -358,3 +357,24 @@ def test_cli_mix(tmp_path):
     assert m.info("blk.1.attn_v.weight").qtype == T.Q5_K and m.info("blk.2.attn_v.weight").qtype == T.Q4_K
     r = cli("make-model", "--mix", "q3_k_m", "--expert-quant", "Q4_K", "--out", str(tmp_path / "x.gguf"))
     assert r.returncode == 2 and "--mix gives every tensor its type" in r.stderr
+
+
+@pytest.mark.parametrize("mix", ["q4_k_m", "iq3_s", "q2_k"])
+def test_mix_with_router_skew_and_topics(tmp_path, mix):
+    """The embedding's set columns (skew on dimension 0, the topic on 1 and 2) survive its mix type's encoding
+    (Q4_K, IQ3_S, Q2_K here), and the LM head's topic columns too (Q6_K)."""
+    from stratad.model.generator import SKEW_DIM_VALUE, TOPIC_STICKINESS
+
+    p = tmp_path / f"{mix}.gguf"
+    make_model(p, "tiny", mix=mix, router_skew=1.5, topics=2, seed=3)
+    m = ModelFile(p)
+    e = m.dense("token_embd.weight")
+    tol = {"q4_k_m": 0.3, "iq3_s": 1.0, "q2_k": 1.0}[mix] * SKEW_DIM_VALUE / 3
+    assert abs(float(np.median(e[:, 0])) - SKEW_DIM_VALUE) < tol
+    odd = np.arange(len(e)) % 2 == 1  # topic B: dimension 2 set, dimension 1 zero
+    assert float(np.median(e[odd, 2])) > SKEW_DIM_VALUE - tol and float(np.median(np.abs(e[odd, 1]))) < tol
+    rest = e[:, 3:]
+    assert 0.7 < float(np.sqrt(np.mean(rest * rest))) < 1.3
+    head = m.dense("output.weight")
+    assert float(np.median(head[~odd, 1])) == pytest.approx(TOPIC_STICKINESS, rel=0.1)
+    m.close()

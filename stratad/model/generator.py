@@ -17,6 +17,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as T
 
 from stratad.model import mixes, quants
+from stratad.model.quants.encode import ENCODED, encode
 from stratad.model.config import PRESETS, ModelConfig
 from stratad.model.writer import TensorSource, row_chunks, write_model
 
@@ -24,9 +25,9 @@ CHUNK_BYTES = 64 << 20  # rows generated per write: bounds peak memory
 SKEW_DIM_VALUE = 3.0  # constant embedding component on dimension 0
 OUT_DAMP = 0.5  # attention / expert output projections: keeps the residual growth slow
 TOPIC_STICKINESS = 8.0  # LM-head weight on the topic dimensions
-# the types whose rows can be written from float values (gguf.quants has their encoders): the embedding with a router
-# skew and the LM head with two topics have columns set by value
-FLOAT_ENCODED = (T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0)
+# the embedding with a router skew and the LM head with two topics have columns set by value: their rows are encoded
+# from floats, which quants.encode does for these types
+FLOAT_ENCODED = ENCODED
 
 
 def _seed(seed: int, name: str) -> np.random.Generator:
@@ -50,14 +51,14 @@ def _fixed(name: str, qtype: T, values: np.ndarray) -> TensorSource:
 
 
 def _float_rows(name: str, qtype: T, shape: tuple[int, int], rms: float, seed: int, columns) -> TensorSource:
-    """Gaussian rows with some columns set by `columns(block, first_row)`, then encoded as `qtype`."""
+    """Gaussian rows with some columns set by `columns(block, first_row)`, then encoded as `qtype` (quants.encode)."""
     per = max(1, (CHUNK_BYTES // 4) // shape[1])
 
     def make(rng):
         def rows(s, k):
             v = rng.standard_normal((k, shape[1]), dtype=np.float32) * np.float32(rms)
             columns(v, s)
-            return TensorSource.of(name, qtype, v).chunks()[0]
+            return encode(qtype, v)
         return rows
 
     return TensorSource(name, qtype, shape, lambda: row_chunks(shape[0], per, make(_seed(seed, name))))
@@ -184,7 +185,7 @@ def make_model(out: str | os.PathLike, preset: str | ModelConfig = "tiny", exper
         types = mixes.mix_types(ftype, {n: s for n, (s, _) in expected_tensors(c).items()}, c)
         file_type, label = ftype, mix.upper()
     pinned = (["token_embd.weight"] if router_skew else []) + (["output.weight"] if topics == 2 else [])
-    for name in pinned:  # rows with set columns are encoded from floats (writer.TensorSource.of)
+    for name in pinned:  # rows with set columns are encoded from floats (quants.encode)
         if types.get(name, dq) not in FLOAT_ENCODED:
             raise ValueError(f"{f'mix {mix}' if mix else f'dense quant {dq.name}'}: {name} would be {types.get(name, dq).name}; with a router skew or two topics the "
                              f"generator sets some of its columns and can encode those rows only as "

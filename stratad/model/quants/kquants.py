@@ -140,11 +140,16 @@ def _random_q2_k(rng, b, rms, jitter):
 def _random_q3_k(rng, b, rms, jitter):
     mag = rng.integers(8, 17, size=b.shape[:2] + (16,))
     sc = (32 + np.where(rng.integers(0, 2, size=mag.shape) == 1, -mag, mag - 1)).astype(np.uint8)  # 6-bit sc - 32
+    _put_q3k_scales(b, sc)
+    fit_scale(UNITS[T.Q3_K], b, rms, jitter, lambda b, c: put_f16(b, 108, c), False, rng)
+
+
+def _put_q3k_scales(b, sc):
+    """Q3_K's sixteen 6-bit scales (stored + 32) into its 12 scale bytes."""
     s = b[..., 96:108]
     s[..., 0:8] = (sc[..., 0:8] & 0x0F) | ((sc[..., 8:16] & 0x0F) << 4)
     hi = (sc >> 4).reshape(b.shape[:2] + (4, 4))  # scale k's top 2 bits: bits 2 (k // 4) of byte k % 4
     s[..., 8:12] = hi[..., 0, :] | (hi[..., 1, :] << 2) | (hi[..., 2, :] << 4) | (hi[..., 3, :] << 6)
-    fit_scale(UNITS[T.Q3_K], b, rms, jitter, lambda b, c: put_f16(b, 108, c), False, rng)
 
 
 def _random_q6_k(rng, b, rms, jitter):
