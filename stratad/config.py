@@ -108,9 +108,10 @@ class DaemonConfig(BaseModel):
                             "(cpu)")
     prompt_chunk: int = Field(GPU_PROMPT_CHUNK, ge=16, description="GPU cards: tokens a prompt is read in at a "
                               "time (bigger: faster prompts, more workspace, cancels and role changes seen less often)")
-    prefix_cache: bool = Field(False, description="a lane keeps its last sequence's KV and reuses it for the next "
-                                                  "prompt's common prefix (agents resending a conversation); not "
-                                                  "bit-identical to reading the prompt afresh")
+    prefix_cache: bool = Field(True, description="a lane keeps its last sequence's KV (and the host conversation "
+                                                 "cache, kv_cache_host, every lane's blocks) and reuses it for the "
+                                                 "next prompt's common prefix (agents resending a conversation); "
+                                                 "not bit-identical to reading the prompt afresh")
     kv_cache_host: CacheBudget = Field(CacheBudget(fraction=0.25), description="the host conversation cache "
                                        "shared by every lane (with prefix_cache): a fraction 0..1 of the host "
                                        "memory left beside the model and the CPU cards' pools, or a size "

@@ -33,8 +33,8 @@ def test_lane_command_line_carries_host_experts():
 
 
 def test_prefix_cache_reaches_the_lane():
-    assert config.load(None, {"model": "m.gguf"}).prefix_cache is False
-    assert lane_config(prefix_cache=True).prefix_cache and not lane_config().prefix_cache
+    assert config.load(None, {"model": "m.gguf"}).prefix_cache is True  # on by default with the host cache
+    assert lane_config().prefix_cache and not lane_config(prefix_cache=False).prefix_cache
 
 
 def test_prompt_chunk_reaches_the_lane():

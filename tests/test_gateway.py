@@ -117,7 +117,7 @@ def daemon_and_gateway(model, tmp_path_factory):
     # two lanes and one waiting: the next request finds the queue full; lane 0's longer routing warm-up (~4 s)
     # keeps the lanes starting well after the gateway listens
     cfg.write_text(f'queue_limit = 1\nwarmup_tokens = 1024\nhttp = "127.0.0.1:{port}"\n'
-                   f'api_key_file = "{rt / "api-key"}"\n')
+                   f'api_key_file = "{rt / "api-key"}"\nprefix_cache = false\n')  # fresh reads: no cached tokens
     g = Supervised(port)
     d = Daemon(model, rt / "run", extra=["--expert-cache", "0.5"], config=cfg).start()
     g.ready.set()
