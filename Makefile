@@ -3,10 +3,8 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-MODEL_DIR ?= $(HOME)/.cache/stratad
-TINY := $(MODEL_DIR)/tiny.gguf
 
-.PHONY: test demo venv clean
+.PHONY: test demo train-tiny venv clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -19,12 +17,13 @@ venv: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -m 'not gpu' tests
 
-$(TINY): $(STAMP)
-	mkdir -p $(MODEL_DIR)
-	$(BIN)/stratad make-model --preset tiny --router-skew 1.0 --out $(TINY)
+# the trained tiny model that ships in stratad/model/data (no model to make first)
+demo: $(STAMP)
+	$(BIN)/python -m stratad.demo
 
-demo: $(STAMP) $(TINY)
-	$(BIN)/python -m stratad.demo --model $(TINY)
+# regenerate that model (a few minutes on one core; the same bytes on the same machine)
+train-tiny: $(STAMP)
+	$(BIN)/python scripts/train_tiny.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

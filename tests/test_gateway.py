@@ -1,7 +1,8 @@
 """The HTTP gateway against the real daemon on two CPU cards, with the official openai and anthropic packages as
 clients. The tiny model (random weights) carries Qwen3's real chat template, so tools, tool calls, tool results and
 enable_thinking are rendered as Qwen3 renders them; it never writes a tool call by itself, so the calls seen here
-are forced (tool_choice) and the round trip is checked where it is exact: the prompt the daemon read."""
+are forced (tool_choice) and the round trip is checked where it is exact: the prompt the daemon read. Calls the
+model writes itself, and their results answered, are test_gateway_tools.py's (the trained tiny model)."""
 from __future__ import annotations
 
 import dataclasses

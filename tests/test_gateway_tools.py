@@ -1,0 +1,128 @@
+"""True tool-call round trips through the HTTP gateway with the trained tiny model that ships with stratad (real
+daemon on two CPU cards, the official openai and anthropic packages): the model writes the call, the gateway parses
+it, the test sends the tool's result back and the model answers with it. parallel_tool_calls=false (and Anthropic's
+disable_parallel_tool_use) stops a reply that holds two calls after the first."""
+from __future__ import annotations
+
+import json
+
+import anthropic
+import openai
+import pytest
+
+from daemon_harness import Daemon
+from stratad import demo
+from test_gateway import Gateway, wait_idle
+
+MODEL = demo.SHIPPED_MODEL
+TOOL = demo.WEATHER_TOOL
+NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
+ANTHROPIC_TOOL = {"name": TOOL["function"]["name"], "description": TOOL["function"]["description"],
+                  "input_schema": TOOL["function"]["parameters"]}
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    rt = tmp_path_factory.mktemp("gwtools")
+    d = Daemon(MODEL, rt / "run", extra=["--expert-cache", "0.5"]).start()
+    g = Gateway(rt / "run", MODEL)
+    yield d, g
+    g.stop()
+    d.stop()
+
+
+@pytest.fixture
+def oa(served):
+    return openai.OpenAI(base_url=served[1].url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+@pytest.fixture
+def an(served):
+    return anthropic.Anthropic(base_url=served[1].url, api_key="none", max_retries=0, timeout=120)
+
+
+def run_tool(arguments: str) -> str:
+    return json.dumps(demo.get_weather(**json.loads(arguments)))
+
+
+@pytest.mark.parametrize("thinking,city,question,answer", [
+    (False, "Rome", "How warm is it in Rome today?", "In Rome it is sunny and 26 degrees."),
+    (True, "Tokyo", "What's the weather like in Tokyo?", "In Tokyo it is cloudy and 18 degrees.")],
+    ids=["no-thinking", "thinking"])
+def test_openai_tool_call_round_trip(oa, thinking, city, question, answer):
+    """The call (after the model's reasoning, when it thinks) and, with the tool's result, the answer."""
+    messages = [{"role": "user", "content": question}]
+    extra = {"chat_template_kwargs": {"enable_thinking": thinking}}
+    r = oa.chat.completions.create(model="tiny", messages=messages, tools=[TOOL], temperature=0, max_tokens=96,
+                                   extra_body=extra)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+    assert json.loads(call.function.arguments) == {"city": city}
+    assert not choice.message.content
+    reasoning = getattr(choice.message, "reasoning_content", None)
+    assert bool(reasoning) == thinking, reasoning
+    messages += [choice.message.model_dump(exclude_none=True, include={"role", "content", "tool_calls"}),
+                 {"role": "tool", "tool_call_id": call.id, "content": run_tool(call.function.arguments)}]
+    r = oa.chat.completions.create(model="tiny", messages=messages, tools=[TOOL], temperature=0, max_tokens=96,
+                                   extra_body=extra)
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].message.content == answer
+    assert not r.choices[0].message.tool_calls
+
+
+def test_openai_streamed_call_is_the_plain_one(oa):
+    args = dict(model="tiny", messages=[{"role": "user", "content": "What is the weather in Paris?"}], tools=[TOOL],
+                temperature=0, max_tokens=96, extra_body=NO_THINKING)
+    plain = oa.chat.completions.create(**args).choices[0].message.tool_calls[0]
+    name, arguments, finish = None, "", None
+    for ch in oa.chat.completions.create(stream=True, **args):
+        for d in ch.choices[0].delta.tool_calls or []:
+            name = name or d.function.name
+            arguments += d.function.arguments or ""
+        finish = ch.choices[0].finish_reason or finish
+    assert finish == "tool_calls" and name == plain.function.name == "get_weather"
+    assert json.loads(arguments) == json.loads(plain.function.arguments) == {"city": "Paris"}
+
+
+def test_parallel_tool_calls_false_stops_after_the_first(served, oa):
+    """The model calls the tool twice for two cities; asked for one call, the gateway gives the first and stops the
+    request there (fewer tokens generated, the lane freed)."""
+    args = dict(model="tiny", messages=[{"role": "user", "content": "What is the weather in Tokyo and in London?"}],
+                tools=[TOOL], temperature=0, max_tokens=96, extra_body=NO_THINKING)
+    both = oa.chat.completions.create(**args)
+    assert both.choices[0].finish_reason == "tool_calls"
+    assert [json.loads(c.function.arguments) for c in both.choices[0].message.tool_calls] == \
+        [{"city": "Tokyo"}, {"city": "London"}]
+    one = oa.chat.completions.create(parallel_tool_calls=False, **args)
+    assert one.choices[0].finish_reason == "tool_calls"
+    assert [json.loads(c.function.arguments) for c in one.choices[0].message.tool_calls] == [{"city": "Tokyo"}]
+    assert one.usage.completion_tokens < both.usage.completion_tokens
+    wait_idle(served[0])
+    streamed = [d for ch in oa.chat.completions.create(parallel_tool_calls=False, stream=True, **args)
+                for d in (ch.choices[0].delta.tool_calls or [])]
+    assert {d.index for d in streamed} == {0}
+    wait_idle(served[0])
+
+
+def test_anthropic_tool_use_round_trip(an):
+    messages = [{"role": "user", "content": "What is the weather in Tokyo and in London?"}]
+    m = an.messages.create(model="tiny", max_tokens=96, messages=messages, tools=[ANTHROPIC_TOOL],
+                           extra_body={"temperature": 0})
+    assert m.stop_reason == "tool_use"
+    uses = [b for b in m.content if b.type == "tool_use"]
+    assert [(u.name, u.input) for u in uses] == [("get_weather", {"city": "Tokyo"}), ("get_weather", {"city": "London"})]
+    one = an.messages.create(model="tiny", max_tokens=96, messages=messages, tools=[ANTHROPIC_TOOL],
+                             tool_choice={"type": "auto", "disable_parallel_tool_use": True},
+                             extra_body={"temperature": 0})
+    assert one.stop_reason == "tool_use" and [b.input for b in one.content if b.type == "tool_use"] == \
+        [{"city": "Tokyo"}]
+    messages += [{"role": "assistant", "content": [b.model_dump(include={"type", "id", "name", "input"})
+                                                   for b in uses]},
+                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": u.id,
+                                               "content": run_tool(json.dumps(u.input))} for u in uses]}]
+    m = an.messages.create(model="tiny", max_tokens=96, messages=messages, tools=[ANTHROPIC_TOOL],
+                           extra_body={"temperature": 0})
+    assert m.stop_reason == "end_turn"
+    assert m.content[-1].text == "In Tokyo it is cloudy and 18 degrees, and in London it is rainy and 12 degrees."
