@@ -97,7 +97,9 @@ def test_daemon_serves_the_reference_engines_tokens(engine, tmp_path):
     in-process reference engine's, for a chat, a thinking chat and a tool call."""
     cases = [(demo.CHATS[0], None, False), (demo.CHATS[1], None, True),
              ([{"role": "user", "content": "What is the weather in Tokyo and in London?"}], [demo.WEATHER_TOOL], False)]
-    d = Daemon(SHIPPED, tmp_path / "run", extra=["--expert-cache", "0.5"]).start()
+    cfg = tmp_path / "stratad.toml"
+    cfg.write_text("prefix_cache = false\n")  # each prompt read afresh: a kept sequence's KV is not bit-identical
+    d = Daemon(SHIPPED, tmp_path / "run", extra=["--expert-cache", "0.5"], config=cfg).start()
     try:
         with d.client() as c:
             for messages, tools, thinking in cases:
