@@ -9,7 +9,7 @@ one's token (`ahead`: that step's draw).
 """
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
@@ -30,6 +30,7 @@ class Card(Protocol):
                       ahead: float | None = None) -> tuple[int, np.ndarray | None]: ...
 
 
+@runtime_checkable
 class KvBlockCard(Protocol):
     """A card whose KV goes to and comes back from the host conversation cache (stratad/kv_store.py) as blocks of
     block_tokens positions, its own dtype and layout as bytes, bit for bit. `kv_layout` names that layout: a

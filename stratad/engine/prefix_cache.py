@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from stratad import kv_store
+from stratad.engine.card import KvBlockCard
 
 
 def common_prefix(a, b) -> int:
@@ -61,7 +62,7 @@ class PrefixCache:
         self.from_store = 0
         if kv is None or n == 0:
             kv, n = None, 0
-        if self.store is not None and hasattr(engine, "kv_layout"):
+        if self.store is not None and isinstance(engine, KvBlockCard):
             kv, n = self._restore(engine, prompt, kv, n)
         if kv is None:
             return engine.new_kv(), 0
@@ -96,7 +97,7 @@ class PrefixCache:
     def unsaved(self, engine) -> BlockWrite | None:
         """The kept sequence's whole blocks the store lacks, exported now (None: nothing to write); those it has
         are touched (the conversation is live)."""
-        if self.store is None or self.kv is None or not hasattr(engine, "kv_layout"):
+        if self.store is None or self.kv is None or not isinstance(engine, KvBlockCard):
             return None
         st, B = self.store, self.store.block_tokens
         hashes = kv_store.chain_hashes(self.tokens, engine.kv_layout, B)
