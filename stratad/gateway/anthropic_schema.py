@@ -7,6 +7,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from stratad.gateway import tools
+from stratad.gateway.content import text_of
 from stratad.gateway.errors import ApiError
 from stratad.gateway.generation import Job
 
@@ -103,7 +104,7 @@ class CountRequest(_Open):
                     calls.append({"id": b.get("id"), "type": "function",
                                   "function": {"name": b["name"], "arguments": b["input"]}})
                 elif typ == "tool_result" and m.role == "user":
-                    results.append({"role": "tool", "content": _result_text(b.get("content"), where),
+                    results.append({"role": "tool", "content": text_of(b.get("content"), f"{where}.content"),
                                     "tool_call_id": b.get("tool_use_id")}
                                    | ({"name": names[b["tool_use_id"]]} if b.get("tool_use_id") in names else {}))
                 elif typ == "thinking" and m.role == "assistant":
@@ -127,18 +128,6 @@ class CountRequest(_Open):
                 d["reasoning_content"] = "\n".join(reasoning)
             out.append(d)
         return out, ""
-
-
-def _result_text(content, where: str) -> str:
-    if content is None or isinstance(content, str):
-        return content or ""
-    out = []
-    for k, b in enumerate(content):
-        if b.get("type") != "text" or not isinstance(b.get("text"), str):
-            raise ApiError("invalid_request", f"{where}.content[{k}].type: {b.get('type')!r} is not supported in a "
-                           "tool result (text only)", f"{where}.content[{k}].type")
-        out.append(b["text"])
-    return "\n".join(out)
 
 
 class MessagesRequest(CountRequest):

@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from stratad.gateway.content import text_of
 from stratad.gateway.errors import ApiError
 from stratad.gateway.generation import Job
 from stratad.gateway import tools
@@ -151,26 +152,13 @@ class ChatRequest(_Sampling):
         return None
 
 
-def _text(content, where: str) -> str:
-    """A message's content: a string, or text parts (joined by newlines, as vLLM does); other parts refused."""
-    if content is None or isinstance(content, str):
-        return content or ""
-    out = []
-    for j, part in enumerate(content):
-        if part.get("type") != "text" or not isinstance(part.get("text"), str):
-            raise ApiError("invalid_request", f"{where}[{j}].type: {part.get('type')!r} is not supported (text parts "
-                           "only)", f"{where}[{j}].type")
-        out.append(part["text"])
-    return "\n".join(out)
-
-
 def chat_messages(req: ChatRequest) -> list[dict]:
     """OpenAI messages -> the daemon's (transformers' shape: tool calls' arguments as mappings)."""
     names: dict[str, str] = {}
     out = []
     for i, m in enumerate(req.messages):
         d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
-                             "content": _text(m.content, f"messages[{i}].content")}
+                             "content": text_of(m.content, f"messages[{i}].content")}
         if m.tool_calls and m.role == "assistant":
             calls = []
             for j, tc in enumerate(m.tool_calls):
