@@ -57,6 +57,8 @@ class Request:
     lane: LaneHandle | None = None
     cancel_sent: bool = False
     digest: bool = False
+    streamed: bool = False  # a lane has sent the client something for it
+    requeued: bool = False  # queued again once already, its lane having died before streaming anything
 
 
 class Coordinator:
@@ -264,9 +266,16 @@ class Coordinator:
                 h.req_id = None
                 continue
             log.error(h.failed or f"{why}; restarting it")
-            if h.req_id and h.req_id in self.requests:
-                self._fail(self.requests[h.req_id], M.ErrorCode.LANE_FAILED,
-                           f"{why} while serving this request; the lane is being restarted")
+            r = self.requests.get(h.req_id or "")
+            if r is not None and not (r.streamed or r.requeued):
+                # nothing reached the client yet: an accepted request is not lost to a lane's death, it runs again
+                # (from the start, so with the same tokens) on the next free lane
+                log.warning("%s before request %s's first token: queued again", why, r.req_id)
+                r.lane, r.requeued = None, True
+                self.queue.appendleft(r.req_id)
+            elif r is not None:
+                self._fail(r, M.ErrorCode.LANE_FAILED, f"{why} while serving this request; the lane is being "
+                                                       "restarted")
             h.req_id = None
             self.last_prompt.pop(h.lane, None)  # a new process holds no sequence
             self.pool.lane_dead(h.lane)
@@ -541,6 +550,7 @@ class Coordinator:
         r = self.requests.get(peek(frame).get("req_id", ""))
         if r is None or r.lane is not h:
             return  # a request already failed or cancelled here
+        r.streamed = True
         self.io.send_frame(r.sock, r.client, frame)  # a client gone or too slow is cancelled by _client_lost
 
     # ---- status ---------------------------------------------------------------------------------------------
