@@ -32,7 +32,8 @@ sys.path.insert(0, str(ROOT))
 
 from stratad import demo  # noqa: E402
 from stratad.model.config import PRESETS, ModelConfig  # noqa: E402
-from stratad.model.tokenizer import SPECIAL_TOKENS, Tokenizer, Vocab, build_vocab  # noqa: E402
+from stratad.model.hf_config import qwen3moe_kwargs  # noqa: E402
+from stratad.model.tokenizer import Tokenizer, Vocab, build_vocab  # noqa: E402
 from stratad.model.writer import TensorSource, write_model  # noqa: E402
 
 OUT = ROOT / "stratad" / "model" / "data" / "tiny-chat.gguf"
@@ -176,16 +177,9 @@ def encode(tok: Tokenizer, messages, tools, thinking) -> tuple[list[int], int, f
 def hf_config(c: ModelConfig):
     import transformers
 
-    return transformers.Qwen3MoeConfig(
-        vocab_size=c.vocab_size, hidden_size=c.d_model, intermediate_size=c.d_ff_expert * c.n_expert_used,
-        num_hidden_layers=c.n_layer, num_attention_heads=c.n_head, num_key_value_heads=c.n_head_kv,
-        head_dim=c.head_dim, num_experts=c.n_expert, num_experts_per_tok=c.n_expert_used,
-        moe_intermediate_size=c.d_ff_expert, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
-        tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": c.rope_base},
-        rms_norm_eps=c.rms_eps, attention_bias=False, max_position_embeddings=c.context_length,
-        use_sliding_window=False, hidden_act="silu", bos_token_id=None, eos_token_id=None, pad_token_id=None,
-        output_router_logits=True, router_aux_loss_coef=0.01,  # keeps every expert in use
-        attn_implementation=ATTN, experts_implementation=EXPERTS)
+    return transformers.Qwen3MoeConfig(**qwen3moe_kwargs(c), output_router_logits=True,
+                                       router_aux_loss_coef=0.01,  # keeps every expert in use
+                                       attn_implementation=ATTN, experts_implementation=EXPERTS)
 
 
 def batches(data: list[tuple[list[int], int, float]], pad: int):

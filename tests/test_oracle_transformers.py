@@ -25,6 +25,7 @@ from stratad.model import quants  # noqa: E402
 from stratad.model.config import PRESETS, ModelConfig  # noqa: E402
 from stratad.model.generator import make_model  # noqa: E402
 from stratad.model.gguf_file import ModelFile  # noqa: E402
+from stratad.model.hf_config import qwen3moe_kwargs  # noqa: E402
 from stratad.model.rope import RopeScaling  # noqa: E402
 from stratad.model.tokenizer import build_vocab  # noqa: E402
 from stratad.model.writer import TensorSource, write_model  # noqa: E402
@@ -34,34 +35,9 @@ GEN = 32
 
 
 def hf_config(c: ModelConfig):
-    return transformers.Qwen3MoeConfig(
-        vocab_size=c.vocab_size, hidden_size=c.d_model, intermediate_size=c.d_ff_expert * c.n_expert_used,
-        num_hidden_layers=c.n_layer, num_attention_heads=c.n_head, num_key_value_heads=c.n_head_kv,
-        head_dim=c.head_dim, num_experts=c.n_expert, num_experts_per_tok=c.n_expert_used,
-        moe_intermediate_size=c.d_ff_expert, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
-        tie_word_embeddings=False, rope_parameters=hf_rope(c),
-        rms_norm_eps=c.rms_eps, attention_bias=False, max_position_embeddings=hf_max_positions(c),
-        use_sliding_window=False, hidden_act="silu", bos_token_id=None, eos_token_id=None, pad_token_id=None,
-        # the plain reference implementations: eager attention, a python loop over experts
-        attn_implementation="eager", experts_implementation="eager",
-    )
-
-
-def hf_rope(c: ModelConfig) -> dict:
-    """transformers' rope_parameters for our RoPE scaling."""
-    r = c.rope_scaling
-    if r.kind == "none":
-        return {"rope_type": "default", "rope_theta": c.rope_base}
-    out = {"rope_type": r.kind, "rope_theta": c.rope_base, "factor": r.factor}
-    if r.kind == "yarn":
-        out |= {"original_max_position_embeddings": r.orig_ctx, "beta_fast": r.beta_fast, "beta_slow": r.beta_slow}
-    return out
-
-
-def hf_max_positions(c: ModelConfig) -> int:
-    """YaRN's scaled length, as transformers expects it (original length x factor); else the trained one."""
-    r = c.rope_scaling
-    return int(r.orig_ctx * r.factor) if r.kind == "yarn" else c.context_length
+    # the plain reference implementations: eager attention, a python loop over experts
+    return transformers.Qwen3MoeConfig(**qwen3moe_kwargs(c), attn_implementation="eager",
+                                       experts_implementation="eager")
 
 
 def hf_model(c: ModelConfig):
