@@ -8,7 +8,6 @@ import shutil
 import subprocess
 import sys
 
-import pytest
 from gguf import GGUFValueType
 
 from daemon_harness import ROOT, Daemon
