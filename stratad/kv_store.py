@@ -120,7 +120,10 @@ class KvStore:
             return {}
         keys = np.frombuffer(b"".join(h[:8] for h in hashes), np.uint64)
         want, out = set(hashes), {}
-        for s in np.flatnonzero((self.state == READY) & np.isin(self.key, keys)):
+        # a snapshot: other lanes publish meanwhile, and isin reads its input more than once (a table lookup
+        # indexed by values it range-checked on an earlier read)
+        state, key = self.state.copy(), self.key.copy()
+        for s in np.flatnonzero((state == READY) & np.isin(key, keys)):
             h = bytes(self.hash[s])
             if h in want:
                 out.setdefault(h, int(s))
@@ -167,7 +170,7 @@ class KvStore:
             todo = [h for h in hashes if h not in present]
             if not todo:
                 return []
-            state = self.state
+            state = self.state.copy()
             # a dead writer's slots first (reclaimed as soon as seen), then free ones, then the least recently used
             free = [int(s) for s in np.flatnonzero(state == WRITING) if not _alive(int(self.owner[s]))]
             free += list(np.flatnonzero(state == FREE))

@@ -170,3 +170,38 @@ def test_kv_cache_host_config():
     mem = kv_store.mem_available()
     assert 0 < kv_store.host_limit(config.CacheBudget(fraction=0.5), 0) <= mem // 2
     assert kv_store.host_limit(config.CacheBudget(fraction=0.5), 2 * mem) == 0  # nothing left beside the arena
+
+
+CHURN = textwrap.dedent("""
+    import sys, time
+    import numpy as np
+    from stratad import kv_store
+    st = kv_store.KvStore(sys.argv[1], lane=1)
+    end, i = time.monotonic() + float(sys.argv[2]), 0
+    print("go", flush=True)
+    while time.monotonic() < end:
+        for hh, slot in st.claim(kv_store.chain_hashes([i % 50000] * kv_store.BLOCK_TOKENS * 64, "t")):
+            st.publish(slot, hh, np.zeros(64, np.uint8))
+        i += 1
+""")
+
+
+def test_lookups_while_another_lane_writes(tmp_path):
+    """Another process claims and publishes while this one looks up: every lookup answers (numpy reads a table it
+    was given more than once, so the store's live arrays must not be handed to it)."""
+    name = kv_store.segment_name(shm.prefix_for(tmp_path))
+    st = kv_store.KvStore(name, create=True, limit_bytes=8192 * 64, slot_bytes=64, lane=0)
+    try:
+        p = subprocess.Popen([sys.executable, "-c", CHURN, name, "3"], stdout=subprocess.PIPE, text=True,
+                             env=dict(os.environ, PYTHONPATH=os.getcwd()))
+        assert p.stdout.readline().strip() == "go"
+        probe = kv_store.chain_hashes([3] * B, "t")  # one hash: numpy's isin takes its table path
+        n = 0
+        while p.poll() is None:
+            st.find(probe)
+            st.present(probe)
+            n += 1
+        assert p.returncode == 0 and n > 100
+    finally:
+        st.close()
+        shm.unlink(name)
