@@ -245,17 +245,23 @@ def test_expert_matches_scalar(qtype):
 def test_qdot_close_to_float_dot(qtype):
     """The canonical dot against the float64 dot of gguf's dequantised weights with the unquantised input. Stated
     bound: |qdot - w.x| <= sum_v |w_v| (d_b / 2 + 2^-22 |x_v|) + 2^-20 sum_v |w_v| |x_v| (the activation's rounding to
-    the grid of step d_b, then float32 rounding of the terms and their sum); a wrong scale in a view breaks it."""
+    the grid of step d_b, then float32 rounding of the terms and their sum), plus for the float types
+    sum_v (|x_v| + d_b / 2) scale_v / 2 (their view rounds each weight to a step of scale_v = 2^k, at most 2^-12 of
+    the sub-block's largest weight); a wrong scale in a view breaks it."""
     rng = np.random.default_rng([13, int(qtype)])
     rows, n = 16, 2048
     raw = quants.random_rows(qtype, rng, rows, n, rms=0.05)
     x = activations(rng, 3, n)
     qa, da = canonical.quantize_act(x)
     ours = canonical.qdot(quants.decode_int(qtype, raw), qa, da).astype(np.float64)
-    w = gq.dequantize(np.ascontiguousarray(raw), qtype).astype(np.float64)
+    w = gq.dequantize(np.ascontiguousarray(raw).view(np.uint8), qtype).astype(np.float64)
     x64, step = x.astype(np.float64), np.repeat(da.astype(np.float64), 32, axis=1)
     want = x64 @ w.T
     bound = np.abs(w) @ (step / 2 + 2.0 ** -22 * np.abs(x64)).T + 2.0 ** -20 * (np.abs(x64) @ np.abs(w).T).T
+    if not quants.fmt(qtype).quantised:
+        half = np.repeat(quants.decode_int(qtype, raw).scale.astype(np.float64) / 2, 32, axis=1)
+        assert float(np.max(half / np.repeat(np.abs(w).reshape(rows, -1, 32).max(-1), 32, axis=1))) <= 2.0 ** -12
+        bound = bound + half @ (np.abs(x64) + step / 2).T
     err = np.abs(ours - want)
     assert np.all(err <= bound.T), f"worst error / bound {float((err / bound.T).max()):.3g}"
     assert float((err / bound.T).max()) > 1e-3  # the bound is not vacuous: errors come within reach of it

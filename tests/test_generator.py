@@ -63,8 +63,6 @@ def test_each_quant_loads_and_generates(tmp_path, experts, dense):
 
 
 def test_unsupported_quant_choices(tmp_path):
-    with pytest.raises(ValueError, match="expert quant F16 not supported"):
-        make_model(tmp_path / "a.gguf", "tiny", "F16")
     with pytest.raises(ValueError, match="dense quant IQ2_XS: token_embd.weight would be IQ2_XS; with a router skew"):
         make_model(tmp_path / "b.gguf", "tiny", "IQ3_S", "IQ2_XS", router_skew=1.0)
     with pytest.raises(ValueError, match="unsupported tensor type TQ1_0"):
@@ -310,6 +308,10 @@ def test_mix_table_facts_a3b():
     assert t["blk.0.attn_q.weight"] == T.IQ3_XXS
     t = _a3b_types("iq4_xs")
     assert t["blk.0.ffn_down_exps.weight"] == T.IQ4_XS and t["blk.0.attn_v.weight"] == T.Q5_K
+    for mix, ty in (("f16", T.F16), ("bf16", T.BF16), ("f32", T.F32)):  # the converter's output: no rule applies
+        t = _a3b_types(mix)
+        assert t["output.weight"] == t["token_embd.weight"] == t["blk.0.ffn_down_exps.weight"] == ty
+        assert set(t.values()) == {ty} and "blk.0.ffn_gate_inp.weight" not in t
 
 
 def test_mix_fallback_for_rows_that_are_not_whole_blocks():

@@ -80,8 +80,15 @@ def test_q4_k_m_half_and_none_resident(models, tmp_path):
     _check_fractions(m, tmp_path, ("0.5", "0.0"))
 
 
+def test_f16_experts_half_and_none_resident(models, tmp_path):
+    """The converter's F16 output: experts through their integer view on the card's slots and the CPU pool."""
+    m = models["f16"]
+    assert m.types == {T.F16}
+    _check_fractions(m, tmp_path, ("0.5", "0.0"))
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("mix", ["q4_k_m", "q2_k", "iq3_xs", "iq1_m", "q4_0"])
+@pytest.mark.parametrize("mix", ["q4_k_m", "q2_k", "iq3_xs", "iq1_m", "q4_0", "bf16", "f32"])
 def test_every_cache_fraction(models, tmp_path, mix):
     """100 / 50 / 10 / 0 % resident, for mixes of K-quants, i-quants (IQ3_XXS with IQ3_S, IQ1_M) and legacy types."""
     _check_fractions(models[mix], tmp_path, ("1.0", "0.5", "0.1", "0.0"))

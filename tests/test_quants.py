@@ -71,7 +71,7 @@ WRITTEN_TYPES = [T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T
 def test_supported_type_sets():
     assert set(quants.FORMATS) == set(WRITTEN_TYPES)
     assert set(quants.DENSE_TYPES) == set(WRITTEN_TYPES)
-    assert set(quants.EXPERT_TYPES) == set(WRITTEN_TYPES) - {T.F32, T.F16, T.BF16}
+    assert set(quants.EXPERT_TYPES) == set(WRITTEN_TYPES)  # the float types through floats.float_view
 
 
 # ---- random_rows output ----------------------------------------------------------------------------------------
@@ -200,10 +200,36 @@ def test_iq3s_grid_is_the_format_table():
     assert g[0].tolist() == [1, 1, 1, 1]  # iq3s_grid[0] = 0x01010101 in ggml-common.h
 
 
+def _scalar_float_view(values) -> tuple[list[int], float]:
+    """One sub-block of float weights as docs/quant-types.md defines the float types' view, in Python floats."""
+    import math
+
+    v = [x if math.isfinite(x) else 0.0 for x in values]
+    e = math.frexp(max(abs(x) for x in v))[1]
+    k = max(e - 12, -126)
+    return [round(x / 2.0 ** k) for x in v], 2.0 ** k  # round: half to even, as rint
+
+
 @pytest.mark.parametrize("qtype", [T.F32, T.F16, T.BF16], ids=["F32", "F16", "BF16"])
-def test_decode_int_rejects_float_types(qtype):
-    with pytest.raises(ValueError, match="float type"):
-        quants.decode_int(qtype, np.zeros((1, quants.fmt(qtype).row_bytes(32)), np.uint8))
+def test_float_types_integer_view(qtype):
+    """Float experts' view: 13-bit q and a power-of-two scale per 32 values; non-finite weights read as 0."""
+    rng = np.random.default_rng(int(qtype))
+    w = (rng.standard_normal((6, 32)) * 10.0 ** rng.uniform(-30, 4, (6, 1))).astype(np.float32)
+    w[1, 3], w[1, 4], w[2] = np.inf, np.nan, 0  # a broken weight, an all-zero sub-block
+    w[3] = np.float32(2.0 ** -130) * np.arange(32)  # subnormal weights: k stops at -126
+    w[4, :2] = (4095.5, -4096.5)  # large weights: k > 0
+    w[5, 0], w[5, 1:] = 1.0, 0.25 + (2 * np.arange(31) + 1) * 2.0 ** -12  # k = -11: q ties (F16, F32), half to even
+    raw = {T.F32: w, T.F16: w.astype(np.float16), T.BF16: (w.view(np.uint32) >> 16).astype(np.uint16)}[qtype]
+    raw = np.ascontiguousarray(raw).view(np.uint8).reshape(6, -1)
+    f = quants.dequantize(qtype, raw)
+    ib = quants.decode_int(qtype, raw)
+    assert ib.q.dtype == np.int16 and ib.minimum is None and int(np.abs(ib.q).max()) <= 4096
+    for r in range(6):
+        q, scale = _scalar_float_view([float(x) for x in f[r]])
+        assert list(ib.q[r, 0]) == q and float(ib.scale[r, 0]) == scale, r
+    if qtype == T.F16:  # 11 significant bits: sub-blocks within two binades of their largest value are exact
+        x = rng.uniform(0.26, 1, (4, 32)).astype(np.float16)
+        assert np.array_equal(quants.decode_int(T.F16, x.view(np.uint8)).values(), x.astype(np.float32))
 
 
 # ---- random_rows statistics ------------------------------------------------------------------------------------

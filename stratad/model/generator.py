@@ -190,16 +190,6 @@ def make_model(out: str | os.PathLike, preset: str | ModelConfig = "tiny", exper
             raise ValueError(f"{f'mix {mix}' if mix else f'dense quant {dq.name}'}: {name} would be {types.get(name, dq).name}; with a router skew or two topics the "
                              f"generator sets some of its columns and can encode those rows only as "
                              f"{quants.supported_names(FLOAT_ENCODED)}")
-    for name, t in types.items():
-        if "_exps." in name and t not in quants.EXPERT_TYPES:
-            raise ValueError(f"mix {mix}: {name} would be {t.name}, which is not an expert type "
-                             f"({quants.supported_names(quants.EXPERT_TYPES)})")
-    if eq not in quants.EXPERT_TYPES:
-        raise ValueError(f"expert quant {eq.name} not supported; use one of "
-                         f"{quants.supported_names(quants.EXPERT_TYPES)}")
-    if dq not in quants.DENSE_TYPES:
-        raise ValueError(f"dense quant {dq.name} not supported; use one of "
-                         f"{quants.supported_names(quants.DENSE_TYPES)}")
     if not types:
         for n in (c.d_model, c.d_ff_expert):
             quants.fmt(eq).row_bytes(n)

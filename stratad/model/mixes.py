@@ -28,8 +28,12 @@ DEFAULT = {
     F.MOSTLY_IQ2_XS: T.IQ2_XS, F.MOSTLY_IQ2_S: T.IQ2_XS, F.MOSTLY_IQ2_M: T.IQ2_S, F.MOSTLY_IQ3_XXS: T.IQ3_XXS,
     F.MOSTLY_IQ3_XS: T.IQ3_S, F.MOSTLY_IQ3_S: T.IQ3_S, F.MOSTLY_IQ3_M: T.IQ3_S, F.MOSTLY_IQ1_S: T.IQ1_S,
     F.MOSTLY_IQ1_M: T.IQ1_M, F.MOSTLY_IQ4_NL: T.IQ4_NL, F.MOSTLY_IQ4_XS: T.IQ4_XS,
+    # the converter's output (convert_hf_to_gguf --outtype): every matrix of the type, no rule applies
+    F.MOSTLY_F16: T.F16, F.MOSTLY_BF16: T.BF16, F.ALL_F32: T.F32,
 }
-MIXES = {f.name.removeprefix("MOSTLY_").lower(): f for f in DEFAULT}  # --mix names: q4_k_m, iq3_s, ...
+# --mix names: q4_k_m, iq3_s, ..., f16, bf16, f32
+MIXES = {f.name.removeprefix("MOSTLY_").removeprefix("ALL_").lower(): f for f in DEFAULT}
+FLOAT_FILES = {F.MOSTLY_F16, F.MOSTLY_BF16, F.ALL_F32}
 
 LOW_BIT = {F.MOSTLY_IQ2_XXS, F.MOSTLY_IQ2_XS, F.MOSTLY_IQ1_S, F.MOSTLY_IQ2_S, F.MOSTLY_IQ2_M, F.MOSTLY_IQ1_M}
 
@@ -61,7 +65,7 @@ def _below(k: int) -> Cond:
 RULES: list[tuple[str, set, Cond, T]] = [
     ("output", {F.MOSTLY_IQ2_XXS, F.MOSTLY_IQ2_XS, F.MOSTLY_IQ3_XXS, F.MOSTLY_IQ1_S, F.MOSTLY_IQ2_S, F.MOSTLY_IQ2_M,
                 F.MOSTLY_IQ1_M}, ALWAYS, T.Q5_K),
-    ("output", set(DEFAULT) - {F.MOSTLY_Q8_0}, ALWAYS, T.Q6_K),
+    ("output", set(DEFAULT) - {F.MOSTLY_Q8_0} - FLOAT_FILES, ALWAYS, T.Q6_K),
     ("token_embd", {F.MOSTLY_IQ2_XXS, F.MOSTLY_IQ2_XS, F.MOSTLY_IQ1_S, F.MOSTLY_IQ1_M}, ALWAYS, T.Q2_K),
     ("token_embd", {F.MOSTLY_IQ2_S, F.MOSTLY_IQ2_M, F.MOSTLY_IQ3_XXS}, ALWAYS, T.IQ3_S),
     # the lowest-bit file types have their own chain
@@ -133,6 +137,8 @@ def tensor_type(ftype: F, name: str, row_values: int, c: ModelConfig) -> T | Non
     role = _role(name)
     if role is None:
         return None
+    if ftype in FLOAT_FILES:  # llama_tensor_get_type is only consulted for quantised file types
+        return DEFAULT[ftype]
     where = Where(int(name.split(".")[1]) if name.startswith("blk.") else 0, c.n_layer, c.n_head // c.n_head_kv)
     t = next((t for r, fts, cond, t in RULES if r == role and ftype in fts and cond(where)), DEFAULT[ftype])
     if role == "output" and row_values % quants.fmt(DEFAULT[ftype]).block_values:

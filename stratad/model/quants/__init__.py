@@ -1,8 +1,8 @@
 """Tensor encodings of GGUF files: one unit per type (block layout, float decode, canonical integer view, random
 valid blocks), in the family modules floats / legacy / kquants / iquants; this module is their registry.
 
-Every quantised type is viewed as sub-blocks of 32 values, value = scale * q - minimum * mweight with integer q
-(docs/quant-types.md defines each type's view). `decode_int` exposes that view; it is what the canonical expert
+Every type is viewed as sub-blocks of 32 values, value = scale * q - minimum * mweight with integer q
+(docs/quant-types.md defines each type's view; the float types' is a power-of-two scale and 13-bit q). `decode_int` exposes that view; it is what the canonical expert
 dot product (stratad.engine.canonical), the CPU pool and the GPU kernels consume. `dequantize` gives float32
 values equal bit for bit to `gguf.quants.dequantize` (tested for every type).
 """
@@ -19,9 +19,9 @@ __all__ = ["SUB", "Format", "IntBlocks", "Unit", "FORMATS", "UNITS", "EXPERT_TYP
 
 UNITS: dict[T, Unit] = {**floats.UNITS, **legacy.UNITS, **kquants.UNITS, **iquants.UNITS}
 FORMATS: dict[T, Format] = {t: u.fmt for t, u in UNITS.items()}
-QUANTISED = tuple(t for t, f in FORMATS.items() if f.quantised)
-# experts need the canonical integer view; dense tensors only the float decode
-EXPERT_TYPES = QUANTISED
+# every type has the canonical integer view experts need (the float types' is floats.float_view); dense tensors
+# use only the float decode
+EXPERT_TYPES = tuple(FORMATS)
 DENSE_TYPES = tuple(FORMATS)
 
 
@@ -63,8 +63,6 @@ def _blocks(raw: np.ndarray, f: Format) -> np.ndarray:
 def decode_int(qtype: T, raw: np.ndarray) -> IntBlocks:
     """Integer sub-block view of quantised rows (raw: uint8 (..., row_bytes))."""
     u = unit(qtype)
-    if u.int_view is None:
-        raise ValueError(f"{u.fmt.qtype.name} is a float type; it has no integer blocks")
     return u.int_view(_blocks(raw, u.fmt))
 
 

@@ -57,7 +57,7 @@ class Unit:
       have RMS ~ rms * jitter (rows, nblocks) per block and mean ~0."""
 
     fmt: Format
-    int_view: Callable[[np.ndarray], IntBlocks] | None
+    int_view: Callable[[np.ndarray], IntBlocks]
     randomize: Callable | None
     dequant: Callable[[np.ndarray], np.ndarray] | None = None
 
