@@ -1,0 +1,223 @@
+"""lane/kernels/decode.cuh, the GPU kernels' weight decoding, compiled for the host with a C++ compiler and compared
+bit for bit with stratad.model.quants on every type: the canonical integer view (decode_int: q, scale, minimum,
+mweight) and the float decode (dequantize), on generator rows and on random bytes (NaN / inf / subnormal /
+negative f16 scales included). The GPU kernels run the same source; only the arithmetic helpers differ (explicit
+round-to-nearest PTX there, IEEE float with contraction off here)."""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+
+from lane.kernels import decode_tables
+from stratad.model import quants
+
+HEADER = decode_tables.HEADER
+QUANTISED = [t for t, f in quants.FORMATS.items() if f.quantised]
+ALL = list(quants.FORMATS)
+IGNORE_NAN_WARNINGS = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning",
+                                                 "ignore:overflow encountered:RuntimeWarning")
+
+# extern "C" entry points over decode.cuh: n blocks of a type into the view's arrays, n values into floats
+SHIM = r"""
+#include "decode.cuh"
+
+template <int QT>
+static void int_blocks(const dq_u8* raw, long long nblocks, const dq_u8* tab, short* q, float* scale, float* minimum,
+                       signed char* mweight) {
+    typedef DqTraits<QT> Tr;
+    for (long long b = 0; b < nblocks; ++b)
+        for (int j = 0; j < Tr::NSUB; ++j) {
+            DqSub s;
+            dq_sub<QT>(raw + b * Tr::BB, j, tab, s);
+            const long long k = b * Tr::NSUB + j;
+            scale[k] = s.scale;
+            minimum[k] = s.minimum;
+            for (int v = 0; v < 32; ++v) {
+                q[32 * k + v] = (short)dq_q(s, v);
+                mweight[32 * k + v] = (signed char)s.mw[v >> 4];
+            }
+        }
+}
+
+template <int QT>
+static void float_values(const dq_u8* raw, long long n, const dq_u8* tab, float* out) {
+    typedef DqSpan<QT> S;
+    for (long long s = 0; s < n / S::SPAN; ++s) S::decode(raw, s, tab, out + s * S::SPAN);
+}
+
+extern "C" int dq_int(int qt, const dq_u8* raw, long long nblocks, const dq_u8* tab, short* q, float* scale,
+                      float* minimum, signed char* mweight) {
+    switch (qt) {
+#define X(name, code) case code: int_blocks<code>(raw, nblocks, tab, q, scale, minimum, mweight); return 0;
+        DQ_QUANT_TYPES(X)
+#undef X
+    }
+    return -1;
+}
+
+extern "C" int dq_float(int qt, const dq_u8* raw, long long n, const dq_u8* tab, float* out) {
+    switch (qt) {
+#define X(name, code) case code: float_values<code>(raw, n, tab, out); return 0;
+        DQ_ALL_TYPES(X)
+#undef X
+    }
+    return -1;
+}
+
+extern "C" int dq_tab_bytes() { return DQ_TAB_BYTES; }
+"""
+FLAGS = ["-O2", "-std=c++17", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC"]
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+
+
+@pytest.fixture(scope="module")
+def lib():
+    cxx = _compiler()
+    if cxx is None:
+        pytest.skip("no C++ compiler (g++ / c++ / clang++ or $CXX) to build decode.cuh for the host")
+    digest = hashlib.sha256("\0".join([HEADER.read_text(), SHIM, cxx] + FLAGS).encode()).hexdigest()[:24]
+    cache = Path(tempfile.gettempdir()) / f"stratad-decode-{os.getuid()}"
+    cache.mkdir(parents=True, exist_ok=True, mode=0o700)
+    so = cache / f"decode-{digest}.so"
+    if not so.exists():
+        src = cache / f"shim-{digest}.{os.getpid()}.cpp"
+        src.write_text(SHIM)
+        tmp = so.with_suffix(f".{os.getpid()}.tmp")
+        r = subprocess.run([cxx, *FLAGS, "-I", str(HEADER.parent), str(src), "-o", str(tmp)], capture_output=True,
+                           text=True)
+        src.unlink()
+        assert r.returncode == 0, f"decode.cuh does not build for the host:\n{r.stderr}"
+        os.replace(tmp, so)
+    lib = ctypes.CDLL(str(so))
+    p = ctypes.c_void_p
+    lib.dq_int.argtypes = [ctypes.c_int, p, ctypes.c_longlong, p, p, p, p, p]
+    lib.dq_float.argtypes = [ctypes.c_int, p, ctypes.c_longlong, p, p]
+    return lib
+
+
+def _ptr(a: np.ndarray):
+    return a.ctypes.data_as(ctypes.c_void_p)
+
+
+def host_int(lib, qtype: T, raw: np.ndarray) -> quants.IntBlocks:
+    """decode.cuh's view of rows raw (uint8 (rows, row_bytes)), shaped as decode_int's."""
+    f = quants.fmt(qtype)
+    raw = np.ascontiguousarray(raw, np.uint8)
+    rows, nblocks = raw.shape[0], raw.size // f.block_bytes
+    nsub = nblocks * f.block_values // 32
+    q = np.empty((nsub, 32), np.int16)
+    scale, minimum = np.empty(nsub, np.float32), np.empty(nsub, np.float32)
+    mw = np.empty((nsub, 32), np.int8)
+    tab = decode_tables.host_tables()
+    assert lib.dq_int(int(qtype), _ptr(raw), nblocks, _ptr(tab), _ptr(q), _ptr(scale), _ptr(minimum), _ptr(mw)) == 0
+    return quants.IntBlocks(q.reshape(rows, -1, 32), scale.reshape(rows, -1), minimum.reshape(rows, -1),
+                            mw.reshape(rows, -1, 32))
+
+
+def host_float(lib, qtype: T, raw: np.ndarray) -> np.ndarray:
+    f = quants.fmt(qtype)
+    raw = np.ascontiguousarray(raw).view(np.uint8)
+    n = raw.size // f.block_bytes * f.block_values
+    out = np.empty(n, np.float32)
+    assert lib.dq_float(int(qtype), _ptr(raw), n, _ptr(decode_tables.host_tables()), _ptr(out)) == 0
+    return out.reshape(raw.shape[0], -1)
+
+
+def assert_bits_equal(ours: np.ndarray, ref: np.ndarray, what: str) -> None:
+    """float32 equal bit for bit, any NaN matching any NaN (payloads are not specified)."""
+    ours, ref = np.asarray(ours, np.float32), np.asarray(ref, np.float32)
+    assert ours.shape == ref.shape, what
+    nan_o, nan_r = np.isnan(ours), np.isnan(ref)
+    assert np.array_equal(nan_o, nan_r), f"{what}: NaN positions differ at {np.argwhere(nan_o != nan_r)[:5].tolist()}"
+    bad = np.flatnonzero(ours[~nan_o].view(np.uint32) != ref[~nan_r].view(np.uint32))
+    assert bad.size == 0, f"{what}: {bad.size} values differ, first: ours {ours[~nan_o][bad[0]]!r} " \
+                          f"ref {ref[~nan_r][bad[0]]!r}"
+
+
+def _rows(qtype: T, source: str, seed: int, rows: int = 12, n: int = 768) -> np.ndarray:
+    rng = np.random.default_rng([seed, int(qtype)])
+    if source == "random_rows":
+        return np.ascontiguousarray(quants.random_rows(qtype, rng, rows, n, rms=0.3)).view(np.uint8).reshape(rows, -1)
+    nbytes = quants.fmt(qtype).row_bytes(n)
+    return np.frombuffer(rng.bytes(rows * nbytes), np.uint8).reshape(rows, nbytes).copy()
+
+
+def test_tables_fill_the_header_layout(lib):
+    blob = decode_tables.host_tables()
+    assert blob.size == lib.dq_tab_bytes()
+    off = decode_tables.offsets()
+    assert np.array_equal(blob[off["IQ3S"]:off["IQ3S"] + 2048].view(np.int8).reshape(512, 4), quants.iq3s_grid())
+
+
+def test_type_lists_are_the_quants_types():
+    """decode.cuh's X-lists name every type of stratad.model.quants by its GGML code, nothing else."""
+    import re
+
+    text = HEADER.read_text()
+
+    def listed(macro):
+        body = re.search(rf"#define {macro}\(X\)(.*?)\n(?!\s)", text, flags=re.S).group(1)
+        return {T[n.upper()]: int(c) for n, c in re.findall(r"X\((\w+), (\d+)\)", body)}
+
+    quant, floats = listed("DQ_QUANT_TYPES"), listed("DQ_FLOAT_TYPES")
+    assert set(quant) == set(QUANTISED) and set(floats) == set(ALL) - set(QUANTISED)
+    assert all(int(t) == c for t, c in {**quant, **floats}.items())
+
+
+@IGNORE_NAN_WARNINGS
+@pytest.mark.parametrize("source", ["random_rows", "random_bytes"])
+@pytest.mark.parametrize("qtype", QUANTISED, ids=[t.name for t in QUANTISED])
+def test_int_view_equals_decode_int(lib, qtype, source):
+    raw = _rows(qtype, source, 1)
+    ref, ours = quants.decode_int(qtype, raw), host_int(lib, qtype, raw)
+    assert np.array_equal(ours.q, ref.q.astype(np.int16)), f"{qtype.name}: q differs"
+    assert_bits_equal(ours.scale, ref.scale, f"{qtype.name} scale")
+    if ref.minimum is None:
+        assert not ours.minimum.any(), f"{qtype.name}: a minimum where the view has none"
+    else:
+        assert_bits_equal(ours.minimum, ref.minimum, f"{qtype.name} minimum")
+    want_mw = np.ones_like(ours.mweight) if ref.mweight is None else ref.mweight
+    assert np.array_equal(ours.mweight, want_mw), f"{qtype.name}: mweight differs"
+
+
+@IGNORE_NAN_WARNINGS
+@pytest.mark.parametrize("source", ["random_rows", "random_bytes"])
+@pytest.mark.parametrize("qtype", ALL, ids=[t.name for t in ALL])
+def test_float_decode_equals_dequantize(lib, qtype, source):
+    raw = _rows(qtype, source, 2)
+    assert_bits_equal(host_float(lib, qtype, raw), quants.dequantize(qtype, raw), qtype.name)
+
+
+@IGNORE_NAN_WARNINGS
+@pytest.mark.parametrize("qtype", QUANTISED, ids=[t.name for t in QUANTISED])
+def test_special_scales(lib, qtype):
+    """Every f16 field of a block set to NaN, +-inf, +-0, the smallest subnormal or 65504 (the other bytes random):
+    the scales' edge cases, including those that only the random bytes test would hit by chance."""
+    f = quants.fmt(qtype)
+    specials = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, 6e-8, 65504.0], np.float16).view(np.uint8).reshape(-1, 2)
+    raw = _rows(qtype, "random_bytes", 3, rows=4 * len(specials), n=f.block_values)
+    for r in range(raw.shape[0]):
+        for at in F16_FIELDS.get(qtype, (0,)):
+            raw[r, at:at + 2] = specials[r % len(specials)]
+    assert_bits_equal(host_float(lib, qtype, raw), quants.dequantize(qtype, raw), qtype.name)
+    ref, ours = quants.decode_int(qtype, raw), host_int(lib, qtype, raw)
+    assert_bits_equal(ours.scale, ref.scale, f"{qtype.name} scale")
+    if ref.minimum is not None:
+        assert_bits_equal(ours.minimum, ref.minimum, f"{qtype.name} minimum")
+
+
+# byte offsets of each block's f16 fields (d, and dmin / m where there is one); IQ1_M spreads d over nibbles
+F16_FIELDS = {T.Q4_1: (0, 2), T.Q5_1: (0, 2), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q2_K: (80, 82), T.Q3_K: (108,),
+              T.Q6_K: (208,), T.IQ1_M: ()}
