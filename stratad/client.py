@@ -183,25 +183,44 @@ class _StreamState:
         return None
 
 
+class _Watch:
+    """The wait of a stream's socket beside its connection monitor, shared by _wait and _await: the poll's
+    timeout left, and what a monitor event means."""
+
+    def __init__(self, sock, monitor, poller, timeout_s: float | None):
+        self.sock, self.monitor, self.poller = sock, monitor, poller
+        poller.register(sock, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
+        self.deadline = None if timeout_s is None else time.monotonic() + timeout_s
+
+    def left_ms(self) -> int | None:
+        return None if self.deadline is None else max(0, int((self.deadline - time.monotonic()) * 1000))
+
+    def expired(self) -> bool:
+        return self.deadline is not None and time.monotonic() >= self.deadline
+
+    @staticmethod
+    def dropped(frames) -> Exception:
+        """The error for a monitor event: the connection dropped, or it closed without ever connecting."""
+        event = parse_monitor_message(frames)["event"]
+        return ConnectionError() if event == zmq.EVENT_DISCONNECTED else ConnectionRefusedError()
+
+
 def _wait(sock: zmq.Socket, monitor: zmq.Socket, timeout_s: float | None) -> bool:
     """Until sock has a message (True) or timeout_s passes (False); raises ConnectionError when the connection
     drops first (a message that arrived before the drop is still read), ConnectionRefusedError when it closed
     without ever connecting (a socket file nobody listens at)."""
-    poller = zmq.Poller()
-    poller.register(sock, zmq.POLLIN)
-    poller.register(monitor, zmq.POLLIN)
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    w = _Watch(sock, monitor, zmq.Poller(), timeout_s)
     while True:
-        left = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
-        ready = dict(poller.poll(left))
+        ready = dict(w.poller.poll(w.left_ms()))
         if sock in ready:
             return True
         if monitor in ready:
-            event = parse_monitor_message(monitor.recv_multipart())["event"]
+            err = w.dropped(monitor.recv_multipart())
             if sock.poll(0):
                 return True
-            raise ConnectionError() if event == zmq.EVENT_DISCONNECTED else ConnectionRefusedError()
-        elif deadline is not None and time.monotonic() >= deadline:
+            raise err
+        if w.expired():
             return False
 
 
@@ -315,21 +334,17 @@ class Client(_Base):
 async def _await(sock: zmq.asyncio.Socket, monitor: zmq.asyncio.Socket, timeout_s: float | None) -> bytes | None:
     """_wait's asyncio twin: sock's next message, or None after timeout_s; ConnectionError when the connection
     drops first."""
-    poller = zmq.asyncio.Poller()
-    poller.register(sock, zmq.POLLIN)
-    poller.register(monitor, zmq.POLLIN)
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    w = _Watch(sock, monitor, zmq.asyncio.Poller(), timeout_s)
     while True:
-        left = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
-        ready = dict(await poller.poll(left))
+        ready = dict(await w.poller.poll(w.left_ms()))
         if sock in ready:
             return await sock.recv()
         if monitor in ready:
-            event = parse_monitor_message(await monitor.recv_multipart())["event"]
+            err = w.dropped(await monitor.recv_multipart())
             if await sock.poll(0):
                 return await sock.recv()
-            raise ConnectionError() if event == zmq.EVENT_DISCONNECTED else ConnectionRefusedError()
-        elif deadline is not None and time.monotonic() >= deadline:
+            raise err
+        if w.expired():
             return None
 
 
