@@ -33,18 +33,37 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from gguf import GGMLQuantizationType as T
+
 from stratad.model.quants import EXPERT_TYPES, SUB, decode_int, fmt, iq3s_grid
+from stratad.model.quants.iquants import IQ4_VALUES, grid, ksigns
 
 F32 = np.float32
 LANES = 32
 
 # GGML type codes the kernels dispatch on
-IQ3_S = 21
-Q4_K = 12
-Q6_K = 14
-Q8_0 = 8
-_BLOCK_BYTES = {IQ3_S: 110, Q4_K: 144, Q6_K: 210, Q8_0: 34}  # the types with kernels reading raw blocks; others: _generic
+IQ3_S, Q4_K, Q6_K, Q8_0 = int(T.IQ3_S), int(T.Q4_K), int(T.Q6_K), int(T.Q8_0)
+Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL = int(T.Q4_0), int(T.Q4_1), int(T.Q5_0), int(T.Q5_1), int(T.IQ4_NL)
+Q2_K, Q3_K, Q5_K, IQ4_XS, IQ3_XXS = int(T.Q2_K), int(T.Q3_K), int(T.Q5_K), int(T.IQ4_XS), int(T.IQ3_XXS)
+IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S, IQ1_M = int(T.IQ2_XXS), int(T.IQ2_XS), int(T.IQ2_S), int(T.IQ1_S), int(T.IQ1_M)
+
+# The decoded-block types (_rows_dec) by the buffer their q is decoded into and their minimum term: int8 q, no
+# minimum; uint8 q (codes >= 0), a minimum of weight 1; uint8 q with uint8 mweights (Q2_K); int16 q (16-value
+# scales folded in), no minimum.
+_K_I8, _K_U8_MIN, _K_U8_MW, _K_I16 = 0, 1, 2, 3
+_DECODED = {Q4_0: _K_I8, Q5_0: _K_I8, IQ4_NL: _K_I8, IQ4_XS: _K_I8, IQ3_XXS: _K_I8, IQ2_XXS: _K_I8, IQ1_S: _K_I8,
+            Q4_1: _K_U8_MIN, Q5_1: _K_U8_MIN, Q5_K: _K_U8_MIN, Q2_K: _K_U8_MW,
+            Q3_K: _K_I16, Q6_K: _K_I16, IQ2_XS: _K_I16, IQ2_S: _K_I16, IQ1_M: _K_I16}
+# the types with kernels reading raw blocks; others (float experts): _run_generic
+_BLOCK_BYTES = {t: fmt(t).block_bytes for t in (IQ3_S, Q4_K, Q8_0, *_DECODED)}
 _SUPPORTED = {int(t) for t in EXPERT_TYPES}
+# per type code, for the njit code (global arrays are compile-time constants there): decoded kind, block bytes and
+# values
+_KIND = np.full(64, -1, np.int64)
+_BB = np.zeros(64, np.int64)
+_BV = np.zeros(64, np.int64)
+for _t, _k in _DECODED.items():
+    _KIND[_t], _BB[_t], _BV[_t] = _k, fmt(_t).block_bytes, fmt(_t).block_values
 
 
 def _tables() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -64,6 +83,24 @@ def _tables() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 F16E, POW2, GRID = _tables()
 
+
+def _decode_tables() -> tuple[np.ndarray, dict[str, int]]:
+    """The decoders' tables as one int8 array, and each one's offset in it: IQ4's kvalues; sign8[8 m + v] = -1 if
+    bit v of byte m is set, else 1; ggml's ksigns (as int8: read & 0xFF); the IQ grids (entries x values, flat)."""
+    bit = (np.arange(256)[:, None] >> np.arange(8)) & 1
+    parts = {"iq4": IQ4_VALUES, "sign8": (1 - 2 * bit).astype(np.int8).reshape(-1), "ksigns": ksigns().view(np.int8),
+             **{t.name: grid(t).reshape(-1) for t in (T.IQ3_XXS, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ1_S, T.IQ1_M)}}
+    offsets, at = {}, 0
+    for name, x in parts.items():
+        offsets[name], at = at, at + x.size
+    return np.concatenate(list(parts.values())).astype(np.int8), offsets
+
+
+TAB, _OFF = _decode_tables()
+_T_IQ4, _T_SIGN8, _T_KSIGNS = _OFF["iq4"], _OFF["sign8"], _OFF["ksigns"]
+_T_IQ3XXS, _T_IQ2XXS, _T_IQ2XS, _T_IQ2S, _T_IQ1S, _T_IQ1M = (_OFF[t.name] for t in (T.IQ3_XXS, T.IQ2_XXS, T.IQ2_XS,
+                                                                                   T.IQ2_S, T.IQ1_S, T.IQ1_M))
+
 # the canonical exp's constants, as float32 (numba must never see a python float in float32 arithmetic)
 _LOG2E = F32(1.44269502)
 _LN2_HI = F32(0.693145751953125)
@@ -75,6 +112,9 @@ _EXP_HI = F32(88.0)
 _ONE = F32(1.0)
 _ZERO = F32(0.0)
 _127 = F32(127.0)
+_HALF = F32(0.5)
+_QUARTER = F32(0.25)
+_EIGHTH = F32(0.125)
 
 
 # ---- SIMD integer sub-block dots, as LLVM vector IR (numba intrinsics) -----------------------------------------
@@ -104,8 +144,8 @@ def _vptr(context, builder, aryty, ary, off, vt):
     return builder.bitcast(p, vt.as_pointer())
 
 
-def _vload(context, builder, aryty, ary, off, n):
-    vt = ir.VectorType(_I8, n) if n > 1 else _I8
+def _vload(context, builder, aryty, ary, off, n, et=_I8):
+    vt = ir.VectorType(et, n) if n > 1 else et
     return builder.load(_vptr(context, builder, aryty, ary, off, vt), align=1)
 
 
@@ -197,13 +237,13 @@ def _idot_i8(typingctx, w, wo, a, ao):
 
 
 def _isum8(builder, w8, a8, signed: bool, neg=None):
-    """<8 x i32>: sum_v w[j][v] * a[j][v] for j < 8, from <32 x i8> weights w8 (int8 if signed, else uint8) and
-    activations a8. neg: masks of negative weights when w8 holds magnitudes; the signs move onto the activations
-    (the same products)."""
+    """<8 x i32>: sum_v w[j][v] * a[j][v] for j < 8, from <32 x i8> weights w8 (int8 if signed, else uint8; or
+    <32 x i16>, signed) and activations a8. neg: masks of negative weights when w8 holds magnitudes; the signs move
+    onto the activations (the same products)."""
     if neg is not None:
         zero = _const(_I8, [0] * 32)
         a8 = [builder.select(n, builder.sub(zero, a), a) for n, a in zip(neg, a8)]  # |a| <= 127: no overflow
-    if VNNI:
+    if VNNI and w8[0].type.element.width == 8:
         return _tree8(builder, _partials_vnni(builder, w8, a8, signed), 8)
     v32 = ir.VectorType(_I32, 32)
     widen = builder.sext if signed else builder.zext
@@ -256,9 +296,10 @@ def _fload8(context, builder, aryty, ary, off):
     return builder.load(_vptr(context, builder, aryty, ary, off, ir.VectorType(ir.FloatType(), 8)), align=4)
 
 
-def _accumulate8(context, builder, sig, args, first, w8, signed: bool, neg=None):
+def _accumulate8(context, builder, sig, args, first, w8, signed: bool, neg=None, mw8=None):
     """Shared tail: args[first:] = (sbuf, mbuf, a, ao, da, asum, dao, acc, acco); mbuf is None-typed for no min.
-    w8, signed, neg: the 8 sub-blocks' <32 x i8> weights as for _isum8."""
+    w8, signed, neg: the 8 sub-blocks' <32 x i8> weights as for _isum8. mw8: <32 x i8> unsigned mweights, whose
+    sums with the activations replace asum's in the minimum term."""
     sty, mty, aty, _, daty, asty, _, accty, _ = sig.args[first:]
     sbuf, mbuf, a, ao, da, asum, dao, acc, acco = args[first:]
     a8 = [_vload(context, builder, aty, a, builder.add(_i64(builder, ao), ir.Constant(_I64, 32 * j)), 32)
@@ -268,7 +309,11 @@ def _accumulate8(context, builder, sig, args, first, w8, signed: bool, neg=None)
     t = builder.fmul(builder.fmul(_fload8(context, builder, sty, sbuf, ir.Constant(_I64, 0)), dav), isf)
     if not isinstance(mty, types.NoneType):
         m = builder.fmul(_fload8(context, builder, mty, mbuf, ir.Constant(_I64, 0)), dav)
-        t = builder.fsub(t, builder.fmul(m, _fload8(context, builder, asty, asum, dao)))
+        if mw8 is None:
+            msum = _fload8(context, builder, asty, asum, dao)
+        else:
+            msum = builder.sitofp(_isum8(builder, mw8, a8, False), ir.VectorType(ir.FloatType(), 8))
+        t = builder.fsub(t, builder.fmul(m, msum))
     p = _vptr(context, builder, accty, acc, acco, ir.VectorType(ir.FloatType(), 8))
     builder.store(builder.fadd(builder.load(p, align=4), t), p, align=4)
     return context.get_dummy_value()
@@ -327,6 +372,25 @@ def _blk_iq3s(typingctx, w, wo, grid, sbuf, mbuf, a, ao, da, asum, dao, acc, acc
         return _accumulate8(context, builder, sig, args, 3, [m for m, _ in parts], signed=False,
                             neg=[n for _, n in parts])
     return types.none(w, wo, grid, sbuf, mbuf, a, ao, da, asum, dao, acc, acco), codegen
+
+
+@intrinsic
+def _blk_dec(typingctx, wbuf, mwbuf, sbuf, mbuf, a, ao, da, asum, dao, acc, acco):
+    """The 8 decoded sub-blocks wbuf[0:256] (q as int8, uint8 or int16) against a[ao:ao + 256]; mwbuf: uint8
+    mweights (Q2_K) or None (weight 1: the minimum term takes asum)."""
+    wok = isinstance(wbuf, types.Array) and wbuf.ndim == 1 and wbuf.dtype in (types.int8, types.uint8, types.int16)
+    if not (wok and (isinstance(mwbuf, types.NoneType) or _is_1d_bytes(mwbuf)) and _blk_ok(a, sbuf, mbuf, a, da, asum,
+                                                                                            acc)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        dt = sig.args[0].dtype
+        w8 = [_vload(context, builder, sig.args[0], args[0], ir.Constant(_I64, 32 * j), 32, ir.IntType(dt.bitwidth))
+              for j in range(8)]
+        mw8 = None if isinstance(sig.args[1], types.NoneType) else [
+            _vload(context, builder, sig.args[1], args[1], ir.Constant(_I64, 32 * j), 32) for j in range(8)]
+        return _accumulate8(context, builder, sig, args, 2, w8, signed=dt.signed, mw8=mw8)
+    return types.none(wbuf, mwbuf, sbuf, mbuf, a, ao, da, asum, dao, acc, acco), codegen
 
 
 @intrinsic
@@ -445,14 +509,7 @@ def _rows_q4k(w, ro, rb, nrows, nsub, a, da, asum, idx, n, acc, sbuf, mbuf, res,
             acc[l] = _ZERO
         for bi in range(nsub // 8):
             o = ro + i * rb + bi * 144
-            d = _f16(w[o], w[o + 1], f16e)
-            dmin = _f16(w[o + 2], w[o + 3], f16e)
-            for j in range(4):  # 6-bit scales and minimums, packed in 12 bytes
-                sbuf[j] = d * np.float32(np.int64(w[o + 4 + j]) & 0x3F)
-                mbuf[j] = dmin * np.float32(np.int64(w[o + 8 + j]) & 0x3F)
-                md = np.int64(w[o + 12 + j])
-                sbuf[j + 4] = d * np.float32((md & 0x0F) | ((np.int64(w[o + 4 + j]) >> 2) & 0x30))
-                mbuf[j + 4] = dmin * np.float32((md >> 4) | ((np.int64(w[o + 8 + j]) >> 2) & 0x30))
+            _k4_scales(w, o, sbuf, mbuf, f16e)
             lane0 = (bi * 8) & 31
             for k in range(n):
                 t = idx[k] * nsub + bi * 8
@@ -522,17 +579,353 @@ def _rows_q6k(w, ro, rb, nrows, nsub, a, da, idx, n, acc, wbuf, res, f16e):
             res[k * nrows + i] = _fold32(acc, k * LANES)
 
 
+# ---- decoded-block kernels: every other quantised type ----------------------------------------------------------
+# One mechanism: a type's decoder turns one 256-value block (or up to 8 consecutive 32-value blocks) into its
+# canonical integer view (docs/quant-types.md) in small buffers: q (int8, uint8 or int16: _DECODED says which), the
+# sub-blocks' scale and minimum, Q2_K's mweights; _rows_dec then forms the 8 sub-blocks' exact integer sums and
+# canonical terms for every token sharing the expert (_blk_dec), so a block is decoded once however many tokens
+# read it. Every factor is formed exactly as the view forms it (same float32 operations, same order).
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _u16(w, o):
+    return np.int64(w[o]) | (np.int64(w[o + 1]) << 8)
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _u32(w, o):
+    return _u16(w, o) | (_u16(w, o + 2) << 16)
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _k4_scales(w, o, sbuf, mbuf, f16e):
+    """Q4_K / Q5_K block at w[o]: scale_j = d * sc_j, minimum_j = dmin * m_j (6-bit sc / m packed in 12 bytes)."""
+    d = _f16(w[o], w[o + 1], f16e)
+    dmin = _f16(w[o + 2], w[o + 3], f16e)
+    for j in range(4):
+        sbuf[j] = d * np.float32(np.int64(w[o + 4 + j]) & 0x3F)
+        mbuf[j] = dmin * np.float32(np.int64(w[o + 8 + j]) & 0x3F)
+        md = np.int64(w[o + 12 + j])
+        sbuf[j + 4] = d * np.float32((md & 0x0F) | ((np.int64(w[o + 4 + j]) >> 2) & 0x30))
+        mbuf[j + 4] = dmin * np.float32((md >> 4) | ((np.int64(w[o + 8 + j]) >> 2) & 0x30))
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _iq4_sub(w, p, wb8, wo, tab):
+    """IQ4 sub-block: 16 bytes at w[p], low nibbles then high, each the index of its kvalue."""
+    for v in range(16):
+        c = np.int64(w[p + v])
+        wb8[wo + v] = tab[_T_IQ4 + (c & 15)]
+        wb8[wo + 16 + v] = tab[_T_IQ4 + (c >> 4)]
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _grid_put(tab, gi, width, mask, mbit, f, wb, wo):
+    """wb[wo:wo + width] = f * the grid entry at tab[gi:], value v negated where bit mbit + v of mask is set."""
+    for v in range(width):
+        wb[wo + v] = f * tab[gi + v] * tab[_T_SIGN8 + 8 * mask + mbit + v]
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _ksign(tab, i):
+    """ggml's ksigns[i]: 7 sign bits and their parity."""
+    return np.int64(tab[_T_KSIGNS + i]) & 0xFF
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _dec_legacy(qtype, w, o, g, wb8, wbu, sbuf, mbuf, f16e, tab):
+    """g consecutive 32-value blocks from w[o]: Q4_0 / Q5_0 (int8 q = code - 8 / - 16), Q4_1 / Q5_1 (uint8 q = code,
+    minimum = -m), IQ4_NL (q = kvalues[code]). Layout: f16 d [, f16 m] [, 32 high bits (Q5)], 16 nibble bytes."""
+    bb = _BB[qtype]
+    has_m = qtype == Q4_1 or qtype == Q5_1
+    five = qtype == Q5_0 or qtype == Q5_1
+    bias = 16 if five else 8
+    for j in range(g):
+        b = o + j * bb
+        sbuf[j] = _f16(w[b], w[b + 1], f16e)
+        if qtype == IQ4_NL:
+            _iq4_sub(w, b + 2, wb8, SUB * j, tab)
+            continue
+        p = b + 2
+        if has_m:
+            mbuf[j] = -_f16(w[b + 2], w[b + 3], f16e)
+            p += 2
+        qh = 0
+        if five:
+            qh = _u32(w, p)
+            p += 4
+        for v in range(16):
+            c = np.int64(w[p + v])
+            lo = (c & 15) | (((qh >> v) & 1) << 4)
+            hi = (c >> 4) | (((qh >> (v + 16)) & 1) << 4)
+            if has_m:
+                wbu[SUB * j + v] = lo
+                wbu[SUB * j + 16 + v] = hi
+            else:
+                wb8[SUB * j + v] = lo - bias
+                wb8[SUB * j + 16 + v] = hi - bias
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _dec_q5k(w, o, wbu, sbuf, mbuf, f16e):
+    """Q5_K: q = 4-bit code (bytes 48 + 32 (j // 2), low nibbles for even j) | bit j of qh[v] << 4."""
+    _k4_scales(w, o, sbuf, mbuf, f16e)
+    for j in range(8):
+        for v in range(SUB):
+            lo = (np.int64(w[o + 48 + 32 * (j >> 1) + v]) >> (4 * (j & 1))) & 15
+            wbu[SUB * j + v] = lo | (((np.int64(w[o + 16 + v]) >> j) & 1) << 4)
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _dec_q2k(w, o, wbu, mwu, sbuf, mbuf, f16e):
+    """Q2_K: scale d, q = sc_k * code, minimum dmin, mweight m_k (sc_k / m_k: the low / high nibble of byte k, per
+    16 values; the 2-bit codes: bits 2 (j % 4) of qs[32 (j // 4) + v])."""
+    d = _f16(w[o + 80], w[o + 81], f16e)
+    dmin = _f16(w[o + 82], w[o + 83], f16e)
+    for j in range(8):
+        sbuf[j] = d
+        mbuf[j] = dmin
+        for h in range(2):
+            sc = np.int64(w[o + 2 * j + h])
+            for v in range(16 * h, 16 * h + 16):
+                c = (np.int64(w[o + 16 + 32 * (j >> 2) + v]) >> (2 * (j & 3))) & 3
+                wbu[SUB * j + v] = (sc & 15) * c
+                mwu[SUB * j + v] = sc >> 4
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _dec_q3k(w, o, wb16, sbuf, f16e):
+    """Q3_K: scale d, q = (sc_k - 32) * code, code = 2 low bits - 4 where the hmask bit is clear."""
+    d = _f16(w[o + 108], w[o + 109], f16e)
+    for j in range(8):
+        sbuf[j] = d
+        for h in range(2):
+            k = 2 * j + h
+            sc = (((np.int64(w[o + 96 + (k & 7)]) >> (4 * (k >> 3))) & 15)
+                  | (((np.int64(w[o + 104 + (k & 3)]) >> (2 * (k >> 2))) & 3) << 4)) - 32
+            for v in range(16 * h, 16 * h + 16):
+                c = ((np.int64(w[o + 32 + 32 * (j >> 2) + v]) >> (2 * (j & 3))) & 3) - 4 + 4 * (
+                    (np.int64(w[o + v]) >> j) & 1)
+                wb16[SUB * j + v] = sc * c
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _dec_q6k(w, o, wb16, sbuf, f16e):
+    """Q6_K: scale d, q = sc_k * (code - 32); sub-block j = 4 h + p: code = nibble p // 2 of ql[64 h + 32 (p % 2)
+    + v] | bits 2 p of qh[32 h + v] << 4; sc_k an int8."""
+    d = _f16(w[o + 208], w[o + 209], f16e)
+    for j in range(8):
+        sbuf[j] = d
+        h, p = j >> 2, j & 3
+        for v in range(SUB):
+            c = ((np.int64(w[o + 64 * h + 32 * (p & 1) + v]) >> (4 * (p >> 1))) & 15) | (
+                ((np.int64(w[o + 128 + 32 * h + v]) >> (2 * p)) & 3) << 4)
+            wb16[SUB * j + v] = np.int64(np.int8(w[o + 192 + 2 * j + (v >> 4)])) * (c - 32)
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _dec_iq4xs(w, o, wb8, sbuf, f16e, tab):
+    """IQ4_XS: scale d * (ls_j - 32), ls_j = nibble of scales_l | 2 bits of scales_h << 4; q = kvalues[code]."""
+    d = _f16(w[o], w[o + 1], f16e)
+    sh = _u16(w, o + 2)
+    for j in range(8):
+        ls = ((np.int64(w[o + 4 + (j >> 1)]) >> (4 * (j & 1))) & 15) | (((sh >> (2 * j)) & 3) << 4)
+        sbuf[j] = d * np.float32(ls - 32)
+        _iq4_sub(w, o + 8 + 16 * j, wb8, SUB * j, tab)
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _dec_iq3xxs(w, o, wb8, sbuf, f16e, tab):
+    """IQ3_XXS: sub-block j has 8 grid indices (4 values each) and a word of 4 x 7 ksign bits and a 4-bit ls;
+    scale (d * (0.5 + ls)) * 0.5."""
+    d = _f16(w[o], w[o + 1], f16e)
+    for j in range(8):
+        wd = _u32(w, o + 66 + 4 * j)
+        sbuf[j] = (d * (_HALF + np.float32(wd >> 28))) * _HALF
+        for g in range(4):
+            mask = _ksign(tab, (wd >> (7 * g)) & 127)
+            for e in range(2):
+                gi = _T_IQ3XXS + 4 * np.int64(w[o + 2 + 8 * j + 2 * g + e])
+                _grid_put(tab, gi, 4, mask, 4 * e, 1, wb8, SUB * j + 8 * g + 4 * e)
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _dec_iq2xxs(w, o, wb8, sbuf, f16e, tab):
+    """IQ2_XXS: sub-block j = 4 grid index bytes, then a word of 4 x 7 ksign bits and a 4-bit ls; scale
+    (d * (0.5 + ls)) * 0.25."""
+    d = _f16(w[o], w[o + 1], f16e)
+    for j in range(8):
+        p = o + 2 + 8 * j
+        w1 = _u32(w, p + 4)
+        sbuf[j] = (d * (_HALF + np.float32(w1 >> 28))) * _QUARTER
+        for g in range(4):
+            _grid_put(tab, _T_IQ2XXS + 8 * np.int64(w[p + g]), 8, _ksign(tab, (w1 >> (7 * g)) & 127), 0, 1, wb8,
+                      SUB * j + 8 * g)
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _dec_iq2(qtype, w, o, wb16, sbuf, f16e, tab):
+    """IQ2_XS (9-bit index and 7 ksign bits per u16) / IQ2_S (8 + 2 high bits of index, a sign byte per 8 values):
+    scale d / 8, q = (2 ls_k + 1) * signed grid value, ls_k the nibble k of the scale bytes."""
+    d8 = _f16(w[o], w[o + 1], f16e) * _EIGHTH
+    so = o + 66 if qtype == IQ2_XS else o + 74
+    for j in range(8):
+        sbuf[j] = d8
+    for k in range(16):
+        f = 2 * ((np.int64(w[so + (k >> 1)]) >> (4 * (k & 1))) & 15) + 1
+        for e in range(2):
+            n = 2 * k + e
+            if qtype == IQ2_XS:
+                qs = _u16(w, o + 2 + 2 * n)
+                gi = _T_IQ2XS + 8 * (qs & 511)
+                mask = _ksign(tab, qs >> 9)
+            else:
+                gi = _T_IQ2S + 8 * (np.int64(w[o + 2 + n]) | (((np.int64(w[o + 66 + (n >> 2)]) >> (2 * (n & 3))) & 3)
+                                                              << 8))
+                mask = np.int64(w[o + 34 + n])
+            _grid_put(tab, gi, 8, mask, 0, f, wb16, 8 * n)
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _dec_iq1s(w, o, wb8, sbuf, f16e, tab):
+    """IQ1_S: sub-block j = 4 index bytes and a u16 of 4 x 3 high index bits, ls and the delta's sign; scale
+    (d * (2 ls + 1)) / 8, q = 8 g +- 1."""
+    d = _f16(w[o], w[o + 1], f16e)
+    for j in range(8):
+        qh = _u16(w, o + 34 + 2 * j)
+        sbuf[j] = (d * np.float32(2 * ((qh >> 12) & 7) + 1)) * _EIGHTH
+        delta = -1 if qh & 0x8000 else 1
+        for g in range(4):
+            gi = _T_IQ1S + 8 * (np.int64(w[o + 2 + 4 * j + g]) | (((qh >> (3 * g)) & 7) << 8))
+            for v in range(8):
+                wb8[SUB * j + 8 * g + v] = 8 * tab[gi + v] + delta
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _dec_iq1m(w, o, wb16, sbuf, f16e, tab):
+    """IQ1_M: scale d / 8 (d's f16 in the top nibbles of the 4 scale words), q = (2 s_k + 1) * (8 g +- 1); per 8
+    values a nibble of 3 high index bits and the delta's sign."""
+    s0, s1, s2, s3 = _u16(w, o + 48), _u16(w, o + 50), _u16(w, o + 52), _u16(w, o + 54)
+    dh = (s0 >> 12) | ((s1 >> 8) & 0xF0) | ((s2 >> 4) & 0xF00) | (s3 & 0xF000)
+    d8 = _f16(dh & 0xFF, dh >> 8, f16e) * _EIGHTH
+    for j in range(8):
+        sbuf[j] = d8
+    for k in range(16):
+        f = 2 * ((_u16(w, o + 48 + 2 * (k >> 2)) >> (3 * (k & 3))) & 7) + 1
+        for e in range(2):
+            n = 2 * k + e
+            nib = (np.int64(w[o + 32 + (n >> 1)]) >> (4 * (n & 1))) & 15
+            gi = _T_IQ1M + 8 * (np.int64(w[o + n]) | ((nib & 7) << 8))
+            delta = -1 if nib & 8 else 1
+            for v in range(8):
+                wb16[8 * n + v] = f * (8 * tab[gi + v] + delta)
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _decode(qtype, w, o, g, s, f16e, tab):
+    """The decoded view of the block at w[o] (32-value types: g blocks from w[o]) into the scratch buffers s."""
+    _, wb8, wbu, mwu, wb16, sbuf, mbuf = s
+    if qtype == Q5_K:
+        _dec_q5k(w, o, wbu, sbuf, mbuf, f16e)
+    elif qtype == Q6_K:
+        _dec_q6k(w, o, wb16, sbuf, f16e)
+    elif qtype == Q3_K:
+        _dec_q3k(w, o, wb16, sbuf, f16e)
+    elif qtype == Q2_K:
+        _dec_q2k(w, o, wbu, mwu, sbuf, mbuf, f16e)
+    elif qtype == IQ4_XS:
+        _dec_iq4xs(w, o, wb8, sbuf, f16e, tab)
+    elif qtype == IQ3_XXS:
+        _dec_iq3xxs(w, o, wb8, sbuf, f16e, tab)
+    elif qtype == IQ2_XXS:
+        _dec_iq2xxs(w, o, wb8, sbuf, f16e, tab)
+    elif qtype == IQ2_XS or qtype == IQ2_S:
+        _dec_iq2(qtype, w, o, wb16, sbuf, f16e, tab)
+    elif qtype == IQ1_S:
+        _dec_iq1s(w, o, wb8, sbuf, f16e, tab)
+    elif qtype == IQ1_M:
+        _dec_iq1m(w, o, wb16, sbuf, f16e, tab)
+    else:
+        _dec_legacy(qtype, w, o, g, wb8, wbu, sbuf, mbuf, f16e, tab)
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _sub_terms(r, wb, sbuf, mbuf, has_min, a, da, asum, t0, acc, acco, lane0):
+    """The canonical terms of the first r decoded sub-blocks (a row's last 32-value blocks short of 8), one by one."""
+    for j in range(r):
+        t = t0 + j
+        isum = 0
+        for v in range(SUB):
+            isum += np.int32(wb[SUB * j + v]) * np.int32(a[t * SUB + v])
+        term = (sbuf[j] * da[t]) * np.float32(isum)
+        if has_min:
+            term = term - (mbuf[j] * da[t]) * asum[t]
+        acc[acco + ((lane0 + j) & 31)] += term
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _rows_dec(qtype, w, ro, rb, nrows, a, da, asum, idx, n, s, res, f16e, tab):
+    """Any type of _DECODED: per row, each block (32-value types: 8 blocks) decoded once, then its 8 sub-blocks'
+    terms for each of the n tokens."""
+    acc, wb8, wbu, mwu, wb16, sbuf, mbuf = s
+    kind = _KIND[qtype]
+    bb = _BB[qtype]
+    step = bb * 256 // _BV[qtype]  # bytes of 8 sub-blocks
+    nsub = rb // bb * (_BV[qtype] // SUB)
+    ng = nsub // 8
+    r = nsub - ng * 8
+    for i in range(nrows):
+        for l in range(n * LANES):
+            acc[l] = _ZERO
+        for bg in range(ng):
+            _decode(qtype, w, ro + i * rb + bg * step, 8, s, f16e, tab)
+            lane0 = (bg * 8) & 31
+            for k in range(n):
+                t = idx[k] * nsub + bg * 8
+                if kind == _K_I8:
+                    _blk_dec(wb8, None, sbuf, None, a, t * SUB, da, asum, t, acc, k * LANES + lane0)
+                elif kind == _K_U8_MIN:
+                    _blk_dec(wbu, None, sbuf, mbuf, a, t * SUB, da, asum, t, acc, k * LANES + lane0)
+                elif kind == _K_U8_MW:
+                    _blk_dec(wbu, mwu, sbuf, mbuf, a, t * SUB, da, asum, t, acc, k * LANES + lane0)
+                else:
+                    _blk_dec(wb16, None, sbuf, None, a, t * SUB, da, asum, t, acc, k * LANES + lane0)
+        if r:  # only 32-value types (kinds _K_I8, _K_U8_MIN) have rows whose length is not a multiple of 256
+            _decode(qtype, w, ro + i * rb + ng * step, r, s, f16e, tab)
+            for k in range(n):
+                t = idx[k] * nsub + ng * 8
+                if kind == _K_I8:
+                    _sub_terms(r, wb8, sbuf, mbuf, False, a, da, asum, t, acc, k * LANES, (ng * 8) & 31)
+                else:
+                    _sub_terms(r, wbu, sbuf, mbuf, True, a, da, asum, t, acc, k * LANES, (ng * 8) & 31)
+        for k in range(n):
+            res[k * nrows + i] = _fold32(acc, k * LANES)
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _scratch(maxg):
+    """A phase's work buffers for _rows: (lane sums for maxg tokens, decoded q as int8 / uint8, uint8 mweights,
+    int16 q, per sub-block scales, minimums), and the group's token indices."""
+    return ((np.empty(maxg * LANES, np.float32), np.empty(256, np.int8), np.empty(256, np.uint8),
+             np.empty(256, np.uint8), np.empty(256, np.int16), np.empty(8, np.float32), np.empty(8, np.float32)),
+            np.empty(maxg, np.int64))
+
+
 @njit(nogil=True, cache=True)
-def _rows(qtype, w, ro, rb, nrows, a, da, asum, idx, n, acc, wbuf, sbuf, mbuf, res, f16e, grid):
-    """res[k * nrows + i] = canonical dot of raw weight row i (w[ro + i * rb:], rb bytes) with activation idx[k]."""
+def _rows(qtype, w, ro, rb, nrows, a, da, asum, idx, n, s, res, f16e, grid, tab):
+    """res[k * nrows + i] = canonical dot of raw weight row i (w[ro + i * rb:], rb bytes) with activation idx[k]
+    (s: the _scratch buffers)."""
+    acc, wbuf, _, _, _, sbuf, mbuf = s
     if qtype == IQ3_S:
         _rows_iq3s(w, ro, rb, nrows, rb // 110 * 8, a, da, asum, idx, n, acc, wbuf, sbuf, res, f16e, grid)
     elif qtype == Q4_K:
         _rows_q4k(w, ro, rb, nrows, rb // 144 * 8, a, da, asum, idx, n, acc, sbuf, mbuf, res, f16e)
-    elif qtype == Q6_K:
+    elif qtype == Q6K_SCALAR and qtype == Q6_K:
         _rows_q6k(w, ro, rb, nrows, rb // 210 * 8, a, da, idx, n, acc, wbuf, res, f16e)
-    else:
+    elif qtype == Q8_0:
         _rows_q80(w, ro, rb, nrows, rb // 34, a, da, asum, idx, n, acc, sbuf, res, f16e)
+    else:
+        _rows_dec(qtype, w, ro, rb, nrows, a, da, asum, idx, n, s, res, f16e, tab)
 
 
 # ---- the two phases, each over a range [lo, hi) of the flattened (group, row) space ----------------------------
@@ -580,17 +973,14 @@ def _group(pairs, n_expert, n_tokens, gpairs, gstart, gexp):
 
 
 CHUNK = 64  # rows per _rows call
+Q6K_SCALAR = Q6_K
 
 
 @njit(nogil=True, cache=True)
 def _gate_up(lo, hi, tg, tu, gate, up, d_ff, rb_g, rb_u, a, da, asum, pair_tok, gstart, gpairs, gexp, maxg, h, f16e,
-             pow2, grid):
+             pow2, grid, tab):
     """h[p * d_ff + r] = silu(gate_e[r] . x_t) * (up_e[r] . x_t) for the flattened rows [lo, hi)."""
-    acc = np.empty(maxg * LANES, np.float32)
-    wbuf = np.empty(256, np.int8)
-    sbuf = np.empty(8, np.float32)
-    mbuf = np.empty(8, np.float32)
-    idx = np.empty(maxg, np.int64)
+    s, idx = _scratch(maxg)
     gv = np.empty(maxg * CHUNK, np.float32)
     uv = np.empty(maxg * CHUNK, np.float32)
     i = lo
@@ -603,8 +993,8 @@ def _gate_up(lo, hi, tg, tu, gate, up, d_ff, rb_g, rb_u, a, da, asum, pair_tok, 
         for k in range(n):
             idx[k] = pair_tok[gpairs[p0 + k]]
         e = gexp[grp]
-        _rows(tg, gate, (e * d_ff + r0) * rb_g, rb_g, m, a, da, asum, idx, n, acc, wbuf, sbuf, mbuf, gv, f16e, grid)
-        _rows(tu, up, (e * d_ff + r0) * rb_u, rb_u, m, a, da, asum, idx, n, acc, wbuf, sbuf, mbuf, uv, f16e, grid)
+        _rows(tg, gate, (e * d_ff + r0) * rb_g, rb_g, m, a, da, asum, idx, n, s, gv, f16e, grid, tab)
+        _rows(tu, up, (e * d_ff + r0) * rb_u, rb_u, m, a, da, asum, idx, n, s, uv, f16e, grid, tab)
         for k in range(n):
             ho = gpairs[p0 + k] * d_ff + r0
             for r in range(m):
@@ -638,13 +1028,9 @@ def _quantize(h, lo, hi, n, qh, dh, hsum):
 
 
 @njit(nogil=True, cache=True)
-def _down(lo, hi, td, down, d_model, rb_d, a, dh, hsum, gstart, gpairs, gexp, maxg, out, f16e, grid):
+def _down(lo, hi, td, down, d_model, rb_d, a, dh, hsum, gstart, gpairs, gexp, maxg, out, f16e, grid, tab):
     """out[p * d_model + r] = down_e[r] . h_p for the flattened rows [lo, hi) (a: the pairs' quantised h)."""
-    acc = np.empty(maxg * LANES, np.float32)
-    wbuf = np.empty(256, np.int8)
-    sbuf = np.empty(8, np.float32)
-    mbuf = np.empty(8, np.float32)
-    idx = np.empty(maxg, np.int64)
+    s, idx = _scratch(maxg)
     res = np.empty(maxg * CHUNK, np.float32)
     i = lo
     while i < hi:
@@ -656,7 +1042,7 @@ def _down(lo, hi, td, down, d_model, rb_d, a, dh, hsum, gstart, gpairs, gexp, ma
         for k in range(n):
             idx[k] = gpairs[p0 + k]
         e = gexp[grp]
-        _rows(td, down, (e * d_model + r0) * rb_d, rb_d, m, a, dh, hsum, idx, n, acc, wbuf, sbuf, mbuf, res, f16e, grid)
+        _rows(td, down, (e * d_model + r0) * rb_d, rb_d, m, a, dh, hsum, idx, n, s, res, f16e, grid, tab)
         for k in range(n):
             oo = idx[k] * d_model + r0
             for r in range(m):
@@ -682,41 +1068,41 @@ def _ticket(typingctx, counter):
 
 @njit(nogil=True, cache=True)
 def _gate_up_worker(ticket, n, tg, tu, gate, up, d_ff, rb_g, rb_u, a, da, asum, pair_tok, gstart, gpairs, gexp, maxg,
-                    h, f16e, pow2, grid):
+                    h, f16e, pow2, grid, tab):
     while True:
         lo = _ticket(ticket) * CHUNK
         if lo >= n:
             return
         _gate_up(lo, min(n, lo + CHUNK), tg, tu, gate, up, d_ff, rb_g, rb_u, a, da, asum, pair_tok, gstart, gpairs,
-                 gexp, maxg, h, f16e, pow2, grid)
+                 gexp, maxg, h, f16e, pow2, grid, tab)
 
 
 @njit(nogil=True, cache=True)
-def _down_worker(ticket, n, td, down, d_model, rb_d, a, dh, hsum, gstart, gpairs, gexp, maxg, out, f16e, grid):
+def _down_worker(ticket, n, td, down, d_model, rb_d, a, dh, hsum, gstart, gpairs, gexp, maxg, out, f16e, grid, tab):
     while True:
         lo = _ticket(ticket) * CHUNK
         if lo >= n:
             return
         _down(lo, min(n, lo + CHUNK), td, down, d_model, rb_d, a, dh, hsum, gstart, gpairs, gexp, maxg, out, f16e,
-              grid)
+              grid, tab)
 
 
 @njit(nogil=True, cache=True, parallel=True)
 def _layer_parallel(nthreads, tickets, tg, tu, td, gate, up, down, d_ff, d_model, rb_g, rb_u, rb_d, a, da, asum,
-                    pair_tok, gstart, gpairs, gexp, maxg, h, qh, dh, hsum, out, f16e, pow2, grid):
+                    pair_tok, gstart, gpairs, gexp, maxg, h, qh, dh, hsum, out, f16e, pow2, grid, tab):
     """The whole layer in one call on numba's own threads (prange over nthreads workers sharing the tickets)."""
     ngrp = gstart.shape[0] - 1
     t1 = tickets[0:1]
     t2 = tickets[8:9]
     for w in prange(nthreads):
         _gate_up_worker(t1, ngrp * d_ff, tg, tu, gate, up, d_ff, rb_g, rb_u, a, da, asum, pair_tok, gstart, gpairs,
-                        gexp, maxg, h, f16e, pow2, grid)
+                        gexp, maxg, h, f16e, pow2, grid, tab)
     npair = gpairs.shape[0]
     for c in prange(nthreads):
         _quantize(h, c * npair // nthreads, (c + 1) * npair // nthreads, d_ff, qh, dh, hsum)
     for w in prange(nthreads):
         _down_worker(t2, ngrp * d_model, td, down, d_model, rb_d, qh, dh, hsum, gstart, gpairs, gexp, maxg, out, f16e,
-                     grid)
+                     grid, tab)
 
 
 # ---- the generic path: any expert type, from its canonical integer view (quants.decode_int) --------------------
@@ -985,5 +1371,5 @@ class CpuPool:
             numba.set_num_threads(self.threads)
             _layer_parallel(self.threads, np.zeros(16, np.int64), tg, tu, td, gate, up, down, d_ff, d_model,
                             rb_g, rb_u, rb_d, qa, da, asum, pair_tok, gstart, gpairs, gexp, maxg, h, qh, dh, hsum,
-                            flat, F16E, POW2, GRID)
+                            flat, F16E, POW2, GRID, TAB)
         return out
