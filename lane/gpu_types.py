@@ -1,15 +1,18 @@
 """The tensor types the GPU card runs today, and the check at card build that refuses a model with any other.
 
-The CPU side (numpy card, CPU pool) runs every type of stratad.model.quants; the GPU kernels still read only these.
-A GPU lane checks the whole model before it allocates anything, so a model it cannot run fails with one error
-naming the tensors, instead of starting half-loaded.
+The CPU side (numpy card, CPU pool) runs every type of stratad.model.quants; the GPU's dense kernels read every
+type too (lane/kernels/decode.cuh), its expert kernels only these. A GPU lane checks the whole model before it
+allocates anything, so a model it cannot run fails with one error naming the tensors, instead of starting
+half-loaded.
 """
 from __future__ import annotations
 
 from gguf import GGMLQuantizationType as T
 
+from stratad.model import quants
+
 GPU_EXPERT_TYPES = (T.IQ3_S, T.Q4_K, T.Q8_0)  # lane/kernels/experts.cu
-GPU_DENSE_TYPES = (T.F32, T.F16, T.BF16, T.Q8_0)  # lane/kernels/device.py's QNAME
+GPU_DENSE_TYPES = quants.DENSE_TYPES  # lane/kernels/device.py's QNAME: decode.cuh's types
 
 
 def unsupported_on_gpu(model) -> list[str]:

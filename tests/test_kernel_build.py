@@ -13,8 +13,8 @@ import pytest
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "nvrtc_check.py"
 
 # the decode step's kernels: no stack frame (a spill there costs every token); prefix match
-DECODE_KERNELS = ("matvec_q8_0", "norm_matvec_", "attn_split_", "expert_gateup", "expert_down", "route_pairs",
-                  "qk_norm_rope_kv")
+DECODE_KERNELS = ("matvec_q8_0", "matvec_dq_", "norm_matvec_", "attn_split_", "expert_gateup", "expert_down",
+                  "route_pairs", "qk_norm_rope_kv")
 
 
 @pytest.fixture(scope="module")
@@ -56,17 +56,19 @@ def test_build_error_names_the_line(nc):
 def test_every_kernel_a_wrapper_launches_is_in_its_source(usages):
     """The dense wrappers look kernels up by name in their own op's module (lane/kernels/<op>.py -> <op>.cu): every
     name they can ask for is built there, so a kernel moved or renamed without its wrapper fails here, not on a GPU."""
-    from lane.kernels import weights
+    from lane.kernels import device, weights
 
     def names(q, R, KS):
         return f"{q}_r{R}_k{KS}"
 
+    every_type = set(device.QNAME.values())  # decode.cuh's per-type kernels: one for each type of quants
+    assert len(every_type) == 22
     wanted = {
         "matvec.cu": {f"matvec_{names(q, R, KS)}" for q in ("q8_0", "q8_0x", "f16", "bf16", "f32")
                       for R, KS in weights.PLANS}
         | {f"norm_matvec_{names(q, min(R, 2), KS)}" for q in ("q8_0", "f16", "bf16", "f32") for R, KS in weights.PLANS}
-        | {"matvec_generic"},
-        "gemm.cu": {"dequant_rows", "convert_f32"},
+        | {f"matvec_dq_{names(q, R, KS)}" for q in every_type for R, KS in weights.DQ_PLANS},
+        "gemm.cu": {f"dequant_rows_{q}" for q in every_type} | {"convert_f32"},
         "norm.cu": {"rms_norm_rows"},
         "rope_kv.cu": {"qk_norm_rope_kv", "advance_pos"},
         "attention_decode.cu": {f"attn_split_hd{hd}_g{g}{suf}" for hd in (64, 128) for g in (8, 16)
@@ -74,7 +76,7 @@ def test_every_kernel_a_wrapper_launches_is_in_its_source(usages):
         "attention_prefill.cu": {"attn_flash_prefill_64", "attn_flash_prefill_128", "attn_q_pack", "attn_o_unpack"},
         "router.cu": {"route_topk"},
         "sampling.cu": {"argmax_k", "topk_stage1", "topk_sample", "cdf_max", "cdf_sample"},
-        "embedding.cu": {"embed_rows"},
+        "embedding.cu": {f"embed_rows_{q}" for q in every_type},
     }
     for source, want in wanted.items():
         missing = want - set(usages[source])
@@ -85,3 +87,6 @@ def test_every_kernel_a_wrapper_launches_is_in_its_source(usages):
         text = (here / f"{py}.py").read_text()
         for name in re.findall(r'\.fn\("(\w+)"', text):
             assert any(name in built for built in wanted.values()), f"{py}.py asks for {name}, built nowhere"
+        for prefix in re.findall(r'\.fn\(f"(\w+)_\{\w+\.name\}"', text):  # per type: <prefix>_<type>
+            assert any({f"{prefix}_{q}" for q in every_type} <= built for built in wanted.values()), \
+                f"{py}.py asks for {prefix}_<type>, not built for every type"

@@ -1,6 +1,6 @@
-// What the dense ops share: GGML dense type codes, exact float helpers, streaming loads, int8 lanes as exact
-// floats, warp sums, and one element of a dense row in any dense type. Every dense .cu includes it after
-// common.cuh (compile.py inlines both).
+// What the dense ops share: GGML type codes of the fast paths, exact float helpers, streaming loads, int8 lanes as
+// exact floats, warp sums. Every dense .cu includes it after common.cuh (compile.py inlines both); the weight
+// decoding of every type is decode.cuh's.
 #define QT_F32 0
 #define QT_F16 1
 #define QT_Q8_0 8
@@ -52,20 +52,4 @@ __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v = f_add(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
-}
-
-// one element (col) of a row in any dense type (slow paths: fallback mat-vec, GEMM tile loads, embed)
-__device__ __forceinline__ float load_elem(int qt, const u8* row, int col) {
-    if (qt == QT_Q8_0) {
-        const u8* b = row + (col >> 5) * 34;
-        u16 d = (u16)b[0] | ((u16)b[1] << 8);
-        return f_mul(h2f(d), (float)(signed char)b[2 + (col & 31)]);
-    } else if (qt == QT_F16) {
-        const u16* p = (const u16*)row;
-        return h2f(p[col]);
-    } else if (qt == QT_BF16) {
-        const u16* p = (const u16*)row;
-        return bf2f(p[col]);
-    }
-    return ((const float*)row)[col];
 }

@@ -16,7 +16,10 @@ from stratad.model import quants
 
 from .compile import load_module
 
-QNAME = {T.F32: "f32", T.F16: "f16", T.BF16: "bf16", T.Q8_0: "q8_0"}  # the dense types and their kernel suffixes
+# every type of stratad.model.quants and its kernels' suffix (decode.cuh's type lists); FAST: the types with
+# hand-written mat-vec paths (matvec.cuh), the rest go through decode.cuh's per-type template
+QNAME = {t: t.name.lower() for t in quants.DENSE_TYPES}
+FAST = (T.F32, T.F16, T.BF16, T.Q8_0)
 
 _lock = threading.Lock()
 _mods: dict[tuple[str, int], "Module"] = {}
@@ -93,7 +96,6 @@ def need(a, dtype, shape, name, align: int = 4):
 
 
 def dense_qtype(q) -> T:
-    t = quants.parse_type(q) if isinstance(q, str) else T(int(q))
-    if t not in QNAME:
-        raise ValueError(f"{t.name} is not a dense type ({[q.name for q in QNAME]})")
-    return t
+    if isinstance(q, str):
+        return quants.parse_type(q)
+    return quants.fmt(q).qtype  # ValueError naming the supported types for any other

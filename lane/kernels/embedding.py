@@ -1,4 +1,5 @@
-"""The token embedding: dequantised rows of the table by token id (embedding.cu); a bad id gives a NaN row.
+"""The token embedding: dequantised rows of the table by token id (embedding.cu, decode.cuh's decode of the table's
+type); a bad id gives a NaN row.
 
   embed(table, tokens, out)           embed_ref(raw, qtype, tokens)
 """
@@ -25,8 +26,9 @@ def embed(table: DenseWeight, tokens, out=None, *, stream=None):
         out = cp.empty((Tn, table.cols), cp.float32)
     need(out, np.float32, (Tn, table.cols), "out")
     with on_stream(stream):
-        launch(m.fn("embed_rows"), (Tn,), (256,), (table.data, np.int32(int(table.qtype)), np.int32(table.rows),
-                                           np.int32(table.cols), np.int64(table.row_bytes), tokens, out))
+        launch(m.fn(f"embed_rows_{table.name}"), (Tn,), (256,),
+               (table.data, np.int32(table.rows), np.int32(table.cols), np.int64(table.row_bytes), table.tab, tokens,
+                out))
     return out
 
 

@@ -1,5 +1,5 @@
 """A prompt chunk's dense projections: Y = X W^T (+ residual) on cuBLAS's fp16 tensor cores (float32 accumulate
-and output), W dequantised to fp16 once (gemm.cu dequant_rows, kept on the weight), X rounded to fp16 (convert_f32).
+and output), W dequantised to fp16 once (gemm.cu dequant_rows_<type>, decode.cuh's decode; kept on the weight), X rounded to fp16 (convert_f32).
 
   dense_batched(W, X, Y, residual)    dense_batched_ref(raw, qtype, X, residual)
 """
@@ -11,7 +11,7 @@ from stratad.model import quants
 
 from .device import dense_qtype, module, need, on_stream
 from .launch import launch
-from .weights import DenseWeight
+from .weights import DenseWeight, StackedWeight
 
 SOURCE = "gemm.cu"
 CUDA_R_16F, CUDA_R_32F = 2, 0
@@ -20,7 +20,7 @@ CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
 CUBLAS_POINTER_MODE_HOST = 0
 
 
-def dense_batched(W: DenseWeight, X, Y=None, residual=None, *, cache: bool = False, stream=None):
+def dense_batched(W: DenseWeight | StackedWeight, X, Y=None, residual=None, *, cache: bool = False, stream=None):
     """Y = X W^T (+ residual), X float32 (T, cols), Y float32 (T, rows) (Y may be residual). Returns Y.
 
     cache=True keeps the dequantised copy on W (2 bytes per weight, no dequantisation per call, no allocation:

@@ -1,5 +1,6 @@
 // Mat-vecs over GGUF rows (a decode step's projections and LM head) and the RMSNorm folded into them.
 #include "common.cuh"
+#include "decode.cuh"
 #include "dense_common.cuh"
 #include "norm.cuh"
 #include "matvec.cuh"
@@ -39,20 +40,64 @@ MV_PLANS(f16, QT_F16, false)
 MV_PLANS(bf16, QT_BF16, false)
 MV_PLANS(f32, QT_F32, false)
 
-// any shape (unaligned rows, cols not a multiple of the fast paths' granules): one warp per row, scalar loads
-extern "C" __global__ void __launch_bounds__(256) matvec_generic(const u8* __restrict__ W, int qt, int rows, int cols,
-                                                                 i64 row_bytes, const float* __restrict__ x,
-                                                                 const float* res, float* y) {
+// Every type through decode.cuh (the types without a fast path above, and rows the fast paths cannot take): a warp
+// owns R rows, KS warps split a row group's spans (32 values of a quantised type, one value of a float type;
+// lanes round-robin over them). A lane decodes its span of each row to floats and adds the 32 (1) products to the
+// row's sum in a fixed order, so the sums do not depend on the launch: x must be 16-byte aligned.
+template <int QT, int R, int KS>
+__device__ __forceinline__ void matvec_dq_body(const u8* __restrict__ W, int rows, int nspan, i64 row_bytes,
+                                               const u8* __restrict__ tab, const float* __restrict__ x,
+                                               const float* res, float* y) {
+    typedef DqSpan<QT> S;
     PDL_ENTRY();
-    const int lane = threadIdx.x & 31;
-    const int row = blockIdx.x * 8 + (threadIdx.x >> 5);
-    if (row >= rows) return;
-    const u8* rp = W + (i64)row * row_bytes;
-    float a = 0.f;
-    for (int c = lane; c < cols; c += 32) a = f_fma(load_elem(qt, rp, c), x[c], a);
-    a = warp_sum(a);
-    if (lane == 0) y[row] = res ? f_add(a, res[row]) : a;
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    const int rg = blockIdx.x * (MV_WARPS / KS) + w / KS;
+    const int ks = w % KS;
+    float acc[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[r] = 0.f;
+    for (int s = ks * 32 + lane; s < nspan; s += 32 * KS) {
+        float xv[S::SPAN];
+        if (S::SPAN == 32) {
+#pragma unroll
+            for (int k = 0; k < S::SPAN / 4; ++k) {
+                const float4 t = __ldg((const float4*)(x + (i64)s * S::SPAN) + k);
+                xv[4 * k] = t.x, xv[4 * k + 1] = t.y, xv[4 * k + 2] = t.z, xv[4 * k + 3] = t.w;
+            }
+        } else {
+            xv[0] = __ldg(x + s);
+        }
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const int row = rg * R + r;
+            if (row < rows) {
+                float v[S::SPAN];
+                S::decode(W + (i64)row * row_bytes, s, tab, v);
+                float a = 0.f;
+#pragma unroll
+                for (int i = 0; i < S::SPAN; ++i) a = f_fma(v[i], xv[i], a);
+                acc[r] = f_add(acc[r], a);
+            }
+        }
+    }
+    mv_finish<R, KS>(acc, rg, rows, res, y);
 }
+
+#define MV_DQ_INST(NAME, QT, R, KS)                                                                            \
+    extern "C" __global__ void __launch_bounds__(256) NAME(const u8* __restrict__ W, int rows, int nspan,        \
+                                                           i64 row_bytes, const u8* __restrict__ tab,            \
+                                                           const float* __restrict__ x, const float* res,        \
+                                                           float* y) {                                           \
+        matvec_dq_body<QT, R, KS>(W, rows, nspan, row_bytes, tab, x, res, y);                                    \
+    }
+// the plans of weights.DQ_PLANS
+#define MV_DQ_PLANS(name, code)                                                                                \
+    MV_DQ_INST(matvec_dq_##name##_r2_k1, code, 2, 1)                                                           \
+    MV_DQ_INST(matvec_dq_##name##_r1_k1, code, 1, 1)                                                           \
+    MV_DQ_INST(matvec_dq_##name##_r1_k2, code, 1, 2)                                                           \
+    MV_DQ_INST(matvec_dq_##name##_r1_k4, code, 1, 4)                                                           \
+    MV_DQ_INST(matvec_dq_##name##_r1_k8, code, 1, 8)
+DQ_ALL_TYPES(MV_DQ_PLANS)
 
 // =============================================================================================================
 // RMSNorm folded into the mat-vec that reads it (a decode step's attention and FFN norms; one launch less

@@ -16,7 +16,7 @@ from stratad.model import quants
 from .device import QNAME, dense_qtype, module, need, on_stream, ptr
 from .launch import launch
 from .norm import pairwise_plan
-from .weights import PLANS, DenseWeight
+from .weights import DQ_PLANS, PLANS, DenseWeight, StackedWeight, dq_span
 
 SOURCE = "matvec.cu"
 F32 = np.float32
@@ -25,14 +25,27 @@ NORM_MV_MAX_N = 4096  # RMSNorm folded into a mat-vec: the row staged in shared 
 NORM_MV_Q8_SMEM = 8 * 6 * 1088 + 4 * NORM_MV_MAX_N  # matvec.cuh NORM_MV_Q8_SMEM
 
 
-def matvec(W: DenseWeight, x, y=None, residual=None, *, plan: tuple[int, int] | None = None, qx: bool = False,
-           stream=None):
+def matvec(W: DenseWeight | StackedWeight, x, y=None, residual=None, *, plan: tuple[int, int] | None = None,
+           qx: bool = False, stream=None):
     """y = W x (+ residual); x float32 (cols,), y/residual float32 (rows,) (may be the same array). Returns y.
-    plan: (rows per warp, warps per row) from PLANS (default W.plan()).
+    plan: (rows per warp, warps per row) from PLANS for a fast weight (W.fast), from DQ_PLANS for the others
+    (decode.cuh's per-type mat-vec); default W.plan(). A StackedWeight runs each part with its own plan.
     qx (Q8_0 weights): x is a row quantised to 8 bits, int8 (q8_row_bytes(cols),): its cols codes, then its
     cols / 32 float32 scales (quantize_row, or DecodeAttention's out_q), multiplied in integers (matvec_q8x_ref)."""
     m = module(SOURCE)
     cp = m.cp
+    if isinstance(W, StackedWeight):
+        if qx or plan is not None:
+            raise ValueError("a stacked weight takes float x and each part's own plan")
+        need(x, np.float32, (W.cols,), "x", align=16)
+        if y is None:
+            y = cp.empty(W.rows, cp.float32)
+        need(y, np.float32, (W.rows,), "y")
+        if residual is not None:
+            need(residual, np.float32, (W.rows,), "residual")
+        for p, r0 in W.row_slices():
+            matvec(p, x, y[r0:r0 + p.rows], None if residual is None else residual[r0:r0 + p.rows], stream=stream)
+        return y
     if qx:
         if not W.takes_qx:
             raise ValueError(f"8-bit x takes fast Q8_0 weights (got {T(W.qtype).name})")
@@ -49,21 +62,25 @@ def matvec(W: DenseWeight, x, y=None, residual=None, *, plan: tuple[int, int] | 
             q8 = W.qtype == T.Q8_0
             _launch_matvec(m, f"matvec_{'q8_0x' if qx else QNAME[W.qtype]}", W, plan or W.plan(),
                            (x, ptr(residual), y), Q8_SMEM_BYTES if q8 else 0)
-        else:
-            launch(m.fn("matvec_generic"), (-(-W.rows // 8),), (256,),
-                                   (W.data, np.int32(int(W.qtype)), np.int32(W.rows), np.int32(W.cols),
-                                    np.int64(W.row_bytes), x, ptr(residual), y))
+        else:  # decode.cuh's mat-vec of this type: the weight's tables, then x, residual, y
+            _launch_matvec(m, f"matvec_dq_{W.name}", W, plan or W.plan(), (W.tab, x, ptr(residual), y), 0,
+                           plans=DQ_PLANS)
     return y
 
 
-def _launch_matvec(m, kernel: str, W: DenseWeight, plan: tuple[int, int], args: tuple, smem: int) -> None:
-    """A fast mat-vec kernel (`kernel`_r{R}_k{KS}) over W's rows: (W, rows, ncu, row_bytes) + args."""
+def _launch_matvec(m, kernel: str, W: DenseWeight, plan: tuple[int, int], args: tuple, smem: int, *,
+                   plans=PLANS) -> None:
+    """A mat-vec kernel (`kernel`_r{R}_k{KS}) over W's rows: (W, rows, ncu, row_bytes) + args. ncu: what a row is
+    counted in, Q8_0 blocks or 16-byte chunks on the fast paths, decode.cuh spans on the others."""
     R, KS = plan
-    if (R, KS) not in PLANS:
-        raise ValueError(f"plan {(R, KS)} not in {PLANS}")
+    if (R, KS) not in plans:
+        raise ValueError(f"plan {(R, KS)} not in {plans}")
     groups = -(-W.rows // R)  # a warp's R rows, 8 / KS row groups a block
     grid = -(-groups // (8 // KS))
-    ncu = W.cols // 32 if W.qtype == T.Q8_0 else W.row_bytes // 16
+    if not W.fast:
+        ncu = W.cols // dq_span(W.qtype)
+    else:
+        ncu = W.cols // 32 if W.qtype == T.Q8_0 else W.row_bytes // 16
     launch(m.fn(f"{kernel}_r{R}_k{KS}", smem), (grid,), (256,),
            (W.data, np.int32(W.rows), np.int32(ncu), np.int64(W.row_bytes)) + args, shared_mem=smem)
 

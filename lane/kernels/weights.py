@@ -1,7 +1,10 @@
 """A dense GGUF matrix on the device (the rows as the file holds them) and its mat-vec launch plan.
 
-The dense types (F32, F16, BF16, Q8_0) are decoded by the kernels themselves (dense_common.cuh, load_elem and the
-mat-vec bodies); `DenseWeight.dequantized` makes the float16 copy a prompt chunk's cuBLAS GEMM reads.
+Every type of stratad.model.quants is read by the kernels themselves: F32, F16, BF16 and Q8_0 rows by the fast
+mat-vec bodies of matvec.cuh, every type (and rows the fast bodies cannot take) through decode.cuh's per-type
+decode, which also makes the float16 copy a prompt chunk's cuBLAS GEMM reads (`DenseWeight.dequantized`) and the
+embedding's rows. A file's q, k and v of different types (llama.cpp's mixes give attn_v its own) stack as a
+`StackedWeight`, one launch a part.
 """
 from __future__ import annotations
 
@@ -10,12 +13,15 @@ from gguf import GGMLQuantizationType as T
 
 from stratad.model import quants
 
-from .device import dense_qtype, module, need, on_stream
+from .decode_tables import device_tables
+from .device import FAST, QNAME, dense_qtype, module, need, on_stream
 from .launch import launch
 
 # (rows per warp, warps per row group). With KS > 1 and R > 1 a warp reads its K slice of x once for R rows: the
 # activation's shared-memory / L1 traffic (4 bytes a weight at R = 1, against 1 byte of weights) falls by R.
 PLANS = ((4, 1), (2, 1), (1, 1), (1, 2), (1, 4), (1, 8), (4, 2), (4, 4), (2, 2), (2, 4))
+# the plans of the decode.cuh mat-vecs (matvec.cu MV_DQ_PLANS)
+DQ_PLANS = ((2, 1), (1, 1), (1, 2), (1, 4), (1, 8))
 
 
 class DenseWeight:
@@ -34,7 +40,9 @@ class DenseWeight:
         self.data = data
         self.rows = int(data.shape[0])
         granule = 256 if self.qtype == T.Q8_0 else 1
-        self.fast = (self.row_bytes % 16 == 0 and data.data.ptr % 16 == 0 and self.cols % granule == 0)
+        self.fast = (self.qtype in FAST and self.row_bytes % 16 == 0 and data.data.ptr % 16 == 0
+                     and self.cols % granule == 0)
+        self.tab = device_tables()  # decode.cuh's tables on this device (uploaded now, never during a capture)
         self._cache = None  # the float16 copy, once dequantized(cache=True) made it
 
     @classmethod
@@ -51,12 +59,15 @@ class DenseWeight:
         return cls(cupy.asarray(u8), qt, cols)
 
     @classmethod
-    def concat(cls, ws: list["DenseWeight"]) -> "DenseWeight":
-        """Rows of several matrices of one type and width, stacked (e.g. q, k, v -> one launch)."""
+    def concat(cls, ws: list["DenseWeight"]) -> "DenseWeight | StackedWeight":
+        """Rows of several matrices of one width, stacked (e.g. q, k, v): one launch where they share a type, else a
+        StackedWeight (a launch a part)."""
         import cupy
 
-        if len({(w.qtype, w.cols) for w in ws}) != 1:
-            raise ValueError("concat needs matrices of one type and one column count")
+        if len({w.cols for w in ws}) != 1:
+            raise ValueError(f"concat needs matrices of one column count (got {sorted({w.cols for w in ws})})")
+        if len({w.qtype for w in ws}) != 1:
+            return StackedWeight(ws)
         return cls(cupy.concatenate([w.data for w in ws], axis=0), ws[0].qtype, ws[0].cols)
 
     @property
@@ -68,24 +79,76 @@ class DenseWeight:
         """Whether matvec takes this weight on 8-bit x (qx): fast Q8_0."""
         return self.fast and self.qtype == T.Q8_0
 
+    @property
+    def name(self) -> str:
+        """The type's kernel suffix (decode.cuh's type lists)."""
+        return QNAME[self.qtype]
+
     def plan(self) -> tuple[int, int]:
         """(R, KS): rows per warp, warps splitting a row group's K. Enough warps for the GPU, R=4 for tall ones."""
-        return default_plan(self.qtype, self.rows, self.cols)
+        if self.fast:
+            return default_plan(self.qtype, self.rows, self.cols)
+        return dq_plan(self.rows, self.cols // dq_span(self.qtype))
 
     def dequantized(self, *, cache: bool = True, stream=None):
         """Dense (rows, cols) float16 copy (gemm.py's cuBLAS operand); cache=True keeps it on this weight."""
         if self._cache is not None:
             return self._cache
+        out = module("gemm.cu").cp.empty((self.rows, self.cols), np.float16)
+        self.dequantize_into(out, stream)
+        if cache:
+            self._cache = out
+        return out
+
+    def dequantize_into(self, out, stream=None) -> None:
+        """out (rows, cols) float16 (a C-contiguous cupy array) = the rows' values rounded to float16."""
         m = module("gemm.cu")
-        cp = m.cp
-        if self.cols % 8:
-            raise ValueError("dequantized() needs cols % 8 == 0")
-        out = cp.empty((self.rows, self.cols), cp.float16)
-        n = self.rows * (self.cols // 8)
+        need(out, np.float16, (self.rows, self.cols), "out", align=16)
+        g = max(8, dq_span(self.qtype))  # values a thread (gemm.cu dequant_rows_body)
+        if self.cols % g:
+            raise ValueError(f"dequantized() needs cols % {g} == 0 for {self.qtype.name} (got {self.cols})")
+        n = self.rows * (self.cols // g)
         with on_stream(stream):
-            launch(m.fn("dequant_rows"), ((n + 255) // 256,), (256,),
-                   (self.data, np.int32(int(self.qtype)), np.int32(self.rows), np.int32(self.cols),
-                    np.int64(self.row_bytes), out, np.int32(1)))  # 1: GGML's F16 type code
+            launch(m.fn(f"dequant_rows_{self.name}"), ((n + 255) // 256,), (256,),
+                   (self.data, np.int32(self.rows), np.int32(self.cols), np.int64(self.row_bytes), self.tab, out,
+                    np.int32(1)))  # 1: GGML's F16 type code
+
+    def drop_cache(self) -> None:
+        self._cache = None
+
+
+class StackedWeight:
+    """Rows of matrices of one width and different types (q, k, v of a llama.cpp mix), stacked: the ops launch a
+    part at a time into consecutive output rows (matvec) or fill one float16 copy part by part (dequantized)."""
+
+    fast = False
+    takes_qx = False
+
+    def __init__(self, parts: list[DenseWeight]):
+        if len({p.cols for p in parts}) != 1:
+            raise ValueError("stacked matrices need one column count")
+        self.parts = list(parts)
+        self.cols = parts[0].cols
+        self.rows = sum(p.rows for p in parts)
+        self._cache = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def row_slices(self):
+        """(part, first row) of each part."""
+        r0 = 0
+        for p in self.parts:
+            yield p, r0
+            r0 += p.rows
+
+    def dequantized(self, *, cache: bool = True, stream=None):
+        if self._cache is not None:
+            return self._cache
+        out = module("gemm.cu").cp.empty((self.rows, self.cols), np.float16)
+        for p, r0 in self.row_slices():
+            p.dequantize_into(out[r0:r0 + p.rows], stream)
         if cache:
             self._cache = out
         return out
@@ -94,9 +157,30 @@ class DenseWeight:
         self._cache = None
 
 
+def dq_span(qtype) -> int:
+    """Values a decode.cuh span covers: a sub-block of 32 for the quantised types, one value of a float type."""
+    return 32 if quants.fmt(qtype).quantised else 1
+
+
+def dq_plan(rows: int, nspan: int) -> tuple[int, int]:
+    """A decode.cuh mat-vec's plan (from DQ_PLANS) for rows of nspan spans: two rows a warp for tall matrices, else
+    one, with K split over up to 8 warps while the GPU has fewer than ~4096 warps and each lane keeps a span."""
+    target = 4096
+    if rows // 2 >= target:
+        return (2, 1)
+    ks = 1
+    while ks < 8 and rows * ks < target and 2 * ks * 32 <= nspan:
+        ks *= 2
+    return (1, ks)
+
+
 def default_plan(qtype, rows: int, cols: int) -> tuple[int, int]:
+    """The mat-vec plan of a (rows, cols) matrix of this type: a fast path's (PLANS) for F32 / F16 / BF16 / Q8_0,
+    decode.cuh's (DQ_PLANS) for the other types."""
     qt = dense_qtype(qtype)
     f = quants.fmt(qt)
+    if qt not in FAST:
+        return dq_plan(rows, cols // dq_span(qt))
     if qt == T.Q8_0:
         ntiles = -(-(cols // 32) // 32)
     else:
