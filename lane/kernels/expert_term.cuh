@@ -1,0 +1,168 @@
+// The generic expert path's arithmetic on one canonical sub-block (stratad/engine/canonical.py), for every expert
+// type: the weight's integer view (decode.cuh's dq_sub for the quantised types, floats.float_view for F32 / F16 /
+// BF16), the exact integer sums with an int8 activation sub-block, and the canonical term
+// (scale * d) * isum [- (minimum * d) * msum]. Written once as __host__ __device__ code: experts.cu calls these
+// for every type without a tuned decoder of its own (IQ3_S, Q4_K and Q8_0 keep theirs), and
+// tests/test_expert_term_host.py compiles them with g++ and compares a row's dot, summed over 32 virtual lanes in
+// the canonical order, with canonical.qdot bit for bit. Only the lanes' fold differs (shuffles on the device).
+// experts.cu inlines decode.cuh before this file (compile.py expands the .cu's own includes only).
+#ifndef STRATAD_EXPERT_TERM_CUH
+#define STRATAD_EXPERT_TERM_CUH
+#ifndef STRATAD_DECODE_CUH
+#include "decode.cuh"
+#endif
+
+// A type as the expert kernels see it: blocks of BV values in BB bytes, NSUB sub-blocks of 32 a block, the
+// minimum's kind, WORDS 32-bit words holding a decoded sub-block's codes (8: every quantised type's codes fit int8;
+// 16: a float type's view, |q| <= 4096, as int16 pairs) and whether its decode reads decode.cuh's table blob.
+template <int QT, bool Q = DqTraits<QT>::QUANT> struct XtTraits;
+template <int QT> struct XtTraits<QT, true> {
+    static constexpr int BV = DqTraits<QT>::BV, BB = DqTraits<QT>::BB, NSUB = DqTraits<QT>::NSUB;
+    static constexpr int MIN = DqTraits<QT>::MIN, WORDS = 8;
+    static constexpr bool TABLE = QT == 16 || QT == 17 || QT == 18 || QT == 19 || QT == 20 || QT == 21 ||
+                                  QT == 22 || QT == 23 || QT == 29;
+};
+template <int QT> struct XtTraits<QT, false> {  // F32 / F16 / BF16: a "block" is one sub-block of 32 values
+    static constexpr int BV = 32, BB = 32 * DqTraits<QT>::BB, NSUB = 1, MIN = DQ_NO_MIN, WORDS = 16;
+    static constexpr bool TABLE = false;
+};
+
+// ---- integer dot products: dp4a / dp2a on the device, the same sums in a loop on the host ---------------------
+DQ_FN int xt_s8(dq_u32 w, int k) { return (int)(signed char)(dq_u8)(w >> (8 * k)); }
+DQ_FN int xt_dp4a(dq_u32 a, dq_u32 b, int c) {  // c + sum of the four int8 products
+#ifdef __CUDA_ARCH__
+    return __dp4a((int)a, (int)b, c);
+#else
+    for (int k = 0; k < 4; ++k) c += xt_s8(a, k) * xt_s8(b, k);
+    return c;
+#endif
+}
+// c + the two int16 of a times bytes 2 hi, 2 hi + 1 of b (int8)
+template <bool HI> DQ_FN int xt_dp2a(dq_u32 a, dq_u32 b, int c) {
+#ifdef __CUDA_ARCH__
+    return HI ? __dp2a_hi((int)a, (int)b, c) : __dp2a_lo((int)a, (int)b, c);
+#else
+    return c + (int)(short)(a & 0xffffu) * xt_s8(b, HI ? 2 : 0) + ((int)a >> 16) * xt_s8(b, HI ? 3 : 1);
+#endif
+}
+DQ_FN dq_u32 xt_fbits(float f) {
+#ifdef __CUDA_ARCH__
+    return __float_as_uint(f);
+#else
+    dq_u32 u;
+    __builtin_memcpy(&u, &f, 4);
+    return u;
+#endif
+}
+DQ_FN float xt_rint(float a) {  // round half to even (np.rint)
+#ifdef __CUDA_ARCH__
+    float r;
+    asm("cvt.rni.f32.f32 %0, %1;" : "=f"(r) : "f"(a));
+    return r;
+#else
+    return __builtin_rintf(a);  // the default rounding mode: to nearest, ties to even
+#endif
+}
+
+// ---- the weight side -----------------------------------------------------------------------------------------
+// A decoded sub-block: codes packed in words (int8 x 4, or int16 x 2 for the float types), q_v = fold[v / 16] *
+// code_v, value_v = scale * q_v [- minimum * mw[v / 16]] (decode.cuh's DqSub, packed: 14 registers, not 38)
+template <int QT> struct XtW {
+    dq_u32 q[XtTraits<QT>::WORDS];
+    int fold[2], mw[2];
+    float scale, minimum;
+};
+
+template <int QT> DQ_FN void xt_pack(const DqSub& s, XtW<QT>& w) {
+    constexpr int W = XtTraits<QT>::WORDS, PER = 32 / W, BITS = 32 / PER;
+    for (int k = 0; k < W; ++k) {
+        dq_u32 x = 0;
+        for (int i = 0; i < PER; ++i) x |= ((dq_u32)s.code[PER * k + i] & ((1u << BITS) - 1u)) << (BITS * i);
+        w.q[k] = x;
+    }
+    for (int h = 0; h < 2; ++h) {
+        w.fold[h] = s.fold[h];
+        w.mw[h] = s.mw[h];
+    }
+    w.scale = s.scale;
+    w.minimum = s.minimum;
+}
+
+// floats.float_view of the 32 values at p (4-byte aligned: every float row of an expert is, rows being 64 / 128-byte
+// multiples at 16-byte aligned starts): non-finite values read as 0; amax = f 2^e (1/2 <= f < 1, e = 0 for 0);
+// k = max(e - 12, -126); scale 2^k, q = rint(w * 2^-k) (a multiply by a power of two: exact)
+template <int QT> DQ_FN float xt_float_value(const dq_u32* p, int v) {
+    if (QT == 0) return dq_bits(p[v]);                                            // F32
+    const dq_u32 h = (p[v >> 1] >> (16 * (v & 1))) & 0xffffu;
+    return QT == 1 ? dq_h2f((dq_u16)h) : dq_bits(h << 16);                        // F16 / BF16
+}
+template <int QT> DQ_FN void xt_float_sub(const dq_u8* b, DqSub& s) {
+    const dq_u32* p = (const dq_u32*)b;
+    float x[32];
+    dq_u32 amax = 0;  // |x| as bits: non-negative floats order as their bits do
+    for (int v = 0; v < 32; ++v) {
+        float f = xt_float_value<QT>(p, v);
+        const dq_u32 u = xt_fbits(f);
+        if ((u & 0x7f800000u) == 0x7f800000u) f = 0.f;  // inf / NaN
+        else if ((u & 0x7fffffffu) > amax) amax = u & 0x7fffffffu;
+        x[v] = f;
+    }
+    // e = biased exponent - 126 for a normal amax; a subnormal one has e <= -126, so k = -126 either way
+    int k = amax == 0 ? -12 : amax < 0x00800000u ? -126 : (int)(amax >> 23) - 138;
+    k = k < -126 ? -126 : k;
+    dq_plain(s, dq_bits((dq_u32)(k + 127) << 23));
+    const float inv = dq_bits((dq_u32)(127 - k) << 23);  // 2^-k, k in [-126, 116]: a normal float
+    for (int v = 0; v < 32; ++v) s.code[v] = (int)xt_rint(dq_mul(x[v], inv));
+}
+
+// Sub-block s (0 .. row's NSUB - 1) of the row whose first byte is at `row`; tab: decode.cuh's table blob
+template <int QT> DQ_FN void xt_decode(const dq_u8* row, int s, const dq_u8* tab, XtW<QT>& w) {
+    typedef XtTraits<QT> X;
+    DqSub d;
+    if constexpr (DqTraits<QT>::QUANT) dq_sub<QT>(row + (s / X::NSUB) * X::BB, s % X::NSUB, tab, d);
+    else xt_float_sub<QT>(row + s * X::BB, d);
+    xt_pack<QT>(d, w);
+}
+
+// ---- the activation side -------------------------------------------------------------------------------------
+// An activation sub-block: 32 int8 (4 a word, value v in byte v % 4 of word v / 4), its scale, and for the types with
+// a minimum the sums of its integers over each 16-value half (msum = sum(q_a), or mw0 sum0 + mw1 sum1)
+struct XtAct {
+    dq_u32 a[8];
+    float d;
+    int sum[2];
+};
+
+template <int QT> DQ_FN void xt_act_sums(XtAct& A) {
+    A.sum[0] = A.sum[1] = 0;
+    if (XtTraits<QT>::MIN != DQ_NO_MIN)
+        for (int k = 0; k < 8; ++k) A.sum[k >> 2] = xt_dp4a(A.a[k], 0x01010101u, A.sum[k >> 2]);
+}
+
+// ---- the term ---------------------------------------------------------------------------------------------------
+// isum = fold0 * (the low half's integer dot) + fold1 * (the high half's): exact (|isum| < 2^24, docs/quant-types.md)
+template <int QT> DQ_FN int xt_isum(const XtW<QT>& w, const XtAct& A) {
+    int half[2] = {0, 0};
+    if (XtTraits<QT>::WORDS == 8) {
+        for (int k = 0; k < 8; ++k) half[k >> 2] = xt_dp4a(w.q[k], A.a[k], half[k >> 2]);
+    } else {  // word k: values 2k, 2k + 1 (int16), activation bytes (2k) % 4, + 1 of word k / 2
+        for (int k = 0; k < 16; k += 2) {
+            half[k >> 3] = xt_dp2a<false>(w.q[k], A.a[k >> 1], half[k >> 3]);
+            half[k >> 3] = xt_dp2a<true>(w.q[k + 1], A.a[k >> 1], half[k >> 3]);
+        }
+    }
+    return w.fold[0] * half[0] + w.fold[1] * half[1];
+}
+
+// canonical term: (scale * d) * isum [- (minimum * d) * msum], each operation rounded on its own
+template <int QT> DQ_FN float xt_term(const XtW<QT>& w, const XtAct& A) {
+    constexpr int MIN = XtTraits<QT>::MIN;
+    float t = dq_mul(dq_mul(w.scale, A.d), dq_i2f(xt_isum<QT>(w, A)));
+    if (MIN == DQ_MIN)
+        t = dq_sub(t, dq_mul(dq_mul(w.minimum, A.d), dq_i2f(A.sum[0] + A.sum[1])));
+    else if (MIN == DQ_MIN_WEIGHTED)
+        t = dq_sub(t, dq_mul(dq_mul(w.minimum, A.d), dq_i2f(w.mw[0] * A.sum[0] + w.mw[1] * A.sum[1])));
+    return t;
+}
+
+#endif  // STRATAD_EXPERT_TERM_CUH

@@ -1,0 +1,215 @@
+"""lane/kernels/expert_term.cuh, the GPU expert kernels' generic path (every type without a tuned decoder), compiled
+for the host with a C++ compiler and compared bit for bit with stratad.engine.canonical on every expert type:
+the decoded sub-blocks against quants.decode_int, and a row's dot (decode, exact integer sums, the canonical
+term, the terms summed over 32 virtual lanes in the canonical order) against canonical.qdot. The device runs the
+same functions; only the lanes' fold is written twice (shuffles there, the loop below here)."""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+from test_canonical import activations, weight_rows
+from test_decode_cuh import FLAGS, IGNORE_NAN_WARNINGS, _compiler, _ptr, assert_bits_equal
+
+from lane.kernels import decode_tables
+from stratad.engine import canonical
+from stratad.model import quants
+
+HEADER = Path(decode_tables.HEADER).parent / "expert_term.cuh"
+TYPES = list(quants.EXPERT_TYPES)
+F32 = np.float32
+
+SHIM = r"""
+#include "expert_term.cuh"
+
+// a sub-block's view as decode_int gives it (q = fold * code, scale, minimum, mweight), from the packed XtW
+template <int QT>
+static void view(const dq_u8* raw, long long row_bytes, int rows, int nsub, const dq_u8* tab, short* q, float* scale,
+                 float* minimum, signed char* mw) {
+    constexpr int W = XtTraits<QT>::WORDS, PER = 32 / W, BITS = 32 / PER;
+    for (int r = 0; r < rows; ++r)
+        for (int s = 0; s < nsub; ++s) {
+            XtW<QT> w;
+            xt_decode<QT>(raw + r * row_bytes, s, tab, w);
+            const long long k = (long long)r * nsub + s;
+            scale[k] = w.scale;
+            minimum[k] = w.minimum;
+            for (int v = 0; v < 32; ++v) {
+                const int code = (int)(w.q[v / PER] << (32 - BITS * (v % PER + 1))) >> (32 - BITS);
+                q[32 * k + v] = (short)(w.fold[v >> 4] * code);
+                mw[32 * k + v] = (signed char)w.mw[v >> 4];
+            }
+        }
+}
+
+// out[t, r] = the canonical dot of row r with token t's quantised input: lane l adds the terms of sub-blocks l,
+// l + 32, ... (0.0f past the row, as the kernels' lanes do) to 0.0f, then lanes fold 16, 8, 4, 2, 1
+template <int QT>
+static void qdot(const dq_u8* raw, long long row_bytes, int rows, int nsub, const dq_u8* tab, const signed char* qa,
+                 const float* da, int tokens, float* out) {
+    for (int t = 0; t < tokens; ++t)
+        for (int r = 0; r < rows; ++r) {
+            float lane[32];
+            for (int l = 0; l < 32; ++l) {
+                float acc = 0.f;
+                for (int s = l; s < (nsub + 31) / 32 * 32; s += 32) {
+                    float term = 0.f;
+                    if (s < nsub) {
+                        XtW<QT> w;
+                        xt_decode<QT>(raw + r * row_bytes, s, tab, w);
+                        XtAct A;
+                        __builtin_memcpy(A.a, qa + ((long long)t * nsub + s) * 32, 32);
+                        A.d = da[(long long)t * nsub + s];
+                        xt_act_sums<QT>(A);
+                        term = xt_term<QT>(w, A);
+                    }
+                    acc = dq_add(acc, term);
+                }
+                lane[l] = acc;
+            }
+            for (int o = 16; o; o >>= 1)
+                for (int l = 0; l < o; ++l) lane[l] = dq_add(lane[l], lane[l + o]);
+            out[(long long)t * rows + r] = lane[0];
+        }
+}
+
+extern "C" int xt_view(int qt, const dq_u8* raw, long long row_bytes, int rows, int nsub, const dq_u8* tab, short* q,
+                       float* scale, float* minimum, signed char* mw) {
+    switch (qt) {
+#define X(name, code) case code: view<code>(raw, row_bytes, rows, nsub, tab, q, scale, minimum, mw); return 0;
+        DQ_ALL_TYPES(X)
+#undef X
+    }
+    return -1;
+}
+
+extern "C" int xt_qdot(int qt, const dq_u8* raw, long long row_bytes, int rows, int nsub, const dq_u8* tab,
+                       const signed char* qa, const float* da, int tokens, float* out) {
+    switch (qt) {
+#define X(name, code) case code: qdot<code>(raw, row_bytes, rows, nsub, tab, qa, da, tokens, out); return 0;
+        DQ_ALL_TYPES(X)
+#undef X
+    }
+    return -1;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def lib():
+    cxx = _compiler()
+    if cxx is None:
+        pytest.skip("no C++ compiler (g++ / c++ / clang++ or $CXX) to build expert_term.cuh for the host")
+    text = "\0".join([HEADER.read_text(), decode_tables.HEADER.read_text(), SHIM, cxx] + FLAGS)
+    digest = hashlib.sha256(text.encode()).hexdigest()[:24]
+    cache = Path(tempfile.gettempdir()) / f"stratad-decode-{os.getuid()}"
+    cache.mkdir(parents=True, exist_ok=True, mode=0o700)
+    so = cache / f"expert-term-{digest}.so"
+    if not so.exists():
+        src = cache / f"xt-shim-{digest}.{os.getpid()}.cpp"
+        src.write_text(SHIM)
+        tmp = so.with_suffix(f".{os.getpid()}.tmp")
+        r = subprocess.run([cxx, *FLAGS, "-I", str(HEADER.parent), str(src), "-o", str(tmp)], capture_output=True,
+                           text=True)
+        src.unlink()
+        assert r.returncode == 0, f"expert_term.cuh does not build for the host:\n{r.stderr}"
+        os.replace(tmp, so)
+    lib = ctypes.CDLL(str(so))
+    p, i = ctypes.c_void_p, ctypes.c_int
+    lib.xt_view.argtypes = [i, p, ctypes.c_longlong, i, i, p, p, p, p, p]
+    lib.xt_qdot.argtypes = [i, p, ctypes.c_longlong, i, i, p, p, p, i, p]
+    return lib
+
+
+def _raw(qtype: T, rng, rows: int, n: int, source: str) -> np.ndarray:
+    """uint8 (rows, row_bytes): test_canonical's weight rows; for the float types random bytes are any floats
+    (NaN, inf and subnormals among them)."""
+    if not quants.fmt(qtype).quantised and source == "random_bytes":
+        return np.frombuffer(rng.bytes(rows * quants.fmt(qtype).row_bytes(n)), np.uint8).reshape(rows, -1).copy()
+    return np.ascontiguousarray(weight_rows(qtype, rng, rows, n, source)).view(np.uint8).reshape(rows, -1)
+
+
+def host_view(lib, qtype: T, raw: np.ndarray) -> quants.IntBlocks:
+    rows, rb = raw.shape
+    nsub = rb // quants.fmt(qtype).block_bytes * quants.fmt(qtype).block_values // 32
+    q = np.empty((rows, nsub, 32), np.int16)
+    scale, minimum = np.empty((rows, nsub), F32), np.empty((rows, nsub), F32)
+    mw = np.empty((rows, nsub, 32), np.int8)
+    assert lib.xt_view(int(qtype), _ptr(raw), rb, rows, nsub, _ptr(decode_tables.host_tables()), _ptr(q),
+                       _ptr(scale), _ptr(minimum), _ptr(mw)) == 0
+    return quants.IntBlocks(q, scale, minimum, mw)
+
+
+def host_qdot(lib, qtype: T, raw: np.ndarray, qa: np.ndarray, da: np.ndarray) -> np.ndarray:
+    rows, rb = raw.shape
+    tokens, nsub = da.shape
+    qa, da = np.ascontiguousarray(qa, np.int8), np.ascontiguousarray(da, F32)
+    out = np.empty((tokens, rows), F32)
+    assert lib.xt_qdot(int(qtype), _ptr(raw), rb, rows, nsub, _ptr(decode_tables.host_tables()), _ptr(qa), _ptr(da),
+                       tokens, _ptr(out)) == 0
+    return out
+
+
+SOURCES = ["random_rows", "random_bytes"]
+
+
+@IGNORE_NAN_WARNINGS
+@pytest.mark.parametrize("source", SOURCES)
+@pytest.mark.parametrize("qtype", TYPES, ids=[t.name for t in TYPES])
+def test_decoded_sub_blocks_are_decode_int(lib, qtype, source):
+    raw = _raw(qtype, np.random.default_rng([5, int(qtype)]), 6, 512, source)
+    ref, ours = quants.decode_int(qtype, raw), host_view(lib, qtype, raw)
+    assert np.array_equal(ours.q, ref.q.astype(np.int16)), f"{qtype.name}: q differs"
+    assert_bits_equal(ours.scale, ref.scale, f"{qtype.name} scale")
+    if ref.minimum is None:
+        assert not ours.minimum.any(), f"{qtype.name}: a minimum where the view has none"
+    else:
+        assert_bits_equal(ours.minimum, ref.minimum, f"{qtype.name} minimum")
+    assert np.array_equal(ours.mweight, np.ones_like(ours.mweight) if ref.mweight is None else ref.mweight)
+
+
+@pytest.mark.parametrize("n", [256, 1280, 2048], ids=["8sub", "40sub", "64sub"])
+@pytest.mark.parametrize("source", SOURCES)
+@pytest.mark.parametrize("qtype", TYPES, ids=[t.name for t in TYPES])
+def test_row_dot_is_canonical_qdot(lib, qtype, source, n):
+    """Rows of 8 sub-blocks (lanes past the row add 0.0f), 40 (a partial second round) and 64, against
+    canonical.qdot on decode_int's view; inputs with sub-blocks of very different sizes, a zero one and ties."""
+    rng = np.random.default_rng([6, int(qtype), n])
+    raw = _raw(qtype, rng, 5, n, source)
+    qa, da = canonical.quantize_act(activations(rng, 3, n))
+    with np.errstate(invalid="ignore", over="ignore"):
+        want = canonical.qdot(quants.decode_int(qtype, raw), qa, da)
+    assert_bits_equal(host_qdot(lib, qtype, raw, qa.reshape(3, -1), da), want, f"{qtype.name} {source} n={n}")
+
+
+@pytest.mark.parametrize("qtype", [T.F32, T.F16, T.BF16], ids=["F32", "F16", "BF16"])
+def test_float_view_edges(lib, qtype):
+    """The float view's edge cases in one row each: ties of w * 2^-k at .5, subnormals only (k = -126), a zero
+    sub-block (k = -12), non-finite values beside finite ones, the largest finite value of the type."""
+    big = {T.F32: np.finfo(F32).max, T.F16: F32(65504.0), T.BF16: F32(3.3895314e38)}[qtype]
+    rows = np.zeros((5, 32), F32)
+    rows[0, :8] = F32(4096.0) + np.arange(8, dtype=F32) * F32(0.5)  # amax in [4096, 8192): k = 1, w / 2 ties
+    rows[0, 8:] = np.linspace(-4100, 4100, 24, dtype=F32)
+    rows[1, :4] = [1e-45, -3e-45, 5e-40, -1e-39] if qtype == T.F32 else [6e-8, -1.2e-7, 3e-5, -6e-5]
+    rows[3] = np.linspace(-1, 1, 32, dtype=F32)
+    rows[3, [2, 5, 9]] = [np.inf, -np.inf, np.nan]
+    rows[4, 0], rows[4, 1:] = big, np.linspace(-big / 2, big / 3, 31, dtype=F32)
+    if qtype == T.F16:
+        raw = rows.astype(np.float16).view(np.uint8)
+    elif qtype == T.BF16:
+        raw = (rows.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+    else:
+        raw = rows.view(np.uint8)
+    raw = np.ascontiguousarray(raw).reshape(5, -1)
+    with np.errstate(invalid="ignore", over="ignore"):
+        ref = quants.decode_int(qtype, raw)
+    ours = host_view(lib, qtype, raw)
+    assert np.array_equal(ours.q, ref.q.astype(np.int16))
+    assert_bits_equal(ours.scale, ref.scale, f"{qtype.name} scale")
