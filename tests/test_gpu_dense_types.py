@@ -1,0 +1,254 @@
+"""The GPU dense path on every tensor type (lane/kernels/decode.cuh through matvec.cu, gemm.cu, embedding.cu), and
+the GPU card on llama.cpp mixes whose dense matrices are K- and I-quants.
+
+Device only (marked `gpu`) except the first test: `python3 -m pytest -q -m gpu tests/test_gpu_dense_types.py`.
+decode.cuh itself is checked bit for bit against stratad.model.quants on the host (tests/test_decode_cuh.py); here
+the kernels that use it:
+  mat-vec (decode.cuh's per-type template): |y - y64| <= 1e-5 * (|W| @ |x|) elementwise, test_gpu_dense's bound;
+    bits independent of the rows a warp takes (a row's sum order depends only on KS);
+  dequantised float16 copy (the prompt GEMM's operand): dequantize(...).astype(float16), bit for bit;
+  embedding rows: dequantize(...), bit for bit; a bad id gives a NaN row.
+Outputs are poisoned with NaN first; every test synchronises.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+
+from lane.gpu_types import check_gpu_types
+from stratad.model import quants
+from stratad.model.generator import make_model
+from stratad.model.gguf_file import ModelFile
+
+gpu = pytest.mark.gpu
+F32 = np.float32
+ALL = list(quants.FORMATS)
+FAST = (T.F32, T.F16, T.BF16, T.Q8_0)
+MIXES = ("iq3_s", "iq3_m", "q4_k_s")  # tiny: IQ3_S / IQ3_S / Q4_K experts; dense IQ3_S, Q4_K, Q5_K, Q6_K
+
+
+def _ids(ts):
+    return [t.name for t in ts]
+
+
+@pytest.fixture(scope="module")
+def mix_model(tmp_path_factory):
+    models = {}
+
+    def get(mix: str) -> ModelFile:
+        if mix not in models:
+            path = tmp_path_factory.mktemp("mix") / f"tiny-{mix}.gguf"
+            make_model(path, "tiny", mix=mix, router_skew=1.0, seed=5)
+            models[mix] = ModelFile(path)
+        return models[mix]
+
+    yield get
+    for m in models.values():
+        m.close()
+
+
+@pytest.mark.parametrize("mix", MIXES)
+def test_gpu_card_accepts_mixes_with_gpu_expert_types(mix_model, mix):
+    """Host side: a mix whose experts the GPU expert kernels read passes the card's type check, its dense matrices
+    of every type included."""
+    m = mix_model(mix)
+    dense = {ti.qtype for n, ti in m.tensors.items() if "_exps." not in n} - {T.F32}
+    assert dense - set(FAST), f"{mix}: no dense matrix off the fast paths"
+    check_gpu_types(m)
+
+
+# ---- kernels ---------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def D(cp):
+    from lane.kernels import device
+
+    for source in ("matvec.cu", "gemm.cu", "embedding.cu"):  # a compile error fails here, once
+        device.module(source)
+    return cp
+
+
+def rand_raw(rng, qt, rows, cols):
+    raw = quants.random_rows(qt, rng, rows, cols, 1 / np.sqrt(cols))
+    return np.ascontiguousarray(raw).view(np.uint8).reshape(rows, -1)
+
+
+def upload(cp, raw, qt, cols, aligned: bool):
+    """A DenseWeight of host rows; aligned=False puts them 1 byte past a 16-byte boundary, so that the F32 / F16 /
+    BF16 / Q8_0 fast paths decline them and decode.cuh's mat-vec runs."""
+    from lane.kernels.weights import DenseWeight
+
+    if aligned:
+        return DenseWeight.upload(raw, qt, cols)
+    buf = cp.zeros(raw.size + 16, cp.uint8)
+    data = buf[1:1 + raw.size]
+    data[...] = cp.asarray(raw.reshape(-1))
+    W = DenseWeight(data, qt, cols)
+    assert not W.fast
+    return W
+
+
+def bound_err(y, W64, x64, r=None):
+    """max |y - y64| / (|W| @ |x|) elementwise (test_gpu_dense's measure)."""
+    y64 = W64 @ x64 + (r.astype(np.float64) if r is not None else 0)
+    b = np.abs(W64) @ np.abs(x64) + (np.abs(r) if r is not None else 0) + 1e-30
+    return float(np.max(np.abs(y.astype(np.float64) - y64) / b))
+
+
+def cols_for(qt, cols):
+    return max(cols, quants.fmt(qt).block_values)
+
+
+@gpu
+@pytest.mark.parametrize("shape", [(130, 256), (512, 2048), (96, 768)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("qt", ALL, ids=_ids(ALL))
+def test_matvec_every_type(D, qt, shape):
+    from lane.kernels import matvec, weights
+
+    cp = D
+    rng = np.random.default_rng([int(qt), *shape])
+    rows, cols = shape
+    raw = rand_raw(rng, qt, rows, cols)
+    W64 = quants.dequantize(qt, raw).astype(np.float64)
+    x = rng.standard_normal(cols, dtype=F32) * F32(2)
+    r = rng.standard_normal(rows, dtype=F32)
+    xd, rd = cp.asarray(x), cp.asarray(r)
+    W = upload(cp, raw, qt, cols, aligned=qt not in FAST)
+    assert not W.fast and W.plan() in weights.DQ_PLANS
+    by_ks: dict[int, np.ndarray] = {}
+    for plan in (None,) + weights.DQ_PLANS:
+        y = cp.full(rows, np.nan, cp.float32)
+        matvec.matvec(W, xd, y, plan=plan)
+        yr = cp.full(rows, np.nan, cp.float32)
+        matvec.matvec(W, xd, yr, residual=rd, plan=plan)
+        yi = rd.copy()
+        matvec.matvec(W, xd, yi, residual=yi, plan=plan)
+        cp.cuda.Device().synchronize()
+        got = y.get()
+        assert np.isfinite(got).all(), plan
+        assert bound_err(got, W64, x.astype(np.float64)) <= 1e-5, plan
+        assert bound_err(yr.get(), W64, x.astype(np.float64), r) <= 1e-5, plan
+        assert np.array_equal(yr.get(), yi.get()), plan
+        again = cp.full(rows, np.nan, cp.float32)
+        matvec.matvec(W, xd, again, plan=plan)
+        assert np.array_equal(again.get(), got), f"{plan}: not deterministic"
+        if plan is not None:
+            ks = plan[1]
+            if ks in by_ks:
+                assert np.array_equal(by_ks[ks], got), f"{plan}: rows a warp changed a bit"
+            by_ks[ks] = got
+
+
+@gpu
+@pytest.mark.parametrize("qt", ALL, ids=_ids(ALL))
+def test_dequantized_every_type(D, qt):
+    cp = D
+    rng = np.random.default_rng([7, int(qt)])
+    cols = cols_for(qt, 512)
+    raw = rand_raw(rng, qt, 70, cols)
+    W = upload(cp, raw, qt, cols, aligned=True)
+    got = W.dequantized(cache=False).get()
+    want = quants.dequantize(qt, raw).astype(np.float16)
+    assert np.array_equal(got.view(np.uint16), want.view(np.uint16)), f"{np.sum(got != want)} values differ"
+
+
+@gpu
+@pytest.mark.parametrize("qt", ALL, ids=_ids(ALL))
+def test_embed_every_type(D, qt):
+    from lane.kernels import embedding
+
+    cp = D
+    rng = np.random.default_rng([8, int(qt)])
+    vocab, d = 300, cols_for(qt, 768)
+    raw = rand_raw(rng, qt, vocab, d)
+    table = upload(cp, raw, qt, d, aligned=True)
+    tokens = np.array([0, 299, 17, 17, 150, 300, -1], np.int32)
+    out = cp.full((len(tokens), d), 7.0, cp.float32)
+    embedding.embed(table, cp.asarray(tokens), out)
+    got = out.get()
+    want = embedding.embed_ref(raw, qt, tokens[:5])
+    assert np.array_equal(got[:5].view(np.uint32), want.view(np.uint32))
+    assert np.isnan(got[5:]).all()  # ids out of the table
+
+
+@gpu
+def test_stacked_qkv_of_mixed_types(D):
+    """q, k, v of different types (a llama.cpp mix's attn_v): concat stacks them; the mat-vec's rows are each
+    part's own, bit for bit, and the float16 copy is the parts' copies one after the other."""
+    from lane.kernels import gemm, matvec
+    from lane.kernels.weights import DenseWeight, StackedWeight
+
+    cp = D
+    rng = np.random.default_rng(9)
+    cols = 512
+    parts = [(T.IQ3_S, 256), (T.IQ3_S, 128), (T.Q4_K, 128)]
+    raws = [rand_raw(rng, qt, rows, cols) for qt, rows in parts]
+    ws = [DenseWeight.upload(raw, qt, cols) for raw, (qt, _) in zip(raws, parts)]
+    W = DenseWeight.concat(ws)
+    assert isinstance(W, StackedWeight) and W.rows == 512 and not W.fast
+    x = cp.asarray(rng.standard_normal(cols, dtype=F32))
+    r = cp.asarray(rng.standard_normal(W.rows, dtype=F32))
+    y = matvec.matvec(W, x, residual=r)
+    want = cp.concatenate([matvec.matvec(p, x, residual=r[r0:r0 + p.rows]) for p, r0 in W.row_slices()])
+    assert np.array_equal(y.get(), want.get())
+    Wd = W.dequantized(cache=False).get()
+    assert np.array_equal(Wd, np.concatenate([p.dequantized(cache=False).get() for p in ws]))
+    X = rng.standard_normal((9, cols), dtype=F32)
+    Y = gemm.dense_batched(W, cp.asarray(X), cache=True).get()
+    ref = X.astype(np.float64) @ np.concatenate([quants.dequantize(qt, raw) for raw, (qt, _) in
+                                                 zip(raws, parts)]).astype(np.float64).T
+    assert np.linalg.norm(Y - ref) / np.linalg.norm(ref) <= 3e-3  # test_gpu_dense's fp16 GEMM bound
+
+
+# ---- the GPU card on the mixes ----------------------------------------------------------------------------------
+
+PROMPT = "The first chat talks about caches and slots, and the second one about routing."
+
+
+@gpu
+@pytest.mark.parametrize("mix", MIXES)
+def test_gpu_card_on_a_mix(cp, mix_model, mix):
+    """The card builds on the mix (K- / I-quant dense matrices, q/k/v of two types for iq3_m and q4_k_s), its
+    greedy stream does not depend on where the experts are (exactness), and it follows the numpy card's: logits
+    within test_gpu_card's bound of the canonical reference, the same argmax at >= 90 % of the prompt's positions
+    (teacher-forced), and the greedy tokens printed side by side with the numpy card's."""
+    from lane.cupy_card import CupyCard
+    from lane.numpy_card import NumpyCard
+    from lane.slot_pool import SlotPool
+    from stratad.engine.generation import Generation
+    from stratad.engine.reference import ReferenceEngine
+    from stratad.engine.sampling import SamplingParams
+    from stratad.model.slot_layout import slot_bytes
+
+    m = mix_model(mix)
+    c = m.config
+    total = c.n_layer * c.n_expert
+    order = [(layer, e) for layer in range(c.n_layer) for e in range(c.n_expert)]
+    prompt = m.tokenizer.encode(PROMPT)
+
+    def greedy(card, n=24):
+        g = Generation(card, m.tokenizer, prompt, SamplingParams(max_tokens=n, ignore_eos=True), c.context_length,
+                       digest=True)
+        return [t for t, _ in g if t is not None], g.digest.hexdigest()
+
+    streams = {}
+    for frac in (1.0, 0.5):
+        card = CupyCard(m, 0, int(frac * total), 4096)
+        card.pool.fill(order[:int(frac * total)])
+        streams[frac] = greedy(card)
+        if frac == 1.0:
+            ours = card.forward(prompt, card.new_kv(), logits="all")
+        card.close()
+    assert streams[1.0][1] == streams[0.5][1], "placement changed a bit"
+    ref = ReferenceEngine(m, "canonical")
+    theirs = ref.forward(prompt, ref.new_kv(), logits="all")
+    err = np.abs(ours - theirs).max() / np.abs(theirs).max()
+    agree = float(np.mean(ours.argmax(-1) == theirs.argmax(-1)))
+    numpy_toks, _ = greedy(NumpyCard(m, SlotPool(m, np.zeros(slot_bytes(m), np.uint8), 0)))
+    same = next((i for i, (a, b) in enumerate(zip(streams[1.0][0], numpy_toks)) if a != b), len(numpy_toks))
+    print(f"{mix}: max |dlogit| / max |logit| {err:.2e}, prompt argmax agreement {agree:.3f}; greedy tokens equal "
+          f"for {same} of {len(numpy_toks)}\n  gpu   {streams[1.0][0]}\n  numpy {numpy_toks}")
+    assert err < 0.12
+    assert agree >= 0.9
