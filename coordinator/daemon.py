@@ -131,10 +131,8 @@ class Coordinator:
         """The host conversation cache's segment (with prefix_cache), sized by kv_cache_host."""
         if not self.cfg.prefix_cache:
             return None
-        if any(card != "cpu" for card in self.cards):
-            # the GPU card's block export / import (lane/cupy_card.py) is written but has not run on a GPU yet:
-            # until a GPU test shows it exact, GPU lanes keep to their own kept sequence
-            log.info("host conversation cache off: GPU cards do not use it yet (only CPU cards)")
+        if any(card != "cpu" for card in self.cards) and not self.cfg.gpu.host_kv_cache:
+            log.info("host conversation cache off: GPU cards use it only with [gpu] host_kv_cache = true")
             return None
         block = kv_store.block_bytes(self.model.config, self.cards)
         pools = sum(self.n_slots * self.slot_bytes for card in self.cards if card == "cpu")

@@ -21,8 +21,10 @@ import logging
 from dataclasses import dataclass
 
 import cupy as cp
+import cupyx as cpx
 import numpy as np
 
+from stratad.engine.card import KvExport
 from stratad.engine.chunks import chunks
 from lane.counters import Counters
 from lane.gpu_experts import D2D, D2H, H2D, GpuExperts
@@ -108,6 +110,7 @@ class CupyCard:
         buf.fill(0)
         self.pool = SlotPool(model, buf, n_slots, self._write_slot)
         self.copy_stream = cp.cuda.Stream(non_blocking=True)  # slot copies run beside the compute stream
+        self.kv_stream = cp.cuda.Stream(non_blocking=True)  # KV blocks to the host cache, beside both
         self.pool_ident = bytes(cp.cuda.runtime.ipcGetMemHandle(self._pool_mem.ptr)).hex()
         self.device_ident = "cuda:" + cp.cuda.runtime.deviceGetPCIBusId(device)
         self.experts = GpuExperts(model, self.pool, self.prompt_chunk, cpu_threads, self.stream, self.device_ident,
@@ -142,55 +145,69 @@ class CupyCard:
         return GpuKV(self)
 
     # ---- KV blocks for the host conversation cache (stratad/engine/card.py KvBlockCard) -----------------------
-    # Written to the brief's layout, NOT YET RUN on a GPU. A block: every layer's K (n_kv, tokens, hd) then V in the
-    # cache's own blocks of V_BLOCK positions (n_kv, tokens / V_BLOCK, hd, V_BLOCK), float16, as bytes. The copies
-    # go through the compute stream (ordered after the steps that wrote the KV) and pageable host memory; a copy
-    # stream and page-locked staging are the next step.
+    # A block: every layer's K then V, each head's block_tokens positions as the caches hold them (K: tokens x hd;
+    # V: the cache's own blocks of V_BLOCK positions, hd x V_BLOCK each), float16, as bytes. A head's positions are
+    # contiguous in both caches, so a run of blocks moves as one strided 2-D copy a (layer, K/V, head), straight
+    # between the caches and page-locked host memory. Not yet run on a GPU (the daemon enables it with [gpu]
+    # host_kv_cache).
     kv_layout = "cuda-f16-vblock16/v1"
 
     def kv_block_bytes(self, block_tokens: int) -> int:
         c = self.c
         return c.n_layer * 2 * c.n_head_kv * block_tokens * c.head_dim * 2
 
-    def _kv_span(self, start: int, n_blocks: int, block_tokens: int) -> tuple[int, int]:
+    def kv_host_buffer(self, n_blocks: int, block_tokens: int) -> np.ndarray:
+        return cpx.empty_pinned((n_blocks, self.kv_block_bytes(block_tokens)), np.uint8)
+
+    def _kv_copies(self, host: np.ndarray, start: int, n_blocks: int, block_tokens: int, kind: int, stream) -> None:
+        """Blocks start .. start + n_blocks between the caches and host (n_blocks, block bytes), kind D2H or H2D."""
         if block_tokens % rope_kv.V_BLOCK:
             raise ValueError(f"KV blocks of {block_tokens} tokens are not whole V cache blocks of {rope_kv.V_BLOCK}")
-        return start * block_tokens, (start + n_blocks) * block_tokens
+        c = self.c
+        run = block_tokens * c.head_dim * 2  # a head's bytes in one block
+        pitch = self.kv_block_bytes(block_tokens)
+        rt = cp.cuda.runtime
+        for layer, caches in enumerate(self.kv_caches):
+            for j, cache in enumerate(caches):
+                for h in range(c.n_head_kv):
+                    dev = cache.data.ptr + (h * self.max_ctx + start * block_tokens) * c.head_dim * 2
+                    hst = host.ctypes.data + ((layer * 2 + j) * c.n_head_kv + h) * run
+                    if kind == D2H:
+                        rt.memcpy2DAsync(hst, pitch, dev, run, run, n_blocks, D2H, stream.ptr)
+                    else:
+                        rt.memcpy2DAsync(dev, run, hst, pitch, run, n_blocks, H2D, stream.ptr)
 
-    def export_kv(self, kv: GpuKV, start: int, n_blocks: int, block_tokens: int) -> np.ndarray:
-        a, b = self._kv_span(start, n_blocks, block_tokens)
-        if b > kv.length:
-            raise ValueError(f"blocks up to position {b} asked of a KV of {kv.length} positions")
-        c, vb = self.c, rope_kv.V_BLOCK
-        with self.device, self.stream:
-            out = cp.empty((n_blocks, c.n_layer, 2, c.n_head_kv * block_tokens * c.head_dim), cp.float16)
-            for layer, (k, v) in enumerate(self.kv_caches):
-                kk = k[:, a:b].reshape(c.n_head_kv, n_blocks, block_tokens, c.head_dim).transpose(1, 0, 2, 3)
-                vv = v[:, a // vb:b // vb].reshape(c.n_head_kv, n_blocks, block_tokens // vb, c.head_dim, vb)
-                out[:, layer, 0] = kk.reshape(n_blocks, -1)
-                out[:, layer, 1] = vv.transpose(1, 0, 2, 3, 4).reshape(n_blocks, -1)
-            host = out.get(stream=self.stream)
-            self.stream.synchronize()
-        return host.reshape(n_blocks, -1).view(np.uint8)
+    def export_kv(self, kv: GpuKV, start: int, n_blocks: int, block_tokens: int) -> KvExport:
+        """The copy runs on its own stream after the steps that wrote these positions; the compute stream waits for
+        it before anything later (the next request) can write the caches, so the lane goes on at once."""
+        if (start + n_blocks) * block_tokens > kv.length:
+            raise ValueError(f"blocks up to position {(start + n_blocks) * block_tokens} asked of a KV of "
+                             f"{kv.length} positions")
+        host = self.kv_host_buffer(n_blocks, block_tokens)
+        with self.device:
+            written = cp.cuda.Event(disable_timing=True)
+            written.record(self.stream)
+            self.kv_stream.wait_event(written)
+            self._kv_copies(host, start, n_blocks, block_tokens, D2H, self.kv_stream)
+            done = cp.cuda.Event(disable_timing=True)
+            done.record(self.kv_stream)
+            self.stream.wait_event(done)
+        return KvExport(host, done.synchronize)
 
     def import_kv(self, kv: GpuKV, start: int, blocks: np.ndarray, block_tokens: int) -> None:
         n = len(blocks)
-        a, b = self._kv_span(start, n, block_tokens)
+        a, b = start * block_tokens, (start + n) * block_tokens
         if b > self.max_ctx:
             raise ValueError(f"{b} positions exceed the card's KV capacity of {self.max_ctx}")
+        if blocks.shape != (n, self.kv_block_bytes(block_tokens)) or not blocks.flags.c_contiguous:
+            raise ValueError(f"blocks must be C-contiguous ({n}, {self.kv_block_bytes(block_tokens)}) bytes")
         kv.truncate(a)
-        c, vb = self.c, rope_kv.V_BLOCK
-        with self.device, self.stream:
-            x = cp.asarray(np.ascontiguousarray(blocks).view(np.float16).reshape(n, c.n_layer, 2, -1))
-            for layer, (k, v) in enumerate(self.kv_caches):
-                k[:, a:b] = x[:, layer, 0].reshape(n, c.n_head_kv, block_tokens, c.head_dim).transpose(
-                    1, 0, 2, 3).reshape(c.n_head_kv, b - a, c.head_dim)
-                v[:, a // vb:b // vb] = x[:, layer, 1].reshape(n, c.n_head_kv, block_tokens // vb, c.head_dim,
-                                                               vb).transpose(1, 0, 2, 3, 4).reshape(
-                    c.n_head_kv, (b - a) // vb, c.head_dim, vb)
+        with self.device:
+            self._kv_copies(blocks, start, n, block_tokens, H2D, self.stream)
             kv.length = b
-            self.pos.fill(b)
-            self.stream.synchronize()
+            with self.stream:
+                self.pos.fill(b)
+            self.stream.synchronize()  # the host buffer may be reused once this returns
 
     def set_view(self, view: M.View) -> None:
         """Compute from these other cards' slots from the next token on (peers on this same GPU; see gpu_experts).

@@ -19,7 +19,7 @@ from protos import messages as M
 from stratad import shm
 from stratad.engine import canonical
 from stratad.engine import kv_blocks
-from stratad.engine.card import HostSampled
+from stratad.engine.card import HostSampled, KvExport
 from stratad.engine.reference import ReferenceEngine
 from stratad.model import quants
 from stratad.model.gguf_file import ModelFile
@@ -148,8 +148,11 @@ class NumpyCard(HostSampled):
         c = self.model.config
         return kv_blocks.block_bytes(c.n_layer, c.n_head_kv, c.head_dim, block_tokens)
 
-    def export_kv(self, kv, start: int, n_blocks: int, block_tokens: int) -> np.ndarray:
-        return kv_blocks.export(kv, start, n_blocks, block_tokens)
+    def kv_host_buffer(self, n_blocks: int, block_tokens: int) -> np.ndarray:
+        return np.empty((n_blocks, self.kv_block_bytes(block_tokens)), np.uint8)
+
+    def export_kv(self, kv, start: int, n_blocks: int, block_tokens: int) -> KvExport:
+        return KvExport(kv_blocks.export(kv, start, n_blocks, block_tokens))
 
     def import_kv(self, kv, start: int, blocks: np.ndarray, block_tokens: int) -> None:
         kv_blocks.restore(kv, start, blocks, block_tokens)

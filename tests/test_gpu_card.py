@@ -309,3 +309,66 @@ def test_steps_launched_ahead(model, CupyCard):
     got = [t, card.forward_token([other], kv, greedy, 0.5, False)[0], kv.length]
     assert got == expect and int(card.pos.get()[0]) == kv.length == len(prompt) + 1
     card.close()
+
+
+def _gathered(card, kv_len_blocks: int, B: int) -> np.ndarray:
+    """The caches' first kv_len_blocks blocks in the block layout, gathered with CuPy slicing (the layout the 2-D
+    copies must reproduce: per layer K then V, per head its block's positions as the cache holds them)."""
+    c, vb = card.c, 16
+    n = kv_len_blocks
+    out = []
+    for k, v in card.kv_caches:
+        kk = k[:, :n * B].reshape(c.n_head_kv, n, B, c.head_dim).transpose(1, 0, 2, 3).reshape(n, -1)
+        vv = v[:, :n * B // vb].reshape(c.n_head_kv, n, B // vb, c.head_dim, vb).transpose(1, 0, 2, 3, 4)
+        out += [kk, vv.reshape(n, -1)]
+    import cupy
+
+    return cupy.stack(out, axis=1).reshape(n, -1).view(cupy.uint8).get()
+
+
+def test_kv_blocks_round_trip_on_the_card(model, CupyCard):
+    """export_kv gives the caches' blocks in the block layout (against a CuPy gather); import_kv into a fresh KV
+    restores every bit, and a follow-up turn from the restored KV gives the kept KV's tokens and logits bits."""
+    from stratad import kv_store
+    from stratad.engine.prefix_cache import PrefixCache
+
+    c, B = model.config, kv_store.BLOCK_TOKENS
+    card = CupyCard(model, 0, c.n_layer * c.n_expert, 4096)
+    card.pool.fill(experts_by_rank(model))
+    prompt = model.tokenizer.encode(PROMPT * 3)
+    kept = PrefixCache()
+    list(Generation(card, model.tokenizer, prompt, SamplingParams(max_tokens=6), 4096, cache=kept))
+    n = kept.kv.length // B
+    assert n >= 3
+    ex = card.export_kv(kept.kv, 1, n - 1, B)
+    ex.wait()
+    want = _gathered(card, n, B)
+    assert np.array_equal(ex.blocks, want[1:])
+    first = card.export_kv(kept.kv, 0, 1, B)
+    first.wait()
+    blocks = np.concatenate([first.blocks, ex.blocks])
+    follow = kept.tokens[:n * B] + prompt[:9]
+
+    def from_kv(src_kv):
+        cache = PrefixCache()
+        src_kv.truncate(n * B)
+        cache.keep(src_kv, follow[:n * B])
+        g = Generation(card, model.tokenizer, follow, SamplingParams(max_tokens=8), 4096, digest=True, cache=cache)
+        toks = [t for t, _ in g if t is not None]
+        assert g.cached == n * B
+        return toks, g.digest.hexdigest()
+
+    before = [(k[:, :n * B].get(), v[:, :n * B // 16].get()) for k, v in card.kv_caches]
+    from_kept = from_kv(kept.kv)
+    for k, v in card.kv_caches:  # another conversation's turn overwrites the caches
+        k.fill(0)
+        v.fill(0)
+    kv = card.new_kv()
+    buf = card.kv_host_buffer(n, B)
+    buf[:] = blocks
+    card.import_kv(kv, 0, buf, B)
+    assert kv.length == n * B
+    for (k, v), (k0, v0) in zip(card.kv_caches, before):
+        assert np.array_equal(k[:, :n * B].get(), k0) and np.array_equal(v[:, :n * B // 16].get(), v0)
+    assert from_kv(kv) == from_kept
+    card.close()

@@ -188,3 +188,46 @@ def test_peer_lane_killed_mid_generation_on_gpu_cards(model, tmp_path, want):
         assert d.status().lanes[peer.lane].restarts == 1
     finally:
         d.stop()
+
+
+def test_host_conversation_cache_on_gpu_lanes(model, tmp_path):
+    """[gpu] host_kv_cache: three conversations on two GPU lanes. Each follow-up restored from the host cache (its
+    lane having served another conversation meanwhile) gives the tokens and logits bits of the same follow-up
+    served right after its first turn from the KV kept on its lane."""
+    convs = {name: [(7 * k + 3 * i) % 900 + 20 for i in range(n)] for k, (name, n) in
+             enumerate([("A", 297), ("B", 265), ("C", 329)])}
+    gen = 8  # prompt + gen - 1 tokens kept: whole blocks of 16, all of which the host cache can restore
+
+    def turn(c, tokens):
+        s = c.generate(tokens=tokens, max_tokens=gen, ignore_eos=True, digest=True)
+        s.result()
+        return s
+
+    def follow(name, first):
+        return convs[name] + list(first.tokens) + [11, 12, 13, 14]
+
+    cfg = {"prefix_cache": True, "kv_cache_host": "1GiB"}
+    ref = start(model, tmp_path, CARDS, "1.0", gpu={"host_kv_cache": True}, **cfg)
+    kept = {}
+    try:
+        with ref.client(stream_timeout_s=600) as c:
+            for name in convs:
+                first = turn(c, convs[name])
+                nxt = turn(c, follow(name, first))
+                assert nxt.stats.prompt_cached_tokens == len(convs[name]) + gen - 1
+                kept[name] = (first, nxt)
+    finally:
+        ref.stop()
+    d = start(model, tmp_path, CARDS, "1.0", gpu={"host_kv_cache": True}, **cfg)
+    try:
+        with d.client(stream_timeout_s=600) as c:
+            firsts = {name: turn(c, convs[name]) for name in convs}
+            for name in convs:
+                s = turn(c, follow(name, firsts[name]))
+                assert s.stats.prompt_cached_tokens == len(convs[name]) + gen - 1, name
+                assert s.tokens == kept[name][1].tokens and s.stats.logits_sha256 == kept[name][1].stats.logits_sha256
+        k = d.status().kv_cache
+        assert k.hits >= 1 and k.blocks_written > 0, k
+    finally:
+        d.stop()
+    assert d.leftovers() == []

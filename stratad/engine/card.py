@@ -9,7 +9,8 @@ one's token (`ahead`: that step's draw).
 """
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import Callable, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -39,11 +40,23 @@ class KvBlockCard(Protocol):
 
     def kv_block_bytes(self, block_tokens: int) -> int: ...
 
-    def export_kv(self, kv, start: int, n_blocks: int, block_tokens: int) -> np.ndarray:
-        """Blocks start .. start + n_blocks of kv as (n_blocks, kv_block_bytes) uint8 in host memory."""
+    def kv_host_buffer(self, n_blocks: int, block_tokens: int) -> np.ndarray:
+        """Host memory for n_blocks blocks, (n_blocks, kv_block_bytes) uint8, that import_kv copies from fastest."""
+
+    def export_kv(self, kv, start: int, n_blocks: int, block_tokens: int) -> "KvExport":
+        """Blocks start .. start + n_blocks of kv as (n_blocks, kv_block_bytes) uint8 in host memory, as they are
+        now: the card may go on with other sequences while the copy completes."""
 
     def import_kv(self, kv, start: int, blocks: np.ndarray, block_tokens: int) -> None:
         """Write blocks at block index start; kv then holds (start + len(blocks)) * block_tokens positions."""
+
+
+@dataclass
+class KvExport:
+    """Blocks exported from a card: `blocks` holds them once `wait()` has returned (a GPU card's copy to host
+    memory may still be running when export_kv returns)."""
+    blocks: np.ndarray
+    wait: Callable[[], None] = lambda: None
 
 
 class HostSampled:

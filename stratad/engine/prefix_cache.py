@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from stratad import kv_store
-from stratad.engine.card import KvBlockCard
+from stratad.engine.card import KvBlockCard, KvExport
 
 
 def common_prefix(a, b) -> int:
@@ -32,14 +32,16 @@ class BlockWrite:
     """A sequence's blocks not yet in the store, exported from the card (the KV may change once the lane serves
     again): written by write() in the background."""
     hashes: list[bytes]
-    blocks: np.ndarray  # (len(hashes), block bytes) uint8
+    rows: list[int]  # each hash's row of export.blocks
+    export: KvExport
 
     def write(self, store: kv_store.KvStore) -> int:
         """Claim slots and publish the blocks (a block another lane wrote meanwhile is skipped); blocks written."""
-        index = {h: i for i, h in enumerate(self.hashes)}
+        self.export.wait()
+        row = dict(zip(self.hashes, self.rows))
         claimed = store.claim(self.hashes)
         for h, slot in claimed:
-            store.publish(slot, h, self.blocks[index[h]])
+            store.publish(slot, h, self.export.blocks[row[h]])
         return len(claimed)
 
 
@@ -78,7 +80,7 @@ class PrefixCache:
         if len(slots) * B <= n:
             st.touch(slots)
             return kv, n
-        buf = np.empty((len(slots) - first, engine.kv_block_bytes(B)), np.uint8)
+        buf = engine.kv_host_buffer(len(slots) - first, B)
         got = st.read(slots[first:], buf)  # fewer where a block was evicted meanwhile
         if (first + got) * B <= n:
             return kv, n
@@ -108,7 +110,7 @@ class PrefixCache:
             return None
         lo = missing[0]  # exported as one run from the first missing block; only the missing ones are written
         run = engine.export_kv(self.kv, lo, len(hashes) - lo, B)
-        return BlockWrite([hashes[i] for i in missing], run[[i - lo for i in missing]])
+        return BlockWrite([hashes[i] for i in missing], [i - lo for i in missing], run)
 
     def clear(self) -> None:
         self.kv, self.tokens = None, []
