@@ -1,5 +1,6 @@
 """A prompt chunk's dense projections: Y = X W^T (+ residual) on cuBLAS's fp16 tensor cores (float32 accumulate
-and output), W dequantised to fp16 once (gemm.cu dequant_rows_<type>, decode.cuh's decode; kept on the weight), X rounded to fp16 (convert_f32).
+and output), W dequantised to fp16 once (gemm.cu dequant_rows_<type>, decode.cuh's decode; kept on the weight), X
+rounded to fp16 (convert_f32).
 
   dense_batched(W, X, Y, residual)    dense_batched_ref(raw, qtype, X, residual)
 """
