@@ -51,33 +51,21 @@ DQ_FN float dq_bits(dq_u32 u) {
     return f;
 #endif
 }
-DQ_FN float dq_mul(float a, float b) {
+// one float32 operation, rounded on its own (never fused into an FMA)
 #ifdef __CUDA_ARCH__
-    float r;
-    asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-    return r;
+#define DQ_RN_OP(name, ptx, op)                                             \
+    DQ_FN float name(float a, float b) {                                    \
+        float r;                                                            \
+        asm(ptx " %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));                 \
+        return r;                                                           \
+    }
 #else
-    return a * b;
+#define DQ_RN_OP(name, ptx, op) \
+    DQ_FN float name(float a, float b) { return a op b; }
 #endif
-}
-DQ_FN float dq_sub(float a, float b) {
-#ifdef __CUDA_ARCH__
-    float r;
-    asm("sub.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-    return r;
-#else
-    return a - b;
-#endif
-}
-DQ_FN float dq_add(float a, float b) {
-#ifdef __CUDA_ARCH__
-    float r;
-    asm("add.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-    return r;
-#else
-    return a + b;
-#endif
-}
+DQ_RN_OP(dq_mul, "mul.rn.f32", *)
+DQ_RN_OP(dq_sub, "sub.rn.f32", -)
+DQ_RN_OP(dq_add, "add.rn.f32", +)
 // f16 bits -> float32 (exact: every f16 is a float32; NaN stays NaN)
 DQ_FN float dq_h2f(dq_u16 h) {
 #ifdef __CUDA_ARCH__

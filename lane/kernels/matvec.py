@@ -33,19 +33,9 @@ def matvec(W: DenseWeight | StackedWeight, x, y=None, residual=None, *, plan: tu
     qx (Q8_0 weights): x is a row quantised to 8 bits, int8 (q8_row_bytes(cols),): its cols codes, then its
     cols / 32 float32 scales (quantize_row, or DecodeAttention's out_q), multiplied in integers (matvec_q8x_ref)."""
     m = module(SOURCE)
-    cp = m.cp
-    if isinstance(W, StackedWeight):
-        if qx or plan is not None:
-            raise ValueError("a stacked weight takes float x and each part's own plan")
-        need(x, np.float32, (W.cols,), "x", align=16)
-        if y is None:
-            y = cp.empty(W.rows, cp.float32)
-        need(y, np.float32, (W.rows,), "y")
-        if residual is not None:
-            need(residual, np.float32, (W.rows,), "residual")
-        for p, r0 in W.row_slices():
-            matvec(p, x, y[r0:r0 + p.rows], None if residual is None else residual[r0:r0 + p.rows], stream=stream)
-        return y
+    stacked = isinstance(W, StackedWeight)
+    if stacked and (qx or plan is not None):
+        raise ValueError("a stacked weight takes float x and each part's own plan")
     if qx:
         if not W.takes_qx:
             raise ValueError(f"8-bit x takes fast Q8_0 weights (got {T(W.qtype).name})")
@@ -53,10 +43,14 @@ def matvec(W: DenseWeight | StackedWeight, x, y=None, residual=None, *, plan: tu
     else:
         need(x, np.float32, (W.cols,), "x", align=16)
     if y is None:
-        y = cp.empty(W.rows, cp.float32)
+        y = m.cp.empty(W.rows, m.cp.float32)
     need(y, np.float32, (W.rows,), "y")
     if residual is not None:
         need(residual, np.float32, (W.rows,), "residual")
+    if stacked:
+        for p, r0 in W.row_slices():
+            matvec(p, x, y[r0:r0 + p.rows], None if residual is None else residual[r0:r0 + p.rows], stream=stream)
+        return y
     with on_stream(stream):
         if W.fast:
             q8 = W.qtype == T.Q8_0
