@@ -212,8 +212,10 @@ class GpuExperts:
         self.k, self.max_tokens = c.n_expert_used, max_tokens
         P = self.max_pairs = max_tokens * self.k
         for layer in range(c.n_layer):
-            if model.expert_type(layer, "up") != self.key(layer)[0]:
-                raise ValueError(f"layer {layer}: gate and up experts of different types are not supported on GPU")
+            gate, up = self.key(layer)[0], model.expert_type(layer, "up")
+            if up != gate:  # every file llama.cpp writes has them equal; the kernels read both rows as one type
+                raise ValueError(f"layer {layer}: gate experts are {gate.name} and up experts {up.name}; the GPU "
+                                 f"expert kernels need gate and up of one type (any type, any down type)")
         self.kernels = self.new_kernels()
         self.cpu = CpuPool(cpu_threads or os.cpu_count() or 1)
         self.qa = cp.empty((max_tokens, c.d_model), cp.int8)
@@ -226,7 +228,8 @@ class GpuExperts:
         self.n_pairs = cp.zeros((MAX_SOURCES,), cp.int32)
         # prompt chunks: each source's pairs cut into tiles of one expert (the tiled kernels decode a weight once
         # for all of a tile's tokens)
-        self.tiles = cp.zeros((MAX_SOURCES, max_tiles(P, c.n_expert), 2), cp.int32)
+        tile = min(k.tile_p for k in self.kernels.values())  # the most tiles: the shortest (a layer's types set it)
+        self.tiles = cp.zeros((MAX_SOURCES, max_tiles(P, c.n_expert, tile), 2), cp.int32)
         self.n_tiles = cp.zeros((MAX_SOURCES,), cp.int32)
         self.rowmap = cp.zeros((P,), cp.int32)
         self.rows = None  # (sources + staging, P, d_model): each source's results, sized when the sources are known

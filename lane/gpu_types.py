@@ -11,7 +11,7 @@ from gguf import GGMLQuantizationType as T
 
 from stratad.model import quants
 
-GPU_EXPERT_TYPES = (T.IQ3_S, T.Q4_K, T.Q8_0)  # lane/kernels/experts.cu
+GPU_EXPERT_TYPES = quants.EXPERT_TYPES  # lane/kernels/experts.cu: every type (tuned IQ3_S / Q4_K / Q8_0, generic rest)
 GPU_DENSE_TYPES = quants.DENSE_TYPES  # lane/kernels/device.py's QNAME: decode.cuh's types
 
 

@@ -29,14 +29,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lane.kernels import compile as kc  # noqa: E402
-from lane.kernels.experts import SOURCE as EXPERTS, _qtype, exp_defines  # noqa: E402
+from lane.kernels.experts import SOURCE as EXPERTS, Tuning, _qtype, exp_defines, gu_min_blocks, simt_tile  # noqa: E402
 
 
-def expert_defines(qtype: str) -> list[tuple[str, int]]:
-    """The a3b shape's expert defines with the H200 plan (gate/up 16 warps x 2 blocks, down 16 x 2, 2 stages)."""
-    q = int(_qtype(qtype))
-    return [("GU_QT", q), ("GU_KIN", 2048), ("GU_ROWS", 768), ("DN_QT", q), ("DN_KIN", 768), ("DN_ROWS", 2048),
-            ("GU_WPB", 16), ("GU_MINB", 2), ("GU_STAGES", 1), ("TILE_P", 8), ("MMA_MPW", 2), ("MMA_PREFETCH", 0),
+def expert_defines(qtype: str, down: str | None = None) -> list[tuple[str, int]]:
+    """The a3b shape's expert defines with the H200 plan (gate/up 16 warps x 2 blocks, down 16 x 2, 2 stages) for
+    gate/up weights of type qtype and down weights of type `down` (default: the same)."""
+    q = _qtype(qtype)
+    return [("GU_QT", int(q)), ("GU_KIN", 2048), ("GU_ROWS", 768), ("DN_QT", int(_qtype(down or qtype))),
+            ("DN_KIN", 768), ("DN_ROWS", 2048), ("GU_WPB", 16), ("GU_MINB", gu_min_blocks(q, Tuning())), ("GU_STAGES", 1),
+            ("TILE_P", simt_tile(q, Tuning())), ("MMA_MPW", 2), ("MMA_PREFETCH", 0),
             ("MMA_UNROLL", 2), ("DN_WPB", 16), ("DN_MINB", 2), ("DN_STAGES", 2), ("DN_R", 4),
             ("IQ3_FAST", 1)] + exp_defines()
 
@@ -140,6 +142,34 @@ BUILDS = [(name, name, []) for name in DENSE_SOURCES] + \
     [(f"experts.cu {q}", EXPERTS, expert_defines(q)) for q in ("IQ3_S", "Q4_K", "Q8_0")]
 
 
+def llama_mixes() -> list[tuple[str, str]]:
+    """(gate/up, down) expert types of differing kinds that llama.cpp's quantiser writes for the a3b shape in
+    some file type (stratad/model/mixes.py), e.g. Q4_K_M's Q4_K + Q6_K."""
+    from stratad.model import mixes
+    from stratad.model.config import PRESETS
+
+    c = PRESETS["a3b"]
+    shapes = {f"blk.{i}.ffn_{k}_exps.weight": (c.n_expert, c.d_ff_expert, c.d_model) for i in range(c.n_layer)
+              for k in ("gate", "down")}
+    out = set()
+    for ftype in mixes.MIXES.values():
+        t = mixes.mix_types(ftype, shapes, c)
+        for i in range(c.n_layer):
+            gu, dn = t.get(f"blk.{i}.ffn_gate_exps.weight"), t.get(f"blk.{i}.ffn_down_exps.weight")
+            if gu is not None and dn is not None and gu != dn:
+                out.add((gu.name, dn.name))
+    return sorted(out)
+
+
+def expert_type_builds() -> list[tuple[str, str, list]]:
+    """experts.cu for every other expert type (gate/up and down of that type) and for llama.cpp's mixes."""
+    from stratad.model import quants
+
+    pairs = [(t.name, t.name) for t in quants.EXPERT_TYPES if t.name not in ("IQ3_S", "Q4_K", "Q8_0")]
+    return [(f"experts.cu {g}" + (f"+{d}" if d != g else ""), EXPERTS, expert_defines(g, d))
+            for g, d in pairs + llama_mixes()]
+
+
 def build(lib: ctypes.CDLL, filename: str, defines, arch: str = "90") -> bytes:
     """The cubin NVRTC makes of `filename` (lane/kernels) with the lanes' options; RuntimeError with NVRTC's log."""
     options = list(kc.BASE_OPTIONS) + [f"--gpu-architecture=sm_{arch}"] + [kc._define(d) for d in defines]
@@ -158,10 +188,12 @@ def main() -> int:
                     help="print the registers of kernels whose name holds this (all without a value); a kernel with "
                          "a stack frame is printed always")
     ap.add_argument("--sass", default="", help="print this kernel's SASS (from the first source that has it)")
+    ap.add_argument("--expert-types", action="store_true",
+                    help="also build experts.cu for every other expert type and llama.cpp's gate/up + down mixes")
     args = ap.parse_args()
     lib = load_nvrtc(args.lib)
     failed = 0
-    for label, filename, defines in BUILDS:
+    for label, filename, defines in BUILDS + (expert_type_builds() if args.expert_types else []):
         try:
             cubin = build(lib, filename, defines, args.arch)
         except RuntimeError as e:

@@ -90,3 +90,29 @@ def test_every_kernel_a_wrapper_launches_is_in_its_source(usages):
         for prefix in re.findall(r'\.fn\(f"(\w+)_\{\w+\.name\}"', text):  # per type: <prefix>_<type>
             assert any({f"{prefix}_{q}" for q in every_type} <= built for built in wanted.values()), \
                 f"{py}.py asks for {prefix}_<type>, not built for every type"
+
+
+def _expert_type_labels() -> list:
+    """nvrtc_check's experts.cu builds for every other expert type and llama.cpp's mixes; a representative three run
+    always (the float view; a tuned gate/up with a generic down, Q4_K_M's Q4_K + Q6_K; an IQ table type with the
+    register-capped plan), the rest with the slow tests."""
+    spec = importlib.util.spec_from_file_location("nvrtc_check", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    always = {"experts.cu F16", "experts.cu Q4_K+Q6_K", "experts.cu IQ2_S"}
+    return [pytest.param(label, marks=() if label in always else pytest.mark.slow, id=label.split()[1])
+            for label, _, _ in mod.expert_type_builds()]
+
+
+@pytest.mark.parametrize("label", _expert_type_labels())
+def test_expert_kernels_build_for_every_type(nc, label):
+    """The generic path (expert_term.cuh) builds for each type and mix as experts.py plans it, its decode kernels
+    without a stack frame; the tensor-core prompt kernels only where both types are tuned ones."""
+    _, filename, defines = next(b for b in nc.expert_type_builds() if b[0] == label)
+    usage = nc.resource_usage(nc.build(nc.lib, filename, defines))
+    assert {"expert_gateup", "expert_down", "expert_gateup_tiled", "expert_down_tiled"} <= set(usage)
+    spills = {k: v for k, v in usage.items() if v[1] and k.startswith(DECODE_KERNELS)}
+    assert not spills, f"{label}: decode kernels with a stack frame (registers, bytes): {spills}"
+    tuned = {8, 12, 21}  # Q8_0, Q4_K, IQ3_S
+    d = dict(defines)
+    assert ("expert_gateup_mma" in usage) == (d["GU_QT"] in tuned and d["DN_QT"] in tuned)

@@ -12,6 +12,13 @@
 #include "decode.cuh"
 #endif
 
+// fully unrolled on the device (a loop left rolled would put its indexed registers in local memory)
+#ifdef __CUDA_ARCH__
+#define XT_UNROLL _Pragma("unroll")
+#else
+#define XT_UNROLL
+#endif
+
 // A type as the expert kernels see it: blocks of BV values in BB bytes, NSUB sub-blocks of 32 a block, the
 // minimum's kind, WORDS 32-bit words holding a decoded sub-block's codes (8: every quantised type's codes fit int8;
 // 16: a float type's view, |q| <= 4096, as int16 pairs) and whether its decode reads decode.cuh's table blob.
@@ -73,13 +80,12 @@ template <int QT> struct XtW {
     float scale, minimum;
 };
 
-template <int QT> DQ_FN void xt_pack(const DqSub& s, XtW<QT>& w) {
-    constexpr int W = XtTraits<QT>::WORDS, PER = 32 / W, BITS = 32 / PER;
-    for (int k = 0; k < W; ++k) {
-        dq_u32 x = 0;
-        for (int i = 0; i < PER; ++i) x |= ((dq_u32)s.code[PER * k + i] & ((1u << BITS) - 1u)) << (BITS * i);
-        w.q[k] = x;
-    }
+template <int QT> DQ_FN void xt_pack(const DqSub& s, XtW<QT>& w) {  // a quantised type's codes, 4 a word
+    XT_UNROLL
+    for (int k = 0; k < 8; ++k)
+        w.q[k] = ((dq_u32)s.code[4 * k] & 255u) | (((dq_u32)s.code[4 * k + 1] & 255u) << 8) |
+                 (((dq_u32)s.code[4 * k + 2] & 255u) << 16) | ((dq_u32)s.code[4 * k + 3] << 24);
+    XT_UNROLL
     for (int h = 0; h < 2; ++h) {
         w.fold[h] = s.fold[h];
         w.mw[h] = s.mw[h];
@@ -88,40 +94,51 @@ template <int QT> DQ_FN void xt_pack(const DqSub& s, XtW<QT>& w) {
     w.minimum = s.minimum;
 }
 
-// floats.float_view of the 32 values at p (4-byte aligned: every float row of an expert is, rows being 64 / 128-byte
+// floats.float_view of the 32 values at b (4-byte aligned: every float row of an expert is, rows being 64 / 128-byte
 // multiples at 16-byte aligned starts): non-finite values read as 0; amax = f 2^e (1/2 <= f < 1, e = 0 for 0);
 // k = max(e - 12, -126); scale 2^k, q = rint(w * 2^-k) (a multiply by a power of two: exact)
-template <int QT> DQ_FN float xt_float_value(const dq_u32* p, int v) {
+template <int QT, class P> DQ_FN float xt_float_value(P p, int v) {
     if (QT == 0) return dq_bits(p[v]);                                            // F32
     const dq_u32 h = (p[v >> 1] >> (16 * (v & 1))) & 0xffffu;
     return QT == 1 ? dq_h2f((dq_u16)h) : dq_bits(h << 16);                        // F16 / BF16
 }
-template <int QT> DQ_FN void xt_float_sub(const dq_u8* b, DqSub& s) {
+DQ_FN float xt_finite_or_0(float f) { return (xt_fbits(f) & 0x7f800000u) == 0x7f800000u ? 0.f : f; }
+template <int QT> DQ_FN void xt_float_sub(const dq_u8* b, XtW<QT>& w) {
     const dq_u32* p = (const dq_u32*)b;
-    float x[32];
     dq_u32 amax = 0;  // |x| as bits: non-negative floats order as their bits do
+    XT_UNROLL
     for (int v = 0; v < 32; ++v) {
-        float f = xt_float_value<QT>(p, v);
-        const dq_u32 u = xt_fbits(f);
-        if ((u & 0x7f800000u) == 0x7f800000u) f = 0.f;  // inf / NaN
-        else if ((u & 0x7fffffffu) > amax) amax = u & 0x7fffffffu;
-        x[v] = f;
+        const dq_u32 u = xt_fbits(xt_finite_or_0(xt_float_value<QT>(p, v))) & 0x7fffffffu;
+        amax = u > amax ? u : amax;
     }
     // e = biased exponent - 126 for a normal amax; a subnormal one has e <= -126, so k = -126 either way
     int k = amax == 0 ? -12 : amax < 0x00800000u ? -126 : (int)(amax >> 23) - 138;
     k = k < -126 ? -126 : k;
-    dq_plain(s, dq_bits((dq_u32)(k + 127) << 23));
     const float inv = dq_bits((dq_u32)(127 - k) << 23);  // 2^-k, k in [-126, 116]: a normal float
-    for (int v = 0; v < 32; ++v) s.code[v] = (int)xt_rint(dq_mul(x[v], inv));
+    XT_UNROLL
+    // the values are read again (volatile: not merged with the first reads), not kept: a warp decodes four
+    // sub-blocks at once, and 4 x 32 values held across the amax would spill
+    const volatile dq_u32* pv = p;
+    for (int i = 0; i < 16; ++i) {
+        const int lo = (int)xt_rint(dq_mul(xt_finite_or_0(xt_float_value<QT>(pv, 2 * i)), inv));
+        const int hi = (int)xt_rint(dq_mul(xt_finite_or_0(xt_float_value<QT>(pv, 2 * i + 1)), inv));
+        w.q[i] = ((dq_u32)lo & 0xffffu) | ((dq_u32)hi << 16);
+    }
+    w.fold[0] = w.fold[1] = w.mw[0] = w.mw[1] = 1;
+    w.scale = dq_bits((dq_u32)(k + 127) << 23);
+    w.minimum = 0.f;
 }
 
 // Sub-block s (0 .. row's NSUB - 1) of the row whose first byte is at `row`; tab: decode.cuh's table blob
 template <int QT> DQ_FN void xt_decode(const dq_u8* row, int s, const dq_u8* tab, XtW<QT>& w) {
     typedef XtTraits<QT> X;
-    DqSub d;
-    if constexpr (DqTraits<QT>::QUANT) dq_sub<QT>(row + (s / X::NSUB) * X::BB, s % X::NSUB, tab, d);
-    else xt_float_sub<QT>(row + s * X::BB, d);
-    xt_pack<QT>(d, w);
+    if constexpr (DqTraits<QT>::QUANT) {
+        DqSub d;
+        dq_sub<QT>(row + (s / X::NSUB) * X::BB, s % X::NSUB, tab, d);
+        xt_pack<QT>(d, w);
+    } else {
+        xt_float_sub<QT>(row + s * X::BB, w);
+    }
 }
 
 // ---- the activation side -------------------------------------------------------------------------------------
@@ -136,6 +153,7 @@ struct XtAct {
 template <int QT> DQ_FN void xt_act_sums(XtAct& A) {
     A.sum[0] = A.sum[1] = 0;
     if (XtTraits<QT>::MIN != DQ_NO_MIN)
+        XT_UNROLL
         for (int k = 0; k < 8; ++k) A.sum[k >> 2] = xt_dp4a(A.a[k], 0x01010101u, A.sum[k >> 2]);
 }
 
@@ -144,8 +162,10 @@ template <int QT> DQ_FN void xt_act_sums(XtAct& A) {
 template <int QT> DQ_FN int xt_isum(const XtW<QT>& w, const XtAct& A) {
     int half[2] = {0, 0};
     if (XtTraits<QT>::WORDS == 8) {
+        XT_UNROLL
         for (int k = 0; k < 8; ++k) half[k >> 2] = xt_dp4a(w.q[k], A.a[k], half[k >> 2]);
     } else {  // word k: values 2k, 2k + 1 (int16), activation bytes (2k) % 4, + 1 of word k / 2
+        XT_UNROLL
         for (int k = 0; k < 16; k += 2) {
             half[k >> 3] = xt_dp2a<false>(w.q[k], A.a[k >> 1], half[k >> 3]);
             half[k >> 3] = xt_dp2a<true>(w.q[k + 1], A.a[k >> 1], half[k >> 3]);

@@ -26,11 +26,18 @@
 // (each block copies it from grid_g): the decode kernels (IQ3_FAST) read a group of 4 weights with its signs already
 // applied from the 32 KB signed grid (16 sign patterns x 512 grid entries: experts.py's signed_grid), one load a
 // group; decode_sub, the tiled kernels and experts_mma.cuh read the plain grid (its first 2 KB) and negate bytes.
+// The kernels' grid_g argument is that grid for IQ3_S and decode.cuh's table blob for a generic IQ type (fill_tab).
 //
-// Weight formats (GGML type numbers): 21 = IQ3_S (110 B / 256), 12 = Q4_K (144 B / 256), 8 = Q8_0 (34 B / 32).
+// Weight formats (GGML type numbers): every expert type of stratad.model.quants. 21 = IQ3_S (110 B / 256), 12 = Q4_K
+// (144 B / 256) and 8 = Q8_0 (34 B / 32) have tuned decoders below (and tensor-core prompt tiles); every other type
+// takes the generic path of expert_term.cuh (decode.cuh's decode, codes packed as int8 / int16, the same canonical
+// term): the same kernels, SIMT prompt tiles. Generic types that read decode.cuh's table blob (the IQ types) copy
+// it to shared offset 0, where IQ3_S keeps its grid.
 
 #include "common.cuh"
 #include "route.cuh"
+#include "decode.cuh"
+#include "expert_term.cuh"
 
 // ---- compile-time configuration (experts.py passes all of these; defaults allow a standalone nvcc check) ----
 #ifndef GU_QT
@@ -180,10 +187,13 @@ __device__ __forceinline__ uint4 sm_u128(u32 off) { return *reinterpret_cast<con
 
 
 // ---- formats -----------------------------------------------------------------------------------------------------
-template <int QT> struct QF;
-template <> struct QF<QT_Q8_0> { static constexpr int BV = 32, BB = 34; };
-template <> struct QF<QT_Q4_K> { static constexpr int BV = 256, BB = 144; };
-template <> struct QF<QT_IQ3_S> { static constexpr int BV = 256, BB = 110; };
+template <int QT> struct QF { static constexpr int BV = XtTraits<QT>::BV, BB = XtTraits<QT>::BB; };
+// the types with decoders of their own (decode_sub below, decode_frag in experts_mma.cuh); the rest are generic
+template <int QT> struct Tuned { static constexpr bool value = QT == QT_Q8_0 || QT == QT_Q4_K || QT == QT_IQ3_S; };
+// a generic type whose decode reads decode.cuh's table blob: it is at shared offset 0 (fill_tab)
+template <int QT> struct TabSmem {
+    static constexpr int BYTES = (!Tuned<QT>::value && XtTraits<QT>::TABLE) ? (DQ_TAB_BYTES + 15) / 16 * 16 : 0;
+};
 
 template <int QT, int KIN> struct Geom {
     static_assert(KIN % QF<QT>::BV == 0, "row length must be a multiple of the block size");
@@ -214,6 +224,13 @@ template <int WORDS> __device__ __forceinline__ void fill_grid(const u32* __rest
             dst[s * 512 + i] = (v ^ m) + (m & 0x01010101u);
         }
     }
+}
+
+// Copy decode.cuh's table blob (tab_g, DQ_TAB_BYTES) to shared offset 0 for a generic type that reads it.
+template <int QT> __device__ __forceinline__ void fill_tab(const u32* __restrict__ tab_g) {
+    if (TabSmem<QT>::BYTES == 0) return;
+    u32* dst = reinterpret_cast<u32*>(g_smem);
+    for (int i = threadIdx.x; i < DQ_TAB_BYTES / 4; i += blockDim.x) dst[i] = __ldg(tab_g + i);
 }
 
 // One decoded sub-block: 32 signed 8-bit weights (4 per word), scale, minimum (Q4_K only).
@@ -294,6 +311,12 @@ template <> __device__ __forceinline__ void decode_sub<QT_IQ3_S>(u32 R, int s, S
     }
 }
 
+// Every other type: expert_term.cuh's decode of sub-block s of the row at shared offset R (the table blob, for the
+// types that read it, at shared offset 0)
+template <int QT> __device__ __forceinline__ void decode_sub(u32 R, int s, XtW<QT>& w) {
+    xt_decode<QT>(g_smem + R, s, g_smem, w);
+}
+
 // Activation sub-block: 32 int8 (4 per word), its scale; (Q4_K) the sum of its integers.
 struct Act {
     u32 a[8];
@@ -320,10 +343,26 @@ __device__ __forceinline__ void load_act(const signed char* __restrict__ q, cons
     }
 }
 
+// A generic type's activation sub-block: the same loads, and the half sums its minimum needs (expert_term.cuh)
+template <int QT>
+__device__ __forceinline__ void load_act(const signed char* __restrict__ q, const float* __restrict__ d, int s,
+                                         XtAct& A) {
+    const uint4* p = reinterpret_cast<const uint4*>(q + 32 * s);
+    const uint4 x = __ldg(p), y = __ldg(p + 1);
+    A.a[0] = x.x; A.a[1] = x.y; A.a[2] = x.z; A.a[3] = x.w;
+    A.a[4] = y.x; A.a[5] = y.y; A.a[6] = y.z; A.a[7] = y.w;
+    A.d = __ldg(d + s);
+    xt_act_sums<QT>(A);
+}
+
+// The weight and activation sub-block types of QT's decode (a tuned one, or expert_term.cuh's)
+template <int QT, bool TUNED = Tuned<QT>::value> struct Sub { typedef SubW W; typedef Act A; };
+template <int QT> struct Sub<QT, false> { typedef XtW<QT> W; typedef XtAct A; };
+
 // This lane's activation sub-blocks (lane, lane + 32, ...) of row `row` of a (rows, KIN) quantised input.
-template <int QT, int KIN, int N>
+template <int QT, int KIN, int N, class AT>
 __device__ __forceinline__ void load_row_act(const signed char* __restrict__ q, const float* __restrict__ d, int row,
-                                             int lane, Act (&A)[N]) {
+                                             int lane, AT (&A)[N]) {
     constexpr int NSUB = KIN / 32;
 #pragma unroll
     for (int i = 0; i < N; ++i) {
@@ -340,6 +379,10 @@ template <int QT> __device__ __forceinline__ float sub_term(const SubW& w, const
     float t = f_mul(f_mul(w.sc, A.d), small_i2f(isum));
     if (QT == QT_Q4_K) t = f_sub(t, f_mul(f_mul(w.mn, A.d), small_i2f(A.asum)));
     return t;
+}
+
+template <int QT> __device__ __forceinline__ float sub_term(const XtW<QT>& w, const XtAct& A) {
+    return xt_term<QT>(w, A);
 }
 
 // IQ3_S term from the signed table (IQ3_FAST): isum = sum_k dp4a(table[e_k], a_k) with e_k = signs_k << 9 | idx_k
@@ -383,6 +426,14 @@ __device__ __forceinline__ float iq3s_term_fast(u32 R, int s, const Act& A) {
 template <int QT> __device__ __forceinline__ float sub_dot(u32 R, int s, const Act& A) {
     if (QT == QT_IQ3_S && IQ3_FAST) return iq3s_term_fast(R, s, A);
     SubW w;
+    decode_sub<QT>(R, s, w);
+    return sub_term<QT>(w, A);
+}
+template <int QT> __device__ __forceinline__ float sub_dot(u32 R, int s, const XtAct& A) {
+    // a float type's sub-block is 64 / 128 bytes: its loads stay between these fences, or the scheduler hoists those
+    // of a warp's four sub-blocks together and spills
+    if (!DqTraits<QT>::QUANT) asm volatile("" ::: "memory");
+    XtW<QT> w;
     decode_sub<QT>(R, s, w);
     return sub_term<QT>(w, A);
 }
@@ -446,7 +497,7 @@ constexpr int GU_R = 32 / GU_WPB;
 static_assert(GU_R * GU_WPB == 32, "GU_WPB must divide 32");
 constexpr int GU_RANGE = GU_R * GUG::RB;                       // bytes of one warp's rows of one matrix
 constexpr int GU_CHB = (GU_RANGE + 14 + 15) / 16 * 16 + 16;    // staged bytes per matrix (+16: decoder over-read)
-constexpr int GU_TBL = (GU_QT == QT_IQ3_S) ? GRID_TABLE_BYTES : 0;
+constexpr int GU_TBL = (GU_QT == QT_IQ3_S) ? GRID_TABLE_BYTES : TabSmem<GU_QT>::BYTES;
 constexpr int GU_STG = 2 * GU_CHB;
 template <int TP> struct GuSmem {
     static constexpr int HS = 2 * TP * 32 * 4;  // h of the group's tokens, double-buffered by item parity
@@ -499,6 +550,7 @@ __device__ __forceinline__ void gateup_body(const u8* __restrict__ pool, i64 slo
         cp_commit();
     }
     if (GU_QT == QT_IQ3_S && TP != 1) fill_grid<512>(grid_g);  // TP = 1: expert_gateup, before its wait
+    if (TP != 1) fill_tab<GU_QT>(grid_g);
     __syncthreads();
 
 #pragma unroll 1
@@ -512,7 +564,7 @@ __device__ __forceinline__ void gateup_body(const u8* __restrict__ pool, i64 slo
         const int slot = __ldg(pairs + 2 * p0 + 1);
         const int row0 = grp * 32 + warp * GU_R;
 
-        Act A[TP == 1 ? SPL : 1];  // one pair: its activation loads overlap the wait for the weights
+        typename Sub<GU_QT>::A A[TP == 1 ? SPL : 1];  // one pair: its activation loads overlap the weights' wait
         if (TP == 1) load_row_act<GU_QT, GU_KIN>(qa, da, __ldg(pairs + 2 * p0), lane, A);
         cp_wait<GU_STAGES - 1>();
         __syncwarp();
@@ -539,7 +591,7 @@ __device__ __forceinline__ void gateup_body(const u8* __restrict__ pool, i64 slo
                     ag[0][r] = f_add(ag[0][r], tg);
                     au[0][r] = f_add(au[0][r], tu);
                 } else {
-                    SubW wg, wu;
+                    typename Sub<GU_QT>::W wg, wu;
                     if (s < NSUB) {
                         decode_sub<GU_QT>(Rg + r * GUG::RB, s, wg);
                         decode_sub<GU_QT>(Ru + r * GUG::RB, s, wu);
@@ -550,7 +602,7 @@ __device__ __forceinline__ void gateup_body(const u8* __restrict__ pool, i64 slo
                             float tg = 0.0f, tu = 0.0f;
                             if (s < NSUB) {
                                 const int tok = __ldg(pairs + 2 * (p0 + t));
-                                Act B;
+                                typename Sub<GU_QT>::A B;
                                 load_act<GU_QT>(qa + (i64)tok * GU_KIN, da + (i64)tok * NSUB, s, B);
                                 tg = sub_term<GU_QT>(wg, B);
                                 tu = sub_term<GU_QT>(wu, B);
@@ -604,6 +656,7 @@ expert_gateup(const u8* __restrict__ pool, i64 slot_bytes, i64 up_off, const int
               const float* __restrict__ da, const u32* __restrict__ grid_g, float* __restrict__ hbuf,
               signed char* __restrict__ qhbuf, float* __restrict__ dhbuf) {
     if (GU_QT == QT_IQ3_S) fill_grid<GRID_TABLE_WORDS>(grid_g);  // a constant: while route_pairs runs
+    fill_tab<GU_QT>(grid_g);
     PDL_ENTRY();
     gateup_body<1>(pool, slot_bytes, up_off, pairs, nullptr, n_pairs_p, max_pairs, qa, da, grid_g, hbuf, qhbuf, dhbuf);
 }
@@ -623,7 +676,7 @@ typedef Geom<DN_QT, DN_KIN> DNG;
 static_assert(DN_ROWS % DN_R == 0, "DN_R must divide d_model");
 constexpr int DN_RANGE = DN_R * DNG::RB;
 constexpr int DN_CHB = (DN_RANGE + 14 + 15) / 16 * 16 + 16;
-constexpr int DN_TBL = (DN_QT == QT_IQ3_S) ? GRID_TABLE_BYTES : 0;
+constexpr int DN_TBL = (DN_QT == QT_IQ3_S) ? GRID_TABLE_BYTES : TabSmem<DN_QT>::BYTES;
 constexpr int DN_STG = DN_CHB;
 constexpr int DN_SMEM = DN_TBL + DN_WPB * DN_STAGES * DN_STG + 16;
 static_assert(DN_KIN == GU_ROWS, "down rows take d_ff values");
@@ -675,6 +728,7 @@ __device__ __forceinline__ void down_body(const u8* __restrict__ pool, i64 slot_
         cp_commit();
     }
     if (DN_QT == QT_IQ3_S) fill_grid<TP == 1 ? GRID_TABLE_WORDS : 512>(grid_g);
+    fill_tab<DN_QT>(grid_g);
     __syncthreads();
     wait();
 
@@ -687,7 +741,7 @@ __device__ __forceinline__ void down_body(const u8* __restrict__ pool, i64 slot_
         int p0, cnt;
         Tile<TP>::get(tiles, tile, p0, cnt);
         const int slot = __ldg(pairs + 2 * p0 + 1);
-        Act A[TP == 1 ? SPL : 1];
+        typename Sub<DN_QT>::A A[TP == 1 ? SPL : 1];
         if (TP == 1) load_row_act<DN_QT, DN_KIN>(qhbuf, dhbuf, p0, lane, A);
         cp_wait<DN_STAGES - 1>();
         __syncwarp();
@@ -709,7 +763,7 @@ __device__ __forceinline__ void down_body(const u8* __restrict__ pool, i64 slot_
                     if (s < NSUB) t1 = sub_dot<DN_QT>(R0 + r * DNG::RB, s, A[i % (TP == 1 ? SPL : 1)]);
                     acc[0][r] = f_add(acc[0][r], t1);
                 } else {
-                    SubW w;
+                    typename Sub<DN_QT>::W w;
                     if (s < NSUB) decode_sub<DN_QT>(R0 + r * DNG::RB, s, w);
 #pragma unroll
                     for (int t = 0; t < TP; ++t) {
@@ -717,7 +771,7 @@ __device__ __forceinline__ void down_body(const u8* __restrict__ pool, i64 slot_
                             float tt = 0.0f;
                             if (s < NSUB) {
                                 const int p = p0 + t;
-                                Act B;
+                                typename Sub<DN_QT>::A B;
                                 load_act<DN_QT>(qhbuf + (i64)p * DN_KIN, dhbuf + (i64)p * NSUB, s, B);
                                 tt = sub_term<DN_QT>(w, B);
                             }

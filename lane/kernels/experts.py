@@ -28,6 +28,7 @@ from stratad.engine import canonical
 from lane.gpu_types import GPU_EXPERT_TYPES as EXPERT_TYPES
 from stratad.model.quants import fmt, iq3s_grid, parse_type
 
+from . import decode_tables
 from .compile import load_module
 from .launch import launch
 
@@ -46,6 +47,39 @@ def _qtype(q):
     if t not in EXPERT_TYPES:
         raise ValueError(f"{t.name} is not an expert type the GPU kernels support ({[e.name for e in EXPERT_TYPES]})")
     return t
+
+
+# types with decoders of their own in experts.cu (and tensor-core prompt tiles); every other type runs the generic
+# path (expert_term.cuh) and SIMT prompt tiles
+TUNED = (_T.IQ3_S, _T.Q4_K, _T.Q8_0)
+FLOATS = (_T.F32, _T.F16, _T.BF16)
+# generic types whose decode reads decode.cuh's table blob (a copy at shared offset 0: experts.cu's TabSmem)
+TABLE_TYPES = (_T.IQ2_XXS, _T.IQ2_XS, _T.IQ2_S, _T.IQ3_XXS, _T.IQ1_S, _T.IQ1_M, _T.IQ4_NL, _T.IQ4_XS)
+
+
+def table_bytes(qt, iq3_fast: int) -> int:
+    """Shared bytes at offset 0 of a kernel reading weights of type qt (experts.cu's GU_TBL / DN_TBL)."""
+    if qt == _T.IQ3_S:
+        return GRID_SIGNED_BYTES if iq3_fast else GRID_PLAIN_BYTES
+    return -(-decode_tables.offsets()["BYTES"] // 16) * 16 if qt in TABLE_TYPES else 0
+
+
+def simt_tile(qt_gate_up, tuning: "Tuning") -> int:
+    """Pairs a SIMT prompt tile: the tuning's, at most 4 for float gate/up weights (a decoded float sub-block is 16
+    registers, and 8 tokens' sums beside two of them spill)."""
+    return min(tuning.tile_p, 4) if qt_gate_up in FLOATS else tuning.tile_p
+
+
+# registers a gate/up thread needs where the generic decode of a warp's four sub-blocks at once spills in the 64 that
+# 16 warps x 2 blocks leave (NVRTC, sm_90, the a3b shape: IQ2_S spilled 48 bytes, used 79 registers with 85)
+GU_REGS = {_T.IQ2_S: 80}
+
+
+def gu_min_blocks(qt_gate_up, tuning: "Tuning") -> int:
+    """Gate/up blocks an SM for the decode kernel's register cap: the tuning's, fewer where GU_REGS says."""
+    need = GU_REGS.get(qt_gate_up)
+    cap = 65536 // (32 * tuning.gu_warps * need) if need else tuning.gu_min_blocks
+    return max(1, min(tuning.gu_min_blocks, cap))
 
 
 def _f32hex(v) -> str:
@@ -162,7 +196,7 @@ class ExpertKernels:
                 ("GU_QT", int(self.qt_gu)), ("GU_KIN", self.d_model), ("GU_ROWS", self.d_ff),
                 ("DN_QT", int(self.qt_dn)), ("DN_KIN", self.d_ff), ("DN_ROWS", self.d_model),
                 ("GU_WPB", self.gu_warps), ("GU_MINB", self.gu_blocks), ("GU_STAGES", self.gu_stages),
-                ("TILE_P", t.tile_p), ("MMA_MPW", t.mma_mpw), ("MMA_PREFETCH", t.mma_prefetch), ("MMA_UNROLL", t.mma_unroll),
+                ("TILE_P", self.simt_tile), ("MMA_MPW", t.mma_mpw), ("MMA_PREFETCH", t.mma_prefetch), ("MMA_UNROLL", t.mma_unroll),
                 ("DN_WPB", self.dn_warps), ("DN_MINB", self.dn_blocks), ("DN_STAGES", self.dn_stages),
                 ("DN_R", t.dn_rows), ("IQ3_FAST", t.iq3_fast),
             ] + exp_defines()
@@ -186,8 +220,12 @@ class ExpertKernels:
                 self._k_gum.max_dynamic_shared_size_bytes = self.mma_gu_smem
                 self._k_dnm.max_dynamic_shared_size_bytes = self.mma_dn_smem
 
-            # the plain grid (signs4 = 0); the kernels' fill_grid builds the rest of signed_grid() in shared memory
+            # the plain grid (signs4 = 0); the kernels' fill_grid builds the rest of signed_grid() in shared memory.
+            # A kernel's grid_g is that grid for IQ3_S, decode.cuh's table blob for the generic IQ types (unread by
+            # the rest)
             self.grid = cupy.asarray(signed_grid()[:512])
+            self.gu_tab, self.dn_tab = (decode_tables.device_tables() if q in TABLE_TYPES else self.grid
+                                        for q in (self.qt_gu, self.qt_dn))
             P, F = self.max_pairs, self.d_ff
             self.h = cupy.empty((P, F), cupy.float32)
             self.qh = cupy.empty((P, F), cupy.int8)
@@ -215,13 +253,13 @@ class ExpertKernels:
 
     def _plan(self, smem_block: int, smem_sm: int) -> None:
         t = self.tuning
-        tbl = self.grid_bytes = GRID_SIGNED_BYTES if t.iq3_fast else GRID_PLAIN_BYTES  # experts.cu's GRID_TABLE_BYTES
+        self.grid_bytes = table_bytes(_T.IQ3_S, t.iq3_fast)  # experts.cu's GRID_TABLE_BYTES
 
         def fit(qt, fixed, stg, warps, stages, blocks):
-            smem = (tbl if qt == _T.IQ3_S else 0) + fixed + warps * stages * stg + 16
+            smem = table_bytes(qt, t.iq3_fast) + fixed + warps * stages * stg + 16
             while stages > 1 and smem > smem_block:
                 stages -= 1
-                smem = (tbl if qt == _T.IQ3_S else 0) + fixed + warps * stages * stg + 16
+                smem = table_bytes(qt, t.iq3_fast) + fixed + warps * stages * stg + 16
             if smem > smem_block:
                 raise ValueError(f"rows too long for shared memory ({smem} bytes per block)")
             blocks = max(1, min(blocks, smem_sm // (smem + 1024)))
@@ -231,28 +269,30 @@ class ExpertKernels:
         dn_stg = _staged(self.qt_dn, self.d_ff, t.dn_rows)
         self.gu_warps, self.dn_warps = t.gu_warps, t.dn_warps
         self.gu_stages, self.gu_blocks, self.gu_smem = fit(self.qt_gu, 256, gu_stg, t.gu_warps, t.gu_stages,
-                                                           t.gu_min_blocks)
+                                                           gu_min_blocks(self.qt_gu, t))
         self.dn_stages, self.dn_blocks, self.dn_smem = fit(self.qt_dn, 0, dn_stg, t.dn_warps, t.dn_stages,
                                                            t.dn_min_blocks)
         self.gu_grid = self.n_sm * self.gu_blocks
         self.dn_grid = self.n_sm * self.dn_blocks
         # tiled kernels: the same staging, h of tile_p tokens per group instead of one (experts.cu: GUT_SMEM)
-        self.gut_smem = self.gu_smem - 2 * 32 * 4 + 2 * t.tile_p * 32 * 4
+        self.simt_tile = simt_tile(self.qt_gu, t)
+        self.gut_smem = self.gu_smem - 2 * 32 * 4 + 2 * self.simt_tile * 32 * 4
         if self.gut_smem > smem_block:
             raise ValueError(f"tiled gate/up needs {self.gut_smem} bytes of shared memory per block")
-        # tensor-core tiles (experts_mma.cuh): compiled for these row lengths, used where they fit
-        shape_ok = self.d_model % 128 == 0 and self.d_ff % 128 == 0  # experts_mma.cuh compiles for these only
+        # tensor-core tiles (experts_mma.cuh): compiled for these row lengths and the tuned types only (their q is
+        # int8), used where they fit
+        shape_ok = self.d_model % 128 == 0 and self.d_ff % 128 == 0 and self.qt_gu in TUNED and self.qt_dn in TUNED
         self.mma_gu_smem, self.mma_dn_smem = ((mma_smem(self.qt_gu, self.d_model, True),
                                                mma_smem(self.qt_dn, self.d_ff, False)) if shape_ok else (0, 0))
         self.mma = t.prompt == "mma" and shape_ok and max(self.mma_gu_smem, self.mma_dn_smem) <= smem_block
-        self.tile_p = MMA_TILE if self.mma else t.tile_p  # pairs a prompt tile (build_pairs cuts them)
+        self.tile_p = MMA_TILE if self.mma else self.simt_tile  # pairs a prompt tile (build_pairs cuts them)
 
     def _check_layout(self) -> None:
         cp = self.cp
         info = cp.zeros(16, cp.int32)
         self.module.get_function("layout_info")((1,), (32,), (info,))
         v = info.get()
-        want = (self.gu_smem, self.dn_smem, self.gut_smem, self.tuning.tile_p, self.mma_gu_smem, self.mma_dn_smem,
+        want = (self.gu_smem, self.dn_smem, self.gut_smem, self.simt_tile, self.mma_gu_smem, self.mma_dn_smem,
                 self.grid_bytes)
         if tuple(int(v[i]) for i in (0, 1, 11, 12, 13, 14, 8)) != want:
             raise RuntimeError(f"shared memory plan mismatch: kernel {v[[0, 1, 11, 12, 13, 14, 8]]}, host {want}")
@@ -326,7 +366,7 @@ class ExpertKernels:
             launch(self._k_gu, (self.gu_grid,), (self.gu_warps * 32,),
                        (np.uint64(lay.base), np.int64(lay.stride), np.int64(lay.up_off), pairs, n_pairs,
                         np.int32(self.max_pairs),
-                        qa, da, self.grid, self.h, self.qh, self.dh),
+                        qa, da, self.gu_tab, self.h, self.qh, self.dh),
                        shared_mem=self.gu_smem)
 
     def run_down(self, where, pairs, n_pairs, out, combine=None, stream=None) -> None:
@@ -349,7 +389,7 @@ class ExpertKernels:
         with self._stream(stream):
             launch(self._k_dn, (self.dn_grid,), (self.dn_warps * 32,),
                        (np.uint64(lay.down), np.int64(lay.down_stride), pairs, n_pairs, np.int32(self.max_pairs),
-                        self.qh, self.dh, self.grid, out) + cmb,
+                        self.qh, self.dh, self.dn_tab, out) + cmb,
                        shared_mem=self.dn_smem)
 
     def run(self, where, pairs, n_pairs, qa, da, out, combine=None, stream=None) -> None:
@@ -384,9 +424,9 @@ class ExpertKernels:
             dn = (self._k_dnt, 2 * self.n_sm, self.dn_warps * 32, self.dn_smem)
         with self._stream(stream):
             launch(gu[0], (gu[1],), (gu[2],), (np.uint64(lay.base), np.int64(lay.stride), np.int64(lay.up_off)) +
-                   common + (qa, da, self.grid, self.h, self.qh, self.dh), shared_mem=gu[3])
+                   common + (qa, da, self.gu_tab, self.h, self.qh, self.dh), shared_mem=gu[3])
             launch(dn[0], (dn[1],), (dn[2],), (np.uint64(lay.down), np.int64(lay.down_stride)) + common +
-                   (self.qh, self.dh, self.grid, out), shared_mem=dn[3])
+                   (self.qh, self.dh, self.dn_tab, out), shared_mem=dn[3])
 
     def _check_run_args(self, pairs, n_pairs) -> None:
         cp = self.cp

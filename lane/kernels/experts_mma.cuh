@@ -17,7 +17,10 @@
 // more warps to hide latency). The tile's activation rows (int8 and scales) are
 // staged once and kept while a block's items (a contiguous range) stay on the same tile.
 
-#if GU_KIN % 128 == 0 && DN_KIN % 128 == 0 && DN_ROWS % 64 == 0
+// Tensor-core tiles for the tuned types only (their q is int8 and decode_frag exists for them); generic types take
+// the SIMT tiles (experts.py: ExpertKernels.mma).
+#define MMA_TYPE(q) ((q) == QT_Q8_0 || (q) == QT_Q4_K || (q) == QT_IQ3_S)
+#if GU_KIN % 128 == 0 && DN_KIN % 128 == 0 && DN_ROWS % 64 == 0 && MMA_TYPE(GU_QT) && MMA_TYPE(DN_QT)
 #define MMA_TILES 1
 
 #ifndef MMA_MPW
