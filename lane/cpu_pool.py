@@ -1,10 +1,12 @@
 """The CPU pool: threads that compute the experts no card holds, straight from the arena's raw GGUF bytes.
 
 Every output bit equals `stratad.engine.canonical.expert` on `decode_int` of the same rows (docs/design.md, exactness),
-for every expert type: a layer whose types are all IQ3_S / Q4_K / Q6_K / Q8_0 runs the raw-block kernels below (each
-of gate / up / down may be any of them: llama.cpp's Q4_K_M layers); any other runs the generic path, the same arithmetic on the types' integer views (see `_run_generic`).
-The raw-block kernels read IQ3_S / Q4_K / Q8_0 blocks directly (Q6_K: a scalar kernel, below), form exact integer sub-block dots, scale each term as
-`(scale_b * d_b) * isum_b [- (minimum_b * d_b) * asum_b]` in float32 (every op rounded on its own: no fastmath, so
+for every expert type. Every quantised type has a kernel reading its raw GGUF blocks (gate / up / down may each be
+any type: llama.cpp's mixes): IQ3_S / Q4_K / Q8_0 decode in vector registers; every other type goes through one
+mechanism, a per-type decoder filling a block's integer view in small buffers and one row loop over them
+(`_rows_dec`). Float experts (no raw kernel) run the generic path, the same arithmetic on the integer views
+`decode_int` gives (see `_run_generic`). The kernels form exact integer sub-block dots, scale each term as
+`(scale_b * d_b) * isum_b [- (minimum_b * d_b) * msum_b]` in float32 (every op rounded on its own: no fastmath, so
 LLVM never contracts to FMA or reassociates), sum terms in the canonical warp order (virtual lane l adds terms
 l, l+32, ... to 0.0, then folds 16, 8, 4, 2, 1), apply SwiGLU with the canonical float32 `exp`, quantise h
 canonically and run the down dot the same way. Each output element is computed by one sequential piece of code
@@ -542,43 +544,6 @@ def _rows_q80(w, ro, rb, nrows, nsub, a, da, asum, idx, n, acc, sbuf, res, f16e)
             res[k * nrows + i] = _fold32(acc, k * LANES)
 
 
-@njit(nogil=True, cache=True, inline="always")
-def _rows_q6k(w, ro, rb, nrows, nsub, a, da, idx, n, acc, wbuf, res, f16e):
-    """Q6_K: per block, the 256 codes - 32 into wbuf (int8), then per sub-block of 32 the two 16-value halves'
-    integer sums, each times its int8 scale: isum = sc_lo * sum_lo + sc_hi * sum_hi, the view's exact integer sum
-    (q = sc * (code - 32), scale = d: docs/quant-types.md)."""
-    for i in range(nrows):
-        for l in range(n * LANES):
-            acc[l] = _ZERO
-        for bi in range(nsub // 8):
-            o = ro + i * rb + bi * 210
-            d = _f16(w[o + 208], w[o + 209], f16e)
-            for h in range(2):  # per 128 values: ql's 64 bytes low nibbles then high; qh's 32 bytes, 2 bits x 4
-                for c in range(32):
-                    qh = np.int32(w[o + 128 + h * 32 + c])
-                    q0 = np.int32(w[o + h * 64 + c])
-                    q1 = np.int32(w[o + h * 64 + 32 + c])
-                    wbuf[h * 128 + c] = np.int8(((q0 & 15) | ((qh & 3) << 4)) - 32)
-                    wbuf[h * 128 + 32 + c] = np.int8(((q1 & 15) | (((qh >> 2) & 3) << 4)) - 32)
-                    wbuf[h * 128 + 64 + c] = np.int8(((q0 >> 4) | (((qh >> 4) & 3) << 4)) - 32)
-                    wbuf[h * 128 + 96 + c] = np.int8(((q1 >> 4) | (((qh >> 6) & 3) << 4)) - 32)
-            lane0 = (bi * 8) & 31
-            for k in range(n):
-                t = idx[k] * nsub + bi * 8
-                for j in range(8):
-                    s_lo = 0
-                    s_hi = 0
-                    for v in range(16):
-                        s_lo += np.int32(wbuf[32 * j + v]) * np.int32(a[(t + j) * SUB + v])
-                        s_hi += np.int32(wbuf[32 * j + 16 + v]) * np.int32(a[(t + j) * SUB + 16 + v])
-                    sc_lo = np.int32(np.int8(w[o + 192 + 2 * j]))
-                    sc_hi = np.int32(np.int8(w[o + 193 + 2 * j]))
-                    term = (d * da[t + j]) * np.float32(sc_lo * s_lo + sc_hi * s_hi)
-                    acc[k * LANES + lane0 + j] = acc[k * LANES + lane0 + j] + term
-        for k in range(n):
-            res[k * nrows + i] = _fold32(acc, k * LANES)
-
-
 # ---- decoded-block kernels: every other quantised type ----------------------------------------------------------
 # One mechanism: a type's decoder turns one 256-value block (or up to 8 consecutive 32-value blocks) into its
 # canonical integer view (docs/quant-types.md) in small buffers: q (int8, uint8 or int16: _DECODED says which), the
@@ -611,12 +576,36 @@ def _k4_scales(w, o, sbuf, mbuf, f16e):
 
 
 @njit(nogil=True, cache=True, inline="always")
+def _nib_sub(w, p, wb, wo):
+    """A 32-value sub-block of 4-bit codes: 16 bytes at w[p], low nibbles then high."""
+    for v in range(16):
+        c = w[p + v]
+        wb[wo + v] = c & 15
+        wb[wo + 16 + v] = c >> 4
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _q5_sub(w, p, wb, wo):
+    """Q5_0 / Q5_1 codes: 32 high bits (bit v for value v) at w[p], then the 16 nibble bytes."""
+    _nib_sub(w, p + 4, wb, wo)
+    for v in range(SUB):
+        wb[wo + v] |= ((w[p + (v >> 3)] >> (v & 7)) & 1) << 4
+
+
+@njit(nogil=True, cache=True, inline="always")
 def _iq4_sub(w, p, wb8, wo, tab):
     """IQ4 sub-block: 16 bytes at w[p], low nibbles then high, each the index of its kvalue."""
     for v in range(16):
         c = np.int64(w[p + v])
         wb8[wo + v] = tab[_T_IQ4 + (c & 15)]
         wb8[wo + 16 + v] = tab[_T_IQ4 + (c >> 4)]
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _scale16(wb8, f, k, wb16):
+    """Values 16 k .. 16 k + 15 of the codes in wb8 times their 16-value integer scale f, into wb16."""
+    for v in range(16 * k, 16 * k + 16):
+        wb16[v] = f * np.int16(wb8[v])
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -639,7 +628,6 @@ def _dec_legacy(qtype, w, o, g, wb8, wbu, sbuf, mbuf, f16e, tab):
     bb = _BB[qtype]
     has_m = qtype == Q4_1 or qtype == Q5_1
     five = qtype == Q5_0 or qtype == Q5_1
-    bias = 16 if five else 8
     for j in range(g):
         b = o + j * bb
         sbuf[j] = _f16(w[b], w[b + 1], f16e)
@@ -650,30 +638,31 @@ def _dec_legacy(qtype, w, o, g, wb8, wbu, sbuf, mbuf, f16e, tab):
         if has_m:
             mbuf[j] = -_f16(w[b + 2], w[b + 3], f16e)
             p += 2
-        qh = 0
         if five:
-            qh = _u32(w, p)
-            p += 4
-        for v in range(16):
-            c = np.int64(w[p + v])
-            lo = (c & 15) | (((qh >> v) & 1) << 4)
-            hi = (c >> 4) | (((qh >> (v + 16)) & 1) << 4)
-            if has_m:
-                wbu[SUB * j + v] = lo
-                wbu[SUB * j + 16 + v] = hi
-            else:
-                wb8[SUB * j + v] = lo - bias
-                wb8[SUB * j + 16 + v] = hi - bias
+            _q5_sub(w, p, wbu, SUB * j)
+        else:
+            _nib_sub(w, p, wbu, SUB * j)
+        if not has_m:  # the symmetric types' q: code - 16 / - 8, as int8
+            bias = 16 if five else 8
+            for v in range(SUB):
+                wb8[SUB * j + v] = np.int8(wbu[SUB * j + v]) - bias
 
 
 @njit(nogil=True, cache=True, inline="always")
 def _dec_q5k(w, o, wbu, sbuf, mbuf, f16e):
     """Q5_K: q = 4-bit code (bytes 48 + 32 (j // 2), low nibbles for even j) | bit j of qh[v] << 4."""
     _k4_scales(w, o, sbuf, mbuf, f16e)
-    for j in range(8):
-        for v in range(SUB):
-            lo = (np.int64(w[o + 48 + 32 * (j >> 1) + v]) >> (4 * (j & 1))) & 15
-            wbu[SUB * j + v] = lo | (((np.int64(w[o + 16 + v]) >> j) & 1) << 4)
+    for v in range(SUB):
+        hb = w[o + 16 + v]
+        q0, q1, q2, q3 = w[o + 48 + v], w[o + 80 + v], w[o + 112 + v], w[o + 144 + v]
+        wbu[v] = (q0 & 15) | ((hb & 1) << 4)
+        wbu[32 + v] = (q0 >> 4) | ((hb & 2) << 3)
+        wbu[64 + v] = (q1 & 15) | ((hb & 4) << 2)
+        wbu[96 + v] = (q1 >> 4) | ((hb & 8) << 1)
+        wbu[128 + v] = (q2 & 15) | (hb & 16)
+        wbu[160 + v] = (q2 >> 4) | ((hb & 32) >> 1)
+        wbu[192 + v] = (q3 & 15) | ((hb & 64) >> 2)
+        wbu[224 + v] = (q3 >> 4) | ((hb & 128) >> 3)
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -685,42 +674,58 @@ def _dec_q2k(w, o, wbu, mwu, sbuf, mbuf, f16e):
     for j in range(8):
         sbuf[j] = d
         mbuf[j] = dmin
+    for v in range(SUB):
         for h in range(2):
-            sc = np.int64(w[o + 2 * j + h])
-            for v in range(16 * h, 16 * h + 16):
-                c = (np.int64(w[o + 16 + 32 * (j >> 2) + v]) >> (2 * (j & 3))) & 3
-                wbu[SUB * j + v] = (sc & 15) * c
-                mwu[SUB * j + v] = sc >> 4
+            q = w[o + 16 + 32 * h + v]
+            wbu[128 * h + v] = q & 3
+            wbu[128 * h + 32 + v] = (q >> 2) & 3
+            wbu[128 * h + 64 + v] = (q >> 4) & 3
+            wbu[128 * h + 96 + v] = q >> 6
+    for k in range(16):
+        sc = w[o + k]
+        for v in range(16 * k, 16 * k + 16):
+            wbu[v] = (sc & 15) * wbu[v]
+            mwu[v] = sc >> 4
 
 
 @njit(nogil=True, cache=True, inline="always")
-def _dec_q3k(w, o, wb16, sbuf, f16e):
+def _dec_q3k(w, o, wb8, wb16, sbuf, f16e):
     """Q3_K: scale d, q = (sc_k - 32) * code, code = 2 low bits - 4 where the hmask bit is clear."""
     d = _f16(w[o + 108], w[o + 109], f16e)
     for j in range(8):
         sbuf[j] = d
+    for v in range(SUB):
+        hm = w[o + v]
         for h in range(2):
-            k = 2 * j + h
-            sc = (((np.int64(w[o + 96 + (k & 7)]) >> (4 * (k >> 3))) & 15)
-                  | (((np.int64(w[o + 104 + (k & 3)]) >> (2 * (k >> 2))) & 3) << 4)) - 32
-            for v in range(16 * h, 16 * h + 16):
-                c = ((np.int64(w[o + 32 + 32 * (j >> 2) + v]) >> (2 * (j & 3))) & 3) - 4 + 4 * (
-                    (np.int64(w[o + v]) >> j) & 1)
-                wb16[SUB * j + v] = sc * c
+            q = w[o + 32 + 32 * h + v]
+            wb8[128 * h + v] = np.int8(q & 3) - 4 + 4 * np.int8((hm >> (4 * h)) & 1)
+            wb8[128 * h + 32 + v] = np.int8((q >> 2) & 3) - 4 + 4 * np.int8((hm >> (4 * h + 1)) & 1)
+            wb8[128 * h + 64 + v] = np.int8((q >> 4) & 3) - 4 + 4 * np.int8((hm >> (4 * h + 2)) & 1)
+            wb8[128 * h + 96 + v] = np.int8(q >> 6) - 4 + 4 * np.int8((hm >> (4 * h + 3)) & 1)
+    for k in range(16):
+        sc = (((np.int64(w[o + 96 + (k & 7)]) >> (4 * (k >> 3))) & 15)
+              | (((np.int64(w[o + 104 + (k & 3)]) >> (2 * (k >> 2))) & 3) << 4)) - 32
+        _scale16(wb8, sc, k, wb16)
 
 
 @njit(nogil=True, cache=True, inline="always")
-def _dec_q6k(w, o, wb16, sbuf, f16e):
-    """Q6_K: scale d, q = sc_k * (code - 32); sub-block j = 4 h + p: code = nibble p // 2 of ql[64 h + 32 (p % 2)
-    + v] | bits 2 p of qh[32 h + v] << 4; sc_k an int8."""
+def _dec_q6k(w, o, wb8, wb16, sbuf, f16e):
+    """Q6_K: scale d, q = sc_k * (code - 32); per 128 values h: code = a nibble of ql's 64 bytes | 2 bits of qh's
+    32 << 4; sc_k an int8."""
     d = _f16(w[o + 208], w[o + 209], f16e)
     for j in range(8):
         sbuf[j] = d
-        h, p = j >> 2, j & 3
-        for v in range(SUB):
-            c = ((np.int64(w[o + 64 * h + 32 * (p & 1) + v]) >> (4 * (p >> 1))) & 15) | (
-                ((np.int64(w[o + 128 + 32 * h + v]) >> (2 * p)) & 3) << 4)
-            wb16[SUB * j + v] = np.int64(np.int8(w[o + 192 + 2 * j + (v >> 4)])) * (c - 32)
+    for h in range(2):
+        for c in range(SUB):
+            qh = w[o + 128 + h * 32 + c]
+            q0 = w[o + h * 64 + c]
+            q1 = w[o + h * 64 + 32 + c]
+            wb8[h * 128 + c] = np.int8((q0 & 15) | ((qh & 3) << 4)) - 32
+            wb8[h * 128 + 32 + c] = np.int8((q1 & 15) | (((qh >> 2) & 3) << 4)) - 32
+            wb8[h * 128 + 64 + c] = np.int8((q0 >> 4) | (((qh >> 4) & 3) << 4)) - 32
+            wb8[h * 128 + 96 + c] = np.int8((q1 >> 4) | (((qh >> 6) & 3) << 4)) - 32
+    for k in range(16):
+        _scale16(wb8, np.int16(np.int8(w[o + 192 + k])), k, wb16)
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -828,9 +833,9 @@ def _decode(qtype, w, o, g, s, f16e, tab):
     if qtype == Q5_K:
         _dec_q5k(w, o, wbu, sbuf, mbuf, f16e)
     elif qtype == Q6_K:
-        _dec_q6k(w, o, wb16, sbuf, f16e)
+        _dec_q6k(w, o, wb8, wb16, sbuf, f16e)
     elif qtype == Q3_K:
-        _dec_q3k(w, o, wb16, sbuf, f16e)
+        _dec_q3k(w, o, wb8, wb16, sbuf, f16e)
     elif qtype == Q2_K:
         _dec_q2k(w, o, wbu, mwu, sbuf, mbuf, f16e)
     elif qtype == IQ4_XS:
@@ -920,8 +925,6 @@ def _rows(qtype, w, ro, rb, nrows, a, da, asum, idx, n, s, res, f16e, grid, tab)
         _rows_iq3s(w, ro, rb, nrows, rb // 110 * 8, a, da, asum, idx, n, acc, wbuf, sbuf, res, f16e, grid)
     elif qtype == Q4_K:
         _rows_q4k(w, ro, rb, nrows, rb // 144 * 8, a, da, asum, idx, n, acc, sbuf, mbuf, res, f16e)
-    elif qtype == Q6K_SCALAR and qtype == Q6_K:
-        _rows_q6k(w, ro, rb, nrows, rb // 210 * 8, a, da, idx, n, acc, wbuf, res, f16e)
     elif qtype == Q8_0:
         _rows_q80(w, ro, rb, nrows, rb // 34, a, da, asum, idx, n, acc, sbuf, res, f16e)
     else:
@@ -973,7 +976,6 @@ def _group(pairs, n_expert, n_tokens, gpairs, gstart, gexp):
 
 
 CHUNK = 64  # rows per _rows call
-Q6K_SCALAR = Q6_K
 
 
 @njit(nogil=True, cache=True)
@@ -1106,7 +1108,7 @@ def _layer_parallel(nthreads, tickets, tg, tu, td, gate, up, down, d_ff, d_model
 
 
 # ---- the generic path: any expert type, from its canonical integer view (quants.decode_int) --------------------
-# Layers whose three types are not all in _BLOCK_BYTES: the pairs' experts are decoded to their integer views by the
+# Layers whose three types are not all in _BLOCK_BYTES (float experts): the pairs' experts are decoded to their integer views by the
 # types' own units (bounded batches of experts), then these kernels do the canonical arithmetic on the views: exact
 # integer sub-block sums, each term (scale_b * d_b) * isum_b [- (minimum_b * d_b) * msum_b] in float32, the warp
 # order of lanes, SwiGLU, h quantised, the down dot. mode: 0 no minimum, 1 minimum with weight 1 (msum = the
@@ -1261,6 +1263,8 @@ def _check_tensors(jobs: LayerJobs) -> None:
                                   ("down", jobs.down, d_model, d_ff, jobs.down_type)):
         if t not in _SUPPORTED:
             raise ValueError(f"{name}: unsupported expert type {t}")
+        if not fmt(t).quantised and arr.dtype != np.uint8 and arr.flags.c_contiguous:
+            arr = arr.view(np.uint8)  # float experts as the reader gives them (float / bf16 as uint16): their bytes
         if arr.dtype != np.uint8 or arr.ndim != 3 or arr.shape[0] != ne or arr.shape[1] != rows:
             raise ValueError(f"{name}: expected uint8 ({ne}, {rows}, row_bytes), got {arr.dtype} {arr.shape}")
         if arr.shape[2] != fmt(t).row_bytes(n):

@@ -7,7 +7,7 @@ from gguf import GGMLQuantizationType as T
 
 from lane.cpu_pool import CpuPool, LayerJobs
 from stratad.engine import canonical
-from stratad.model.quants import EXPERT_TYPES, decode_int, random_rows
+from stratad.model.quants import EXPERT_TYPES, decode_int, fmt, random_rows
 
 F32 = np.float32
 TINY = (256, 256)  # (d_model, d_ff)
@@ -91,7 +91,9 @@ def test_bit_exact_vs_canonical(pools, seed, qtype, shape):
     assert np.all(da[0, 1] == 0) and np.all(da[2] == 0)
 
 
-BLOCK_KERNELS = [T.IQ3_S, T.Q4_K, T.Q6_K, T.Q8_0]  # cpu_pool's raw-block kernels; the other types: generic path
+# cpu_pool's raw-block kernels: every quantised type (float experts take the generic path)
+BLOCK_KERNELS = [T.IQ3_S, T.Q4_K, T.Q6_K, T.Q8_0, T.Q5_K, T.Q3_K, T.Q2_K, T.IQ4_XS, T.IQ4_NL, T.Q4_0, T.Q4_1, T.Q5_0,
+                 T.Q5_1, T.IQ3_XXS, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ1_S, T.IQ1_M]
 
 
 @pytest.mark.parametrize("qtype", EXPERT_TYPES, ids=lambda t: t.name)
@@ -108,7 +110,7 @@ def test_every_type_bit_exact_vs_canonical(pools, seed, qtype):
 
 
 @pytest.mark.parametrize("types", [(T.Q4_K, T.Q4_K, T.Q6_K), (T.IQ3_S, T.IQ3_S, T.Q6_K), (T.Q2_K, T.Q3_K, T.Q6_K),
-                                   (T.Q6_K, T.Q6_K, T.Q8_0),
+                                   (T.Q6_K, T.Q6_K, T.Q8_0), (T.Q5_K, T.Q3_K, T.Q6_K),
                                    (T.IQ2_XXS, T.IQ2_XXS, T.IQ3_S), (T.IQ1_M, T.IQ1_S, T.IQ4_XS)],
                          ids=lambda ts: "-".join(t.name for t in ts))
 def test_mixed_types_bit_exact(pools, seed, types):
@@ -129,6 +131,7 @@ def test_generic_path_equals_block_kernels(seed, qtype, monkeypatch):
     import lane.cpu_pool as cp
 
     assert set(cp._BLOCK_BYTES) == {int(t) for t in BLOCK_KERNELS}
+    assert set(BLOCK_KERNELS) == {t for t in EXPERT_TYPES if fmt(t).quantised}
     d_model, d_ff = TINY
     rng = np.random.default_rng([seed, int(qtype), 5])
     types = (qtype,) * 3
@@ -164,7 +167,7 @@ def test_quantize_edges_match_canonical():
     assert_bits(hsum, q.reshape(-1, 32).sum(axis=1).astype(F32))
 
 
-@pytest.mark.parametrize("qtype", [T.IQ3_S, T.Q4_K, T.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [T.IQ3_S, T.Q4_K, T.Q8_0, T.Q5_K, T.Q2_K, T.IQ2_S], ids=lambda t: t.name)
 def test_exp_clamp_large_inputs(pools, seed, qtype):
     """Gate values far beyond the exp clamp (|g| > 88) on both sides, and large h in the down projection."""
     d_model, d_ff = TINY
@@ -201,11 +204,14 @@ def test_multi_token_multi_expert(pools, seed):
     assert not np.any(out[pairs[:, 0] == 3])  # the all-zero token
 
 
-@pytest.mark.parametrize("types", [(T.Q4_K, T.IQ3_S, T.Q8_0), (T.Q8_0, T.Q8_0, T.Q4_K), (T.IQ3_S, T.Q8_0, T.IQ3_S)],
+@pytest.mark.parametrize("types", [(T.Q4_K, T.IQ3_S, T.Q8_0), (T.Q8_0, T.Q8_0, T.Q4_K), (T.IQ3_S, T.Q8_0, T.IQ3_S),
+                                   (T.Q5_K, T.Q3_K, T.Q6_K), (T.Q2_K, T.IQ4_XS, T.Q4_1), (T.IQ2_XS, T.IQ1_M, T.Q5_0),
+                                   (T.IQ2_S, T.IQ3_XXS, T.IQ4_NL), (T.IQ1_S, T.IQ2_XXS, T.Q5_1),
+                                   (T.Q4_0, T.Q5_K, T.Q2_K)],
                          ids=lambda ts: "-".join(t.name for t in ts))
 def test_mixed_types_several_tokens(pools, seed, types):
-    """Gate, up and down of different types (different row sizes), with tokens sharing experts (Q4_K and Q8_0
-    multi-token paths)."""
+    """Gate, up and down of different types (different row sizes and decoded kinds: int8, uint8 with a minimum,
+    Q2_K's mweights, int16), with tokens sharing experts (the multi-token paths)."""
     d_model, d_ff = TINY
     rng = np.random.default_rng([seed, 13, *map(int, types)])
     layer = make_layer(rng, types, 4, d_model, d_ff)
@@ -215,11 +221,13 @@ def test_mixed_types_several_tokens(pools, seed, types):
     assert_bits(run_all(pools, jobs), reference(types, layer, pairs, qa, da))
 
 
-def test_q8_0_rows_not_multiple_of_256(pools, seed):
-    """Q8_0 rows of 288 values: 8 blocks in the vector path, the 9th on the scalar path."""
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.IQ4_NL], ids=lambda t: t.name)
+def test_rows_not_multiple_of_256(pools, seed, qtype):
+    """32-value block types, rows of 288 values: 8 blocks in the vector path, the 9th on the scalar path; rows of
+    96 (down): the scalar path only."""
     d_model, d_ff = 288, 96
-    rng = np.random.default_rng([seed, 17])
-    types = (T.Q8_0,) * 3
+    rng = np.random.default_rng([seed, 17, int(qtype)])
+    types = (qtype,) * 3
     layer = make_layer(rng, types, 3, d_model, d_ff)
     qa, da = make_tokens(rng, 2, d_model)
     pairs = np.array([(0, 1), (1, 1), (1, 2)], np.int32)

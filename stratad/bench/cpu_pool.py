@@ -1,6 +1,7 @@
 """CPU pool throughput: GB/s of expert bytes read by `CpuPool.run`, against the host's own memory bandwidth.
 
-`python -m stratad.bench.cpu_pool [--threads N ...] [--qtype IQ3_S]` prints one JSON line per thread count.
+`python -m stratad.bench.cpu_pool [--threads N ...] [--qtype IQ3_S ...]` prints one JSON line per type and thread
+count (`--qtype all`: every quantised expert type).
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from gguf import GGMLQuantizationType as T
 from lane.cpu_pool import CpuPool, LayerJobs
 from stratad.bench import hardware
 from stratad.engine.canonical import quantize_act
-from stratad.model.quants import fmt, parse_type, random_rows
+from stratad.model.quants import EXPERT_TYPES, fmt, parse_type, random_rows
 
 F32 = np.float32
 
@@ -72,16 +73,19 @@ def bench_cpu_pool(threads: int | None = None, qtype: T = T.IQ3_S, n_expert: int
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="CPU pool throughput (GB/s of expert bytes read)")
     ap.add_argument("--threads", type=int, nargs="*", default=[os.cpu_count() or 1])
-    ap.add_argument("--qtype", default="IQ3_S")
+    ap.add_argument("--qtype", nargs="+", default=["IQ3_S"], help="expert types (gate, up and down alike), or all")
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=1)
     ap.add_argument("--n-expert", type=int, default=128)
     a = ap.parse_args(argv)
-    qt = parse_type(a.qtype)
-    layer = random_layer(qt, a.n_expert, 2048, 768)
-    for th in a.threads:
-        print(json.dumps(bench_cpu_pool(th, qt, experts_per_token=a.experts, tokens=a.tokens, layer=layer)),
-              flush=True)
+    qtypes = ([t for t in EXPERT_TYPES if fmt(t).quantised] if a.qtype == ["all"]
+              else [parse_type(name) for name in a.qtype])
+    for qt in qtypes:
+        layer = random_layer(qt, a.n_expert, 2048, 768)
+        for th in a.threads:
+            print(json.dumps(bench_cpu_pool(th, qt, experts_per_token=a.experts, tokens=a.tokens, layer=layer)),
+                  flush=True)
+        del layer  # not held while the next one is made
 
 
 if __name__ == "__main__":
