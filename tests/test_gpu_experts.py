@@ -62,12 +62,14 @@ def test_cu_exp_constants_are_canonical():
 def make_slots(rng, n_slots, d_model, d_ff, qgu, qdn):
     """Random valid experts: [(gate_raw, up_raw, down_raw)], scaled so gate/up outputs are O(1) (silu sees both
     signs and large magnitudes) and so are the down outputs."""
+    def rows(qt, r, n, rms):  # uint8 (rows, row_bytes) for the float types too
+        return np.ascontiguousarray(random_rows(qt, rng, r, n, rms)).view(np.uint8).reshape(r, -1)
+
     slots = []
     for _ in range(n_slots):
         s = float(rng.uniform(0.5, 2.0))
-        slots.append((random_rows(qgu, rng, d_ff, d_model, s / np.sqrt(d_model)),
-                      random_rows(qgu, rng, d_ff, d_model, s / np.sqrt(d_model)),
-                      random_rows(qdn, rng, d_model, d_ff, 1.0 / np.sqrt(d_ff))))
+        slots.append((rows(qgu, d_ff, d_model, s / np.sqrt(d_model)), rows(qgu, d_ff, d_model, s / np.sqrt(d_model)),
+                      rows(qdn, d_model, d_ff, 1.0 / np.sqrt(d_ff))))
     return slots
 
 
@@ -300,12 +302,13 @@ def test_quantize_edges(cp):
 
 def test_down_kernel_combines_a_decode_step(cp):
     """run(combine=) for one token whose k experts are all in one pool: the residual gains exactly combine_rows'
-    sum of the k rows in router order; again from fresh buffers (the counts reset), every quant type."""
+    sum of the k rows in router order; again from fresh buffers (the counts reset); the tuned types and generic ones
+    (Q6_K, IQ2_XS with its tables, F16's float view)."""
     from lane.kernels.experts import ExpertKernels, Tuning, combine_rows_ref
 
     rng = np.random.default_rng(21)
     d_model, d_ff, K, n_slots, P = 2048, 768, 8, 12, 32
-    for qt, dn_rows in ((T.IQ3_S, 4), (T.Q4_K, 2), (T.Q8_0, 8)):
+    for qt, dn_rows in ((T.IQ3_S, 4), (T.Q4_K, 2), (T.Q8_0, 8), (T.Q6_K, 4), (T.IQ2_XS, 2), (T.F16, 8)):
         k = ExpertKernels(d_model, d_ff, qt, qt, P, tuning=Tuning(dn_rows=dn_rows))
         slots = make_slots(rng, n_slots, d_model, d_ff, qt, qt)
         pool = cp.asarray(np.stack([k.pack_slot(*m) for m in slots]))

@@ -313,8 +313,12 @@ template <> __device__ __forceinline__ void decode_sub<QT_IQ3_S>(u32 R, int s, S
 
 // Every other type: expert_term.cuh's decode of sub-block s of the row at shared offset R (the table blob, for the
 // types that read it, at shared offset 0)
+// (W: XtW<QT>; a parameter, so that the GU_DIRECT branches of the bodies name it for the tuned types too)
+template <int QT, class W> __device__ __forceinline__ void decode_at(const u8* row, int s, W& w) {
+    xt_decode<QT>(row, s, g_smem, w);
+}
 template <int QT> __device__ __forceinline__ void decode_sub(u32 R, int s, XtW<QT>& w) {
-    xt_decode<QT>(g_smem + R, s, g_smem, w);
+    decode_at<QT>(g_smem + R, s, w);
 }
 
 // Activation sub-block: 32 int8 (4 per word), its scale; (Q4_K) the sum of its integers.
@@ -429,13 +433,13 @@ template <int QT> __device__ __forceinline__ float sub_dot(u32 R, int s, const A
     decode_sub<QT>(R, s, w);
     return sub_term<QT>(w, A);
 }
-template <int QT> __device__ __forceinline__ float sub_dot(u32 R, int s, const XtAct& A) {
-    // a float type's sub-block is 64 / 128 bytes: its loads stay between these fences, or the scheduler hoists those
-    // of a warp's four sub-blocks together and spills
-    if (!DqTraits<QT>::QUANT) asm volatile("" ::: "memory");
+template <int QT, class AT> __device__ __forceinline__ float sub_dot_at(const u8* row, int s, const AT& A) {
     XtW<QT> w;
-    decode_sub<QT>(R, s, w);
+    decode_at<QT>(row, s, w);
     return sub_term<QT>(w, A);
+}
+template <int QT> __device__ __forceinline__ float sub_dot(u32 R, int s, const XtAct& A) {
+    return sub_dot_at<QT>(g_smem + R, s, A);
 }
 
 // Cooperative 16-byte cp.async of the aligned chunks covering [g, g + rb) into shared address sdst, by threads
@@ -495,7 +499,13 @@ __device__ __forceinline__ int tile_slot(const int* __restrict__ pairs, const in
 typedef Geom<GU_QT, GU_KIN> GUG;
 constexpr int GU_R = 32 / GU_WPB;
 static_assert(GU_R * GU_WPB == 32, "GU_WPB must divide 32");
-constexpr int GU_RANGE = GU_R * GUG::RB;                       // bytes of one warp's rows of one matrix
+// GU_DIRECT (experts.py, where a block's 64 staged rows would not fit in shared memory: F16 / BF16 / F32 gate and up
+// at d_model 2048): a generic type's rows are decoded where they are (global memory), nothing is staged
+#ifndef GU_DIRECT
+#define GU_DIRECT 0
+#endif
+static_assert(!GU_DIRECT || !Tuned<GU_QT>::value, "the tuned decoders read staged rows only");
+constexpr int GU_RANGE = GU_DIRECT ? 0 : GU_R * GUG::RB;        // bytes of one warp's rows of one matrix
 constexpr int GU_CHB = (GU_RANGE + 14 + 15) / 16 * 16 + 16;    // staged bytes per matrix (+16: decoder over-read)
 constexpr int GU_TBL = (GU_QT == QT_IQ3_S) ? GRID_TABLE_BYTES : TabSmem<GU_QT>::BYTES;
 constexpr int GU_STG = 2 * GU_CHB;
@@ -572,6 +582,7 @@ __device__ __forceinline__ void gateup_body(const u8* __restrict__ pool, i64 slo
         const u32 Rg = wst + st * GU_STG +
                        (u32)(((u64)pool + (u64)((i64)slot * slot_bytes + (i64)row0 * GUG::RB)) & 15);
         const u32 Ru = Rg + GU_CHB;
+        const u8* Gg = pool + (i64)slot * slot_bytes + (i64)row0 * GUG::RB;  // GU_DIRECT: the gate rows themselves
         float ag[TP][GU_R], au[TP][GU_R];
 #pragma unroll
         for (int t = 0; t < TP; ++t)
@@ -585,16 +596,26 @@ __device__ __forceinline__ void gateup_body(const u8* __restrict__ pool, i64 slo
                 if (TP == 1) {
                     float tg = 0.0f, tu = 0.0f;
                     if (s < NSUB) {
-                        tg = sub_dot<GU_QT>(Rg + r * GUG::RB, s, A[i % (TP == 1 ? SPL : 1)]);
-                        tu = sub_dot<GU_QT>(Ru + r * GUG::RB, s, A[i % (TP == 1 ? SPL : 1)]);
+                        if constexpr (GU_DIRECT) {
+                            tg = sub_dot_at<GU_QT>(Gg + r * GUG::RB, s, A[i % (TP == 1 ? SPL : 1)]);
+                            tu = sub_dot_at<GU_QT>(Gg + up_off + r * GUG::RB, s, A[i % (TP == 1 ? SPL : 1)]);
+                        } else {
+                            tg = sub_dot<GU_QT>(Rg + r * GUG::RB, s, A[i % (TP == 1 ? SPL : 1)]);
+                            tu = sub_dot<GU_QT>(Ru + r * GUG::RB, s, A[i % (TP == 1 ? SPL : 1)]);
+                        }
                     }
                     ag[0][r] = f_add(ag[0][r], tg);
                     au[0][r] = f_add(au[0][r], tu);
                 } else {
                     typename Sub<GU_QT>::W wg, wu;
                     if (s < NSUB) {
-                        decode_sub<GU_QT>(Rg + r * GUG::RB, s, wg);
-                        decode_sub<GU_QT>(Ru + r * GUG::RB, s, wu);
+                        if constexpr (GU_DIRECT) {
+                            decode_at<GU_QT>(Gg + r * GUG::RB, s, wg);
+                            decode_at<GU_QT>(Gg + up_off + r * GUG::RB, s, wu);
+                        } else {
+                            decode_sub<GU_QT>(Rg + r * GUG::RB, s, wg);
+                            decode_sub<GU_QT>(Ru + r * GUG::RB, s, wu);
+                        }
                     }
 #pragma unroll
                     for (int t = 0; t < TP; ++t) {

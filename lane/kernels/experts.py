@@ -82,6 +82,18 @@ def gu_min_blocks(qt_gate_up, tuning: "Tuning") -> int:
     return max(1, min(tuning.gu_min_blocks, cap))
 
 
+H200_SMEM_BLOCK = 232448  # shared bytes a block may opt in to (sm_90): nvrtc_check's plan without a device
+
+
+def gate_up_direct(qt_gate_up, d_model: int, tuning: "Tuning", smem_block: int) -> bool:
+    """Whether a generic gate/up type's rows are decoded where they are instead of staged (experts.cu's GU_DIRECT):
+    a gate/up block stages its 32 rows of gate and up, which for F16 / BF16 / F32 at d_model 2048 is more shared
+    memory than a block has."""
+    staged = table_bytes(qt_gate_up, tuning.iq3_fast) + 256 + 16 + \
+        tuning.gu_warps * 2 * _staged(qt_gate_up, d_model, 32 // tuning.gu_warps)
+    return qt_gate_up not in TUNED and staged > smem_block
+
+
 def _f32hex(v) -> str:
     return float(np.float32(v)).hex() + "f"
 
@@ -196,6 +208,7 @@ class ExpertKernels:
                 ("GU_QT", int(self.qt_gu)), ("GU_KIN", self.d_model), ("GU_ROWS", self.d_ff),
                 ("DN_QT", int(self.qt_dn)), ("DN_KIN", self.d_ff), ("DN_ROWS", self.d_model),
                 ("GU_WPB", self.gu_warps), ("GU_MINB", self.gu_blocks), ("GU_STAGES", self.gu_stages),
+                ("GU_DIRECT", int(self.gu_direct)),
                 ("TILE_P", self.simt_tile), ("MMA_MPW", t.mma_mpw), ("MMA_PREFETCH", t.mma_prefetch), ("MMA_UNROLL", t.mma_unroll),
                 ("DN_WPB", self.dn_warps), ("DN_MINB", self.dn_blocks), ("DN_STAGES", self.dn_stages),
                 ("DN_R", t.dn_rows), ("IQ3_FAST", t.iq3_fast),
@@ -265,7 +278,8 @@ class ExpertKernels:
             blocks = max(1, min(blocks, smem_sm // (smem + 1024)))
             return stages, blocks, smem
 
-        gu_stg = 2 * _staged(self.qt_gu, self.d_model, 32 // t.gu_warps)
+        self.gu_direct = gate_up_direct(self.qt_gu, self.d_model, t, smem_block)
+        gu_stg = 2 * _staged(self.qt_gu, self.d_model, 0 if self.gu_direct else 32 // t.gu_warps)
         dn_stg = _staged(self.qt_dn, self.d_ff, t.dn_rows)
         self.gu_warps, self.dn_warps = t.gu_warps, t.dn_warps
         self.gu_stages, self.gu_blocks, self.gu_smem = fit(self.qt_gu, 256, gu_stg, t.gu_warps, t.gu_stages,
@@ -299,7 +313,7 @@ class ExpertKernels:
 
     def describe(self) -> dict:
         return {"gate_up": {"qtype": self.qt_gu.name, "grid": self.gu_grid, "warps": self.gu_warps,
-                            "stages": self.gu_stages, "smem": self.gu_smem},
+                            "stages": self.gu_stages, "smem": self.gu_smem, "direct": self.gu_direct},
                 "down": {"qtype": self.qt_dn.name, "grid": self.dn_grid, "warps": self.dn_warps,
                          "stages": self.dn_stages, "smem": self.dn_smem},
                 "prompt": {"kernel": "mma" if self.mma else "simt", "tile": self.tile_p,
