@@ -87,10 +87,10 @@ F16E, POW2, GRID = _tables()
 
 
 def _decode_tables() -> tuple[np.ndarray, dict[str, int]]:
-    """The decoders' tables as one int8 array, and each one's offset in it: IQ4's kvalues; sign8[8 m + v] = -1 if
+    """The decoders' tables as one int8 array, and each one's offset in it: IQ4's kvalues; 16 ones; sign8[8 m + v] = -1 if
     bit v of byte m is set, else 1; ggml's ksigns (as int8: read & 0xFF); the IQ grids (entries x values, flat)."""
     bit = (np.arange(256)[:, None] >> np.arange(8)) & 1
-    parts = {"iq4": IQ4_VALUES, "sign8": (1 - 2 * bit).astype(np.int8).reshape(-1), "ksigns": ksigns().view(np.int8),
+    parts = {"iq4": IQ4_VALUES, "ones": np.ones(16, np.int8), "sign8": (1 - 2 * bit).astype(np.int8).reshape(-1), "ksigns": ksigns().view(np.int8),
              **{t.name: grid(t).reshape(-1) for t in (T.IQ3_XXS, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ1_S, T.IQ1_M)}}
     offsets, at = {}, 0
     for name, x in parts.items():
@@ -99,7 +99,7 @@ def _decode_tables() -> tuple[np.ndarray, dict[str, int]]:
 
 
 TAB, _OFF = _decode_tables()
-_T_IQ4, _T_SIGN8, _T_KSIGNS = _OFF["iq4"], _OFF["sign8"], _OFF["ksigns"]
+_T_IQ4, _T_ONES, _T_SIGN8, _T_KSIGNS = _OFF["iq4"], _OFF["ones"], _OFF["sign8"], _OFF["ksigns"]
 _T_IQ3XXS, _T_IQ2XXS, _T_IQ2XS, _T_IQ2S, _T_IQ1S, _T_IQ1M = (_OFF[t.name] for t in (T.IQ3_XXS, T.IQ2_XXS, T.IQ2_XS,
                                                                                    T.IQ2_S, T.IQ1_S, T.IQ1_M))
 
@@ -395,6 +395,50 @@ def _blk_dec(typingctx, wbuf, mwbuf, sbuf, mbuf, a, ao, da, asum, dao, acc, acco
     return types.none(wbuf, mwbuf, sbuf, mbuf, a, ao, da, asum, dao, acc, acco), codegen
 
 
+# Byte-field ops for the decoders (16 values an op, in vector registers; numba's loops over arrays it cannot prove
+# apart stay scalar): integer operations only, so exact on any host.
+
+
+def _splat8(builder, v, n, ty=_I8):
+    return _splat(builder, builder.trunc(_i64(builder, v), ty) if ty.width < 64 else _i64(builder, v), n)
+
+
+@intrinsic
+def _vfield(typingctx, dst, do, src, so, shift, mask, lshift, keep, sub):
+    """dst[do:do + 16] = ((((src[so:][:16] >> shift) & mask) << lshift) | (dst[do:][:16] & keep)) - sub, bytewise."""
+    if not _is_1d_bytes(dst, src):
+        return None
+
+    def codegen(context, builder, sig, args):
+        ds, do_, sr, so_, sh, mk, ls, kp, sb = args
+        x = _vload(context, builder, sig.args[2], sr, so_, 16)
+        x = builder.shl(builder.and_(builder.lshr(x, _splat8(builder, sh, 16)), _splat8(builder, mk, 16)),
+                        _splat8(builder, ls, 16))
+        p = _vptr(context, builder, sig.args[0], ds, do_, ir.VectorType(_I8, 16))
+        x = builder.or_(x, builder.and_(builder.load(p, align=1), _splat8(builder, kp, 16)))
+        builder.store(builder.sub(x, _splat8(builder, sb, 16)), p, align=1)
+        return context.get_dummy_value()
+    return types.none(dst, do, src, so, shift, mask, lshift, keep, sub), codegen
+
+
+@intrinsic
+def _vmul16(typingctx, dst, do, src, so, f):
+    """dst[do:do + 16] = src[so:][:16] * f (int8 / uint8 sources widened by their sign; dst int16 or bytes)."""
+    if not (_is_1d_bytes(src) and isinstance(dst, types.Array) and dst.ndim == 1
+            and dst.dtype in (types.int8, types.uint8, types.int16)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        et = ir.IntType(sig.args[0].dtype.bitwidth)
+        x = _vload(context, builder, sig.args[2], args[2], args[3], 16)
+        if et.width > 8:
+            x = (builder.sext if sig.args[2].dtype.signed else builder.zext)(x, ir.VectorType(et, 16))
+        p = _vptr(context, builder, sig.args[0], args[0], args[1], ir.VectorType(et, 16))
+        builder.store(builder.mul(x, _splat8(builder, args[4], 16, et)), p, align=1)
+        return context.get_dummy_value()
+    return types.none(dst, do, src, so, f), codegen
+
+
 @intrinsic
 def _dec_iq3s(typingctx, w, wo, grid, wbuf):
     """wbuf[0:256] = the signed int8 weights of the IQ3_S block at w[wo] (decoded once for several tokens)."""
@@ -576,18 +620,16 @@ def _k4_scales(w, o, sbuf, mbuf, f16e):
 
 
 @njit(nogil=True, cache=True, inline="always")
-def _nib_sub(w, p, wb, wo):
-    """A 32-value sub-block of 4-bit codes: 16 bytes at w[p], low nibbles then high."""
-    for v in range(16):
-        c = w[p + v]
-        wb[wo + v] = c & 15
-        wb[wo + 16 + v] = c >> 4
+def _nib_sub(w, p, wb, wo, bias):
+    """A 32-value sub-block of 4-bit codes - bias: 16 bytes at w[p], low nibbles then high."""
+    _vfield(wb, wo, w, p, 0, 15, 0, 0, bias)
+    _vfield(wb, wo + 16, w, p, 4, 15, 0, 0, bias)
 
 
 @njit(nogil=True, cache=True, inline="always")
 def _q5_sub(w, p, wb, wo):
     """Q5_0 / Q5_1 codes: 32 high bits (bit v for value v) at w[p], then the 16 nibble bytes."""
-    _nib_sub(w, p + 4, wb, wo)
+    _nib_sub(w, p + 4, wb, wo, 0)
     for v in range(SUB):
         wb[wo + v] |= ((w[p + (v >> 3)] >> (v & 7)) & 1) << 4
 
@@ -604,8 +646,7 @@ def _iq4_sub(w, p, wb8, wo, tab):
 @njit(nogil=True, cache=True, inline="always")
 def _scale16(wb8, f, k, wb16):
     """Values 16 k .. 16 k + 15 of the codes in wb8 times their 16-value integer scale f, into wb16."""
-    for v in range(16 * k, 16 * k + 16):
-        wb16[v] = f * np.int16(wb8[v])
+    _vmul16(wb16, 16 * k, wb8, 16 * k, f)
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -640,33 +681,27 @@ def _dec_legacy(qtype, w, o, g, wb8, wbu, sbuf, mbuf, f16e, tab):
             p += 2
         if five:
             _q5_sub(w, p, wbu, SUB * j)
-        else:
-            _nib_sub(w, p, wbu, SUB * j)
-        if not has_m:  # the symmetric types' q: code - 16 / - 8, as int8
-            bias = 16 if five else 8
-            for v in range(SUB):
-                wb8[SUB * j + v] = np.int8(wbu[SUB * j + v]) - bias
+            if not has_m:  # Q5_0's q: code - 16, as int8
+                _vfield(wb8, SUB * j, wbu, SUB * j, 0, 255, 0, 0, 16)
+                _vfield(wb8, SUB * j + 16, wbu, SUB * j + 16, 0, 255, 0, 0, 16)
+        elif has_m:
+            _nib_sub(w, p, wbu, SUB * j, 0)
+        else:  # Q4_0's q: code - 8, as int8
+            _nib_sub(w, p, wb8, SUB * j, 8)
 
 
 @njit(nogil=True, cache=True, inline="always")
 def _dec_q5k(w, o, wbu, sbuf, mbuf, f16e):
     """Q5_K: q = 4-bit code (bytes 48 + 32 (j // 2), low nibbles for even j) | bit j of qh[v] << 4."""
     _k4_scales(w, o, sbuf, mbuf, f16e)
-    for v in range(SUB):
-        hb = w[o + 16 + v]
-        q0, q1, q2, q3 = w[o + 48 + v], w[o + 80 + v], w[o + 112 + v], w[o + 144 + v]
-        wbu[v] = (q0 & 15) | ((hb & 1) << 4)
-        wbu[32 + v] = (q0 >> 4) | ((hb & 2) << 3)
-        wbu[64 + v] = (q1 & 15) | ((hb & 4) << 2)
-        wbu[96 + v] = (q1 >> 4) | ((hb & 8) << 1)
-        wbu[128 + v] = (q2 & 15) | (hb & 16)
-        wbu[160 + v] = (q2 >> 4) | ((hb & 32) >> 1)
-        wbu[192 + v] = (q3 & 15) | ((hb & 64) >> 2)
-        wbu[224 + v] = (q3 >> 4) | ((hb & 128) >> 3)
+    for j in range(8):
+        for hh in range(2):
+            _vfield(wbu, SUB * j + 16 * hh, w, o + 48 + 32 * (j >> 1) + 16 * hh, 4 * (j & 1), 15, 0, 0, 0)
+            _vfield(wbu, SUB * j + 16 * hh, w, o + 16 + 16 * hh, j, 1, 4, 255, 0)
 
 
 @njit(nogil=True, cache=True, inline="always")
-def _dec_q2k(w, o, wbu, mwu, sbuf, mbuf, f16e):
+def _dec_q2k(w, o, wbu, mwu, sbuf, mbuf, f16e, tab):
     """Q2_K: scale d, q = sc_k * code, minimum dmin, mweight m_k (sc_k / m_k: the low / high nibble of byte k, per
     16 values; the 2-bit codes: bits 2 (j % 4) of qs[32 (j // 4) + v])."""
     d = _f16(w[o + 80], w[o + 81], f16e)
@@ -674,34 +709,24 @@ def _dec_q2k(w, o, wbu, mwu, sbuf, mbuf, f16e):
     for j in range(8):
         sbuf[j] = d
         mbuf[j] = dmin
-    for v in range(SUB):
-        for h in range(2):
-            q = w[o + 16 + 32 * h + v]
-            wbu[128 * h + v] = q & 3
-            wbu[128 * h + 32 + v] = (q >> 2) & 3
-            wbu[128 * h + 64 + v] = (q >> 4) & 3
-            wbu[128 * h + 96 + v] = q >> 6
+        for hh in range(2):
+            _vfield(wbu, SUB * j + 16 * hh, w, o + 16 + 32 * (j >> 2) + 16 * hh, 2 * (j & 3), 3, 0, 0, 0)
     for k in range(16):
-        sc = w[o + k]
-        for v in range(16 * k, 16 * k + 16):
-            wbu[v] = (sc & 15) * wbu[v]
-            mwu[v] = sc >> 4
+        sc = np.int64(w[o + k])
+        _vmul16(wbu, 16 * k, wbu, 16 * k, sc & 15)
+        _vmul16(mwu, 16 * k, tab, _T_ONES, sc >> 4)
 
 
 @njit(nogil=True, cache=True, inline="always")
 def _dec_q3k(w, o, wb8, wb16, sbuf, f16e):
-    """Q3_K: scale d, q = (sc_k - 32) * code, code = 2 low bits - 4 where the hmask bit is clear."""
+    """Q3_K: scale d, q = (sc_k - 32) * code, code = 2 low bits (bits 2 (j % 4) of qs[32 (j // 4) + v]) - 4 where
+    bit j of hmask[v] is clear."""
     d = _f16(w[o + 108], w[o + 109], f16e)
     for j in range(8):
         sbuf[j] = d
-    for v in range(SUB):
-        hm = w[o + v]
-        for h in range(2):
-            q = w[o + 32 + 32 * h + v]
-            wb8[128 * h + v] = np.int8(q & 3) - 4 + 4 * np.int8((hm >> (4 * h)) & 1)
-            wb8[128 * h + 32 + v] = np.int8((q >> 2) & 3) - 4 + 4 * np.int8((hm >> (4 * h + 1)) & 1)
-            wb8[128 * h + 64 + v] = np.int8((q >> 4) & 3) - 4 + 4 * np.int8((hm >> (4 * h + 2)) & 1)
-            wb8[128 * h + 96 + v] = np.int8(q >> 6) - 4 + 4 * np.int8((hm >> (4 * h + 3)) & 1)
+        for hh in range(2):
+            _vfield(wb8, SUB * j + 16 * hh, w, o + 32 + 32 * (j >> 2) + 16 * hh, 2 * (j & 3), 3, 0, 0, 0)
+            _vfield(wb8, SUB * j + 16 * hh, w, o + 16 * hh, j, 1, 2, 255, 4)
     for k in range(16):
         sc = (((np.int64(w[o + 96 + (k & 7)]) >> (4 * (k >> 3))) & 15)
               | (((np.int64(w[o + 104 + (k & 3)]) >> (2 * (k >> 2))) & 3) << 4)) - 32
@@ -710,22 +735,17 @@ def _dec_q3k(w, o, wb8, wb16, sbuf, f16e):
 
 @njit(nogil=True, cache=True, inline="always")
 def _dec_q6k(w, o, wb8, wb16, sbuf, f16e):
-    """Q6_K: scale d, q = sc_k * (code - 32); per 128 values h: code = a nibble of ql's 64 bytes | 2 bits of qh's
-    32 << 4; sc_k an int8."""
+    """Q6_K: scale d, q = sc_k * (code - 32); sub-block j = 4 h + p: code = nibble p // 2 of ql[64 h + 32 (p % 2)
+    + v] | bits 2 p of qh[32 h + v] << 4; sc_k an int8."""
     d = _f16(w[o + 208], w[o + 209], f16e)
     for j in range(8):
         sbuf[j] = d
-    for h in range(2):
-        for c in range(SUB):
-            qh = w[o + 128 + h * 32 + c]
-            q0 = w[o + h * 64 + c]
-            q1 = w[o + h * 64 + 32 + c]
-            wb8[h * 128 + c] = np.int8((q0 & 15) | ((qh & 3) << 4)) - 32
-            wb8[h * 128 + 32 + c] = np.int8((q1 & 15) | (((qh >> 2) & 3) << 4)) - 32
-            wb8[h * 128 + 64 + c] = np.int8((q0 >> 4) | (((qh >> 4) & 3) << 4)) - 32
-            wb8[h * 128 + 96 + c] = np.int8((q1 >> 4) | (((qh >> 6) & 3) << 4)) - 32
+        h, p = j >> 2, j & 3
+        for hh in range(2):
+            _vfield(wb8, SUB * j + 16 * hh, w, o + 64 * h + 32 * (p & 1) + 16 * hh, 4 * (p >> 1), 15, 0, 0, 0)
+            _vfield(wb8, SUB * j + 16 * hh, w, o + 128 + 32 * h + 16 * hh, 2 * p, 3, 4, 255, 32)
     for k in range(16):
-        _scale16(wb8, np.int16(np.int8(w[o + 192 + k])), k, wb16)
+        _scale16(wb8, np.int64(np.int8(w[o + 192 + k])), k, wb16)
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -837,7 +857,7 @@ def _decode(qtype, w, o, g, s, f16e, tab):
     elif qtype == Q3_K:
         _dec_q3k(w, o, wb8, wb16, sbuf, f16e)
     elif qtype == Q2_K:
-        _dec_q2k(w, o, wbu, mwu, sbuf, mbuf, f16e)
+        _dec_q2k(w, o, wbu, mwu, sbuf, mbuf, f16e, tab)
     elif qtype == IQ4_XS:
         _dec_iq4xs(w, o, wb8, sbuf, f16e, tab)
     elif qtype == IQ3_XXS:
