@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from lane.slot_loader import SlotLoader
+from stratad.engine import card as card_protocol
 from stratad.engine.generation import Generation
 from stratad.engine.reference import ReferenceEngine
 from stratad.engine.sampling import SamplingParams
@@ -118,11 +119,11 @@ def test_decode_crossing_the_long_context_graph(model, CupyCard, monkeypatch):
     assert digests[0] == digests[1]
 
 
-class HostSampled:
+class HostSampled(card_protocol.HostSampled):
     """The card with its sampler hidden: Generation takes the logits and samples on the host."""
 
     def __init__(self, card):
-        self.card = card
+        self.card, self.prompt_chunk = card, card.prompt_chunk
 
     def new_kv(self):
         return self.card.new_kv()

@@ -34,8 +34,9 @@ def toml_value(v) -> str:
 
 
 def start(model, tmp_path, cards: str, cache: str, gpu: dict | None = None, **cfg) -> Daemon:
-    """A daemon on these cards; cfg: top-level config keys, gpu: the [gpu] table's."""
-    cfg = {"mutual_help": False, "rejoin_idle_s": 3600.0} | cfg
+    """A daemon on these cards; cfg: top-level config keys, gpu: the [gpu] table's. prefix_cache off unless cfg says:
+    the tests compare fresh reads of a prompt (a kept prefix is not read bit-identically, README)."""
+    cfg = {"mutual_help": False, "rejoin_idle_s": 3600.0, "prefix_cache": False} | cfg
     conf = tmp_path / f"{cards}-{len(list(tmp_path.iterdir()))}.toml"
     conf.write_text("".join(f"{k} = {toml_value(v)}\n" for k, v in cfg.items()) +
                     "[gpu]\n" + "".join(f"{k} = {toml_value(v)}\n" for k, v in (gpu or {}).items()))
