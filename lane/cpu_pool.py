@@ -87,10 +87,11 @@ F16E, POW2, GRID = _tables()
 
 
 def _decode_tables() -> tuple[np.ndarray, dict[str, int]]:
-    """The decoders' tables as one int8 array, and each one's offset in it: IQ4's kvalues; 16 ones; sign8[8 m + v] = -1 if
-    bit v of byte m is set, else 1; ggml's ksigns (as int8: read & 0xFF); the IQ grids (entries x values, flat)."""
+    """The decoders' tables as one int8 array, and each one's offset in it: IQ4's kvalues; 16 ones; 8 eights; sign8[8 m + v] =
+    -1 if bit v of byte m is set, else 1; ggml's ksigns (int8: read & 0xFF); the IQ grids (entries x values, flat)."""
     bit = (np.arange(256)[:, None] >> np.arange(8)) & 1
-    parts = {"iq4": IQ4_VALUES, "ones": np.ones(16, np.int8), "sign8": (1 - 2 * bit).astype(np.int8).reshape(-1), "ksigns": ksigns().view(np.int8),
+    parts = {"iq4": IQ4_VALUES, "ones": np.ones(16, np.int8), "eights": np.full(8, 8, np.int8), "sign8": (1 - 2 * bit).astype(np.int8).reshape(-1),
+             "ksigns": ksigns().view(np.int8),
              **{t.name: grid(t).reshape(-1) for t in (T.IQ3_XXS, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ1_S, T.IQ1_M)}}
     offsets, at = {}, 0
     for name, x in parts.items():
@@ -99,7 +100,7 @@ def _decode_tables() -> tuple[np.ndarray, dict[str, int]]:
 
 
 TAB, _OFF = _decode_tables()
-_T_IQ4, _T_ONES, _T_SIGN8, _T_KSIGNS = _OFF["iq4"], _OFF["ones"], _OFF["sign8"], _OFF["ksigns"]
+_T_IQ4, _T_ONES, _T_EIGHTS, _T_SIGN8, _T_KSIGNS = (_OFF[k] for k in ("iq4", "ones", "eights", "sign8", "ksigns"))
 _T_IQ3XXS, _T_IQ2XXS, _T_IQ2XS, _T_IQ2S, _T_IQ1S, _T_IQ1M = (_OFF[t.name] for t in (T.IQ3_XXS, T.IQ2_XXS, T.IQ2_XS,
                                                                                    T.IQ2_S, T.IQ1_S, T.IQ1_M))
 
@@ -399,8 +400,9 @@ def _blk_dec(typingctx, wbuf, mwbuf, sbuf, mbuf, a, ao, da, asum, dao, acc, acco
 # apart stay scalar): integer operations only, so exact on any host.
 
 
-def _splat8(builder, v, n, ty=_I8):
-    return _splat(builder, builder.trunc(_i64(builder, v), ty) if ty.width < 64 else _i64(builder, v), n)
+def _splat_int(builder, v, n, ty=_I8):
+    """<n x ty> of the integer scalar v (truncated to ty)."""
+    return _splat(builder, builder.trunc(_i64(builder, v), ty), n)
 
 
 @intrinsic
@@ -412,13 +414,66 @@ def _vfield(typingctx, dst, do, src, so, shift, mask, lshift, keep, sub):
     def codegen(context, builder, sig, args):
         ds, do_, sr, so_, sh, mk, ls, kp, sb = args
         x = _vload(context, builder, sig.args[2], sr, so_, 16)
-        x = builder.shl(builder.and_(builder.lshr(x, _splat8(builder, sh, 16)), _splat8(builder, mk, 16)),
-                        _splat8(builder, ls, 16))
+        x = builder.shl(builder.and_(builder.lshr(x, _splat_int(builder, sh, 16)), _splat_int(builder, mk, 16)),
+                        _splat_int(builder, ls, 16))
         p = _vptr(context, builder, sig.args[0], ds, do_, ir.VectorType(_I8, 16))
-        x = builder.or_(x, builder.and_(builder.load(p, align=1), _splat8(builder, kp, 16)))
-        builder.store(builder.sub(x, _splat8(builder, sb, 16)), p, align=1)
+        x = builder.or_(x, builder.and_(builder.load(p, align=1), _splat_int(builder, kp, 16)))
+        builder.store(builder.sub(x, _splat_int(builder, sb, 16)), p, align=1)
         return context.get_dummy_value()
     return types.none(dst, do, src, so, shift, mask, lshift, keep, sub), codegen
+
+
+# 16-entry byte table lookups: x86's pshufb where the host has it, else a chain of selects (same bytes).
+PSHUFB = "+ssse3" in llvm_binding.get_host_cpu_features().flatten().split(",")
+
+
+@intrinsic
+def _vlut16(typingctx, dst, do, src, so, shift, tab, to):
+    """dst[do:do + 16] = tab[to + ((src[so:][:16] >> shift) & 15)], bytewise (IQ4's kvalues)."""
+    if not _is_1d_bytes(dst, src, tab):
+        return None
+
+    def codegen(context, builder, sig, args):
+        v16 = ir.VectorType(_I8, 16)
+        x = _vload(context, builder, sig.args[2], args[2], args[3], 16)
+        ix = builder.and_(builder.lshr(x, _splat_int(builder, args[4], 16)), _const(_I8, [15] * 16))
+        t = _vload(context, builder, sig.args[5], args[5], args[6], 16)
+        if PSHUFB:
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16, [v16, v16]),
+                                                "llvm.x86.ssse3.pshuf.b.128")
+            y = builder.call(fn, [t, ix])
+        else:
+            y = _splat(builder, builder.extract_element(t, ir.Constant(_I32, 0)), 16)
+            for e in range(1, 16):
+                y = builder.select(builder.icmp_unsigned("==", ix, _const(_I8, [e] * 16)),
+                                   _splat(builder, builder.extract_element(t, ir.Constant(_I32, e)), 16), y)
+        builder.store(y, _vptr(context, builder, sig.args[0], args[0], args[1], v16), align=1)
+        return context.get_dummy_value()
+    return types.none(dst, do, src, so, shift, tab, to), codegen
+
+
+@intrinsic
+def _vgrid(typingctx, n, dst, do, tab, gi, si, add, f):
+    """dst[do:do + n] = f * (tab[gi:][:n] * tab[si:][:n] + add) (n a literal): an IQ grid entry times its signs (or,
+    IQ1, its values times 8 plus the delta), times the 16-value scale; in int16 for an int16 dst."""
+    if not (isinstance(n, types.IntegerLiteral) and _is_1d_bytes(tab) and isinstance(dst, types.Array)
+            and dst.ndim == 1 and dst.dtype in (types.int8, types.int16)):
+        return None
+    width = n.literal_value
+
+    def codegen(context, builder, sig, args):
+        args, sig_args = args[1:], sig.args[1:]
+        et = ir.IntType(sig_args[0].dtype.bitwidth)
+        vt = ir.VectorType(et, width)
+
+        def load(off):
+            x = _vload(context, builder, sig_args[2], args[2], off, width)
+            return builder.sext(x, vt) if et.width > 8 else x
+        x = builder.add(builder.mul(load(args[3]), load(args[4])), _splat_int(builder, args[5], width, et))
+        builder.store(builder.mul(x, _splat_int(builder, args[6], width, et)),
+                      _vptr(context, builder, sig_args[0], args[0], args[1], vt), align=1)
+        return context.get_dummy_value()
+    return types.none(n, dst, do, tab, gi, si, add, f), codegen
 
 
 @intrinsic
@@ -434,7 +489,7 @@ def _vmul16(typingctx, dst, do, src, so, f):
         if et.width > 8:
             x = (builder.sext if sig.args[2].dtype.signed else builder.zext)(x, ir.VectorType(et, 16))
         p = _vptr(context, builder, sig.args[0], args[0], args[1], ir.VectorType(et, 16))
-        builder.store(builder.mul(x, _splat8(builder, args[4], 16, et)), p, align=1)
+        builder.store(builder.mul(x, _splat_int(builder, args[4], 16, et)), p, align=1)
         return context.get_dummy_value()
     return types.none(dst, do, src, so, f), codegen
 
@@ -637,23 +692,14 @@ def _q5_sub(w, p, wb, wo):
 @njit(nogil=True, cache=True, inline="always")
 def _iq4_sub(w, p, wb8, wo, tab):
     """IQ4 sub-block: 16 bytes at w[p], low nibbles then high, each the index of its kvalue."""
-    for v in range(16):
-        c = np.int64(w[p + v])
-        wb8[wo + v] = tab[_T_IQ4 + (c & 15)]
-        wb8[wo + 16 + v] = tab[_T_IQ4 + (c >> 4)]
+    _vlut16(wb8, wo, w, p, 0, tab, _T_IQ4)
+    _vlut16(wb8, wo + 16, w, p, 4, tab, _T_IQ4)
 
 
 @njit(nogil=True, cache=True, inline="always")
 def _scale16(wb8, f, k, wb16):
     """Values 16 k .. 16 k + 15 of the codes in wb8 times their 16-value integer scale f, into wb16."""
     _vmul16(wb16, 16 * k, wb8, 16 * k, f)
-
-
-@njit(nogil=True, cache=True, inline="always")
-def _grid_put(tab, gi, width, mask, mbit, f, wb, wo):
-    """wb[wo:wo + width] = f * the grid entry at tab[gi:], value v negated where bit mbit + v of mask is set."""
-    for v in range(width):
-        wb[wo + v] = f * tab[gi + v] * tab[_T_SIGN8 + 8 * mask + mbit + v]
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -771,7 +817,7 @@ def _dec_iq3xxs(w, o, wb8, sbuf, f16e, tab):
             mask = _ksign(tab, (wd >> (7 * g)) & 127)
             for e in range(2):
                 gi = _T_IQ3XXS + 4 * np.int64(w[o + 2 + 8 * j + 2 * g + e])
-                _grid_put(tab, gi, 4, mask, 4 * e, 1, wb8, SUB * j + 8 * g + 4 * e)
+                _vgrid(4, wb8, SUB * j + 8 * g + 4 * e, tab, gi, _T_SIGN8 + 8 * mask + 4 * e, 0, 1)
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -784,8 +830,8 @@ def _dec_iq2xxs(w, o, wb8, sbuf, f16e, tab):
         w1 = _u32(w, p + 4)
         sbuf[j] = (d * (_HALF + np.float32(w1 >> 28))) * _QUARTER
         for g in range(4):
-            _grid_put(tab, _T_IQ2XXS + 8 * np.int64(w[p + g]), 8, _ksign(tab, (w1 >> (7 * g)) & 127), 0, 1, wb8,
-                      SUB * j + 8 * g)
+            _vgrid(8, wb8, SUB * j + 8 * g, tab, _T_IQ2XXS + 8 * np.int64(w[p + g]),
+                    _T_SIGN8 + 8 * _ksign(tab, (w1 >> (7 * g)) & 127), 0, 1)
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -808,7 +854,7 @@ def _dec_iq2(qtype, w, o, wb16, sbuf, f16e, tab):
                 gi = _T_IQ2S + 8 * (np.int64(w[o + 2 + n]) | (((np.int64(w[o + 66 + (n >> 2)]) >> (2 * (n & 3))) & 3)
                                                               << 8))
                 mask = np.int64(w[o + 34 + n])
-            _grid_put(tab, gi, 8, mask, 0, f, wb16, 8 * n)
+            _vgrid(8, wb16, 8 * n, tab, gi, _T_SIGN8 + 8 * mask, 0, f)
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -822,8 +868,7 @@ def _dec_iq1s(w, o, wb8, sbuf, f16e, tab):
         delta = -1 if qh & 0x8000 else 1
         for g in range(4):
             gi = _T_IQ1S + 8 * (np.int64(w[o + 2 + 4 * j + g]) | (((qh >> (3 * g)) & 7) << 8))
-            for v in range(8):
-                wb8[SUB * j + 8 * g + v] = 8 * tab[gi + v] + delta
+            _vgrid(8, wb8, SUB * j + 8 * g, tab, gi, _T_EIGHTS, delta, 1)
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -841,9 +886,7 @@ def _dec_iq1m(w, o, wb16, sbuf, f16e, tab):
             n = 2 * k + e
             nib = (np.int64(w[o + 32 + (n >> 1)]) >> (4 * (n & 1))) & 15
             gi = _T_IQ1M + 8 * (np.int64(w[o + n]) | ((nib & 7) << 8))
-            delta = -1 if nib & 8 else 1
-            for v in range(8):
-                wb16[8 * n + v] = f * (8 * tab[gi + v] + delta)
+            _vgrid(8, wb16, 8 * n, tab, gi, _T_EIGHTS, -1 if nib & 8 else 1, f)
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -1128,8 +1171,8 @@ def _layer_parallel(nthreads, tickets, tg, tu, td, gate, up, down, d_ff, d_model
 
 
 # ---- the generic path: any expert type, from its canonical integer view (quants.decode_int) --------------------
-# Layers whose three types are not all in _BLOCK_BYTES (float experts): the pairs' experts are decoded to their integer views by the
-# types' own units (bounded batches of experts), then these kernels do the canonical arithmetic on the views: exact
+# Layers whose three types are not all in _BLOCK_BYTES (float experts): the pairs' experts are decoded to their
+# integer views by the types' own units (bounded batches of experts), then these kernels do the canonical arithmetic on the views: exact
 # integer sub-block sums, each term (scale_b * d_b) * isum_b [- (minimum_b * d_b) * msum_b] in float32, the warp
 # order of lanes, SwiGLU, h quantised, the down dot. mode: 0 no minimum, 1 minimum with weight 1 (msum = the
 # activation's sub-block sum), 2 minimum with per-value weights.
