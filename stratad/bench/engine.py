@@ -16,7 +16,7 @@ import psutil
 
 from stratad.bench.hardware import gpu_copy_bandwidth, gpu_gemm_tflops, gpu_upload_bandwidth, host_read_bandwidth
 from stratad.config import GPU_PROMPT_CHUNK
-from stratad.engine.generation import Generation
+from stratad.engine.generation import CHUNK_READ, Generation
 from stratad.engine.prefix_cache import PrefixCache
 from stratad.engine.sampling import SamplingParams
 from stratad.model.gguf_file import ModelFile
@@ -81,7 +81,8 @@ def run(model_path: str, fractions=(1.0, 0.5, 0.25), contexts=(1024,), tokens: i
             g = Generation(card, model.tokenizer, prompt, SamplingParams(max_tokens=tokens, ignore_eos=True),
                            ctx + tokens + NEXT_TURN + 64, cache=cache)
             steps = iter(g)
-            next(steps)  # the prompt: the counters from here on are decode's
+            while next(steps) == CHUNK_READ:  # the prompt, its chunks up to the first token: decode from here on
+                pass
             before = card.counters.copy()
             stamps = [time.monotonic() for t, _ in steps if t is not None]  # Generation's clock, a token each
             n = 1 + len(stamps)
