@@ -29,21 +29,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lane.kernels import compile as kc  # noqa: E402
-from lane.kernels.experts import (SOURCE as EXPERTS, H200_SMEM_BLOCK, Tuning, _qtype, exp_defines,  # noqa: E402
-                                  gate_up_direct, gu_min_blocks, simt_tile)
+from lane.kernels.experts import SOURCE as EXPERTS, ExpertKernels  # noqa: E402
 
 
 def expert_defines(qtype: str, down: str | None = None, d_model: int = 2048, d_ff: int = 768) -> list[tuple[str, int]]:
-    """The expert defines with the H200 plan (gate/up 16 warps x 2 blocks, down 16 x 2, 2 stages) for gate/up weights
-    of type qtype and down weights of type `down` (default: the same), at the a3b shape unless given."""
-    q = _qtype(qtype)
-    return [("GU_QT", int(q)), ("GU_KIN", d_model), ("GU_ROWS", d_ff), ("DN_QT", int(_qtype(down or qtype))),
-            ("DN_KIN", d_ff), ("DN_ROWS", d_model), ("GU_WPB", 16), ("GU_MINB", gu_min_blocks(q, Tuning())),
-            ("GU_STAGES", 1),
-            ("TILE_P", simt_tile(q, Tuning())), ("MMA_MPW", 2), ("MMA_PREFETCH", 0),
-            ("GU_DIRECT", int(gate_up_direct(q, d_model, Tuning(), H200_SMEM_BLOCK))),
-            ("MMA_UNROLL", 2), ("DN_WPB", 16), ("DN_MINB", 2), ("DN_STAGES", 2), ("DN_R", 4),
-            ("IQ3_FAST", 1)] + exp_defines()
+    """experts.cu's defines as an H200 lane plans them (the default Tuning: gate/up 16 warps x 2 blocks, down 16 x 2,
+    2 stages) for gate/up weights of type qtype and down weights of type `down` (default: the same), at the a3b
+    shape unless given."""
+    return ExpertKernels.planned(d_model, d_ff, qtype, down or qtype).defines
 
 
 def _wheel_lib() -> str:

@@ -84,13 +84,23 @@ def test_tunings(cp, qt):
 
 @pytest.mark.slow
 def test_sources_build():
-    """Every case's experts.cu builds for sm_90 with NVRTC, without a GPU, as the case's ExpertKernels would build it
-    (the H200 plan's launch shape; types, row lengths, SIMT tile and gate/up register cap as experts.py plans)."""
+    """Every case's experts.cu builds for sm_90 with NVRTC, without a GPU, with the defines an H200 lane plans for it
+    (ExpertKernels.planned), and the plan's shared-memory layout is the kernels' (what ExpertKernels._check_layout
+    compares on the device, asserted here at compile time)."""
+    from lane.kernels import compile as kc
+    from lane.kernels.experts import ExpertKernels
+
     nc = _nvrtc_check()
     try:
         lib = nc.load_nvrtc()
     except OSError as e:
         pytest.skip(f"no NVRTC library ({e}); the test extra installs nvidia-cuda-nvrtc")
+    source = kc._source(kc.HERE / "experts.cu")
     for gu, dn, d_model, d_ff in sorted({c[:4] for c in CASES}):
-        usage = nc.resource_usage(nc.build(lib, "experts.cu", nc.expert_defines(gu, dn, d_model, d_ff)))
+        k = ExpertKernels.planned(d_model, d_ff, gu, dn)
+        layout = {"GU_SMEM": k.gu_smem, "DN_SMEM": k.dn_smem, "GUT_SMEM": k.gut_smem, "TILE_P": k.simt_tile,
+                  "MMA_GU_SMEM": k.mma_gu_smem, "MMA_DN_SMEM": k.mma_dn_smem, "GRID_TABLE_BYTES": k.grid_bytes}
+        asserts = "".join(f'static_assert({n} == {v}, "{n}");\n' for n, v in layout.items())
+        options = list(kc.BASE_OPTIONS) + ["--gpu-architecture=sm_90"] + [kc._define(d) for d in k.defines]
+        usage = nc.resource_usage(nc.nvrtc_cubin(lib, source + asserts, "experts.cu", options))
         assert {"expert_gateup", "expert_down", "expert_gateup_tiled", "expert_down_tiled"} <= set(usage), (gu, dn)

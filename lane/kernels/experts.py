@@ -82,7 +82,7 @@ def gu_min_blocks(qt_gate_up, tuning: "Tuning") -> int:
     return max(1, min(tuning.gu_min_blocks, cap))
 
 
-H200_SMEM_BLOCK = 232448  # shared bytes a block may opt in to (sm_90): nvrtc_check's plan without a device
+H200_SMEM_BLOCK, H200_SMEM_SM = 232448, 233472  # shared bytes a block may opt in to / an SM has (sm_90)
 
 
 def gate_up_direct(qt_gate_up, d_model: int, tuning: "Tuning", smem_block: int) -> bool:
@@ -169,52 +169,16 @@ class ExpertKernels:
         import cupy
 
         self.cp = cupy
-        self.d_model, self.d_ff, self.max_pairs = int(d_model), int(d_ff), int(max_pairs)
-        self.qt_gu, self.qt_dn = _qtype(qtype_gate_up), _qtype(qtype_down)
-        if self.d_model % 32 or self.d_ff % 32:
-            raise ValueError("d_model and d_ff must be multiples of 32")
-        if self.max_pairs < 1:
-            raise ValueError("max_pairs must be >= 1")
-        self.tuning = tuning or Tuning()
-        t = self.tuning
-        if t.gu_warps not in (1, 2, 4, 8, 16, 32):
-            raise ValueError("gu_warps must divide 32")
-        if self.d_model % t.dn_rows:
-            raise ValueError("dn_rows must divide d_model")
-        if t.tile_p not in (4, 8, 16):
-            raise ValueError("tile_p must be 4, 8 or 16")
-        if t.prompt not in ("mma", "simt"):
-            raise ValueError("prompt must be 'mma' or 'simt'")
-        if t.mma_mpw not in (1, 2, 4):
-            raise ValueError("mma_mpw must be 1, 2 or 4")
-        if t.mma_unroll not in (1, 2):
-            raise ValueError("mma_unroll must be 1 or 2")
-        self.gate_bytes = self.d_ff * fmt(self.qt_gu).row_bytes(self.d_model)
-        self.down_bytes = self.d_model * fmt(self.qt_dn).row_bytes(self.d_ff)
-        self.slot_bytes = self.slot_bytes_of(self.d_model, self.d_ff, self.qt_gu, self.qt_dn)
-        self.slot_stride = self.slot_bytes if slot_stride is None else int(slot_stride)
-        if self.slot_stride < self.slot_bytes or self.slot_stride % 16:
-            raise ValueError(f"slot_stride must be >= {self.slot_bytes} and a multiple of 16")
-
+        self._configure(d_model, d_ff, qtype_gate_up, qtype_down, max_pairs, slot_stride, tuning)
         self.device = cupy.cuda.Device(device) if device is not None else cupy.cuda.Device()
         with self.device:
             attrs = self.device.attributes
             self.n_sm = int(attrs.get("MultiProcessorCount") or
                             cupy.cuda.runtime.getDeviceProperties(self.device.id)["multiProcessorCount"])
-            smem_block = int(attrs.get("MaxSharedMemoryPerBlockOptin", 232448))
-            smem_sm = int(attrs.get("MaxSharedMemoryPerMultiprocessor", 233472))
-            self._plan(smem_block, smem_sm)
-            defines = [
-                ("GU_QT", int(self.qt_gu)), ("GU_KIN", self.d_model), ("GU_ROWS", self.d_ff),
-                ("DN_QT", int(self.qt_dn)), ("DN_KIN", self.d_ff), ("DN_ROWS", self.d_model),
-                ("GU_WPB", self.gu_warps), ("GU_MINB", self.gu_blocks), ("GU_STAGES", self.gu_stages),
-                ("GU_DIRECT", int(self.gu_direct)),
-                ("TILE_P", self.simt_tile), ("MMA_MPW", t.mma_mpw), ("MMA_PREFETCH", t.mma_prefetch), ("MMA_UNROLL", t.mma_unroll),
-                ("DN_WPB", self.dn_warps), ("DN_MINB", self.dn_blocks), ("DN_STAGES", self.dn_stages),
-                ("DN_R", t.dn_rows), ("IQ3_FAST", t.iq3_fast),
-            ] + exp_defines()
-            self.defines = defines
-            self.module, self.build = load_module(SOURCE, defines, device=self.device.id, return_info=True)
+            self._plan(int(attrs.get("MaxSharedMemoryPerBlockOptin", H200_SMEM_BLOCK)),
+                       int(attrs.get("MaxSharedMemoryPerMultiprocessor", H200_SMEM_SM)))
+            self.defines = self._defines()
+            self.module, self.build = load_module(SOURCE, self.defines, device=self.device.id, return_info=True)
             self._k_gu = self.module.get_function("expert_gateup")
             self._k_dn = self.module.get_function("expert_down")
             self._k_gut = self.module.get_function("expert_gateup_tiled")
@@ -244,6 +208,59 @@ class ExpertKernels:
             self.qh = cupy.empty((P, F), cupy.int8)
             self.dh = cupy.empty((P, F // 32), cupy.float32)
             self.dcount = cupy.zeros((self.d_model // self.tuning.dn_rows,), cupy.int32)  # run(combine=): pairs done
+
+    @classmethod
+    def planned(cls, d_model: int, d_ff: int, qtype_gate_up, qtype_down, tuning: Tuning | None = None,
+                n_sm: int = 132) -> "ExpertKernels":
+        """The plan and the defines an H200 lane builds experts.cu with (shared memory per block and SM as sm_90
+        has them), without CuPy or a device: what scripts/nvrtc_check.py builds. Launch nothing with it."""
+        k = cls.__new__(cls)
+        k._configure(d_model, d_ff, qtype_gate_up, qtype_down, 1, None, tuning)
+        k.n_sm = n_sm
+        k._plan(H200_SMEM_BLOCK, H200_SMEM_SM)
+        k.defines = k._defines()
+        return k
+
+    def _configure(self, d_model, d_ff, qtype_gate_up, qtype_down, max_pairs, slot_stride, tuning) -> None:
+        """The shape, types and tuning, checked; the matrices' and a slot's bytes."""
+        self.d_model, self.d_ff, self.max_pairs = int(d_model), int(d_ff), int(max_pairs)
+        self.qt_gu, self.qt_dn = _qtype(qtype_gate_up), _qtype(qtype_down)
+        if self.d_model % 32 or self.d_ff % 32:
+            raise ValueError("d_model and d_ff must be multiples of 32")
+        if self.max_pairs < 1:
+            raise ValueError("max_pairs must be >= 1")
+        self.tuning = tuning or Tuning()
+        t = self.tuning
+        if t.gu_warps not in (1, 2, 4, 8, 16, 32):
+            raise ValueError("gu_warps must divide 32")
+        if self.d_model % t.dn_rows:
+            raise ValueError("dn_rows must divide d_model")
+        if t.tile_p not in (4, 8, 16):
+            raise ValueError("tile_p must be 4, 8 or 16")
+        if t.prompt not in ("mma", "simt"):
+            raise ValueError("prompt must be 'mma' or 'simt'")
+        if t.mma_mpw not in (1, 2, 4):
+            raise ValueError("mma_mpw must be 1, 2 or 4")
+        if t.mma_unroll not in (1, 2):
+            raise ValueError("mma_unroll must be 1 or 2")
+        self.gate_bytes = self.d_ff * fmt(self.qt_gu).row_bytes(self.d_model)
+        self.down_bytes = self.d_model * fmt(self.qt_dn).row_bytes(self.d_ff)
+        self.slot_bytes = self.slot_bytes_of(self.d_model, self.d_ff, self.qt_gu, self.qt_dn)
+        self.slot_stride = self.slot_bytes if slot_stride is None else int(slot_stride)
+        if self.slot_stride < self.slot_bytes or self.slot_stride % 16:
+            raise ValueError(f"slot_stride must be >= {self.slot_bytes} and a multiple of 16")
+
+    def _defines(self) -> list[tuple[str, object]]:
+        t = self.tuning
+        return [
+            ("GU_QT", int(self.qt_gu)), ("GU_KIN", self.d_model), ("GU_ROWS", self.d_ff),
+            ("DN_QT", int(self.qt_dn)), ("DN_KIN", self.d_ff), ("DN_ROWS", self.d_model),
+            ("GU_WPB", self.gu_warps), ("GU_MINB", self.gu_blocks), ("GU_STAGES", self.gu_stages),
+            ("GU_DIRECT", int(self.gu_direct)), ("TILE_P", self.simt_tile), ("MMA_MPW", t.mma_mpw),
+            ("MMA_PREFETCH", t.mma_prefetch), ("MMA_UNROLL", t.mma_unroll),
+            ("DN_WPB", self.dn_warps), ("DN_MINB", self.dn_blocks), ("DN_STAGES", self.dn_stages),
+            ("DN_R", t.dn_rows), ("IQ3_FAST", t.iq3_fast),
+        ] + exp_defines()
 
     # ---- sizes --------------------------------------------------------------------------------------------------
     @staticmethod
