@@ -33,9 +33,9 @@ from lane.kernels.experts import SOURCE as EXPERTS, ExpertKernels  # noqa: E402
 
 
 def expert_defines(qtype: str, down: str | None = None, d_model: int = 2048, d_ff: int = 768) -> list[tuple[str, int]]:
-    """experts.cu's defines as an H200 lane plans them (the default Tuning: gate/up 16 warps x 2 blocks, down 16 x 2,
-    2 stages) for gate/up weights of type qtype and down weights of type `down` (default: the same), at the a3b
-    shape unless given."""
+    """experts.cu's defines as an H200 lane plans them (the default Tuning: 16 warps a block, up to 2 blocks an SM as
+    shared memory allows) for gate/up weights of type qtype and down weights of type `down` (default: the same), at
+    the a3b shape unless given."""
     return ExpertKernels.planned(d_model, d_ff, qtype, down or qtype).defines
 
 
