@@ -32,7 +32,7 @@ from lane.gpu_model import Break, DeviceSample, Qwen3MoeGpu, Work
 from lane.slot_pool import SlotPool
 from lane.kernels import attention, launch, rope_kv, sampling
 from lane.kernels import compile as kernel_compile
-from lane.kernels.experts import Tuning
+from lane.kernels.experts import Tuning, check_model
 from protos import messages as M
 from stratad.config import GPU_PROMPT_CHUNK, GpuOptions
 from stratad.engine.sampling import Sampler
@@ -85,6 +85,7 @@ class CupyCard:
         """prompt_chunk: tokens a prompt chunk (the expert kernels' pair lists and workspaces are sized for it);
         options: the config's [gpu] code paths (process-wide: PDL, the kernel cache); tuning: the expert kernels'
         launch shape (default: the measured one)."""
+        check_model(model, tuning)  # before anything is allocated: a model the kernels cannot take fails whole
         c = self.c = model.config
         if prompt_chunk < 1:
             raise ValueError("prompt_chunk must be at least 1")

@@ -31,7 +31,6 @@ import numpy as np
 from lane import host_lock
 from lane.cpu_pool import CpuPool, LayerJobs
 from lane.expert_counts import entries_by_source, routed_counts
-from lane.gpu_types import check_gpu_types
 from lane.kernels.experts import MAX_SOURCES, ExpertKernels, Tuning, max_tiles
 from lane.slot_pool import SlotPool
 from stratad.config import GpuOptions
@@ -205,17 +204,11 @@ class GpuExperts:
     def __init__(self, model: ModelFile, pool: SlotPool, max_tokens: int, cpu_threads: int, stream: cp.cuda.Stream,
                  own_device: str, host_experts: str = "card", options: GpuOptions = GpuOptions(),
                  tuning: Tuning | None = None):
-        check_gpu_types(model)  # before anything is allocated: no half-loaded card
         c = model.config
         self.options, self.tuning = options, tuning or Tuning()
         self.model, self.c, self.pool, self.stream, self.own_device = model, c, pool, stream, own_device
         self.k, self.max_tokens = c.n_expert_used, max_tokens
         P = self.max_pairs = max_tokens * self.k
-        for layer in range(c.n_layer):
-            gate, up = self.key(layer)[0], model.expert_type(layer, "up")
-            if up != gate:  # every file llama.cpp writes has them equal; the kernels read both rows as one type
-                raise ValueError(f"layer {layer}: gate experts are {gate.name} and up experts {up.name}; the GPU "
-                                 f"expert kernels need gate and up of one type (any type, any down type)")
         self.kernels = self.new_kernels()
         self.cpu = CpuPool(cpu_threads or os.cpu_count() or 1)
         self.qa = cp.empty((max_tokens, c.d_model), cp.int8)

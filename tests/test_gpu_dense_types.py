@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
 
-from lane.gpu_types import check_gpu_types
+from lane.kernels.experts import check_model
 from stratad.model import quants
 from stratad.model.generator import make_model
 from stratad.model.gguf_file import ModelFile
@@ -55,7 +55,7 @@ def test_gpu_card_accepts_mixes_with_gpu_expert_types(mix_model, mix):
     m = mix_model(mix)
     dense = {ti.qtype for n, ti in m.tensors.items() if "_exps." not in n} - {T.F32}
     assert dense - set(FAST), f"{mix}: no dense matrix off the fast paths"
-    check_gpu_types(m)
+    check_model(m)
 
 
 # ---- kernels ---------------------------------------------------------------------------------------------------

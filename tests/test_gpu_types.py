@@ -1,23 +1,38 @@
-"""A GPU lane refuses, at card build and before allocating, a model with tensor types its kernels cannot read yet:
-one error naming the tensors and their types (the CPU cards run every type)."""
+"""A GPU lane checks, at card build and before allocating, that its expert kernels take every layer of the model
+(lane/kernels/experts.py check_model, planned on the host): any type with any down type; gate and up of one type."""
 from __future__ import annotations
 
-from lane.gpu_types import check_gpu_types, unsupported_on_gpu
+import dataclasses
+
+import pytest
+from gguf import GGMLQuantizationType as T
+
+from lane.kernels.experts import check_model
 from stratad.model.generator import make_model
 from stratad.model.gguf_file import ModelFile
 
 
-def test_mixed_file_accepted(tmp_path):
-    """llama.cpp's Q4_K_M mix (Q4_K gate/up with Q6_K down experts on some layers, Q4_K / Q6_K dense matrices):
-    every tensor runs on the GPU (dense: lane/kernels/decode.cuh; experts: experts.cu's generic path)."""
+@pytest.mark.parametrize("mix", ["q4_k_m", "iq3_s", "q2_k", "iq1_m", "f16"])
+def test_mixes_accepted(tmp_path, mix):
+    """llama.cpp's mixes (e.g. Q4_K gate / up with Q6_K down on some layers) and the converter's F16 output."""
+    make_model(tmp_path / "m.gguf", "tiny", mix=mix)
+    check_model(ModelFile(tmp_path / "m.gguf"))
+
+
+def test_gate_and_up_of_two_types_refused(tmp_path):
     make_model(tmp_path / "m.gguf", "tiny", mix="q4_k_m")
     m = ModelFile(tmp_path / "m.gguf")
-    assert "Q6_K" in {m.tensors[f"blk.{i}.ffn_down_exps.weight"].qtype.name for i in range(m.config.n_layer)}
-    assert unsupported_on_gpu(m) == []
-    check_gpu_types(m)
+    name = "blk.1.ffn_up_exps.weight"
+    m.tensors[name] = dataclasses.replace(m.tensors[name], qtype=T.Q8_0)
+    with pytest.raises(ValueError, match="layer 1: gate experts are Q4_K and up experts Q8_0"):
+        check_model(m)
 
 
-def test_gpu_types_accepted(tiny_model_path):
-    m = ModelFile(tiny_model_path)
-    assert unsupported_on_gpu(m) == []
-    check_gpu_types(m)
+def test_a_shape_the_kernels_cannot_take_is_refused_naming_the_layers(tmp_path):
+    """F32 experts of the 235B shape: a down row of 1536 float32 does not fit the kernels' shared memory."""
+    make_model(tmp_path / "m.gguf", "tiny", mix="f32")
+    m = ModelFile(tmp_path / "m.gguf")
+    m.config = dataclasses.replace(m.config, d_model=4096, d_ff_expert=1536)  # the planner reads only the shape
+    with pytest.raises(ValueError, match=r"cannot take layers 0\.\.3 \(4 layers: F32 gate / up, F32 down, d_model "
+                                         r"4096, expert width 1536\)"):
+        check_model(m)

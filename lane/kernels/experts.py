@@ -25,8 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from stratad.engine import canonical
-from lane.gpu_types import GPU_EXPERT_TYPES as EXPERT_TYPES
-from stratad.model.quants import fmt, iq3s_grid, parse_type
+from stratad.model.quants import EXPERT_TYPES, fmt, iq3s_grid, parse_type
 
 from . import decode_tables
 from .compile import load_module
@@ -643,3 +642,24 @@ def combine_rows_ref(x: np.ndarray, w: np.ndarray, rows: list[np.ndarray]) -> np
     """x + canonical.combine(w, outputs) with outputs[t, j] = rows[t * K + j] (each a d_model row)."""
     T, K = w.shape
     return x + canonical.combine(w, np.stack(rows).reshape(T, K, -1))
+
+
+def check_model(model, tuning: Tuning | None = None) -> None:
+    """Whether the expert kernels take every layer of the model (its types and shape; any type with any down
+    type), planned on the host: a GPU card checks this before it allocates anything, so a model it cannot run
+    fails with one error naming the layers instead of starting half-loaded."""
+    c = model.config
+    plans: dict[tuple, list[int]] = {}
+    for layer in range(c.n_layer):
+        gate, up, down = (model.expert_type(layer, k) for k in ("gate", "up", "down"))
+        if up != gate:  # every file llama.cpp writes has them equal; the kernels read both rows as one type
+            raise ValueError(f"layer {layer}: gate experts are {gate.name} and up experts {up.name}; the GPU "
+                             f"expert kernels need gate and up of one type (any type, any down type)")
+        plans.setdefault((gate, down), []).append(layer)
+    for (gate, down), layers in plans.items():
+        try:
+            ExpertKernels.planned(c.d_model, c.d_ff_expert, gate, down, tuning)
+        except ValueError as e:
+            raise ValueError(f"the GPU expert kernels cannot take layers {layers[0]}..{layers[-1]} ({len(layers)} "
+                             f"layers: {gate.name} gate / up, {down.name} down, d_model {c.d_model}, expert width "
+                             f"{c.d_ff_expert}): {e}; CPU cards run every model") from None
