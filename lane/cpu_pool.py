@@ -423,6 +423,24 @@ def _vfield(typingctx, dst, do, src, so, shift, mask, lshift, keep, sub):
     return types.none(dst, do, src, so, shift, mask, lshift, keep, sub), codegen
 
 
+@intrinsic
+def _vbit4(typingctx, dst, do, src, so):
+    """dst[do + v] |= bit v % 8 of src[so + v // 8], << 4, for v < 16 (Q5_0 / Q5_1's fifth bits)."""
+    if not _is_1d_bytes(dst, src):
+        return None
+
+    def codegen(context, builder, sig, args):
+        v16 = ir.VectorType(_I8, 16)
+        b = _vload(context, builder, sig.args[2], args[2], args[3], 2)
+        x = builder.shuffle_vector(b, b, _const(_I32, [v // 8 for v in range(16)]))
+        x = builder.shl(builder.and_(builder.lshr(x, _const(_I8, [v % 8 for v in range(16)])), _const(_I8, [1] * 16)),
+                        _const(_I8, [4] * 16))
+        p = _vptr(context, builder, sig.args[0], args[0], args[1], v16)
+        builder.store(builder.or_(builder.load(p, align=1), x), p, align=1)
+        return context.get_dummy_value()
+    return types.none(dst, do, src, so), codegen
+
+
 # 16-entry byte table lookups: x86's pshufb where the host has it, else a chain of selects (same bytes).
 PSHUFB = "+ssse3" in llvm_binding.get_host_cpu_features().flatten().split(",")
 
@@ -688,8 +706,8 @@ def _nib_sub(w, p, wb, wo, bias):
 def _q5_sub(w, p, wb, wo):
     """Q5_0 / Q5_1 codes: 32 high bits (bit v for value v) at w[p], then the 16 nibble bytes."""
     _nib_sub(w, p + 4, wb, wo, 0)
-    for v in range(SUB):
-        wb[wo + v] |= ((w[p + (v >> 3)] >> (v & 7)) & 1) << 4
+    _vbit4(wb, wo, w, p)
+    _vbit4(wb, wo + 16, w, p + 2)
 
 
 @njit(nogil=True, cache=True, inline="always")
