@@ -87,11 +87,12 @@ F16E, POW2, GRID = _tables()
 
 
 def _decode_tables() -> tuple[np.ndarray, dict[str, int]]:
-    """The decoders' tables as one int8 array, and each one's offset in it: IQ4's kvalues; 16 ones; 8 eights; sign8[8 m + v] =
-    -1 if bit v of byte m is set, else 1; ggml's ksigns (int8: read & 0xFF); the IQ grids (entries x values, flat)."""
+    """The decoders' tables as one int8 array, and each one's offset in it: IQ4's kvalues; 16 ones; 8 eights;
+    sign8[8 m + v] = -1 if bit v of byte m is set, else 1; ggml's ksigns (int8: read & 0xFF); the IQ grids
+    (entries x values, flat)."""
     bit = (np.arange(256)[:, None] >> np.arange(8)) & 1
-    parts = {"iq4": IQ4_VALUES, "ones": np.ones(16, np.int8), "eights": np.full(8, 8, np.int8), "sign8": (1 - 2 * bit).astype(np.int8).reshape(-1),
-             "ksigns": ksigns().view(np.int8),
+    parts = {"iq4": IQ4_VALUES, "ones": np.ones(16, np.int8), "eights": np.full(8, 8, np.int8),
+             "sign8": (1 - 2 * bit).astype(np.int8).reshape(-1), "ksigns": ksigns().view(np.int8),
              **{t.name: grid(t).reshape(-1) for t in (T.IQ3_XXS, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ1_S, T.IQ1_M)}}
     offsets, at = {}, 0
     for name, x in parts.items():
@@ -1193,10 +1194,10 @@ def _layer_parallel(nthreads, tickets, tg, tu, td, gate, up, down, d_ff, d_model
 
 # ---- the generic path: any expert type, from its canonical integer view (quants.decode_int) --------------------
 # Layers whose three types are not all in _BLOCK_BYTES (float experts): the pairs' experts are decoded to their
-# integer views by the types' own units (bounded batches of experts), then these kernels do the canonical arithmetic on the views: exact
-# integer sub-block sums, each term (scale_b * d_b) * isum_b [- (minimum_b * d_b) * msum_b] in float32, the warp
-# order of lanes, SwiGLU, h quantised, the down dot. mode: 0 no minimum, 1 minimum with weight 1 (msum = the
-# activation's sub-block sum), 2 minimum with per-value weights.
+# integer views by the types' own units (bounded batches of experts), then these kernels do the canonical
+# arithmetic on the views: exact integer sub-block sums, each term (scale_b * d_b) * isum_b [- (minimum_b * d_b) *
+# msum_b] in float32, the warp order of lanes, SwiGLU, h quantised, the down dot. mode: 0 no minimum, 1 minimum
+# with weight 1 (msum = the activation's sub-block sum), 2 minimum with per-value weights.
 
 
 @njit(nogil=True, cache=True)
