@@ -332,14 +332,20 @@ template <int QT> struct ActNeeds {
     static constexpr bool ASUM = QT == QT_Q4_K;
 };
 
+// activation sub-block s: its 32 int8 codes as 8 words, and its scale
+__device__ __forceinline__ float load_act_words(const signed char* __restrict__ q, const float* __restrict__ d, int s,
+                                                u32 (&a)[8]) {
+    const uint4* p = reinterpret_cast<const uint4*>(q + 32 * s);
+    const uint4 x = __ldg(p), y = __ldg(p + 1);
+    a[0] = x.x; a[1] = x.y; a[2] = x.z; a[3] = x.w;
+    a[4] = y.x; a[5] = y.y; a[6] = y.z; a[7] = y.w;
+    return __ldg(d + s);
+}
+
 template <int QT>
 __device__ __forceinline__ void load_act(const signed char* __restrict__ q, const float* __restrict__ d, int s,
                                          Act& A) {
-    const uint4* p = reinterpret_cast<const uint4*>(q + 32 * s);
-    const uint4 x = __ldg(p), y = __ldg(p + 1);
-    A.a[0] = x.x; A.a[1] = x.y; A.a[2] = x.z; A.a[3] = x.w;
-    A.a[4] = y.x; A.a[5] = y.y; A.a[6] = y.z; A.a[7] = y.w;
-    A.d = __ldg(d + s);
+    A.d = load_act_words(q, d, s, A.a);
     A.asum = 0;
     if (ActNeeds<QT>::ASUM) {
 #pragma unroll
@@ -351,11 +357,7 @@ __device__ __forceinline__ void load_act(const signed char* __restrict__ q, cons
 template <int QT>
 __device__ __forceinline__ void load_act(const signed char* __restrict__ q, const float* __restrict__ d, int s,
                                          XtAct& A) {
-    const uint4* p = reinterpret_cast<const uint4*>(q + 32 * s);
-    const uint4 x = __ldg(p), y = __ldg(p + 1);
-    A.a[0] = x.x; A.a[1] = x.y; A.a[2] = x.z; A.a[3] = x.w;
-    A.a[4] = y.x; A.a[5] = y.y; A.a[6] = y.z; A.a[7] = y.w;
-    A.d = __ldg(d + s);
+    A.d = load_act_words(q, d, s, A.a);
     xt_act_sums<QT>(A);
 }
 
