@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from stratad import discovery
+from stratad import discovery, exits
 from stratad.config import GPU_PROMPT_CHUNK
 from stratad.model import mixes, quants
 from stratad.model.errors import ModelFormatError
@@ -204,13 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
-    try:
-        return a.fn(a)
-    except ModelFormatError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+    return exits.run(lambda: a.fn(a), {ModelFormatError: 2})
 
 
 if __name__ == "__main__":

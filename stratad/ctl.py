@@ -6,7 +6,7 @@ import json
 import sys
 import time
 
-from stratad import discovery
+from stratad import discovery, exits
 from stratad.client import Client, DaemonUnavailable, RequestError
 
 
@@ -91,41 +91,36 @@ def main(argv: list[str] | None = None) -> int:
     if found.path is None:
         print(f"error: {found.message()}", file=sys.stderr)
         return 3
-    try:
-        with Client(runtime_dir=str(found.path), timeout_s=a.timeout) as c:
-            if a.cmd == "status":
-                st = c.status()
-                print(st.model_dump_json(indent=2) if a.json else status_table(st))
-                return 0
-            stream = c.generate(messages=[{"role": "user", "content": a.text}], max_tokens=a.max_tokens,
-                                temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.seed, stop=a.stop,
-                                ignore_eos=a.ignore_eos)
-            for chunk in stream:
-                if not a.json:
-                    sys.stdout.write(chunk.text)
-                    sys.stdout.flush()
-            st = stream.stats
-            if a.json:
-                print(json.dumps({"text": stream.text, "tokens": stream.tokens, "finish_reason": stream.finish_reason,
-                                  "stats": st.model_dump()}))
-                return 0
-            gib = st.expert_bytes / 2**30
-            print(f"\n[{st.generated_tokens} tokens ({stream.finish_reason}), lane {st.lane}, first token "
-                  f"{st.ttft_s * 1e3:.0f} ms, {st.decode_tok_s:.1f} tok/s, experts card/peer/cpu "
-                  f"{st.experts_card}/{st.experts_peer}/{st.experts_cpu} ({st.experts_card * gib:.2f}/"
-                  f"{st.experts_peer * gib:.2f}/{st.experts_cpu * gib:.2f} GiB read), "
-                  f"{st.experts_staged * gib:.2f} GiB copied to the card"
-                  + (f", {st.experts_host_read} of the cpu ones read by the card from host memory"
-                     if st.experts_host_read else "") + "]", file=sys.stderr)
+    return exits.run(lambda: _request(a, found.path), {DaemonUnavailable: 3, RequestError: 4})
+
+
+def _request(a, path) -> int:
+    with Client(runtime_dir=str(path), timeout_s=a.timeout) as c:
+        if a.cmd == "status":
+            st = c.status()
+            print(st.model_dump_json(indent=2) if a.json else status_table(st))
             return 0
-    except DaemonUnavailable as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 3
-    except RequestError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 4
-    except KeyboardInterrupt:
-        return 130
+        stream = c.generate(messages=[{"role": "user", "content": a.text}], max_tokens=a.max_tokens,
+                            temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.seed, stop=a.stop,
+                            ignore_eos=a.ignore_eos)
+        for chunk in stream:
+            if not a.json:
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+        st = stream.stats
+        if a.json:
+            print(json.dumps({"text": stream.text, "tokens": stream.tokens, "finish_reason": stream.finish_reason,
+                              "stats": st.model_dump()}))
+            return 0
+        gib = st.expert_bytes / 2**30
+        print(f"\n[{st.generated_tokens} tokens ({stream.finish_reason}), lane {st.lane}, first token "
+              f"{st.ttft_s * 1e3:.0f} ms, {st.decode_tok_s:.1f} tok/s, experts card/peer/cpu "
+              f"{st.experts_card}/{st.experts_peer}/{st.experts_cpu} ({st.experts_card * gib:.2f}/"
+              f"{st.experts_peer * gib:.2f}/{st.experts_cpu * gib:.2f} GiB read), "
+              f"{st.experts_staged * gib:.2f} GiB copied to the card"
+              + (f", {st.experts_host_read} of the cpu ones read by the card from host memory"
+                 if st.experts_host_read else "") + "]", file=sys.stderr)
+        return 0
 
 
 if __name__ == "__main__":
