@@ -1079,20 +1079,8 @@ extern "C" __global__ void ring(unsigned int* __restrict__ counter, volatile uns
 extern "C" __global__ void layout_info(int* __restrict__ o) {
     PDL_ENTRY();
     if (threadIdx.x == 0 && blockIdx.x == 0) {
-        o[0] = GU_SMEM;
-        o[1] = DN_SMEM;
-        o[2] = GUG::RB;
-        o[3] = DNG::RB;
-        o[4] = GU_STG;
-        o[5] = DN_STG;
-        o[6] = GU_R;
-        o[7] = DN_R;
-        o[8] = GRID_TABLE_BYTES;
-        o[9] = GUG::SPL;
-        o[10] = DNG::SPL;
-        o[11] = GUT_SMEM;
-        o[12] = TILE_P;
-        o[13] = MMA_GU_SMEM;
-        o[14] = MMA_DN_SMEM;
+        const int v[] = {GU_SMEM, DN_SMEM, GUG::RB, DNG::RB, GU_STG, DN_STG, GU_R, DN_R, GRID_TABLE_BYTES, GUG::SPL,
+                         DNG::SPL, GUT_SMEM, TILE_P, MMA_GU_SMEM, MMA_DN_SMEM};
+        for (int i = 0; i < (int)(sizeof(v) / sizeof(v[0])); ++i) o[i] = v[i];
     }
 }
