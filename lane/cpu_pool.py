@@ -1063,6 +1063,16 @@ def _group(pairs, n_expert, n_tokens, gpairs, gstart, gexp):
 CHUNK = 64  # rows per _rows call
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _span(i, hi, rows, gstart):
+    """The piece of flattened row i's group that a phase computes next: (group, first row, rows, the group's first
+    pair, its pairs), at most CHUNK rows and none past hi."""
+    grp = i // rows
+    r0 = i - grp * rows
+    p0 = gstart[grp]
+    return grp, r0, min(rows - r0, CHUNK, hi - i), p0, gstart[grp + 1] - p0
+
+
 @njit(nogil=True, cache=True)
 def _gate_up(lo, hi, tg, tu, gate, up, d_ff, rb_g, rb_u, a, da, asum, pair_tok, gstart, gpairs, gexp, maxg, h, f16e,
              pow2, grid, tab):
@@ -1072,11 +1082,7 @@ def _gate_up(lo, hi, tg, tu, gate, up, d_ff, rb_g, rb_u, a, da, asum, pair_tok, 
     uv = np.empty(maxg * CHUNK, np.float32)
     i = lo
     while i < hi:
-        grp = i // d_ff
-        r0 = i - grp * d_ff
-        m = min(d_ff - r0, CHUNK, hi - i)
-        p0 = gstart[grp]
-        n = gstart[grp + 1] - p0
+        grp, r0, m, p0, n = _span(i, hi, d_ff, gstart)
         for k in range(n):
             idx[k] = pair_tok[gpairs[p0 + k]]
         e = gexp[grp]
@@ -1121,11 +1127,7 @@ def _down(lo, hi, td, down, d_model, rb_d, a, dh, hsum, gstart, gpairs, gexp, ma
     res = np.empty(maxg * CHUNK, np.float32)
     i = lo
     while i < hi:
-        grp = i // d_model
-        r0 = i - grp * d_model
-        m = min(d_model - r0, CHUNK, hi - i)
-        p0 = gstart[grp]
-        n = gstart[grp + 1] - p0
+        grp, r0, m, p0, n = _span(i, hi, d_model, gstart)
         for k in range(n):
             idx[k] = gpairs[p0 + k]
         e = gexp[grp]
