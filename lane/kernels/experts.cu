@@ -284,19 +284,33 @@ template <> __device__ __forceinline__ void decode_sub<QT_Q4_K>(u32 R, int s, Su
     w.q[7] = (c.w >> nsh) & 0x0f0f0f0fu;
 }
 
-template <> __device__ __forceinline__ void decode_sub<QT_IQ3_S>(u32 R, int s, SubW& w) {
+// IQ3_S sub-block s of the row at shared offset R: its fields, read as words from the 2-aligned block
+struct Iq3sSub {
+    float d;
+    u32 qs0, qs1, sg, qh, nib;  // qs[8j..8j+7] as two words, the sub-block's 32 sign bits, qh byte, scale nibble
+};
+__device__ __forceinline__ Iq3sSub iq3s_sub(u32 R, int s) {
     const u32 j = (u32)s & 7u;
     const u32 B = R + 110u * ((u32)s >> 3);  // 2-aligned
-    const float d = h2f(sm_u16(B));
+    Iq3sSub f;
+    f.d = h2f(sm_u16(B));
     const u32 qo = B + 2u + 8u * j;          // qs[8j..8j+7]
     const u32 sh = (qo & 3u) * 8u;           // signs (B + 74 + 4j) have the same alignment
     const u32 qa = qo & ~3u;
     const u32 w0 = sm_u32(qa), w1 = sm_u32(qa + 4u), w2 = sm_u32(qa + 8u);
-    const u32 qs0 = __funnelshift_r(w0, w1, sh), qs1 = __funnelshift_r(w1, w2, sh);
     const u32 sa = (B + 74u + 4u * j) & ~3u;
-    const u32 sg = __funnelshift_r(sm_u32(sa), sm_u32(sa + 4u), sh);
-    const u32 qh = sm_u8(B + 66u + j);
-    const u32 nib = (sm_u8(B + 106u + (j >> 1)) >> (4u * (j & 1u))) & 15u;
+    f.qs0 = __funnelshift_r(w0, w1, sh);
+    f.qs1 = __funnelshift_r(w1, w2, sh);
+    f.sg = __funnelshift_r(sm_u32(sa), sm_u32(sa + 4u), sh);
+    f.qh = sm_u8(B + 66u + j);
+    f.nib = (sm_u8(B + 106u + (j >> 1)) >> (4u * (j & 1u))) & 15u;
+    return f;
+}
+
+template <> __device__ __forceinline__ void decode_sub<QT_IQ3_S>(u32 R, int s, SubW& w) {
+    const Iq3sSub f = iq3s_sub(R, s);
+    const float d = f.d;
+    const u32 qs0 = f.qs0, qs1 = f.qs1, sg = f.sg, qh = f.qh, nib = f.nib;
     w.sc = f_mul(d, small_i2f((int)(1u + 2u * nib)));
     w.mn = 0.0f;
 #pragma unroll
@@ -398,18 +412,9 @@ template <int QT> __device__ __forceinline__ float sub_term(const XtW<QT>& w, co
 // (qh bit | sign nibble << 1) from gl / gh; a group's byte address is then e * 4 (even group: shift and mask; odd
 // group: a shift, the word's bits 29..31 and 14..15 being zero).
 __device__ __forceinline__ float iq3s_term_fast(u32 R, int s, const Act& A) {
-    const u32 j = (u32)s & 7u;
-    const u32 B = R + 110u * ((u32)s >> 3);
-    const float d = h2f(sm_u16(B));
-    const u32 qo = B + 2u + 8u * j;
-    const u32 sh = (qo & 3u) * 8u;
-    const u32 qa = qo & ~3u;
-    const u32 w0 = sm_u32(qa), w1 = sm_u32(qa + 4u), w2 = sm_u32(qa + 8u);
-    const u32 qs0 = __funnelshift_r(w0, w1, sh), qs1 = __funnelshift_r(w1, w2, sh);
-    const u32 sa = (B + 74u + 4u * j) & ~3u;
-    const u32 sg = __funnelshift_r(sm_u32(sa), sm_u32(sa + 4u), sh);
-    const u32 qh = sm_u8(B + 66u + j);
-    const u32 nib = (sm_u8(B + 106u + (j >> 1)) >> (4u * (j & 1u))) & 15u;
+    const Iq3sSub f = iq3s_sub(R, s);
+    const float d = f.d;
+    const u32 qs0 = f.qs0, qs1 = f.qs1, sg = f.sg, qh = f.qh, nib = f.nib;
     // byte k of gl (groups 0..3) / gh (4..7): bits 8..15 of group k's table index (signs4 << 9) | idx, i.e.
     // qh bit k | sign nibble k << 1 (sg bytes doubled by prmt, their nibbles moved to bits 1..4 of a byte)
     const u32 tl = prmt(sg, 0u, 0x1100u), th = prmt(sg, 0u, 0x3322u);
