@@ -10,6 +10,8 @@
 #   TESTS_ab1="FILE ..." TESTS_K_ab1=EXPR bash scripts/device_run.sh ab-tests  # GPU tests in each tree _abN/
 #   bash scripts/device_run.sh profile   # a3b IQ3_S: where a decode step's time goes (with and without PDL),
 #                                        # and a prompt's
+#   bash scripts/device_run.sh agents    # the agents scenario (host conversation cache) on two logical cards
+#   bash scripts/device_run.sh mixes     # the engine bench on the a3b iq3_s and q4_k_m mixes
 #   bash scripts/device_run.sh engine1   # a3b IQ3_S: the engine bench all resident (1K / 32K / 64K; TAG= names
 #                                        # the JSON)
 #   bash scripts/device_run.sh experts-decode  # the decode expert kernels, gate/up groups over one block or two
@@ -98,6 +100,24 @@ engine1)  # the all-resident engine bench
     model "$A3B" --router-skew 1.0
     timeout 150 python3 -m stratad.cli bench --scenario engine --model "$A3B" --fractions 1.0 \
         --contexts 1024,32768,65536 --json "$OUT/engine-resident${TAG:-}.json" 2>&1 | grep "^{'" | cut -c1-200
+    ;;
+agents)  # a3b IQ3_S: three conversations with 32K-token histories and four follow-ups of 512 new tokens each on two
+        # logical cards (CARDS, default 0,0), with and without the host conversation cache ([gpu] host_kv_cache)
+    model "$A3B" --router-skew 1.0
+    timeout 540 python3 -m stratad.cli bench --scenario agents --model "$A3B" --cards "${CARDS:-0,0}" --history 32768 \
+        --turns 4 --new-tokens 512 --json "$OUT/agents.json" > "$OUT/agents.log" 2>&1
+    echo "agents rc=$?"; tail -3 "$OUT/agents.log" | cut -c1-300
+    ;;
+mixes)  # the engine bench on llama.cpp's iq3_s and q4_k_m mixes of the a3b shape: all resident at 1K / 32K, and the
+        # iq3_s mix half resident at 1K (the issue's targets: docs/perf-notes.md)
+    for mix in iq3_s q4_k_m; do
+        m=/tmp/a3b-mix-$mix.gguf
+        [ -f $m ] || python3 -m stratad.cli make-model --preset a3b --router-skew 1.0 --mix $mix --out $m | tail -1
+        timeout 150 python3 -m stratad.cli bench --scenario engine --model $m --fractions 1.0 --contexts 1024,32768 \
+            --json "$OUT/engine-mix-$mix.json" 2>&1 | grep "^{'" | cut -c1-200
+    done
+    timeout 120 python3 -m stratad.cli bench --scenario engine --model /tmp/a3b-mix-iq3_s.gguf --fractions 0.5 \
+        --contexts 1024 --json "$OUT/engine-mix-iq3_s-half.json" 2>&1 | grep "^{'" | cut -c1-200
     ;;
 experts-ab)  # the decode expert kernels alone (8 pairs, and 8 tokens x 8), on this tree and each tree _ab*/ in turn,
             # twice: a kernel change's own effect, without the rest of the step (scripts/ab_trees.sh makes the trees)
@@ -362,7 +382,7 @@ batch)
     done
     ;;
 *)
-    echo "usage: $0 tests|tests2|tests3|profile|engine|engine-card|experts-prompt|seed13|seed2|seed-card|seed-mps|flash2|batch" >&2
+    echo "usage: $0 tests|tests2|tests3|agents|mixes|profile|engine|engine-card|experts-prompt|seed13|seed2|seed-card|seed-mps|flash2|batch" >&2
     exit 2
     ;;
 esac
