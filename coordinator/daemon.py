@@ -132,7 +132,7 @@ class Coordinator:
         if not self.cfg.prefix_cache:
             return None
         if any(card != "cpu" for card in self.cards) and not self.cfg.gpu.host_kv_cache:
-            log.info("host conversation cache off: GPU cards use it only with [gpu] host_kv_cache = true")
+            log.info("host conversation cache off for GPU cards ([gpu] host_kv_cache = false)")
             return None
         block = kv_store.block_bytes(self.model.config, self.cards)
         pools = sum(self.n_slots * self.slot_bytes for card in self.cards if card == "cpu")

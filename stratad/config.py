@@ -73,9 +73,8 @@ class GpuOptions(BaseModel):
                                                      "run that path on a one-GPU machine)")
     kernel_cache: str | None = Field(None, description="folder of compiled kernels (cubins); unset: "
                                                        "$TMPDIR/stratad-kernels-<uid>")
-    host_kv_cache: bool = Field(False, description="GPU lanes use the host conversation cache (KV blocks copied "
-                                                   "to and from kv_cache_host); off until its GPU test has run on "
-                                                   "a GPU")
+    host_kv_cache: bool = Field(True, description="GPU lanes use the host conversation cache (KV blocks copied "
+                                                  "to and from kv_cache_host, through page-locked staging)")
 
 
 class DaemonConfig(BaseModel):

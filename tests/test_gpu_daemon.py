@@ -192,9 +192,10 @@ def test_peer_lane_killed_mid_generation_on_gpu_cards(model, tmp_path, want):
 
 
 def test_host_conversation_cache_on_gpu_lanes(model, tmp_path):
-    """[gpu] host_kv_cache: three conversations on two GPU lanes. Each follow-up restored from the host cache (its
-    lane having served another conversation meanwhile) gives the tokens and logits bits of the same follow-up
-    served right after its first turn from the KV kept on its lane."""
+    """The host conversation cache on GPU lanes ([gpu] host_kv_cache, on by default): three conversations on two
+    lanes. Each follow-up restored from the host cache (its lane having served another conversation meanwhile)
+    gives the tokens and logits bits of the same follow-up served right after its first turn from the KV kept on
+    its lane."""
     convs = {name: [(7 * k + 3 * i) % 900 + 20 for i in range(n)] for k, (name, n) in
              enumerate([("A", 297), ("B", 265), ("C", 329)])}
     gen = 8  # prompt + gen - 1 tokens kept: whole blocks of 16, all of which the host cache can restore
@@ -208,7 +209,7 @@ def test_host_conversation_cache_on_gpu_lanes(model, tmp_path):
         return convs[name] + list(first.tokens) + [11, 12, 13, 14]
 
     cfg = {"prefix_cache": True, "kv_cache_host": "1GiB"}
-    ref = start(model, tmp_path, CARDS, "1.0", gpu={"host_kv_cache": True}, **cfg)
+    ref = start(model, tmp_path, CARDS, "1.0", **cfg)
     kept = {}
     try:
         with ref.client(stream_timeout_s=600) as c:
@@ -219,7 +220,7 @@ def test_host_conversation_cache_on_gpu_lanes(model, tmp_path):
                 kept[name] = (first, nxt)
     finally:
         ref.stop()
-    d = start(model, tmp_path, CARDS, "1.0", gpu={"host_kv_cache": True}, **cfg)
+    d = start(model, tmp_path, CARDS, "1.0", **cfg)
     try:
         with d.client(stream_timeout_s=600) as c:
             firsts = {name: turn(c, convs[name]) for name in convs}

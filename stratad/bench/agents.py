@@ -44,8 +44,7 @@ def _run(model: str, cards: str, kv_cache_host: str, convs: list[list[int]], tur
     ctx = max(len(c) for c in convs) + turns * (new_tokens + REPLY) + REPLY + 64
     conf = tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False)
     conf.write(f"prefix_cache = true\nkv_cache_host = \"{kv_cache_host}\"\nrejoin_idle_s = 3600.0\n"
-               f"context_length = {ctx}\nprompt_chunk = {prompt_chunk}\n"
-               "[gpu]\nhost_kv_cache = true\n")  # GPU lanes take part in the cache (CPU cards always do)
+               f"context_length = {ctx}\nprompt_chunk = {prompt_chunk}\n")
     conf.close()
     d = LocalDaemon(model, cards, args=["--log-level", "warning"], config=conf.name).start(timeout_s=1800)
     try:
