@@ -61,6 +61,28 @@ def kept_reference(model_path, first: list[int], follow: list[int], n: int) -> t
     return tokens, g.digest.hexdigest()
 
 
+def settled(d, timeout_s: float = 30.0):
+    """The cache's status once the lanes' background writes (after each Done) have landed: two reads apart that
+    agree, with no slot still being written."""
+    deadline = time.monotonic() + timeout_s
+    last = None
+    while True:
+        k = d.status().kv_cache
+        if k == last and k.entries * BLOCK_BYTES == k.bytes_used:
+            name = kv_store.segment_name(shm.prefix_for(d.runtime_dir))
+            look = kv_store.KvStore(name)
+            try:
+                writing = int(np.count_nonzero(look.state == kv_store.WRITING))
+            finally:
+                look.close()
+            if not writing:
+                return k
+        if time.monotonic() > deadline:
+            return k
+        last = k
+        time.sleep(0.2)
+
+
 def test_three_conversations_on_two_lanes(tiny_model_path, tmp_path):
     # the reference: each conversation's follow-up right after its first turn, from the KV kept on its lane; a
     # cache of six blocks (less than the conversations' 43) evicts all along, and every request is served
@@ -74,7 +96,7 @@ def test_three_conversations_on_two_lanes(tiny_model_path, tmp_path):
                 assert nxt.stats.lane == first.stats.lane
                 assert nxt.stats.prompt_cached_tokens == len(p) + GEN - 1
                 kept[name] = (first, nxt)
-        k = ref.status().kv_cache
+        k = settled(ref)
         assert k.entries == 6 and k.bytes_used == k.bytes_limit == 6 * BLOCK_BYTES and k.blocks_written > 6, k
     finally:
         ref.stop()
@@ -89,6 +111,7 @@ def test_three_conversations_on_two_lanes(tiny_model_path, tmp_path):
                 assert s.stats.prompt_cached_tokens == len(CONVS[name]) + GEN - 1
                 assert s.tokens == kept[name][1].tokens
                 assert s.stats.logits_sha256 == kept[name][1].stats.logits_sha256
+        settled(d)
         st = d.status()
         k = st.kv_cache
         assert k.hits >= 1 and k.tokens_served >= len(CONVS["A"]) - B, k
