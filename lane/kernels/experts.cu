@@ -678,6 +678,17 @@ __device__ __forceinline__ void gateup_body(const u8* __restrict__ pool, i64 slo
     cp_wait<0>();
 }
 
+// The prompt tiles' kernels take one parameter list a phase, SIMT here and on tensor cores (experts_mma.cuh)
+#define GU_TILED_PARAMS                                                                                           \
+    const u8 *__restrict__ pool, i64 slot_bytes, i64 up_off, const int *__restrict__ pairs,                       \
+        const int *__restrict__ tiles, const int *__restrict__ n_tiles_p, int max_tiles,                          \
+        const signed char *__restrict__ qa, const float *__restrict__ da, const u32 *__restrict__ grid_g,         \
+        float *__restrict__ hbuf, signed char *__restrict__ qhbuf, float *__restrict__ dhbuf
+#define DN_TILED_PARAMS                                                                                           \
+    const u8 *__restrict__ pool, i64 slot_bytes, const int *__restrict__ pairs, const int *__restrict__ tiles,    \
+        const int *__restrict__ n_tiles_p, int max_tiles, const signed char *__restrict__ qhbuf,                  \
+        const float *__restrict__ dhbuf, const u32 *__restrict__ grid_g, float *__restrict__ out
+
 extern "C" __global__ void __launch_bounds__(GU_WPB * 32, GU_MINB)
 expert_gateup(const u8* __restrict__ pool, i64 slot_bytes, i64 up_off, const int* __restrict__ pairs,
               const int* __restrict__ n_pairs_p, int max_pairs, const signed char* __restrict__ qa,
@@ -690,10 +701,7 @@ expert_gateup(const u8* __restrict__ pool, i64 slot_bytes, i64 up_off, const int
 }
 
 extern "C" __global__ void __launch_bounds__(GU_WPB * 32, 1)
-expert_gateup_tiled(const u8* __restrict__ pool, i64 slot_bytes, i64 up_off, const int* __restrict__ pairs,
-                    const int* __restrict__ tiles, const int* __restrict__ n_tiles_p, int max_tiles,
-                    const signed char* __restrict__ qa, const float* __restrict__ da, const u32* __restrict__ grid_g,
-                    float* __restrict__ hbuf, signed char* __restrict__ qhbuf, float* __restrict__ dhbuf) {
+expert_gateup_tiled(GU_TILED_PARAMS) {
     PDL_ENTRY();
     gateup_body<TILE_P>(pool, slot_bytes, up_off, pairs, tiles, n_tiles_p, max_tiles, qa, da, grid_g, hbuf, qhbuf, dhbuf);
 }
@@ -858,10 +866,7 @@ expert_down(const u8* __restrict__ pool, i64 slot_bytes, const int* __restrict__
 }
 
 extern "C" __global__ void __launch_bounds__(DN_WPB * 32, 1)
-expert_down_tiled(const u8* __restrict__ pool, i64 slot_bytes, const int* __restrict__ pairs,
-                  const int* __restrict__ tiles, const int* __restrict__ n_tiles_p, int max_tiles,
-                  const signed char* __restrict__ qhbuf, const float* __restrict__ dhbuf,
-                  const u32* __restrict__ grid_g, float* __restrict__ out) {
+expert_down_tiled(DN_TILED_PARAMS) {
     down_body<TILE_P>(pool, slot_bytes, pairs, tiles, n_tiles_p, max_tiles, qhbuf, dhbuf, grid_g, out,
                       [] { PDL_ENTRY(); });
 }

@@ -307,10 +307,7 @@ __device__ __forceinline__ void mma_prologue(const u32* __restrict__ grid_g, int
 }
 
 extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32, 1)
-expert_gateup_mma(const u8* __restrict__ pool, i64 slot_bytes, i64 up_off, const int* __restrict__ pairs,
-                  const int* __restrict__ tiles, const int* __restrict__ n_tiles_p, int max_tiles,
-                  const signed char* __restrict__ qa, const float* __restrict__ da, const u32* __restrict__ grid_g,
-                  float* __restrict__ hbuf, signed char* __restrict__ qhbuf, float* __restrict__ dhbuf) {
+expert_gateup_mma(GU_TILED_PARAMS) {
     PDL_ENTRY();
     constexpr int NG = GU_ROWS / 32;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -350,10 +347,7 @@ expert_gateup_mma(const u8* __restrict__ pool, i64 slot_bytes, i64 up_off, const
 }
 
 extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32, 1)
-expert_down_mma(const u8* __restrict__ pool, i64 slot_bytes, const int* __restrict__ pairs,
-                const int* __restrict__ tiles, const int* __restrict__ n_tiles_p, int max_tiles,
-                const signed char* __restrict__ qhbuf, const float* __restrict__ dhbuf,
-                const u32* __restrict__ grid_g, float* __restrict__ out) {
+expert_down_mma(DN_TILED_PARAMS) {
     PDL_ENTRY();
     constexpr int NR = DN_ROWS / 64;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
