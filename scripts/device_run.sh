@@ -104,7 +104,7 @@ engine1)  # the all-resident engine bench
 agents)  # a3b IQ3_S: three conversations with 32K-token histories and four follow-ups of 512 new tokens each on two
         # logical cards (CARDS, default 0,0), with and without the host conversation cache ([gpu] host_kv_cache)
     model "$A3B" --router-skew 1.0
-    timeout 540 python3 -m stratad.cli bench --scenario agents --model "$A3B" --cards "${CARDS:-0,0}" --history 32768 \
+    timeout "${AGENTS_S:-540}" python3 -m stratad.cli bench --scenario agents --model "$A3B" --cards "${CARDS:-0,0}" --history 32768 \
         --turns 4 --new-tokens 512 --json "$OUT/agents.json" > "$OUT/agents.log" 2>&1
     echo "agents rc=$?"; tail -3 "$OUT/agents.log" | cut -c1-300
     ;;
