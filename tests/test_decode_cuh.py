@@ -6,17 +6,12 @@ round-to-nearest PTX there, IEEE float with contraction off here)."""
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
 
+import host_cxx
 from lane.kernels import decode_tables
 from stratad.model import quants
 
@@ -75,32 +70,9 @@ extern "C" int dq_float(int qt, const dq_u8* raw, long long n, const dq_u8* tab,
 
 extern "C" int dq_tab_bytes() { return DQ_TAB_BYTES; }
 """
-FLAGS = ["-O2", "-std=c++17", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC"]
-
-
-def _compiler() -> str | None:
-    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
-
-
 @pytest.fixture(scope="module")
 def lib():
-    cxx = _compiler()
-    if cxx is None:
-        pytest.skip("no C++ compiler (g++ / c++ / clang++ or $CXX) to build decode.cuh for the host")
-    digest = hashlib.sha256("\0".join([HEADER.read_text(), SHIM, cxx] + FLAGS).encode()).hexdigest()[:24]
-    cache = Path(tempfile.gettempdir()) / f"stratad-decode-{os.getuid()}"
-    cache.mkdir(parents=True, exist_ok=True, mode=0o700)
-    so = cache / f"decode-{digest}.so"
-    if not so.exists():
-        src = cache / f"shim-{digest}.{os.getpid()}.cpp"
-        src.write_text(SHIM)
-        tmp = so.with_suffix(f".{os.getpid()}.tmp")
-        r = subprocess.run([cxx, *FLAGS, "-I", str(HEADER.parent), str(src), "-o", str(tmp)], capture_output=True,
-                           text=True)
-        src.unlink()
-        assert r.returncode == 0, f"decode.cuh does not build for the host:\n{r.stderr}"
-        os.replace(tmp, so)
-    lib = ctypes.CDLL(str(so))
+    lib = host_cxx.build("decode", SHIM, [HEADER])
     p = ctypes.c_void_p
     lib.dq_int.argtypes = [ctypes.c_int, p, ctypes.c_longlong, p, p, p, p, p]
     lib.dq_float.argtypes = [ctypes.c_int, p, ctypes.c_longlong, p, p]

@@ -6,17 +6,14 @@ same functions; only the lanes' fold is written twice (shuffles there, the loop 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import subprocess
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
 from test_canonical import activations, weight_rows
-from test_decode_cuh import FLAGS, IGNORE_NAN_WARNINGS, _compiler, _ptr, assert_bits_equal
+from test_decode_cuh import IGNORE_NAN_WARNINGS, _ptr, assert_bits_equal
+import host_cxx
 
 from lane.kernels import decode_tables
 from stratad.engine import canonical
@@ -104,24 +101,7 @@ extern "C" int xt_qdot(int qt, const dq_u8* raw, long long row_bytes, int rows, 
 
 @pytest.fixture(scope="module")
 def lib():
-    cxx = _compiler()
-    if cxx is None:
-        pytest.skip("no C++ compiler (g++ / c++ / clang++ or $CXX) to build expert_term.cuh for the host")
-    text = "\0".join([HEADER.read_text(), decode_tables.HEADER.read_text(), SHIM, cxx] + FLAGS)
-    digest = hashlib.sha256(text.encode()).hexdigest()[:24]
-    cache = Path(tempfile.gettempdir()) / f"stratad-decode-{os.getuid()}"
-    cache.mkdir(parents=True, exist_ok=True, mode=0o700)
-    so = cache / f"expert-term-{digest}.so"
-    if not so.exists():
-        src = cache / f"xt-shim-{digest}.{os.getpid()}.cpp"
-        src.write_text(SHIM)
-        tmp = so.with_suffix(f".{os.getpid()}.tmp")
-        r = subprocess.run([cxx, *FLAGS, "-I", str(HEADER.parent), str(src), "-o", str(tmp)], capture_output=True,
-                           text=True)
-        src.unlink()
-        assert r.returncode == 0, f"expert_term.cuh does not build for the host:\n{r.stderr}"
-        os.replace(tmp, so)
-    lib = ctypes.CDLL(str(so))
+    lib = host_cxx.build("expert-term", SHIM, [HEADER, decode_tables.HEADER])
     p, i = ctypes.c_void_p, ctypes.c_int
     lib.xt_view.argtypes = [i, p, ctypes.c_longlong, i, i, p, p, p, p, p]
     lib.xt_qdot.argtypes = [i, p, ctypes.c_longlong, i, i, p, p, p, i, p]
