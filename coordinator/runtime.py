@@ -45,23 +45,44 @@ class RuntimeDir:
             raise RuntimeDirError(f"runtime directory {self.path} belongs to uid {st.st_uid}, not to us")
         if stat.S_IMODE(st.st_mode) != 0o700:
             os.chmod(self.path, 0o700)
-        fd = os.open(self.path / "stratad.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        self._lock_fd = self._lock()
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            os.close(fd)
-            if e.errno in (errno.EWOULDBLOCK, errno.EACCES):
-                raise RuntimeDirError(f"another stratad (pid {self.read_pid() or '?'}) is running with runtime "
-                                    f"directory {self.path}") from None
+            reclaimed = self._reclaim()
+            (self.path / "stratad.pid").write_text(f"{os.getpid()}\n")
+            try:  # so that a client not told the directory finds it
+                self._record = discovery.register(self.path)
+            except OSError as e:
+                log.warning("runtime dir %s not registered for clients (%s): they need --runtime-dir", self.path, e)
+        except BaseException:
+            self.release()
             raise
-        self._lock_fd = fd
-        reclaimed = self._reclaim()
-        (self.path / "stratad.pid").write_text(f"{os.getpid()}\n")
-        try:  # so that a client not told the directory finds it
-            self._record = discovery.register(self.path)
-        except OSError as e:
-            log.warning("runtime dir %s not registered for clients (%s): they need --runtime-dir", self.path, e)
         return reclaimed
+
+    def _lock(self) -> int:
+        """The exclusive lock on `stratad.lock`, created if missing. release() unlinks the file while it still
+        holds the lock, so a lock won on a file no longer at that path (opened before a release unlinked it)
+        guards nothing: it is dropped and the path opened again."""
+        lock = self.path / "stratad.lock"
+        while True:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                os.close(fd)
+                if e.errno in (errno.EWOULDBLOCK, errno.EACCES):
+                    raise RuntimeDirError(f"another stratad (pid {self.read_pid() or '?'}) is running with runtime "
+                                        f"directory {self.path}") from None
+                raise
+            try:
+                st, held = os.stat(lock), os.fstat(fd)
+                if (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino):
+                    return fd
+            except FileNotFoundError:
+                pass
+            except BaseException:
+                os.close(fd)
+                raise
+            os.close(fd)
 
     def read_pid(self) -> int | None:
         try:
@@ -78,13 +99,20 @@ class RuntimeDir:
         return out
 
     def release(self) -> None:
-        for p in list(self.path.glob("*.sock")) + [self.path / "stratad.pid"]:
-            p.unlink(missing_ok=True)
-        shm.unlink_prefix(self.shm_prefix)
-        if self._record is not None:
-            discovery.unregister(self._record)
-            self._record = None
-        if self._lock_fd is not None:
+        """Remove what this daemon made in the directory (sockets, pid file, segments, registry entry, and last
+        the lock file, unlinked while still locked: see _lock), leaving the directory empty. Without the lock
+        (a start refused because another daemon holds it) nothing here is ours: nothing is touched."""
+        if self._lock_fd is None:
+            return
+        try:
+            for p in list(self.path.glob("*.sock")) + [self.path / "stratad.pid"]:
+                p.unlink(missing_ok=True)
+            shm.unlink_prefix(self.shm_prefix)
+            if self._record is not None:
+                discovery.unregister(self._record)
+                self._record = None
+            (self.path / "stratad.lock").unlink(missing_ok=True)
+        finally:
             os.close(self._lock_fd)
             self._lock_fd = None
 

@@ -302,8 +302,56 @@ def test_clean_stop_releases_everything_and_restart_reclaims(tiny_model_path, tm
 
 
 def test_second_daemon_on_the_same_runtime_dir_is_refused(daemon):
-    r = run_serve(["--model", str(daemon.model), "--cards", "cpu", "--runtime-dir", str(daemon.runtime_dir)])
+    rt = daemon.runtime_dir
+    before = sorted(p.name for p in rt.iterdir()), daemon.leftovers()
+    r = run_serve(["--model", str(daemon.model), "--cards", "cpu", "--runtime-dir", str(rt)])
     assert r.returncode == 2 and "another stratad" in r.stderr
+    # the refused one leaves the running daemon's lock, pid file, sockets and segments alone, and it still serves
+    assert (sorted(p.name for p in rt.iterdir()), daemon.leftovers()) == before
+    assert {"stratad.lock", "stratad.pid", "client.sock", "lanes.sock"} <= set(before[0])
+    with daemon.client() as c:
+        assert c.generate(messages=CHAT_A, max_tokens=2).result() is not None
+
+
+def test_runtime_dir_lock(tmp_path, monkeypatch):
+    """RuntimeDir: a refused acquire touches nothing of the holder's; release leaves the directory empty (the lock
+    file unlinked while still held); a lock won on a file a release unlinked meanwhile is dropped and taken again
+    on the file at the path (else two daemons could each hold a lock of their own)."""
+    import fcntl
+
+    from coordinator import runtime
+    from coordinator.runtime import RuntimeDir, RuntimeDirError
+
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "xdg"))
+    rt = tmp_path / "run"
+    a = RuntimeDir(rt)
+    a.acquire()
+    (rt / "client.sock").touch()
+    held = sorted(p.name for p in rt.iterdir())
+    b = RuntimeDir(rt)
+    with pytest.raises(RuntimeDirError, match="another stratad"):
+        b.acquire()
+    b.release()  # what a refused start's close() does
+    assert sorted(p.name for p in rt.iterdir()) == held == ["client.sock", "stratad.lock", "stratad.pid"]
+    a.release()
+    assert list(rt.iterdir()) == []
+    # a release between a starter's open and its flock: the starter locks the unlinked file, sees it, retries
+    real_flock, calls = fcntl.flock, []
+
+    def flock(fd, op):
+        calls.append(fd)
+        if len(calls) == 1:
+            (rt / "stratad.lock").unlink()
+        return real_flock(fd, op)
+
+    monkeypatch.setattr(runtime.fcntl, "flock", flock)
+    c = RuntimeDir(rt)
+    c.acquire()
+    assert len(calls) == 2 and os.fstat(c._lock_fd).st_ino == os.stat(rt / "stratad.lock").st_ino
+    with pytest.raises(RuntimeDirError):
+        RuntimeDir(rt).acquire()
+    c.release()
+    assert list(rt.iterdir()) == []
 
 
 def test_curve_tcp_listener(tiny_model_path, tmp_path):

@@ -62,7 +62,7 @@ def test_bad_files_stop_the_daemon_before_it_starts(tmp_path):
         assert r.returncode == 2, (case, r.returncode, r.stderr[-2000:])
         assert f"error: {at_fault or model}: " in r.stderr and problem in r.stderr, (case, r.stderr[-2000:])
         assert "lane" not in r.stderr.lower(), (case, r.stderr[-2000:])  # no lane was started
-        assert not list(rt.glob("*.sock")) and not (rt / "stratad.pid").exists(), case
+        assert sorted(p.name for p in rt.iterdir()) == [], case  # no lock, socket or pid file
         assert not list(shm.SHM_DIR.glob(shm.prefix_for(rt).lstrip("/") + "*")), case
     shutil.rmtree(tmp_path / "split")
 
@@ -77,6 +77,7 @@ def test_context_beyond_the_model_is_refused_and_yarn_extends_it(tiny_model, tin
                         "cpu", "--runtime-dir", str(tmp_path / "rt"), "--context-length", str(2 * n)],
                        capture_output=True, text=True, env=env, timeout=60)
     assert r.returncode == 2 and f"context_length {2 * n} exceeds the model's {n} tokens" in r.stderr, r.stderr[-2000:]
+    assert sorted(p.name for p in (tmp_path / "rt").iterdir()) == []  # no lock, socket or pid file left
     conf = tmp_path / "yarn.toml"
     conf.write_text(f'context_length = {2 * n}\nrope_scaling = "yarn"\nrope_scale = 2.0\nyarn_orig_ctx = {n}\n')
     from stratad.engine.generation import Generation
