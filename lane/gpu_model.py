@@ -69,14 +69,15 @@ class Qwen3MoeGpu:
         self.stream, self.experts, self.kv, self.pos = stream, experts, kv, pos
         up = weights.DenseWeight.upload
 
-        def w(name):
+        def w(name, pack=True):
             ti = model.info(name)
-            return up(model.raw(name).reshape(-1, ti.row_bytes), ti.qtype, ti.shape[-1])
+            return up(model.raw(name).reshape(-1, ti.row_bytes), ti.qtype, ti.shape[-1], pack=pack)
 
         def f32(name):
             return cp.asarray(model.dense(name).astype(np.float32))
 
-        self.embed_w, self.out_w, self.out_norm = w("token_embd.weight"), w("output.weight"), f32("output_norm.weight")
+        self.embed_w, self.out_w = w("token_embd.weight", pack=False), w("output.weight")  # the table: rows by id
+        self.out_norm = f32("output_norm.weight")
         self.layers = []
         for i in range(c.n_layer):
             b = f"blk.{i}."

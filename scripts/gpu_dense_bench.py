@@ -88,14 +88,19 @@ def bench_matvec(cp, rng, bw, out):
              ("router 2048->128", T.F32, 128, 2048), ("lm_head 2048->151936", T.Q8_0, c["vocab"], 2048),
              ("q 2048->4096", T.F16, 4096, 2048), ("q 2048->4096", T.BF16, 4096, 2048),
              ("q 2048->4096", T.F32, 4096, 2048), ("lm_head 2048->151936", T.F16, c["vocab"], 2048),
-             ("lm_head 2048->151936", T.BF16, c["vocab"], 2048)]
+             ("lm_head 2048->151936", T.BF16, c["vocab"], 2048),
+             # llama.cpp mixes' types, read packed (weights.PackedRows): iq3_s's q / o, q4_k_m's, their LM head
+             ("q 2048->4096", T.IQ3_S, 4096, 2048), ("o 4096->2048", T.IQ3_S, 2048, 4096),
+             ("q 2048->4096", T.Q4_K, 4096, 2048), ("o 4096->2048", T.Q4_K, 2048, 4096),
+             ("v 2048->512", T.Q6_K, 512, 2048), ("lm_head 2048->151936", T.Q6_K, c["vocab"], 2048)]
     for name, qt, rows, cols in cases:
         ws = weight_copies(cp, rng, qt, rows, cols)
         x = cp.asarray(rng.standard_normal(cols, dtype=F32))
         y = cp.empty(rows, cp.float32)
-        nbytes = ws[0].nbytes + 4 * (rows + cols)
+        packed = ws[0].packed is not None
+        nbytes = (ws[0].packed.nbytes if packed else ws[0].nbytes) + 4 * (rows + cols)  # what the kernel reads
         default = ws[0].plan()
-        plans = weights.PLANS if qt == T.Q8_0 or name.startswith("router") else [default]
+        plans = weights.PLANS if qt == T.Q8_0 or packed or name.startswith("router") else [default]
         res = {}
         for plan in plans:
             us, _ = graph_us(cp, [lambda s, w=w, p=plan: matvec.matvec(w, x, y, plan=p, stream=s) for w in ws])

@@ -68,6 +68,21 @@ extern "C" int dq_float(int qt, const dq_u8* raw, long long n, const dq_u8* tab,
     return -1;
 }
 
+extern "C" int dq_pack(int qt, const dq_u8* raw, long long rows, long long row_bytes, int nsub, const dq_u8* tab,
+                       int ns, int nm, dq_u8* out) {
+    const long long bb = 32 + 4 * (ns + nm);
+    switch (qt) {
+#define X(name, code)                                                                                          \
+    case code:                                                                                                 \
+        for (long long r = 0; r < rows; ++r)                                                                   \
+            for (int s = 0; s < nsub; ++s) rq_pack<code>(raw + r * row_bytes, s, tab, ns, nm, out + (r * nsub + s) * bb); \
+        return 0;
+        DQ_QUANT_TYPES(X)
+#undef X
+    }
+    return -1;
+}
+
 extern "C" int dq_tab_bytes() { return DQ_TAB_BYTES; }
 """
 @pytest.fixture(scope="module")
@@ -76,6 +91,8 @@ def lib():
     p = ctypes.c_void_p
     lib.dq_int.argtypes = [ctypes.c_int, p, ctypes.c_longlong, p, p, p, p, p]
     lib.dq_float.argtypes = [ctypes.c_int, p, ctypes.c_longlong, p, p]
+    lib.dq_pack.argtypes = [ctypes.c_int, p, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_int, p, ctypes.c_int,
+                            ctypes.c_int, p]
     return lib
 
 
@@ -188,6 +205,28 @@ def test_special_scales(lib, qtype):
     assert_bits_equal(ours.scale, ref.scale, f"{qtype.name} scale")
     if ref.minimum is not None:
         assert_bits_equal(ours.minimum, ref.minimum, f"{qtype.name} minimum")
+
+
+@IGNORE_NAN_WARNINGS
+@pytest.mark.parametrize("source", ["random_rows", "random_bytes"])
+@pytest.mark.parametrize("qtype", QUANTISED, ids=[t.name for t in QUANTISED])
+def test_packed_rows_hold_the_values(lib, qtype, source):
+    """rq_pack (the mat-vec's packed rows, lane/kernels/weights.PackedRows) in the type's own format and in the
+    widest one (a stack of types packed alike): scale * code - minimum is dequantize's value as a number (a -0.0 of
+    Q3_K / Q6_K reads as +0.0; NaN where it is NaN)."""
+    from lane.kernels.matvec import rq_values_ref
+    from lane.kernels.weights import rq_block_bytes, rq_format
+
+    raw = _rows(qtype, source, 4)
+    ref = quants.dequantize(qtype, raw)
+    nsub = ref.shape[1] // 32
+    for fmt in {rq_format(qtype), (2, 2)}:
+        out = np.empty((raw.shape[0], nsub * rq_block_bytes(fmt)), np.uint8)
+        assert lib.dq_pack(int(qtype), _ptr(raw), raw.shape[0], raw.shape[1], nsub,
+                           _ptr(decode_tables.host_tables()), fmt[0], fmt[1], _ptr(out)) == 0
+        got = rq_values_ref(out, fmt)
+        assert np.array_equal(got, ref, equal_nan=True), \
+            f"{qtype.name} {fmt}: {np.sum(~((got == ref) | (np.isnan(got) & np.isnan(ref))))} values differ"
 
 
 # byte offsets of each block's f16 fields (d, and dmin / m where there is one); IQ1_M spreads d over nibbles

@@ -4,8 +4,9 @@ the GPU card on llama.cpp mixes whose dense matrices are K- and I-quants.
 Device only (marked `gpu`) except the first test: `python3 -m pytest -q -m gpu tests/test_gpu_dense_types.py`.
 decode.cuh itself is checked bit for bit against stratad.model.quants on the host (tests/test_decode_cuh.py); here
 the kernels that use it:
-  mat-vec (decode.cuh's per-type template): |y - y64| <= 1e-5 * (|W| @ |x|) elementwise, test_gpu_dense's bound;
-    bits independent of the rows a warp takes (a row's sum order depends only on KS);
+  mat-vec (rows packed at upload, and decode.cuh's per-type template): |y - y64| <= 1e-5 * (|W| @ |x|)
+    elementwise, test_gpu_dense's bound; bits independent of the rows a warp takes (a row's sum order depends only
+    on KS);
   dequantised float16 copy (the prompt GEMM's operand): dequantize(...).astype(float16), bit for bit;
   embedding rows: dequantize(...), bit for bit; a bad id gives a NaN row.
 Outputs are poisoned with NaN first; every test synchronises.
@@ -102,12 +103,19 @@ def cols_for(qt, cols):
 
 
 @gpu
+@pytest.mark.parametrize("path", ["packed", "decode"])
 @pytest.mark.parametrize("shape", [(130, 256), (512, 2048), (96, 768)], ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("qt", ALL, ids=_ids(ALL))
-def test_matvec_every_type(D, qt, shape):
+def test_matvec_every_type(D, qt, shape, path):
+    """packed: the quantised types as the card reads them, rows packed at upload (weights.PackedRows) through the
+    Q8_0 body's ring, every plan of PLANS; decode: the rows as the file holds them through decode.cuh's mat-vec
+    (pack=False, and the fast types 1 byte off alignment), every plan of DQ_PLANS."""
     from lane.kernels import matvec, weights
+    from lane.kernels.weights import DenseWeight
 
     cp = D
+    if path == "packed" and not quants.fmt(qt).quantised:
+        pytest.skip("float types are not packed")
     rng = np.random.default_rng([int(qt), *shape])
     rows, cols = shape
     raw = rand_raw(rng, qt, rows, cols)
@@ -115,10 +123,21 @@ def test_matvec_every_type(D, qt, shape):
     x = rng.standard_normal(cols, dtype=F32) * F32(2)
     r = rng.standard_normal(rows, dtype=F32)
     xd, rd = cp.asarray(x), cp.asarray(r)
-    W = upload(cp, raw, qt, cols, aligned=qt not in FAST)
-    assert not W.fast and W.plan() in weights.DQ_PLANS
+    if path == "packed":
+        W = DenseWeight.upload(raw, qt, cols)
+        assert W.packed is not None and W.plan() in weights.PLANS
+        packed = W.packed.data.get()
+        assert np.array_equal(matvec.rq_values_ref(packed, W.packed.fmt), W64.astype(np.float32))
+        plans = weights.PLANS
+    elif qt in FAST:
+        W = upload(cp, raw, qt, cols, aligned=False)
+        plans = weights.DQ_PLANS
+    else:
+        W = DenseWeight.upload(raw, qt, cols, pack=False)
+        assert not W.fast and W.packed is None and W.plan() in weights.DQ_PLANS
+        plans = weights.DQ_PLANS
     by_ks: dict[int, np.ndarray] = {}
-    for plan in (None,) + weights.DQ_PLANS:
+    for plan in (None,) + plans:
         y = cp.full(rows, np.nan, cp.float32)
         matvec.matvec(W, xd, y, plan=plan)
         yr = cp.full(rows, np.nan, cp.float32)
@@ -175,10 +194,11 @@ def test_embed_every_type(D, qt):
 
 @gpu
 def test_stacked_qkv_of_mixed_types(D):
-    """q, k, v of different types (a llama.cpp mix's attn_v): concat stacks them; the mat-vec's rows are each
-    part's own, bit for bit, and the float16 copy is the parts' copies one after the other."""
+    """q, k, v of different types (a llama.cpp mix's attn_v): concat stacks them, packed alike (the widest format of
+    the parts, one launch); the mat-vec's rows are the parts' own packed the same way, bit for bit, and the float16
+    copy is the parts' copies one after the other."""
     from lane.kernels import gemm, matvec
-    from lane.kernels.weights import DenseWeight, StackedWeight
+    from lane.kernels.weights import DenseWeight, PackedRows, StackedWeight
 
     cp = D
     rng = np.random.default_rng(9)
@@ -188,11 +208,17 @@ def test_stacked_qkv_of_mixed_types(D):
     ws = [DenseWeight.upload(raw, qt, cols) for raw, (qt, _) in zip(raws, parts)]
     W = DenseWeight.concat(ws)
     assert isinstance(W, StackedWeight) and W.rows == 512 and not W.fast
+    assert W.packed is not None and W.packed.fmt == (1, 1)  # IQ3_S's (1, 0) widened to Q4_K's minimum
+    assert all(p.packed is None for p in ws)
     x = cp.asarray(rng.standard_normal(cols, dtype=F32))
     r = cp.asarray(rng.standard_normal(W.rows, dtype=F32))
     y = matvec.matvec(W, x, residual=r)
+    for p in ws:
+        p.packed = PackedRows.pack(p, W.packed.fmt)
     want = cp.concatenate([matvec.matvec(p, x, residual=r[r0:r0 + p.rows]) for p, r0 in W.row_slices()])
     assert np.array_equal(y.get(), want.get())
+    W64 = np.concatenate([quants.dequantize(qt, raw) for raw, (qt, _) in zip(raws, parts)]).astype(np.float64)
+    assert bound_err(y.get(), W64, x.get().astype(np.float64), r.get()) <= 1e-5
     Wd = W.dequantized(cache=False).get()
     assert np.array_equal(Wd, np.concatenate([p.dequantized(cache=False).get() for p in ws]))
     X = rng.standard_normal((9, cols), dtype=F32)

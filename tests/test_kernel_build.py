@@ -13,7 +13,7 @@ import pytest
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "nvrtc_check.py"
 
 # the decode step's kernels: no stack frame (a spill there costs every token); prefix match
-DECODE_KERNELS = ("matvec_q8_0", "matvec_dq_", "norm_matvec_", "attn_split_", "expert_gateup", "expert_down",
+DECODE_KERNELS = ("matvec_q8_0", "matvec_rq", "matvec_dq_", "norm_matvec_", "attn_split_", "expert_gateup", "expert_down",
                   "route_pairs", "qk_norm_rope_kv")
 
 
@@ -63,11 +63,16 @@ def test_every_kernel_a_wrapper_launches_is_in_its_source(usages):
 
     every_type = set(device.QNAME.values())  # decode.cuh's per-type kernels: one for each type of quants
     assert len(every_type) == 22
+    quantised = every_type - {"f32", "f16", "bf16"}
+    # the packed formats (weights.PackedRows): every type's own, and the widest a stack of types may take
+    packed = tuple(sorted({f"rq{ns}{nm}" for ns, nm in set(weights.RQ_FORMATS.values()) | {(1, 0), (2, 2)}}))
     wanted = {
-        "matvec.cu": {f"matvec_{names(q, R, KS)}" for q in ("q8_0", "q8_0x", "f16", "bf16", "f32")
+        "matvec.cu": {f"matvec_{names(q, R, KS)}" for q in ("q8_0", "q8_0x", "f16", "bf16", "f32") + packed
                       for R, KS in weights.PLANS}
-        | {f"norm_matvec_{names(q, min(R, 2), KS)}" for q in ("q8_0", "f16", "bf16", "f32") for R, KS in weights.PLANS}
-        | {f"matvec_dq_{names(q, R, KS)}" for q in every_type for R, KS in weights.DQ_PLANS},
+        | {f"norm_matvec_{names(q, min(R, 2), KS)}" for q in ("q8_0", "f16", "bf16", "f32") + packed
+           for R, KS in weights.PLANS}
+        | {f"matvec_dq_{names(q, R, KS)}" for q in every_type for R, KS in weights.DQ_PLANS}
+        | {f"pack_rows_{q}" for q in quantised},
         "gemm.cu": {f"dequant_rows_{q}" for q in every_type} | {"convert_f32"},
         "norm.cu": {"rms_norm_rows"},
         "rope_kv.cu": {"qk_norm_rope_kv", "advance_pos"},
@@ -88,7 +93,8 @@ def test_every_kernel_a_wrapper_launches_is_in_its_source(usages):
         for name in re.findall(r'\.fn\("(\w+)"', text):
             assert any(name in built for built in wanted.values()), f"{py}.py asks for {name}, built nowhere"
         for prefix in re.findall(r'\.fn\(f"(\w+)_\{\w+\.name\}"', text):  # per type: <prefix>_<type>
-            assert any({f"{prefix}_{q}" for q in every_type} <= built for built in wanted.values()), \
+            types = quantised if prefix == "pack_rows" else every_type  # packing: the quantised types
+            assert any({f"{prefix}_{q}" for q in types} <= built for built in wanted.values()), \
                 f"{py}.py asks for {prefix}_<type>, not built for every type"
 
 

@@ -51,6 +51,15 @@ DQ_FN float dq_bits(dq_u32 u) {
     return f;
 #endif
 }
+DQ_FN dq_u32 dq_fbits(float f) {
+#ifdef __CUDA_ARCH__
+    return (dq_u32)__float_as_int(f);
+#else
+    dq_u32 u;
+    __builtin_memcpy(&u, &f, 4);
+    return u;
+#endif
+}
 // one float32 operation, rounded on its own (never fused into an FMA)
 #ifdef __CUDA_ARCH__
 #define DQ_RN_OP(name, ptx, op)                                             \
@@ -330,6 +339,26 @@ template <int QT> DQ_FN float dq_value(const DqSub& s, int v) {
     if (Tr::MIN == DQ_MIN) return dq_sub(r, s.minimum);
     if (Tr::MIN == DQ_MIN_WEIGHTED) return dq_sub(r, dq_mul(s.minimum, dq_i2f(s.mw[v >> 4])));
     return r;
+}
+
+// Sub-block s of a row packed for the mat-vec (matvec.cuh RqBlk, weights.RQ_FORMATS): ns float32 scales (one for
+// the 32 values, or one a 16-value half), nm float32 minimums (none, or one a scale), then the 32 codes as int8;
+// value v = scale[h] * code_v - minimum[h] (h: v's half where ns = 2). scale[h] = scale * fold[h] and
+// minimum[h] = minimum * mw[h] are exact in float32, so these are dq_value's numbers (a -0.0 of Q3_K / Q6_K reads
+// as +0.0). (ns, nm) is the type's own format or a wider one (a stack of types packed alike).
+template <int QT> DQ_FN void rq_pack(const dq_u8* row, int s, const dq_u8* tab, int ns, int nm, dq_u8* out) {
+    typedef DqTraits<QT> Tr;
+    DqSub d;
+    dq_sub<QT>(row + (s / Tr::NSUB) * Tr::BB, s % Tr::NSUB, tab, d);
+    float f[4];
+    for (int h = 0; h < ns; ++h) f[h] = dq_mul(d.scale, dq_i2f(d.fold[h]));
+    for (int h = 0; h < nm; ++h)
+        f[ns + h] = Tr::MIN == DQ_MIN_WEIGHTED ? dq_mul(d.minimum, dq_i2f(d.mw[nm == 2 ? h : 0])) : d.minimum;
+    for (int k = 0; k < ns + nm; ++k) {
+        const dq_u32 u = dq_fbits(f[k]);
+        for (int i = 0; i < 4; ++i) out[4 * k + i] = (dq_u8)(u >> (8 * i));
+    }
+    for (int v = 0; v < 32; ++v) out[4 * (ns + nm) + v] = (dq_u8)d.code[v];
 }
 
 // a float element type's value at byte p

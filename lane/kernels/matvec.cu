@@ -5,40 +5,70 @@
 #include "norm.cuh"
 #include "matvec.cuh"
 
-#define MV_INST(NAME, QT, R, KS, QX)                                                                            \
-    extern "C" __global__ void __launch_bounds__(256, (QT == QT_Q8_0 ? 3 : 1)) NAME(                              \
-        const u8* __restrict__ W, int rows, int ncu, i64 row_bytes, const float* __restrict__ x, const float* res,  \
-        float* y) {                                                                                               \
+// the packed formats of the quantised types without a fast path of their own (weights.RQ_FORMATS)
+typedef RqBlk<1, 0> Rq10;
+typedef RqBlk<1, 1> Rq11;
+typedef RqBlk<2, 0> Rq20;
+typedef RqBlk<2, 2> Rq22;
+
+// Block rows (format F): x staged in shared memory where it fits beside the smaller ring, else read from global
+// memory (and on 8-bit x, QX: Q8_0 only)
+#define MV_BLK_INST(NAME, F, R, KS, QX)                                                                         \
+    extern "C" __global__ void __launch_bounds__(256, 3) NAME(const u8* __restrict__ W, int rows, int ncu,          \
+                                                              i64 row_bytes, const float* __restrict__ x,        \
+                                                              const float* res, float* y) {                      \
         extern __shared__ __align__(16) u8 mv_smem[];                                                             \
-        if (QT == QT_Q8_0 && !QX && R <= 2 && ncu * 32 <= NORM_MV_MAX_N) {                                        \
+        if (!QX && R <= 2 && ncu * 32 <= NORM_MV_MAX_N) {                                                         \
             float* xs = (float*)mv_smem;  /* x staged once: the tile steps read it from shared memory */          \
-            matvec_q8_0_body<R, KS, NORM_MV_RING, true, false>(                                                   \
+            matvec_blk_body<F, R, KS, F::NORM_RING, true, false>(                                                 \
                 W, rows, ncu, row_bytes, xs, res, y, mv_smem + 4 * NORM_MV_MAX_N, [&] {                          \
                     PDL_ENTRY();                                                                                  \
                     stage_row(x, ncu * 32, xs);                                                                   \
                     __syncthreads();                                                                              \
                 });                                                                                               \
-        } else if (QT == QT_Q8_0)                                                                                \
-            matvec_q8_0_body<R, KS, Q8_RING_TILES, false, QX>(W, rows, ncu, row_bytes, x, res, y, mv_smem,        \
-                                                                  [] { PDL_ENTRY(); });                           \
-        else matvec_float_body<QT, R, KS, false>(W, rows, ncu, row_bytes, x, res, y, [] { PDL_ENTRY(); });       \
+        } else                                                                                                    \
+            matvec_blk_body<F, R, KS, F::RING, false, QX>(W, rows, ncu, row_bytes, x, res, y, mv_smem,            \
+                                                          [] { PDL_ENTRY(); });                                   \
     }
-#define MV_PLANS(QN, QT, QX)                                                                                  \
-    MV_INST(matvec_##QN##_r4_k1, QT, 4, 1, QX)                                                                \
-    MV_INST(matvec_##QN##_r2_k1, QT, 2, 1, QX)                                                                \
-    MV_INST(matvec_##QN##_r1_k1, QT, 1, 1, QX)                                                                \
-    MV_INST(matvec_##QN##_r1_k2, QT, 1, 2, QX)                                                                \
-    MV_INST(matvec_##QN##_r1_k4, QT, 1, 4, QX)                                                                \
-    MV_INST(matvec_##QN##_r1_k8, QT, 1, 8, QX)                                                                \
-    MV_INST(matvec_##QN##_r4_k2, QT, 4, 2, QX)                                                                \
-    MV_INST(matvec_##QN##_r4_k4, QT, 4, 4, QX)                                                                \
-    MV_INST(matvec_##QN##_r2_k2, QT, 2, 2, QX)                                                                \
-    MV_INST(matvec_##QN##_r2_k4, QT, 2, 4, QX)
-MV_PLANS(q8_0, QT_Q8_0, false)
-MV_PLANS(q8_0x, QT_Q8_0, true)  // Q8_0 on x quantised to 8 bits (dp4a; the attention combine's out_q)
-MV_PLANS(f16, QT_F16, false)
-MV_PLANS(bf16, QT_BF16, false)
-MV_PLANS(f32, QT_F32, false)
+#define MV_FLOAT_INST(NAME, QT, R, KS, QX)                                                                      \
+    extern "C" __global__ void __launch_bounds__(256, 1) NAME(const u8* __restrict__ W, int rows, int ncu,          \
+                                                           i64 row_bytes, const float* __restrict__ x,           \
+                                                           const float* res, float* y) {                         \
+        matvec_float_body<QT, R, KS, false>(W, rows, ncu, row_bytes, x, res, y, [] { PDL_ENTRY(); });            \
+    }
+#define MV_PLANS(INST, QN, F, QX)                                                                             \
+    INST(matvec_##QN##_r4_k1, F, 4, 1, QX)                                                                    \
+    INST(matvec_##QN##_r2_k1, F, 2, 1, QX)                                                                    \
+    INST(matvec_##QN##_r1_k1, F, 1, 1, QX)                                                                    \
+    INST(matvec_##QN##_r1_k2, F, 1, 2, QX)                                                                    \
+    INST(matvec_##QN##_r1_k4, F, 1, 4, QX)                                                                    \
+    INST(matvec_##QN##_r1_k8, F, 1, 8, QX)                                                                    \
+    INST(matvec_##QN##_r4_k2, F, 4, 2, QX)                                                                    \
+    INST(matvec_##QN##_r4_k4, F, 4, 4, QX)                                                                    \
+    INST(matvec_##QN##_r2_k2, F, 2, 2, QX)                                                                    \
+    INST(matvec_##QN##_r2_k4, F, 2, 4, QX)
+MV_PLANS(MV_BLK_INST, q8_0, Q8Blk, false)
+MV_PLANS(MV_BLK_INST, q8_0x, Q8Blk, true)  // Q8_0 on x quantised to 8 bits (dp4a; the attention combine's out_q)
+MV_PLANS(MV_BLK_INST, rq10, Rq10, false)
+MV_PLANS(MV_BLK_INST, rq11, Rq11, false)
+MV_PLANS(MV_BLK_INST, rq20, Rq20, false)
+MV_PLANS(MV_BLK_INST, rq22, Rq22, false)
+MV_PLANS(MV_FLOAT_INST, f16, QT_F16, false)
+MV_PLANS(MV_FLOAT_INST, bf16, QT_BF16, false)
+MV_PLANS(MV_FLOAT_INST, f32, QT_F32, false)
+
+// A quantised matrix's rows packed once at upload (weights.DenseWeight): sub-block s of each row as decode.cuh's
+// rq_pack writes it in format (ns, nm), a thread a sub-block
+#define PACK_INST(name, code)                                                                                  \
+    extern "C" __global__ void pack_rows_##name(const u8* __restrict__ W, int rows, int nsub, i64 row_bytes,     \
+                                                const u8* __restrict__ tab, int ns, int nm, u8* __restrict__ out) { \
+        const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;                                                 \
+        if (i >= (i64)rows * nsub) return;                                                                        \
+        const i64 r = i / nsub;                                                                                   \
+        const int s = (int)(i % nsub);                                                                            \
+        rq_pack<code>(W + r * row_bytes, s, tab, ns, nm, out + i * (32 + 4 * (ns + nm)));                          \
+    }
+DQ_QUANT_TYPES(PACK_INST)
 
 // Every type through decode.cuh (the types without a fast path above, and rows the fast paths cannot take): a warp
 // owns R rows, KS warps split a row group's spans (32 values of a quantised type, one value of a float type;
@@ -105,7 +135,8 @@ DQ_ALL_TYPES(MV_DQ_PLANS)
 // normalises it there with rms_norm_rows' expressions (the same bits), then runs the mat-vec on it. With q, the
 // blocks also write the row's quantisation for the experts (group g by block g % gridDim.x, warp by warp). The
 // Q8_0 kernels keep 6 ring tiles a warp (not 8) so that three blocks still fit an SM beside the 16 KB of x.
-// Launch with Q8_0: NORM_MV_Q8_SMEM bytes of dynamic shared memory, float types: 4 * NORM_MV_MAX_N.
+// Launch with block rows (Q8_0, packed): norm_mv_smem(F) bytes of dynamic shared memory, float types:
+// 4 * NORM_MV_MAX_N.
 // =============================================================================================================
 
 // The norm's weights are copied into xs with cp.async before the PDL wait (ptxas keeps cp.async ahead of
@@ -158,29 +189,36 @@ __device__ __forceinline__ void norm_stage(const float* __restrict__ x, const fl
             quant32(xs[g * 32 + lane], lane, q + (i64)g * 32, d + g);
 }
 
-#define NORM_MV_INST(NAME, QT, R, KS)                                                                         \
-    extern "C" __global__ void __launch_bounds__(256, (QT == QT_Q8_0 ? 3 : 1)) NAME(                              \
+#define NORM_MV_HEAD(NAME, LB)                                                                                \
+    extern "C" __global__ void __launch_bounds__(256, LB) NAME(                                                   \
         const u8* __restrict__ W, int rows, int ncu, i64 row_bytes, const float* __restrict__ x,                 \
         const float* res, float* y, const float* __restrict__ nw, int n, int L, int NL, float eps,               \
         signed char* __restrict__ q, float* __restrict__ d) {                                                    \
         extern __shared__ __align__(16) u8 mv_smem[];                                                             \
         float* xs = (float*)mv_smem;                                                                              \
-        auto wait = [&] { norm_stage(x, nw, n, L, NL, eps, xs, q, d); };                                          \
-        if (QT == QT_Q8_0)                                                                                       \
-            matvec_q8_0_body<R, KS, NORM_MV_RING, true, false>(W, rows, ncu, row_bytes, xs, res, y,              \
-                                                                   mv_smem + 4 * NORM_MV_MAX_N, wait);            \
-        else                                                                                                      \
-            matvec_float_body<QT, R, KS, true>(W, rows, ncu, row_bytes, xs, res, y, wait);                        \
+        auto wait = [&] { norm_stage(x, nw, n, L, NL, eps, xs, q, d); };
+#define NORM_MV_BLK_INST(NAME, F, R, KS)                                                                      \
+    NORM_MV_HEAD(NAME, 3)                                                                                     \
+    matvec_blk_body<F, R, KS, F::NORM_RING, true, false>(W, rows, ncu, row_bytes, xs, res, y,                    \
+                                                         mv_smem + 4 * NORM_MV_MAX_N, wait);                     \
     }
-#define NORM_MV_PLANS(QN, QT)                                                                                 \
-    NORM_MV_INST(norm_matvec_##QN##_r2_k1, QT, 2, 1)                                                          \
-    NORM_MV_INST(norm_matvec_##QN##_r1_k1, QT, 1, 1)                                                          \
-    NORM_MV_INST(norm_matvec_##QN##_r1_k2, QT, 1, 2)                                                          \
-    NORM_MV_INST(norm_matvec_##QN##_r1_k4, QT, 1, 4)                                                          \
-    NORM_MV_INST(norm_matvec_##QN##_r1_k8, QT, 1, 8)                                                          \
-    NORM_MV_INST(norm_matvec_##QN##_r2_k2, QT, 2, 2)                                                          \
-    NORM_MV_INST(norm_matvec_##QN##_r2_k4, QT, 2, 4)
-NORM_MV_PLANS(q8_0, QT_Q8_0)
-NORM_MV_PLANS(f16, QT_F16)
-NORM_MV_PLANS(bf16, QT_BF16)
-NORM_MV_PLANS(f32, QT_F32)
+#define NORM_MV_FLOAT_INST(NAME, QT, R, KS)                                                                   \
+    NORM_MV_HEAD(NAME, 1)                                                                                     \
+    matvec_float_body<QT, R, KS, true>(W, rows, ncu, row_bytes, xs, res, y, wait);                               \
+    }
+#define NORM_MV_PLANS(INST, QN, F)                                                                            \
+    INST(norm_matvec_##QN##_r2_k1, F, 2, 1)                                                                   \
+    INST(norm_matvec_##QN##_r1_k1, F, 1, 1)                                                                   \
+    INST(norm_matvec_##QN##_r1_k2, F, 1, 2)                                                                   \
+    INST(norm_matvec_##QN##_r1_k4, F, 1, 4)                                                                   \
+    INST(norm_matvec_##QN##_r1_k8, F, 1, 8)                                                                   \
+    INST(norm_matvec_##QN##_r2_k2, F, 2, 2)                                                                   \
+    INST(norm_matvec_##QN##_r2_k4, F, 2, 4)
+NORM_MV_PLANS(NORM_MV_BLK_INST, q8_0, Q8Blk)
+NORM_MV_PLANS(NORM_MV_BLK_INST, rq10, Rq10)
+NORM_MV_PLANS(NORM_MV_BLK_INST, rq11, Rq11)
+NORM_MV_PLANS(NORM_MV_BLK_INST, rq20, Rq20)
+NORM_MV_PLANS(NORM_MV_BLK_INST, rq22, Rq22)
+NORM_MV_PLANS(NORM_MV_FLOAT_INST, f16, QT_F16)
+NORM_MV_PLANS(NORM_MV_FLOAT_INST, bf16, QT_BF16)
+NORM_MV_PLANS(NORM_MV_FLOAT_INST, f32, QT_F32)

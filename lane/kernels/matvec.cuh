@@ -3,15 +3,12 @@
 // Block = 8 warps. A warp owns R rows (its "row group"); KS warps of a block split a row group's K dimension
 // (tiles round-robin) and are summed in shared memory in warp order (deterministic). Loads are 16-byte,
 // coalesced, several tiles in flight per warp (R * U = 4 row-tiles for Q8_0, 8 for the float types).
-// Q8_0 rows (34-byte blocks, 2-byte aligned quants) stream through a per-warp cp.async ring in shared memory
-// (tile = 32 blocks = 1088 bytes = 68 x 16 B; 8 row-tiles in flight per warp; launch with Q8_SMEM_BYTES of
-// dynamic shared memory), then four lanes dot a block of a tile, 8 values each; needs row_bytes % 16 == 0
+// Block rows (Q8_0's 34-byte blocks as the file holds them, or the packed rows of every other quantised type, below)
+// stream through a per-warp cp.async ring in shared memory (tile = 32 blocks, e.g. 1088 bytes for Q8_0; several
+// row-tiles in flight per warp), then four lanes dot a block of a tile, 8 values each; needs row_bytes % 16 == 0
 // (cols % 256 == 0).
-// Float types read 16-byte chunks straight into registers (tile = 32 lanes * 16 bytes); row_bytes % 16 == 0.
-// y and res may alias (in-place residual add).
 // =============================================================================================================
 #define MV_WARPS 8
-#define Q8_TILE_BYTES 1088
 
 // a mat-vec's activation: global (read-only path) or shared memory (XS: the fused RMSNorm's output, matvec.cu's norm_matvec)
 template <bool XS>
@@ -46,33 +43,75 @@ __device__ __forceinline__ void mv_finish(float (&acc)[R], int rg, int rows, con
     }
 }
 
-// A staged Q8_0 block's scale, and the 8 signed weight bytes of lane part `sub` (0-3) as two words: the block
-// starts at byte `boff` of the stage, 34-byte blocks are only 2-byte aligned, so the words are funnel-shifted.
-__device__ __forceinline__ float q8_staged(const u8* sbv, u32 boff, int sub, u32& qa, u32& qb) {
-    const float d = h2f(*(const u16*)(sbv + boff));
-    const u32 qoff = boff + 2 + 8 * sub;
-    const u32* wp = (const u32*)(sbv + (qoff & ~3u));
-    const u32 sh = 8 * (qoff & 3u);
-    const u32 w0 = wp[0], w1 = wp[1];
-    const u32 w2 = sh ? wp[2] : 0u;
-    qa = shf_r_clamp(w0, w1, sh);
-    qb = shf_r_clamp(w1, w2, sh);
-    return d;
-}
+// The blocks of 32 values the ring mat-vec reads, as formats: BB bytes a block, RING / NORM_RING row-tiles in flight
+// a warp (NORM_RING where x shares the block's shared memory; both keep three blocks an SM), and term(): a lane's 8
+// values (part `sub`, 0-3) of the staged block at byte `boff` dotted with x0, x1, added to acc.
+// Q8_0 as the file holds it: f16 scale, 32 int8, blocks only 2-byte aligned, so the words are funnel-shifted.
+struct Q8Blk {
+    static constexpr int BB = 34, RING = 8, NORM_RING = 6;
+    static __device__ __forceinline__ float scale_q(const u8* sbv, u32 boff, int sub, u32& qa, u32& qb) {
+        const float d = h2f(*(const u16*)(sbv + boff));
+        const u32 qoff = boff + 2 + 8 * sub;
+        const u32* wp = (const u32*)(sbv + (qoff & ~3u));
+        const u32 sh = 8 * (qoff & 3u);
+        const u32 w0 = wp[0], w1 = wp[1];
+        const u32 w2 = sh ? wp[2] : 0u;
+        qa = shf_r_clamp(w0, w1, sh);
+        qb = shf_r_clamp(w1, w2, sh);
+        return d;
+    }
+    static __device__ __forceinline__ float term(const u8* sbv, u32 boff, int sub, float4 x0, float4 x1, float acc) {
+        u32 qa, qb;
+        const float d = scale_q(sbv, boff, sub, qa, qb);
+        return f_fma(d, dot8(qa, qb, x0, x1), acc);
+    }
+    // the 8 int8 of qa, qb times x0, x1 (two chains, then their sum)
+    static __device__ __forceinline__ float dot8(u32 qa, u32 qb, float4 x0, float4 x1) {
+        qa ^= 0x80808080u;  // i8f reads biased bytes
+        qb ^= 0x80808080u;
+        float a0 = f_mul(x0.x, i8f(qa, 0));
+        float a1 = f_mul(x0.y, i8f(qa, 1));
+        a0 = f_fma(x0.z, i8f(qa, 2), a0);
+        a1 = f_fma(x0.w, i8f(qa, 3), a1);
+        a0 = f_fma(x1.x, i8f(qb, 0), a0);
+        a1 = f_fma(x1.y, i8f(qb, 1), a1);
+        a0 = f_fma(x1.z, i8f(qb, 2), a0);
+        a1 = f_fma(x1.w, i8f(qb, 3), a1);
+        return f_add(a0, a1);
+    }
+};
+// A packed row (decode.cuh rq_pack): NS float32 scales (a 32 or 16 values), NM float32 minimums (none, or one a
+// scale), 32 int8 codes; value = scale * code - minimum. A lane's 8 values lie in one 16-value half.
+template <int NS, int NM> struct RqBlk {
+    static constexpr int BB = 32 + 4 * (NS + NM);
+    static constexpr int RING = 8 * 34 / BB, NORM_RING = 6 * 34 / BB;  // Q8_0's ring bytes, or less
+    static __device__ __forceinline__ float term(const u8* sbv, u32 boff, int sub, float4 x0, float4 x1, float acc) {
+        const int h = NS == 2 ? sub >> 1 : 0;
+        const u32* wp = (const u32*)(sbv + boff);
+        const float s = __int_as_float(wp[h]);
+        const u32 qa = wp[NS + NM + 2 * sub], qb = wp[NS + NM + 2 * sub + 1];
+        acc = f_fma(s, Q8Blk::dot8(qa, qb, x0, x1), acc);
+        if (NM) {
+            const float m = __int_as_float(wp[NS + (NM == 2 ? h : 0)]);
+            const float sx = f_add(f_add(f_add(x0.x, x0.y), f_add(x0.z, x0.w)), f_add(f_add(x1.x, x1.y), f_add(x1.z, x1.w)));
+            acc = f_fma(-m, sx, acc);
+        }
+        return acc;
+    }
+};
 
-// Q8_0: a warp's items are (its R rows) x (one tile of 32 blocks); P = 8/R items in flight through a cp.async
-// ring in (dynamic) shared memory: 8 warps x 8 row-tiles x 1088 bytes = 69632 bytes per block.
-// RT row-tiles in flight per warp (Q8_RING_TILES; fewer where x shares the block's shared memory, XS). `wait` runs
-// once the first tiles are in flight: it waits for the predecessor (x and res are its output) and may stage x.
-#define Q8_RING_TILES 8
-#define Q8_SMEM_BYTES (MV_WARPS * Q8_RING_TILES * Q8_TILE_BYTES)
-template <int R, int KS, int RT, bool XS, bool QX, class Wait>
-__device__ __forceinline__ void matvec_q8_0_body(const u8* __restrict__ W, int rows, int nb, i64 row_bytes,
-                                                 const float* x, const float* res, float* y,
-                                                 u8* q8_ring, Wait wait) {
+// F's rows: a warp's items are (its R rows) x (one tile of 32 blocks); P = RT/R items in flight through a cp.async
+// ring in (dynamic) shared memory: 8 warps x RT row-tiles x 32 F::BB bytes a block (69632 for Q8_0's 8 tiles).
+// `wait` runs once the first tiles are in flight: it waits for the predecessor (x and res are its output) and may
+// stage x.
+template <class F, int R, int KS, int RT, bool XS, bool QX, class Wait>
+__device__ __forceinline__ void matvec_blk_body(const u8* __restrict__ W, int rows, int nb, i64 row_bytes,
+                                                const float* x, const float* res, float* y,
+                                                u8* ring, Wait wait) {
     constexpr int P = RT / R;
     static_assert(P >= 1, "a ring tile per row at least");
     static_assert(!QX || !XS, "8-bit x: read from global memory");
+    constexpr int TILE = 32 * F::BB;
     // QX: x is a row quantised to 8 bits (attn_combine_1p's out_q): nb * 32 int8 codes, then nb float scales
     const signed char* xq = (const signed char*)x;
     const float* xqd = (const float*)(xq + (i64)nb * 32);
@@ -84,23 +123,23 @@ __device__ __forceinline__ void matvec_q8_0_body(const u8* __restrict__ W, int r
     float acc[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) acc[r] = 0.f;
-    u8* st = q8_ring + w * (RT * Q8_TILE_BYTES);
+    u8* st = ring + w * (RT * TILE);
     const u32 st_addr = smem_addr(st);
 
     auto issue = [&](int i) {
         if (i < nitems) {
             const int tile = ks + i * KS;
-            const int nch = min(32, nb - tile * 32) * 34 / 16;
-            const u32 sb = st_addr + (i % P) * (R * Q8_TILE_BYTES);
+            const int nch = min(32, nb - tile * 32) * F::BB / 16;
+            const u32 sb = st_addr + (i % P) * (R * TILE);
 #pragma unroll
             for (int r = 0; r < R; ++r) {
                 const int row = rg * R + r;
                 if (row < rows) {
-                    const u8* src = W + (i64)row * row_bytes + (i64)tile * Q8_TILE_BYTES;
+                    const u8* src = W + (i64)row * row_bytes + (i64)tile * TILE;
 #pragma unroll
                     for (int c = 0; c < 3; ++c) {
                         const int ch = lane + 32 * c;
-                        if (ch < nch) cp_async16(sb + r * Q8_TILE_BYTES + ch * 16, src + ch * 16);
+                        if (ch < nch) cp_async16(sb + r * TILE + ch * 16, src + ch * 16);
                     }
                 }
             }
@@ -116,7 +155,7 @@ __device__ __forceinline__ void matvec_q8_0_body(const u8* __restrict__ W, int r
         __syncwarp();
         const int tile = ks + i * KS;
         const int nbt = min(32, nb - tile * 32);
-        const u8* sbv = st + (i % P) * (R * Q8_TILE_BYTES);
+        const u8* sbv = st + (i % P) * (R * TILE);
         // 4 lanes per block, 8 values each: a warp step covers 8 blocks and its x reads are 1 KB contiguous
         const int bl = lane >> 2, sub = lane & 3;
 #pragma unroll
@@ -129,7 +168,7 @@ __device__ __forceinline__ void matvec_q8_0_body(const u8* __restrict__ W, int r
 #pragma unroll
                 for (int r = 0; r < R; ++r) {
                     u32 qa, qb;
-                    const float d = q8_staged(sbv, r * Q8_TILE_BYTES + 34 * b, sub, qa, qb);
+                    const float d = Q8Blk::scale_q(sbv, r * TILE + F::BB * b, sub, qa, qb);
                     int sum = __dp4a((int)qa, (int)xv.x, 0);
                     sum = __dp4a((int)qb, (int)xv.y, sum);
                     acc[r] = f_fma(f_mul(d, dx), (float)sum, acc[r]);
@@ -138,21 +177,7 @@ __device__ __forceinline__ void matvec_q8_0_body(const u8* __restrict__ W, int r
                 const float4* xp = (const float4*)(x + ((i64)tile * 32 + b) * 32 + 8 * sub);
                 const float4 x0 = ldx4<XS>(xp), x1 = ldx4<XS>(xp + 1);
 #pragma unroll
-                for (int r = 0; r < R; ++r) {
-                    u32 qa, qb;
-                    const float d = q8_staged(sbv, r * Q8_TILE_BYTES + 34 * b, sub, qa, qb);
-                    qa ^= 0x80808080u;  // i8f reads biased bytes
-                    qb ^= 0x80808080u;
-                    float a0 = f_mul(x0.x, i8f(qa, 0));
-                    float a1 = f_mul(x0.y, i8f(qa, 1));
-                    a0 = f_fma(x0.z, i8f(qa, 2), a0);
-                    a1 = f_fma(x0.w, i8f(qa, 3), a1);
-                    a0 = f_fma(x1.x, i8f(qb, 0), a0);
-                    a1 = f_fma(x1.y, i8f(qb, 1), a1);
-                    a0 = f_fma(x1.z, i8f(qb, 2), a0);
-                    a1 = f_fma(x1.w, i8f(qb, 3), a1);
-                    acc[r] = f_fma(d, f_add(a0, a1), acc[r]);
-                }
+                for (int r = 0; r < R; ++r) acc[r] = F::term(sbv, r * TILE + F::BB * b, sub, x0, x1, acc[r]);
             }
         }
         __syncwarp();  // stage i % P is refilled by the next iteration's issue
@@ -161,7 +186,7 @@ __device__ __forceinline__ void matvec_q8_0_body(const u8* __restrict__ W, int r
     mv_finish<R, KS>(acc, rg, rows, res, y);
 }
 
-// `wait` (as in the Q8_0 body) comes after the first weights' loads in the source, but ptxas schedules the PDL wait
+// `wait` (as in the block body) comes after the first weights' loads in the source, but ptxas schedules the PDL wait
 // (ACQBULK) ahead of plain loads unless a cp.async precedes it (SASS of the NVRTC build): alone, these go out after it
 template <int QT, int R, int KS, bool XS, class Wait>
 __device__ __forceinline__ void matvec_float_body(const u8* __restrict__ W, int rows, int nchunk, i64 row_bytes,
@@ -233,10 +258,8 @@ __device__ __forceinline__ void matvec_float_body(const u8* __restrict__ W, int 
 }
 
 // x staged in shared memory (the fused norm's row, norm_matvec; the Q8_0 mat-vecs of rows up to NORM_MV_MAX_N) with
-// NORM_MV_RING ring tiles a warp, so that three blocks fit an SM beside it
+// the format's NORM_RING ring tiles a warp, so that three blocks fit an SM beside it (matvec.py's smem sizes)
 #define NORM_MV_MAX_N 4096
-#define NORM_MV_RING 6
-#define NORM_MV_Q8_SMEM (MV_WARPS * NORM_MV_RING * Q8_TILE_BYTES + 4 * NORM_MV_MAX_N)
 
 // x (n floats, n % 4 == 0, n <= NORM_MV_MAX_N) into shared memory by a block of MV_WARPS warps, every thread's
 // loads issued before its first store (a strided copy loop waited one L2 round trip per element: 36 % of the qkv

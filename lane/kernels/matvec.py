@@ -1,5 +1,6 @@
 """Mat-vecs over GGUF rows (matvec.cu): a decode step's projections and LM head, the RMSNorm folded into the one
-that reads it, and the o projection on an 8-bit x; numpy references beside them.
+that reads it, and the o projection on an 8-bit x; numpy references beside them (a packed weight, weights.PackedRows,
+holds the file's values: rq_values_ref).
 
   matvec(W, x, y, residual)               matvec_ref(raw, qtype, x, residual)
   matvec(W, xq, y, qx=True)               matvec_q8x_ref(raw, x, residual)
@@ -16,7 +17,7 @@ from stratad.model import quants
 from .device import QNAME, dense_qtype, module, need, on_stream, ptr
 from .launch import launch
 from .norm import pairwise_plan
-from .weights import DQ_PLANS, PLANS, DenseWeight, StackedWeight, dq_span
+from .weights import DQ_PLANS, PLANS, DenseWeight, PackedRows, StackedWeight, dq_span, rq_smem
 
 SOURCE = "matvec.cu"
 F32 = np.float32
@@ -28,17 +29,15 @@ NORM_MV_Q8_SMEM = 8 * 6 * 1088 + 4 * NORM_MV_MAX_N  # matvec.cuh NORM_MV_Q8_SMEM
 def matvec(W: DenseWeight | StackedWeight, x, y=None, residual=None, *, plan: tuple[int, int] | None = None,
            qx: bool = False, stream=None):
     """y = W x (+ residual); x float32 (cols,), y/residual float32 (rows,) (may be the same array). Returns y.
-    plan: (rows per warp, warps per row) from PLANS for a fast weight (W.fast), from DQ_PLANS for the others
-    (decode.cuh's per-type mat-vec); default W.plan(). A StackedWeight runs each part with its own plan.
+    plan: (rows per warp, warps per row) from PLANS for a fast or packed weight, from DQ_PLANS for the others
+    (decode.cuh's per-type mat-vec); default W.plan(). A StackedWeight that is not packed runs each part with its
+    own plan.
     qx (Q8_0 weights): x is a row quantised to 8 bits, int8 (q8_row_bytes(cols),): its cols codes, then its
     cols / 32 float32 scales (quantize_row, or DecodeAttention's out_q), multiplied in integers (matvec_q8x_ref)."""
     m = module(SOURCE)
-    stacked = isinstance(W, StackedWeight)
-    if stacked and (qx or plan is not None):
-        raise ValueError("a stacked weight takes float x and each part's own plan")
     if qx:
         if not W.takes_qx:
-            raise ValueError(f"8-bit x takes fast Q8_0 weights (got {T(W.qtype).name})")
+            raise ValueError(f"8-bit x takes fast Q8_0 weights (got {_type_name(W)})")
         need(x, np.int8, (q8_row_bytes(W.cols),), "x (8-bit)", align=16)
     else:
         need(x, np.float32, (W.cols,), "x", align=16)
@@ -47,45 +46,57 @@ def matvec(W: DenseWeight | StackedWeight, x, y=None, residual=None, *, plan: tu
     need(y, np.float32, (W.rows,), "y")
     if residual is not None:
         need(residual, np.float32, (W.rows,), "residual")
-    if stacked:
+    if isinstance(W, StackedWeight) and W.packed is None:
+        if plan is not None:
+            raise ValueError("a stack of float and quantised parts runs each part with its own plan")
         for p, r0 in W.row_slices():
             matvec(p, x, y[r0:r0 + p.rows], None if residual is None else residual[r0:r0 + p.rows], stream=stream)
         return y
     with on_stream(stream):
-        if W.fast:
+        if W.packed is not None:
+            P = W.packed
+            _launch_matvec(m, f"matvec_{P.name}", P, P.cols // 32, plan or P.plan(), (x, ptr(residual), y),
+                           rq_smem(P.fmt, norm=False))
+        elif W.fast:
             q8 = W.qtype == T.Q8_0
-            _launch_matvec(m, f"matvec_{'q8_0x' if qx else QNAME[W.qtype]}", W, plan or W.plan(),
+            _launch_matvec(m, f"matvec_{'q8_0x' if qx else QNAME[W.qtype]}", W, _fast_ncu(W), plan or W.plan(),
                            (x, ptr(residual), y), Q8_SMEM_BYTES if q8 else 0)
         else:  # decode.cuh's mat-vec of this type: the weight's tables, then x, residual, y
-            _launch_matvec(m, f"matvec_dq_{W.name}", W, plan or W.plan(), (W.tab, x, ptr(residual), y), 0,
-                           plans=DQ_PLANS)
+            _launch_matvec(m, f"matvec_dq_{W.name}", W, W.cols // dq_span(W.qtype), plan or W.plan(),
+                           (W.tab, x, ptr(residual), y), 0, plans=DQ_PLANS)
     return y
 
 
-def _launch_matvec(m, kernel: str, W: DenseWeight, plan: tuple[int, int], args: tuple, smem: int, *,
-                   plans=PLANS) -> None:
+def _type_name(W) -> str:
+    return T(W.qtype).name if isinstance(W, DenseWeight) else "a stack of types"
+
+
+def _fast_ncu(W: DenseWeight) -> int:
+    """What a fast row is counted in: Q8_0 blocks, or 16-byte chunks of a float type."""
+    return W.cols // 32 if W.qtype == T.Q8_0 else W.row_bytes // 16
+
+
+def _launch_matvec(m, kernel: str, W: DenseWeight | PackedRows, ncu: int, plan: tuple[int, int], args: tuple,
+                   smem: int, *, plans=PLANS) -> None:
     """A mat-vec kernel (`kernel`_r{R}_k{KS}) over W's rows: (W, rows, ncu, row_bytes) + args. ncu: what a row is
-    counted in, Q8_0 blocks or 16-byte chunks on the fast paths, decode.cuh spans on the others."""
+    counted in (32-value blocks, 16-byte chunks or decode.cuh spans)."""
     R, KS = plan
     if (R, KS) not in plans:
         raise ValueError(f"plan {(R, KS)} not in {plans}")
     groups = -(-W.rows // R)  # a warp's R rows, 8 / KS row groups a block
     grid = -(-groups // (8 // KS))
-    if not W.fast:
-        ncu = W.cols // dq_span(W.qtype)
-    else:
-        ncu = W.cols // 32 if W.qtype == T.Q8_0 else W.row_bytes // 16
     launch(m.fn(f"{kernel}_r{R}_k{KS}", smem), (grid,), (256,),
            (W.data, np.int32(W.rows), np.int32(ncu), np.int64(W.row_bytes)) + args, shared_mem=smem)
 
 
-def norm_matvec_ok(W: DenseWeight) -> bool:
+def norm_matvec_ok(W: DenseWeight | StackedWeight) -> bool:
     """Whether norm_matvec takes W (else: rms_norm, then matvec)."""
     plan = pairwise_plan(W.cols)
-    return W.fast and W.cols <= NORM_MV_MAX_N and (plan is None or plan[1] * 8 <= 256)
+    return ((W.fast or W.packed is not None) and W.cols <= NORM_MV_MAX_N
+            and (plan is None or plan[1] * 8 <= 256))
 
 
-def norm_matvec(W: DenseWeight, x, norm_w, eps: float, y=None, residual=None, *, quant=None,
+def norm_matvec(W: DenseWeight | StackedWeight, x, norm_w, eps: float, y=None, residual=None, *, quant=None,
                 plan: tuple[int, int] | None = None, stream=None):
     """y = W rms_norm(x, norm_w, eps) (+ residual) in one launch (x float32 (cols,)), with the bits of rms_norm then
     matvec; quant (q int8 (1, cols), d float32 (1, cols / 32)) also receives rms_norm's quantised row. The
@@ -93,7 +104,8 @@ def norm_matvec(W: DenseWeight, x, norm_w, eps: float, y=None, residual=None, *,
     m = module(SOURCE)
     cp = m.cp
     if not norm_matvec_ok(W):
-        raise ValueError(f"norm_matvec takes fast weights of at most {NORM_MV_MAX_N} columns (got {W.cols})")
+        raise ValueError(f"norm_matvec takes fast or packed weights of at most {NORM_MV_MAX_N} columns "
+                         f"(got {_type_name(W)}, {W.cols})")
     n = W.cols
     need(x, np.float32, (n,), "x", align=16)  # staged in float4 (matvec.cuh stage_row)
     need(norm_w, np.float32, (n,), "norm_w", align=16)
@@ -112,11 +124,15 @@ def norm_matvec(W: DenseWeight, x, norm_w, eps: float, y=None, residual=None, *,
     R, KS = plan or W.plan()
     R = min(R, 2)  # no four-row variant: the ring is smaller beside the staged row
     L, NL = pairwise_plan(n) or (0, 0)
-    q8 = W.qtype == T.Q8_0
+    args = (x, ptr(residual), y, norm_w, np.int32(n), np.int32(L), np.int32(NL), np.float32(eps)) + qd
     with on_stream(stream):
-        _launch_matvec(m, f"norm_matvec_{QNAME[W.qtype]}", W, (R, KS),
-                       (x, ptr(residual), y, norm_w, np.int32(n), np.int32(L), np.int32(NL), np.float32(eps)) + qd,
-                       NORM_MV_Q8_SMEM if q8 else 4 * NORM_MV_MAX_N)
+        if W.packed is not None:
+            P = W.packed
+            _launch_matvec(m, f"norm_matvec_{P.name}", P, n // 32, (R, KS), args, rq_smem(P.fmt, norm=True))
+        else:
+            q8 = W.qtype == T.Q8_0
+            _launch_matvec(m, f"norm_matvec_{QNAME[W.qtype]}", W, _fast_ncu(W), (R, KS), args,
+                           NORM_MV_Q8_SMEM if q8 else 4 * NORM_MV_MAX_N)
     return y
 
 
@@ -154,3 +170,20 @@ def matvec_ref(raw: np.ndarray, qtype, x: np.ndarray, residual: np.ndarray | Non
     w = quants.dequantize(dense_qtype(qtype), np.asarray(raw))
     y = (w @ np.asarray(x, F32)).astype(F32)
     return y + residual if residual is not None else y
+
+
+def rq_values_ref(packed: np.ndarray, fmt: tuple[int, int]) -> np.ndarray:
+    """numpy float32: the values of packed rows (uint8 (rows, blocks * block bytes), decode.cuh rq_pack's layout:
+    fmt[0] float32 scales, fmt[1] float32 minimums, 32 int8 codes a block): scale[h] * code - minimum[h], h the
+    value's 16-value half where a block has two scales."""
+    ns, nm = fmt
+    bb = 32 + 4 * (ns + nm)
+    blocks = np.ascontiguousarray(packed).reshape(packed.shape[0], -1, bb)
+    f = blocks[..., :4 * (ns + nm)].copy().view(np.float32)
+    code = blocks[..., 4 * (ns + nm):].view(np.int8).astype(np.float32)
+    half = np.arange(32) // 16 if ns == 2 else np.zeros(32, np.int64)
+    scale = f[..., :ns][..., half]
+    v = scale * code
+    if nm:
+        v = v - f[..., ns:][..., half if nm == 2 else np.zeros(32, np.int64)]
+    return v.reshape(packed.shape[0], -1).astype(np.float32)

@@ -1,10 +1,12 @@
 """A dense GGUF matrix on the device (the rows as the file holds them) and its mat-vec launch plan.
 
-Every type of stratad.model.quants is read by the kernels themselves: F32, F16, BF16 and Q8_0 rows by the fast
-mat-vec bodies of matvec.cuh, every type (and rows the fast bodies cannot take) through decode.cuh's per-type
-decode, which also makes the float16 copy a prompt chunk's cuBLAS GEMM reads (`DenseWeight.dequantized`) and the
-embedding's rows. A file's q, k and v of different types (llama.cpp's mixes give attn_v its own) stack as a
-`StackedWeight`, one launch a part.
+The mat-vec reads F32, F16, BF16 and Q8_0 rows as the file holds them (matvec.cuh's fast bodies); every other
+quantised type is packed once at upload into int8 codes with float32 scales (`PackedRows`, decode.cuh rq_pack:
+the same values, 1.125-1.5 bytes a weight) that the Q8_0 body's ring reads, and only rows neither can take go
+through decode.cuh's per-type mat-vec. decode.cuh also makes the float16 copy a prompt chunk's cuBLAS GEMM reads
+(`DenseWeight.dequantized`) and the embedding's rows, from the file's rows. A file's q, k and v of different types
+(llama.cpp's mixes give attn_v its own) stack as a `StackedWeight`: packed alike (one launch) where all are
+quantised, else a launch a part.
 """
 from __future__ import annotations
 
@@ -22,12 +24,75 @@ from .launch import launch
 PLANS = ((4, 1), (2, 1), (1, 1), (1, 2), (1, 4), (1, 8), (4, 2), (4, 4), (2, 2), (2, 4))
 # the plans of the decode.cuh mat-vecs (matvec.cu MV_DQ_PLANS)
 DQ_PLANS = ((2, 1), (1, 1), (1, 2), (1, 4), (1, 8))
+# Packed rows (decode.cuh rq_pack, matvec.cuh RqBlk): (scales, minimums) a 32-value block, by type: one scale, or one
+# a 16-value half for the types whose integer scales cover 16 values; a minimum a scale for the types with one
+RQ_FORMATS = {T.Q2_K: (2, 2), T.Q3_K: (2, 0), T.Q6_K: (2, 0), T.IQ2_XS: (2, 0), T.IQ2_S: (2, 0), T.IQ1_M: (2, 0),
+              T.Q4_1: (1, 1), T.Q5_1: (1, 1), T.Q4_K: (1, 1), T.Q5_K: (1, 1)}
+
+
+def rq_format(qtype) -> tuple[int, int]:
+    """(scales, minimums) of a quantised type's packed blocks (RQ_FORMATS, else (1, 0))."""
+    return RQ_FORMATS.get(dense_qtype(qtype), (1, 0))
+
+
+def rq_block_bytes(fmt: tuple[int, int]) -> int:
+    return 32 + 4 * (fmt[0] + fmt[1])
+
+
+def rq_smem(fmt: tuple[int, int], norm: bool) -> int:
+    """Dynamic shared memory of a packed mat-vec (matvec.cuh RqBlk's RING / NORM_RING tiles of 32 blocks a warp, 8
+    warps; norm: beside the staged row of NORM_MV_MAX_N floats). A plain launch may stage x (rows of at most
+    NORM_MV_MAX_N columns), so it gets the larger of the two."""
+    bb = rq_block_bytes(fmt)
+    staged = 8 * (6 * 34 // bb) * 32 * bb + 4 * 4096
+    return staged if norm else max(8 * (8 * 34 // bb) * 32 * bb, staged)
+
+
+class PackedRows:
+    """A quantised matrix's rows packed for the mat-vec (decode.cuh rq_pack) in format fmt = (scales, minimums):
+    cols / 32 blocks of rq_block_bytes(fmt) a row, made on the device from the file's rows (pack) or stacked."""
+
+    def __init__(self, data, fmt: tuple[int, int], cols: int):
+        self.data, self.fmt, self.cols = data, tuple(fmt), int(cols)
+        self.rows = int(data.shape[0])
+        self.row_bytes = int(data.shape[1])
+        self.name = f"rq{fmt[0]}{fmt[1]}"
+
+    @classmethod
+    def pack(cls, W: "DenseWeight", fmt: tuple[int, int] | None = None) -> "PackedRows":
+        """W's rows packed in fmt (default: its type's; a wider one holds the same values)."""
+        import cupy
+
+        own = rq_format(W.qtype)
+        fmt = own if fmt is None else tuple(fmt)
+        if fmt[0] < own[0] or fmt[1] < own[1]:
+            raise ValueError(f"{W.qtype.name} packs into (scales, minimums) >= {own}, not {fmt}")
+        nsub = W.cols // 32
+        out = cupy.empty((W.rows, nsub * rq_block_bytes(fmt)), cupy.uint8)
+        n = W.rows * nsub
+        launch(module("matvec.cu").fn(f"pack_rows_{W.name}"), ((n + 255) // 256,), (256,),
+               (W.data, np.int32(W.rows), np.int32(nsub), np.int64(W.row_bytes), W.tab, np.int32(fmt[0]),
+                np.int32(fmt[1]), out))
+        return cls(out, fmt, W.cols)
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * self.row_bytes
+
+    def plan(self) -> tuple[int, int]:
+        return rq_plan(self.rows, self.cols)
+
+
+def packable(W) -> bool:
+    """Whether the mat-vec reads W packed: a quantised type off the fast paths (or rows they decline) in whole
+    256-value groups (the ring's 16-byte chunks and Q8_0's alignment rule)."""
+    return quants.fmt(W.qtype).quantised and W.cols % 256 == 0
 
 
 class DenseWeight:
     """A dense GGUF matrix on the device: rows x row_bytes raw bytes (cupy uint8), its type and column count."""
 
-    def __init__(self, data, qtype, cols: int):
+    def __init__(self, data, qtype, cols: int, *, pack: bool = True):
         import cupy
 
         self.qtype = dense_qtype(qtype)
@@ -44,10 +109,13 @@ class DenseWeight:
                      and self.cols % granule == 0)
         self.tab = device_tables()  # decode.cuh's tables on this device (uploaded now, never during a capture)
         self._cache = None  # the float16 copy, once dequantized(cache=True) made it
+        # what the mat-vec reads for rows off the fast paths: packed now (never during a capture) unless pack=False
+        self.packed = PackedRows.pack(self) if pack and not self.fast and packable(self) else None
 
     @classmethod
-    def upload(cls, raw: np.ndarray, qtype, cols: int | None = None) -> "DenseWeight":
-        """From host rows: uint8 (rows, row_bytes) as ModelFile.raw gives them (or a float array of the type)."""
+    def upload(cls, raw: np.ndarray, qtype, cols: int | None = None, *, pack: bool = True) -> "DenseWeight":
+        """From host rows: uint8 (rows, row_bytes) as ModelFile.raw gives them (or a float array of the type).
+        pack=False: rows no mat-vec reads (the embedding table), kept only as the file holds them."""
         import cupy
 
         qt = dense_qtype(qtype)
@@ -56,7 +124,7 @@ class DenseWeight:
         if cols is None:
             f = quants.fmt(qt)
             cols = u8.shape[1] // f.block_bytes * f.block_values
-        return cls(cupy.asarray(u8), qt, cols)
+        return cls(cupy.asarray(u8), qt, cols, pack=pack)
 
     @classmethod
     def concat(cls, ws: list["DenseWeight"]) -> "DenseWeight | StackedWeight":
@@ -68,7 +136,8 @@ class DenseWeight:
             raise ValueError(f"concat needs matrices of one column count (got {sorted({w.cols for w in ws})})")
         if len({w.qtype for w in ws}) != 1:
             return StackedWeight(ws)
-        return cls(cupy.concatenate([w.data for w in ws], axis=0), ws[0].qtype, ws[0].cols)
+        return cls(cupy.concatenate([w.data for w in ws], axis=0), ws[0].qtype, ws[0].cols,
+                   pack=all(w.packed is not None for w in ws))
 
     @property
     def nbytes(self) -> int:
@@ -88,6 +157,8 @@ class DenseWeight:
         """(R, KS): rows per warp, warps splitting a row group's K. Enough warps for the GPU, R=4 for tall ones."""
         if self.fast:
             return default_plan(self.qtype, self.rows, self.cols)
+        if self.packed is not None:
+            return self.packed.plan()
         return dq_plan(self.rows, self.cols // dq_span(self.qtype))
 
     def dequantized(self, *, cache: bool = True, stream=None):
@@ -125,12 +196,27 @@ class StackedWeight:
     takes_qx = False
 
     def __init__(self, parts: list[DenseWeight]):
+        import cupy
+
         if len({p.cols for p in parts}) != 1:
             raise ValueError("stacked matrices need one column count")
         self.parts = list(parts)
         self.cols = parts[0].cols
         self.rows = sum(p.rows for p in parts)
         self._cache = None
+        # all quantised: packed alike (the widest format of the parts), one mat-vec launch; the parts' own dropped
+        self.packed = None
+        if all(p.packed is not None or (p.fast and packable(p)) for p in parts):
+            fmt = tuple(max(rq_format(p.qtype)[k] for p in parts) for k in (0, 1))
+            self.packed = PackedRows(cupy.concatenate([PackedRows.pack(p, fmt).data for p in parts], axis=0),
+                                     fmt, self.cols)
+            for p in parts:
+                p.packed = None
+
+    def plan(self) -> tuple[int, int]:
+        if self.packed is None:
+            raise ValueError("a stack of float and quantised parts runs each part with its own plan")
+        return self.packed.plan()
 
     @property
     def nbytes(self) -> int:
@@ -172,6 +258,17 @@ def dq_plan(rows: int, nspan: int) -> tuple[int, int]:
     while ks < 8 and rows * ks < target and 2 * ks * 32 <= nspan:
         ks *= 2
     return (1, ks)
+
+
+def rq_plan(rows: int, cols: int) -> tuple[int, int]:
+    """A packed mat-vec's plan (from PLANS, at most two rows a warp: the larger blocks leave a smaller ring): Q8_0's
+    measured choices otherwise (default_plan)."""
+    ntiles = -(-(cols // 32) // 32)
+    if rows >= 4096:
+        return (2, 1)
+    if rows >= 1024:
+        return (2, 2) if ntiles >= 2 else (1, 1)
+    return (1, 2)
 
 
 def default_plan(qtype, rows: int, cols: int) -> tuple[int, int]:
