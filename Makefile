@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo train-tiny venv clean
+.PHONY: test test-slow demo train-tiny venv clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -16,6 +16,10 @@ venv: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -m 'not gpu' tests
+
+# only the tests marked `slow` (full-size shapes: minutes, ~14 GB of disk; tests/conftest.py skips them otherwise)
+test-slow: $(STAMP)
+	STRATAD_SLOW=1 $(BIN)/python -m pytest -q -m 'slow and not gpu' tests
 
 # the trained tiny model that ships in stratad/model/data (no model to make first)
 demo: $(STAMP)

@@ -1,6 +1,7 @@
 """Open time and resident memory of a full-size model file, and the coordinator's start work on it, without the
 disk for one: `--preset a235b` is ~100 GB of IQ3_S experts, so the file is written sparse (metadata, tokenizer
-and tensor table real, every tensor's bytes a hole that reads as zeros), optionally as llama.cpp split shards.
+and tensor table real, every tensor's bytes a hole that reads as zeros: stratad.model.sparse), optionally as
+llama.cpp split shards. tests/test_model_open_scale.py (slow) asserts the open's bounds on the same file.
 
     .venv/bin/python scripts/model_open_bench.py --preset a235b --dir /work/tmp-a235b [--split-max-size 50000000000]
 
@@ -23,49 +24,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
-from stratad.model import generator, quants  # noqa: E402
-from stratad.model.config import ARCH, PRESETS  # noqa: E402
-from stratad.model.writer import FILE_TYPES, _metadata, _PartWriter  # noqa: E402
-
-
-def write_sparse(out: Path, preset: str, expert_quant: str, split_max_size: int) -> list[str]:
-    from stratad.model.tokenizer import build_vocab, write_tokenizer
-
-    c = PRESETS[preset]
-    eq, dq = quants.parse_type(expert_quant), quants.parse_type("Q8_0")
-    sources = generator.model_tensors(c, eq, dq, skew=0.0, seed=0)  # shapes only: no tensor is generated
-    w = _PartWriter(out, ARCH, split_max_size=split_max_size)
-    _metadata(w, c, f"sparse-{preset}", FILE_TYPES[eq])
-    write_tokenizer(w, build_vocab(c.vocab_size))
-    for t in sources:
-        byte_shape = t.shape[:-1] + (quants.fmt(t.qtype).row_bytes(t.shape[-1]),)
-        w.add_tensor_info(t.name, byte_shape, np.dtype(np.uint8), t.nbytes, raw_dtype=t.qtype)
-    parts = w.format_shard_names(out)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-    ends = {}
-    for shard, tensors in enumerate(w.tensors):  # each shard's data: aligned offsets, then a hole to its end
-        f = w.fout[shard]
-        pos = f.tell()
-        for ti in tensors.values():
-            pos = -(-pos // w.data_alignment) * w.data_alignment + ti.nbytes
-        ends[shard] = -(-pos // w.data_alignment) * w.data_alignment
-    w.close()
-    done = []
-    for shard, p in enumerate(parts):
-        os.truncate(p, ends[shard])
-        d = p.with_name(p.name.removesuffix(".part"))
-        os.replace(p, d)
-        done.append(str(d))
-    return done
+from stratad.model.config import PRESETS  # noqa: E402
+from stratad.model.sparse import resident_bytes, write_sparse  # noqa: E402
 
 
 def rss_mb() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
+    return resident_bytes() / 2**20
 
 
 def measure(path: str, n_cards: int) -> dict:
