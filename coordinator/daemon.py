@@ -116,11 +116,12 @@ class Coordinator:
             self._tcp_socket()
         for p in self.rt.path.glob("*.sock"):
             p.chmod(0o600)
+        # the gateway's address is bound before any lane starts: a taken one stops the daemon at once
+        self.gateway = GatewayChild.for_config(self.cfg, str(self.rt.path), str(self.model.path),
+                                               self.context_length) if self.cfg.http else None
         self.sup = Supervisor(self.cards, self._lane_argv, self.rt.shm_prefix, self.cfg.lane_timeout_s,
                               threads.per_lane(self.cfg.cpu_threads, len(self.cards)), self.cfg.lane_start_timeout_s)
         self.sup.start_all()
-        self.gateway = GatewayChild.for_config(self.cfg, str(self.rt.path), str(self.model.path),
-                                               self.context_length) if self.cfg.http else None
         if self.gateway:
             self.gateway.start()
         log.info("model %s: %d layers x %d experts, slot %.2f MiB, %d slots per card (%s), %d cards %s",

@@ -1,32 +1,46 @@
 """The HTTP gateway as the coordinator's child (config key `http`): started with the daemon, restarted with the
-lanes' back-off when it dies, stopped with the daemon. It holds no model memory; its log is the daemon's."""
+lanes' back-off when it dies, stopped with the daemon. It holds no model memory; its log is the daemon's.
+
+The coordinator binds the address itself, before any lane starts, and hands the listening socket to each gateway
+process it starts: an address already taken stops `stratad serve` at once with an error naming it and the setting
+(instead of a gateway that fails and is restarted for ever), and a restarted gateway never has to bind again
+(connections that arrive meanwhile wait in the socket's backlog)."""
 from __future__ import annotations
 
 import logging
 import signal
+import socket
 import subprocess
 import time
 
 from coordinator.lanes import RESTART_BACKOFF_S, child_env
-from stratad.config import DaemonConfig
-from stratad.gateway.launch import gateway_argv
+from stratad.config import ConfigError, DaemonConfig
+from stratad.gateway.launch import gateway_argv, listen_socket
 
 log = logging.getLogger("stratad.coordinator")
 
 
 class GatewayChild:
-    def __init__(self, argv: list[str]):
-        self.argv = argv
+    def __init__(self, argv: list[str], sock: socket.socket | None = None):
+        self.argv, self.sock = argv, sock
         self.proc: subprocess.Popen | None = None
         self.restarts = 0
         self.restart_at = 0.0
 
     @classmethod
     def for_config(cls, cfg: DaemonConfig, runtime_dir: str, model: str, context_length: int) -> "GatewayChild":
-        return cls(gateway_argv(runtime_dir, cfg.http, model, context_length, cfg.api_key_file, cfg.log_level))
+        """Binds cfg.http (ConfigError naming the address and the setting when it cannot)."""
+        try:
+            sock = listen_socket(cfg.http)
+        except OSError as e:
+            raise ConfigError(f"http = {cfg.http!r}: the HTTP gateway cannot listen there ({e.strerror or e}); set "
+                              f"http (config file or --http) to a free HOST:PORT, or to \"\" for no gateway") from None
+        return cls(gateway_argv(runtime_dir, cfg.http, model, context_length, cfg.api_key_file, cfg.log_level,
+                                listen_fd=sock.fileno()), sock)
 
     def start(self) -> None:
-        self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, env=child_env(1))
+        fds = (self.sock.fileno(),) if self.sock is not None else ()
+        self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, env=child_env(1), pass_fds=fds)
         log.info("HTTP gateway started, pid %d: %s", self.proc.pid, " ".join(self.argv[3:]))
 
     def poll(self) -> None:
@@ -43,6 +57,14 @@ class GatewayChild:
             self.start()
 
     def stop(self, timeout_s: float = 5.0) -> None:
+        try:
+            self._stop_proc(timeout_s)
+        finally:
+            if self.sock is not None:
+                self.sock.close()
+                self.sock = None
+
+    def _stop_proc(self, timeout_s: float) -> None:
         if self.proc is None:
             return
         if self.proc.poll() is None:

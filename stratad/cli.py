@@ -65,7 +65,8 @@ def _serve(a) -> int:
 
     overrides = {"model": a.model, "cards": a.cards, "expert_cache": a.expert_cache,
                  "runtime_dir": a.runtime_dir or os.environ.get(discovery.ENV),  # over the config file's
-                 "context_length": a.context_length, "rejoin_idle_s": a.rejoin_idle_s, "log_level": a.log_level}
+                 "context_length": a.context_length, "rejoin_idle_s": a.rejoin_idle_s, "log_level": a.log_level,
+                 "http": a.http}
     for flag in ("mutual_help", "prefix_cache"):
         if getattr(a, flag):
             overrides[flag] = True
@@ -169,6 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--mutual-help", action="store_true")
     s.add_argument("--prefix-cache", action="store_true", help="reuse a lane's last sequence for a prompt extending it")
     s.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    s.add_argument("--http", metavar="HOST:PORT", help="the HTTP gateway's address (default 127.0.0.1:8080); "
+                                                       "'' for no gateway")
     s.set_defaults(fn=_serve)
 
     b = sub.add_parser("bench", help="measure; JSON with hardware, floor and fraction reached")

@@ -19,6 +19,7 @@ _UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40
 # The GPU card's prompt chunk: a bigger chunk gives each expert more tokens a tensor-core tile (faster prompts), and
 # the expert workspaces grow with it (figures: docs/perf-notes.md, "Where the defaults come from")
 GPU_PROMPT_CHUNK = 4096
+DEFAULT_HTTP = "127.0.0.1:8080"  # the gateway's address unless the config says otherwise ("": none)
 
 class ConfigError(ValueError):
     pass
@@ -126,8 +127,8 @@ class DaemonConfig(BaseModel):
     tcp: str | None = Field(None, description="opt-in TCP listener, e.g. tcp://0.0.0.0:5555; needs CURVE keys")
     curve_secret_key_file: str | None = None
     curve_authorized_dir: str | None = Field(None, description="directory of clients' public key files")
-    http: str | None = Field(None, description="HTTP gateway (OpenAI / Anthropic APIs) at HOST:PORT, e.g. "
-                                                "127.0.0.1:8080; a non-loopback address needs api_key_file")
+    http: str = Field(DEFAULT_HTTP, description="HTTP gateway (OpenAI / Anthropic APIs) at HOST:PORT; empty: no "
+                                                "gateway; a non-loopback address needs api_key_file")
     api_key_file: str | None = Field(None, validate_default=True, description="file holding the HTTP gateway's "
                                                                              "API key")
     gpu: GpuOptions = Field(GpuOptions(), description="GPU cards' code paths ([gpu] table)")
@@ -154,7 +155,8 @@ class DaemonConfig(BaseModel):
     @field_validator("http")
     @classmethod
     def _http(cls, v):
-        if v is not None:
+        v = v.strip()
+        if v:
             from stratad.gateway.launch import parse_listen  # the gateway's own check, so both agree
 
             parse_listen(v)
@@ -164,7 +166,7 @@ class DaemonConfig(BaseModel):
     @classmethod
     def _http_key(cls, v, info):
         http = info.data.get("http")
-        if http is not None and v is None:
+        if http and v is None:
             from stratad.gateway.launch import is_loopback, parse_listen
 
             if not is_loopback(parse_listen(http)[0]):

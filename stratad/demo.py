@@ -11,7 +11,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import threading
 from pathlib import Path
 
@@ -66,13 +65,6 @@ def _cards() -> str:
     except Exception:
         pass
     return "cpu,cpu"
-
-
-def _config(port: int) -> str:
-    f = tempfile.NamedTemporaryFile("w", suffix=".toml", prefix="stratad-demo-", delete=False)
-    f.write(f'http = "127.0.0.1:{port}"\n')
-    f.close()
-    return f.name
 
 
 def two_chats(c, max_tokens: int) -> list[str]:
@@ -144,11 +136,10 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     cards = a.cards or _cards()
     port = free_port()
-    config = _config(port)
     # mutual help: both chats compute each expert on whichever card holds it (the point of stratad)
     # and the prefix cache: a chat's next turn reads only its new tokens
-    daemon = LocalDaemon(a.model, cards, config=config, args=["--expert-cache", "0.5", "--mutual-help",
-                                                              "--prefix-cache", "--log-level", "warning"])
+    daemon = LocalDaemon(a.model, cards, http=f"127.0.0.1:{port}",
+                         args=["--expert-cache", "0.5", "--mutual-help", "--prefix-cache", "--log-level", "warning"])
     random = random_weights(a.model)
     if random:
         print("note: this model has random weights (stratad make-model): its replies are not meant to read as "
@@ -166,7 +157,6 @@ def main(argv=None) -> int:
             print("\n$ stratactl status\n" + status_table(c.status()))
     finally:
         rc = daemon.stop()
-        os.unlink(config)
         rt = daemon.runtime_dir
         print(f"\nstratad stopped (exit {rc}); runtime dir left: {sorted(os.listdir(rt)) if os.path.isdir(rt) else []}")
     return 0

@@ -13,19 +13,23 @@ from stratad.client import Client, DaemonUnavailable
 
 
 class LocalDaemon:
+    """http: the gateway's HOST:PORT ("" none, the default, so that several such daemons run at once; None: what the
+    config file or the daemon's default says)."""
+
     def __init__(self, model: str | os.PathLike, cards: str = "cpu,cpu", runtime_dir: str | os.PathLike | None = None,
                  args: list[str] | tuple[str, ...] = (), config: str | os.PathLike | None = None,
-                 log: str | os.PathLike | None = None):
+                 log: str | os.PathLike | None = None, http: str | None = ""):
         self.model, self.cards = Path(model), cards
         self.runtime_dir = Path(runtime_dir or tempfile.mkdtemp(prefix="stratad-"))
-        self.args, self.config = list(args), config
+        self.args, self.config, self.http = list(args), config, http
         self.log = Path(log) if log else None
         self.proc: subprocess.Popen | None = None
 
     def argv(self) -> list[str]:
         a = [sys.executable, "-m", "stratad.cli", "serve", "--model", str(self.model), "--cards", self.cards,
              "--runtime-dir", str(self.runtime_dir)]
-        return a + (["--config", str(self.config)] if self.config else []) + self.args
+        a += ["--config", str(self.config)] if self.config else []
+        return a + (["--http", self.http] if self.http is not None else []) + self.args
 
     def start(self, timeout_s: float = 120.0) -> "LocalDaemon":
         out = open(self.log, "ab") if self.log else None

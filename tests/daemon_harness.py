@@ -14,10 +14,12 @@ os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.g
 
 
 class Daemon(LocalDaemon):
+    """http: no gateway unless a test asks for one (then on a free port: stratad.gateway.local_client.free_port)."""
+
     def __init__(self, model: Path, runtime_dir: Path, cards: str = "cpu,cpu", extra: list[str] | None = None,
-                 config: Path | None = None):
+                 config: Path | None = None, http: str | None = ""):
         super().__init__(model, cards, runtime_dir, extra or [], config,
-                         log=runtime_dir.parent / f"{runtime_dir.name}.log")
+                         log=runtime_dir.parent / f"{runtime_dir.name}.log", http=http)
 
     def wait_ready(self, timeout_s: float = 60.0, restarts: int | None = None) -> None:
         try:

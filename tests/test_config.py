@@ -78,3 +78,40 @@ def test_status_says_where_host_memory_work_ran():
     assert "host memory: 20.0% read by the card over the bus, 10.0% on the CPU pool" in out
     quiet = status_table(st.model_copy(update={"lanes": (lane.model_copy(update={"share_host_read": 0.0}),)}))
     assert "read by the card" not in quiet
+
+
+def test_http_default_empty_and_bad_addresses():
+    """The gateway is on by default at 127.0.0.1:8080 (so `systemctl start stratad` brings it up); "" turns it off,
+    in the file and on the command line."""
+    assert config.load(None, {"model": "m.gguf"}).http == config.DEFAULT_HTTP == "127.0.0.1:8080"
+    assert config.load(None, {"model": "m.gguf", "http": ""}).http == ""
+    assert config.load(None, {"model": "m.gguf", "http": "[::1]:9000"}).http == "[::1]:9000"
+    for bad in ("8080", "127.0.0.1:", "127.0.0.1:http", "127.0.0.1:70000"):
+        with pytest.raises(config.ConfigError, match="key 'http'"):
+            config.load(None, {"model": "m.gguf", "http": bad})
+
+
+def test_http_flag_overrides_the_file(tmp_path):
+    from stratad.cli import build_parser
+
+    f = tmp_path / "c.toml"
+    f.write_text('model = "m.gguf"\nhttp = ""\n')
+    assert config.load(str(f), {}).http == ""
+    a = build_parser().parse_args(["serve", "--config", str(f), "--http", "127.0.0.1:9001"])
+    assert config.load(a.config, {"http": a.http}).http == "127.0.0.1:9001"
+    f.write_text('model = "m.gguf"\nhttp = "127.0.0.1:9002"\n')
+    a = build_parser().parse_args(["serve", "--config", str(f), "--http", ""])
+    assert config.load(a.config, {"http": a.http}).http == ""
+    a = build_parser().parse_args(["serve", "--config", str(f)])  # no flag: the file's
+    assert config.load(a.config, {"http": a.http}).http == "127.0.0.1:9002"
+
+
+@pytest.mark.parametrize("addr", ["0.0.0.0:8080", "[::]:8080", "192.168.1.5:8080", "myhost:8080"])
+def test_http_off_loopback_needs_an_api_key(addr):
+    """Reachable from other machines (any address but loopback, a host name but localhost): refused without
+    api_key_file, naming both settings."""
+    with pytest.raises(config.ConfigError, match=r"key 'api_key_file'.*http on .* needs api_key_file"):
+        config.load(None, {"model": "m.gguf", "http": addr})
+    assert config.load(None, {"model": "m.gguf", "http": addr, "api_key_file": "/k"}).api_key_file == "/k"
+    for local in ("127.0.0.1:8080", "[::1]:8080", "localhost:8080", "127.0.0.2:8080"):
+        assert config.load(None, {"model": "m.gguf", "http": local}).api_key_file is None

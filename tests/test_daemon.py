@@ -244,8 +244,8 @@ def test_daemon_absent_is_a_clear_error(tmp_path):
 
 def run_serve(args, timeout=30):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, "-m", "stratad.cli", "serve", *args], capture_output=True, text=True,
-                          env=env, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "stratad.cli", "serve", "--http", "", *args], capture_output=True,
+                          text=True, env=env, timeout=timeout)
 
 
 def test_bad_config_and_missing_model(tmp_path, tiny_model_path):

@@ -32,7 +32,8 @@ def session(tmp_path, monkeypatch):
 
 def serve(model: Path, rt: Path, log: Path) -> subprocess.Popen:
     """`stratad serve` told its runtime dir only by STRATAD_RUNTIME_DIR; returns once it answers."""
-    proc = subprocess.Popen([sys.executable, "-m", "stratad.cli", "serve", "--model", str(model), "--cards", "cpu"],
+    proc = subprocess.Popen([sys.executable, "-m", "stratad.cli", "serve", "--model", str(model), "--cards", "cpu",
+                             "--http", ""],
                             env=dict(os.environ, **{discovery.ENV: str(rt)}), stdout=open(log, "wb"),
                             stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 60

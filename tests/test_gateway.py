@@ -120,7 +120,7 @@ def daemon_and_gateway(model, tmp_path_factory):
     cfg.write_text(f'queue_limit = 1\nwarmup_tokens = 1024\nhttp = "127.0.0.1:{port}"\n'
                    f'api_key_file = "{rt / "api-key"}"\nprefix_cache = false\n')  # fresh reads: no cached tokens
     g = Supervised(port)
-    d = Daemon(model, rt / "run", extra=["--expert-cache", "0.5"], config=cfg).start()
+    d = Daemon(model, rt / "run", extra=["--expert-cache", "0.5"], config=cfg, http=None).start()  # the config's http
     g.ready.set()
     g.t.join(30)
     g.done.set()
@@ -198,6 +198,22 @@ def test_health_without_a_daemon(model, tmp_path):
         assert r.status_code == 503 and r.json()["error"]["code"] == "daemon_unavailable"
     finally:
         g.stop()
+
+
+def test_a_taken_http_address_stops_the_daemon_naming_it(model, tmp_path):
+    """The daemon binds the gateway's address before any lane starts: taken, `stratad serve` ends at once with an
+    error naming the address and the setting (instead of a gateway restarted for ever), leaving nothing behind."""
+    rt = tmp_path / "rt"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        addr = f"127.0.0.1:{s.getsockname()[1]}"
+        r = subprocess.run([sys.executable, "-m", "stratad.cli", "serve", "--model", str(model), "--cards", "cpu",
+                            "--runtime-dir", str(rt), "--http", addr], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert f"error: http = '{addr}': the HTTP gateway cannot listen there" in r.stderr, r.stderr[-2000:]
+    assert "lane 0" not in r.stderr and "gateway started" not in r.stderr  # nothing was started
+    assert sorted(p.name for p in rt.iterdir()) == []
 
 
 def test_chat_plain_and_streamed_match_the_zmq_client(daemon, oa):

@@ -40,9 +40,9 @@ from stratad.model.slot_layout import slot_bytes
 PROMPT = "Tell me how two chats share the experts on the cards, in detail."
 
 
-def _config(threads: int, http_port: int) -> str:
+def _config(threads: int) -> str:
     path = tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False)
-    path.write(f'cpu_threads = {threads}\nhttp = "127.0.0.1:{http_port}"\n')
+    path.write(f'cpu_threads = {threads}\n')
     path.close()
     return path.name
 
@@ -127,7 +127,7 @@ def in_process_main(model_path: str, tokens: int) -> tuple[float, float]:
 def run(model_path: str, tokens: int = 128, repeats: int = 5, threads: int = 1) -> dict:
     port = free_port()
     daemon = LocalDaemon(model_path, "cpu", args=["--expert-cache", "1.0", "--log-level", "warning"],
-                         config=_config(threads, port)).start()
+                         config=_config(threads), http=f"127.0.0.1:{port}").start()
     gateway = LocalGateway(port)
     try:
         gateway.wait_healthy()

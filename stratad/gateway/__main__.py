@@ -1,4 +1,4 @@
-"""python -m stratad.gateway --runtime-dir DIR --listen HOST:PORT --model GGUF [--api-key-file F]"""
+"""python -m stratad.gateway --runtime-dir DIR --listen HOST:PORT --model GGUF [--api-key-file F] [--listen-fd N]"""
 from __future__ import annotations
 
 import argparse
@@ -6,7 +6,7 @@ import logging
 import sys
 
 from stratad.config import default_runtime_dir
-from stratad.gateway.launch import is_loopback, parse_listen
+from stratad.gateway.launch import is_loopback, listen_socket, parse_listen
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -14,6 +14,8 @@ def main(argv: list[str] | None = None) -> int:
                                 description="OpenAI- and Anthropic-compatible HTTP gateway to a running stratad")
     p.add_argument("--runtime-dir", default=default_runtime_dir(), help="the daemon's runtime dir (its client socket)")
     p.add_argument("--listen", default="127.0.0.1:8080", help="HOST:PORT (a non-loopback host needs --api-key-file)")
+    p.add_argument("--listen-fd", type=int, help="serve on this inherited socket, already bound at --listen (how "
+                                                 "`stratad serve` starts the gateway: it binds the address itself)")
     p.add_argument("--model", required=True, help="the daemon's GGUF: its tokenizer and chat template (no weights)")
     p.add_argument("--context-length", type=int, default=8192, help="the lanes' context: the default max_tokens")
     p.add_argument("--api-key-file", help="file holding the API key clients must send")
@@ -24,11 +26,13 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s gateway %(levelname)s %(message)s")
     try:
-        host, port = parse_listen(a.listen)
+        host, _ = parse_listen(a.listen)
     except ValueError as e:
         p.error(f"--listen: {e}")
     if a.api_key_file is None and not is_loopback(host):
         p.error(f"--listen {a.listen} is reachable from other machines: give --api-key-file")
+
+    import socket
 
     import uvicorn
 
@@ -40,13 +44,21 @@ def main(argv: list[str] | None = None) -> int:
         key = load_key(a.api_key_file) if a.api_key_file else None
     except (OSError, ValueError) as e:
         p.error(f"--api-key-file: {e}")
+    if a.listen_fd is not None:
+        sock = socket.socket(fileno=a.listen_fd)
+    else:
+        try:  # bound here, so that a taken address is one clear line (uvicorn would log and exit 1)
+            sock = listen_socket(a.listen)
+        except OSError as e:
+            p.error(f"--listen {a.listen}: cannot listen there ({e.strerror or e})")
     backend = Backend(a.runtime_dir, a.model, a.context_length, a.tool_format, a.served_model_name)
     kw = {} if a.max_body_bytes is None else {"max_body_bytes": a.max_body_bytes}
     app = app_mod.build(backend, key, **kw)
     logging.getLogger("stratad.gateway").info("listening on %s (model %s, tool calls as %s)", a.listen,
                                               backend.model_name, backend.tool_format)
     try:
-        uvicorn.run(app, host=host, port=port, log_level=a.log_level, access_log=a.log_level == "debug")
+        server = uvicorn.Server(uvicorn.Config(app, log_level=a.log_level, access_log=a.log_level == "debug"))
+        server.run(sockets=[sock])
     finally:
         backend.close()
     return 0

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ipaddress
+import socket
 import sys
 
 
@@ -27,9 +28,27 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def listen_socket(listen: str, backlog: int = 2048) -> socket.socket:
+    """A TCP socket bound and listening at HOST:PORT (uvicorn's options: SO_REUSEADDR, its backlog). OSError when
+    the address is taken or not this machine's."""
+    host, port = parse_listen(listen)
+    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    s = socket.socket(family, kind, proto)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(addr)
+        s.listen(backlog)
+    except OSError:
+        s.close()
+        raise
+    return s
+
+
 def gateway_argv(runtime_dir: str, listen: str, model: str, context_length: int, api_key_file: str | None = None,
-                 log_level: str = "info") -> list[str]:
-    """The gateway's command line as the coordinator starts it (same interpreter, same runtime dir)."""
+                 log_level: str = "info", listen_fd: int | None = None) -> list[str]:
+    """The gateway's command line as the coordinator starts it (same interpreter, same runtime dir); listen_fd: the
+    socket the coordinator bound at `listen`, inherited (the gateway then binds nothing itself)."""
     argv = [sys.executable, "-m", "stratad.gateway", "--runtime-dir", runtime_dir, "--listen", listen,
             "--model", model, "--context-length", str(context_length), "--log-level", log_level]
+    argv += ["--listen-fd", str(listen_fd)] if listen_fd is not None else []
     return argv + (["--api-key-file", api_key_file] if api_key_file else [])
