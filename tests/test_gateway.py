@@ -387,12 +387,23 @@ def test_forced_call_streams_name_then_arguments(xml_gateway):
     assert final.stop_reason in ("tool_use", "max_tokens")
 
 
-def test_forced_json_call_that_does_not_parse_is_text(oa):
-    """Qwen3's JSON format: the random continuation is no JSON object, so the call is given back as text."""
+def test_forced_json_call_that_does_not_parse_is_text(oa, an):
+    """Qwen3's JSON format: the random continuation is no JSON object, so the call is given back as text (the
+    finish reason no call's), in both APIs' whole answers and Anthropic's stream."""
+    opening = '<tool_call>\n{"name": "get_weather", "arguments": '
     r = oa.chat.completions.create(model="m", messages=CHAT, tools=[WEATHER], max_tokens=8, temperature=0,
                                    tool_choice={"type": "function", "function": {"name": "get_weather"}})
     m = r.choices[0].message
-    assert not m.tool_calls and m.content.startswith('<tool_call>\n{"name": "get_weather", "arguments": ')
+    assert not m.tool_calls and m.content.startswith(opening) and r.choices[0].finish_reason == "length"
+    args = dict(model="m", max_tokens=8, messages=CHAT, extra_body=GREEDY, tool_choice={"type": "any"},
+                tools=[{"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}])
+    whole = an.messages.create(**args)
+    with an.messages.stream(**args) as s:
+        streamed = s.get_final_message()
+    for msg in (whole, streamed):
+        assert [b.type for b in msg.content] == ["text"] and msg.stop_reason == "max_tokens"
+        assert msg.content[0].text.startswith("<tool_call>")
+    assert streamed.content[0].text == whole.content[0].text
 
 
 # ---- trouble -------------------------------------------------------------------------------------------------

@@ -1,17 +1,21 @@
 """The gateway's output parser on fixed model outputs, fed whole and split at random points: the events, joined,
-must be the same however the text arrives (as the daemon's chunks cut it anywhere)."""
+must be the same however the text arrives (as the daemon's chunks cut it anywhere). Each output is read both ways
+the gateway gives calls: streamed (OpenAI's stream) and held (whole answers, Anthropic's stream)."""
 from __future__ import annotations
 
 import json
 import random
 
+import jiter
 import pytest
 
 from stratad.gateway.parsing import (CallArgs, CallEnd, CallStart, OutputParser, Reasoning, Text, tool_format)
 
 
 def parse(chunks, **kw):
-    """The joined result: (text, reasoning, [(name, arguments dict or raw string)], event order kinds)."""
+    """The joined result: (text, reasoning, [(name, arguments dict or raw string)], calls given). Streamed, each
+    call's arguments as sent are the start of valid JSON (what a client's partial parser reads) and a call's ok
+    says whether they parse whole; held, every call given parses."""
     ids = iter(range(1000))
     p = OutputParser(new_id=lambda: f"id{next(ids)}", **kw)
     events = [e for c in chunks for e in p.feed(c)] + p.finish()
@@ -24,13 +28,16 @@ def parse(chunks, **kw):
             args[e.index] = ""
         elif isinstance(e, CallArgs):
             args[e.index] += e.fragment
-    ends = [e.index for e in events if isinstance(e, CallEnd)]
-    assert ends == list(range(len(calls))), "each call ends once, in order"
+    ends = [e for e in events if isinstance(e, CallEnd)]
+    assert [e.index for e in ends] == list(range(len(calls))), "each call ends once, in order"
     out = []
     for i, (name, _id) in enumerate(calls):
+        jiter.from_json(args[i].encode(), partial_mode="trailing-strings")  # never invalid JSON, even unfinished
         try:
             out.append((name, json.loads(args[i])))
+            assert isinstance(out[-1][1], dict) and ends[i].ok
         except ValueError:
+            assert not ends[i].ok and not kw.get("hold_calls"), args[i]
             out.append((name, args[i]))
     return text, reasoning, out, p.calls
 
@@ -79,21 +86,91 @@ CASES = [
     # tools off (tool_choice none, no tools): a call's text is text
     ('<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>', {"tools_on": False},
      ('<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>', "", [])),
-    # an XML call cut short: named, with the parameters it finished
-    ("<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n<parameter=b>\nunfinished", {"fmt": "xml"},
-     ("", "", [("f", {"a": "1"})])),
     # <think> only counts at the start
     ("ok <think>not reasoning</think>", {}, ("ok <think>not reasoning</think>", "", [])),
 ]
 
 
-@pytest.mark.parametrize("output,opts,expected", CASES, ids=range(len(CASES)))
-def test_parser_any_split(output, opts, expected):
+# Calls that break off, in both formats: (output, parser options, streamed, held). Streamed, a call already begun
+# ends where it broke, its arguments the valid start of JSON sent so far, and what follows its </tool_call> is text
+# again; held, the call is text as written. Neither lets unfinished arguments swallow the close or what follows.
+BROKEN = [
+    # an argument object never closed before </tool_call>
+    ('<tool_call>\n{"name": "f", "arguments": {"a": 1\n</tool_call>\nAfter.', {},
+     ("After.", "", [("f", '{"a": 1\n')]),
+     ('<tool_call>\n{"name": "f", "arguments": {"a": 1\n</tool_call>\nAfter.', "", [])),
+    # ... nor a string inside it: the first </tool_call> ends the call wherever it stands
+    ('<tool_call>\n{"name": "f", "arguments": {"a": "x</tool_call> and more', {},
+     ("and more", "", [("f", '{"a": "x')]),
+     ('<tool_call>\n{"name": "f", "arguments": {"a": "x</tool_call> and more', "", [])),
+    # a character no JSON could continue with: nothing after it is sent, up to the close
+    ('Run: <tool_call>\n{"name": "f", "arguments": {"a": 1, b: 2}}\n</tool_call> done', {},
+     ("Run:done", "", [("f", '{"a": 1, ')]),
+     ('Run: <tool_call>\n{"name": "f", "arguments": {"a": 1, b: 2}}\n</tool_call> done', "", [])),
+    ('<tool_call>{"name": "f", "arguments": {"n": 012}}</tool_call>', {},
+     ("", "", [("f", '{"n": 0')]), ('<tool_call>{"name": "f", "arguments": {"n": 012}}</tool_call>', "", [])),
+    # cut short inside the arguments (max_tokens)
+    ('<tool_call>\n{"name": "f", "arguments": {"a": [1, 2', {},
+     ("", "", [("f", '{"a": [1, 2')]), ('<tool_call>\n{"name": "f", "arguments": {"a": [1, 2', "", [])),
+    # a broken call, then a good one: the good one is given either way
+    ('<tool_call>{"name": "f", "arguments": {"a": </tool_call>\n<tool_call>{"name": "g", "arguments": {}}'
+     '</tool_call>', {},
+     ("", "", [("f", '{"a": '), ("g", {})]),
+     ('<tool_call>{"name": "f", "arguments": {"a": </tool_call>', "", [("g", {})])),
+    # XML: a parameter never closed ends at the next tag; a call without </function> at </tool_call>
+    ("<tool_call>\n<function=f>\n<parameter=a>\n1\n<parameter=b>\n2\n</parameter>\n</function>\n</tool_call>\nok",
+     {"fmt": "xml"}, ("ok", "", [("f", {"a": "1", "b": "2"})]), ("ok", "", [("f", {"a": "1", "b": "2"})])),
+    ("<tool_call>\n<function=f>\n<parameter=a>\nx\n</tool_call>\nmore text", {"fmt": "xml"},
+     ("more text", "", [("f", {"a": "x"})]), ("more text", "", [("f", {"a": "x"})])),
+]
+
+# Calls that parse however they are given, with what a model gets slightly wrong around them
+LENIENT = [
+    # arguments complete, the output ends before </tool_call> (a stop string, max_tokens)
+    ('<tool_call>\n{"name": "f", "arguments": {"a": 1}}', {}, ("", "", [("f", {"a": 1})])),
+    # a brace too many before the close
+    ('<tool_call>\n{"name": "f", "arguments": {"a": 1}}}\n</tool_call>\nok', {}, ("ok", "", [("f", {"a": 1})])),
+    # raw control characters inside a string: sent escaped
+    ('<tool_call>\n{"name": "f", "arguments": {"code": "a\n\tb", "e": "\\u00e9\\n"}}\n</tool_call>', {},
+     ("", "", [("f", {"code": "a\n\tb", "e": "\u00e9\n"})])),
+    # numbers, literals, nesting, escapes
+    ('<tool_call>{"name": "f", "arguments": {"n": -1.5e3, "z": 0, "t": true, "x": null, "l": [[], {}, [false]], '
+     '"q": "\\"}\\\\"}}</tool_call>', {},
+     ("", "", [("f", {"n": -1500.0, "z": 0, "t": True, "x": None, "l": [[], {}, [False]], "q": '"}\\'})])),
+    # an XML call cut short (max_tokens): named, with the parameters it finished
+    ("<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n<parameter=b>\nunfinished", {"fmt": "xml"},
+     ("", "", [("f", {"a": "1"})])),
+    # something other than the close after the arguments: the call ends there, the rest is text
+    ('<tool_call>\n{"name": "f", "arguments": {}} and then words', {}, ("and then words", "", [("f", {})])),
+]
+
+
+@pytest.mark.parametrize("hold", [False, True], ids=["streamed", "held"])
+@pytest.mark.parametrize("output,opts,expected", CASES + LENIENT, ids=range(len(CASES + LENIENT)))
+def test_parser_any_split(output, opts, expected, hold):
     rng = random.Random(hash(output) & 0xFFFF)
     for chunks in splits(output, rng):
-        text, reasoning, calls, n = parse(chunks, **opts)
+        text, reasoning, calls, n = parse(chunks, hold_calls=hold, **opts)
         assert (text, reasoning, calls) == expected, chunks
         assert n == len(expected[2])
+
+
+@pytest.mark.parametrize("hold", [False, True], ids=["streamed", "held"])
+@pytest.mark.parametrize("output,opts,streamed,held", BROKEN, ids=range(len(BROKEN)))
+def test_calls_that_break_off(output, opts, streamed, held, hold):
+    rng = random.Random(hash(output) & 0xFFFF)
+    for chunks in splits(output, rng):
+        text, reasoning, calls, n = parse(chunks, hold_calls=hold, **opts)
+        assert (text, reasoning, calls) == (held if hold else streamed), chunks
+        assert n == len(calls)
+
+
+def test_held_call_is_one_event_run_at_its_close():
+    p = OutputParser(new_id=lambda: "c", hold_calls=True)
+    assert p.feed('Hi <tool_call>\n{"name": "f", "arguments": {"a": ') == [Text("Hi")]
+    assert p.feed('[1, 2]}}\n</tool') == []
+    assert p.feed("_call> bye") == [CallStart(0, "c", "f"), CallArgs(0, '{"a": [1, 2]}'), CallEnd(0), Text("bye")]
+    assert p.finish() == []
 
 
 def test_json_call_streams_arguments_before_it_closes():

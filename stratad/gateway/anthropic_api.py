@@ -50,11 +50,8 @@ async def _whole(g: Generation, req: MessagesRequest) -> dict:
             args[len(blocks) - 1] = ""
         elif isinstance(ev, CallArgs):
             args[len(blocks) - 1] += ev.fragment
-    for k, a in args.items():
-        try:
-            blocks[k]["input"] = json.loads(a)
-        except ValueError:  # arguments cut short by max_tokens: the call is named, its input incomplete
-            blocks[k]["input"] = {}
+    for k, a in args.items():  # held calls (Job.hold_calls): only calls whose arguments parse are given
+        blocks[k]["input"] = json.loads(a)
     return _message(g, req.model, blocks)
 
 

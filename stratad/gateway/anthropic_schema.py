@@ -149,4 +149,4 @@ class MessagesRequest(CountRequest):
                         top_k=self.top_k or 0, seed=secrets.randbits(31), stop=list(self.stop_sequences or []),
                         ignore_eos=self.ignore_eos),
                    parse=True, tools_on=plan.tools_on, param_types=plan.param_types, parallel_tool_calls=parallel,
-                   id_prefix="toolu_")
+                   id_prefix="toolu_", hold_calls=True)  # streamed too: a tool_use block only for a call that parsed

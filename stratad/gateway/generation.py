@@ -27,6 +27,7 @@ class Job:
     param_types: dict = field(default_factory=dict)  # tool -> parameter -> JSON Schema type (XML calls' values)
     parallel_tool_calls: bool = True
     id_prefix: str = "call_"
+    hold_calls: bool = True  # a call given once it has ended and parsed, else as text (OutputParser's hold_calls)
 
 
 class Generation:
@@ -41,7 +42,8 @@ class Generation:
             g = job.generate
             self.parser = OutputParser(backend.tool_format, job.tools_on,
                                        backend.reasoning_open(g.get("enable_thinking")), job.param_types,
-                                       new_id=lambda: job.id_prefix + uuid.uuid4().hex[:24])
+                                       new_id=lambda: job.id_prefix + uuid.uuid4().hex[:24],
+                                       hold_calls=job.hold_calls)
             # the prefill is the reply's start: the client wrote it (not echoed) or the gateway did (a forced
             # call's opening: what it commits to is kept)
             self.pending = [e for e in self.parser.feed(g.get("prefill", "")) if not isinstance(e, (Text, Reasoning))]
@@ -111,7 +113,9 @@ class Generation:
         self.first = await self._pull()
 
     async def events(self, idle_s: float | None = None):
-        """Parsed events (and IDLE where nothing came for idle_s), the parser's last ones at the end."""
+        """Parsed events, the parser's last ones at the end; IDLE where nothing was given for idle_s (nothing came,
+        or what came is held: a call being written)."""
+        last = time.monotonic()
         try:
             for ev in self.pending:
                 yield ev
@@ -119,20 +123,33 @@ class Generation:
                 item, self.first = (self.first, None) if self.first is not None else (await self._pull(idle_s), None)
                 if item is IDLE:
                     yield IDLE
+                    last = time.monotonic()
                     continue
                 if item is _END:
                     break
-                for ev in self.parser.feed(item.text) if self.parser else [Text(item.text)] * bool(item.text):
+                evs = self.parser.feed(item.text) if self.parser else [Text(item.text)] * bool(item.text)
+                for ev in evs:
                     yield ev
+                    if isinstance(ev, CallEnd) and not ev.ok:
+                        log.warning("request %s: tool call %d's arguments broke off (they do not parse); the call "
+                                    "was streamed as far as it went", self.stream.req_id, ev.index)
                     if isinstance(ev, CallEnd) and not self.job.parallel_tool_calls:
                         self.cut = True  # one call asked for: the rest of the reply is not wanted
                         await self.abandon()
                         return
+                if evs:
+                    last = time.monotonic()
+                elif idle_s is not None and time.monotonic() - last >= idle_s:
+                    yield IDLE
+                    last = time.monotonic()
             for ev in self.parser.finish() if self.parser else []:
                 yield ev
         finally:
             if not self.done:
                 await self.abandon()
+            if self.parser is not None and self.parser.broken and self.job.hold_calls:
+                log.warning("request %s: %d tool call(s) did not parse; given back as text", self.stream.req_id,
+                            self.parser.broken)
             self._record()
 
     async def abandon(self) -> None:

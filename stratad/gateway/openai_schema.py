@@ -196,8 +196,9 @@ def chat_job(req: ChatRequest, backend) -> Job:
     p = tools.plan(tool_list, choice or "auto", req.enable_thinking(), backend)
     gen = dict(messages=chat_messages(req), **p.generate_args())
     gen.update(req.sampling(req.max_completion_tokens or req.max_tokens or backend.room(gen)))
+    # a stream gives a call as it is written (OpenAI's argument deltas); a whole answer only calls that parse
     return Job(gen, parse=True, tools_on=p.tools_on, param_types=p.param_types,
-               parallel_tool_calls=req.parallel_tool_calls, id_prefix="call_")
+               parallel_tool_calls=req.parallel_tool_calls, id_prefix="call_", hold_calls=not req.stream)
 
 
 class CompletionRequest(_Sampling):
