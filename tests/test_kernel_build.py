@@ -64,8 +64,9 @@ def test_every_kernel_a_wrapper_launches_is_in_its_source(usages):
     every_type = set(device.QNAME.values())  # decode.cuh's per-type kernels: one for each type of quants
     assert len(every_type) == 22
     quantised = every_type - {"f32", "f16", "bf16"}
-    # the packed formats (weights.PackedRows): every type's own, and the widest a stack of types may take
-    packed = tuple(sorted({f"rq{ns}{nm}" for ns, nm in set(weights.RQ_FORMATS.values()) | {(1, 0), (2, 2)}}))
+    # the packed formats (weights.PackedRows): every type's own, and those a stack of types takes
+    own = set(weights.RQ_FORMATS.values()) | {(1, 0)}
+    packed = tuple(sorted({f"rq{ns}{nm}" for ns, nm in {weights.rq_widest([a, b]) for a in own for b in own}}))
     wanted = {
         "matvec.cu": {f"matvec_{names(q, R, KS)}" for q in ("q8_0", "q8_0x", "f16", "bf16", "f32") + packed
                       for R, KS in weights.PLANS}

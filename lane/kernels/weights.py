@@ -35,6 +35,13 @@ def rq_format(qtype) -> tuple[int, int]:
     return RQ_FORMATS.get(dense_qtype(qtype), (1, 0))
 
 
+def rq_widest(fmts) -> tuple[int, int]:
+    """The packed format that holds every one of fmts (matvec.cu builds (1, 0), (1, 1), (2, 0) and (2, 2): two scales
+    with a minimum take one a scale)."""
+    ns, nm = max(f[0] for f in fmts), max(f[1] for f in fmts)
+    return (ns, ns if nm else 0)
+
+
 def rq_block_bytes(fmt: tuple[int, int]) -> int:
     return 32 + 4 * (fmt[0] + fmt[1])
 
@@ -207,7 +214,7 @@ class StackedWeight:
         # all quantised: packed alike (the widest format of the parts), one mat-vec launch; the parts' own dropped
         self.packed = None
         if all(p.packed is not None or (p.fast and packable(p)) for p in parts):
-            fmt = tuple(max(rq_format(p.qtype)[k] for p in parts) for k in (0, 1))
+            fmt = rq_widest([rq_format(p.qtype) for p in parts])
             self.packed = PackedRows(cupy.concatenate([PackedRows.pack(p, fmt).data for p in parts], axis=0),
                                      fmt, self.cols)
             for p in parts:
