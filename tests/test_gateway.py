@@ -256,6 +256,36 @@ def test_anthropic_messages_plain_and_streamed(daemon, an):
     assert kinds[-2:] == ["message_delta", "message_stop"]
 
 
+def test_text_parts_and_a_system_message(daemon, oa, an):
+    """Content as a list of text parts (joined by newlines) and a system message, in both APIs' shapes: the daemon
+    reads the same prompt as the ZeroMQ client's plain strings, and answers the same."""
+    system, parts = "You answer briefly.", ["Tell me about the experts", "on the cards."]
+    plain = [{"role": "system", "content": system}, {"role": "user", "content": "\n".join(parts)}]
+    text_parts = [{"type": "text", "text": t} for t in parts]
+    ref = zmq_run(daemon, messages=plain, max_tokens=6)
+    r = oa.chat.completions.create(model="m", max_tokens=6, temperature=0, messages=[
+        {"role": "system", "content": [{"type": "text", "text": system}]}, {"role": "user", "content": text_parts}])
+    assert (r.choices[0].message.content, r.usage.prompt_tokens) == (ref.text, ref.stats.prompt_tokens)
+    ref = zmq_run(daemon, messages=plain, max_tokens=6, enable_thinking=False)
+    m = an.messages.create(model="m", max_tokens=6, system=[{"type": "text", "text": system}], extra_body=GREEDY,
+                           messages=[{"role": "user", "content": text_parts}])
+    assert (m.content[0].text, m.usage.input_tokens) == (ref.text, ref.stats.prompt_tokens)
+
+
+def test_openai_stop_seed_and_top_k(daemon, oa):
+    """stop ends the reply before the string; a seed makes a sampled reply (temperature, top_k) the same every time
+    and the same as the ZeroMQ client's with that seed."""
+    ref = zmq_run(daemon, messages=CHAT, max_tokens=16)
+    stop = ref.text.strip()[3:5]
+    r = oa.chat.completions.create(model="m", messages=CHAT, max_tokens=16, temperature=0, stop=["never!", stop])
+    text = r.choices[0].message.content
+    assert r.choices[0].finish_reason == "stop" and stop not in text and ref.text.startswith(text)
+    sampled = dict(model="m", messages=CHAT, max_tokens=10, temperature=1.0, extra_body={"top_k": 20})
+    a, b, c = (oa.chat.completions.create(seed=seed, **sampled).choices[0].message.content for seed in (7, 7, 8))
+    assert a == b == zmq_run(daemon, messages=CHAT, max_tokens=10, temperature=1.0, top_k=20, seed=7).text
+    assert c != a
+
+
 def test_stop_sequence_is_named(daemon, an):
     ref = zmq_run(daemon, messages=CHAT, max_tokens=16, enable_thinking=False)
     stop = ref.text.strip()[3:5]  # two characters the greedy reply writes
@@ -507,8 +537,8 @@ def test_a_gateway_that_dies_is_restarted(daemon, gateway, oa):
     assert oa.chat.completions.create(model="m", messages=CHAT, max_tokens=2).usage.completion_tokens >= 1
 
 
-def test_lane_death_ends_the_stream_with_an_error_event(daemon, oa):
-    """Last (it restarts a lane): the stream ends with OpenAI's error event, the daemon keeps serving."""
+def test_lane_death_ends_the_stream_with_an_error_event(daemon, oa, an):
+    """Last (it restarts lanes): the stream ends with each API's error event, the daemon keeps serving."""
     stream = oa.chat.completions.create(model="m", messages=CHAT, max_tokens=3000, stream=True,
                                         extra_body={"ignore_eos": True})
     it = iter(stream)
@@ -522,3 +552,15 @@ def test_lane_death_ends_the_stream_with_an_error_event(daemon, oa):
     assert "lane" in str(e.value)
     daemon.wait_ready(60, restarts=1)
     assert oa.chat.completions.create(model="m", messages=CHAT, max_tokens=2).usage.completion_tokens >= 1
+    # Anthropic's stream: an `error` event (api_error) after the text so far, no message_stop
+    with an.messages.stream(model="m", max_tokens=3000, messages=CHAT, extra_body={"ignore_eos": True}) as s:
+        kinds = []
+        with pytest.raises(anthropic.APIStatusError) as e:
+            for ev in s:
+                kinds.append(ev.type)
+                if kinds.count("text") == 2:
+                    lane = next(ln for ln in daemon.status().lanes if ln.req_id)
+                    os.kill(lane.pid, signal.SIGKILL)
+    assert "lane" in str(e.value) and e.value.body["error"]["type"] == "api_error"
+    assert "content_block_start" in kinds and "message_stop" not in kinds
+    daemon.wait_ready(60, restarts=2)

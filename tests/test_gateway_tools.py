@@ -70,6 +70,8 @@ def test_openai_tool_call_round_trip(oa, thinking, city, question, answer):
     assert r.choices[0].finish_reason == "stop"
     assert r.choices[0].message.content == answer
     assert not r.choices[0].message.tool_calls
+    # the prefix cache (on by default): the conversation's first turn is not read again
+    assert 0 < r.usage.prompt_tokens_details.cached_tokens < r.usage.prompt_tokens
 
 
 def test_openai_streamed_call_is_the_plain_one(oa):
@@ -124,5 +126,53 @@ def test_anthropic_tool_use_round_trip(an):
                                                "content": run_tool(json.dumps(u.input))} for u in uses]}]
     m = an.messages.create(model="tiny", max_tokens=96, messages=messages, tools=[ANTHROPIC_TOOL],
                            extra_body={"temperature": 0})
-    assert m.stop_reason == "end_turn"
+    assert m.stop_reason == "end_turn" and m.usage.cache_read_input_tokens > 0
     assert m.content[-1].text == "In Tokyo it is cloudy and 18 degrees, and in London it is rainy and 12 degrees."
+
+
+def test_reasoning_streamed_and_as_thinking_blocks(oa, an):
+    """The model's reasoning: OpenAI's stream gives it as reasoning_content deltas before the call (joined, the
+    whole answer's); Anthropic's `thinking` gives a thinking block, streamed as thinking_delta events."""
+    messages = [{"role": "user", "content": "What's the weather like in Tokyo?"}]
+    args = dict(model="tiny", messages=messages, tools=[TOOL], temperature=0, max_tokens=96,
+                extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+    whole = oa.chat.completions.create(**args).choices[0].message
+    deltas = [c.choices[0].delta for c in oa.chat.completions.create(stream=True, **args) if c.choices]
+    kinds = ["reasoning" if getattr(d, "reasoning_content", None) else "call" if d.tool_calls else "" for d in deltas]
+    assert "call" in kinds and kinds.index("call") > max(i for i, k in enumerate(kinds) if k == "reasoning")
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == whole.reasoning_content
+    thinking = dict(model="tiny", max_tokens=96, messages=messages, tools=[ANTHROPIC_TOOL],
+                    thinking={"type": "enabled", "budget_tokens": 1024}, extra_body={"temperature": 0})
+    m = an.messages.create(**thinking)
+    assert [b.type for b in m.content] == ["thinking", "tool_use"] and m.stop_reason == "tool_use"
+    assert m.content[0].thinking == whole.reasoning_content and m.content[1].input == {"city": "Tokyo"}
+    with an.messages.stream(**thinking) as s:
+        events = list(s)
+        final = s.get_final_message()
+    streamed = [e.delta.thinking for e in events if e.type == "content_block_delta" and e.delta.type == "thinking_delta"]
+    assert len(streamed) > 1 and "".join(streamed) == m.content[0].thinking
+    assert [(b.type, getattr(b, "input", None)) for b in final.content] == [("thinking", None),
+                                                                            ("tool_use", {"city": "Tokyo"})]
+
+
+def test_tool_choice_none_and_required(oa, an):
+    """none: the tools are neither shown nor parsed (the same prompt and reply as without tools); required (any):
+    the reply is a call."""
+    base = dict(model="tiny", messages=[{"role": "user", "content": "What is the weather in Paris?"}], temperature=0,
+                max_tokens=48, extra_body=NO_THINKING)
+    bare = oa.chat.completions.create(**base)
+    none = oa.chat.completions.create(tools=[TOOL], tool_choice="none", **base)
+    assert not none.choices[0].message.tool_calls and none.choices[0].finish_reason != "tool_calls"
+    assert (none.usage.prompt_tokens, none.choices[0].message.content) == \
+        (bare.usage.prompt_tokens, bare.choices[0].message.content)
+    required = oa.chat.completions.create(tools=[TOOL], tool_choice="required", **base)
+    assert required.choices[0].finish_reason == "tool_calls"
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in required.choices[0].message.tool_calls] == \
+        [("get_weather", {"city": "Paris"})]
+    a = dict(model="tiny", max_tokens=48, messages=base["messages"], tools=[ANTHROPIC_TOOL],
+             extra_body={"temperature": 0})
+    m = an.messages.create(tool_choice={"type": "none"}, **a)
+    assert [b.type for b in m.content] == ["text"] and m.content[0].text == bare.choices[0].message.content
+    m = an.messages.create(tool_choice={"type": "any"}, **a)
+    assert m.stop_reason == "tool_use" and [(b.name, b.input) for b in m.content if b.type == "tool_use"] == \
+        [("get_weather", {"city": "Paris"})]
