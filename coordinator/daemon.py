@@ -1,7 +1,7 @@
 """The coordinator process: owns the arena, the directory, the lanes and the request queue.
 
 One thread runs a poll loop over the client socket(s) and the lane socket; lanes do the computing. Clients'
-requests are validated and tokenised here (long texts in a worker process: coordinator/intake.py), queued (bounded
+requests are validated and tokenised here (big ones in a worker process: coordinator/intake.py), queued (bounded
 FIFO), handed to free lanes; lanes' token chunks are routed back to the client that asked, through per-client
 bounded queues that never block the loop (coordinator/client_io.py).
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import signal
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from concurrent.futures.process import BrokenProcessPool
 import time
 from collections import deque
@@ -21,7 +21,7 @@ import zmq
 
 from coordinator import profile_store
 from coordinator.client_io import ClientIO
-from coordinator.intake import HEAVY_CHARS, Intake, text_chars
+from coordinator.intake import HEAVY_BYTES, INPUT_ERRORS, PROMPT_BYTES_SLACK, Intake, PromptError, size_refusal
 from coordinator.gateway_child import GatewayChild
 from coordinator.lanes import LaneHandle, Supervisor, lane_argv
 from coordinator.pool import CardPool
@@ -40,9 +40,6 @@ POLL_MS = 50
 TOKEN_PREFIX = b'{"v":%d,"type":"tokens",' % M.PROTOCOL_VERSION  # how a lane's TokenChunk frame begins
 PREFIX_MIN = 64  # prefix_cache: a shorter common prefix does not make a lane the request's lane
 BUSY_POLL_MS = 5  # while replies wait for a client's room or a prompt is being prepared
-# A token stands for at most the vocabulary's longest token's bytes, so a text longer than context x that cannot
-# fit; x4 leaves room for normalisation (NFC) composing characters. Refused before it is tokenised.
-PROMPT_BYTES_SLACK = 4
 
 
 @dataclass
@@ -92,8 +89,8 @@ class Coordinator:
         self.context_length = effective_context_length(cfg.context_length, c,
                                                        explicit="context_length" in cfg.model_fields_set)
         longest = max(len(self.tokenizer.token_bytes(i)) for i in range(self.tokenizer.vocab_size))
-        self.max_prompt_bytes = PROMPT_BYTES_SLACK * longest * self.context_length
-        self.intake = Intake(str(self.model.path), prompt_tokens)
+        self.max_prompt_bytes = PROMPT_BYTES_SLACK * longest * self.context_length  # refused untokenised beyond
+        self.intake = Intake(str(self.model.path), prompt_tokens, self.context_length, self.max_prompt_bytes)
         self.cards = list(self.cfg.cards) or detect_cards()
         self.slot_bytes = slot_bytes(self.model)
         self.n_slots = self._slots_per_card()
@@ -221,9 +218,9 @@ class Coordinator:
             for rid in list(self.queue):
                 self._fail(self.requests[rid], M.ErrorCode.SHUTTING_DOWN, "the daemon is stopping")
             for (sock, client), msg, _ in self.intake.ready(everything=True):
-                if isinstance(msg, M.Generate):
-                    self._reply(sock, client, M.Error(req_id=msg.req_id, code=M.ErrorCode.SHUTTING_DOWN,
-                                                      message="the daemon is stopping"))
+                if msg is None or isinstance(msg, M.Generate):  # None: a big frame, a request most likely
+                    self._reply(sock, client, M.Error(req_id=getattr(msg, "req_id", None),
+                                                      code=M.ErrorCode.SHUTTING_DOWN, message="the daemon is stopping"))
 
     def run(self) -> int:
         poller = zmq.Poller()
@@ -247,7 +244,7 @@ class Coordinator:
             if self.stop_signalled:
                 self.request_stop()
             for (sock, client), msg, prepared in self.intake.ready():
-                self._guarded(sock, client, self._handle, sock, client, msg, prepared)
+                self._guarded(sock, client, self._prepared, sock, client, msg, prepared)
             self.io.flush()
             self._tick()
             if wd and time.monotonic() - last_wd >= wd:
@@ -359,25 +356,48 @@ class Coordinator:
             self._reply(sock, client, M.Error(code=M.ErrorCode.BAD_FRAME,
                                               message=f"expected one frame per message, got {len(parts) - 1}"))
             return
+        if len(parts[1]) > HEAVY_BYTES:  # decoded, refused by its size or rendered and tokenised off the loop
+            self.intake.add((sock, client), frame=parts[1])
+            return
         try:
             msg = decode(parts[1], M.ClientToCoordinator)
         except FrameError as e:
-            log.warning("client %s: %s", client.hex(), e)
-            self._reply(sock, client, M.Error(code=e.code, message=str(e)))
-            return
-        heavy = isinstance(msg, M.Generate) and text_chars(msg) > HEAVY_CHARS and self._refusal(msg) is None
-        if heavy or self.intake.busy((sock, client)):  # behind this client's earlier messages
-            self.intake.add((sock, client), msg, heavy)
+            return self._bad_frame(sock, client, e.code, str(e))
+        if self.intake.busy((sock, client)):  # behind this client's earlier messages
+            self.intake.add((sock, client), msg)
         else:
             self._handle(sock, client, msg)
 
-    def _handle(self, sock, client, msg, prepared: Future | None = None) -> None:
+    def _bad_frame(self, sock, client, code: M.ErrorCode, message: str) -> None:
+        log.warning("client %s: %s", client.hex(), message)
+        self._reply(sock, client, M.Error(code=code, message=message))
+
+    def _prepared(self, sock, client, msg, prepared: Future | None) -> None:
+        """A message whose turn came in the intake; prepared: the worker's work on a big frame (its message)."""
+        if prepared is not None:
+            try:
+                msg = prepared.result()
+            except (BrokenProcessPool, CancelledError):
+                return self._reply(sock, client, M.Error(code=M.ErrorCode.INTERNAL, message="the worker preparing "
+                                                         "this request died; send it again"))
+            except Exception as e:  # noqa: BLE001 - a fault of ours, not the client's: said so, and logged
+                req_id = getattr(e, "req_id", None)
+                log.error("request %s: preparing it failed in the intake worker", req_id, exc_info=e)
+                return self._reply(sock, client, M.Error(req_id=req_id, code=M.ErrorCode.INTERNAL, message=(
+                    f"the daemon failed preparing this prompt ({getattr(e, 'cause', type(e).__name__)}; see its log)")))
+            if isinstance(msg, M.Error):
+                if msg.req_id is None:  # a bad frame
+                    return self._bad_frame(sock, client, msg.code, msg.message)
+                return self._reply(sock, client, msg)
+        self._handle(sock, client, msg)
+
+    def _handle(self, sock, client, msg) -> None:
         if isinstance(msg, M.StatusRequest):
             self._reply(sock, client, self.status())
         elif isinstance(msg, M.Cancel):
             self._cancel(sock, client, msg.req_id)
         elif isinstance(msg, M.Generate):
-            self._generate(sock, client, msg, prepared)
+            self._generate(sock, client, msg)
 
     def _refusal(self, g: M.Generate) -> tuple[M.ErrorCode, str] | None:
         """Why g cannot be served, from what is known before its prompt is tokenised; None if it may be."""
@@ -385,34 +405,23 @@ class Coordinator:
             return M.ErrorCode.SHUTTING_DOWN, "the daemon is stopping"
         if g.req_id in self.requests:
             return M.ErrorCode.DUPLICATE_REQUEST, f"request {g.req_id} is already in flight"
-        n, ctx = g.sampling.max_tokens, self.context_length
-        if n >= ctx:
-            return M.ErrorCode.BAD_REQUEST, f"max_tokens {n} exceeds what the context length {ctx} can hold " \
-                                            f"beside a prompt (at most {ctx - 1})"
-        if g.tokens is not None and len(g.tokens) + n > ctx:
-            return M.ErrorCode.PROMPT_TOO_LONG, f"prompt of {len(g.tokens)} tokens + max_tokens {n} exceeds " \
-                                                f"the context length {ctx}"
-        texts = [g.prompt] if g.prompt is not None else [m.content for m in g.messages or ()]
-        size = sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
-        if size > self.max_prompt_bytes:
-            return M.ErrorCode.PROMPT_TOO_LONG, f"prompt of {size} bytes exceeds the limit of " \
-                f"{self.max_prompt_bytes} bytes (the context length {ctx} x {self.max_prompt_bytes // ctx} " \
-                f"bytes, {PROMPT_BYTES_SLACK}x the longest token's)"
-        return None
+        return size_refusal(g, self.context_length, self.max_prompt_bytes)
 
-    def _generate(self, sock, client, g: M.Generate, prepared: Future | None = None) -> None:
-        """prepared: g's tokens from the intake worker (a long text), else tokenised here."""
+    def _generate(self, sock, client, g: M.Generate) -> None:
+        """g from a small frame (tokenised here), or from the intake worker (its prompt already token ids)."""
         def refuse(code, message):
             self._reply(sock, client, M.Error(req_id=g.req_id, code=code, message=message))
 
         if (why := self._refusal(g)) is not None:
             return refuse(*why)
         try:
-            tokens = prepared.result() if prepared is not None else prompt_tokens(self.tokenizer, g)
-        except BrokenProcessPool:
-            return refuse(M.ErrorCode.INTERNAL, "the worker tokenising this prompt died; send it again")
-        except Exception as e:  # noqa: BLE001 - template errors, bad ids (the worker's too)
+            tokens = prompt_tokens(self.tokenizer, g)
+        except INPUT_ERRORS as e:  # the client's input
             return refuse(M.ErrorCode.BAD_REQUEST, str(e))
+        except Exception as e:  # noqa: BLE001 - a fault of ours, not the client's: said so, and logged
+            log.error("request %s: preparing its prompt failed", g.req_id, exc_info=e)
+            return refuse(M.ErrorCode.INTERNAL, f"the daemon failed preparing this prompt ({type(e).__name__}; see "
+                                                f"its log)")
         if not tokens:
             return refuse(M.ErrorCode.BAD_REQUEST, "the prompt is empty")
         if len(tokens) + g.sampling.max_tokens > self.context_length:
@@ -580,12 +589,13 @@ class Coordinator:
 
 
 def prompt_tokens(tokenizer, g: M.Generate) -> list[int]:
-    """g's prompt as token ids (its template rendered); ValueError for what cannot be. A module-level function of
-    the tokenizer alone: the intake worker runs it for a long text, the HTTP gateway counts prompts with it."""
+    """g's prompt as token ids (its template rendered); ChatTemplateError or PromptError (ValueErrors) for input
+    that cannot be. A module-level function of the tokenizer alone: the intake worker runs it for a big request,
+    the HTTP gateway counts prompts with it."""
     if g.tokens is not None:
         bad = [t for t in g.tokens if not 0 <= t < tokenizer.vocab_size]
         if bad:
-            raise ValueError(f"token id {bad[0]} outside the vocabulary (0..{tokenizer.vocab_size - 1})")
+            raise PromptError(f"token id {bad[0]} outside the vocabulary (0..{tokenizer.vocab_size - 1})")
         return list(g.tokens)
     if g.messages is not None:  # the messages' text never writes special tokens; the prefill may open a call
         return tokenizer.encode_chat([m.model_dump(exclude_none=True) for m in g.messages], **g.template_kwargs(),

@@ -8,6 +8,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 PROTOCOL_VERSION = 1
 MAX_FRAME_BYTES = 8 << 20  # a request with a ~100K-token prompt as token ids fits with room to spare
+# Stop strings travel to the lane with the request and are searched for after every token: bounded (OpenAI takes 4)
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 64, 1024
 
 
 class ErrorCode(str, Enum):
@@ -83,7 +85,7 @@ class Sampling(BaseModel):
     top_k: int = Field(0, ge=0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     seed: int = Field(0, ge=-2**63, lt=2**63)  # any int64; each one its own reproducible draws (-1 is not "random")
-    stop: tuple[str, ...] = ()
+    stop: tuple[Annotated[str, Field(max_length=MAX_STOP_CHARS)], ...] = Field((), max_length=MAX_STOP_STRINGS)
     ignore_eos: bool = False
 
 
@@ -126,7 +128,7 @@ class Generate(_Msg):
 
 class Cancel(_Msg):
     type: Literal["cancel"] = "cancel"
-    req_id: str
+    req_id: str = Field(max_length=128)
 
 
 class StatusRequest(_Msg):

@@ -80,7 +80,8 @@ def _first_problem(e: ValidationError) -> str:
     err = e.errors(include_url=False)[0]
     loc = [str(p) for p in err["loc"]]
     where = ".".join(loc[1:] if loc[:1] == ["sampling"] else loc)
-    problem = err["msg"].removeprefix("Value error, ").replace("a valid tuple", "a list")
+    problem = err["msg"].removeprefix("Value error, ").replace("a valid tuple", "a list").replace("Tuple", "List")
+    problem = problem.replace(" after validation,", ",")
     return f"{where}: {problem}" if where else problem
 
 

@@ -4,6 +4,8 @@ answers and a greedy generation gives the tokens it gave before."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import os
 import signal
 import threading
@@ -12,21 +14,23 @@ import time
 import pytest
 import zmq
 
-from daemon_harness import Daemon, Gaps, coordinator_rss, greedy, raw_socket
+from daemon_harness import GREEDY_PROMPT, Daemon, Gaps, coordinator_rss, greedy, raw_socket
 from protos import messages as M
 from protos.codec import decode, encode
 from stratad.client import AsyncClient, DaemonUnavailable, RequestError
+from stratad.demo import SHIPPED_MODEL
 
 MAX_GAP_S = 1.0  # a reading client's stream may not pause longer than this because of another client
 LONG = dict(prompt="Tell me everything about the cards.", ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def daemon(tiny_model_path, tmp_path_factory):
+def daemon(tmp_path_factory):
+    """On the shipped model: its chat template (Qwen3's) renders tools, tool calls, reasoning and a prefill."""
     tmp = tmp_path_factory.mktemp("faults")
     cfg = tmp / "c.toml"
     cfg.write_text("client_queue_messages = 32\nclient_queue_bytes = 65536\nstop_grace_s = 1.0\n")
-    d = Daemon(tiny_model_path, tmp / "run", config=cfg).start()
+    d = Daemon(SHIPPED_MODEL, tmp / "run", config=cfg).start()
     d.reference = greedy(d)
     yield d
     t0 = time.monotonic()
@@ -95,6 +99,47 @@ def test_a_stalled_reader_is_cut_off_and_nobody_waits_for_it(daemon):
     still_right(daemon)
 
 
+def test_a_slow_reader_that_keeps_reading_pauses_nobody(daemon):
+    """A client that reads its stream slowly (a message every 20 ms, a pipe of one message): beside it a normal
+    client's stream never pauses; the slow one gets its tokens in order, then its Done or (once it falls too far
+    behind) client_too_slow, and nothing else."""
+    ctx, slow = raw_socket(daemon, rcvhwm=1, rcvbuf=4096)
+    got, end, stop = [], [], threading.Event()
+
+    def read_slowly():
+        while not stop.is_set() and not end:
+            if slow.poll(100):
+                msg = decode(slow.recv(), M.CoordinatorToClient)
+                if isinstance(msg, (M.Done, M.Error)):
+                    end.append(msg)
+                elif isinstance(msg, M.TokenChunk):
+                    got.extend(msg.tokens)
+                time.sleep(0.02)
+
+    reader = threading.Thread(target=read_slowly)
+    try:
+        slow.send(encode(M.Generate(req_id="slow", prompt=GREEDY_PROMPT, sampling=M.Sampling(max_tokens=1500,
+                                                                                        ignore_eos=True))))
+        reader.start()
+        gaps = stream_beside(daemon, lambda: bool(end) or len(got) >= 300)
+        assert gaps.longest < MAX_GAP_S, gaps.longest
+        reader.join(60)
+    finally:
+        stop.set()
+        reader.join()
+        ctx.destroy(linger=0)
+    assert len(end) == 1 and len(got) >= 300, (end, len(got))
+    if isinstance(end[0], M.Error):
+        assert end[0].code == M.ErrorCode.CLIENT_TOO_SLOW, end[0]
+    else:
+        assert end[0].req_id == "slow" and end[0].finish_reason == "length" and len(got) == 1500
+    with daemon.client() as c:  # nothing lost or reordered: a normal client's greedy tokens
+        s = c.generate(prompt=GREEDY_PROMPT, max_tokens=300, ignore_eos=True)
+        s.result()
+        assert got[:300] == s.tokens
+    still_right(daemon)
+
+
 def test_a_client_flooding_status_requests_without_reading(daemon):
     ctx, flood = raw_socket(daemon, rcvhwm=1, rcvbuf=4096)
     flood.setsockopt(zmq.SNDTIMEO, 5000)
@@ -114,19 +159,33 @@ def test_a_client_flooding_status_requests_without_reading(daemon):
     still_right(daemon)
 
 
-def test_oversized_frames_and_prompts_are_refused_with_the_limit_and_memory_stays_bounded(daemon):
-    base = coordinator_rss(daemon)
+@contextlib.contextmanager
+def memory_bounded(d: Daemon):
+    """The coordinator's RSS sampled while the block runs: its peak at most 200 MB over the start, and within 64 MB
+    of it a second after."""
+    base = coordinator_rss(d)
     peak, stop = [base], threading.Event()
 
     def sample():
         while not stop.is_set():
-            peak[0] = max(peak[0], coordinator_rss(daemon))
+            peak[0] = max(peak[0], coordinator_rss(d))
             time.sleep(0.01)
 
     sampler = threading.Thread(target=sample)
     sampler.start()
-    ctx, s = raw_socket(daemon)
     try:
+        yield
+    finally:
+        stop.set()
+        sampler.join()
+    assert peak[0] - base < 200 << 20, (base, peak[0])
+    time.sleep(1.0)
+    assert coordinator_rss(d) - base < 64 << 20, (base, coordinator_rss(d))
+
+
+def test_oversized_frames_and_prompts_are_refused_with_the_limit_and_memory_stays_bounded(daemon):
+    ctx, s = raw_socket(daemon)
+    with memory_bounded(daemon):
         s.send(b"{" * (64 << 20))  # libzmq drops the connection on the size in the header: never allocated
         s.send(b"[" * (12 << 20))  # under the socket's cap: read, then refused naming the limit
         assert s.poll(10000)
@@ -145,13 +204,67 @@ def test_oversized_frames_and_prompts_are_refused_with_the_limit_and_memory_stay
                 c.generate(prompt="hi", max_tokens=10**12).result()
             assert e.value.code == M.ErrorCode.BAD_REQUEST
             assert "max_tokens 1000000000000" in e.value.message and "context length 8192" in e.value.message
+    ctx.destroy(linger=0)
+    still_right(daemon)
+
+
+BIG = "word " * 1_400_000  # 7 MB: fits a frame, not the context
+HI = {"role": "user", "content": "hi"}
+
+
+def call(arguments: dict) -> dict:
+    fn = {"name": "f", "arguments": arguments}
+    return {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": fn}]}
+
+
+BIG_FIELDS = {  # each a request's field the chat template renders, made 7 MB (or 150,000 messages: a 4.8 MB frame)
+    "tools": lambda: dict(messages=[HI], tools=[{"type": "function", "function": {"name": "f", "description": BIG}}]),
+    "tool_call_arguments": lambda: dict(messages=[HI, call({"a": BIG}), HI]),
+    "tool_call_argument_items": lambda: dict(messages=[HI, call({"a": [0] * 2_500_000}), HI]),
+    "reasoning_content": lambda: dict(messages=[HI, {"role": "assistant", "content": "ok", "reasoning_content": BIG},
+                                                HI]),
+    "name": lambda: dict(messages=[HI, {"role": "tool", "content": "42", "name": BIG}]),
+    "prefill": lambda: dict(messages=[HI], prefill=BIG),
+    "messages": lambda: dict(messages=[{"role": "user", "content": ""}] * 150_000),
+}
+
+
+@pytest.mark.parametrize("field", list(BIG_FIELDS))
+def test_a_big_field_is_refused_untokenised_without_pausing_anyone(daemon, field):
+    """Not only the prompt and the contents: every field the template renders counts toward the byte bound, and
+    more messages than the context holds are refused by their count. The refusal comes at once; another client's
+    stream and status go on; the coordinator's memory stays bounded."""
+    frame = json.dumps(dict(type="generate", req_id=f"big-{field}", sampling={"max_tokens": 4}, **BIG_FIELDS[field]()),
+                       separators=(",", ":")).encode()
+    assert 4 << 20 < len(frame) < M.MAX_FRAME_BYTES
+    ctx, s = raw_socket(daemon)
+    answered = []
+
+    def send():
+        t0 = time.monotonic()
+        s.send(frame)
+        if s.poll(30000):
+            answered.append((decode(s.recv(), M.CoordinatorToClient), time.monotonic() - t0))
+
+    t = threading.Thread(target=send)
+
+    def sent_then_answered():
+        if t.ident is None:
+            t.start()
+        daemon.status()
+        return bool(answered) or not t.is_alive()
+
+    try:
+        with memory_bounded(daemon):
+            gaps = stream_beside(daemon, sent_then_answered)
+            t.join(30)
     finally:
-        stop.set()
-        sampler.join()
         ctx.destroy(linger=0)
-    assert peak[0] - base < 200 << 20, (base, peak[0])
-    time.sleep(1.0)
-    assert coordinator_rss(daemon) - base < 64 << 20
+    (err, took), = answered
+    assert isinstance(err, M.Error) and err.code == M.ErrorCode.PROMPT_TOO_LONG, err
+    want = "150000 messages + max_tokens 4 exceed" if field == "messages" else "bytes exceeds the limit of"
+    assert want in err.message and took < 1.0, (err.message, took)
+    assert gaps.longest < MAX_GAP_S, gaps.longest
     still_right(daemon)
 
 
@@ -323,6 +436,8 @@ def test_bad_arguments_are_one_line_bad_requests_naming_the_argument(tmp_path):
              (dict(messages=[{"role": "user", "content": "\udc00"}]), "messages.0.content: not valid Unicode"),
              (dict(prompt="x", max_tokens=0), "max_tokens: Input should be greater than or equal to 1"),
              (dict(prompt="x", stop="ab"), "stop: Input should be a list"),
+             (dict(prompt="x", stop=["."] * 65), "stop: List should have at most 64 items, not 65"),
+             (dict(prompt="x", stop=["." * 1025]), "stop.0: String should have at most 1024 characters"),
              (dict(tokens=[1.5]), "tokens.0: Input should be a valid integer"),
              (dict(), "exactly one of prompt, messages, tokens is required")]
     with Client(runtime_dir=str(tmp_path)) as c:
@@ -334,7 +449,7 @@ def test_bad_arguments_are_one_line_bad_requests_naming_the_argument(tmp_path):
 
 
 def test_a_killed_prompt_worker_is_replaced(daemon):
-    """The intake worker (long texts) SIGKILLed: the next long prompt gets a new one."""
+    """The intake worker (big frames) SIGKILLed: the next long prompt gets a new one."""
     import psutil
 
     ctx, s = raw_socket(daemon)
