@@ -26,6 +26,7 @@ import numpy as np
 
 from stratad.engine.card import KvExport
 from stratad.engine.chunks import chunks
+from lane import kv_staging
 from lane.counters import Counters
 from lane.gpu_experts import D2D, D2H, H2D, GpuExperts
 from lane.gpu_model import Break, DeviceSample, Qwen3MoeGpu, Work
@@ -127,6 +128,7 @@ class CupyCard:
         # between complete and not as slots swap, so both shapes stay captured
         self._graphs: dict[tuple, list] = {}
         self._remote_direct = False  # a step with a peer on another GPU failed to capture: such steps run directly
+        self._staging: kv_staging.KvStaging | None = None  # restores from the host conversation cache, once used
 
     def _write_slot(self, dst: cp.ndarray, parts: list[np.ndarray]) -> None:
         """An expert's matrices into a slot, straight from the (page-locked) arena on the copy stream (the slot
@@ -149,8 +151,7 @@ class CupyCard:
     # A block: every layer's K then V, each head's block_tokens positions as the caches hold them (K: tokens x hd;
     # V: the cache's own blocks of V_BLOCK positions, hd x V_BLOCK each), float16, as bytes. A head's positions are
     # contiguous in both caches, so a run of blocks moves as one strided 2-D copy a (layer, K/V, head), straight
-    # between the caches and page-locked host memory. Not yet run on a GPU (the daemon enables it with [gpu]
-    # host_kv_cache).
+    # between the caches and page-locked host memory.
     kv_layout = "cuda-f16-vblock16/v1"
 
     def kv_block_bytes(self, block_tokens: int) -> int:
@@ -210,6 +211,32 @@ class CupyCard:
                 self.pos.fill(b)
             self.stream.synchronize()  # the host buffer may be reused once this returns
 
+    def import_kv_from(self, kv: GpuKV, start: int, store, slots: list[int], block_tokens: int) -> int:
+        """The store's blocks through the card's staging (lane/kv_staging.py): read by threads a chunk at a time,
+        each chunk uploaded while the next is read."""
+        B = block_tokens
+        if (start + len(slots)) * B > self.max_ctx:
+            raise ValueError(f"{(start + len(slots)) * B} positions exceed the card's KV capacity of {self.max_ctx}")
+        if self._staging is None:
+            self._staging = kv_staging.KvStaging()
+        cut = []
+
+        def upload(rows: np.ndarray, first: int):
+            if not cut:  # the kept positions past start are written over from here
+                kv.truncate(start * B)
+                cut.append(True)
+            self._kv_copies(rows, start + first, len(rows), B, H2D, self.stream)
+            return kv_staging.record(self.stream)
+
+        with self.device:
+            got = self._staging.restore(store, slots, self.kv_block_bytes(B), upload)
+            if got:
+                kv.length = (start + got) * B
+                with self.stream:
+                    self.pos.fill(kv.length)
+                self.stream.synchronize()
+        return got
+
     def set_view(self, view: M.View) -> None:
         """Compute from these other cards' slots from the next token on (peers on this same GPU; see gpu_experts).
         Returns once no step of the old view runs: the lane then acknowledges the view, after which the slots it
@@ -226,6 +253,8 @@ class CupyCard:
             self.stream.synchronize()
             self.experts.close()
             self._graphs.clear()
+        if self._staging is not None:
+            self._staging.close()
 
     def forward(self, tokens, kv: GpuKV, logits: str = "last"):
         return self._forward(tokens, kv, logits, None)

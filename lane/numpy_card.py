@@ -19,7 +19,7 @@ from protos import messages as M
 from stratad import shm
 from stratad.engine import canonical
 from stratad.engine import kv_blocks
-from stratad.engine.card import HostSampled, KvExport
+from stratad.engine.card import HostSampled, KvExport, import_through_buffer
 from stratad.engine.reference import ReferenceEngine
 from stratad.model import quants
 from stratad.model.gguf_file import ModelFile
@@ -156,6 +156,9 @@ class NumpyCard(HostSampled):
 
     def import_kv(self, kv, start: int, blocks: np.ndarray, block_tokens: int) -> None:
         kv_blocks.restore(kv, start, blocks, block_tokens)
+
+    def import_kv_from(self, kv, start: int, store, slots: list[int], block_tokens: int) -> int:
+        return import_through_buffer(self, kv, start, store, slots, block_tokens)
 
     def forward(self, tokens, kv, logits: str = "last"):
         outs = []

@@ -62,6 +62,17 @@ def _alive(pid: int) -> bool:
         return True
 
 
+@dataclass
+class Snapshot:
+    """KvStore.snapshot's record of slots about to be read."""
+    seq: np.ndarray
+    hash: np.ndarray
+    time: int
+
+    def __len__(self) -> int:
+        return len(self.seq)
+
+
 @dataclass(frozen=True)
 class StoreStats:
     entries: int
@@ -142,17 +153,29 @@ class KvStore:
     def read(self, slots: list[int], out: np.ndarray) -> int:
         """Copy the slots' blocks into out (rows), in order; the number copied whole before the first that was
         taken for another block meanwhile. Touches them (most recent last in the chain first out)."""
-        t = time.monotonic_ns()
-        for i, s in enumerate(slots):
-            seq, h = int(self.seq[s]), bytes(self.hash[s])
-            if int(self.state[s]) != READY:
-                return i
+        snap = self.snapshot(slots)
+        for i, s in enumerate(slots[:len(snap)]):
             n = int(self.nbytes[s])
             out[i, :n] = self.data[s, :n]
-            if int(self.seq[s]) != seq or int(self.state[s]) != READY or bytes(self.hash[s]) != h:
-                return i
-            self.used[s] = t - i  # a chain's tail is older than its head: evicted first
-        return len(slots)
+        return self.confirm(slots, snap)
+
+    def snapshot(self, slots: list[int]) -> "Snapshot":
+        """The slots' sequence numbers and hashes, up to the first that is not READY: a reader copies their data
+        after this and keeps what confirm() says is still whole (the seqlock's first read)."""
+        idx = np.asarray(slots, np.int64)
+        seq, state, h = self.seq[idx].copy(), self.state[idx].copy(), self.hash[idx].copy()
+        n = int(np.argmin(state == READY)) if not (state == READY).all() else len(idx)
+        return Snapshot(seq[:n], h[:n], time.monotonic_ns())
+
+    def confirm(self, slots: list[int], snap: "Snapshot", first: int = 0) -> int:
+        """How many of slots (those snap covers) were not taken for another block since snapshot(): their data
+        read meanwhile is whole. Touches those, slot i at snap's time less first + i (a chain's tail is older than
+        its head: evicted first; first: the place of slots[0] in a chain read in parts)."""
+        idx = np.asarray(slots[:len(snap.seq)], np.int64)
+        ok = (self.seq[idx] == snap.seq) & (self.state[idx] == READY) & (self.hash[idx] == snap.hash).all(axis=1)
+        n = int(np.argmin(ok)) if not ok.all() else len(idx)
+        self.used[idx[:n]] = snap.time - first - np.arange(n)
+        return n
 
     def count(self, which: int, n: int = 1) -> None:
         if self.lane is not None and 0 <= self.lane < MAX_LANES:

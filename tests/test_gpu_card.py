@@ -372,4 +372,46 @@ def test_kv_blocks_round_trip_on_the_card(model, CupyCard):
     for (k, v), (k0, v0) in zip(card.kv_caches, before):
         assert np.array_equal(k[:, :n * B].get(), k0) and np.array_equal(v[:, :n * B // 16].get(), v0)
     assert from_kv(kv) == from_kept
+    _import_from_store(card, blocks, before, n, B, from_kv, from_kept)
     card.close()
+
+
+def _import_from_store(card, blocks, before, n, B, from_kv, from_kept):
+    """import_kv_from: the blocks published in a real store, read through the card's staging in chunks of two
+    blocks (the upload of one overlapping the reading of the next) restore every bit and the follow-up's tokens;
+    a block taken for another one meanwhile ends the restore there (kv holds the blocks before it)."""
+    import os
+
+    from lane import kv_staging
+    from stratad import kv_store
+
+    name = f"/stratad-test-{os.getpid()}-kv"
+    st = kv_store.KvStore(name, create=True, limit_bytes=(n + 2) * blocks.shape[1], slot_bytes=blocks.shape[1],
+                          lane=0)
+    old = kv_staging.CHUNK_BYTES
+    kv_staging.CHUNK_BYTES = 2 * blocks.shape[1]
+    card._staging = None
+    try:
+        hashes = [bytes([i]) * 32 for i in range(n)]
+        claimed = st.claim(hashes)
+        for h, slot in claimed:
+            st.publish(slot, h, blocks[hashes.index(h)])
+        slots = st.find(hashes)
+        assert len(slots) == n
+        for k, v in card.kv_caches:
+            k.fill(0)
+            v.fill(0)
+        kv = card.new_kv()
+        assert card.import_kv_from(kv, 0, st, slots, B) == n and kv.length == n * B
+        for (k, v), (k0, v0) in zip(card.kv_caches, before):
+            assert np.array_equal(k[:, :n * B].get(), k0) and np.array_equal(v[:, :n * B // 16].get(), v0)
+        assert from_kv(kv) == from_kept
+        st.state[slots[2]] = kv_store.WRITING  # taken for another block
+        kv = card.new_kv()
+        assert card.import_kv_from(kv, 0, st, slots, B) == 2 and kv.length == 2 * B
+    finally:
+        kv_staging.CHUNK_BYTES = old
+        card._staging.close()
+        card._staging = None
+        st.close()
+        kv_store.shm.unlink(name)

@@ -80,14 +80,13 @@ class PrefixCache:
         if len(slots) * B <= n:
             st.touch(slots)
             return kv, n
-        buf = engine.kv_host_buffer(len(slots) - first, B)
-        got = st.read(slots[first:], buf)  # fewer where a block was evicted meanwhile
-        if (first + got) * B <= n:
-            return kv, n
-        if kv is None:
+        fresh = kv is None
+        if fresh:
             kv = engine.new_kv()
-        engine.import_kv(kv, first, buf[:got], B)
-        self.from_store = (first + got) * B - n
+        got = engine.import_kv_from(kv, first, st, slots[first:], B)  # fewer where a block was evicted meanwhile
+        if not got:
+            return (None, 0) if fresh else (kv, n)
+        self.from_store = max(0, (first + got) * B - n)
         st.count(kv_store.HITS)
         st.count(kv_store.TOKENS, self.from_store)
         return kv, (first + got) * B
