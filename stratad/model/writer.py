@@ -94,10 +94,11 @@ class _PartWriter(GGUFWriter):
 
 def write_model(path: str | os.PathLike, config: ModelConfig, tensors: Iterable[TensorSource], vocab,
                 name: str = "stratad-generated", file_type: T | LlamaFileType = T.F32,
-                split_max_size: int = 0) -> list[str]:
+                split_max_size: int = 0, holes: bool = False) -> list[str]:
     """Write metadata, tokenizer and tensors; the file appears under `path` only once complete. split_max_size
     > 0: shards of at most that many tensor bytes (a bigger tensor gets a shard of its own), named as llama.cpp's
-    gguf-split names them from `path` (model.gguf -> model-00001-of-00003.gguf ...). Returns the files written."""
+    gguf-split names them from `path` (model.gguf -> model-00001-of-00003.gguf ...). holes: every tensor's bytes a
+    hole that reads as zeros (a sparse file; no tensor is generated). Returns the files written."""
     from stratad.model.tokenizer import write_tokenizer
 
     tensors = list(tensors)
@@ -114,9 +115,20 @@ def write_model(path: str | os.PathLike, config: ModelConfig, tensors: Iterable[
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
-        for t in tensors:
-            w.write_tensor_data(_Streamed(t))
-        w.close()
+        if holes:  # each shard's data: aligned offsets, then a hole to its end
+            ends = []
+            for shard, infos in enumerate(w.tensors):
+                pos = w.fout[shard].tell()
+                for ti in infos.values():
+                    pos = -(-pos // w.data_alignment) * w.data_alignment + ti.nbytes
+                ends.append(-(-pos // w.data_alignment) * w.data_alignment)
+            w.close()
+            for p, end in zip(parts, ends):
+                os.truncate(p, end)
+        else:
+            for t in tensors:
+                w.write_tensor_data(_Streamed(t))
+            w.close()
         done = [p.with_name(p.name.removesuffix(".part")) for p in parts]
         for p, d in zip(parts, done):
             os.replace(p, d)
@@ -124,8 +136,7 @@ def write_model(path: str | os.PathLike, config: ModelConfig, tensors: Iterable[
     except BaseException:
         w.close()
         for p in parts:
-            if p.exists():
-                p.unlink()
+            p.unlink(missing_ok=True)
         raise
 
 
