@@ -129,6 +129,7 @@ class CupyCard:
         self._graphs: dict[tuple, list] = {}
         self._remote_direct = False  # a step with a peer on another GPU failed to capture: such steps run directly
         self._staging: kv_staging.KvStaging | None = None  # restores from the host conversation cache, once used
+        self._kv_dev = None  # their device staging: the two halves' blocks on the card
 
     def _write_slot(self, dst: cp.ndarray, parts: list[np.ndarray]) -> None:
         """An expert's matrices into a slot, straight from the (page-locked) arena on the copy stream (the slot
@@ -161,8 +162,9 @@ class CupyCard:
     def kv_host_buffer(self, n_blocks: int, block_tokens: int) -> np.ndarray:
         return cpx.empty_pinned((n_blocks, self.kv_block_bytes(block_tokens)), np.uint8)
 
-    def _kv_copies(self, host: np.ndarray, start: int, n_blocks: int, block_tokens: int, kind: int, stream) -> None:
-        """Blocks start .. start + n_blocks between the caches and host (n_blocks, block bytes), kind D2H or H2D."""
+    def _kv_copies(self, ptr: int, start: int, n_blocks: int, block_tokens: int, kind: int, stream) -> None:
+        """Blocks start .. start + n_blocks between the caches and n_blocks rows of block bytes at ptr (host
+        memory: kind D2H or H2D; device memory: D2D)."""
         if block_tokens % rope_kv.V_BLOCK:
             raise ValueError(f"KV blocks of {block_tokens} tokens are not whole V cache blocks of {rope_kv.V_BLOCK}")
         c = self.c
@@ -173,11 +175,11 @@ class CupyCard:
             for j, cache in enumerate(caches):
                 for h in range(c.n_head_kv):
                     dev = cache.data.ptr + (h * self.max_ctx + start * block_tokens) * c.head_dim * 2
-                    hst = host.ctypes.data + ((layer * 2 + j) * c.n_head_kv + h) * run
+                    rows = ptr + ((layer * 2 + j) * c.n_head_kv + h) * run
                     if kind == D2H:
-                        rt.memcpy2DAsync(hst, pitch, dev, run, run, n_blocks, D2H, stream.ptr)
+                        rt.memcpy2DAsync(rows, pitch, dev, run, run, n_blocks, D2H, stream.ptr)
                     else:
-                        rt.memcpy2DAsync(dev, run, hst, pitch, run, n_blocks, H2D, stream.ptr)
+                        rt.memcpy2DAsync(dev, run, rows, pitch, run, n_blocks, kind, stream.ptr)
 
     def export_kv(self, kv: GpuKV, start: int, n_blocks: int, block_tokens: int) -> KvExport:
         """The copy runs on its own stream after the steps that wrote these positions; the compute stream waits for
@@ -190,7 +192,7 @@ class CupyCard:
             written = cp.cuda.Event(disable_timing=True)
             written.record(self.stream)
             self.kv_stream.wait_event(written)
-            self._kv_copies(host, start, n_blocks, block_tokens, D2H, self.kv_stream)
+            self._kv_copies(host.ctypes.data, start, n_blocks, block_tokens, D2H, self.kv_stream)
             done = cp.cuda.Event(disable_timing=True)
             done.record(self.kv_stream)
             self.stream.wait_event(done)
@@ -205,7 +207,7 @@ class CupyCard:
             raise ValueError(f"blocks must be C-contiguous ({n}, {self.kv_block_bytes(block_tokens)}) bytes")
         kv.truncate(a)
         with self.device:
-            self._kv_copies(blocks, start, n, block_tokens, H2D, self.stream)
+            self._kv_copies(blocks.ctypes.data, start, n, block_tokens, H2D, self.stream)
             kv.length = b
             with self.stream:
                 self.pos.fill(b)
@@ -213,23 +215,31 @@ class CupyCard:
 
     def import_kv_from(self, kv: GpuKV, start: int, store, slots: list[int], block_tokens: int) -> int:
         """The store's blocks through the card's staging (lane/kv_staging.py): read by threads a chunk at a time,
-        each chunk uploaded while the next is read."""
+        each chunk uploaded while the next is read, as one contiguous copy into device staging (a strided copy from
+        host memory moves a head's 4 KB at a time, well below the link's rate), then into the caches on the card."""
         B = block_tokens
         if (start + len(slots)) * B > self.max_ctx:
             raise ValueError(f"{(start + len(slots)) * B} positions exceed the card's KV capacity of {self.max_ctx}")
         if self._staging is None:
             self._staging = kv_staging.KvStaging()
+        bb = self.kv_block_bytes(B)
+        shape = self._staging.halves(bb).shape
+        with self.device:
+            if self._kv_dev is None or self._kv_dev.shape != shape:
+                self._kv_dev = cp.empty(shape, cp.uint8)
         cut = []
 
-        def upload(rows: np.ndarray, first: int):
+        def upload(rows: np.ndarray, first: int, half: int):
             if not cut:  # the kept positions past start are written over from here
                 kv.truncate(start * B)
                 cut.append(True)
-            self._kv_copies(rows, start + first, len(rows), B, H2D, self.stream)
+            dev = self._kv_dev[half]
+            cp.cuda.runtime.memcpyAsync(dev.data.ptr, rows.ctypes.data, rows.nbytes, H2D, self.stream.ptr)
+            self._kv_copies(dev.data.ptr, start + first, len(rows), B, D2D, self.stream)
             return kv_staging.record(self.stream)
 
         with self.device:
-            got = self._staging.restore(store, slots, self.kv_block_bytes(B), upload)
+            got = self._staging.restore(store, slots, bb, upload)
             if got:
                 kv.length = (start + got) * B
                 with self.stream:
@@ -255,6 +265,7 @@ class CupyCard:
             self._graphs.clear()
         if self._staging is not None:
             self._staging.close()
+        self._kv_dev = None
 
     def forward(self, tokens, kv: GpuKV, logits: str = "last"):
         return self._forward(tokens, kv, logits, None)

@@ -36,9 +36,10 @@ class KvStaging:
         return self._halves[block_bytes]
 
     def restore(self, store, slots: list[int], block_bytes: int, upload) -> int:
-        """Read the slots' blocks and hand each chunk to upload(staged rows, first block index) (which issues its
-        copies on the card's stream and returns an event recorded after them), up to the first block taken for
-        another one meanwhile. Returns how many were whole; their uploads are issued, not waited for."""
+        """Read the slots' blocks and hand each chunk to upload(staged rows, first block index, half) (which issues
+        its copies on the card's stream and returns an event recorded after them; half: which staging half the rows
+        are, reused once that event is reached), up to the first block taken for another one meanwhile. Returns how
+        many were whole; their uploads are issued, not waited for."""
         halves = self.halves(block_bytes)
         chunk = halves.shape[1]
         done = 0
@@ -53,7 +54,7 @@ class KvStaging:
             list(self._pool.map(lambda i: _copy(store, part[i], rows[i]), range(len(snap))))
             whole = store.confirm(part, snap, first=c0)
             if whole:
-                self._free[half] = upload(rows[:whole], c0)
+                self._free[half] = upload(rows[:whole], c0, half)
             done = c0 + whole
             if whole < len(part):
                 break

@@ -44,7 +44,8 @@ def test_chunks_in_order_and_halves_reused_after_their_upload(store, monkeypatch
     slots = publish(store, n)
     got, events = [], []
 
-    def upload(rows, first):
+    def upload(rows, first, half):
+        assert half == len(events) % 2
         for ev in events[-2:-1]:  # the half this chunk used was last uploaded two chunks ago
             assert ev.waited
         got.append((first, rows[:, 0].tolist()))
@@ -64,8 +65,8 @@ def test_a_block_taken_meanwhile_ends_the_restore(store, monkeypatch):
     store.state[slots[3]] = kv_store.WRITING
     seen = []
     staging = kv_staging.KvStaging(alloc=np.empty)
-    assert staging.restore(store, slots, BB, lambda rows, first: seen.append((first, len(rows))) or Event()) == 3
+    assert staging.restore(store, slots, BB, lambda rows, first, half: seen.append((first, len(rows))) or Event()) == 3
     assert seen == [(0, 2), (2, 1)]
     store.state[slots[0]] = kv_store.WRITING
-    assert staging.restore(store, slots, BB, lambda rows, first: pytest.fail("nothing is whole")) == 0
+    assert staging.restore(store, slots, BB, lambda rows, first, half: pytest.fail("nothing is whole")) == 0
     staging.close()
