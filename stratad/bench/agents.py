@@ -9,6 +9,7 @@ time to read only the new tokens, which a restored follow-up adds an upload of t
 from __future__ import annotations
 
 import statistics
+import sys
 import tempfile
 import time
 
@@ -61,6 +62,8 @@ def _run(model: str, cards: str, kv_cache_host: str, convs: list[list[int]], tur
             r, reply = _turn(d, convs[i])
             convs[i] += reply
             follow.append(r | {"conversation": "ABC"[i] if i < 3 else str(i), "turn": t + 1})
+            print(f"agents: kv_cache_host {kv_cache_host} interleaved {interleave}: {follow[-1]}", file=sys.stderr,
+                  flush=True)  # a run cut short still says what it measured
         st = d.status().kv_cache
         return follow, (st.model_dump() if st else None)
     finally:
