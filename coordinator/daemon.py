@@ -356,7 +356,7 @@ class Coordinator:
             self._reply(sock, client, M.Error(code=M.ErrorCode.BAD_FRAME,
                                               message=f"expected one frame per message, got {len(parts) - 1}"))
             return
-        if len(parts[1]) > HEAVY_BYTES:  # decoded, refused by its size or rendered and tokenised off the loop
+        if HEAVY_BYTES < len(parts[1]) <= M.MAX_FRAME_BYTES:  # decoded, refused or tokenised off the loop
             self.intake.add((sock, client), frame=parts[1])
             return
         try:

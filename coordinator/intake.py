@@ -11,7 +11,9 @@ that client's later messages wait behind it, so its order is kept.
 """
 from __future__ import annotations
 
+import ctypes
 import multiprocessing
+import os
 import signal
 from collections import deque
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -102,12 +104,24 @@ def size_refusal(g: M.Generate, context_length: int, max_prompt_bytes: int) -> t
     return None
 
 
-def _start_worker(model_path: str) -> None:
+def _start_worker(model_path: str, coordinator_pid: int) -> None:
     from stratad.model.tokenizer import Tokenizer
 
     global _tokenizer
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the coordinator stops us
+    _die_with(coordinator_pid)
     _tokenizer = Tokenizer.from_file(model_path)
+
+
+def _die_with(coordinator_pid: int) -> None:
+    """Linux: SIGTERM when the coordinator dies (a SIGKILLed one had left this worker, and multiprocessing's
+    resource tracker with its semaphores in /dev/shm, running for good)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != coordinator_pid:  # it died before the line above
+        os._exit(0)
 
 
 def prepare_frame(tokenizer, frame: bytes, prepare: Callable, context_length: int, max_prompt_bytes: int):
@@ -165,7 +179,7 @@ class Intake:
     def _pool(self) -> ProcessPoolExecutor:
         if self.pool is None:
             self.pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
-                                            initializer=_start_worker, initargs=(self.model_path,))
+                                            initializer=_start_worker, initargs=(self.model_path, os.getpid()))
         return self.pool
 
     def ready(self, everything: bool = False) -> list[tuple[tuple, object | None, Future | None]]:

@@ -367,14 +367,19 @@ def kill_coordinator_mid_stream(d: Daemon) -> None:
 
 
 def test_coordinator_killed_mid_stream(tiny_model_path, tmp_path):
+    import psutil
+
     d = Daemon(tiny_model_path, tmp_path / "run").start()
     reference = greedy(d)
-    old_lanes = d.lane_pids()
+    ctx, s = raw_socket(d)
+    s.send(encode(M.Generate(req_id="big", prompt="word " * 20000)))  # starts the intake worker
+    assert s.poll(30000) and decode(s.recv(), M.CoordinatorToClient).code == M.ErrorCode.PROMPT_TOO_LONG
+    ctx.destroy(linger=0)
+    children = psutil.Process(d.proc.pid).children(recursive=True)  # lanes, the intake worker, its resource tracker
+    assert len(children) >= 4 and set(d.lane_pids()) < {p.pid for p in children}
     kill_coordinator_mid_stream(d)
-    deadline = time.monotonic() + 10
-    while any(pid_alive(p) for p in old_lanes) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not any(pid_alive(p) for p in old_lanes)  # the lanes follow their coordinator
+    _, alive = psutil.wait_procs(children, timeout=10)
+    assert not alive, alive  # every process of the daemon follows its coordinator
     assert d.leftovers()  # what a crash leaves: the next start reclaims it
     t0 = time.monotonic()
     with pytest.raises(DaemonUnavailable, match="connection refused"):  # a socket file nobody listens at
@@ -389,14 +394,6 @@ def test_coordinator_killed_mid_stream(tiny_model_path, tmp_path):
     finally:
         assert d.stop() == 0
     assert d.leftovers() == []
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 @pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
