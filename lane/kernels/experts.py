@@ -37,7 +37,7 @@ except ImportError:  # pragma: no cover
     _T = None
 
 SOURCE = "experts.cu"
-GRID_PLAIN_BYTES = 512 * 4          # the IQ3_S grid (experts.cu's GRID_TABLE_BYTES without IQ3_FAST)
+GRID_PLAIN_BYTES = 512 * 4          # the IQ3_S grid (expert_decode.cuh's GRID_TABLE_BYTES without IQ3_FAST)
 GRID_SIGNED_BYTES = 16 * 512 * 4    # signed_grid(): the grid under all 16 sign patterns (with IQ3_FAST)
 
 
@@ -48,11 +48,11 @@ def _qtype(q):
     return t
 
 
-# types with decoders of their own in experts.cu (and tensor-core prompt tiles); every other type runs the generic
-# path (expert_term.cuh) and SIMT prompt tiles
+# types with decoders of their own in expert_decode.cuh (and tensor-core prompt tiles); every other type runs the
+# generic path (expert_term.cuh) and SIMT prompt tiles
 TUNED = (_T.IQ3_S, _T.Q4_K, _T.Q8_0)
 FLOATS = (_T.F32, _T.F16, _T.BF16)
-# generic types whose decode reads decode.cuh's table blob (a copy at shared offset 0: experts.cu's TabSmem)
+# generic types whose decode reads decode.cuh's table blob (a copy at shared offset 0: expert_decode.cuh's TabSmem)
 TABLE_TYPES = (_T.IQ2_XXS, _T.IQ2_XS, _T.IQ2_S, _T.IQ3_XXS, _T.IQ1_S, _T.IQ1_M, _T.IQ4_NL, _T.IQ4_XS)
 
 
@@ -130,7 +130,7 @@ class Tuning:
 
 
 def signed_grid() -> np.ndarray:
-    """experts.cu's IQ3_S table: uint32 (16 * 512,), word (signs4 << 9) | idx holds iq3s_grid()[idx]'s four int8
+    """expert_decode.cuh's IQ3_S table: uint32 (16 * 512,), word (signs4 << 9) | idx holds iq3s_grid()[idx]'s four int8
     values (byte b = value b) with byte b negated where bit b of signs4 is set, i.e. the four weights of a group
     whose grid index is idx and whose sign bits are signs4. signs4 = 0 is the plain grid (the first 512 words)."""
     g = iq3s_grid()
@@ -282,7 +282,7 @@ class ExpertKernels:
 
     def _plan(self, smem_block: int, smem_sm: int) -> None:
         t = self.tuning
-        self.grid_bytes = table_bytes(_T.IQ3_S, t.iq3_fast)  # experts.cu's GRID_TABLE_BYTES
+        self.grid_bytes = table_bytes(_T.IQ3_S, t.iq3_fast)  # expert_decode.cuh's GRID_TABLE_BYTES
 
         def fit(qt, fixed, stg, warps, stages, blocks):
             smem = table_bytes(qt, t.iq3_fast) + fixed + warps * stages * stg + 16
@@ -568,7 +568,7 @@ class ExpertKernels:
         return f
 
 
-MAX_SOURCES = 8  # experts.cu's MAX_SOURCES
+MAX_SOURCES = 8  # expert_pairs.cuh's MAX_SOURCES
 TILE_P = Tuning.tile_p  # the default simt tile (experts.cu's TILE_P is the tuning's)
 MMA_TILE = 64  # experts_mma.cuh's MMA_M
 MMA_TABLE = 2048  # experts_mma.cuh's MMA_TBL

@@ -1,5 +1,6 @@
 // Prompt tiles on int8 tensor cores: expert_gateup_mma and expert_down_mma compute what expert_gateup_tiled and
-// expert_down_tiled compute, with the same bits (experts.cu includes this file after its decoders).
+// expert_down_tiled compute, with the same bits (experts.cu includes this file after expert_decode.cuh and its
+// SIMT kernels).
 //
 // Why the bits are the same: a canonical term is (scale * d_act) * isum with isum the integer dot of one 32-value
 // sub-block. mma.m16n8k32.s8 gives exactly that isum for 16 tokens x 8 rows (integer sums are exact in any order),
