@@ -299,12 +299,37 @@ __device__ __forceinline__ void mma_item(u32 sb, const int* __restrict__ pairs, 
     mma_sums<QT, KIN, GU>(sb, R, (warp >> 3) * MMA_MPW, (cnt + 15) >> 4, lane, v);
 }
 
-// A block's start: the IQ3_S grid table (one copy) at offset 0, and its item range: a contiguous share of the
-// items, so that consecutive items share their tile
-__device__ __forceinline__ void mma_prologue(const u32* __restrict__ grid_g, int items, int& b0, int& b1) {
+// The tiled kernels' loop: the IQ3_S grid table (one copy) at offset 0, then this block's items, a contiguous share
+// of them so that consecutive items share their tile (whose activations stay staged). An item is (tile, group of
+// output rows: 32 rows of gate and of up, or 64 down rows); for each whose tile has pairs, mma_item's sums v of this
+// warp over the group's weight rows (from the tile's slot; the second 32-row range off1 after the first), then
+// out(grp, p0, cnt, v) writes them.
+template <int QT, int KIN, bool GU, class Out>
+__device__ __forceinline__ void mma_items(const u8* __restrict__ pool, i64 slot_bytes, i64 off1,
+                                          const int* __restrict__ pairs, const int* __restrict__ tiles,
+                                          const int* __restrict__ n_tiles_p, int max_tiles,
+                                          const signed char* __restrict__ q, const float* __restrict__ d,
+                                          const u32* __restrict__ grid_g, int lane, int warp, Out out) {
+    constexpr int GROWS = GU ? 32 : 64;                       // a group's rows of each matrix
+    constexpr int NGRP = (GU ? GU_ROWS : DN_ROWS) / GROWS;    // groups a tile
+    const u32 sb = smem_base();
+    const int items = clamp_pairs(n_tiles_p, max_tiles) * NGRP;
     for (int e = threadIdx.x; e < 512; e += blockDim.x) reinterpret_cast<u32*>(g_smem)[e] = __ldg(grid_g + e);
-    b0 = (int)((i64)items * blockIdx.x / gridDim.x);
-    b1 = (int)((i64)items * (blockIdx.x + 1) / gridDim.x);
+    const int b0 = (int)((i64)items * blockIdx.x / gridDim.x);
+    const int b1 = (int)((i64)items * (blockIdx.x + 1) / gridDim.x);
+    int staged = -1;  // the tile whose activations are in shared memory
+#pragma unroll 1
+    for (int it = b0; it < b1; ++it) {
+        const int tile = it / NGRP, grp = it - tile * NGRP;
+        int p0, cnt;
+        Tile<MMA_M>::get(tiles, tile, p0, cnt);
+        if (cnt <= 0) continue;  // block-uniform
+        const int slot = __ldg(pairs + 2 * p0 + 1);
+        const u8* w = pool + (i64)slot * slot_bytes + (i64)grp * GROWS * MmaGeom<QT, KIN, GU>::RB;
+        float v[MMA_NE];
+        mma_item<QT, KIN, GU>(sb, pairs, tile, p0, cnt, staged, q, d, w, off1, warp, lane, v);
+        out(grp, p0, cnt, v);
+    }
 }
 
 extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32, 1)
@@ -312,21 +337,9 @@ expert_gateup_mma(GU_TILED_PARAMS) {
     PDL_ENTRY();
     constexpr int NG = GU_ROWS / 32;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const u32 sb = smem_base();
-    int b0, b1;
-    mma_prologue(grid_g, clamp_pairs(n_tiles_p, max_tiles) * NG, b0, b1);
-    int staged = -1;  // the tile whose activations are in shared memory
-#pragma unroll 1
-    for (int it = b0; it < b1; ++it) {
-        const int tile = it / NG, grp = it - tile * NG;
-        int p0, cnt;
-        Tile<MMA_M>::get(tiles, tile, p0, cnt);
-        if (cnt <= 0) continue;  // block-uniform
-        const int slot = __ldg(pairs + 2 * p0 + 1);
-        // n-tiles 0-3: gate rows 8n..8n+7 of the group; n-tiles 4-7: the same rows of up
-        const u8* w = pool + (i64)slot * slot_bytes + (i64)grp * 32 * MGU::RB;
-        float v[MMA_NE];
-        mma_item<GU_QT, GU_KIN, true>(sb, pairs, tile, p0, cnt, staged, qa, da, w, up_off, warp, lane, v);
+    // n-tiles 0-3: gate rows 8n..8n+7 of the group; n-tiles 4-7: the same rows of up
+    mma_items<GU_QT, GU_KIN, true>(pool, slot_bytes, up_off, pairs, tiles, n_tiles_p, max_tiles, qa, da, grid_g, lane,
+                                   warp, [&](int grp, int p0, int cnt, const float (&v)[MMA_NE]) {
         const int nt = warp & 7, mt0 = (warp >> 3) * MMA_MPW;
         __syncthreads();  // every warp is done with the weights: the results take their place
         float* fin = reinterpret_cast<float*>(g_smem + MGU::O_W);  // [pair][65]: gate 0..31, up 32..63
@@ -344,29 +357,15 @@ expert_gateup_mma(GU_TILED_PARAMS) {
             hbuf[p * GU_ROWS + grp * 32 + lane] = hv;
             quant32(hv, lane, qhbuf + p * GU_ROWS + grp * 32, dhbuf + p * NG + grp);
         }
-    }
+    });
 }
 
 extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32, 1)
 expert_down_mma(DN_TILED_PARAMS) {
     PDL_ENTRY();
-    constexpr int NR = DN_ROWS / 64;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const u32 sb = smem_base();
-    int b0, b1;
-    mma_prologue(grid_g, clamp_pairs(n_tiles_p, max_tiles) * NR, b0, b1);
-    int staged = -1;
-#pragma unroll 1
-    for (int it = b0; it < b1; ++it) {
-        const int tile = it / NR, grp = it - tile * NR;
-        int p0, cnt;
-        Tile<MMA_M>::get(tiles, tile, p0, cnt);
-        if (cnt <= 0) continue;
-        const int slot = __ldg(pairs + 2 * p0 + 1);
-        const u8* w = pool + (i64)slot * slot_bytes + (i64)grp * 64 * MDN::RB;
-        float v[MMA_NE];
-        mma_item<DN_QT, DN_KIN, false>(sb, pairs, tile, p0, cnt, staged, qhbuf, dhbuf, w, 32 * MDN::RB, warp, lane,
-                                       v);
+    mma_items<DN_QT, DN_KIN, false>(pool, slot_bytes, 32 * MDN::RB, pairs, tiles, n_tiles_p, max_tiles, qhbuf, dhbuf,
+                                    grid_g, lane, warp, [&](int grp, int p0, int cnt, const float (&v)[MMA_NE]) {
         const int nt = warp & 7, mt0 = (warp >> 3) * MMA_MPW;
 #pragma unroll
         for (int mt = 0; mt < MMA_MPW; ++mt)
@@ -377,7 +376,7 @@ expert_down_mma(DN_TILED_PARAMS) {
                     *reinterpret_cast<float2*>(out + (i64)(p0 + m) * DN_ROWS + grp * 64 + nt * 8 + 2 * (lane & 3)) =
                         make_float2(v[mt * 4 + 2 * h], v[mt * 4 + 2 * h + 1]);
             }
-    }
+    });
 }
 
 #else
