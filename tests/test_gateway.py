@@ -521,10 +521,68 @@ def test_api_key_is_enforced(gateway, model, daemon):
     assert p.returncode == 2 and "--api-key-file" in p.stderr
 
 
+def test_big_bodies_do_not_pause_other_streams(daemon, gateway, an, tok):
+    """Issue 26: parsing, rendering and tokenising a body grow with it; a big one (over the coordinator's
+    HEAVY_BYTES) is prepared in the gateway's worker process, refused first by the daemon's own bounds. While big
+    bodies are answered (a 7 MB tools description to count_tokens, a 7 MB prompt and 60,000 messages without
+    max_tokens, a big body the daemon then serves), another client's stream never pauses a second."""
+    headers = {"x-api-key": KEY}
+    ref = zmq_run(daemon, messages=CHAT, max_tokens=6)
+    assert len(ref.text) >= 2
+    stop = [ref.text[-2:]]  # greedy: the reply ends there within 6 tokens, without max_tokens
+    ref = zmq_run(daemon, messages=CHAT, max_tokens=64, stop=stop)
+    assert ref.finish_reason == "stop"
+    times, started, done = [], threading.Event(), threading.Event()
+
+    def other_client():
+        with httpx.stream("POST", gateway.url + "/v1/chat/completions", headers=headers, timeout=60, json={
+                "model": "m", "messages": CHAT, "max_tokens": 3000, "ignore_eos": True, "stream": True}) as r:
+            for _ in r.iter_lines():
+                times.append(time.monotonic())
+                if len(times) == 5:
+                    started.set()
+                if done.is_set():
+                    return
+
+    t = threading.Thread(target=other_client, daemon=True)
+    t.start()
+    assert started.wait(30)
+    try:
+        big = "the experts on the cards " * 280_000  # 7 MB
+        r = httpx.post(gateway.url + "/v1/messages/count_tokens", headers=headers, timeout=60, json={
+            "model": "m", "messages": CHAT, "tools": [{"name": "f", "description": big, "input_schema": {}}]})
+        assert r.status_code == 400 and "exceeds the limit of" in r.json()["error"]["message"], r.text
+        r = httpx.post(gateway.url + "/v1/chat/completions", headers=headers, timeout=60, json={
+            "model": "m", "messages": [{"role": "user", "content": big}]})
+        assert r.status_code == 400 and "exceeds the limit of" in r.json()["error"]["message"], r.text
+        r = httpx.post(gateway.url + "/v1/chat/completions", headers=headers, timeout=60, json={
+            "model": "m", "messages": [{"role": "user", "content": ""}] * 60_000})
+        assert r.status_code == 400 and "exceed the context length" in r.json()["error"]["message"], r.text
+        pad = "x" * (64 << 10)  # fields that change nothing: a body over HEAVY_BYTES with a short prompt
+        n = an.messages.count_tokens(model="m", messages=CHAT, extra_body={"metadata": {"pad": pad}})
+        assert n.input_tokens == len(tok.encode_chat(CHAT, enable_thinking=False))
+        r = httpx.post(gateway.url + "/v1/chat/completions", headers=headers, timeout=60, json={
+            "model": "m", "messages": CHAT, "stop": stop, "temperature": 0, "user": pad})
+        assert r.status_code == 200, r.text
+        r = r.json()
+        assert (r["choices"][0]["message"]["content"], r["choices"][0]["finish_reason"]) == (ref.text, "stop")
+        assert (r["usage"]["prompt_tokens"], r["usage"]["completion_tokens"]) == \
+               (ref.stats.prompt_tokens, ref.stats.generated_tokens)
+    finally:
+        done.set()
+        t.join(30)
+    gaps = [b - a for a, b in zip(times[4:], times[5:])]
+    assert len(gaps) > 10 and max(gaps) < 1.0, f"the other stream paused {max(gaps):.2f} s"
+    wait_idle(daemon)
+
+
 def test_a_gateway_that_dies_is_restarted(daemon, gateway, oa):
     (child,) = [p for p in psutil.Process(daemon.proc.pid).children() if "stratad.gateway" in p.cmdline()]
+    kids = child.children(recursive=True)  # the intake worker (and multiprocessing's tracker), if started
     child.kill()
     child.wait(10)
+    _, alive = psutil.wait_procs(kids, timeout=10)
+    assert not alive, f"left behind by the gateway: {[p.cmdline() for p in alive]}"
     deadline = time.monotonic() + 30
     while True:
         try:

@@ -60,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         server = uvicorn.Server(uvicorn.Config(app, log_level=a.log_level, access_log=a.log_level == "debug"))
         server.run(sockets=[sock])
     finally:
+        app.state.intake.close()
         backend.close()
     return 0
 

@@ -8,10 +8,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from stratad.gateway import sse
-from stratad.gateway.anthropic_schema import CountRequest, MessagesRequest
+from stratad.gateway.anthropic_schema import MessagesRequest
 from stratad.gateway.errors import anthropic_response
 from stratad.gateway.generation import IDLE, Generation
-from stratad.gateway.handling import CLIENT_CLOSED, Disconnected, failed, read_json, unless_disconnected
+from stratad.gateway.handling import CLIENT_CLOSED, Disconnected, failed, unless_disconnected
 from stratad.gateway.parsing import CallArgs, CallEnd, CallStart, Reasoning, Text
 
 
@@ -108,8 +108,9 @@ async def _frames(g: Generation, req: MessagesRequest):
 async def messages(request: Request) -> Response:
     st = request.app.state
     try:
-        req = await read_json(request, MessagesRequest)
-        g = Generation(st.backend, st.metrics, req.job(st.backend))
+        p = await st.intake.prepare(request, "messages")
+        req = p.req
+        g = Generation(st.backend, st.metrics, p.job)
         await unless_disconnected(request, g.begin)
         if req.stream:
             return sse.response(_frames(g, req))
@@ -121,10 +122,8 @@ async def messages(request: Request) -> Response:
 
 
 async def count_tokens(request: Request) -> Response:
-    backend = request.app.state.backend
     try:
-        req = await read_json(request, CountRequest)
-        chat, _ = req.chat(backend)
-        return JSONResponse({"input_tokens": backend.prompt_tokens(chat)})
+        p = await request.app.state.intake.prepare(request, "count_tokens")
+        return JSONResponse({"input_tokens": p.input_tokens})
     except Exception as e:  # noqa: BLE001
         return anthropic_response(failed(request, e))

@@ -12,6 +12,7 @@ from stratad.client import DaemonUnavailable, RequestError
 from stratad.gateway import anthropic_api, openai_api
 from stratad.gateway.backend import Backend
 from stratad.gateway.guard import ApiKey, BodyLimit
+from stratad.gateway.intake import Intake
 from stratad.gateway.metrics import Metrics
 
 MAX_BODY_BYTES = 16 << 20  # an agent's whole conversation with its tool results fits; more is refused (413)
@@ -51,5 +52,5 @@ def build(backend: Backend, api_key: str | None = None, max_body_bytes: int = MA
     if api_key is not None:
         middleware.append(Middleware(ApiKey, key=api_key))
     app = Starlette(routes=routes, middleware=middleware)
-    app.state.backend, app.state.metrics = backend, Metrics()
+    app.state.backend, app.state.metrics, app.state.intake = backend, Metrics(), Intake(backend)
     return app

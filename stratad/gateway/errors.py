@@ -34,6 +34,9 @@ class ApiError(Exception):
         super().__init__(message)
         self.kind, self.message, self.param, self.code = kind, message, param, code
 
+    def __reduce__(self):  # pickled whole: the intake worker raises these
+        return type(self), (self.kind, self.message, self.param, self.code)
+
     @classmethod
     def of(cls, e: Exception) -> "ApiError":
         """The daemon's errors (and anything else: an internal error, never a traceback to the client)."""

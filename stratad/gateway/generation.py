@@ -6,12 +6,15 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import anyio
 
-from stratad.gateway.backend import Backend
 from stratad.gateway.metrics import Metrics
 from stratad.gateway.parsing import CallEnd, Event, OutputParser, Reasoning, Text
+
+if TYPE_CHECKING:
+    from stratad.gateway.backend import Backend
 
 log = logging.getLogger("stratad.gateway")
 IDLE = object()  # nothing new within idle_s (a stream sends a keep-alive)
@@ -28,25 +31,30 @@ class Job:
     parallel_tool_calls: bool = True
     id_prefix: str = "call_"
     hold_calls: bool = True  # a call given once it has ended and parsed, else as text (OutputParser's hold_calls)
+    template: dict = field(default_factory=dict)  # enable_thinking, prefill: kept here when the prompt goes as ids
+
+    def chat_arg(self, name: str, default=None):
+        """enable_thinking or prefill: as sent, or as rendered into a prompt sent as token ids (Model.as_tokens)."""
+        return self.template.get(name, self.generate.get(name, default))
 
 
 class Generation:
     """`await begin()` (the daemon's refusals raise here, before an HTTP status is chosen), then `events()`."""
 
-    def __init__(self, backend: Backend, metrics: Metrics, job: Job):
+    def __init__(self, backend: "Backend", metrics: Metrics, job: Job):
         self.backend, self.metrics, self.job = backend, metrics, job
         self.stream = backend.client.generate(**job.generate)  # RequestError(bad_request) for invalid input
         self.parser = None
         self.pending: list[Event] = []
         if job.parse:
-            g = job.generate
             self.parser = OutputParser(backend.tool_format, job.tools_on,
-                                       backend.reasoning_open(g.get("enable_thinking")), job.param_types,
+                                       backend.reasoning_open(job.chat_arg("enable_thinking")), job.param_types,
                                        new_id=lambda: job.id_prefix + uuid.uuid4().hex[:24],
                                        hold_calls=job.hold_calls)
             # the prefill is the reply's start: the client wrote it (not echoed) or the gateway did (a forced
             # call's opening: what it commits to is kept)
-            self.pending = [e for e in self.parser.feed(g.get("prefill", "")) if not isinstance(e, (Text, Reasoning))]
+            self.pending = [e for e in self.parser.feed(job.chat_arg("prefill", ""))
+                            if not isinstance(e, (Text, Reasoning))]
         self.it = self.stream.__aiter__()
         self.task: asyncio.Task | None = None
         self.first = None

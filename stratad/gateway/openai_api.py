@@ -10,11 +10,9 @@ from starlette.responses import JSONResponse, Response
 from stratad.gateway import sse
 from stratad.gateway.errors import openai_response
 from stratad.gateway.generation import IDLE, Generation, Job
-from stratad.gateway.handling import CLIENT_CLOSED, Disconnected, failed, read_json, unless_disconnected
-from stratad.gateway.openai_schema import ChatRequest, CompletionRequest, chat_job
+from stratad.gateway.handling import CLIENT_CLOSED, Disconnected, failed, unless_disconnected
+from stratad.gateway.openai_schema import ChatRequest, CompletionRequest
 from stratad.gateway.parsing import CallArgs, CallStart, Reasoning, Text
-
-
 
 
 def _usage(g: Generation) -> dict:
@@ -30,11 +28,12 @@ async def _start(request: Request, job: Job) -> Generation:
     return g
 
 
-async def _handle(request: Request, schema, make_job, whole, frames) -> Response:
+async def _handle(request: Request, endpoint: str, whole, frames) -> Response:
     """Read, start (refusals become the API's errors with their status), then answer whole or as a stream."""
     try:
-        req = await read_json(request, schema)
-        g = await _start(request, make_job(req, request.app.state.backend))
+        p = await request.app.state.intake.prepare(request, endpoint)
+        req = p.req
+        g = await _start(request, p.job)
         if req.stream:
             return sse.response(frames(g, req, request.app.state.backend.model_name))
         body = await unless_disconnected(request, lambda: whole(g, req, request.app.state.backend.model_name))
@@ -114,7 +113,7 @@ def _chat_frames(g: Generation, req: ChatRequest, model: str):
 
 
 async def chat_completions(request: Request) -> Response:
-    return await _handle(request, ChatRequest, chat_job, _chat_whole, _chat_frames)
+    return await _handle(request, "chat", _chat_whole, _chat_frames)
 
 
 # ---- completions ---------------------------------------------------------------------------------------------
@@ -131,8 +130,7 @@ def _completion_frames(g: Generation, req: CompletionRequest, model: str):
 
 
 async def completions(request: Request) -> Response:
-    return await _handle(request, CompletionRequest, lambda req, _b: req.job(), _completion_whole,
-                         _completion_frames)
+    return await _handle(request, "completions", _completion_whole, _completion_frames)
 
 
 async def models(request: Request) -> Response:
