@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from stratad import discovery, exits
+from stratad import discovery, exits, sampling_options
 from stratad.config import GPU_PROMPT_CHUNK
 from stratad.model import mixes, quants
 from stratad.model.errors import ModelFormatError
@@ -42,8 +42,7 @@ def _generate(a) -> int:
     tok = model.tokenizer
     # chat: the user's text never becomes special tokens (encode_chat); --raw: the text as given, specials parsed
     prompt = tok.encode(a.prompt) if a.raw else tok.encode_chat([{"role": "user", "content": a.prompt}])
-    params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
-                            seed=a.seed, ignore_eos=a.ignore_eos)
+    params = SamplingParams(**sampling_options.kwargs(a))
     try:
         gen = Generation(ReferenceEngine(model, a.experts), tok, prompt, params, model.config.max_context)
     except BadRequest as e:
@@ -150,12 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt")
     g.add_argument("--model", required=True)
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--ignore-eos", action="store_true", help="generate --max-tokens whatever the stop tokens say")
+    sampling_options.add(g, max_tokens=64)
     g.add_argument("--experts", choices=["canonical", "float"], default="canonical")
     g.set_defaults(fn=_generate)
 

@@ -6,7 +6,7 @@ import json
 import sys
 import time
 
-from stratad import discovery, exits
+from stratad import discovery, exits, sampling_options
 from stratad.client import Client, DaemonUnavailable, RequestError
 
 
@@ -75,13 +75,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     sub.add_parser("status", help="lanes, roles, hit rates and cards", parents=[after])
     g = sub.add_parser("generate", help="stream a reply to one user message", parents=[after])
     g.add_argument("text")
-    g.add_argument("--max-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--seed", type=int, default=0, help="any 64-bit integer; the same seed, the same draws")
+    sampling_options.add(g, max_tokens=128)
     g.add_argument("--stop", action="append", default=[])
-    g.add_argument("--ignore-eos", action="store_true", help="generate --max-tokens whatever the stop tokens say")
     return p.parse_args(argv)
 
 
@@ -100,9 +95,7 @@ def _request(a, path) -> int:
             st = c.status()
             print(st.model_dump_json(indent=2) if a.json else status_table(st))
             return 0
-        stream = c.generate(messages=[{"role": "user", "content": a.text}], max_tokens=a.max_tokens,
-                            temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.seed, stop=a.stop,
-                            ignore_eos=a.ignore_eos)
+        stream = c.generate(messages=[{"role": "user", "content": a.text}], stop=a.stop, **sampling_options.kwargs(a))
         for chunk in stream:
             if not a.json:
                 sys.stdout.write(chunk.text)
