@@ -21,7 +21,8 @@ import zmq
 
 from coordinator import profile_store
 from coordinator.client_io import ClientIO
-from coordinator.intake import HEAVY_BYTES, INPUT_ERRORS, PROMPT_BYTES_SLACK, Intake, PromptError, size_refusal
+from coordinator.intake import Intake
+from stratad.prompts import HEAVY_BYTES, INPUT_ERRORS, max_prompt_bytes, prompt_tokens, size_refusal
 from coordinator.gateway_child import GatewayChild
 from coordinator.lanes import LaneHandle, Supervisor, lane_argv
 from coordinator.pool import CardPool
@@ -88,8 +89,7 @@ class Coordinator:
                                                                       cfg.yarn_orig_ctx)
         self.context_length = effective_context_length(cfg.context_length, c,
                                                        explicit="context_length" in cfg.model_fields_set)
-        longest = max(len(self.tokenizer.token_bytes(i)) for i in range(self.tokenizer.vocab_size))
-        self.max_prompt_bytes = PROMPT_BYTES_SLACK * longest * self.context_length  # refused untokenised beyond
+        self.max_prompt_bytes = max_prompt_bytes(self.tokenizer, self.context_length)  # refused untokenised beyond
         self.intake = Intake(str(self.model.path), prompt_tokens, self.context_length, self.max_prompt_bytes)
         self.cards = list(self.cfg.cards) or detect_cards()
         self.slot_bytes = slot_bytes(self.model)
@@ -586,21 +586,6 @@ class Coordinator:
         if self.kv_store is None:
             return None
         return M.KvCacheStatus(**dataclasses.asdict(self.kv_store.stats()))
-
-
-def prompt_tokens(tokenizer, g: M.Generate) -> list[int]:
-    """g's prompt as token ids (its template rendered); ChatTemplateError or PromptError (ValueErrors) for input
-    that cannot be. A module-level function of the tokenizer alone: the intake worker runs it for a big request,
-    the HTTP gateway counts prompts with it."""
-    if g.tokens is not None:
-        bad = [t for t in g.tokens if not 0 <= t < tokenizer.vocab_size]
-        if bad:
-            raise PromptError(f"token id {bad[0]} outside the vocabulary (0..{tokenizer.vocab_size - 1})")
-        return list(g.tokens)
-    if g.messages is not None:  # the messages' text never writes special tokens; the prefill may open a call
-        return tokenizer.encode_chat([m.model_dump(exclude_none=True) for m in g.messages], **g.template_kwargs(),
-                                     prefill=g.prefill)
-    return tokenizer.encode(g.prompt)
 
 
 def detect_cards() -> list[str]:

@@ -13,8 +13,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from coordinator.daemon import Coordinator, prompt_tokens
-from coordinator.intake import PrepareFailed, PromptError, prepare_frame
+from coordinator.daemon import Coordinator
+from coordinator.intake import PrepareFailed, prepare_frame
+from stratad.prompts import PromptError, prompt_tokens
 from protos import messages as M
 from protos.codec import encode
 from stratad.model.tokenizer import ChatTemplateError

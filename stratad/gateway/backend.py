@@ -7,8 +7,7 @@ from pathlib import Path
 from pydantic import ValidationError
 from pydantic_core import PydanticSerializationError
 
-from coordinator.daemon import prompt_tokens  # the coordinator's own rendering: counts agree
-from coordinator.intake import PROMPT_BYTES_SLACK, size_refusal  # and its bounds: refusals agree
+from stratad.prompts import max_prompt_bytes, prompt_tokens, size_refusal  # the coordinator's: counts and refusals agree
 from protos import messages as M
 from protos.codec import encode
 from stratad.client import AsyncClient, RequestError
@@ -30,9 +29,7 @@ class Model:
         self.tool_format = tool_format or parsing.tool_format(self.tokenizer.chat_template)
         self.model_name = served_name or Path(model).stem
         self.context_length = context_length
-        # the coordinator's bound on a prompt's bytes (coordinator/daemon.py, Coordinator.start): refused unrendered
-        longest = max(len(self.tokenizer.token_bytes(i)) for i in range(self.tokenizer.vocab_size))
-        self.max_prompt_bytes = PROMPT_BYTES_SLACK * longest * context_length
+        self.max_prompt_bytes = max_prompt_bytes(self.tokenizer, context_length)  # refused unrendered beyond
         self._open: dict[bool | None, bool] = {}
         self._last: tuple | None = None  # (the input rendered last, its tokens): room() then as_tokens()
 
@@ -49,7 +46,7 @@ class Model:
 
     def _message(self, chat: dict, max_tokens: int) -> M.Generate:
         """chat as the daemon's Generate, refused as the daemon refuses it unrendered: invalid, more bytes or
-        messages than the context can hold (coordinator.intake.size_refusal), a frame over the daemon's limit."""
+        messages than the context can hold (stratad.prompts.size_refusal), a frame over the daemon's limit."""
         try:
             g = M.Generate.model_validate({"req_id": "gateway", "sampling": {"max_tokens": max_tokens}}
                                           | {k: chat[k] for k in _RENDERED if chat.get(k) is not None})

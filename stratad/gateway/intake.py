@@ -3,7 +3,7 @@ that grows with the body kept off the event loop.
 
 Parsing a body (json.loads, then pydantic: 500,000 empty messages in 16 MiB take ~4 s), rendering its chat
 template and tokenising it (seconds a megabyte) all hold the GIL, so a thread would pause every other stream as
-much. As in the coordinator (coordinator/intake.py, whose HEAVY_BYTES this reuses), a body over HEAVY_BYTES goes
+much. As in the coordinator (coordinator/intake.py; HEAVY_BYTES is stratad/prompts.py's), a body over HEAVY_BYTES goes
 whole to a worker process, started once with its own tokenizer, which does all of it there, bounded before any
 rendering by the daemon's own limits (Model._message), and sends back a Prepared holding nothing bigger than the
 context: the request's few fields the response needs, and the Job with its prompt as token ids (Model.as_tokens).
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pydantic import BaseModel
 from starlette.requests import Request
 
-from coordinator.intake import HEAVY_BYTES, _die_with
+from stratad.prompts import HEAVY_BYTES, die_with
 from stratad.gateway.anthropic_schema import CountRequest, MessagesRequest
 from stratad.gateway.backend import Model
 from stratad.gateway.errors import ApiError
@@ -85,7 +85,7 @@ def _light(req: BaseModel) -> BaseModel:
 def _start_worker(model_path: str, context_length: int, tool_format: str, served_name: str, parent: int) -> None:
     global _model
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the gateway stops us
-    _die_with(parent)  # and a gateway killed takes us with it
+    die_with(parent)  # and a gateway killed takes us with it
     _model = Model(model_path, context_length, tool_format, served_name)
 
 
