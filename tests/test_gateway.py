@@ -595,6 +595,22 @@ def test_a_gateway_that_dies_is_restarted(daemon, gateway, oa):
     assert oa.chat.completions.create(model="m", messages=CHAT, max_tokens=2).usage.completion_tokens >= 1
 
 
+def kill_serving_lane(daemon) -> None:
+    """SIGKILL the lane serving a request; status may still name a lane restarted a moment ago by its old pid
+    (seen under load), so it is read again until a kill lands."""
+    deadline = time.monotonic() + 10
+    while True:
+        lane = next((ln for ln in daemon.status().lanes if ln.req_id), None)
+        try:
+            if lane is not None:
+                os.kill(lane.pid, signal.SIGKILL)
+                return
+        except ProcessLookupError:
+            pass
+        assert time.monotonic() < deadline, "no live lane serving the request"
+        time.sleep(0.05)
+
+
 def test_lane_death_ends_the_stream_with_an_error_event(daemon, oa, an):
     """Last (it restarts lanes): the stream ends with each API's error event, the daemon keeps serving."""
     stream = oa.chat.completions.create(model="m", messages=CHAT, max_tokens=3000, stream=True,
@@ -602,8 +618,7 @@ def test_lane_death_ends_the_stream_with_an_error_event(daemon, oa, an):
     it = iter(stream)
     next(it)
     next(it)
-    lane = next(ln for ln in daemon.status().lanes if ln.req_id)
-    os.kill(lane.pid, signal.SIGKILL)
+    kill_serving_lane(daemon)
     with pytest.raises(openai.APIError) as e:
         for _ in it:
             pass
@@ -617,8 +632,7 @@ def test_lane_death_ends_the_stream_with_an_error_event(daemon, oa, an):
             for ev in s:
                 kinds.append(ev.type)
                 if kinds.count("text") == 2:
-                    lane = next(ln for ln in daemon.status().lanes if ln.req_id)
-                    os.kill(lane.pid, signal.SIGKILL)
+                    kill_serving_lane(daemon)
     assert "lane" in str(e.value) and e.value.body["error"]["type"] == "api_error"
     assert "content_block_start" in kinds and "message_stop" not in kinds
     daemon.wait_ready(60, restarts=2)
