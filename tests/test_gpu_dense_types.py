@@ -86,7 +86,7 @@ def upload(cp, raw, qt, cols, aligned: bool):
     buf = cp.zeros(raw.size + 16, cp.uint8)
     data = buf[1:1 + raw.size]
     data[...] = cp.asarray(raw.reshape(-1))
-    W = DenseWeight(data, qt, cols)
+    W = DenseWeight(data, qt, cols, pack=False)  # the rows as the file holds them, not packed
     assert not W.fast
     return W
 
