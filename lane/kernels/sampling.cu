@@ -23,6 +23,19 @@ __device__ __forceinline__ u64 warp_max_u64(u64 v) {
     return v;
 }
 
+// The largest of a 256-thread block's keys, in two steps: every thread (tid) calls warp_maxes_u64 with its key v,
+// which leaves each warp's largest in red (8 words of shared memory) and waits at the barrier; then red_max8(red)
+__device__ __forceinline__ void warp_maxes_u64(u64 v, u64* red, int tid) {
+    v = warp_max_u64(v);
+    if ((tid & 31) == 0) red[tid >> 5] = v;
+    __syncthreads();
+}
+__device__ __forceinline__ u64 red_max8(const u64* red) {
+    u64 b = red[0];
+    for (int i = 1; i < 8; ++i) b = red[i] > b ? red[i] : b;
+    return b;
+}
+
 // grid NB blocks x 256 threads; the last block to finish reduces the NB partials and resets the counter
 extern "C" __global__ void __launch_bounds__(256) argmax_k(const float* __restrict__ x, int n, u64* part,
                                                            u32* counter, int* out) {
@@ -35,13 +48,9 @@ extern "C" __global__ void __launch_bounds__(256) argmax_k(const float* __restri
         const u64 k = sort_key(x[i], i);
         best = k > best ? k : best;
     }
-    best = warp_max_u64(best);
-    if ((tid & 31) == 0) red[tid >> 5] = best;
-    __syncthreads();
+    warp_maxes_u64(best, red, tid);
     if (tid == 0) {
-        u64 b = red[0];
-        for (int i = 1; i < 8; ++i) b = red[i] > b ? red[i] : b;
-        part[blockIdx.x] = b;
+        part[blockIdx.x] = red_max8(red);
         __threadfence();
         last = atomicAdd(counter, 1u) == gridDim.x - 1;
     }
@@ -53,13 +62,9 @@ extern "C" __global__ void __launch_bounds__(256) argmax_k(const float* __restri
         const u64 v = ((volatile u64*)part)[i];
         b = v > b ? v : b;
     }
-    b = warp_max_u64(b);
-    if ((tid & 31) == 0) red[tid >> 5] = b;
-    __syncthreads();
+    warp_maxes_u64(b, red, tid);
     if (tid == 0) {
-        u64 bb = red[0];
-        for (int i = 1; i < 8; ++i) bb = red[i] > bb ? red[i] : bb;
-        out[0] = key_index(bb);
+        out[0] = key_index(red_max8(red));
         *counter = 0;
     }
 }
