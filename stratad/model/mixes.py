@@ -2,9 +2,11 @@
 
 Source: llama.cpp src/llama-quant.cpp, `llama_tensor_get_type` and `llama_model_quantize_impl` (the default type of
 each file type, which tensors are quantised at all, the fallback for rows that are not whole blocks), read at
-ggerganov/llama.cpp commit 059325d9. The rules are restated here as a table for this architecture: qwen3moe has
-n_expert = 128 (so none of the 8-expert or Falcon rows apply), experts are 3-D tensors whose layer is the name's,
-and attn_v's running index is its layer (the loader orders tensors by layer). Files are assumed quantised with an
+ggerganov/llama.cpp commit 059325d9, then checked tensor by tensor against llama.cpp b11434's llama-quantize
+(scripts/llama_quantize_check.py, tests/test_llama_quantize.py; the fallbacks updated to it). The rules are
+restated here as a table for this architecture: qwen3moe has n_expert = 128 (so none of the 8-expert or Falcon
+rows apply), experts are 3-D tensors whose layer is the name's, and attn_v's running index is its layer (the loader
+orders tensors by layer). Files are assumed quantised with an
 importance matrix (as most published files are, and as the IQ1 / IQ2 types require). Not quantised: norms (1-D),
 the router (ffn_gate_inp), so they stay F32 as the converter writes them.
 """
@@ -109,9 +111,11 @@ RULES: list[tuple[str, set, Cond, T]] = [
     ("ffn_up_exps", {F.MOSTLY_IQ3_XS}, MIDDLE, T.IQ3_XXS),
 ]
 
-# a row that is not a whole number of the chosen type's blocks falls back to these (then to F16)
+# a row that is not a whole number of the chosen type's blocks falls back to these (then to F16): llama.cpp's
+# tensor_type_fallback as of b11434 (checked against its llama-quantize: scripts/llama_quantize_check.py); older
+# builds, the code this table was first read from among them, sent Q2_K and Q3_K to IQ4_NL instead of Q4_0
 FALLBACK = {T.IQ2_XXS: T.IQ4_NL, T.IQ2_XS: T.IQ4_NL, T.IQ2_S: T.IQ4_NL, T.IQ3_XXS: T.IQ4_NL, T.IQ3_S: T.IQ4_NL,
-            T.IQ1_S: T.IQ4_NL, T.IQ1_M: T.IQ4_NL, T.Q2_K: T.IQ4_NL, T.Q3_K: T.IQ4_NL, T.IQ4_XS: T.IQ4_NL,
+            T.IQ1_S: T.IQ4_NL, T.IQ1_M: T.IQ4_NL, T.Q2_K: T.Q4_0, T.Q3_K: T.Q4_0, T.IQ4_XS: T.IQ4_NL,
             T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0}
 
 
