@@ -1176,6 +1176,12 @@ def _down_worker(ticket, n, td, down, d_model, rb_d, a, dh, hsum, gstart, gpairs
               grid, tab)
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _part(c, n, parts):
+    """[lo, hi) of part c of [0, n) cut into `parts` near-equal ranges (a prange worker's share)."""
+    return c * n // parts, (c + 1) * n // parts
+
+
 @njit(nogil=True, cache=True, parallel=True)
 def _layer_parallel(nthreads, tickets, tg, tu, td, gate, up, down, d_ff, d_model, rb_g, rb_u, rb_d, a, da, asum,
                     pair_tok, gstart, gpairs, gexp, maxg, h, qh, dh, hsum, out, f16e, pow2, grid, tab):
@@ -1188,7 +1194,8 @@ def _layer_parallel(nthreads, tickets, tg, tu, td, gate, up, down, d_ff, d_model
                         gexp, maxg, h, f16e, pow2, grid, tab)
     npair = gpairs.shape[0]
     for c in prange(nthreads):
-        _quantize(h, c * npair // nthreads, (c + 1) * npair // nthreads, d_ff, qh, dh, hsum)
+        lo, hi = _part(c, npair, nthreads)
+        _quantize(h, lo, hi, d_ff, qh, dh, hsum)
     for w in prange(nthreads):
         _down_worker(t2, ngrp * d_model, td, down, d_model, rb_d, qh, dh, hsum, gstart, gpairs, gexp, maxg, out, f16e,
                      grid, tab)
@@ -1226,6 +1233,13 @@ def _view_dot(q, s, m, mw, mode, wrow, nsub, a, da, asum, arow, acc):
     return _fold32(acc, 0)
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _pair_row(i, rows, pair_slot):
+    """Flattened index i = pair * rows + r of a phase's outputs -> (pair, row r's place in the slot-major view)."""
+    p = i // rows
+    return p, pair_slot[p] * rows + i - p * rows
+
+
 @njit(nogil=True, cache=True, parallel=True)
 def _generic_layer(nthreads, gv, uv, dv, modes, d_ff, d_model, a, da, asum, pair_tok, pair_slot, h, qh, dh, hsum,
                    out, pow2):
@@ -1233,23 +1247,22 @@ def _generic_layer(nthreads, gv, uv, dv, modes, d_ff, d_model, a, da, asum, pair
     token pair_tok[p] through expert slot pair_slot[p]; out: float32 flat (n_pairs * d_model)."""
     npair = pair_tok.shape[0]
     nin, nff = d_model // SUB, d_ff // SUB
-    n = npair * d_ff
     for c in prange(nthreads):
         acc = np.empty(LANES, np.float32)
-        for i in range(c * n // nthreads, (c + 1) * n // nthreads):
-            p = i // d_ff
-            wrow = pair_slot[p] * d_ff + i - p * d_ff
+        lo, hi = _part(c, npair * d_ff, nthreads)
+        for i in range(lo, hi):
+            p, wrow = _pair_row(i, d_ff, pair_slot)
             g = _view_dot(gv[0], gv[1], gv[2], gv[3], modes[0], wrow, nin, a, da, asum, pair_tok[p], acc)
             u = _view_dot(uv[0], uv[1], uv[2], uv[3], modes[1], wrow, nin, a, da, asum, pair_tok[p], acc)
             h[i] = (g / (_ONE + _exp(-g, pow2))) * u
     for c in prange(nthreads):
-        _quantize(h, c * npair // nthreads, (c + 1) * npair // nthreads, d_ff, qh, dh, hsum)
-    n = npair * d_model
+        lo, hi = _part(c, npair, nthreads)
+        _quantize(h, lo, hi, d_ff, qh, dh, hsum)
     for c in prange(nthreads):
         acc = np.empty(LANES, np.float32)
-        for i in range(c * n // nthreads, (c + 1) * n // nthreads):
-            p = i // d_model
-            wrow = pair_slot[p] * d_model + i - p * d_model
+        lo, hi = _part(c, npair * d_model, nthreads)
+        for i in range(lo, hi):
+            p, wrow = _pair_row(i, d_model, pair_slot)
             out[i] = _view_dot(dv[0], dv[1], dv[2], dv[3], modes[2], wrow, nff, qh, dh, hsum, p, acc)
 
 
