@@ -67,9 +67,10 @@ def test_fallback_types_are_b11434s():
 
 @needs_binary
 def test_common_downloads_load_and_match_the_mix_table(tmp_path):
-    """The file types users download most, from the tiny shape with an importance matrix (as published files are):
-    each loads, generates, decodes as gguf-py does, and every tensor has the type mixes.py gives it."""
-    lq, res = _run(tmp_path, PRESETS["tiny"], ["Q4_K_M", "IQ3_S", "Q8_0"], ["uniform"])
+    """The seed's IQ3_S and the common Q4_K_M, from the tiny shape with an importance matrix (as published files
+    are): each loads, generates, decodes as gguf-py does, and every tensor has the type mixes.py gives it (about
+    10 s of CPU; every type: test_every_file_type)."""
+    lq, res = _run(tmp_path, PRESETS["tiny"], ["Q4_K_M", "IQ3_S"], ["uniform"])
     _assert_served(res["rows"])
     for r in res["rows"]:
         assert r["types_match"], r["differences"]
