@@ -333,6 +333,22 @@ def test_unsupported_tensor_type(tmp_path, qtype):
                                      f"{', '.join(t.name for t in quants.FORMATS)}")
 
 
+def test_tensor_type_newer_than_gguf(tmp_path, tiny_model_path):
+    """A type code the gguf package does not know (llama.cpp b11434's Q2_0 is 42): named as an unsupported type,
+    not as a damaged file."""
+    data = bytearray(Path(tiny_model_path).read_bytes())
+    name = b"blk.1.ffn_down_exps.weight"
+    at = data.index(len(name).to_bytes(8, "little") + name) + 8 + len(name)
+    n_dims = int.from_bytes(data[at:at + 4], "little")
+    type_at = at + 4 + 8 * n_dims
+    data[type_at:type_at + 4] = (42).to_bytes(4, "little")
+    p = tmp_path / "newer.gguf"
+    p.write_bytes(bytes(data))
+    problem = open_error(p).problem
+    assert problem.startswith("a tensor of type code 42, which this version does not read (supported: ")
+    assert "truncated" not in problem and "corrupt" not in problem
+
+
 @pytest.mark.parametrize("name,qtype", [
     ("output_norm.weight", T.Q8_0),  # norms are float
     ("blk.1.attn_k_norm.weight", T.Q4_0),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -287,6 +288,10 @@ def _read_gguf(path: Path):
         reader.__init__(path, "r")
     except (ValueError, IndexError, OSError, KeyError) as e:
         size = path.stat().st_size
+        unknown = re.fullmatch(r"(?:np\.uint32\()?(\d+)\)? is not a valid GGMLQuantizationType", str(e))
+        if unknown:  # a type newer than the gguf package (llama.cpp's Q1_0 / Q2_0 ...), not damage
+            raise ModelFormatError(path, f"a tensor of type code {unknown.group(1)}, which this version does not "
+                                         f"read (supported: {quants.supported_names()})") from None
         if hasattr(reader, "data_offset"):  # header and tensor table were read; the tensor data is short
             raise ModelFormatError(path, f"truncated file or corrupt tensor table: the tensor data does not "
                                          f"fit the file's {size} bytes ({e})") from None
