@@ -119,6 +119,7 @@ class Coordinator:
         self.sup = Supervisor(self.cards, self._lane_argv, self.rt.shm_prefix, self.cfg.lane_timeout_s,
                               threads.per_lane(self.cfg.cpu_threads, len(self.cards)), self.cfg.lane_start_timeout_s)
         self.sup.start_all()
+        self.intake.start()  # beside the lanes' start
         if self.gateway:
             self.gateway.start()
         log.info("model %s: %d layers x %d experts, slot %.2f MiB, %d slots per card (%s), %d cards %s",

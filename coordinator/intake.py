@@ -70,6 +70,10 @@ def _prepare_in_worker(frame: bytes, prepare: Callable, context_length: int, max
     return prepare_frame(_tokenizer, frame, prepare, context_length, max_prompt_bytes)
 
 
+def _started() -> None:
+    """The worker's first task: none (its initializer has loaded the tokenizer)."""
+
+
 class Intake:
     def __init__(self, model_path: str, prepare: Callable, context_length: int, max_prompt_bytes: int):
         """prepare(tokenizer, Generate) -> tokens, raising INPUT_ERRORS for input it refuses; picklable (a
@@ -78,6 +82,12 @@ class Intake:
         self.limits = (context_length, max_prompt_bytes)
         self.pool: ProcessPoolExecutor | None = None
         self.waiting: dict[tuple, deque[tuple[object | None, Future | None]]] = {}
+
+    def start(self) -> None:
+        """Start the worker now (in the background: the loop does not wait), so that the first big frame does not
+        wait for it: spawning it and loading the tokenizer took 1.2 s unloaded, 2-4 s on a busy box (a soak's
+        oversized requests after each restart). A worker that dies is replaced by the next big frame."""
+        self._pool().submit(_started)
 
     def busy(self, peer) -> bool:
         return peer in self.waiting
