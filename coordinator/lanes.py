@@ -123,8 +123,11 @@ class Supervisor:
         deadline = time.monotonic() + timeout_s
         for h in live:
             try:
-                h.proc.wait(max(0.0, deadline - time.monotonic()))
+                rc = h.proc.wait(max(0.0, deadline - time.monotonic()))
+                if rc != 0:  # a lane leaves at its next safe point with 0: anything else is worth a look
+                    log.warning("lane %d exited with status %d at the stop", h.lane, rc)
             except subprocess.TimeoutExpired:
+                log.warning("lane %d did not stop within %.0f s: killed", h.lane, timeout_s)
                 h.proc.kill()
                 h.proc.wait()
             h.proc = None

@@ -22,6 +22,7 @@ from lane.counters import Counters
 from lane.numpy_card import NumpyCard
 from lane.slot_loader import SlotLoader
 from lane.slot_pool import SlotPool
+from lane.stop import StopSignal
 from protos import messages as M
 from protos.codec import FrameError, decode, encode
 from stratad import kv_store, shm
@@ -34,6 +35,10 @@ from stratad.model.tokenizer import warmup_text
 from stratad.model.slot_layout import slot_bytes
 
 log = logging.getLogger("stratad.lane")
+
+# a send waiting this long (the coordinator's pipe full: it is gone or stuck) looks at the stop flag: a stopping
+# lane does not wait for a reader that will not come
+SEND_WAIT_MS = 1000
 
 
 def _die_with_parent() -> None:
@@ -49,8 +54,9 @@ class Cancelled(Exception):
 
 
 class Lane:
-    def __init__(self, cfg: LaneConfig):
+    def __init__(self, cfg: LaneConfig, stop: StopSignal | None = None):
         self.cfg = cfg
+        self.stop = stop
         self.lane, self.card_name = cfg.lane, cfg.card
         self.role = M.Role.STARTING
         self.role_since = time.time()
@@ -58,7 +64,12 @@ class Lane:
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, f"lane-{cfg.lane}".encode())
         self.sock.setsockopt(zmq.LINGER, 500)
+        self.sock.setsockopt(zmq.SNDTIMEO, SEND_WAIT_MS)
         self.sock.connect(cfg.endpoint)
+        self.poller = zmq.Poller()
+        self.poller.register(self.sock, zmq.POLLIN)
+        if stop is not None:
+            self.poller.register(stop.fd, zmq.POLLIN)  # SIGTERM wakes a waiting lane
         self.model = ModelFile(cfg.model)
         self.model.config = self.model.config.with_rope_overrides(cfg.rope_scaling, cfg.rope_scale, cfg.yarn_orig_ctx)
         self.segments: list[shm.Segment] = []
@@ -72,12 +83,23 @@ class Lane:
         self.saver: threading.Thread | None = None  # writes the last sequence's new blocks to the store
         self.tok_s = 0.0
         self.last_beat = 0.0
-        self.stopping = False
+        self.shutdown = False  # the coordinator's Shutdown
         self.deferred: deque = deque()  # control messages read during a prompt, handled at the next token
+
+    @property
+    def stopping(self) -> bool:
+        return self.shutdown or (self.stop is not None and self.stop.set)
 
     # ---- messages -------------------------------------------------------------------------------------------
     def send(self, msg) -> None:
-        self.sock.send(encode(msg))
+        frame = encode(msg)
+        while True:
+            try:
+                self.sock.send(frame)
+                return
+            except zmq.Again:
+                if self.stopping:
+                    return
 
     def recv(self, timeout_ms: int):
         """The next control message: one put aside during a prompt first, then the socket's."""
@@ -86,7 +108,10 @@ class Lane:
         return self._read(timeout_ms)
 
     def _read(self, timeout_ms: int):
-        if not self.sock.poll(timeout_ms):
+        ready = dict(self.poller.poll(timeout_ms))
+        if self.stop is not None and self.stop.fd in ready:
+            self.stop.drain()
+        if self.sock not in ready:
             return None
         frame = self.sock.recv()
         try:
@@ -157,7 +182,7 @@ class Lane:
     # ---- serving --------------------------------------------------------------------------------------------
     def handle(self, msg) -> None:
         if isinstance(msg, M.Shutdown):
-            self.stopping = True
+            self.shutdown = True
         elif isinstance(msg, M.RoleChange):
             self.role, self.role_since = msg.role, time.time()
             self.beat(force=True)
@@ -189,11 +214,11 @@ class Lane:
             if isinstance(msg, M.Cancel) and msg.req_id == self.req_id:
                 raise Cancelled()
             if isinstance(msg, M.Shutdown):
-                self.stopping = True
-                if self.req_id is not None:
-                    raise Cancelled()
+                self.shutdown = True
                 continue
             self.deferred.append(msg)
+        if self.stopping and self.req_id is not None:
+            raise Cancelled()
         self.beat()
 
     def poll_between_tokens(self) -> None:
@@ -201,6 +226,8 @@ class Lane:
             self.handle(msg)
             if self.stopping:
                 raise Cancelled()
+        if self.stopping:  # SIGTERM, seen here rather than raised wherever the lane was
+            raise Cancelled()
         self.report_loads()
         self.beat()
 
@@ -255,7 +282,8 @@ class Lane:
             self.beat(force=True)  # before Done: a status read right after the Done sees this request's figures
             if done is not None:
                 self.send(done)
-            self.save_blocks()
+            if not self.stopping:  # the store goes with the daemon: no write to wait for at a stop
+                self.save_blocks()
 
     def save_blocks(self) -> None:
         """After Done (the lane is free at once): the kept sequence's new whole blocks to the host cache. The
@@ -283,6 +311,8 @@ class Lane:
         self.send(M.LaneHello(lane=self.lane, pid=os.getpid(), card=self.card_name, model_hash=self.model.header_hash))
         deadline = time.monotonic() + self.cfg.start_timeout_s
         while self.card is None:
+            if self.stopping:
+                return 0
             msg = self.recv(200)
             if isinstance(msg, M.Placement):
                 try:
@@ -358,10 +388,10 @@ def parse_args(argv: list[str] | None = None) -> LaneConfig:
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
     logging.basicConfig(level=cfg.log_level.upper(), format=f"%(asctime)s lane{cfg.lane} %(levelname)s %(message)s")
+    stop = StopSignal()  # before PR_SET_PDEATHSIG: the coordinator's death is the same flag
     _die_with_parent()
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C on `stratad serve` reaches the group: the coordinator stops us
-    lane = Lane(cfg)
+    lane = Lane(cfg, stop)
     try:
         if lane.model.header_hash != cfg.model_hash:
             log.error("lane %d: model file changed under the daemon (header hash differs)", cfg.lane)
@@ -369,6 +399,7 @@ def main(argv: list[str] | None = None) -> int:
         return lane.run()
     finally:
         lane.close()
+        stop.close()
 
 
 if __name__ == "__main__":
