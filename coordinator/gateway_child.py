@@ -4,10 +4,14 @@ lanes' back-off when it dies, stopped with the daemon. It holds no model memory;
 The coordinator binds the address itself, before any lane starts, and hands the listening socket to each gateway
 process it starts: an address already taken stops `stratad serve` at once with an error naming it and the setting
 (instead of a gateway that fails and is restarted for ever), and a restarted gateway never has to bind again
-(connections that arrive meanwhile wait in the socket's backlog)."""
+(connections that arrive meanwhile wait in the socket's backlog). The gateway is told the coordinator's pid and dies
+with it (stratad.proc.die_with): a SIGKILLed coordinator must not leave it holding the address, which the next
+`stratad serve` could not bind then. Started from the loop's thread only (the main one): a parent-death signal
+follows the thread that started the child."""
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import socket
 import subprocess
@@ -36,7 +40,7 @@ class GatewayChild:
             raise ConfigError(f"http = {cfg.http!r}: the HTTP gateway cannot listen there ({e.strerror or e}); set "
                               f"http (config file or --http) to a free HOST:PORT, or to \"\" for no gateway") from None
         return cls(gateway_argv(runtime_dir, cfg.http, model, context_length, cfg.api_key_file, cfg.log_level,
-                                listen_fd=sock.fileno()), sock)
+                                listen_fd=sock.fileno(), parent_pid=os.getpid()), sock)
 
     def start(self) -> None:
         fds = (self.sock.fileno(),) if self.sock is not None else ()

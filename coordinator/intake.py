@@ -21,7 +21,8 @@ from typing import Callable
 
 from protos import messages as M
 from protos.codec import FrameError, decode
-from stratad.prompts import INPUT_ERRORS, die_with, size_refusal
+from stratad.proc import die_with
+from stratad.prompts import INPUT_ERRORS, size_refusal
 
 _tokenizer = None  # the worker process's own
 

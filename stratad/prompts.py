@@ -1,13 +1,8 @@
 """A request's prompt as the daemon takes it: its token ids (the chat template rendered), and the bounds it is
 refused by from its sizes alone, before anything is rendered or tokenised. The coordinator (and its intake worker)
-and the HTTP gateway both use these, so their counts and refusals agree; and how a helper process follows its
-parent's death.
+and the HTTP gateway both use these, so their counts and refusals agree.
 """
 from __future__ import annotations
-
-import ctypes
-import os
-import signal
 
 from pydantic_core import to_json
 
@@ -101,13 +96,3 @@ def prompt_tokens(tokenizer, g: M.Generate) -> list[int]:
                                      prefill=g.prefill)
     return tokenizer.encode(g.prompt)
 
-
-def die_with(parent_pid: int) -> None:
-    """Linux: SIGTERM to this process when its parent dies (a SIGKILLed coordinator had left its intake worker, and
-    multiprocessing's resource tracker with its semaphores in /dev/shm, running for good)."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent_pid:  # it died before the line above
-        os._exit(0)

@@ -1,4 +1,5 @@
-"""python -m stratad.gateway --runtime-dir DIR --listen HOST:PORT --model GGUF [--api-key-file F] [--listen-fd N]"""
+"""python -m stratad.gateway --runtime-dir DIR --listen HOST:PORT --model GGUF [--api-key-file F] [--listen-fd N
+--parent-pid P]"""
 from __future__ import annotations
 
 import argparse
@@ -16,6 +17,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--listen", default="127.0.0.1:8080", help="HOST:PORT (a non-loopback host needs --api-key-file)")
     p.add_argument("--listen-fd", type=int, help="serve on this inherited socket, already bound at --listen (how "
                                                  "`stratad serve` starts the gateway: it binds the address itself)")
+    p.add_argument("--parent-pid", type=int, help="exit (as on SIGTERM) when this process, the one that started the "
+                                                  "gateway, dies: `stratad serve` passes its own pid, so that a "
+                                                  "SIGKILLed daemon does not leave the gateway holding the address")
     p.add_argument("--model", required=True, help="the daemon's GGUF: its tokenizer and chat template (no weights)")
     p.add_argument("--context-length", type=int, default=8192, help="the lanes' context: the default max_tokens")
     p.add_argument("--api-key-file", help="file holding the API key clients must send")
@@ -24,6 +28,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-body-bytes", type=int, default=None)
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     a = p.parse_args(argv)
+    if a.parent_pid is not None:  # first: a parent that dies while we load the tokenizer takes us with it too
+        from stratad.proc import die_with
+
+        die_with(a.parent_pid)
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s gateway %(levelname)s %(message)s")
     try:
         host, _ = parse_listen(a.listen)

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from pydantic import BaseModel
 from starlette.requests import Request
 
-from stratad.prompts import HEAVY_BYTES, die_with
+from stratad.proc import die_with
+from stratad.prompts import HEAVY_BYTES
 from stratad.gateway.anthropic_schema import CountRequest, MessagesRequest
 from stratad.gateway.backend import Model
 from stratad.gateway.errors import ApiError

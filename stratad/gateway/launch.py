@@ -45,10 +45,12 @@ def listen_socket(listen: str, backlog: int = 2048) -> socket.socket:
 
 
 def gateway_argv(runtime_dir: str, listen: str, model: str, context_length: int, api_key_file: str | None = None,
-                 log_level: str = "info", listen_fd: int | None = None) -> list[str]:
+                 log_level: str = "info", listen_fd: int | None = None, parent_pid: int | None = None) -> list[str]:
     """The gateway's command line as the coordinator starts it (same interpreter, same runtime dir); listen_fd: the
-    socket the coordinator bound at `listen`, inherited (the gateway then binds nothing itself)."""
+    socket the coordinator bound at `listen`, inherited (the gateway then binds nothing itself); parent_pid: the
+    coordinator's pid, whose death ends the gateway (it would hold the address, and the next start could not)."""
     argv = [sys.executable, "-m", "stratad.gateway", "--runtime-dir", runtime_dir, "--listen", listen,
             "--model", model, "--context-length", str(context_length), "--log-level", log_level]
     argv += ["--listen-fd", str(listen_fd)] if listen_fd is not None else []
+    argv += ["--parent-pid", str(parent_pid)] if parent_pid is not None else []
     return argv + (["--api-key-file", api_key_file] if api_key_file else [])
