@@ -89,7 +89,8 @@ def bench_matvec(cp, rng, bw, out):
              ("q 2048->4096", T.F16, 4096, 2048), ("q 2048->4096", T.BF16, 4096, 2048),
              ("q 2048->4096", T.F32, 4096, 2048), ("lm_head 2048->151936", T.F16, c["vocab"], 2048),
              ("lm_head 2048->151936", T.BF16, c["vocab"], 2048),
-             # llama.cpp mixes' types, read packed (weights.PackedRows): iq3_s's q / o, q4_k_m's, their LM head
+             # llama.cpp mixes' types: iq3_s's q / o, q4_k_m's, their LM head; read as the file holds them
+             # (matvec.cuh FileBlk) and, for the A/B, packed (weights.PackedRows, what they were read as before)
              ("q 2048->4096", T.IQ3_S, 4096, 2048), ("o 4096->2048", T.IQ3_S, 2048, 4096),
              ("q 2048->4096", T.Q4_K, 4096, 2048), ("o 4096->2048", T.Q4_K, 2048, 4096),
              ("v 2048->512", T.Q6_K, 512, 2048), ("lm_head 2048->151936", T.Q6_K, c["vocab"], 2048)]
@@ -97,18 +98,23 @@ def bench_matvec(cp, rng, bw, out):
         ws = weight_copies(cp, rng, qt, rows, cols)
         x = cp.asarray(rng.standard_normal(cols, dtype=F32))
         y = cp.empty(rows, cp.float32)
-        packed = ws[0].packed is not None
-        nbytes = (ws[0].packed.nbytes if packed else ws[0].nbytes) + 4 * (rows + cols)  # what the kernel reads
-        default = ws[0].plan()
-        plans = weights.PLANS if qt == T.Q8_0 or packed or name.startswith("router") else [default]
-        res = {}
-        for plan in plans:
-            us, _ = graph_us(cp, [lambda s, w=w, p=plan: matvec.matvec(w, x, y, plan=p, stream=s) for w in ws])
-            res[f"r{plan[0]}k{plan[1]}"] = us
-        best = min(res, key=res.get)
-        dkey = f"r{default[0]}k{default[1]}"
-        out.append(rec(f"matvec {name} {qt.name}", res[dkey], nbytes, bw, plan=dkey, plans=res, best=best,
-                       copies=len(ws)))
+        forms = ["file", "packed"] if qt in device.FILE_BLK and qt != T.Q8_0 else [""]
+        for form in forms:
+            if form == "packed":
+                for w in ws:
+                    w.packed = weights.PackedRows.pack(w)
+            packed = ws[0].packed is not None
+            nbytes = (ws[0].packed.nbytes if packed else ws[0].nbytes) + 4 * (rows + cols)  # what the kernel reads
+            default = ws[0].plan()
+            plans = weights.PLANS if qt in device.FILE_BLK or packed or name.startswith("router") else [default]
+            res = {}
+            for plan in plans:
+                us, _ = graph_us(cp, [lambda s, w=w, p=plan: matvec.matvec(w, x, y, plan=p, stream=s) for w in ws])
+                res[f"r{plan[0]}k{plan[1]}"] = us
+            best = min(res, key=res.get)
+            dkey = f"r{default[0]}k{default[1]}"
+            out.append(rec(f"matvec {name} {qt.name}{' ' + form if form else ''}", res[dkey], nbytes, bw, plan=dkey,
+                           plans=res, best=best, copies=len(ws)))
         del ws
         cp.get_default_memory_pool().free_all_blocks()
 

@@ -83,6 +83,30 @@ extern "C" int dq_pack(int qt, const dq_u8* raw, long long rows, long long row_b
     return -1;
 }
 
+// rq_part of every part of every sub-block of rows: scale, minimum, the codes' two words
+extern "C" int dq_parts(int qt, const dq_u8* raw, long long rows, long long row_bytes, int nsub, const dq_u8* tab,
+                        float* scale, float* minimum, unsigned* words) {
+    switch (qt) {
+#define X(name, code)                                                                                          \
+    case code:                                                                                                 \
+        for (long long r = 0; r < rows; ++r)                                                                   \
+            for (int s = 0; s < nsub; ++s)                                                                     \
+                for (int p = 0; p < 4; ++p) {                                                                  \
+                    typedef DqTraits<code> Tr;                                                                 \
+                    const RqPart o = rq_part<code>(raw + r * row_bytes + (s / Tr::NSUB) * Tr::BB, s % Tr::NSUB, p, tab); \
+                    const long long k = (r * nsub + s) * 4 + p;                                                \
+                    scale[k] = o.scale;                                                                        \
+                    minimum[k] = o.minimum;                                                                    \
+                    words[2 * k] = o.qa;                                                                       \
+                    words[2 * k + 1] = o.qb;                                                                   \
+                }                                                                                              \
+        return 0;
+        RQ_PART_TYPES(X)
+#undef X
+    }
+    return -1;
+}
+
 extern "C" int dq_tab_bytes() { return DQ_TAB_BYTES; }
 """
 @pytest.fixture(scope="module")
@@ -93,6 +117,7 @@ def lib():
     lib.dq_float.argtypes = [ctypes.c_int, p, ctypes.c_longlong, p, p]
     lib.dq_pack.argtypes = [ctypes.c_int, p, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_int, p, ctypes.c_int,
                             ctypes.c_int, p]
+    lib.dq_parts.argtypes = [ctypes.c_int, p, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_int, p, p, p, p]
     return lib
 
 
@@ -150,17 +175,17 @@ def test_tables_fill_the_header_layout(lib):
     assert np.array_equal(blob[off["IQ3S"]:off["IQ3S"] + 2048].view(np.int8).reshape(512, 4), quants.iq3s_grid())
 
 
-def test_type_lists_are_the_quants_types():
-    """decode.cuh's X-lists name every type of stratad.model.quants by its GGML code, nothing else."""
+def _listed(macro: str) -> dict:
+    """{type: code} of one of decode.cuh's X-lists (a #define continued over lines)."""
     import re
 
-    text = HEADER.read_text()
+    body = re.search(rf"#define {macro}\(X\)(.*?)\n(?!\s)", HEADER.read_text(), flags=re.S).group(1)
+    return {T[n.upper()]: int(c) for n, c in re.findall(r"X\((\w+), (\d+)\)", body)}
 
-    def listed(macro):
-        body = re.search(rf"#define {macro}\(X\)(.*?)\n(?!\s)", text, flags=re.S).group(1)
-        return {T[n.upper()]: int(c) for n, c in re.findall(r"X\((\w+), (\d+)\)", body)}
 
-    quant, floats = listed("DQ_QUANT_TYPES"), listed("DQ_FLOAT_TYPES")
+def test_type_lists_are_the_quants_types():
+    """decode.cuh's X-lists name every type of stratad.model.quants by its GGML code, nothing else."""
+    quant, floats = _listed("DQ_QUANT_TYPES"), _listed("DQ_FLOAT_TYPES")
     assert set(quant) == set(QUANTISED) and set(floats) == set(ALL) - set(QUANTISED)
     assert all(int(t) == c for t, c in {**quant, **floats}.items())
 
@@ -227,6 +252,55 @@ def test_packed_rows_hold_the_values(lib, qtype, source):
         got = rq_values_ref(out, fmt)
         assert np.array_equal(got, ref, equal_nan=True), \
             f"{qtype.name} {fmt}: {np.sum(~((got == ref) | (np.isnan(got) & np.isnan(ref))))} values differ"
+
+
+PART_TYPES = [T.Q4_K, T.Q6_K, T.IQ3_S]
+
+
+def test_part_types_are_the_file_row_types():
+    """decode.cuh's RQ_PART_TYPES are the types the mat-vec reads as the file holds them (weights.FILE_BLK)."""
+    from lane.kernels.weights import FILE_BLK
+
+    listed = _listed("RQ_PART_TYPES")
+    assert set(listed) == set(PART_TYPES) == set(FILE_BLK) - {T.Q8_0}
+    assert all(int(t) == c for t, c in listed.items())
+
+
+@IGNORE_NAN_WARNINGS
+@pytest.mark.parametrize("source", ["random_rows", "random_bytes", "special_scales"])
+@pytest.mark.parametrize("qtype", PART_TYPES, ids=[t.name for t in PART_TYPES])
+def test_parts_read_from_the_file_are_the_packed_parts(lib, qtype, source):
+    """rq_part (what matvec.cuh's FileBlk reads from a staged file block, 8 values a lane) gives rq_pack's numbers in
+    the type's own format for every part: the scale of its half and its minimum bit for bit, the 8 codes byte for
+    byte, so the file-row mat-vec and the packed one compute the same bits."""
+    from lane.kernels.weights import rq_block_bytes, rq_format
+
+    raw = _rows(qtype, "random_bytes" if source == "special_scales" else source, 5, n=2048)
+    if source == "special_scales":
+        specials = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, 6e-8, 65504.0], np.float16).view(np.uint8)
+        bb = quants.fmt(qtype).block_bytes
+        blocks = raw.reshape(-1, bb)
+        for i in range(blocks.shape[0]):
+            for at in F16_FIELDS.get(qtype, (0,)):
+                blocks[i, at:at + 2] = specials.reshape(-1, 2)[i % 7]
+    rows, nsub = raw.shape[0], 2048 // 32
+    tab = decode_tables.host_tables()
+    fmt = rq_format(qtype)
+    ns, nm = fmt
+    packed = np.empty((rows, nsub * rq_block_bytes(fmt)), np.uint8)
+    assert lib.dq_pack(int(qtype), _ptr(raw), rows, raw.shape[1], nsub, _ptr(tab), ns, nm, _ptr(packed)) == 0
+    n = rows * nsub * 4
+    scale, minimum, words = np.empty(n, np.float32), np.empty(n, np.float32), np.empty(2 * n, np.uint32)
+    assert lib.dq_parts(int(qtype), _ptr(raw), rows, raw.shape[1], nsub, _ptr(tab), _ptr(scale), _ptr(minimum),
+                        _ptr(words)) == 0
+    blocks = packed.reshape(rows * nsub, -1)
+    f = blocks[:, :4 * (ns + nm)].copy().view(np.float32)
+    half = np.arange(4) // 2 if ns == 2 else np.zeros(4, np.int64)
+    assert_bits_equal(scale.reshape(-1, 4), f[:, :ns][:, half], f"{qtype.name} scale")
+    want_min = f[:, ns:ns + 1][:, [0, 0, 0, 0]] if nm else np.zeros((rows * nsub, 4), np.float32)
+    assert_bits_equal(minimum.reshape(-1, 4), want_min, f"{qtype.name} minimum")
+    codes = blocks[:, 4 * (ns + nm):].copy().view(np.uint32)  # 8 words a block: part p's are 2p, 2p + 1
+    assert np.array_equal(words.reshape(-1, 8), codes), f"{qtype.name}: codes differ"
 
 
 # byte offsets of each block's f16 fields (d, and dmin / m where there is one); IQ1_M spreads d over nibbles

@@ -241,22 +241,24 @@ def test_norm_matvec_is_rms_norm_then_matvec(cp, D, qt, rows, cols):
     assert np.array_equal(y.get().view(np.uint32), matvec.matvec(W, h[0]).get().view(np.uint32))
 
 
+@pytest.mark.parametrize("qt", [T.Q8_0, T.IQ3_S], ids=lambda t: t.name)
 @pytest.mark.parametrize("rows,cols", [(2048, 4096), (512, 2048), (130, 256)])
-def test_matvec_qx(cp, D, rows, cols):
-    """The Q8_0 mat-vec on x quantised to 8 bits (qx, the o projection of a decode step): the function of
-    matvec_q8x_ref summed in float32 within 1e-5 of its float64 value, with a residual out of place and in place
+def test_matvec_qx(cp, D, rows, cols, qt):
+    """The Q8_0 and IQ3_S mat-vecs on x quantised to 8 bits (qx, the o projection of a decode step): the function
+    of matvec_qx_ref summed in float32 within 1e-5 of its float64 value, with a residual out of place and in place
     (same bits), every plan; plans of one warp a row give the same bits."""
     rng = np.random.default_rng(rows * cols)
-    raw = rand_weight(rng, T.Q8_0, rows, cols)
-    W = weights.DenseWeight.upload(raw, T.Q8_0, cols)
-    W64 = quants.dequantize(T.Q8_0, raw).astype(np.float64)
+    raw = rand_weight(rng, qt, rows, cols)
+    W = weights.DenseWeight.upload(raw, qt, cols)
+    assert W.fast and W.takes_qx
+    W64 = quants.dequantize(qt, raw).astype(np.float64)
     x = rng.standard_normal(cols, dtype=F32) * F32(rng.uniform(0.05, 20))
     x[rng.integers(cols)] = 0  # a zero, and a group of zeros (scale 0)
     x[32:64] = 0
     xr = matvec.quantize_row(x)
     q, d = xr[:cols].astype(np.float64), xr[cols:].view(F32).astype(np.float64)
     xq64 = (q.reshape(-1, 32) * d[:, None]).reshape(-1)
-    ref = matvec.matvec_q8x_ref(raw, x)
+    ref = matvec.matvec_qx_ref(raw, qt, x)
     assert bound_err(ref, W64, xq64) <= 1e-6
     res = rng.standard_normal(rows, dtype=F32)
     xd, rd = cp.asarray(xr), cp.asarray(res)
@@ -277,7 +279,7 @@ def test_matvec_qx(cp, D, rows, cols):
     assert all(np.array_equal(v.view(np.uint32), first.view(np.uint32)) for v in one_warp.values())
     note("matvec qx normwise vs float x", normwise(first, W64 @ x.astype(np.float64)))
     Wf = weights.DenseWeight.upload(rand_weight(rng, T.F16, 64, cols), T.F16, cols)
-    with pytest.raises(ValueError, match="8-bit x takes fast Q8_0"):
+    with pytest.raises(ValueError, match="8-bit x takes fast Q8_0 or IQ3_S"):
         matvec.matvec(Wf, xd, qx=True)
     with pytest.raises(TypeError, match="x \\(8-bit\\) must be"):
         matvec.matvec(W, cp.asarray(x), qx=True)

@@ -6,7 +6,8 @@ decode.cuh itself is checked bit for bit against stratad.model.quants on the hos
 the kernels that use it:
   mat-vec (rows packed at upload, and decode.cuh's per-type template): |y - y64| <= 1e-5 * (|W| @ |x|)
     elementwise, test_gpu_dense's bound; bits independent of the rows a warp takes (a row's sum order depends only
-    on KS);
+    on KS); Q4_K, Q6_K and IQ3_S rows read as the file holds them: the packed rows' bits on every plan, alone, with
+    the norm folded in and as a pair of types in one launch;
   dequantised float16 copy (the prompt GEMM's operand): dequantize(...).astype(float16), bit for bit;
   embedding rows: dequantize(...), bit for bit; a bad id gives a NaN row.
 Outputs are poisoned with NaN first; every test synchronises.
@@ -25,7 +26,8 @@ from stratad.model.gguf_file import ModelFile
 gpu = pytest.mark.gpu
 F32 = np.float32
 ALL = list(quants.FORMATS)
-FAST = (T.F32, T.F16, T.BF16, T.Q8_0)
+FAST = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_K, T.Q6_K, T.IQ3_S)  # lane.kernels.device.FAST
+PART_TYPES = (T.Q4_K, T.Q6_K, T.IQ3_S)  # read as the file holds them, decoded by decode.cuh's rq_part
 MIXES = ("iq3_s", "iq3_m", "q4_k_s")  # tiny: IQ3_S / IQ3_S / Q4_K experts; dense IQ3_S, Q4_K, Q5_K, Q6_K
 
 
@@ -55,7 +57,7 @@ def test_gpu_card_accepts_mixes_with_gpu_expert_types(mix_model, mix):
     of every type included."""
     m = mix_model(mix)
     dense = {ti.qtype for n, ti in m.tensors.items() if "_exps." not in n} - {T.F32}
-    assert dense - set(FAST), f"{mix}: no dense matrix off the fast paths"
+    assert dense - {T.F16, T.BF16, T.Q8_0}, f"{mix}: no K- or I-quant dense matrix"
     check_model(m)
 
 
@@ -107,15 +109,16 @@ def cols_for(qt, cols):
 @pytest.mark.parametrize("shape", [(130, 256), (512, 2048), (96, 768)], ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("qt", ALL, ids=_ids(ALL))
 def test_matvec_every_type(D, qt, shape, path):
-    """packed: the quantised types as the card reads them, rows packed at upload (weights.PackedRows) through the
-    Q8_0 body's ring, every plan of PLANS; decode: the rows as the file holds them through decode.cuh's mat-vec
-    (pack=False, and the fast types 1 byte off alignment), every plan of DQ_PLANS."""
+    """packed: the quantised types off the fast paths (and Q4_K / Q6_K / IQ3_S rows the fast path declines) as the
+    card reads them, rows packed at upload (weights.PackedRows) through the block ring, every plan of PLANS; decode:
+    the rows as the file holds them through decode.cuh's mat-vec (pack=False, and the fast types 1 byte off
+    alignment), every plan of DQ_PLANS."""
     from lane.kernels import matvec, weights
     from lane.kernels.weights import DenseWeight
 
     cp = D
-    if path == "packed" and qt in FAST:
-        pytest.skip("the fast paths read F32 / F16 / BF16 / Q8_0 rows as the file holds them")
+    if path == "packed" and qt in FAST and quants.fmt(qt).row_bytes(shape[1]) % 16 == 0:
+        pytest.skip("the fast paths read these rows as the file holds them (test_file_rows_are_the_packed_rows)")
     rng = np.random.default_rng([int(qt), *shape])
     rows, cols = shape
     raw = rand_raw(rng, qt, rows, cols)
@@ -193,10 +196,93 @@ def test_embed_every_type(D, qt):
 
 
 @gpu
+@pytest.mark.parametrize("qt", PART_TYPES, ids=_ids(PART_TYPES))
+@pytest.mark.parametrize("shape", [(130, 2048), (2048, 4096), (96, 6144), (70, 1280)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_file_rows_are_the_packed_rows(D, qt, shape):
+    """Q4_K / Q6_K / IQ3_S rows read as the file holds them (matvec.cuh FileBlk: a lane decodes its 8 values with
+    decode.cuh's rq_part, tiles staged from the 16-byte boundary below them) give the packed rows' bits (the same
+    terms on the same numbers), on every plan of PLANS, with a residual out of place and in place, and with the
+    norm folded in on every plan norm_matvec takes; and stay within the dequantised product's bound. Shapes: tiles
+    starting 8 bytes past a boundary (IQ3_S, Q6_K: 440 / 840 bytes a tile), a last tile of 8 sub-blocks (Q4_K at
+    1280 columns; the other two need cols % 2048 == 0 for 16-byte rows)."""
+    from lane.kernels import matvec, weights
+    from lane.kernels.weights import DenseWeight, PackedRows
+
+    cp = D
+    rows, cols = shape
+    if quants.fmt(qt).row_bytes(cols) % 16:
+        pytest.skip(f"{qt.name} rows of {cols} are not 16-byte rows: packed (test_matvec_every_type)")
+    rng = np.random.default_rng([int(qt), *shape])
+    raw = rand_raw(rng, qt, rows, cols)
+    W = DenseWeight.upload(raw, qt, cols)
+    assert W.fast and W.packed is None and W.plan() in weights.PLANS
+    P = DenseWeight.upload(raw, qt, cols)
+    P.packed = PackedRows.pack(P)  # the same rows through the packed path
+    W64 = quants.dequantize(qt, raw).astype(np.float64)
+    x = rng.standard_normal(cols, dtype=F32) * F32(2)
+    r = rng.standard_normal(rows, dtype=F32)
+    xd, rd = cp.asarray(x), cp.asarray(r)
+    nw = cp.asarray(rng.uniform(0.5, 1.5, cols).astype(F32))
+
+    def bits(a):
+        return a.get().view(np.uint32)
+
+    for plan in (None,) + weights.PLANS:
+        got, want = (matvec.matvec(M, xd, cp.full(rows, np.nan, cp.float32), residual=rd, plan=plan) for M in (W, P))
+        inplace = rd.copy()
+        matvec.matvec(W, xd, inplace, residual=inplace, plan=plan)
+        cp.cuda.Device().synchronize()
+        assert np.array_equal(bits(got), bits(want)), f"{plan}: file rows differ from packed rows"
+        assert np.array_equal(bits(inplace), bits(got)), plan
+        assert bound_err(got.get(), W64, x.astype(np.float64), r) <= 1e-5, plan
+    if cols <= matvec.NORM_MV_MAX_N:
+        for plan in (None,) + tuple(p for p in weights.PLANS if p[0] <= 2):
+            got, want = (matvec.norm_matvec(M, xd, nw, 1e-6, cp.full(rows, np.nan, cp.float32), plan=plan)
+                         for M in (W, P))
+            cp.cuda.Device().synchronize()
+            assert np.array_equal(bits(got), bits(want)), f"norm {plan}: file rows differ from packed rows"
+
+
+@gpu
+@pytest.mark.parametrize("types", [(T.IQ3_S, T.Q4_K), (T.Q4_K, T.Q6_K)], ids=["iq3_s-q4_k", "q4_k-q6_k"])
+def test_pair_of_file_types_in_one_launch(D, types):
+    """A llama.cpp mix's q and k of one type with attn_v of another (iq3_s: IQ3_S + Q4_K; q4_k_m: Q4_K + Q6_K) at
+    the a3b shape: concat stacks q and k into one part and the pair runs in one norm_matvec launch (the first
+    matrix's blocks, then the second's), the same bits as each part's own norm_matvec, on every plan of PAIR_PLANS,
+    with a residual; the plain mat-vec runs a launch a part."""
+    from lane.kernels import matvec, weights
+    from lane.kernels.weights import DenseWeight, StackedWeight
+
+    cp = D
+    rng = np.random.default_rng(19)
+    cols = 2048
+    parts = [(types[0], 4096), (types[0], 512), (types[1], 512)]
+    raws = [rand_raw(rng, qt, rows, cols) for qt, rows in parts]
+    W = DenseWeight.concat([DenseWeight.upload(raw, qt, cols) for raw, (qt, _) in zip(raws, parts)])
+    assert isinstance(W, StackedWeight) and W.pair and W.packed is None and len(W.parts) == 2
+    assert [p.rows for p in W.parts] == [4608, 512] and all(p.fast for p in W.parts)
+    assert matvec.norm_matvec_ok(W) and W.plan() in weights.PAIR_PLANS
+    x = cp.asarray(rng.standard_normal(cols, dtype=F32))
+    nw = cp.asarray(rng.uniform(0.5, 1.5, cols).astype(F32))
+    r = cp.asarray(rng.standard_normal(W.rows, dtype=F32))
+    for plan in (None,) + weights.PAIR_PLANS:
+        y = matvec.norm_matvec(W, x, nw, 1e-6, cp.full(W.rows, np.nan, cp.float32), residual=r, plan=plan)
+        want = cp.concatenate([matvec.norm_matvec(p, x, nw, 1e-6, residual=r[r0:r0 + p.rows], plan=plan or W.plan())
+                               for p, r0 in W.row_slices()])
+        cp.cuda.Device().synchronize()
+        assert np.array_equal(y.get().view(np.uint32), want.get().view(np.uint32)), plan
+    y = matvec.matvec(W, x)
+    want = cp.concatenate([matvec.matvec(p, x) for p, _ in W.row_slices()])
+    assert np.array_equal(y.get().view(np.uint32), want.get().view(np.uint32))
+    W64 = np.concatenate([quants.dequantize(qt, raw) for raw, (qt, _) in zip(raws, parts)]).astype(np.float64)
+    assert bound_err(y.get(), W64, x.get().astype(np.float64)) <= 1e-5
+
+
+@gpu
 def test_stacked_qkv_of_mixed_types(D):
-    """q, k, v of different types (a llama.cpp mix's attn_v): concat stacks them, packed alike (the widest format of
-    the parts, one launch); the mat-vec's rows are the parts' own packed the same way, bit for bit, and the float16
-    copy is the parts' copies one after the other."""
+    """q, k, v of different types off the file paths (iq3_xs's IQ3_XXS q and k with a Q4_K attn_v): concat stacks
+    them, packed alike (the widest format of the parts, one launch); the mat-vec's rows are the parts' own packed
+    the same way, bit for bit, and the float16 copy is the parts' copies one after the other."""
     from lane.kernels import gemm, matvec
     from lane.kernels import weights
     from lane.kernels.weights import DenseWeight, PackedRows, StackedWeight
@@ -204,18 +290,18 @@ def test_stacked_qkv_of_mixed_types(D):
     cp = D
     rng = np.random.default_rng(9)
     cols = 512
-    parts = [(T.IQ3_S, 256), (T.IQ3_S, 128), (T.Q4_K, 128)]
+    parts = [(T.IQ3_XXS, 256), (T.IQ3_XXS, 128), (T.Q4_K, 128)]
     raws = [rand_raw(rng, qt, rows, cols) for qt, rows in parts]
     ws = [DenseWeight.upload(raw, qt, cols) for raw, (qt, _) in zip(raws, parts)]
     W = DenseWeight.concat(ws)
-    assert isinstance(W, StackedWeight) and W.rows == 512 and not W.fast
-    assert W.packed is not None and W.packed.fmt == (1, 1)  # IQ3_S's (1, 0) widened to Q4_K's minimum
-    assert all(p.packed is None for p in ws)
+    assert isinstance(W, StackedWeight) and W.rows == 512 and not W.fast and not W.pair
+    assert W.packed is not None and W.packed.fmt == (1, 1)  # IQ3_XXS's (1, 0) widened to Q4_K's minimum
+    assert all(p.packed is None for p in W.parts)
     assert weights.rq_widest([(1, 1), (2, 0)]) == (2, 2)  # q4_k_m's Q4_K q / k and Q6_K v
     x = cp.asarray(rng.standard_normal(cols, dtype=F32))
     r = cp.asarray(rng.standard_normal(W.rows, dtype=F32))
     y = matvec.matvec(W, x, residual=r)
-    for p in ws:
+    for p in W.parts:  # q and k stacked as one part
         p.packed = PackedRows.pack(p, W.packed.fmt)
     want = cp.concatenate([matvec.matvec(p, x, residual=r[r0:r0 + p.rows]) for p, r0 in W.row_slices()])
     assert np.array_equal(y.get(), want.get())

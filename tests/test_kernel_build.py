@@ -13,8 +13,8 @@ import pytest
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "nvrtc_check.py"
 
 # the decode step's kernels: no stack frame (a spill there costs every token); prefix match
-DECODE_KERNELS = ("matvec_q8_0", "matvec_rq", "matvec_dq_", "norm_matvec_", "attn_split_", "expert_gateup", "expert_down",
-                  "route_pairs", "qk_norm_rope_kv")
+DECODE_KERNELS = ("matvec_q8_0", "matvec_q4_k", "matvec_q6_k", "matvec_iq3_s", "matvec_rq", "matvec_dq_", "norm_matvec",
+                  "attn_split_", "expert_gateup", "expert_down", "route_pairs", "qk_norm_rope_kv")
 
 
 @pytest.fixture(scope="module")
@@ -67,11 +67,14 @@ def test_every_kernel_a_wrapper_launches_is_in_its_source(usages):
     # the packed formats (weights.PackedRows): every type's own, and those a stack of types takes
     own = set(weights.RQ_FORMATS.values()) | {(1, 0)}
     packed = tuple(sorted({f"rq{ns}{nm}" for ns, nm in {weights.rq_widest([a, b]) for a in own for b in own}}))
+    # the types read as the file holds them (Q8_0 and decode.cuh's RQ_PART_TYPES), on 8-bit x too (QX_TYPES)
+    fast = tuple(device.QNAME[t] for t in device.FAST)
+    qx = tuple(f"{device.QNAME[t]}x" for t in weights.QX_TYPES)
+    pairs = tuple(f"{device.QNAME[a]}_{device.QNAME[b]}" for a, b in weights.FILE_PAIRS)
     wanted = {
-        "matvec.cu": {f"matvec_{names(q, R, KS)}" for q in ("q8_0", "q8_0x", "f16", "bf16", "f32") + packed
-                      for R, KS in weights.PLANS}
-        | {f"norm_matvec_{names(q, min(R, 2), KS)}" for q in ("q8_0", "f16", "bf16", "f32") + packed
-           for R, KS in weights.PLANS}
+        "matvec.cu": {f"matvec_{names(q, R, KS)}" for q in fast + qx + packed for R, KS in weights.PLANS}
+        | {f"norm_matvec_{names(q, min(R, 2), KS)}" for q in fast + packed for R, KS in weights.PLANS}
+        | {f"norm_matvec2_{names(ab, R, KS)}" for ab in pairs for R, KS in weights.PAIR_PLANS}
         | {f"matvec_dq_{names(q, R, KS)}" for q in every_type for R, KS in weights.DQ_PLANS}
         | {f"pack_rows_{q}" for q in quantised},
         "gemm.cu": {f"dequant_rows_{q}" for q in every_type} | {"convert_f32"},

@@ -193,9 +193,8 @@ template <> DQ_FN void dq_sub<8>(const dq_u8* b, int, const dq_u8*, DqSub& s) { 
 }
 
 // Q4_K / Q5_K: sub-block j's 6-bit scale and minimum (kquants._scale_min_k4), scale = d sc, minimum = dmin m
-DQ_FN void dq_k4_scales(const dq_u8* b, int j, DqSub& s) {
+DQ_FN void dq_k4_scale_min(const dq_u8* b, int j, int& sc, int& mn) {
     const dq_u8* q = b + 4;
-    int sc, mn;
     if (j < 4) {
         sc = q[j] & 63;
         mn = q[4 + j] & 63;
@@ -203,6 +202,10 @@ DQ_FN void dq_k4_scales(const dq_u8* b, int j, DqSub& s) {
         sc = (q[4 + j] & 15) | ((q[j - 4] >> 2) & 0x30);
         mn = (q[4 + j] >> 4) | ((q[j] >> 2) & 0x30);
     }
+}
+DQ_FN void dq_k4_scales(const dq_u8* b, int j, DqSub& s) {
+    int sc, mn;
+    dq_k4_scale_min(b, j, sc, mn);
     dq_plain(s, dq_mul(dq_f16(b), dq_i2f(sc)));
     s.minimum = dq_mul(dq_f16(b + 2), dq_i2f(mn));
 }
@@ -359,6 +362,101 @@ template <int QT> DQ_FN void rq_pack(const dq_u8* row, int s, const dq_u8* tab, 
         for (int i = 0; i < 4; ++i) out[4 * k + i] = (dq_u8)(u >> (8 * i));
     }
     for (int v = 0; v < 32; ++v) out[4 * (ns + nm) + v] = (dq_u8)d.code[v];
+}
+
+// ---- a part of a packed block, read from the file's block -----------------------------------------------------
+// Part p (values 8p .. 8p + 7) of sub-block j of the block at b with rq_pack's numbers in the type's own format:
+// the scale of the part's 16-value half, its minimum (0 where the format has none) and its 8 codes as int8 in two
+// little-endian words. The mat-vec that reads these types' rows as the file holds them (matvec.cuh FileBlk) runs
+// the packed rows' term on them, so it gives the packed mat-vec's bits while reading the file's bytes (0.43-0.82 a
+// weight against 1.125-1.25 packed). Blocks are 2-byte aligned there (rows of 110- and 210-byte blocks staged from
+// a 16-byte boundary; Q4_K's 144-byte blocks 16-byte aligned), and no word read passes a block's end.
+#define RQ_PART_TYPES(X) X(q4_k, 12) X(q6_k, 14) X(iq3_s, 21)  // the types with an rq_part
+struct RqPart {
+    float scale, minimum;
+    dq_u32 qa, qb;
+};
+template <int QT> DQ_FN RqPart rq_part(const dq_u8* b, int j, int p, const dq_u8* tab);
+
+// a 2-byte aligned u16, and the u32 at 2-byte aligned p (two aligned words and a funnel shift on the device: the
+// second word is read even where p is 4-byte aligned, so 4 bytes past the field must be in the block)
+DQ_FN dq_u32 dq_h16(const dq_u8* p) {
+#ifdef __CUDA_ARCH__
+    return *(const dq_u16*)p;
+#else
+    return dq_rd16(p);
+#endif
+}
+DQ_FN dq_u32 dq_w32(const dq_u8* p) {
+#ifdef __CUDA_ARCH__
+    const dq_u32* a = (const dq_u32*)((unsigned long long)p & ~3ull);
+    return __funnelshift_r(a[0], a[1], 8u * ((dq_u32)(unsigned long long)p & 3u));
+#else
+    return dq_rd32(p);
+#endif
+}
+// a 4-byte aligned u32 (a 16-byte aligned block's field)
+DQ_FN dq_u32 dq_w32a(const dq_u8* p) {
+#ifdef __CUDA_ARCH__
+    return *(const dq_u32*)p;
+#else
+    return dq_rd32(p);
+#endif
+}
+// four table bytes (a grid entry) at a 4-byte aligned offset of the table blob (global memory on the device)
+DQ_FN dq_u32 dq_tab32(const dq_u8* tab, int off) {
+#ifdef __CUDA_ARCH__
+    return __ldg((const dq_u32*)(tab + off));
+#else
+    return dq_rd32(tab + off);
+#endif
+}
+// the int8 of g (magnitudes 1..127) negated where bits 0-3 of s say (bit i: byte i): bit i spread to bit 8 i by
+// one multiply, a byte mask of it, then two's complement (v ^ 0xff) + 1, which cannot carry out of a byte
+DQ_FN dq_u32 dq_neg4(dq_u32 g, dq_u32 s) {
+    const dq_u32 m = ((s * 0x00204081u) & 0x01010101u) * 0xffu;
+    return (g ^ m) + (m & 0x01010101u);
+}
+
+template <> DQ_FN RqPart rq_part<21>(const dq_u8* b, int j, int p, const dq_u8* tab) {  // IQ3_S
+    RqPart o;
+    o.scale = dq_mul(dq_h2f((dq_u16)dq_h16(b)), dq_i2f(1 + 2 * ((b[106 + (j >> 1)] >> (4 * (j & 1))) & 15)));
+    o.minimum = 0.f;
+    const dq_u32 qs = dq_h16(b + 2 + 8 * j + 2 * p);  // the part's two grid entries, index bit 8 from qh
+    const dq_u32 qh = (dq_u32)b[66 + j] >> (2 * p);
+    const dq_u32 sg = b[74 + 4 * j + p];  // the part's 8 sign bits
+    o.qa = dq_neg4(dq_tab32(tab, DQ_TAB_IQ3S + 4 * (int)((qs & 255u) | ((qh & 1u) << 8))), sg & 15u);
+    o.qb = dq_neg4(dq_tab32(tab, DQ_TAB_IQ3S + 4 * (int)((qs >> 8) | ((qh & 2u) << 7))), sg >> 4);
+    return o;
+}
+template <> DQ_FN RqPart rq_part<12>(const dq_u8* b, int j, int p, const dq_u8*) {  // Q4_K
+    RqPart o;
+    int sc, mn;
+    dq_k4_scale_min(b, j, sc, mn);
+    o.scale = dq_mul(dq_h2f((dq_u16)dq_rd16(b)), dq_i2f(sc));
+    o.minimum = dq_mul(dq_h2f((dq_u16)dq_rd16(b + 2)), dq_i2f(mn));
+    const dq_u8* q = b + 16 + 32 * (j >> 1) + 8 * p;
+    const int sh = 4 * (j & 1);
+    o.qa = (dq_w32a(q) >> sh) & 0x0f0f0f0fu;
+    o.qb = (dq_w32a(q + 4) >> sh) & 0x0f0f0f0fu;
+    return o;
+}
+// Q6_K's code - 32 a byte from 4 low bits and 2 high ones: c ^ 32 is it where c >= 32; below, bits 6 and 7 are set
+DQ_FN dq_u32 dq_q6(dq_u32 lo, dq_u32 hi, int r) {
+    const dq_u32 c = ((lo >> (4 * (r >> 1))) & 0x0f0f0f0fu) | (((hi >> (2 * r)) & 0x03030303u) << 4);
+    const dq_u32 x = c ^ 0x20202020u;
+    return x | ((x & 0x20202020u) * 6u);
+}
+template <> DQ_FN RqPart rq_part<14>(const dq_u8* b, int j, int p, const dq_u8*) {  // Q6_K
+    RqPart o;
+    const int g = j >> 2, r = j & 3;
+    o.scale = dq_mul(dq_h2f((dq_u16)dq_h16(b + 208)), dq_i2f((signed char)b[192 + 2 * j + (p >> 1)]));
+    o.minimum = 0.f;
+    const dq_u8* lo = b + 64 * g + 32 * (r & 1) + 8 * p;
+    const dq_u8* hi = b + 128 + 32 * g + 8 * p;
+    o.qa = dq_q6(dq_w32(lo), dq_w32(hi), r);
+    o.qb = dq_q6(dq_w32(lo + 4), dq_w32(hi + 4), r);
+    return o;
 }
 
 // a float element type's value at byte p

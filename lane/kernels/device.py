@@ -16,10 +16,12 @@ from stratad.model import quants
 
 from .compile import load_module
 
-# every type of stratad.model.quants and its kernels' suffix (decode.cuh's type lists); FAST: the types with
-# hand-written mat-vec paths (matvec.cuh), the rest go through decode.cuh's per-type template
+# every type of stratad.model.quants and its kernels' suffix (decode.cuh's type lists); FAST: the types whose rows
+# the mat-vec reads as the file holds them (matvec.cuh: the float types, Q8_0, and the types with a per-lane
+# decoder, decode.cuh's RQ_PART_TYPES); the other quantised types are packed at upload (weights.PackedRows)
 QNAME = {t: t.name.lower() for t in quants.DENSE_TYPES}
-FAST = (T.F32, T.F16, T.BF16, T.Q8_0)
+FILE_BLK = (T.Q8_0, T.Q4_K, T.Q6_K, T.IQ3_S)
+FAST = (T.F32, T.F16, T.BF16) + FILE_BLK
 
 _lock = threading.Lock()
 _mods: dict[tuple[str, int], "Module"] = {}

@@ -5,35 +5,39 @@
 #include "norm.cuh"
 #include "matvec.cuh"
 
-// the packed formats of the quantised types without a fast path of their own (weights.RQ_FORMATS)
+// the packed formats of the quantised types without a fast path of their own (weights.RQ_FORMATS), and the types
+// read as the file holds them (decode.cuh RQ_PART_TYPES)
 typedef RqBlk<1, 0> Rq10;
 typedef RqBlk<1, 1> Rq11;
 typedef RqBlk<2, 0> Rq20;
 typedef RqBlk<2, 2> Rq22;
+#define FILE_BLK_TYPEDEF(name, code) typedef FileBlk<code> Fb_##name;
+RQ_PART_TYPES(FILE_BLK_TYPEDEF)
 
 // Block rows (format F): x staged in shared memory where it fits beside the smaller ring, else read from global
-// memory (and on 8-bit x, QX: Q8_0 only)
+// memory (and on 8-bit x, QX: formats without a minimum). tab: decode.cuh's table blob (the IQ grids).
 #define MV_BLK_INST(NAME, F, R, KS, QX)                                                                         \
     extern "C" __global__ void __launch_bounds__(256, 3) NAME(const u8* __restrict__ W, int rows, int ncu,          \
                                                               i64 row_bytes, const float* __restrict__ x,        \
-                                                              const float* res, float* y) {                      \
+                                                              const float* res, float* y,                        \
+                                                              const u8* __restrict__ tab) {                      \
         extern __shared__ __align__(16) u8 mv_smem[];                                                             \
         if (!QX && R <= 2 && ncu * 32 <= NORM_MV_MAX_N) {                                                         \
             float* xs = (float*)mv_smem;  /* x staged once: the tile steps read it from shared memory */          \
             matvec_blk_body<F, R, KS, F::NORM_RING, true, false>(                                                 \
-                W, rows, ncu, row_bytes, xs, res, y, mv_smem + 4 * NORM_MV_MAX_N, [&] {                          \
+                W, rows, ncu, row_bytes, tab, xs, res, y, mv_smem + 4 * NORM_MV_MAX_N, blockIdx.x, [&] {         \
                     PDL_ENTRY();                                                                                  \
                     stage_row(x, ncu * 32, xs);                                                                   \
                     __syncthreads();                                                                              \
                 });                                                                                               \
         } else                                                                                                    \
-            matvec_blk_body<F, R, KS, F::RING, false, QX>(W, rows, ncu, row_bytes, x, res, y, mv_smem,            \
-                                                          [] { PDL_ENTRY(); });                                   \
+            matvec_blk_body<F, R, KS, F::RING, false, QX>(W, rows, ncu, row_bytes, tab, x, res, y, mv_smem,       \
+                                                          blockIdx.x, [] { PDL_ENTRY(); });                       \
     }
 #define MV_FLOAT_INST(NAME, QT, R, KS, QX)                                                                      \
     extern "C" __global__ void __launch_bounds__(256, 1) NAME(const u8* __restrict__ W, int rows, int ncu,          \
                                                            i64 row_bytes, const float* __restrict__ x,           \
-                                                           const float* res, float* y) {                         \
+                                                           const float* res, float* y, const u8* __restrict__) {  \
         matvec_float_body<QT, R, KS, false>(W, rows, ncu, row_bytes, x, res, y, [] { PDL_ENTRY(); });            \
     }
 #define MV_PLANS(INST, QN, F, QX)                                                                             \
@@ -53,6 +57,9 @@ MV_PLANS(MV_BLK_INST, rq10, Rq10, false)
 MV_PLANS(MV_BLK_INST, rq11, Rq11, false)
 MV_PLANS(MV_BLK_INST, rq20, Rq20, false)
 MV_PLANS(MV_BLK_INST, rq22, Rq22, false)
+#define MV_FILE_PLANS(name, code) MV_PLANS(MV_BLK_INST, name, Fb_##name, false)
+RQ_PART_TYPES(MV_FILE_PLANS)
+MV_PLANS(MV_BLK_INST, iq3_sx, Fb_iq3_s, true)  // on 8-bit x (the o projection of llama.cpp's IQ3 mixes)
 MV_PLANS(MV_FLOAT_INST, f16, QT_F16, false)
 MV_PLANS(MV_FLOAT_INST, bf16, QT_BF16, false)
 MV_PLANS(MV_FLOAT_INST, f32, QT_F32, false)
@@ -189,22 +196,36 @@ __device__ __forceinline__ void norm_stage(const float* __restrict__ x, const fl
             quant32(xs[g * 32 + lane], lane, q + (i64)g * 32, d + g);
 }
 
-#define NORM_MV_HEAD(NAME, LB)                                                                                \
+#define NORM_MV_HEAD(NAME, LB, ...)                                                                           \
     extern "C" __global__ void __launch_bounds__(256, LB) NAME(                                                   \
         const u8* __restrict__ W, int rows, int ncu, i64 row_bytes, const float* __restrict__ x,                 \
         const float* res, float* y, const float* __restrict__ nw, int n, int L, int NL, float eps,               \
-        signed char* __restrict__ q, float* __restrict__ d) {                                                    \
+        signed char* __restrict__ q, float* __restrict__ d, const u8* __restrict__ tab __VA_ARGS__) {            \
         extern __shared__ __align__(16) u8 mv_smem[];                                                             \
         float* xs = (float*)mv_smem;                                                                              \
         auto wait = [&] { norm_stage(x, nw, n, L, NL, eps, xs, q, d); };
 #define NORM_MV_BLK_INST(NAME, F, R, KS)                                                                      \
-    NORM_MV_HEAD(NAME, 3)                                                                                     \
-    matvec_blk_body<F, R, KS, F::NORM_RING, true, false>(W, rows, ncu, row_bytes, xs, res, y,                    \
-                                                         mv_smem + 4 * NORM_MV_MAX_N, wait);                     \
+    NORM_MV_HEAD(NAME, 3, )                                                                                   \
+    matvec_blk_body<F, R, KS, F::NORM_RING, true, false>(W, rows, ncu, row_bytes, tab, xs, res, y,               \
+                                                         mv_smem + 4 * NORM_MV_MAX_N, blockIdx.x, wait);         \
     }
 #define NORM_MV_FLOAT_INST(NAME, QT, R, KS)                                                                   \
-    NORM_MV_HEAD(NAME, 1)                                                                                     \
+    NORM_MV_HEAD(NAME, 1, )                                                                                   \
     matvec_float_body<QT, R, KS, true>(W, rows, ncu, row_bytes, xs, res, y, wait);                               \
+    }
+// Two matrices of one width and two file types in one launch (a llama.cpp mix's q and k, then its attn_v of
+// another type): the first nblk blocks run the first (W, rows rows), the rest the second (W2, rows2 rows) into
+// the rows after it; every block stages the normalised row.
+#define NORM_MV_PAIR_INST(NAME, FA, FB, R, KS)                                                                \
+    NORM_MV_HEAD(NAME, 3, , const u8* __restrict__ W2, int rows2, i64 row_bytes2, int nblk)                   \
+    u8* ring = mv_smem + 4 * NORM_MV_MAX_N;                                                                   \
+    if ((int)blockIdx.x < nblk)                                                                               \
+        matvec_blk_body<FA, R, KS, FA::NORM_RING, true, false>(W, rows, ncu, row_bytes, tab, xs, res, y, ring,  \
+                                                               blockIdx.x, wait);                              \
+    else                                                                                                      \
+        matvec_blk_body<FB, R, KS, FB::NORM_RING, true, false>(W2, rows2, ncu, row_bytes2, tab, xs,            \
+                                                               res ? res + rows : res, y + rows, ring,         \
+                                                               blockIdx.x - nblk, wait);                       \
     }
 #define NORM_MV_PLANS(INST, QN, F)                                                                            \
     INST(norm_matvec_##QN##_r2_k1, F, 2, 1)                                                                   \
@@ -219,6 +240,18 @@ NORM_MV_PLANS(NORM_MV_BLK_INST, rq10, Rq10)
 NORM_MV_PLANS(NORM_MV_BLK_INST, rq11, Rq11)
 NORM_MV_PLANS(NORM_MV_BLK_INST, rq20, Rq20)
 NORM_MV_PLANS(NORM_MV_BLK_INST, rq22, Rq22)
+#define NORM_MV_FILE_PLANS(name, code) NORM_MV_PLANS(NORM_MV_BLK_INST, name, Fb_##name)
+RQ_PART_TYPES(NORM_MV_FILE_PLANS)
+// the pairs of file types llama.cpp's mixes stack (weights.FILE_PAIRS: IQ3_S q, k with Q4_K v; Q4_K with Q6_K):
+// norm_matvec2_<first>_<second>
+#define NORM_MV_PAIR(A, B) NORM_MV_PAIR_PLANS(A##_##B, Fb_##A, Fb_##B)
+#define NORM_MV_PAIR_PLANS(AB, FA, FB)                                                                       \
+    NORM_MV_PAIR_INST(norm_matvec2_##AB##_r2_k1, FA, FB, 2, 1)                                                \
+    NORM_MV_PAIR_INST(norm_matvec2_##AB##_r1_k1, FA, FB, 1, 1)                                                \
+    NORM_MV_PAIR_INST(norm_matvec2_##AB##_r1_k2, FA, FB, 1, 2)                                                \
+    NORM_MV_PAIR_INST(norm_matvec2_##AB##_r2_k2, FA, FB, 2, 2)
+NORM_MV_PAIR(iq3_s, q4_k)
+NORM_MV_PAIR(q4_k, q6_k)
 NORM_MV_PLANS(NORM_MV_FLOAT_INST, f16, QT_F16)
 NORM_MV_PLANS(NORM_MV_FLOAT_INST, bf16, QT_BF16)
 NORM_MV_PLANS(NORM_MV_FLOAT_INST, f32, QT_F32)

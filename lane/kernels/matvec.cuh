@@ -3,10 +3,10 @@
 // Block = 8 warps. A warp owns R rows (its "row group"); KS warps of a block split a row group's K dimension
 // (tiles round-robin) and are summed in shared memory in warp order (deterministic). Loads are 16-byte,
 // coalesced, several tiles in flight per warp (R * U = 4 row-tiles for Q8_0, 8 for the float types).
-// Block rows (Q8_0's 34-byte blocks as the file holds them, or the packed rows of every other quantised type, below)
-// stream through a per-warp cp.async ring in shared memory (tile = 32 blocks, e.g. 1088 bytes for Q8_0; several
-// row-tiles in flight per warp), then four lanes dot a block of a tile, 8 values each; needs row_bytes % 16 == 0
-// (cols % 256 == 0).
+// Block rows (Q8_0, Q4_K, Q6_K and IQ3_S as the file holds them, or the packed rows of every other quantised type,
+// below) stream through a per-warp cp.async ring in shared memory (tile = 32 sub-blocks of 32 values, e.g. 1088
+// bytes for Q8_0, 440 for IQ3_S; several row-tiles in flight per warp), then four lanes dot a sub-block of a tile,
+// 8 values each; needs row_bytes % 16 == 0 and cols % 256 == 0.
 // =============================================================================================================
 #define MV_WARPS 8
 
@@ -43,12 +43,22 @@ __device__ __forceinline__ void mv_finish(float (&acc)[R], int rg, int rows, con
     }
 }
 
-// The blocks of 32 values the ring mat-vec reads, as formats: BB bytes a block, RING / NORM_RING row-tiles in flight
-// a warp (NORM_RING where x shares the block's shared memory; both keep three blocks an SM), and term(): a lane's 8
-// values (part `sub`, 0-3) of the staged block at byte `boff` dotted with x0, x1, added to acc.
+// The rows the ring mat-vec reads, as formats: blocks of SB bytes holding NSUB sub-blocks of 32 values, TILE the
+// bytes of a tile's 32 sub-blocks, SLOT a row's bytes of a ring stage (a tile staged from the 16-byte boundary
+// below it: mis(tile) bytes before its first block), RING / NORM_RING row-tiles in flight a warp (NORM_RING where x
+// shares the block's shared memory; both keep three blocks an SM), and term(): a lane's 8 values (part `sub`, 0-3)
+// of sub-block b of the tile staged at byte `base` dotted with x0, x1, added to acc. part_q (no minimum): the
+// part's scale and its 8 int8 codes, for the 8-bit x path.
+template <int NSUB_, int SB_, int RING_, int NORM_RING_> struct BlkGeom {
+    static constexpr int NSUB = NSUB_, SB = SB_, TILE = 32 / NSUB_ * SB_;
+    static constexpr int SLOT = (TILE + TILE % 16 + 15) / 16 * 16;  // TILE % 16 is 0 or 8 (2-byte aligned blocks)
+    static constexpr int RING = RING_, NORM_RING = NORM_RING_;
+    static_assert(TILE % 16 == 0 || TILE % 16 == 8, "tiles staged from a 16-byte boundary");
+    static __device__ __forceinline__ u32 mis(int tile) { return TILE % 16 ? (u32)(tile * TILE) & 15u : 0u; }
+};
 // Q8_0 as the file holds it: f16 scale, 32 int8, blocks only 2-byte aligned, so the words are funnel-shifted.
-struct Q8Blk {
-    static constexpr int BB = 34, RING = 8, NORM_RING = 6;
+struct Q8Blk : BlkGeom<1, 34, 8, 6> {
+    static constexpr int BB = 34;
     static __device__ __forceinline__ float scale_q(const u8* sbv, u32 boff, int sub, u32& qa, u32& qb) {
         const float d = h2f(*(const u16*)(sbv + boff));
         const u32 qoff = boff + 2 + 8 * sub;
@@ -60,10 +70,15 @@ struct Q8Blk {
         qb = shf_r_clamp(w1, w2, sh);
         return d;
     }
-    static __device__ __forceinline__ float term(const u8* sbv, u32 boff, int sub, float4 x0, float4 x1, float acc) {
+    static __device__ __forceinline__ float term(const u8* sbv, u32 base, int b, int sub, const u8*, float4 x0,
+                                                 float4 x1, float acc) {
         u32 qa, qb;
-        const float d = scale_q(sbv, boff, sub, qa, qb);
+        const float d = scale_q(sbv, base + BB * b, sub, qa, qb);
         return f_fma(d, dot8(qa, qb, x0, x1), acc);
+    }
+    static __device__ __forceinline__ float part_q(const u8* sbv, u32 base, int b, int sub, const u8*, u32& qa,
+                                                   u32& qb) {
+        return scale_q(sbv, base + BB * b, sub, qa, qb);
     }
     // the 8 int8 of qa, qb times x0, x1 (two chains, then their sum)
     static __device__ __forceinline__ float dot8(u32 qa, u32 qb, float4 x0, float4 x1) {
@@ -80,66 +95,95 @@ struct Q8Blk {
         return f_add(a0, a1);
     }
 };
+// value = scale * code - minimum over a lane's 8 values (8 int8 codes in qa, qb): the packed rows' term
+template <bool MIN>
+__device__ __forceinline__ float rq_term(float s, float m, u32 qa, u32 qb, float4 x0, float4 x1, float acc) {
+    acc = f_fma(s, Q8Blk::dot8(qa, qb, x0, x1), acc);
+    if (MIN) {
+        const float sx = f_add(f_add(f_add(x0.x, x0.y), f_add(x0.z, x0.w)), f_add(f_add(x1.x, x1.y), f_add(x1.z, x1.w)));
+        acc = f_fma(-m, sx, acc);
+    }
+    return acc;
+}
 // A packed row (decode.cuh rq_pack): NS float32 scales (a 32 or 16 values), NM float32 minimums (none, or one a
 // scale), 32 int8 codes; value = scale * code - minimum. A lane's 8 values lie in one 16-value half.
-template <int NS, int NM> struct RqBlk {
+template <int NS, int NM> struct RqBlk : BlkGeom<1, 32 + 4 * (NS + NM), 8 * 34 / (32 + 4 * (NS + NM)),
+                                                 6 * 34 / (32 + 4 * (NS + NM))> {  // Q8_0's ring bytes, or less
     static constexpr int BB = 32 + 4 * (NS + NM);
-    static constexpr int RING = 8 * 34 / BB, NORM_RING = 6 * 34 / BB;  // Q8_0's ring bytes, or less
-    static __device__ __forceinline__ float term(const u8* sbv, u32 boff, int sub, float4 x0, float4 x1, float acc) {
+    static __device__ __forceinline__ float term(const u8* sbv, u32 base, int b, int sub, const u8*, float4 x0,
+                                                 float4 x1, float acc) {
         const int h = NS == 2 ? sub >> 1 : 0;
-        const u32* wp = (const u32*)(sbv + boff);
-        const float s = __int_as_float(wp[h]);
-        const u32 qa = wp[NS + NM + 2 * sub], qb = wp[NS + NM + 2 * sub + 1];
-        acc = f_fma(s, Q8Blk::dot8(qa, qb, x0, x1), acc);
-        if (NM) {
-            const float m = __int_as_float(wp[NS + (NM == 2 ? h : 0)]);
-            const float sx = f_add(f_add(f_add(x0.x, x0.y), f_add(x0.z, x0.w)), f_add(f_add(x1.x, x1.y), f_add(x1.z, x1.w)));
-            acc = f_fma(-m, sx, acc);
-        }
-        return acc;
+        const u32* wp = (const u32*)(sbv + base + BB * b);
+        const float m = NM ? __int_as_float(wp[NS + (NM == 2 ? h : 0)]) : 0.f;
+        return rq_term<NM != 0>(__int_as_float(wp[h]), m, wp[NS + NM + 2 * sub], wp[NS + NM + 2 * sub + 1], x0, x1, acc);
+    }
+};
+// A type's rows as the file holds them (decode.cuh RQ_PART_TYPES): a lane decodes its part of the staged block with
+// rq_part (the packed format's numbers, so the packed rows' bits), reading the IQ types' grids from the table blob.
+template <int QT> struct FileBlk : BlkGeom<DqTraits<QT>::NSUB, DqTraits<QT>::BB, 8, 6> {
+    typedef BlkGeom<DqTraits<QT>::NSUB, DqTraits<QT>::BB, 8, 6> G;
+    static constexpr bool MIN = DqTraits<QT>::MIN != DQ_NO_MIN;
+    static __device__ __forceinline__ RqPart part(const u8* sbv, u32 base, int b, int sub, const u8* tab) {
+        return rq_part<QT>(sbv + base + (b / G::NSUB) * G::SB, b % G::NSUB, sub, tab);
+    }
+    static __device__ __forceinline__ float term(const u8* sbv, u32 base, int b, int sub, const u8* tab, float4 x0,
+                                                 float4 x1, float acc) {
+        const RqPart p = part(sbv, base, b, sub, tab);
+        return rq_term<MIN>(p.scale, p.minimum, p.qa, p.qb, x0, x1, acc);
+    }
+    static __device__ __forceinline__ float part_q(const u8* sbv, u32 base, int b, int sub, const u8* tab, u32& qa,
+                                                   u32& qb) {
+        static_assert(!MIN, "8-bit x: types without a minimum");
+        const RqPart p = part(sbv, base, b, sub, tab);
+        qa = p.qa;
+        qb = p.qb;
+        return p.scale;
     }
 };
 
-// F's rows: a warp's items are (its R rows) x (one tile of 32 blocks); P = RT/R items in flight through a cp.async
-// ring in (dynamic) shared memory: 8 warps x RT row-tiles x 32 F::BB bytes a block (69632 for Q8_0's 8 tiles).
-// `wait` runs once the first tiles are in flight: it waits for the predecessor (x and res are its output) and may
-// stage x.
+// F's rows: a warp's items are (its R rows) x (one tile of 32 sub-blocks); P = RT/R items in flight through a
+// cp.async ring in (dynamic) shared memory: 8 warps x RT row-tiles x F::SLOT bytes (69632 for Q8_0's 8 tiles).
+// nb: sub-blocks a row; blk: this block's index among the launch's blocks over these rows (blockIdx.x, or less
+// where one launch covers two matrices). `wait` runs once the first tiles are in flight: it waits for the
+// predecessor (x and res are its output) and may stage x.
 template <class F, int R, int KS, int RT, bool XS, bool QX, class Wait>
 __device__ __forceinline__ void matvec_blk_body(const u8* __restrict__ W, int rows, int nb, i64 row_bytes,
-                                                const float* x, const float* res, float* y,
-                                                u8* ring, Wait wait) {
+                                                const u8* __restrict__ tab, const float* x, const float* res,
+                                                float* y, u8* ring, int blk, Wait wait) {
     constexpr int P = RT / R;
     static_assert(P >= 1, "a ring tile per row at least");
     static_assert(!QX || !XS, "8-bit x: read from global memory");
-    constexpr int TILE = 32 * F::BB;
+    constexpr int SLOT = F::SLOT;
     // QX: x is a row quantised to 8 bits (attn_combine_1p's out_q): nb * 32 int8 codes, then nb float scales
     const signed char* xq = (const signed char*)x;
     const float* xqd = (const float*)(xq + (i64)nb * 32);
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
-    const int rg = blockIdx.x * (MV_WARPS / KS) + w / KS;
+    const int rg = blk * (MV_WARPS / KS) + w / KS;
     const int ks = w % KS;
     const int ntiles = (nb + 31) >> 5;
     const int nitems = ks < ntiles ? (ntiles - ks + KS - 1) / KS : 0;
     float acc[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) acc[r] = 0.f;
-    u8* st = ring + w * (RT * TILE);
+    u8* st = ring + w * (RT * SLOT);
     const u32 st_addr = smem_addr(st);
 
     auto issue = [&](int i) {
         if (i < nitems) {
             const int tile = ks + i * KS;
-            const int nch = min(32, nb - tile * 32) * F::BB / 16;
-            const u32 sb = st_addr + (i % P) * (R * TILE);
+            const u32 mis = F::mis(tile);
+            // a row's end is 16-byte aligned, so the last tile's chunks end there
+            const int nch = (int)(mis + min(32, nb - tile * 32) / F::NSUB * F::SB + 15) >> 4;
+            const u32 sb = st_addr + (i % P) * (R * SLOT);
 #pragma unroll
             for (int r = 0; r < R; ++r) {
                 const int row = rg * R + r;
                 if (row < rows) {
-                    const u8* src = W + (i64)row * row_bytes + (i64)tile * TILE;
+                    const u8* src = W + (i64)row * row_bytes + (i64)tile * F::TILE - mis;
 #pragma unroll
                     for (int c = 0; c < 3; ++c) {
                         const int ch = lane + 32 * c;
-                        if (ch < nch) cp_async16(sb + r * TILE + ch * 16, src + ch * 16);
+                        if (ch < nch) cp_async16(sb + r * SLOT + ch * 16, src + ch * 16);
                     }
                 }
             }
@@ -155,29 +199,32 @@ __device__ __forceinline__ void matvec_blk_body(const u8* __restrict__ W, int ro
         __syncwarp();
         const int tile = ks + i * KS;
         const int nbt = min(32, nb - tile * 32);
-        const u8* sbv = st + (i % P) * (R * TILE);
+        const u32 mis = F::mis(tile);
+        const u8* sbv = st + (i % P) * (R * SLOT);
         // 4 lanes per block, 8 values each: a warp step covers 8 blocks and its x reads are 1 KB contiguous
         const int bl = lane >> 2, sub = lane & 3;
 #pragma unroll
         for (int st4 = 0; st4 < 4; ++st4) {
             const int b = st4 * 8 + bl;
-            if (QX && b < nbt) {  // two dp4a: 8 weights by 8 int8 x, exact in int; one float term a lane
-                const int gb = tile * 32 + b;
-                const uint2 xv = __ldg((const uint2*)(xq + (i64)gb * 32 + 8 * sub));
-                const float dx = __ldg(xqd + gb);
+            if constexpr (QX) {  // two dp4a: 8 weights by 8 int8 x, exact in int; one float term a lane
+                if (b < nbt) {
+                    const int gb = tile * 32 + b;
+                    const uint2 xv = __ldg((const uint2*)(xq + (i64)gb * 32 + 8 * sub));
+                    const float dx = __ldg(xqd + gb);
 #pragma unroll
-                for (int r = 0; r < R; ++r) {
-                    u32 qa, qb;
-                    const float d = Q8Blk::scale_q(sbv, r * TILE + F::BB * b, sub, qa, qb);
-                    int sum = __dp4a((int)qa, (int)xv.x, 0);
-                    sum = __dp4a((int)qb, (int)xv.y, sum);
-                    acc[r] = f_fma(f_mul(d, dx), (float)sum, acc[r]);
+                    for (int r = 0; r < R; ++r) {
+                        u32 qa, qb;
+                        const float d = F::part_q(sbv, r * SLOT + mis, b, sub, tab, qa, qb);
+                        int sum = __dp4a((int)qa, (int)xv.x, 0);
+                        sum = __dp4a((int)qb, (int)xv.y, sum);
+                        acc[r] = f_fma(f_mul(d, dx), (float)sum, acc[r]);
+                    }
                 }
             } else if (b < nbt) {
                 const float4* xp = (const float4*)(x + ((i64)tile * 32 + b) * 32 + 8 * sub);
                 const float4 x0 = ldx4<XS>(xp), x1 = ldx4<XS>(xp + 1);
 #pragma unroll
-                for (int r = 0; r < R; ++r) acc[r] = F::term(sbv, r * TILE + F::BB * b, sub, x0, x1, acc[r]);
+                for (int r = 0; r < R; ++r) acc[r] = F::term(sbv, r * SLOT + mis, b, sub, tab, x0, x1, acc[r]);
             }
         }
         __syncwarp();  // stage i % P is refilled by the next iteration's issue

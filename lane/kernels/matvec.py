@@ -3,7 +3,7 @@ that reads it, and the o projection on an 8-bit x; numpy references beside them 
 holds the file's values: rq_values_ref).
 
   matvec(W, x, y, residual)               matvec_ref(raw, qtype, x, residual)
-  matvec(W, xq, y, qx=True)               matvec_q8x_ref(raw, x, residual)
+  matvec(W, xq, y, qx=True)               matvec_qx_ref(raw, qtype, x, residual)
   norm_matvec(W, x, norm_w, eps, y)       matvec_ref(raw, qtype, norm.rms_norm_ref(x, norm_w, eps))
 """
 from __future__ import annotations
@@ -14,16 +14,15 @@ from gguf import GGMLQuantizationType as T
 from stratad.engine import canonical
 from stratad.model import quants
 
-from .device import QNAME, dense_qtype, module, need, on_stream, ptr
+from .decode_tables import device_tables
+from .device import FILE_BLK, QNAME, dense_qtype, module, need, on_stream, ptr
 from .launch import launch
 from .norm import pairwise_plan
-from .weights import DQ_PLANS, PLANS, DenseWeight, PackedRows, StackedWeight, dq_span, rq_smem
+from .weights import (DQ_PLANS, NORM_MV_MAX_N, PAIR_PLANS, PLANS, QX_TYPES, DenseWeight, PackedRows, StackedWeight,
+                      blk_smem, dq_span, rq_smem)
 
 SOURCE = "matvec.cu"
 F32 = np.float32
-Q8_SMEM_BYTES = 8 * 8 * 1088  # Q8_0 mat-vec cp.async ring (matvec.cuh Q8_SMEM_BYTES)
-NORM_MV_MAX_N = 4096  # RMSNorm folded into a mat-vec: the row staged in shared memory (matvec.cuh)
-NORM_MV_Q8_SMEM = 8 * 6 * 1088 + 4 * NORM_MV_MAX_N  # matvec.cuh NORM_MV_Q8_SMEM
 
 
 def matvec(W: DenseWeight | StackedWeight, x, y=None, residual=None, *, plan: tuple[int, int] | None = None,
@@ -32,12 +31,12 @@ def matvec(W: DenseWeight | StackedWeight, x, y=None, residual=None, *, plan: tu
     plan: (rows per warp, warps per row) from PLANS for a fast or packed weight, from DQ_PLANS for the others
     (decode.cuh's per-type mat-vec); default W.plan(). A StackedWeight that is not packed runs each part with its
     own plan.
-    qx (Q8_0 weights): x is a row quantised to 8 bits, int8 (q8_row_bytes(cols),): its cols codes, then its
-    cols / 32 float32 scales (quantize_row, or DecodeAttention's out_q), multiplied in integers (matvec_q8x_ref)."""
+    qx (weights.QX_TYPES): x is a row quantised to 8 bits, int8 (q8_row_bytes(cols),): its cols codes, then its
+    cols / 32 float32 scales (quantize_row, or DecodeAttention's out_q), multiplied in integers (matvec_qx_ref)."""
     m = module(SOURCE)
     if qx:
         if not W.takes_qx:
-            raise ValueError(f"8-bit x takes fast Q8_0 weights (got {_type_name(W)})")
+            raise ValueError(f"8-bit x takes fast {' or '.join(t.name for t in QX_TYPES)} weights (got {_type_name(W)})")
         need(x, np.int8, (q8_row_bytes(W.cols),), "x (8-bit)", align=16)
     else:
         need(x, np.float32, (W.cols,), "x", align=16)
@@ -53,14 +52,15 @@ def matvec(W: DenseWeight | StackedWeight, x, y=None, residual=None, *, plan: tu
             matvec(p, x, y[r0:r0 + p.rows], None if residual is None else residual[r0:r0 + p.rows], stream=stream)
         return y
     with on_stream(stream):
+        tab = device_tables()
         if W.packed is not None:
             P = W.packed
-            _launch_matvec(m, f"matvec_{P.name}", P, P.cols // 32, plan or P.plan(), (x, ptr(residual), y),
+            _launch_matvec(m, f"matvec_{P.name}", P, P.cols // 32, plan or P.plan(), (x, ptr(residual), y, tab),
                            rq_smem(P.fmt, norm=False))
         elif W.fast:
-            q8 = W.qtype == T.Q8_0
-            _launch_matvec(m, f"matvec_{'q8_0x' if qx else QNAME[W.qtype]}", W, _fast_ncu(W), plan or W.plan(),
-                           (x, ptr(residual), y), Q8_SMEM_BYTES if q8 else 0)
+            blk = W.qtype in FILE_BLK
+            _launch_matvec(m, f"matvec_{QNAME[W.qtype]}{'x' if qx else ''}", W, _fast_ncu(W), plan or W.plan(),
+                           (x, ptr(residual), y, tab), blk_smem(W.qtype, norm=False) if blk else 0)
         else:  # decode.cuh's mat-vec of this type: the weight's tables, then x, residual, y
             _launch_matvec(m, f"matvec_dq_{W.name}", W, W.cols // dq_span(W.qtype), plan or W.plan(),
                            (W.tab, x, ptr(residual), y), 0, plans=DQ_PLANS)
@@ -72,27 +72,31 @@ def _type_name(W) -> str:
 
 
 def _fast_ncu(W: DenseWeight) -> int:
-    """What a fast row is counted in: Q8_0 blocks, or 16-byte chunks of a float type."""
-    return W.cols // 32 if W.qtype == T.Q8_0 else W.row_bytes // 16
+    """What a fast row is counted in: 32-value sub-blocks of a block type, or 16-byte chunks of a float type."""
+    return W.cols // 32 if W.qtype in FILE_BLK else W.row_bytes // 16
+
+
+def _blocks(rows: int, plan: tuple[int, int]) -> int:
+    """Blocks of a mat-vec launch over rows: a warp's R rows, 8 / KS row groups a block."""
+    R, KS = plan
+    return -(-(-(-rows // R)) // (8 // KS))
 
 
 def _launch_matvec(m, kernel: str, W: DenseWeight | PackedRows, ncu: int, plan: tuple[int, int], args: tuple,
-                   smem: int, *, plans=PLANS) -> None:
+                   smem: int, *, plans=PLANS, extra_blocks: int = 0) -> None:
     """A mat-vec kernel (`kernel`_r{R}_k{KS}) over W's rows: (W, rows, ncu, row_bytes) + args. ncu: what a row is
-    counted in (32-value blocks, 16-byte chunks or decode.cuh spans)."""
+    counted in (32-value sub-blocks, 16-byte chunks or decode.cuh spans). extra_blocks: a pair's second matrix's."""
     R, KS = plan
     if (R, KS) not in plans:
         raise ValueError(f"plan {(R, KS)} not in {plans}")
-    groups = -(-W.rows // R)  # a warp's R rows, 8 / KS row groups a block
-    grid = -(-groups // (8 // KS))
-    launch(m.fn(f"{kernel}_r{R}_k{KS}", smem), (grid,), (256,),
+    launch(m.fn(f"{kernel}_r{R}_k{KS}", smem), (_blocks(W.rows, plan) + extra_blocks,), (256,),
            (W.data, np.int32(W.rows), np.int32(ncu), np.int64(W.row_bytes)) + args, shared_mem=smem)
 
 
 def norm_matvec_ok(W: DenseWeight | StackedWeight) -> bool:
     """Whether norm_matvec takes W (else: rms_norm, then matvec)."""
     plan = pairwise_plan(W.cols)
-    return ((W.fast or W.packed is not None) and W.cols <= NORM_MV_MAX_N
+    return ((W.fast or W.packed is not None or getattr(W, "pair", False)) and W.cols <= NORM_MV_MAX_N
             and (plan is None or plan[1] * 8 <= 256))
 
 
@@ -124,15 +128,22 @@ def norm_matvec(W: DenseWeight | StackedWeight, x, norm_w, eps: float, y=None, r
     R, KS = plan or W.plan()
     R = min(R, 2)  # no four-row variant: the ring is smaller beside the staged row
     L, NL = pairwise_plan(n) or (0, 0)
-    args = (x, ptr(residual), y, norm_w, np.int32(n), np.int32(L), np.int32(NL), np.float32(eps)) + qd
     with on_stream(stream):
-        if W.packed is not None:
+        args = (x, ptr(residual), y, norm_w, np.int32(n), np.int32(L), np.int32(NL), np.float32(eps)) + qd + \
+            (device_tables(),)
+        if getattr(W, "pair", False):  # two file types: the first matrix's blocks, then the second's
+            A, B = W.parts
+            _launch_matvec(m, f"norm_matvec2_{A.name}_{B.name}", A, n // 32, (R, KS),
+                           args + (B.data, np.int32(B.rows), np.int64(B.row_bytes), np.int32(_blocks(A.rows, (R, KS)))),
+                           max(blk_smem(A.qtype, norm=True), blk_smem(B.qtype, norm=True)), plans=PAIR_PLANS,
+                           extra_blocks=_blocks(B.rows, (R, KS)))
+        elif W.packed is not None:
             P = W.packed
             _launch_matvec(m, f"norm_matvec_{P.name}", P, n // 32, (R, KS), args, rq_smem(P.fmt, norm=True))
         else:
-            q8 = W.qtype == T.Q8_0
+            blk = W.qtype in FILE_BLK
             _launch_matvec(m, f"norm_matvec_{QNAME[W.qtype]}", W, _fast_ncu(W), (R, KS), args,
-                           NORM_MV_Q8_SMEM if q8 else 4 * NORM_MV_MAX_N)
+                           blk_smem(W.qtype, norm=True) if blk else 4 * NORM_MV_MAX_N)
     return y
 
 
@@ -149,17 +160,18 @@ def quantize_row(x: np.ndarray) -> np.ndarray:
     return np.concatenate([q.reshape(-1).view(np.int8), d.view(np.int8)])
 
 
-def matvec_q8x_ref(raw: np.ndarray, x: np.ndarray, residual: np.ndarray | None = None) -> np.ndarray:
-    """numpy float64, returned as float32: Q8_0 rows times x quantised to 8 bits a value in groups of 32
+def matvec_qx_ref(raw: np.ndarray, qtype, x: np.ndarray, residual: np.ndarray | None = None) -> np.ndarray:
+    """numpy float64, returned as float32: rows of a QX type (weights.QX_TYPES: int8 codes and a float32 scale a
+    32-value sub-block, decode_int's view) times x quantised to 8 bits a value in groups of 32
     (canonical.quantize_act, the experts' input), each group's integer dot product scaled by both scales: the
     function the qx mat-vecs compute (they sum the scaled terms in float32, in their own order)."""
-    raw = np.asarray(raw)
-    blocks = raw.reshape(raw.shape[0], -1, 34)
-    dw = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float64)
-    qw = blocks[..., 2:].copy().view(np.int8).astype(np.int64)
+    qt = dense_qtype(qtype)
+    if qt not in QX_TYPES:
+        raise ValueError(f"8-bit x takes {[t.name for t in QX_TYPES]} rows (got {qt.name})")
+    v = quants.decode_int(qt, np.asarray(raw))
     qa, da = canonical.quantize_act(np.asarray(x, F32)[None])
-    isum = np.einsum("rbk,bk->rb", qw, qa[0].astype(np.int64))
-    y = (dw * da[0].astype(np.float64) * isum).sum(axis=1)
+    isum = np.einsum("rbk,bk->rb", v.q.astype(np.int64), qa[0].astype(np.int64))
+    y = (v.scale.astype(np.float64) * da[0].astype(np.float64) * isum).sum(axis=1)
     if residual is not None:
         y = y + np.asarray(residual, np.float64)
     return y.astype(F32)

@@ -1,12 +1,13 @@
 """A dense GGUF matrix on the device (the rows as the file holds them) and its mat-vec launch plan.
 
-The mat-vec reads F32, F16, BF16 and Q8_0 rows as the file holds them (matvec.cuh's fast bodies); every other
-quantised type is packed once at upload into int8 codes with float32 scales (`PackedRows`, decode.cuh rq_pack:
-the same values, 1.125-1.5 bytes a weight) that the Q8_0 body's ring reads, and only rows neither can take go
-through decode.cuh's per-type mat-vec. decode.cuh also makes the float16 copy a prompt chunk's cuBLAS GEMM reads
+The mat-vec reads F32, F16, BF16, Q8_0, Q4_K, Q6_K and IQ3_S rows as the file holds them (matvec.cuh's fast
+bodies; the last three decoded a lane's 8 values at a time by decode.cuh's rq_part); every other quantised type is
+packed once at upload into int8 codes with float32 scales (`PackedRows`, decode.cuh rq_pack: the same values,
+1.125-1.5 bytes a weight) that the same block ring reads, and only rows neither can take go through decode.cuh's
+per-type mat-vec. decode.cuh also makes the float16 copy a prompt chunk's cuBLAS GEMM reads
 (`DenseWeight.dequantized`) and the embedding's rows, from the file's rows. A file's q, k and v of different types
-(llama.cpp's mixes give attn_v its own) stack as a `StackedWeight`: packed alike (one launch) where all are
-quantised, else a launch a part.
+(llama.cpp's mixes give attn_v its own) stack as a `StackedWeight`: two file types of FILE_PAIRS in one launch
+(norm_matvec), else packed alike (one launch) where all are quantised, else a launch a part.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from gguf import GGMLQuantizationType as T
 from stratad.model import quants
 
 from .decode_tables import device_tables
-from .device import FAST, QNAME, dense_qtype, module, need, on_stream
+from .device import FAST, FILE_BLK, QNAME, dense_qtype, module, need, on_stream
 from .launch import launch
 
 # (rows per warp, warps per row group). With KS > 1 and R > 1 a warp reads its K slice of x once for R rows: the
@@ -28,6 +29,30 @@ DQ_PLANS = ((2, 1), (1, 1), (1, 2), (1, 4), (1, 8))
 # a 16-value half for the types whose integer scales cover 16 values; a minimum a scale for the types with one
 RQ_FORMATS = {T.Q2_K: (2, 2), T.Q3_K: (2, 0), T.Q6_K: (2, 0), T.IQ2_XS: (2, 0), T.IQ2_S: (2, 0), T.IQ1_M: (2, 0),
               T.Q4_1: (1, 1), T.Q5_1: (1, 1), T.Q4_K: (1, 1), T.Q5_K: (1, 1)}
+
+
+# the pairs of file types one norm_matvec launch takes (matvec.cu NORM_MV_PAIR): llama.cpp's IQ3_S q and k with
+# a Q4_K attn_v (iq3_s, iq3_m), Q4_K with a Q6_K attn_v (q4_k_m's more-bits layers)
+FILE_PAIRS = ((T.IQ3_S, T.Q4_K), (T.Q4_K, T.Q6_K))
+PAIR_PLANS = ((2, 1), (1, 1), (1, 2), (2, 2))
+# the file types matvec takes on 8-bit x (qx; matvec.cu's matvec_<type>x): block formats without a minimum
+QX_TYPES = (T.Q8_0, T.IQ3_S)
+NORM_MV_MAX_N = 4096  # the row a norm_matvec stages in shared memory, floats (matvec.cuh)
+
+
+def ring_smem(tile: int, ring: int, norm_ring: int, norm: bool) -> int:
+    """Dynamic shared memory of a block-ring mat-vec (matvec.cuh BlkGeom): 8 warps of ring stages of a tile's bytes
+    (from the 16-byte boundary below it) a row; norm: beside the staged row of NORM_MV_MAX_N floats. A plain launch
+    may stage x (rows of at most NORM_MV_MAX_N columns), so it gets the larger of the two."""
+    slot = (tile + tile % 16 + 15) // 16 * 16
+    staged = 8 * norm_ring * slot + 4 * NORM_MV_MAX_N
+    return staged if norm else max(8 * ring * slot, staged)
+
+
+def blk_smem(qtype, norm: bool) -> int:
+    """ring_smem of a file block type's rows (Q8_0: 8 / 6 stages of 1088 bytes; FileBlk: 8 / 6 of 32 sub-blocks)."""
+    f = quants.fmt(dense_qtype(qtype))
+    return ring_smem(32 * 32 // f.block_values * f.block_bytes, 8, 6, norm)
 
 
 def rq_format(qtype) -> tuple[int, int]:
@@ -47,12 +72,9 @@ def rq_block_bytes(fmt: tuple[int, int]) -> int:
 
 
 def rq_smem(fmt: tuple[int, int], norm: bool) -> int:
-    """Dynamic shared memory of a packed mat-vec (matvec.cuh RqBlk's RING / NORM_RING tiles of 32 blocks a warp, 8
-    warps; norm: beside the staged row of NORM_MV_MAX_N floats). A plain launch may stage x (rows of at most
-    NORM_MV_MAX_N columns), so it gets the larger of the two."""
+    """ring_smem of packed rows (matvec.cuh RqBlk: Q8_0's ring bytes or less)."""
     bb = rq_block_bytes(fmt)
-    staged = 8 * (6 * 34 // bb) * 32 * bb + 4 * 4096
-    return staged if norm else max(8 * (8 * 34 // bb) * 32 * bb, staged)
+    return ring_smem(32 * bb, 8 * 34 // bb, 6 * 34 // bb, norm)
 
 
 class PackedRows:
@@ -111,7 +133,7 @@ class DenseWeight:
         need(data, np.uint8, None, "data", align=1)
         self.data = data
         self.rows = int(data.shape[0])
-        granule = 256 if self.qtype == T.Q8_0 else 1
+        granule = 256 if self.qtype in FILE_BLK else 1
         self.fast = (self.qtype in FAST and self.row_bytes % 16 == 0 and data.data.ptr % 16 == 0
                      and self.cols % granule == 0)
         self.tab = device_tables()  # decode.cuh's tables on this device (uploaded now, never during a capture)
@@ -152,8 +174,8 @@ class DenseWeight:
 
     @property
     def takes_qx(self) -> bool:
-        """Whether matvec takes this weight on 8-bit x (qx): fast Q8_0."""
-        return self.fast and self.qtype == T.Q8_0
+        """Whether matvec takes this weight on 8-bit x (qx): fast rows of QX_TYPES."""
+        return self.fast and self.qtype in QX_TYPES
 
     @property
     def name(self) -> str:
@@ -197,7 +219,9 @@ class DenseWeight:
 
 class StackedWeight:
     """Rows of matrices of one width and different types (q, k, v of a llama.cpp mix), stacked: the ops launch a
-    part at a time into consecutive output rows (matvec) or fill one float16 copy part by part (dequantized)."""
+    part at a time into consecutive output rows (matvec) or fill one float16 copy part by part (dequantized).
+    Consecutive parts of one type are one part. Two parts of a FILE_PAIRS pair read as the file holds them are a
+    `pair`: norm_matvec takes both in one launch."""
 
     fast = False
     takes_qx = False
@@ -207,20 +231,31 @@ class StackedWeight:
 
         if len({p.cols for p in parts}) != 1:
             raise ValueError("stacked matrices need one column count")
-        self.parts = list(parts)
+        runs: list[list[DenseWeight]] = []
+        for p in parts:
+            if runs and runs[-1][0].qtype == p.qtype:
+                runs[-1].append(p)
+            else:
+                runs.append([p])
+        self.parts = [r[0] if len(r) == 1 else DenseWeight.concat(r) for r in runs]
         self.cols = parts[0].cols
         self.rows = sum(p.rows for p in parts)
         self._cache = None
-        # all quantised: packed alike (the widest format of the parts), one mat-vec launch; the parts' own dropped
+        self.pair = (len(self.parts) == 2 and all(p.fast for p in self.parts)
+                     and tuple(p.qtype for p in self.parts) in FILE_PAIRS)
+        # else all quantised: packed alike (the widest format of the parts), one mat-vec launch; the parts' own dropped
         self.packed = None
-        if all(p.packed is not None or (p.fast and packable(p)) for p in parts):
+        if not self.pair and all(p.packed is not None or (p.fast and packable(p)) for p in self.parts):
             fmt = rq_widest([rq_format(p.qtype) for p in parts])
-            self.packed = PackedRows(cupy.concatenate([PackedRows.pack(p, fmt).data for p in parts], axis=0),
+            self.packed = PackedRows(cupy.concatenate([PackedRows.pack(p, fmt).data for p in self.parts], axis=0),
                                      fmt, self.cols)
-            for p in parts:
+            for p in self.parts:
                 p.packed = None
 
     def plan(self) -> tuple[int, int]:
+        """A pair's (from PAIR_PLANS) or the packed rows' plan."""
+        if self.pair:
+            return pair_plan(self.rows, self.cols)
         if self.packed is None:
             raise ValueError("a stack of float and quantised parts runs each part with its own plan")
         return self.packed.plan()
@@ -278,19 +313,24 @@ def rq_plan(rows: int, cols: int) -> tuple[int, int]:
     return (1, 2)
 
 
+def pair_plan(rows: int, cols: int) -> tuple[int, int]:
+    """A pair's norm_matvec plan (PAIR_PLANS): the packed stack's choice (rq_plan), which it replaces."""
+    return rq_plan(rows, cols)
+
+
 def default_plan(qtype, rows: int, cols: int) -> tuple[int, int]:
-    """The mat-vec plan of a (rows, cols) matrix of this type: a fast path's (PLANS) for F32 / F16 / BF16 / Q8_0,
-    decode.cuh's (DQ_PLANS) for the other types."""
+    """The mat-vec plan of a (rows, cols) matrix of this type: a fast path's (PLANS) for the FAST types, decode.cuh's
+    (DQ_PLANS) for the other types."""
     qt = dense_qtype(qtype)
     f = quants.fmt(qt)
     if qt not in FAST:
         return dq_plan(rows, cols // dq_span(qt))
-    if qt == T.Q8_0:
+    if qt in FILE_BLK:
         ntiles = -(-(cols // 32) // 32)
     else:
         ntiles = -(-(f.row_bytes(cols) // 16) // 32)
     target = 4096  # warps: ~31 per SM on 132 SMs
-    if qt == T.Q8_0:  # measured on the H200, each a3b shape's best plan (docs/perf-notes.md, the plan sweep)
+    if qt in FILE_BLK:  # measured on the H200 with Q8_0 rows, each a3b shape's best (docs/perf-notes.md, the plan sweep)
         if rows >= 16384:
             return (4, 1)
         if rows >= 4096:
