@@ -3,8 +3,11 @@
 A reply goes straight to the socket (non-blocking) while nothing waits for that client, else into the client's
 own queue, bounded in messages and bytes and flushed every loop turn, so one client that stops reading costs only
 its own queue. A client whose queue overflows is cut off: `on_lost` cancels its requests (their lanes are freed),
-what it had queued is dropped, and one `client_too_slow` error waits for room in its pipe for CUT_OFF_TTL_S. A
-client that disconnected (EHOSTUNREACH, with ROUTER_MANDATORY) is lost the same way, without the error.
+what it had queued is dropped, and one `client_too_slow` error waits for room in its pipe for CUT_OFF_TTL_S. All
+queues together are bounded too (max_total_bytes): many clients that each stay under their own bound and stop
+reading would add up without one; past it the clients with the largest queues are cut off the same way until the
+total fits (a client that reads keeps its queue short: not the one cut). A client that disconnected (EHOSTUNREACH,
+with ROUTER_MANDATORY) is lost the same way, without the error.
 """
 from __future__ import annotations
 
@@ -47,10 +50,11 @@ class _Queue:
 
 
 class ClientIO:
-    def __init__(self, ctx: zmq.Context, max_messages: int, max_bytes: int,
+    def __init__(self, ctx: zmq.Context, max_messages: int, max_bytes: int, max_total_bytes: int,
                  on_lost: Callable[[zmq.Socket, bytes, str], None]):
         self.ctx = ctx
-        self.max_messages, self.max_bytes = max_messages, max_bytes
+        self.max_messages, self.max_bytes, self.max_total_bytes = max_messages, max_bytes, max_total_bytes
+        self.total = 0  # bytes in every queue
         self.on_lost = on_lost  # (socket, client, why): cancel the client's requests
         self.socks: list[zmq.Socket] = []
         self.queues: dict[Peer, _Queue] = {}
@@ -102,9 +106,14 @@ class ClientIO:
                 return False
         q.frames.append(frame)
         q.nbytes += len(frame)
+        self.total += len(frame)
         if len(q.frames) > self.max_messages or q.nbytes > self.max_bytes:
-            self._cut_off(peer, q)
+            self._cut_off(peer, q, f"{len(q.frames)} messages waiting (limit {self.max_messages})"
+                          if len(q.frames) > self.max_messages else f"{q.nbytes} bytes waiting (limit {self.max_bytes})")
             return False
+        if self.total > self.max_total_bytes:
+            self._cut_largest()
+            return peer not in self.lost
         return True
 
     def flush(self) -> None:
@@ -115,7 +124,9 @@ class ClientIO:
             try:
                 while q.frames:
                     sock.send_multipart([client, q.frames[0]], zmq.NOBLOCK)
-                    q.nbytes -= len(q.frames.popleft())
+                    n = len(q.frames.popleft())
+                    q.nbytes -= n
+                    self.total -= n
             except zmq.Again:
                 if q.final and now > self.final_until.get(peer, 0.0):
                     self._drop(peer)
@@ -130,20 +141,32 @@ class ClientIO:
             self.lost.popitem(last=False)
 
     def _drop(self, peer: Peer) -> None:
-        self.queues.pop(peer, None)
+        q = self.queues.pop(peer, None)
+        if q is not None:
+            self.total -= q.nbytes
         self.final_until.pop(peer, None)
 
     def _lose(self, peer: Peer, why: str) -> None:
         self.lost[peer] = time.monotonic()
         self.on_lost(peer[0], peer[1], why)
 
-    def _cut_off(self, peer: Peer, q: _Queue) -> None:
-        limit = (f"{len(q.frames)} messages waiting (limit {self.max_messages})" if len(q.frames) > self.max_messages
-                 else f"{q.nbytes} bytes waiting (limit {self.max_bytes})")
+    def _cut_largest(self) -> None:
+        """The clients with the most bytes waiting, cut off until every queue together fits max_total_bytes."""
+        total = self.total
+        for peer, q in sorted(self.queues.items(), key=lambda pq: -pq[1].nbytes):
+            if self.total <= self.max_total_bytes:
+                return
+            if q.final:  # already cut: only its error waits
+                continue
+            self._cut_off(peer, q, f"{q.nbytes} bytes waiting, the most of all clients, whose queues held {total} "
+                                   f"bytes together (limit {self.max_total_bytes})")
+
+    def _cut_off(self, peer: Peer, q: _Queue, limit: str) -> None:
         log.warning("client %s stopped reading its replies (%s): cut off, its requests cancelled", peer[1].hex(),
                     limit)
         err = encode(M.Error(code=M.ErrorCode.CLIENT_TOO_SLOW,
                              message=f"this client did not read its replies: {limit}; its requests were cancelled"))
+        self.total += len(err) - q.nbytes
         q.frames, q.nbytes, q.final = deque([err]), len(err), True
         self.final_until[peer] = time.monotonic() + CUT_OFF_TTL_S
         self._lose(peer, "too_slow")

@@ -107,7 +107,8 @@ class Coordinator:
         self.lane_sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.lane_sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted lane takes over its identity
         self.lane_sock.bind(self.rt.lane_endpoint)
-        self.io = ClientIO(self.ctx, self.cfg.client_queue_messages, self.cfg.client_queue_bytes, self._client_lost)
+        self.io = ClientIO(self.ctx, self.cfg.client_queue_messages, self.cfg.client_queue_bytes,
+                           self.cfg.client_queue_total_bytes, self._client_lost)
         self.io.socket(self.rt.client_endpoint)
         if self.cfg.tcp:
             self._tcp_socket()

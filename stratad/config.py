@@ -100,6 +100,8 @@ class DaemonConfig(BaseModel):
     client_queue_messages: int = Field(4096, ge=1, description="replies waiting for one client that does not read "
                                                                "them; past this (or client_queue_bytes) it is cut off")
     client_queue_bytes: int = Field(8 << 20, ge=1024, description="the same limit in bytes")
+    client_queue_total_bytes: int = Field(256 << 20, ge=1024, description="every client's waiting replies together; "
+                                          "past this the clients with the most waiting are cut off")
     heartbeat_s: float = Field(1.0, gt=0)
     lane_timeout_s: float = Field(30.0, gt=0, description="a lane silent this long is declared dead")
     lane_start_timeout_s: float = Field(600.0, gt=0, description="the same for a lane still building its card")
