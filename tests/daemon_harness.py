@@ -149,6 +149,26 @@ def raw_socket(d: Daemon, rcvhwm: int = 1000, rcvbuf: int = -1):
     return ctx, s
 
 
+def curve_tcp(tmp: Path, config: Path) -> tuple[str, dict]:
+    """A TCP listener with CURVE keys (server and one authorised client's, made under tmp) written to config.
+    Returns (endpoint, the client's curve_server_key / curve_keypair arguments)."""
+    import zmq.auth
+
+    from stratad.gateway.local_client import free_port
+
+    keys, authorized = tmp / "keys", tmp / "authorized"
+    keys.mkdir()
+    authorized.mkdir()
+    server_pub, server_sec = zmq.auth.create_certificates(keys, "server")
+    client_pub, client_sec = zmq.auth.create_certificates(keys, "client")
+    os.rename(client_pub, authorized / "client.key")
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    config.write_text(f'tcp = "{endpoint}"\ncurve_secret_key_file = "{server_sec}"\n'
+                      f'curve_authorized_dir = "{authorized}"\n')
+    return endpoint, dict(curve_server_key=zmq.auth.load_certificate(server_pub)[0],
+                          curve_keypair=zmq.auth.load_certificate(client_sec))
+
+
 def coordinator_rss(d: Daemon) -> int:
     import psutil
 

@@ -14,10 +14,11 @@ import time
 import pytest
 import zmq
 
-from daemon_harness import GREEDY_PROMPT, Daemon, Gaps, coordinator_rss, greedy, raw_socket
+from daemon_harness import GREEDY_PROMPT, Daemon, Gaps, coordinator_rss, curve_tcp, greedy, raw_socket
 from protos import messages as M
 from protos.codec import decode, encode
-from stratad.client import AsyncClient, DaemonUnavailable, RequestError
+from stratad.client import KEEPALIVE_CNT, KEEPALIVE_IDLE_S, KEEPALIVE_INTVL_S, AsyncClient, Client, \
+    DaemonUnavailable, RequestError
 from stratad.demo import SHIPPED_MODEL
 
 MAX_GAP_S = 1.0  # a reading client's stream may not pause longer than this because of another client
@@ -330,12 +331,14 @@ def test_every_lane_killed_mid_stream_fails_its_request_within_5_s(daemon):
     still_right(daemon)
 
 
-def kill_coordinator_mid_stream(d: Daemon) -> None:
-    """A sync and an async stream open; SIGKILL of the coordinator alone: both raise DaemonUnavailable in 5 s."""
+def kill_coordinator_mid_stream(d: Daemon, within_s: float = 5.0, **client) -> None:
+    """A sync and an async stream open; SIGKILL of the coordinator alone: both raise DaemonUnavailable in within_s.
+    client: how the clients reach the daemon (Client's arguments; its runtime dir if none)."""
     outcome, started = {}, threading.Barrier(3)
+    client = client or dict(runtime_dir=str(d.runtime_dir))
 
     def sync_stream():
-        with d.client(stream_timeout_s=600) as c:
+        with Client(stream_timeout_s=600, **client) as c:
             s = c.generate(max_tokens=5000, **LONG)
             try:
                 for i, _ in enumerate(s):
@@ -346,7 +349,7 @@ def kill_coordinator_mid_stream(d: Daemon) -> None:
 
     def async_stream():
         async def go():
-            async with AsyncClient(runtime_dir=str(d.runtime_dir), stream_timeout_s=600) as c:
+            async with AsyncClient(stream_timeout_s=600, **client) as c:
                 first = True
                 try:
                     async for _ in c.generate(max_tokens=5000, **LONG):
@@ -364,11 +367,11 @@ def kill_coordinator_mid_stream(d: Daemon) -> None:
     t0 = time.monotonic()
     d.proc.kill()
     for t in ts:
-        t.join(10)
+        t.join(within_s + 5)
     for name in ("sync", "async"):
         e, t = outcome[name]
         assert isinstance(e, DaemonUnavailable) and "went away" in str(e), (name, e)
-        assert t - t0 < 5.0, (name, t - t0)
+        assert t - t0 < within_s, (name, t - t0)
     d.proc.wait()
 
 
@@ -397,6 +400,30 @@ def test_coordinator_killed_mid_stream(tiny_model_path, tmp_path):
         assert "reclaimed leftovers" in d.log_text()
         assert all(os.stat(p).st_ctime >= t_restart - 1 for p in d.leftovers())  # only the new daemon's
         assert greedy(d) == reference
+    finally:
+        assert d.stop() == 0
+    assert d.leftovers() == []
+
+
+def test_coordinator_killed_mid_stream_over_tcp_with_curve(tiny_model_path, tmp_path):
+    """The same over TCP with CURVE keys. The kernel closes a killed process's connections, so the streams learn at
+    once, as over the local socket; the bound is what the client's TCP keepalive allows for a host that vanished
+    without a word (KEEPALIVE_IDLE_S + KEEPALIVE_CNT probes KEEPALIVE_INTVL_S apart: 5 s), which this cannot
+    stage. A request after that is refused at once, not after its timeout; a restart binds the same port."""
+    cfg = tmp_path / "c.toml"
+    endpoint, client = curve_tcp(tmp_path, cfg)
+    d = Daemon(tiny_model_path, tmp_path / "run", config=cfg).start()
+    keepalive_s = KEEPALIVE_IDLE_S + KEEPALIVE_CNT * KEEPALIVE_INTVL_S
+    kill_coordinator_mid_stream(d, within_s=keepalive_s + 1.0, endpoint=endpoint, **client)
+    t0 = time.monotonic()
+    with pytest.raises(DaemonUnavailable, match="connection refused"), Client(endpoint=endpoint, timeout_s=30,
+                                                                              **client) as c:
+        c.status()
+    assert time.monotonic() - t0 < 2.0
+    d.start()
+    try:
+        with Client(endpoint=endpoint, timeout_s=10, **client) as c:
+            assert c.status().lanes
     finally:
         assert d.stop() == 0
     assert d.leftovers() == []
