@@ -389,8 +389,9 @@ DQ_FN dq_u32 dq_h16(const dq_u8* p) {
 }
 DQ_FN dq_u32 dq_w32(const dq_u8* p) {
 #ifdef __CUDA_ARCH__
-    const dq_u32* a = (const dq_u32*)((unsigned long long)p & ~3ull);
-    return __funnelshift_r(a[0], a[1], 8u * ((dq_u32)(unsigned long long)p & 3u));
+    const dq_u32 off = (dq_u32)(unsigned long long)p & 3u;  // stepping back keeps the pointer's state space
+    const dq_u32* a = (const dq_u32*)(p - off);
+    return __funnelshift_r(a[0], a[1], 8u * off);
 #else
     return dq_rd32(p);
 #endif
