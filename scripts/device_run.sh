@@ -109,15 +109,27 @@ agents)  # a3b IQ3_S: three conversations with 32K-token histories and four foll
     echo "agents rc=$?"; tail -3 "$OUT/agents.log" | cut -c1-300
     ;;
 mixes)  # the engine bench on llama.cpp's iq3_s and q4_k_m mixes of the a3b shape: all resident at 1K / 32K, and the
-        # iq3_s mix half resident at 1K (the issue's targets: docs/perf-notes.md)
-    for mix in iq3_s q4_k_m; do
+        # iq3_s mix half resident at 1K (the issue's targets: docs/perf-notes.md); on this tree, then on each tree
+        # _ab*/ (scripts/ab_trees.sh) in turn, ROUNDS (1) times; MIXES (iq3_s q4_k_m) to choose
+    for mix in ${MIXES:-iq3_s q4_k_m}; do
         m=/tmp/a3b-mix-$mix.gguf
         [ -f $m ] || python3 -m stratad.cli make-model --preset a3b --router-skew 1.0 --mix $mix --out $m | tail -1
-        timeout 150 python3 -m stratad.cli bench --scenario engine --model $m --fractions 1.0 --contexts 1024,32768 \
-            --json "$OUT/engine-mix-$mix.json" 2>&1 | grep "^{'" | cut -c1-200
     done
-    timeout 120 python3 -m stratad.cli bench --scenario engine --model /tmp/a3b-mix-iq3_s.gguf --fractions 0.5 \
-        --contexts 1024 --json "$OUT/engine-mix-iq3_s-half.json" 2>&1 | grep "^{'" | cut -c1-200
+    for round in $(seq "${ROUNDS:-1}"); do
+        for tree in . _ab*; do
+            [ -d "$tree" ] || continue
+            tag="$(tree_tag "$tree")-$round"
+            for mix in ${MIXES:-iq3_s q4_k_m}; do
+                (cd "$tree" && PYTHONPATH=/tmp/site:$PWD timeout 150 python3 -m stratad.cli bench --scenario engine \
+                    --model /tmp/a3b-mix-$mix.gguf --fractions 1.0 --contexts 1024,32768 \
+                    --json "$OUT/engine-mix-$mix-$tag.json" 2>&1 | grep "^{'" | cut -c1-200 | sed "s|^|$tree: |")
+            done
+            [[ " ${MIXES:-iq3_s} " == *" iq3_s "* ]] || continue
+            (cd "$tree" && PYTHONPATH=/tmp/site:$PWD timeout 120 python3 -m stratad.cli bench --scenario engine \
+                --model /tmp/a3b-mix-iq3_s.gguf --fractions 0.5 --contexts 1024 \
+                --json "$OUT/engine-mix-iq3_s-half-$tag.json" 2>&1 | grep "^{'" | cut -c1-200 | sed "s|^|$tree: |")
+        done
+    done
     ;;
 experts-ab)  # the decode expert kernels alone (8 pairs, and 8 tokens x 8), on this tree and each tree _ab*/ in turn,
             # twice: a kernel change's own effect, without the rest of the step (scripts/ab_trees.sh makes the trees)
