@@ -576,6 +576,35 @@ def test_big_bodies_do_not_pause_other_streams(daemon, gateway, an, tok):
     wait_idle(daemon)
 
 
+def gateway_process(daemon) -> psutil.Process:
+    (child,) = [p for p in psutil.Process(daemon.proc.pid).children() if "stratad.gateway" in p.cmdline()]
+    return child
+
+
+def intake_workers(gateway_proc: psutil.Process) -> list[psutil.Process]:
+    return [p for p in gateway_proc.children() if "spawn_main" in " ".join(p.cmdline())]
+
+
+def test_a_killed_intake_worker_is_replaced(daemon, gateway, tok):
+    """The gateway's worker for big bodies SIGKILLed: a big body then is answered (a 500 saying so, if it met the
+    dead worker), a new worker is started, and it serves the next one."""
+    headers = {"x-api-key": KEY}
+    body = {"model": "m", "messages": CHAT, "metadata": {"pad": "x" * (64 << 10)}}  # over HEAVY_BYTES
+
+    def count():
+        return httpx.post(gateway.url + "/v1/messages/count_tokens", headers=headers, json=body, timeout=60)
+
+    (old,) = intake_workers(gateway_process(daemon))
+    old.kill()
+    old.wait(10)
+    r = count()
+    assert r.status_code == 200 or (r.status_code == 500 and "died" in r.json()["error"]["message"]), r.text
+    r = count()
+    assert r.status_code == 200 and r.json()["input_tokens"] == len(tok.encode_chat(CHAT, enable_thinking=False))
+    (new,) = intake_workers(gateway_process(daemon))
+    assert new.pid != old.pid
+
+
 def test_a_gateway_that_dies_is_restarted(daemon, gateway, oa):
     (child,) = [p for p in psutil.Process(daemon.proc.pid).children() if "stratad.gateway" in p.cmdline()]
     kids = child.children(recursive=True)  # the intake worker (and multiprocessing's tracker), if started

@@ -2,7 +2,6 @@
 leave it holding the HTTP address, or the next `stratad serve` with the same config cannot start."""
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -100,6 +99,10 @@ def test_a_sigkilled_coordinator_takes_its_gateway_and_frees_the_port(tiny_model
         http.wait_healthy(60)
         gw = gateway_of(d)
         assert gw.cmdline()[gw.cmdline().index("--parent-pid") + 1] == str(d.proc.pid)
+        deadline = time.monotonic() + 30  # its intake worker: started with it, before any big body
+        while not any("spawn_main" in " ".join(p.cmdline()) for p in gw.children()):
+            assert time.monotonic() < deadline, "the gateway's intake worker was not started"
+            time.sleep(0.05)
         procs = [gw, *gw.children(recursive=True)]
         d.proc.kill()
         d.proc.wait()

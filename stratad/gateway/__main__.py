@@ -62,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     backend = Backend(a.runtime_dir, a.model, a.context_length, a.tool_format, a.served_model_name)
     kw = {} if a.max_body_bytes is None else {"max_body_bytes": a.max_body_bytes}
     app = app_mod.build(backend, key, **kw)
+    app.state.intake.start()  # the worker for big bodies, now: the first one does not wait for its spawn
     logging.getLogger("stratad.gateway").info("listening on %s (model %s, tool calls as %s)", a.listen,
                                               backend.model_name, backend.tool_format)
     try:

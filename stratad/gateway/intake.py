@@ -4,38 +4,32 @@ that grows with the body kept off the event loop.
 Parsing a body (json.loads, then pydantic: 500,000 empty messages in 16 MiB take ~4 s), rendering its chat
 template and tokenising it (seconds a megabyte) all hold the GIL, so a thread would pause every other stream as
 much. As in the coordinator (coordinator/intake.py; HEAVY_BYTES is stratad/prompts.py's), a body over HEAVY_BYTES goes
-whole to a worker process, started once with its own tokenizer, which does all of it there, bounded before any
-rendering by the daemon's own limits (Model._message), and sends back a Prepared holding nothing bigger than the
-context: the request's few fields the response needs, and the Job with its prompt as token ids (Model.as_tokens).
-A smaller body (milliseconds of work) is prepared in the loop, its prompt sent to the daemon as the client wrote it.
-Big bodies wait for the one worker in turn, at most MAX_WAITING of them; more are refused as overloaded.
+whole to a worker process (stratad/intake_worker.py: started with the gateway, with its own Model), which does all
+of it there, bounded before any rendering by the daemon's own limits (Model._message), and sends back a Prepared
+holding nothing bigger than the context: the request's few fields the response needs, and the Job with its prompt
+as token ids (Model.as_tokens). A smaller body (milliseconds of work) is prepared in the loop, its prompt sent to the
+daemon as the client wrote it. Big bodies wait for the one worker in turn, at most MAX_WAITING of them; more are
+refused as overloaded.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-import multiprocessing
-import os
-import signal
-import traceback
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 
 from pydantic import BaseModel
 from starlette.requests import Request
 
-from stratad.proc import die_with
-from stratad.prompts import HEAVY_BYTES
 from stratad.gateway.anthropic_schema import CountRequest, MessagesRequest
 from stratad.gateway.backend import Model
 from stratad.gateway.errors import ApiError
 from stratad.gateway.generation import Job
 from stratad.gateway.handling import parse_body
 from stratad.gateway.openai_schema import ChatRequest, CompletionRequest, chat_job
+from stratad.intake_worker import MAX_WAITING, PrepareFailed, WorkerPool
+from stratad.prompts import HEAVY_BYTES
 
 log = logging.getLogger("stratad.gateway")
-MAX_WAITING = 8  # big bodies in or waiting for the worker (each up to the body limit, 16 MiB)
 
 # endpoint -> (its body's schema, the Job of a request; None: a count)
 _ENDPOINTS = {
@@ -46,25 +40,12 @@ _ENDPOINTS = {
 }
 _RESPONSE_FIELDS = ("model", "stream", "stream_options")  # all a handler reads of a request once it has the Job
 
-_model: Model | None = None  # the worker process's own
-
 
 @dataclass
 class Prepared:
     req: BaseModel
     job: Job | None = None
     input_tokens: int = 0  # count_tokens
-
-
-class PrepareFailed(Exception):
-    """An unexpected failure in the worker (a fault of ours), as text: not every exception pickles."""
-
-    def __init__(self, cause: str, trace: str):
-        super().__init__(cause, trace)
-        self.cause, self.trace = cause, trace
-
-    def __str__(self) -> str:
-        return self.cause
 
 
 def prepare(model: Model, endpoint: str, body: bytes, compact: bool) -> Prepared:
@@ -83,27 +64,25 @@ def _light(req: BaseModel) -> BaseModel:
     return type(req).model_construct(**{k: getattr(req, k) for k in _RESPONSE_FIELDS if k in fields})
 
 
-def _start_worker(model_path: str, context_length: int, tool_format: str, served_name: str, parent: int) -> None:
-    global _model
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the gateway stops us
-    die_with(parent)  # and a gateway killed takes us with it
-    _model = Model(model_path, context_length, tool_format, served_name)
-
-
-def _prepare_in_worker(endpoint: str, body: bytes) -> Prepared:
+def _prepare_in_worker(model: Model, endpoint: str, body: bytes) -> Prepared:
     try:
-        return prepare(_model, endpoint, body, compact=True)
+        return prepare(model, endpoint, body, compact=True)
     except ApiError:
         raise
-    except Exception as e:  # noqa: BLE001 - sent back as text (a pydantic error, say, does not pickle)
-        raise PrepareFailed(type(e).__name__, traceback.format_exc()) from None
+    except Exception as e:  # noqa: BLE001 - raised as text (a pydantic error, say, does not pickle), from e
+        raise PrepareFailed(None, type(e).__name__) from e
 
 
 class Intake:
     def __init__(self, model: Model):
         self.model = model
-        self.pool: ProcessPoolExecutor | None = None
-        self.waiting = 0
+        self.workers = WorkerPool(Model, model.model_path, model.context_length, model.tool_format,
+                                  model.model_name)  # the worker's own Model, the same as ours
+        self.waiting = 0  # big bodies in or waiting for the worker
+
+    def start(self) -> None:
+        """Start the worker now (in the background), so that the first big body does not wait for it."""
+        self.workers.start()
 
     async def prepare(self, request: Request, endpoint: str) -> Prepared:
         body = await request.body()
@@ -113,28 +92,19 @@ class Intake:
             raise ApiError("overloaded", f"{self.waiting} large requests (over {HEAVY_BYTES} bytes) are being "
                            "prepared; send it again later")
         self.waiting += 1
+        fut = self.workers.submit(_prepare_in_worker, endpoint, body)
         try:
-            return await asyncio.wrap_future(self._pool().submit(_prepare_in_worker, endpoint, body))
-        except BrokenProcessPool:  # killed, out of memory: the next big body starts a new one
-            self.close()
-            raise ApiError("internal", "the process preparing this request died; send it again") from None
+            return await asyncio.wrap_future(fut)
         except PrepareFailed as e:
-            log.error("preparing a %s request failed in the intake worker:\n%s", endpoint, e.trace)
+            log.error("preparing a %s request failed in the intake worker", endpoint, exc_info=e)
             raise ApiError("internal", f"the gateway failed preparing this request ({e.cause}; see its log)") \
                 from None
+        except Exception:
+            if self.workers.broken(fut):  # killed, out of memory: a new worker is started
+                raise ApiError("internal", "the process preparing this request died; send it again") from None
+            raise
         finally:
             self.waiting -= 1
 
-    def _pool(self) -> ProcessPoolExecutor:
-        if self.pool is None:
-            m = self.model
-            self.pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
-                                            initializer=_start_worker, initargs=(
-                                                m.model_path, m.context_length, m.tool_format, m.model_name,
-                                                os.getpid()))
-        return self.pool
-
     def close(self) -> None:
-        if self.pool is not None:
-            self.pool.shutdown(wait=False, cancel_futures=True)
-            self.pool = None
+        self.workers.close()
