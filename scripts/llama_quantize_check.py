@@ -14,7 +14,9 @@ Each file type is quantised twice by default: without an importance matrix (what
 `llama-quantize in.gguf out.gguf Q4_K_M`) and with a synthetic one (every column weight 1, written by this
 script in llama.cpp's GGUF imatrix layout). mixes.py models files made with an importance matrix, so its table is
 compared with the second run; the first shows the rules that depend on the imatrix (and which file types
-llama.cpp refuses without one).
+llama.cpp refuses without one). Exit status 1 when a check fails (each failure on stderr, `FAILED ...`): a file
+that does not load, generate or decode as gguf-py does, a wrong general.file_type, and, with the imatrix, a tensor
+type that is not mixes.py's.
 
   python scripts/llama_quantize_check.py --llama-quantize /tmp/llama-build/bin/llama-quantize \\
       --model /tmp/tiny-f32.gguf [--model ...] [--types Q4_K_M,IQ3_S] [--imatrix none|uniform|both] \\
@@ -29,11 +31,12 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import numpy as np
@@ -181,7 +184,7 @@ def check_one(binary: str, src: Path, src_arrays: dict, src_types: dict, float_t
         row["general_file_type"] = m.meta("general.file_type")
         row["file_type_key_ok"] = row["general_file_type"] == int(ftype)
         row["types_in_file"] = dict(sorted(
-            {k: int(v) for k, v in _count(ti.qtype.name for ti in m.tensors.values()).items()}.items()))
+            Counter(ti.qtype.name for ti in m.tensors.values()).items()))
         row["differences"] = compare_types(m, ftype, src_types)
         row["types_match"] = not row["differences"]
         r = gguf.GGUFReader(str(out))
@@ -201,20 +204,25 @@ def check_one(binary: str, src: Path, src_arrays: dict, src_types: dict, float_t
     return row
 
 
-def _count(it) -> dict:
-    d: dict = defaultdict(int)
-    for x in it:
-        d[x] += 1
-    return d
-
-
 def run_check(binary: str, model: Path, types: list[str], imatrix_modes: list[str], work: Path | None = None,
               threads: int = 2, keep: bool = False, log=print, llama_version: str = "") -> dict:
     """Quantise `model` to each file type (per imatrix mode: "none", "uniform") and check each output; the rows
-    and what was checked, as the JSON the script writes."""
+    and what was checked, as the JSON the script writes. work: where the files go; None: a temporary folder,
+    deleted at the end (unless keep: then its path is logged). The imatrix file is deleted unless keep."""
     own = work is None
     work = Path(tempfile.mkdtemp(prefix="llq-")) if own else work
     work.mkdir(parents=True, exist_ok=True)
+    try:
+        return _run_check(binary, model, types, imatrix_modes, work, threads, keep, log, llama_version)
+    finally:
+        if own and not keep:
+            shutil.rmtree(work, ignore_errors=True)
+        elif own:
+            log(f"quantised files kept in {work}")
+
+
+def _run_check(binary: str, model: Path, types: list[str], imatrix_modes: list[str], work: Path, threads: int,
+               keep: bool, log, llama_version: str) -> dict:
     src_reader = gguf.GGUFReader(str(model))
     src_types = {t.name: T(int(t.tensor_type)) for t in src_reader.tensors}
     names = quantisable(src_reader)
@@ -230,20 +238,24 @@ def run_check(binary: str, model: Path, types: list[str], imatrix_modes: list[st
     cfg = fm.config
     fm.close()
     rows = []
-    for mode in imatrix_modes:
-        for ft in types:
-            t0 = time.monotonic()
-            row = check_one(binary, model, src_arrays, src_types, float_tokens, ft,
-                            imatrix if mode == "uniform" else None, work, threads, keep)
-            row["check_s"] = round(time.monotonic() - t0, 2)
-            rows.append(row)
-            log(line(row))
+    try:
+        for mode in imatrix_modes:
+            for ft in types:
+                t0 = time.monotonic()
+                row = check_one(binary, model, src_arrays, src_types, float_tokens, ft,
+                                imatrix if mode == "uniform" else None, work, threads, keep)
+                row["check_s"] = round(time.monotonic() - t0, 2)
+                rows.append(row)
+                log(line(row))
+    finally:
+        if imatrix is not None and not keep:
+            imatrix.unlink(missing_ok=True)
     return {"llama_quantize": str(binary), "llama_cpp_version": llama_version,
             "binary_version_line": next((r["version_line"] for r in rows if "version_line" in r), ""),
             "model": str(model),
             "model_config": {k: getattr(cfg, k) for k in ("n_layer", "d_model", "n_head", "n_head_kv", "head_dim",
                                                           "n_expert", "n_expert_used", "d_ff_expert", "vocab_size")},
-            "source_types": dict(_count(t.name for t in src_types.values())),
+            "source_types": dict(Counter(t.name for t in src_types.values())),
             "float_greedy_tokens": float_tokens, "rows": rows}
 
 
@@ -267,6 +279,32 @@ def line(r: dict) -> str:
             f"{_yn(r.get('stratad_decode_exact')):<12} {r.get('rel_rms', '-')!s:<8} {note}")
 
 
+def failures(rows: list[dict]) -> list[str]:
+    """What failed, a line a row: a file llama.cpp wrote that stratad does not load, generate from, decode as
+    gguf-py does, or whose general.file_type is not the one asked for; with an importance matrix, a tensor whose type
+    is not mixes.py's (without one, the differences are the imatrix-dependent rules: reported, not failures). A
+    file type llama.cpp refuses is not stratad's failure (its row says why)."""
+    out = []
+    for r in rows:
+        if r["rc"]:
+            continue
+        what = f"{r['file_type']} ({r['imatrix']} imatrix)"
+        if not r.get("loads"):
+            out.append(f"{what}: does not load ({r.get('load_error', '')})")
+            continue
+        problems = [p for p, bad in (
+            ("no greedy generation" + (f" ({r['greedy_error']})" if r.get("greedy_error") else ""),
+             not r.get("greedy_ok")),
+            ("stratad's decoding differs from gguf-py's: " + ", ".join(r.get("stratad_decode_differs", ())),
+             not r.get("stratad_decode_exact")),
+            (f"general.file_type {r.get('general_file_type')}", not r.get("file_type_key_ok")),
+            (f"{len(r.get('differences') or ())} tensor types differ from mixes.py's",
+             r["imatrix"] == "uniform" and not r.get("types_match"))) if bad]
+        if problems:
+            out.append(f"{what}: " + "; ".join(problems))
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--llama-quantize", default=os.environ.get("LLAMA_QUANTIZE"),
@@ -277,7 +315,8 @@ def main(argv=None) -> int:
     ap.add_argument("--imatrix", choices=["none", "uniform", "both"], default="both")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--work", help="where the quantised files go (default: a temporary folder)")
-    ap.add_argument("--keep", action="store_true", help="keep the quantised files")
+    ap.add_argument("--keep", action="store_true", help="keep the quantised files and the imatrix (and the "
+                    "temporary folder, without --work)")
     ap.add_argument("--llama-version", default="", help="the llama.cpp version the binary was built from, for the "
                     "JSON (a build from a source archive reports 'build 0, commit unknown')")
     ap.add_argument("--json", help="write the results here")
@@ -297,7 +336,9 @@ def main(argv=None) -> int:
             "llama_quantize": str(a.llama_quantize), "llama_cpp_version": a.llama_version,
             "date": time.strftime("%Y-%m-%d", time.gmtime()), "models": results}
         Path(a.json).write_text(json.dumps(out, indent=1) + "\n")
-    bad = [r for res in results for r in res["rows"] if not r["rc"] and not (r["loads"] and r["greedy_ok"])]
+    bad = failures([r for res in results for r in res["rows"]])
+    for b in bad:
+        print(f"FAILED {b}", file=sys.stderr)
     return 1 if bad else 0
 
 
