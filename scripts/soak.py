@@ -25,6 +25,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from pathlib import Path
 
 import psutil
@@ -94,6 +95,17 @@ class Soak:
     def fail(self, what: str) -> None:
         with self.lock:
             self.failures.append(f"{time.strftime('%H:%M:%S')} {what}")
+
+    def guarded(self, name: str, f, *args):
+        """f(*args) as a thread's target: an exception it did not expect ends the thread as a failure of the soak,
+        with its traceback, instead of a thread dying silently while the summary says nothing failed."""
+        def run():
+            try:
+                f(*args)
+            except Exception as e:  # noqa: BLE001 - recorded: the soak's finding
+                self.count("threads", f"{name}_died")
+                self.fail(f"thread {name} died: {type(e).__name__}: {e}\n{traceback.format_exc()}")
+        return run
 
     def socket(self, **opts) -> tuple[zmq.Context, zmq.Socket]:
         ctx = zmq.Context()
@@ -192,8 +204,9 @@ class Soak:
             ctx.destroy(linger=0)
 
     def oversized(self) -> None:
-        """7 MB fields and 150,000 messages (prompt_too_long within a second), a 12 MB frame (bad_frame naming the
-        limit), a 64 MB one (the connection dropped unread: no answer), a prompt the library refuses."""
+        """7 MB fields and 150,000 messages (prompt_too_long within REFUSED_WITHIN_S), a 12 MB frame (bad_frame
+        naming the limit, as soon), a 64 MB one (the connection dropped unread: no answer), a prompt the library
+        refuses."""
         kinds = list(self.frames) + ["frame_12mb", "frame_64mb", "library_refuses"]
         while self.running():
             kind = self.rng.choice(kinds)
@@ -213,7 +226,8 @@ class Soak:
             answered = s.poll(3000 if kind == "frame_64mb" else 30000)
             took = time.monotonic() - t0
             want = {"frame_12mb": "bad_frame", "frame_64mb": None}.get(kind, "prompt_too_long")
-            got = decode(s.recv(), M.CoordinatorToClient).code.value if answered else None
+            reply = decode(s.recv(), M.CoordinatorToClient) if answered else None
+            got = None if reply is None else reply.code.value if isinstance(reply, M.Error) else reply.type
             ctx.destroy(linger=0)
             if got == want and (got is None or took < REFUSED_WITHIN_S):
                 self.count("oversized", f"{kind}:{got or 'dropped'}")
@@ -379,10 +393,11 @@ def main() -> int:
     rc, stop_s = None, None
     try:
         want = soak.reference()
-        workers = [threading.Thread(target=soak.streamer, args=(k,)) for k in ("reader", "canceller", "disconnector")]
-        workers += [threading.Thread(target=f) for f in (soak.slow_reader, soak.bad_frames, soak.oversized,
-                                                         soak.status_flood, soak.rss)]
-        workers.append(threading.Thread(target=soak.faults, args=(want,)))
+        workers = [threading.Thread(target=soak.guarded(k, soak.streamer, k))
+                   for k in ("reader", "canceller", "disconnector")]
+        workers += [threading.Thread(target=soak.guarded(f.__name__, f)) for f in (
+            soak.slow_reader, soak.bad_frames, soak.oversized, soak.status_flood, soak.rss)]
+        workers.append(threading.Thread(target=soak.guarded("faults", soak.faults, want)))
         for w in workers:
             w.start()
         for w in workers:
