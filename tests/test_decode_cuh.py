@@ -254,7 +254,7 @@ def test_packed_rows_hold_the_values(lib, qtype, source):
             f"{qtype.name} {fmt}: {np.sum(~((got == ref) | (np.isnan(got) & np.isnan(ref))))} values differ"
 
 
-PART_TYPES = [T.Q4_K, T.Q6_K, T.IQ3_S]
+PART_TYPES = [T.Q4_K, T.Q5_K, T.Q6_K, T.IQ3_S]
 
 
 def test_part_types_are_the_file_row_types():

@@ -6,7 +6,7 @@ decode.cuh itself is checked bit for bit against stratad.model.quants on the hos
 the kernels that use it:
   mat-vec (rows packed at upload, and decode.cuh's per-type template): |y - y64| <= 1e-5 * (|W| @ |x|)
     elementwise, test_gpu_dense's bound; bits independent of the rows a warp takes (a row's sum order depends only
-    on KS); Q4_K, Q6_K and IQ3_S rows read as the file holds them: the packed rows' bits on every plan, alone, with
+    on KS); Q4_K, Q5_K, Q6_K and IQ3_S rows read as the file holds them: the packed rows' bits on every plan, alone, with
     the norm folded in and as a pair of types in one launch;
   dequantised float16 copy (the prompt GEMM's operand): dequantize(...).astype(float16), bit for bit;
   embedding rows: dequantize(...), bit for bit; a bad id gives a NaN row.
@@ -26,8 +26,8 @@ from stratad.model.gguf_file import ModelFile
 gpu = pytest.mark.gpu
 F32 = np.float32
 ALL = list(quants.FORMATS)
-FAST = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_K, T.Q6_K, T.IQ3_S)  # lane.kernels.device.FAST
-PART_TYPES = (T.Q4_K, T.Q6_K, T.IQ3_S)  # read as the file holds them, decoded by decode.cuh's rq_part
+FAST = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ3_S)  # lane.kernels.device.FAST
+PART_TYPES = (T.Q4_K, T.Q5_K, T.Q6_K, T.IQ3_S)  # read as the file holds them, decoded by decode.cuh's rq_part
 MIXES = ("iq3_s", "iq3_m", "q4_k_s")  # tiny: IQ3_S / IQ3_S / Q4_K experts; dense IQ3_S, Q4_K, Q5_K, Q6_K
 
 
@@ -109,7 +109,7 @@ def cols_for(qt, cols):
 @pytest.mark.parametrize("shape", [(130, 256), (512, 2048), (96, 768)], ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("qt", ALL, ids=_ids(ALL))
 def test_matvec_every_type(D, qt, shape, path):
-    """packed: the quantised types off the fast paths (and Q4_K / Q6_K / IQ3_S rows the fast path declines) as the
+    """packed: the quantised types off the fast paths (and Q4_K / Q5_K / Q6_K / IQ3_S rows the fast path declines) as the
     card reads them, rows packed at upload (weights.PackedRows) through the block ring, every plan of PLANS; decode:
     the rows as the file holds them through decode.cuh's mat-vec (pack=False, and the fast types 1 byte off
     alignment), every plan of DQ_PLANS."""
@@ -199,12 +199,12 @@ def test_embed_every_type(D, qt):
 @pytest.mark.parametrize("qt", PART_TYPES, ids=_ids(PART_TYPES))
 @pytest.mark.parametrize("shape", [(130, 2048), (2048, 4096), (96, 6144), (70, 1280)], ids=lambda s: f"{s[0]}x{s[1]}")
 def test_file_rows_are_the_packed_rows(D, qt, shape):
-    """Q4_K / Q6_K / IQ3_S rows read as the file holds them (matvec.cuh FileBlk: a lane decodes its 8 values with
+    """Q4_K / Q5_K / Q6_K / IQ3_S rows read as the file holds them (matvec.cuh FileBlk: a lane decodes its 8 values with
     decode.cuh's rq_part, tiles staged from the 16-byte boundary below them) give the packed rows' bits (the same
     terms on the same numbers), on every plan of PLANS, with a residual out of place and in place, and with the
     norm folded in on every plan norm_matvec takes; and stay within the dequantised product's bound. Shapes: tiles
     starting 8 bytes past a boundary (IQ3_S, Q6_K: 440 / 840 bytes a tile), a last tile of 8 sub-blocks (Q4_K at
-    1280 columns; the other two need cols % 2048 == 0 for 16-byte rows)."""
+    1280 columns, Q5_K too; the other two need cols % 2048 == 0 for 16-byte rows)."""
     from lane.kernels import matvec, weights
     from lane.kernels.weights import DenseWeight, PackedRows
 
@@ -244,7 +244,8 @@ def test_file_rows_are_the_packed_rows(D, qt, shape):
 
 
 @gpu
-@pytest.mark.parametrize("types", [(T.IQ3_S, T.Q4_K), (T.Q4_K, T.Q6_K)], ids=["iq3_s-q4_k", "q4_k-q6_k"])
+@pytest.mark.parametrize("types", [(T.IQ3_S, T.Q4_K), (T.Q4_K, T.Q6_K), (T.Q5_K, T.Q6_K)],
+                         ids=["iq3_s-q4_k", "q4_k-q6_k", "q5_k-q6_k"])
 def test_pair_of_file_types_in_one_launch(D, types):
     """A llama.cpp mix's q and k of one type with attn_v of another (iq3_s: IQ3_S + Q4_K; q4_k_m: Q4_K + Q6_K) at
     the a3b shape: concat stacks q and k into one part and the pair runs in one norm_matvec launch (the first

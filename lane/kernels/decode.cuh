@@ -370,8 +370,9 @@ template <int QT> DQ_FN void rq_pack(const dq_u8* row, int s, const dq_u8* tab, 
 // little-endian words. The mat-vec that reads these types' rows as the file holds them (matvec.cuh FileBlk) runs
 // the packed rows' term on them, so it gives the packed mat-vec's bits while reading the file's bytes (0.43-0.82 a
 // weight against 1.125-1.25 packed). Blocks are 2-byte aligned there (rows of 110- and 210-byte blocks staged from
-// a 16-byte boundary; Q4_K's 144-byte blocks 16-byte aligned), and no word read passes a block's end.
-#define RQ_PART_TYPES(X) X(q4_k, 12) X(q6_k, 14) X(iq3_s, 21)  // the types with an rq_part
+// a 16-byte boundary; Q4_K's and Q5_K's 144- and 176-byte blocks 16-byte aligned), and no word read passes a
+// block's end.
+#define RQ_PART_TYPES(X) X(q4_k, 12) X(q5_k, 13) X(q6_k, 14) X(iq3_s, 21)  // the types with an rq_part
 struct RqPart {
     float scale, minimum;
     dq_u32 qa, qb;
@@ -440,6 +441,19 @@ template <> DQ_FN RqPart rq_part<12>(const dq_u8* b, int j, int p, const dq_u8*)
     const int sh = 4 * (j & 1);
     o.qa = (dq_w32a(q) >> sh) & 0x0f0f0f0fu;
     o.qb = (dq_w32a(q + 4) >> sh) & 0x0f0f0f0fu;
+    return o;
+}
+template <> DQ_FN RqPart rq_part<13>(const dq_u8* b, int j, int p, const dq_u8*) {  // Q5_K: high bit j of byte i
+    RqPart o;
+    int sc, mn;
+    dq_k4_scale_min(b, j, sc, mn);
+    o.scale = dq_mul(dq_h2f((dq_u16)dq_rd16(b)), dq_i2f(sc));
+    o.minimum = dq_mul(dq_h2f((dq_u16)dq_rd16(b + 2)), dq_i2f(mn));
+    const dq_u8* q = b + 48 + 32 * (j >> 1) + 8 * p;
+    const dq_u8* h = b + 16 + 8 * p;
+    const int sh = 4 * (j & 1);
+    o.qa = ((dq_w32a(q) >> sh) & 0x0f0f0f0fu) | (((dq_w32a(h) >> j) & 0x01010101u) << 4);
+    o.qb = ((dq_w32a(q + 4) >> sh) & 0x0f0f0f0fu) | (((dq_w32a(h + 4) >> j) & 0x01010101u) << 4);
     return o;
 }
 // Q6_K's code - 32 a byte from 4 low bits and 2 high ones: c ^ 32 is it where c >= 32; below, bits 6 and 7 are set

@@ -20,7 +20,7 @@ from .compile import load_module
 # the mat-vec reads as the file holds them (matvec.cuh: the float types, Q8_0, and the types with a per-lane
 # decoder, decode.cuh's RQ_PART_TYPES); the other quantised types are packed at upload (weights.PackedRows)
 QNAME = {t: t.name.lower() for t in quants.DENSE_TYPES}
-FILE_BLK = (T.Q8_0, T.Q4_K, T.Q6_K, T.IQ3_S)
+FILE_BLK = (T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ3_S)
 FAST = (T.F32, T.F16, T.BF16) + FILE_BLK
 
 _lock = threading.Lock()

@@ -242,8 +242,8 @@ NORM_MV_PLANS(NORM_MV_BLK_INST, rq20, Rq20)
 NORM_MV_PLANS(NORM_MV_BLK_INST, rq22, Rq22)
 #define NORM_MV_FILE_PLANS(name, code) NORM_MV_PLANS(NORM_MV_BLK_INST, name, Fb_##name)
 RQ_PART_TYPES(NORM_MV_FILE_PLANS)
-// the pairs of file types llama.cpp's mixes stack (weights.FILE_PAIRS: IQ3_S q, k with Q4_K v; Q4_K with Q6_K):
-// norm_matvec2_<first>_<second>
+// the pairs of file types llama.cpp's mixes stack (weights.FILE_PAIRS: IQ3_S q, k with Q4_K v; Q4_K or Q5_K with
+// Q6_K): norm_matvec2_<first>_<second>
 #define NORM_MV_PAIR(A, B) NORM_MV_PAIR_PLANS(A##_##B, Fb_##A, Fb_##B)
 #define NORM_MV_PAIR_PLANS(AB, FA, FB)                                                                       \
     NORM_MV_PAIR_INST(norm_matvec2_##AB##_r2_k1, FA, FB, 2, 1)                                                \
@@ -252,6 +252,7 @@ RQ_PART_TYPES(NORM_MV_FILE_PLANS)
     NORM_MV_PAIR_INST(norm_matvec2_##AB##_r2_k2, FA, FB, 2, 2)
 NORM_MV_PAIR(iq3_s, q4_k)
 NORM_MV_PAIR(q4_k, q6_k)
+NORM_MV_PAIR(q5_k, q6_k)
 NORM_MV_PLANS(NORM_MV_FLOAT_INST, f16, QT_F16)
 NORM_MV_PLANS(NORM_MV_FLOAT_INST, bf16, QT_BF16)
 NORM_MV_PLANS(NORM_MV_FLOAT_INST, f32, QT_F32)

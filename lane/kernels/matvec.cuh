@@ -3,7 +3,7 @@
 // Block = 8 warps. A warp owns R rows (its "row group"); KS warps of a block split a row group's K dimension
 // (tiles round-robin) and are summed in shared memory in warp order (deterministic). Loads are 16-byte,
 // coalesced, several tiles in flight per warp (R * U = 4 row-tiles for Q8_0, 8 for the float types).
-// Block rows (Q8_0, Q4_K, Q6_K and IQ3_S as the file holds them, or the packed rows of every other quantised type,
+// Block rows (Q8_0, Q4_K, Q5_K, Q6_K and IQ3_S as the file holds them, or the packed rows of every other quantised type,
 // below) stream through a per-warp cp.async ring in shared memory (tile = 32 sub-blocks of 32 values, e.g. 1088
 // bytes for Q8_0, 440 for IQ3_S; several row-tiles in flight per warp), then four lanes dot a sub-block of a tile,
 // 8 values each; needs row_bytes % 16 == 0 and cols % 256 == 0.

@@ -1,7 +1,7 @@
 """A dense GGUF matrix on the device (the rows as the file holds them) and its mat-vec launch plan.
 
-The mat-vec reads F32, F16, BF16, Q8_0, Q4_K, Q6_K and IQ3_S rows as the file holds them (matvec.cuh's fast
-bodies; the last three decoded a lane's 8 values at a time by decode.cuh's rq_part); every other quantised type is
+The mat-vec reads F32, F16, BF16, Q8_0, Q4_K, Q5_K, Q6_K and IQ3_S rows as the file holds them (matvec.cuh's
+fast bodies; the last four decoded a lane's 8 values at a time by decode.cuh's rq_part); every other quantised type is
 packed once at upload into int8 codes with float32 scales (`PackedRows`, decode.cuh rq_pack: the same values,
 1.125-1.5 bytes a weight) that the same block ring reads, and only rows neither can take go through decode.cuh's
 per-type mat-vec. decode.cuh also makes the float16 copy a prompt chunk's cuBLAS GEMM reads
@@ -32,8 +32,8 @@ RQ_FORMATS = {T.Q2_K: (2, 2), T.Q3_K: (2, 0), T.Q6_K: (2, 0), T.IQ2_XS: (2, 0), 
 
 
 # the pairs of file types one norm_matvec launch takes (matvec.cu NORM_MV_PAIR): llama.cpp's IQ3_S q and k with
-# a Q4_K attn_v (iq3_s, iq3_m), Q4_K with a Q6_K attn_v (q4_k_m's more-bits layers)
-FILE_PAIRS = ((T.IQ3_S, T.Q4_K), (T.Q4_K, T.Q6_K))
+# a Q4_K attn_v (iq3_s, iq3_m), Q4_K or Q5_K with a Q6_K attn_v (q4_k_m's and q5_k_m's more-bits layers)
+FILE_PAIRS = ((T.IQ3_S, T.Q4_K), (T.Q4_K, T.Q6_K), (T.Q5_K, T.Q6_K))
 PAIR_PLANS = ((2, 1), (1, 1), (1, 2), (2, 2))
 # the file types matvec takes on 8-bit x (qx; matvec.cu's matvec_<type>x): block formats without a minimum
 QX_TYPES = (T.Q8_0, T.IQ3_S)
