@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -254,10 +253,22 @@ class ModelFile:
         self._map = None
 
 
+_KNOWN_TYPES = frozenset(int(t) for t in T)  # the type codes the gguf package can read
+
+
+class _UnknownType(ValueError):
+    """A tensor's type code that is none of the gguf package's (a type newer than it: llama.cpp's Q1_0, Q2_0 ...)."""
+
+    def __init__(self, code: int):
+        super().__init__(code)
+        self.code = code
+
+
 class _Reader(GGUFReader):
     """gguf's reader working on a plain ndarray view of its np.memmap: numpy's memmap subclass runs
     __array_finalize__ on every view the reader makes, some 2 million for a 151,936-token vocabulary and its
-    merges (docs/perf-notes.md has the open time and memory)."""
+    merges (docs/perf-notes.md has the open time and memory). Each tensor's type code is checked against gguf's own
+    before gguf converts it: a code it does not know is _UnknownType, not whatever its conversion raises."""
 
     @property
     def data(self):
@@ -266,6 +277,13 @@ class _Reader(GGUFReader):
     @data.setter
     def data(self, v):
         self._data = v.view(np.ndarray) if isinstance(v, np.memmap) else v
+
+    def _build_tensors(self, start_offs, fields):
+        for field in fields:  # parts: name length, name, n_dims, dims, type code, offset (gguf's tensor info)
+            code = int(field.parts[4][0])
+            if code not in _KNOWN_TYPES:
+                raise _UnknownType(code)
+        return super()._build_tensors(start_offs, fields)
 
 
 def _close_reader(reader) -> None:
@@ -286,12 +304,11 @@ def _read_gguf(path: Path):
     reader = _Reader.__new__(_Reader)  # kept when __init__ fails: how far it got tells where the fault is
     try:
         reader.__init__(path, "r")
+    except _UnknownType as e:  # a type newer than the gguf package (llama.cpp's Q1_0 / Q2_0 ...), not damage
+        raise ModelFormatError(path, f"a tensor of type code {e.code}, which this version does not read "
+                                     f"(supported: {quants.supported_names()})") from None
     except (ValueError, IndexError, OSError, KeyError) as e:
         size = path.stat().st_size
-        unknown = re.fullmatch(r"(?:np\.uint32\()?(\d+)\)? is not a valid GGMLQuantizationType", str(e))
-        if unknown:  # a type newer than the gguf package (llama.cpp's Q1_0 / Q2_0 ...), not damage
-            raise ModelFormatError(path, f"a tensor of type code {unknown.group(1)}, which this version does not "
-                                         f"read (supported: {quants.supported_names()})") from None
         if hasattr(reader, "data_offset"):  # header and tensor table were read; the tensor data is short
             raise ModelFormatError(path, f"truncated file or corrupt tensor table: the tensor data does not "
                                          f"fit the file's {size} bytes ({e})") from None
