@@ -24,6 +24,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from daemon_harness import ROOT, Daemon
+from stratad.intake_worker import MAX_WAITING
 from stratad.gateway.parsing import OutputParser
 from stratad.model import quants
 from stratad.model.config import PRESETS
@@ -576,6 +577,45 @@ def test_big_bodies_do_not_pause_other_streams(daemon, gateway, an, tok):
     wait_idle(daemon)
 
 
+def test_more_big_bodies_than_the_worker_takes_are_429_and_529(gateway):
+    """At most MAX_WAITING big bodies (over HEAVY_BYTES) are in or waiting for the gateway's worker; the ones past
+    that are refused at once as overloaded: 429 (OpenAI), 529 overloaded_error (Anthropic). 24 bodies of 300 KB at
+    once (a prompt the worker renders and tokenises, then refuses: 400, past the context)."""
+    words = "word " * 60_000
+
+    def burst(path: str, body: dict, n: int = 24) -> list[httpx.Response]:
+        go, out = threading.Barrier(n), [None] * n
+
+        def post(i):
+            with httpx.Client(headers={"x-api-key": KEY}, timeout=120) as c:
+                go.wait()
+                out[i] = c.post(gateway.url + path, json=body)
+
+        ts = [threading.Thread(target=post, args=(i,)) for i in range(n)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(120)
+        return out
+
+    for path, body, refused in [
+            ("/v1/chat/completions", {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": words}]},
+             429),
+            ("/v1/messages", {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": words}]}, 529)]:
+        rs = burst(path, body)
+        codes = [r.status_code for r in rs]
+        assert set(codes) <= {400, refused}, [(r.status_code, r.text[:200]) for r in rs]
+        assert codes.count(400) >= MAX_WAITING and refused in codes, codes
+        r = next(r for r in rs if r.status_code == refused)
+        err = r.json()["error"]
+        assert "large requests (over" in err["message"] and "send it again later" in err["message"], r.text
+        if refused == 529:
+            assert r.json()["type"] == "error" and err["type"] == "overloaded_error", r.text
+        else:
+            assert err["type"] == "rate_limit_error", r.text
+        assert "context length" in next(r for r in rs if r.status_code == 400).json()["error"]["message"]
+
+
 def gateway_process(daemon) -> psutil.Process:
     (child,) = [p for p in psutil.Process(daemon.proc.pid).children() if "stratad.gateway" in p.cmdline()]
     return child
@@ -606,8 +646,11 @@ def test_a_killed_intake_worker_is_replaced(daemon, gateway, tok):
 
 
 def test_a_gateway_that_dies_is_restarted(daemon, gateway, oa):
-    (child,) = [p for p in psutil.Process(daemon.proc.pid).children() if "stratad.gateway" in p.cmdline()]
-    kids = child.children(recursive=True)  # the intake worker (and multiprocessing's tracker), if started
+    """SIGKILLed: its intake worker (started with it) follows it, and the daemon starts a new gateway, with a new
+    worker, before any big body."""
+    child = gateway_process(daemon)
+    assert intake_workers(child), "the gateway's intake worker is not running"
+    kids = child.children(recursive=True)  # the intake worker (and multiprocessing's tracker)
     child.kill()
     child.wait(10)
     _, alive = psutil.wait_procs(kids, timeout=10)
@@ -622,6 +665,11 @@ def test_a_gateway_that_dies_is_restarted(daemon, gateway, oa):
         assert time.monotonic() < deadline, "the gateway was not restarted"
         time.sleep(0.1)
     assert oa.chat.completions.create(model="m", messages=CHAT, max_tokens=2).usage.completion_tokens >= 1
+    new = gateway_process(daemon)
+    assert new.pid != child.pid
+    while not intake_workers(new):
+        assert time.monotonic() < deadline, "the new gateway's intake worker was not started"
+        time.sleep(0.1)
 
 
 def kill_serving_lane(daemon) -> None:

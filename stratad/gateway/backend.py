@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -16,6 +17,7 @@ from stratad.gateway.errors import ApiError, pydantic_error
 from stratad.model.tokenizer import ChatTemplateError, Tokenizer
 
 _RENDERED = ("prompt", "messages", "tokens", "tools", "enable_thinking", "prefill")  # what becomes the prompt
+_RENDERED_SET = frozenset(_RENDERED)
 
 
 class Model:
@@ -31,7 +33,9 @@ class Model:
         self.context_length = context_length
         self.max_prompt_bytes = max_prompt_bytes(self.tokenizer, context_length)  # refused unrendered beyond
         self._open: dict[bool | None, bool] = {}
-        self._last: tuple | None = None  # (the input rendered last, its tokens): room() then as_tokens()
+        # (a digest of the input rendered last, its tokens): room() then as_tokens() render a request once. Only the
+        # digest: the input itself (a big body's messages, in the worker) would stay alive until the next request
+        self._last: tuple[bytes, list[int]] | None = None
 
     def reasoning_open(self, enable_thinking: bool | None) -> bool:
         """Whether the template's generation prompt opens <think> itself (the reply then starts inside it)."""
@@ -69,8 +73,8 @@ class Model:
         bounded first as the daemon bounds it. chat: generate()'s prompt / messages / tokens, tools,
         enable_thinking, prefill; max_tokens: the reply's, for the bound (1: the least a reply takes)."""
         g = self._message(chat, max_tokens)
-        key = tuple(chat.get(k) for k in _RENDERED)
-        if self._last is not None and all(a is b or a == b for a, b in zip(self._last[0], key)):
+        key = hashlib.sha256(g.model_dump_json(include=_RENDERED_SET).encode()).digest()  # all that is rendered
+        if self._last is not None and self._last[0] == key:
             return self._last[1]
         try:
             tokens = prompt_tokens(self.tokenizer, g)
