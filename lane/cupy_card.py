@@ -213,10 +213,17 @@ class CupyCard:
                 self.pos.fill(b)
             self.stream.synchronize()  # the host buffer may be reused once this returns
 
-    def import_kv_from(self, kv: GpuKV, start: int, store, slots: list[int], block_tokens: int) -> int:
+    def import_kv_from(self, kv: GpuKV, start: int, store, slots: list[int], block_tokens: int,
+                       hashes: list[bytes] | None = None) -> int:
         """The store's blocks through the card's staging (lane/kv_staging.py): read by threads a chunk at a time,
         each chunk uploaded while the next is read, as one contiguous copy into device staging (a strided copy from
-        host memory moves a head's 4 KB at a time, well below the link's rate), then into the caches on the card."""
+        host memory moves a head's 4 KB at a time, well below the link's rate), then into the caches on the card.
+
+        Returns the blocks restored (up to the first taken for another block meanwhile, or one the store failed to
+        give: the caller reads the prompt from there); kv then holds (start + that) * block_tokens positions,
+        untouched when none. Returns only once every copy is done (the staging and the caches are free). A failure
+        of the card's copies is raised, also once nothing it issued runs; kv then holds start * block_tokens
+        positions (its blocks past start may have been written over), or is untouched if nothing was issued."""
         B = block_tokens
         if (start + len(slots)) * B > self.max_ctx:
             raise ValueError(f"{(start + len(slots)) * B} positions exceed the card's KV capacity of {self.max_ctx}")
@@ -226,7 +233,7 @@ class CupyCard:
         shape = self._staging.halves(bb).shape
         with self.device:
             if self._kv_dev is None or self._kv_dev.shape != shape:
-                self._kv_dev = cp.empty(shape, cp.uint8)
+                self._kv_dev = cp.empty(shape, cp.uint8)  # no copy uses the old one: every restore ends synchronised
         cut = []
 
         def upload(rows: np.ndarray, first: int, half: int):
@@ -239,12 +246,19 @@ class CupyCard:
             return kv_staging.record(self.stream)
 
         with self.device:
-            got = self._staging.restore(store, slots, bb, upload)
+            try:
+                got = self._staging.restore(store, slots, bb, upload, hashes)
+            except BaseException:
+                try:  # an upload that raised may have issued some of its copies: none may outlive this call
+                    self.stream.synchronize()
+                except Exception:  # noqa: BLE001 - the card's own failure is the one raised
+                    log.exception("synchronising the card after a failed KV restore failed too")
+                raise
             if got:
                 kv.length = (start + got) * B
                 with self.stream:
                     self.pos.fill(kv.length)
-                self.stream.synchronize()
+            self.stream.synchronize()
         return got
 
     def set_view(self, view: M.View) -> None:

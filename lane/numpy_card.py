@@ -6,6 +6,7 @@ CPU pool (lane/cpu_pool.py, the GPU lanes' too) straight from the arena. All run
 """
 from __future__ import annotations
 
+import logging
 import os
 from collections import OrderedDict
 
@@ -19,11 +20,13 @@ from protos import messages as M
 from stratad import shm
 from stratad.engine import canonical
 from stratad.engine import kv_blocks
-from stratad.engine.card import HostSampled, KvExport, import_through_buffer
+from stratad.engine.card import HostSampled, KvExport
 from stratad.engine.reference import ReferenceEngine
 from stratad.model import quants
 from stratad.model.gguf_file import ModelFile
 from stratad.model.slot_layout import KINDS, split_slot
+
+log = logging.getLogger("stratad.lane")
 
 
 class PeerCard:
@@ -157,8 +160,21 @@ class NumpyCard(HostSampled):
     def import_kv(self, kv, start: int, blocks: np.ndarray, block_tokens: int) -> None:
         kv_blocks.restore(kv, start, blocks, block_tokens)
 
-    def import_kv_from(self, kv, start: int, store, slots: list[int], block_tokens: int) -> int:
-        return import_through_buffer(self, kv, start, store, slots, block_tokens)
+    def import_kv_from(self, kv, start: int, store, slots: list[int], block_tokens: int,
+                       hashes: list[bytes] | None = None) -> int:
+        """By way of one host buffer: the store's read, then import_kv. The same contract as the GPU card's (the
+        blocks restored up to the first taken for another block meanwhile; kv then holds (start + that) *
+        block_tokens positions, untouched when none); a store that fails to give its blocks restores none (logged:
+        the prompt is read instead)."""
+        buf = self.kv_host_buffer(len(slots), block_tokens)
+        try:
+            got = store.read(slots, buf, hashes)
+        except Exception:  # noqa: BLE001 - the cache is an optimisation: the prompt is read
+            log.exception("reading the host conversation cache failed: the prompt is read instead")
+            return 0
+        if got:
+            self.import_kv(kv, start, buf[:got], block_tokens)
+        return got
 
     def forward(self, tokens, kv, logits: str = "last"):
         outs = []

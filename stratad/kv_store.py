@@ -72,6 +72,10 @@ class Snapshot:
     def __len__(self) -> int:
         return len(self.seq)
 
+    def part(self, a: int, b: int) -> "Snapshot":
+        """The record of slots[a:b] (a chain read in parts: each part confirmed against the one snapshot)."""
+        return Snapshot(self.seq[a:b], self.hash[a:b], self.time)
+
 
 @dataclass(frozen=True)
 class StoreStats:
@@ -150,21 +154,30 @@ class KvStore:
             out.append(where[h])
         return out
 
-    def read(self, slots: list[int], out: np.ndarray) -> int:
+    def read(self, slots: list[int], out: np.ndarray, hashes: list[bytes] | None = None) -> int:
         """Copy the slots' blocks into out (rows), in order; the number copied whole before the first that was
-        taken for another block meanwhile. Touches them (most recent last in the chain first out)."""
-        snap = self.snapshot(slots)
+        taken for another block meanwhile (hashes: see snapshot). Touches them (most recent last in the chain
+        first out)."""
+        snap = self.snapshot(slots, hashes)
         for i, s in enumerate(slots[:len(snap)]):
-            n = int(self.nbytes[s])
+            n = min(int(self.nbytes[s]), out.shape[1])  # a slot taken for a larger block meanwhile: not whole
             out[i, :n] = self.data[s, :n]
         return self.confirm(slots, snap)
 
-    def snapshot(self, slots: list[int]) -> "Snapshot":
-        """The slots' sequence numbers and hashes, up to the first that is not READY: a reader copies their data
-        after this and keeps what confirm() says is still whole (the seqlock's first read)."""
+    def snapshot(self, slots: list[int], hashes: list[bytes] | None = None) -> "Snapshot":
+        """The slots' sequence numbers and hashes, up to the first that is not READY or (hashes: the blocks the
+        slots were found holding, find()'s) holds another block: a reader copies their data after this and keeps
+        what confirm() says is still whole (the seqlock's first read). Without hashes a slot taken for another
+        block and published again between find() and this reads as whole."""
         idx = np.asarray(slots, np.int64)
         seq, state, h = self.seq[idx].copy(), self.state[idx].copy(), self.hash[idx].copy()
-        n = int(np.argmin(state == READY)) if not (state == READY).all() else len(idx)
+        ok = state == READY
+        if hashes is not None:
+            if len(hashes) != len(idx):
+                raise ValueError(f"{len(hashes)} hashes for {len(idx)} slots")
+            want = np.frombuffer(b"".join(hashes), np.uint8).reshape(len(idx), 32) if len(idx) else h
+            ok &= (h == want).all(axis=1)
+        n = int(np.argmin(ok)) if not ok.all() else len(idx)
         return Snapshot(seq[:n], h[:n], time.monotonic_ns())
 
     def confirm(self, slots: list[int], snap: "Snapshot", first: int = 0) -> int:
