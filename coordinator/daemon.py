@@ -219,10 +219,21 @@ class Coordinator:
             sd_notify.notify("STOPPING=1")
             for rid in list(self.queue):
                 self._fail(self.requests[rid], M.ErrorCode.SHUTTING_DOWN, "the daemon is stopping")
-            for (sock, client), msg, _ in self.intake.ready(everything=True):
-                if msg is None or isinstance(msg, M.Generate):  # None: a big frame, a request most likely
-                    self._reply(sock, client, M.Error(req_id=getattr(msg, "req_id", None),
-                                                      code=M.ErrorCode.SHUTTING_DOWN, message="the daemon is stopping"))
+            # the intake's messages are answered in their turn by the loop as before (a request refused
+            # shutting_down with its req_id, a status request answered); those still waiting when the stop ends:
+            # _answer_intake
+
+    def _answer_intake(self) -> None:
+        """At the stop's end, every message still in the intake answered, in each client's order: those whose turn
+        has come as the loop would (a request refused shutting_down, with its req_id: decoded here or by the
+        worker; a status request answered; a cancel as any); a big frame still in the worker is refused
+        shutting_down without a req_id (not decoded yet: the client library reads each request's answers on a
+        socket of its own, so the error reaches the right request)."""
+        for (sock, client), msg, prepared in self.intake.ready(everything=True):
+            if prepared is not None and not prepared.done():
+                self._reply(sock, client, M.Error(code=M.ErrorCode.SHUTTING_DOWN, message="the daemon is stopping"))
+            else:
+                self._guarded(sock, client, self._prepared, sock, client, msg, prepared)
 
     def run(self) -> int:
         poller = zmq.Poller()
@@ -301,6 +312,7 @@ class Coordinator:
             return False
         for r in busy:
             self._fail(r, M.ErrorCode.SHUTTING_DOWN, "the daemon stopped before this request finished")
+        self._answer_intake()
         self._save_profile()  # while the lanes' counts are still attached
         for h in self.sup.lanes:
             self._to_lane(h, M.Shutdown(reason="daemon stopping"))
