@@ -173,7 +173,8 @@ __device__ __forceinline__ void matvec_blk_body(const u8* __restrict__ W, int ro
             const int tile = ks + i * KS;
             const u32 mis = F::mis(tile);
             // a row's end is 16-byte aligned, so the last tile's chunks end there
-            const int nch = (int)(mis + min(32, nb - tile * 32) / F::NSUB * F::SB + 15) >> 4;
+            const int bytes = min(32, nb - tile * 32) / F::NSUB * F::SB;
+            const int nch = F::TILE % 16 ? (int)(mis + bytes + 15) >> 4 : bytes / 16;
             const u32 sb = st_addr + (i % P) * (R * SLOT);
 #pragma unroll
             for (int r = 0; r < R; ++r) {
