@@ -59,7 +59,7 @@ class Supervisor:
         self.start_timeout_s = start_timeout_s
 
     def start(self, h: LaneHandle) -> None:
-        h.proc = subprocess.Popen(self.argv_for(h), stdin=subprocess.DEVNULL, env=child_env(self.threads))
+        h.proc = subprocess.Popen(self.argv_for(h), stdin=subprocess.DEVNULL, env=child_env(self.threads) | {"STRATAD_PARENT_PID": str(os.getpid())})
         h.pid, h.ready, h.req_id, h.last_seen = h.proc.pid, False, None, time.monotonic()
         h.fail_reason = None
         h.role = M.Role.STARTING

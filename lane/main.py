@@ -6,7 +6,6 @@ between tokens it reads cancels and role changes and sends heartbeats.
 """
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
@@ -26,6 +25,7 @@ from lane.stop import StopSignal
 from protos import messages as M
 from protos.codec import FrameError, decode, encode
 from stratad import kv_store, shm
+from stratad.proc import die_with
 from stratad.config import LaneConfig
 from stratad.engine.generation import CHUNK_READ, BadRequest, Generation
 from stratad.engine.prefix_cache import PrefixCache
@@ -39,14 +39,6 @@ log = logging.getLogger("stratad.lane")
 # a send waiting this long (the coordinator's pipe full: it is gone or stuck) looks at the stop flag: a stopping
 # lane does not wait for a reader that will not come
 SEND_WAIT_MS = 1000
-
-
-def _die_with_parent() -> None:
-    """Linux: get SIGTERM when the coordinator dies, so no lane outlives it."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 class Cancelled(Exception):
@@ -389,7 +381,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
     logging.basicConfig(level=cfg.log_level.upper(), format=f"%(asctime)s lane{cfg.lane} %(levelname)s %(message)s")
     stop = StopSignal()  # before PR_SET_PDEATHSIG: the coordinator's death is the same flag
-    _die_with_parent()
+    # the coordinator that started this lane (the environment names it, so a coordinator already gone is seen)
+    die_with(int(os.environ.get("STRATAD_PARENT_PID") or os.getppid()))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C on `stratad serve` reaches the group: the coordinator stops us
     lane = Lane(cfg, stop)
     try:
