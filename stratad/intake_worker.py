@@ -93,6 +93,11 @@ class WorkerPool:
         return True
 
     def close(self) -> None:
+        """End the worker (at once: what it holds fails) and wait for the pool's threads, so that the pool's
+        semaphores are released before the owner exits (a pool left to the interpreter's exit had its worker's
+        queues reported as leaked semaphores by multiprocessing's resource tracker)."""
         if self.pool is not None:
-            self.pool.shutdown(wait=False, cancel_futures=True)
-            self.pool = None
+            pool, self.pool = self.pool, None
+            for proc in list((pool._processes or {}).values()):  # no public way before Python 3.14's terminate_workers
+                proc.terminate()
+            pool.shutdown(wait=True, cancel_futures=True)

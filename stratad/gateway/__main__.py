@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 
 from stratad.config import default_runtime_dir
@@ -65,6 +66,11 @@ def main(argv: list[str] | None = None) -> int:
     app.state.intake.start()  # the worker for big bodies, now: the first one does not wait for its spawn
     logging.getLogger("stratad.gateway").info("listening on %s (model %s, tool calls as %s)", a.listen,
                                               backend.model_name, backend.tool_format)
+    # uvicorn stops on SIGTERM / SIGINT, then raises the signal again for the handler it found there: a no-op, so
+    # that the cleanup below runs (the default action ended the process first, and multiprocessing's resource
+    # tracker reported the intake worker's queues as leaked semaphores at every stop)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
     try:
         server = uvicorn.Server(uvicorn.Config(app, log_level=a.log_level, access_log=a.log_level == "debug"))
         server.run(sockets=[sock])
