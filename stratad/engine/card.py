@@ -50,19 +50,13 @@ class KvBlockCard(Protocol):
     def import_kv(self, kv, start: int, blocks: np.ndarray, block_tokens: int) -> None:
         """Write blocks at block index start; kv then holds (start + len(blocks)) * block_tokens positions."""
 
-    def import_kv_from(self, kv, start: int, store, slots: list[int], block_tokens: int) -> int:
+    def import_kv_from(self, kv, start: int, store, slots: list[int], block_tokens: int,
+                       hashes: list[bytes] | None = None) -> int:
         """Write the blocks of the store's slots (stratad/kv_store.KvStore) at block index start, up to the first
-        taken for another block meanwhile; returns how many were whole (kv then holds (start + that) * block_tokens
-        positions; untouched when none)."""
-
-
-def import_through_buffer(card: KvBlockCard, kv, start: int, store, slots: list[int], block_tokens: int) -> int:
-    """import_kv_from by way of one host buffer: the store's read, then import_kv."""
-    buf = card.kv_host_buffer(len(slots), block_tokens)
-    got = store.read(slots, buf)
-    if got:
-        card.import_kv(kv, start, buf[:got], block_tokens)
-    return got
+        taken for another block meanwhile (hashes: the blocks find() found there, so that one taken and published
+        again since is seen too) or one the store failed to give; returns how many were whole, once every copy is
+        done (kv then holds (start + that) * block_tokens positions; untouched when none). The caller reads the
+        prompt from there."""
 
 
 @dataclass

@@ -75,7 +75,8 @@ class PrefixCache:
         """Upload the store's blocks of the prompt's prefix past what kv holds (its n tokens), if it has more."""
         st, B = self.store, self.store.block_tokens
         st.count(kv_store.LOOKUPS)
-        slots = st.find(kv_store.chain_hashes(prompt[:(len(prompt) - 1) // B * B], engine.kv_layout, B))
+        hashes = kv_store.chain_hashes(prompt[:(len(prompt) - 1) // B * B], engine.kv_layout, B)
+        slots = st.find(hashes)
         first = n // B if kv is not None else 0  # the kept sequence's whole blocks stay; the rest is uploaded
         if len(slots) * B <= n:
             st.touch(slots)
@@ -83,7 +84,8 @@ class PrefixCache:
         fresh = kv is None
         if fresh:
             kv = engine.new_kv()
-        got = engine.import_kv_from(kv, first, st, slots[first:], B)  # fewer where a block was evicted meanwhile
+        # fewer where a block was evicted meanwhile, or the store failed mid-read: the prompt is read from there
+        got = engine.import_kv_from(kv, first, st, slots[first:], B, hashes[first:len(slots)])
         if not got:
             return (None, 0) if fresh else (kv, n)
         self.from_store = max(0, (first + got) * B - n)
