@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -11,6 +13,96 @@ from stratad import discovery, exits, sampling_options
 from stratad.config import GPU_PROMPT_CHUNK
 from stratad.model import mixes, quants
 from stratad.model.errors import ModelFormatError
+
+
+# llama-server's RoPE and context flags, on `serve` and `generate`: each sets a config key (README, Configuration) and
+# takes the values that key takes, checked by the key's own validation (DaemonConfig's field), so a flag and its key
+# cannot differ. llama-server's --rope-freq-base and --yarn-ext-factor / --yarn-attn-factor / --yarn-beta-slow /
+# --yarn-beta-fast have no config key (stratad takes those from the model file only): not taken.
+ROPE_KEYS = ("rope_scaling", "rope_scale", "yarn_orig_ctx", "context_length")
+
+
+class _Typed(argparse.Action):
+    """argparse's store, remembering which of the flag's names was typed (typed_flags: dest -> name), for errors."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        namespace.typed_flags = dict(getattr(namespace, "typed_flags", None) or {}) | {self.dest: option_string}
+
+
+def _key_value(key: str, zero: str = ""):
+    """argparse type: the text as config key `key` takes it (its validation; argparse names the flag in the error).
+    zero: why 0, llama-server's "the model's", is not taken."""
+    from pydantic import ValidationError
+
+    from stratad import config
+
+    def parse(text: str):
+        if zero and text.strip() in ("0", "-0"):
+            raise argparse.ArgumentTypeError(zero)
+        try:
+            v = getattr(config.DaemonConfig(model="-", **{key: text}), key)
+        except ValidationError as e:
+            raise argparse.ArgumentTypeError(f"{e.errors()[0]['msg']} (config key {key}), got {text!r}") from None
+        if isinstance(v, float) and not math.isfinite(v):
+            raise argparse.ArgumentTypeError(f"must be a finite number (config key {key}), got {text!r}")
+        return v
+
+    return parse
+
+
+def _freq_scale(text: str) -> float:
+    """--rope-freq-scale N: llama-server's 1 / --rope-scale (the context expanded by 1/N), so 0 < N < 1 here."""
+    try:
+        n = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0.0 < n < 1.0:
+        raise argparse.ArgumentTypeError(f"must be within (0, 1): it expands the context by 1/N (config key "
+                                         f"rope_scale = 1/N, which must be > 1), got {text!r}")
+    return n
+
+
+def add_rope_flags(p: argparse.ArgumentParser, ctx_default: str, ctx_aliases: tuple[str, ...] = ()) -> None:
+    """llama-server's --rope-scaling, --rope-scale (or --rope-freq-scale), --yarn-orig-ctx and -c/--ctx-size, with
+    its meanings; ctx_aliases: more names of -c."""
+    p.add_argument("--rope-scaling", action=_Typed, type=_key_value("rope_scaling"), metavar="{none,linear,yarn}",
+                   help="RoPE scaling method (config rope_scaling; default: the model file's)")
+    scale = p.add_mutually_exclusive_group()
+    scale.add_argument("--rope-scale", action=_Typed, type=_key_value("rope_scale"), metavar="N",
+                       help="RoPE context expansion factor, > 1 (config rope_scale; default: the model file's)")
+    scale.add_argument("--rope-freq-scale", action=_Typed, type=_freq_scale, metavar="N",
+                       help="RoPE frequency scaling factor, 0 < N < 1: expands the context by 1/N (config "
+                            "rope_scale = 1/N)")
+    p.add_argument("--yarn-orig-ctx", action=_Typed, metavar="N", type=_key_value("yarn_orig_ctx", zero=(
+        "0 (llama-server: the model's trained length) is not taken: leave it out (and config key yarn_orig_ctx "
+        "unset) for the model file's value")),
+        help="YaRN: the context the model was trained at (config yarn_orig_ctx; default: the model file's, else "
+             "its context length)")
+    p.add_argument("-c", "--ctx-size", *ctx_aliases, action=_Typed, dest="context_length", metavar="N",
+                   type=_key_value("context_length", zero=(
+                       f"0 (llama-server: the model's length) is not taken: leave it out for {ctx_default} "
+                       f"(config key context_length)")),
+                   help=f"context length in tokens (config context_length; default: {ctx_default})")
+
+
+def rope_overrides(a: argparse.Namespace) -> tuple[dict, dict]:
+    """The config values add_rope_flags' flags give (None: not given), and each key a flag set -> that flag with
+    its value, for errors."""
+    typed = getattr(a, "typed_flags", None) or {}
+    dests = {key: "rope_freq_scale" if key == "rope_scale" and a.rope_freq_scale is not None else key
+             for key in ROPE_KEYS}
+    values = {key: getattr(a, dest) for key, dest in dests.items()}
+    if a.rope_freq_scale is not None:
+        values["rope_scale"] = 1.0 / a.rope_freq_scale
+    return values, {key: f"{typed.get(dest, dest)} {f'{v:g}' if isinstance(v, float) else v}"
+                    for key, dest in dests.items() if (v := getattr(a, dest)) is not None}
+
+
+def name_flags(msg: str, given: dict[str, str]) -> str:
+    """An error that names config keys set by flags, followed by the flag that set each."""
+    named = [f"{key} given as {flag}" for key, flag in given.items() if re.search(rf"\b{key}\b", msg)]
+    return f"{msg} ({'; '.join(named)})" if named else msg
 
 
 def _make_model(a) -> int:
@@ -36,15 +128,25 @@ def _generate(a) -> int:
     from stratad.engine.generation import BadRequest, Generation
     from stratad.engine.reference import ReferenceEngine
     from stratad.engine.sampling import SamplingParams
+    from stratad.model.config import effective_context_length
     from stratad.model.gguf_file import ModelFile
 
     model = ModelFile(a.model)
+    values, given = rope_overrides(a)
+    try:  # the overrides as the daemon applies them (coordinator and lanes)
+        model.config = model.config.with_rope_overrides(values["rope_scaling"], values["rope_scale"],
+                                                        values["yarn_orig_ctx"])
+        ctx = (effective_context_length(a.context_length, model.config) if a.context_length is not None
+               else model.config.max_context)
+    except ValueError as e:
+        print(f"error: {name_flags(str(e), given)}", file=sys.stderr)
+        return 2
     tok = model.tokenizer
     # chat: the user's text never becomes special tokens (encode_chat); --raw: the text as given, specials parsed
     prompt = tok.encode(a.prompt) if a.raw else tok.encode_chat([{"role": "user", "content": a.prompt}])
     params = SamplingParams(**sampling_options.kwargs(a))
     try:
-        gen = Generation(ReferenceEngine(model, a.experts), tok, prompt, params, model.config.max_context)
+        gen = Generation(ReferenceEngine(model, a.experts), tok, prompt, params, ctx)
     except BadRequest as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -57,23 +159,30 @@ def _generate(a) -> int:
     return 0
 
 
+def serve_overrides(a: argparse.Namespace) -> tuple[dict, dict]:
+    """The config values `stratad serve`'s flags give (None: not given, the file's value stays) and the RoPE /
+    context keys a flag set, with that flag (rope_overrides)."""
+    rope, given = rope_overrides(a)
+    overrides = {"model": a.model, "cards": a.cards, "expert_cache": a.expert_cache,
+                 "runtime_dir": a.runtime_dir or os.environ.get(discovery.ENV),  # over the config file's
+                 "rejoin_idle_s": a.rejoin_idle_s, "log_level": a.log_level, "http": a.http} | rope
+    for flag in ("mutual_help", "prefix_cache"):
+        if getattr(a, flag):
+            overrides[flag] = True
+    return overrides, given
+
+
 def _serve(a) -> int:
     from coordinator.daemon import serve
     from coordinator.runtime import RuntimeDirError
     from stratad import config
 
-    overrides = {"model": a.model, "cards": a.cards, "expert_cache": a.expert_cache,
-                 "runtime_dir": a.runtime_dir or os.environ.get(discovery.ENV),  # over the config file's
-                 "context_length": a.context_length, "rejoin_idle_s": a.rejoin_idle_s, "log_level": a.log_level,
-                 "http": a.http}
-    for flag in ("mutual_help", "prefix_cache"):
-        if getattr(a, flag):
-            overrides[flag] = True
+    overrides, given = serve_overrides(a)
     try:
         cfg = config.load(a.config, overrides)
         return serve(cfg)
     except (config.ConfigError, RuntimeDirError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {name_flags(str(e), given)}", file=sys.stderr)
         return 2
 
 
@@ -151,6 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     sampling_options.add(g, max_tokens=64)
     g.add_argument("--experts", choices=["canonical", "float"], default="canonical")
+    add_rope_flags(g, ctx_default="the model's longest context")
     g.set_defaults(fn=_generate)
 
     s = sub.add_parser("serve", help="run the daemon in the foreground (what systemd starts)")
@@ -159,7 +269,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--cards", help="comma-separated GPU indices or 'cpu' virtual cards, e.g. cpu,cpu")
     s.add_argument("--runtime-dir", help=f"sockets, lock, pid file (else ${discovery.ENV}, else the config's)")
     s.add_argument("--expert-cache", help="per-card expert-cache budget: fraction 0..1 or size like 40GiB")
-    s.add_argument("--context-length", type=int)
+    add_rope_flags(s, ctx_default="the config file's, else 8192 capped at the model's length",
+                   ctx_aliases=("--context-length",))
     s.add_argument("--rejoin-idle-s", type=float)
     s.add_argument("--mutual-help", action="store_true")
     s.add_argument("--prefix-cache", action="store_true", help="reuse a lane's last sequence for a prompt extending it")
