@@ -3,7 +3,8 @@ peers through CUDA IPC.
 
 Greedy generations are bit-identical (logits digests) to a solo GPU card holding every expert, across lead + peer,
 independent lanes, mutual help, a split and a rejoin in the middle of a generation, adaptive swaps while the other
-lane computes, a peer lane killed mid-generation, and the experts no card holds read by the card from the arena.
+lane computes, a peer lane killed mid-generation, and the experts no card holds read by the card from the arena;
+a split model (shards) serves the one-file model's tokens and bits.
 """
 from __future__ import annotations
 
@@ -138,6 +139,30 @@ def test_host_experts_read_by_the_card(model, tmp_path, want):
         assert one.experts_peer > 0 and one.experts_host_read > 0 and one.experts_host_read == one.experts_cpu
     finally:
         d.stop()
+
+
+def test_split_model_served_like_the_one_file(model, tmp_path, want):
+    """The module's model written again as llama.cpp split shards (make_model's split_max_size, as
+    tests/test_split_model.py and test_model_daemon.py on CPU cards) and served from its first shard: every shard
+    mapped into one arena, which the card page-locks and reads the experts no card holds from (host_experts card),
+    lead + peer. The greedy tokens and logits (digest) are those of the one-file model served the same way, and
+    the solo card's."""
+    (tmp_path / "split").mkdir()
+    files = make_model(tmp_path / "split" / "mini-topics.gguf", "mini", expert_quant="IQ3_S", router_skew=0.7,
+                       topics=2, split_max_size=12_000_000)["files"]  # the module's model: 4 shards
+    assert len(files) >= 3 and files[0].endswith(f"-00001-of-{len(files):05d}.gguf")
+    got = {}
+    for name, path in (("one file", str(model)), ("split", files[0])):
+        d = start(path, tmp_path, CARDS, "0.3")
+        try:
+            out = run_chats(d, [("A", 48)], lambda k: {"tokens": PROMPTS[k]}, timeout_s=600)["A"]
+            assert d.status().model == path
+            got[name] = (list(out.tokens), out.stats.logits_sha256, out.stats.experts_peer > 0,
+                         out.stats.experts_host_read > 0)
+        finally:
+            d.stop()
+    assert got["split"] == got["one file"] and got["split"][2:] == (True, True), got
+    assert got["split"][1] == want("A", 48)
 
 
 def test_rejoin_mid_generation_on_gpu_cards(model, tmp_path, want):
