@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import re
 import sys
@@ -44,8 +43,6 @@ def _key_value(key: str, zero: str = ""):
             v = getattr(config.DaemonConfig(model="-", **{key: text}), key)
         except ValidationError as e:
             raise argparse.ArgumentTypeError(f"{e.errors()[0]['msg']} (config key {key}), got {text!r}") from None
-        if isinstance(v, float) and not math.isfinite(v):
-            raise argparse.ArgumentTypeError(f"must be a finite number (config key {key}), got {text!r}")
         return v
 
     return parse

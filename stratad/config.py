@@ -34,7 +34,7 @@ def default_runtime_dir() -> str:
 
 class CacheBudget(BaseModel):
     """A budget: a fraction (of all experts: expert_cache; of the host memory left: kv_cache_host) or bytes."""
-    model_config = ConfigDict(frozen=True)
+    model_config = ConfigDict(frozen=True, allow_inf_nan=False)
     fraction: float | None = None
     bytes: int | None = None
 
@@ -63,7 +63,7 @@ class CacheBudget(BaseModel):
 class GpuOptions(BaseModel):
     """GPU cards' code paths, the config's [gpu] table: the defaults are the measured best; the others exist to
     measure a path on the machine at hand (docs/perf-notes.md)."""
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # TOML has inf and nan
 
     pdl: bool = Field(True, description="programmatic dependent launch in captured decode graphs (sm_90+): each "
                                         "kernel's launch overlaps its predecessor's tail")
@@ -79,7 +79,7 @@ class GpuOptions(BaseModel):
 
 
 class DaemonConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # TOML has inf and nan
 
     model: str = Field(description="path of the qwen3moe GGUF file")
     cards: tuple[str, ...] = Field((), description="GPU indices or 'cpu' virtual cards; empty: every GPU, else 2 CPU cards")
@@ -186,7 +186,7 @@ class DaemonConfig(BaseModel):
 class LaneConfig(BaseModel):
     """Everything a lane process starts with: built by the coordinator (for_lane) and handed to the lane whole, as
     JSON on its command line. The defaults are DaemonConfig's; nothing here has one of its own."""
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # TOML has inf and nan
 
     lane: int
     card: str

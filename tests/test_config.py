@@ -115,3 +115,12 @@ def test_http_off_loopback_needs_an_api_key(addr):
     assert config.load(None, {"model": "m.gguf", "http": addr, "api_key_file": "/k"}).api_key_file == "/k"
     for local in ("127.0.0.1:8080", "[::1]:8080", "localhost:8080", "127.0.0.2:8080"):
         assert config.load(None, {"model": "m.gguf", "http": local}).api_key_file is None
+
+
+@pytest.mark.parametrize("key,value", [("rope_scale", float("inf")), ("rope_scale", float("nan")),
+                                       ("heartbeat_s", float("inf")), ("stop_grace_s", float("nan"))])
+def test_infinite_or_nan_values_are_refused_naming_the_key(key, value):
+    """TOML writes inf and nan; a float key refuses them like any other bad value (rope_scale = inf crashed the
+    start with an OverflowError)."""
+    with pytest.raises(config.ConfigError, match=f"key '{key}'"):
+        config.load(None, {"model": "m.gguf", key: value})
