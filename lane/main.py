@@ -25,7 +25,6 @@ from lane.stop import StopSignal
 from protos import messages as M
 from protos.codec import FrameError, decode, encode
 from stratad import kv_store, shm
-from stratad.proc import die_with
 from stratad.config import LaneConfig
 from stratad.engine.generation import CHUNK_READ, BadRequest, Generation
 from stratad.engine.prefix_cache import PrefixCache
@@ -33,6 +32,7 @@ from stratad.engine.sampling import SamplingParams
 from stratad.model.gguf_file import ModelFile
 from stratad.model.tokenizer import warmup_text
 from stratad.model.slot_layout import slot_bytes
+from stratad.proc import die_with
 
 log = logging.getLogger("stratad.lane")
 
