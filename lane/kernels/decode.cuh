@@ -379,28 +379,21 @@ struct RqPart {
 };
 template <int QT> DQ_FN RqPart rq_part(const dq_u8* b, int j, int p, const dq_u8* tab);
 
-// a 2-byte aligned u16, and the u32 at 2-byte aligned p (two aligned words and a funnel shift on the device: the
-// second word is read even where p is 4-byte aligned, so 4 bytes past the field must be in the block)
-DQ_FN dq_u32 dq_h16(const dq_u8* p) {
+// a u16 / u32 at p aligned to its size: one load on the device
+template <class T> DQ_FN dq_u32 dq_aligned(const dq_u8* p) {
 #ifdef __CUDA_ARCH__
-    return *(const dq_u16*)p;
+    return *(const T*)p;
 #else
-    return dq_rd16(p);
+    return sizeof(T) == 2 ? dq_rd16(p) : dq_rd32(p);
 #endif
 }
+// the u32 at 2-byte aligned p: two aligned words and a funnel shift on the device (the second word is read even
+// where p is 4-byte aligned, so 4 bytes past the field must be in the block)
 DQ_FN dq_u32 dq_w32(const dq_u8* p) {
 #ifdef __CUDA_ARCH__
     const dq_u32 off = (dq_u32)(unsigned long long)p & 3u;  // stepping back keeps the pointer's state space
     const dq_u32* a = (const dq_u32*)(p - off);
     return __funnelshift_r(a[0], a[1], 8u * off);
-#else
-    return dq_rd32(p);
-#endif
-}
-// a 4-byte aligned u32 (a 16-byte aligned block's field)
-DQ_FN dq_u32 dq_w32a(const dq_u8* p) {
-#ifdef __CUDA_ARCH__
-    return *(const dq_u32*)p;
 #else
     return dq_rd32(p);
 #endif
@@ -422,9 +415,10 @@ DQ_FN dq_u32 dq_neg4(dq_u32 g, dq_u32 s) {
 
 template <> DQ_FN RqPart rq_part<21>(const dq_u8* b, int j, int p, const dq_u8* tab) {  // IQ3_S
     RqPart o;
-    o.scale = dq_mul(dq_h2f((dq_u16)dq_h16(b)), dq_i2f(1 + 2 * ((b[106 + (j >> 1)] >> (4 * (j & 1))) & 15)));
+    const int nib = (b[106 + (j >> 1)] >> (4 * (j & 1))) & 15;
+    o.scale = dq_mul(dq_h2f((dq_u16)dq_aligned<dq_u16>(b)), dq_i2f(1 + 2 * nib));
     o.minimum = 0.f;
-    const dq_u32 qs = dq_h16(b + 2 + 8 * j + 2 * p);  // the part's two grid entries, index bit 8 from qh
+    const dq_u32 qs = dq_aligned<dq_u16>(b + 2 + 8 * j + 2 * p);  // the part's two grid entries, index bit 8 from qh
     const dq_u32 qh = (dq_u32)b[66 + j] >> (2 * p);
     const dq_u32 sg = b[74 + 4 * j + p];  // the part's 8 sign bits
     o.qa = dq_neg4(dq_tab32(tab, DQ_TAB_IQ3S + 4 * (int)((qs & 255u) | ((qh & 1u) << 8))), sg & 15u);
@@ -439,8 +433,8 @@ template <> DQ_FN RqPart rq_part<12>(const dq_u8* b, int j, int p, const dq_u8*)
     o.minimum = dq_mul(dq_h2f((dq_u16)dq_rd16(b + 2)), dq_i2f(mn));
     const dq_u8* q = b + 16 + 32 * (j >> 1) + 8 * p;
     const int sh = 4 * (j & 1);
-    o.qa = (dq_w32a(q) >> sh) & 0x0f0f0f0fu;
-    o.qb = (dq_w32a(q + 4) >> sh) & 0x0f0f0f0fu;
+    o.qa = (dq_aligned<dq_u32>(q) >> sh) & 0x0f0f0f0fu;
+    o.qb = (dq_aligned<dq_u32>(q + 4) >> sh) & 0x0f0f0f0fu;
     return o;
 }
 template <> DQ_FN RqPart rq_part<13>(const dq_u8* b, int j, int p, const dq_u8*) {  // Q5_K: high bit j of byte i
@@ -452,8 +446,9 @@ template <> DQ_FN RqPart rq_part<13>(const dq_u8* b, int j, int p, const dq_u8*)
     const dq_u8* q = b + 48 + 32 * (j >> 1) + 8 * p;
     const dq_u8* h = b + 16 + 8 * p;
     const int sh = 4 * (j & 1);
-    o.qa = ((dq_w32a(q) >> sh) & 0x0f0f0f0fu) | (((dq_w32a(h) >> j) & 0x01010101u) << 4);
-    o.qb = ((dq_w32a(q + 4) >> sh) & 0x0f0f0f0fu) | (((dq_w32a(h + 4) >> j) & 0x01010101u) << 4);
+    const dq_u32 lo = 0x0f0f0f0fu, bit = 0x01010101u;  // a 16-byte aligned block: word loads
+    o.qa = ((dq_aligned<dq_u32>(q) >> sh) & lo) | (((dq_aligned<dq_u32>(h) >> j) & bit) << 4);
+    o.qb = ((dq_aligned<dq_u32>(q + 4) >> sh) & lo) | (((dq_aligned<dq_u32>(h + 4) >> j) & bit) << 4);
     return o;
 }
 // Q6_K's code - 32 a byte from 4 low bits and 2 high ones: c ^ 32 is it where c >= 32; below, bits 6 and 7 are set
@@ -465,7 +460,7 @@ DQ_FN dq_u32 dq_q6(dq_u32 lo, dq_u32 hi, int r) {
 template <> DQ_FN RqPart rq_part<14>(const dq_u8* b, int j, int p, const dq_u8*) {  // Q6_K
     RqPart o;
     const int g = j >> 2, r = j & 3;
-    o.scale = dq_mul(dq_h2f((dq_u16)dq_h16(b + 208)), dq_i2f((signed char)b[192 + 2 * j + (p >> 1)]));
+    o.scale = dq_mul(dq_h2f((dq_u16)dq_aligned<dq_u16>(b + 208)), dq_i2f((signed char)b[192 + 2 * j + (p >> 1)]));
     o.minimum = 0.f;
     const dq_u8* lo = b + 64 * g + 32 * (r & 1) + 8 * p;
     const dq_u8* hi = b + 128 + 32 * g + 8 * p;

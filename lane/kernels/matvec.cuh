@@ -3,8 +3,8 @@
 // Block = 8 warps. A warp owns R rows (its "row group"); KS warps of a block split a row group's K dimension
 // (tiles round-robin) and are summed in shared memory in warp order (deterministic). Loads are 16-byte,
 // coalesced, several tiles in flight per warp (R * U = 4 row-tiles for Q8_0, 8 for the float types).
-// Block rows (Q8_0, Q4_K, Q5_K, Q6_K and IQ3_S as the file holds them, or the packed rows of every other quantised type,
-// below) stream through a per-warp cp.async ring in shared memory (tile = 32 sub-blocks of 32 values, e.g. 1088
+// Block rows (Q8_0, Q4_K, Q5_K, Q6_K and IQ3_S as the file holds them, or the packed rows of every other quantised
+// type, below) stream through a per-warp cp.async ring in shared memory (tile = 32 sub-blocks of 32 values, e.g. 1088
 // bytes for Q8_0, 440 for IQ3_S; several row-tiles in flight per warp), then four lanes dot a sub-block of a tile,
 // 8 values each; needs row_bytes % 16 == 0 and cols % 256 == 0.
 // =============================================================================================================
@@ -107,15 +107,16 @@ __device__ __forceinline__ float rq_term(float s, float m, u32 qa, u32 qb, float
 }
 // A packed row (decode.cuh rq_pack): NS float32 scales (a 32 or 16 values), NM float32 minimums (none, or one a
 // scale), 32 int8 codes; value = scale * code - minimum. A lane's 8 values lie in one 16-value half.
-template <int NS, int NM> struct RqBlk : BlkGeom<1, 32 + 4 * (NS + NM), 8 * 34 / (32 + 4 * (NS + NM)),
-                                                 6 * 34 / (32 + 4 * (NS + NM))> {  // Q8_0's ring bytes, or less
+template <int NS, int NM>  // Q8_0's ring bytes, or less
+struct RqBlk : BlkGeom<1, 32 + 4 * (NS + NM), 8 * 34 / (32 + 4 * (NS + NM)), 6 * 34 / (32 + 4 * (NS + NM))> {
     static constexpr int BB = 32 + 4 * (NS + NM);
     static __device__ __forceinline__ float term(const u8* sbv, u32 base, int b, int sub, const u8*, float4 x0,
                                                  float4 x1, float acc) {
         const int h = NS == 2 ? sub >> 1 : 0;
         const u32* wp = (const u32*)(sbv + base + BB * b);
         const float m = NM ? __int_as_float(wp[NS + (NM == 2 ? h : 0)]) : 0.f;
-        return rq_term<NM != 0>(__int_as_float(wp[h]), m, wp[NS + NM + 2 * sub], wp[NS + NM + 2 * sub + 1], x0, x1, acc);
+        const u32 qa = wp[NS + NM + 2 * sub], qb = wp[NS + NM + 2 * sub + 1];
+        return rq_term<NM != 0>(__int_as_float(wp[h]), m, qa, qb, x0, x1, acc);
     }
 };
 // A type's rows as the file holds them (decode.cuh RQ_PART_TYPES): a lane decodes its part of the staged block with
