@@ -425,12 +425,17 @@ template <> DQ_FN RqPart rq_part<21>(const dq_u8* b, int j, int p, const dq_u8* 
     o.qb = dq_neg4(dq_tab32(tab, DQ_TAB_IQ3S + 4 * (int)((qs >> 8) | ((qh & 2u) << 7))), sg >> 4);
     return o;
 }
-template <> DQ_FN RqPart rq_part<12>(const dq_u8* b, int j, int p, const dq_u8*) {  // Q4_K
+// Q4_K / Q5_K: scale = d sc, minimum = dmin m (dq_k4_scales' numbers)
+DQ_FN RqPart dq_k4_part(const dq_u8* b, int j) {
     RqPart o;
     int sc, mn;
     dq_k4_scale_min(b, j, sc, mn);
     o.scale = dq_mul(dq_h2f((dq_u16)dq_rd16(b)), dq_i2f(sc));
     o.minimum = dq_mul(dq_h2f((dq_u16)dq_rd16(b + 2)), dq_i2f(mn));
+    return o;
+}
+template <> DQ_FN RqPart rq_part<12>(const dq_u8* b, int j, int p, const dq_u8*) {  // Q4_K
+    RqPart o = dq_k4_part(b, j);
     const dq_u8* q = b + 16 + 32 * (j >> 1) + 8 * p;
     const int sh = 4 * (j & 1);
     o.qa = (dq_aligned<dq_u32>(q) >> sh) & 0x0f0f0f0fu;
@@ -438,11 +443,7 @@ template <> DQ_FN RqPart rq_part<12>(const dq_u8* b, int j, int p, const dq_u8*)
     return o;
 }
 template <> DQ_FN RqPart rq_part<13>(const dq_u8* b, int j, int p, const dq_u8*) {  // Q5_K: high bit j of byte i
-    RqPart o;
-    int sc, mn;
-    dq_k4_scale_min(b, j, sc, mn);
-    o.scale = dq_mul(dq_h2f((dq_u16)dq_rd16(b)), dq_i2f(sc));
-    o.minimum = dq_mul(dq_h2f((dq_u16)dq_rd16(b + 2)), dq_i2f(mn));
+    RqPart o = dq_k4_part(b, j);
     const dq_u8* q = b + 48 + 32 * (j >> 1) + 8 * p;
     const dq_u8* h = b + 16 + 8 * p;
     const int sh = 4 * (j & 1);
