@@ -93,7 +93,8 @@ extern "C" int dq_parts(int qt, const dq_u8* raw, long long rows, long long row_
             for (int s = 0; s < nsub; ++s)                                                                     \
                 for (int p = 0; p < 4; ++p) {                                                                  \
                     typedef DqTraits<code> Tr;                                                                 \
-                    const RqPart o = rq_part<code>(raw + r * row_bytes + (s / Tr::NSUB) * Tr::BB, s % Tr::NSUB, p, tab); \
+                    const RqPart o = rq_part<code>(raw + r * row_bytes + (s / Tr::NSUB) * Tr::BB, s % Tr::NSUB, p,  \
+                                                   tab + RqTab<code>::OFF);                                    \
                     const long long k = (r * nsub + s) * 4 + p;                                                \
                     scale[k] = o.scale;                                                                        \
                     minimum[k] = o.minimum;                                                                    \

@@ -377,7 +377,16 @@ struct RqPart {
     float scale, minimum;
     dq_u32 qa, qb;
 };
+// tab: the type's table (RqTab: none, or IQ3_S's grid, a part of the blob), which the mat-vec copies to shared
+// memory: a warp's 32 grid reads at random spread over ~14 cache lines, ~14 L1 wavefronts from global memory
+// against ~3.5 bank-conflict ways from shared memory
 template <int QT> DQ_FN RqPart rq_part(const dq_u8* b, int j, int p, const dq_u8* tab);
+template <int QT> struct RqTab {
+    static constexpr int OFF = 0, BYTES = 0;
+};
+template <> struct RqTab<21> {
+    static constexpr int OFF = DQ_TAB_IQ3S, BYTES = 512 * 4;
+};
 
 // a u16 / u32 at p aligned to its size: one load on the device
 template <class T> DQ_FN dq_u32 dq_aligned(const dq_u8* p) {
@@ -398,14 +407,6 @@ DQ_FN dq_u32 dq_w32(const dq_u8* p) {
     return dq_rd32(p);
 #endif
 }
-// four table bytes (a grid entry) at a 4-byte aligned offset of the table blob (global memory on the device)
-DQ_FN dq_u32 dq_tab32(const dq_u8* tab, int off) {
-#ifdef __CUDA_ARCH__
-    return __ldg((const dq_u32*)(tab + off));
-#else
-    return dq_rd32(tab + off);
-#endif
-}
 // the int8 of g (magnitudes 1..127) negated where bits 0-3 of s say (bit i: byte i): bit i spread to bit 8 i by
 // one multiply, a byte mask of it, then two's complement (v ^ 0xff) + 1, which cannot carry out of a byte
 DQ_FN dq_u32 dq_neg4(dq_u32 g, dq_u32 s) {
@@ -413,7 +414,7 @@ DQ_FN dq_u32 dq_neg4(dq_u32 g, dq_u32 s) {
     return (g ^ m) + (m & 0x01010101u);
 }
 
-template <> DQ_FN RqPart rq_part<21>(const dq_u8* b, int j, int p, const dq_u8* tab) {  // IQ3_S
+template <> DQ_FN RqPart rq_part<21>(const dq_u8* b, int j, int p, const dq_u8* tab) {  // IQ3_S: tab its grid
     RqPart o;
     const int nib = (b[106 + (j >> 1)] >> (4 * (j & 1))) & 15;
     o.scale = dq_mul(dq_h2f((dq_u16)dq_aligned<dq_u16>(b)), dq_i2f(1 + 2 * nib));
@@ -421,8 +422,8 @@ template <> DQ_FN RqPart rq_part<21>(const dq_u8* b, int j, int p, const dq_u8* 
     const dq_u32 qs = dq_aligned<dq_u16>(b + 2 + 8 * j + 2 * p);  // the part's two grid entries, index bit 8 from qh
     const dq_u32 qh = (dq_u32)b[66 + j] >> (2 * p);
     const dq_u32 sg = b[74 + 4 * j + p];  // the part's 8 sign bits
-    o.qa = dq_neg4(dq_tab32(tab, DQ_TAB_IQ3S + 4 * (int)((qs & 255u) | ((qh & 1u) << 8))), sg & 15u);
-    o.qb = dq_neg4(dq_tab32(tab, DQ_TAB_IQ3S + 4 * (int)((qs >> 8) | ((qh & 2u) << 7))), sg >> 4);
+    o.qa = dq_neg4(dq_aligned<dq_u32>(tab + 4 * ((qs & 255u) | ((qh & 1u) << 8))), sg & 15u);
+    o.qb = dq_neg4(dq_aligned<dq_u32>(tab + 4 * ((qs >> 8) | ((qh & 2u) << 7))), sg >> 4);
     return o;
 }
 // Q4_K / Q5_K: scale = d sc, minimum = dmin m (dq_k4_scales' numbers)

@@ -49,8 +49,10 @@ __device__ __forceinline__ void mv_finish(float (&acc)[R], int rg, int rows, con
 // shares the block's shared memory; both keep three blocks an SM), and term(): a lane's 8 values (part `sub`, 0-3)
 // of sub-block b of the tile staged at byte `base` dotted with x0, x1, added to acc. part_q (no minimum): the
 // part's scale and its 8 int8 codes, for the 8-bit x path.
-template <int NSUB_, int SB_, int RING_, int NORM_RING_> struct BlkGeom {
+template <int NSUB_, int SB_, int RING_, int NORM_RING_, int TAB_OFF_ = 0, int TAB_BYTES_ = 0> struct BlkGeom {
     static constexpr int NSUB = NSUB_, SB = SB_, TILE = 32 / NSUB_ * SB_;
+    // a table the format reads (IQ3_S's grid: TAB_BYTES at TAB_OFF of the blob), staged after the ring by the block
+    static constexpr int TAB_OFF = TAB_OFF_, TAB_BYTES = TAB_BYTES_;
     static constexpr int SLOT = (TILE + TILE % 16 + 15) / 16 * 16;  // TILE % 16 is 0 or 8 (2-byte aligned blocks)
     static constexpr int RING = RING_, NORM_RING = NORM_RING_;
     static_assert(TILE % 16 == 0 || TILE % 16 == 8, "tiles staged from a 16-byte boundary");
@@ -120,9 +122,10 @@ struct RqBlk : BlkGeom<1, 32 + 4 * (NS + NM), 8 * 34 / (32 + 4 * (NS + NM)), 6 *
     }
 };
 // A type's rows as the file holds them (decode.cuh RQ_PART_TYPES): a lane decodes its part of the staged block with
-// rq_part (the packed format's numbers, so the packed rows' bits), reading the IQ types' grids from the table blob.
-template <int QT> struct FileBlk : BlkGeom<DqTraits<QT>::NSUB, DqTraits<QT>::BB, 8, 6> {
-    typedef BlkGeom<DqTraits<QT>::NSUB, DqTraits<QT>::BB, 8, 6> G;
+// rq_part (the packed format's numbers, so the packed rows' bits); tab: the type's table in shared memory.
+template <int QT>
+struct FileBlk : BlkGeom<DqTraits<QT>::NSUB, DqTraits<QT>::BB, 8, 6, RqTab<QT>::OFF, RqTab<QT>::BYTES> {
+    typedef BlkGeom<DqTraits<QT>::NSUB, DqTraits<QT>::BB, 8, 6, RqTab<QT>::OFF, RqTab<QT>::BYTES> G;
     static constexpr bool MIN = DqTraits<QT>::MIN != DQ_NO_MIN;
     static __device__ __forceinline__ RqPart part(const u8* sbv, u32 base, int b, int sub, const u8* tab) {
         return rq_part<QT>(sbv + base + (b / G::NSUB) * G::SB, b % G::NSUB, sub, tab);
@@ -143,7 +146,8 @@ template <int QT> struct FileBlk : BlkGeom<DqTraits<QT>::NSUB, DqTraits<QT>::BB,
 };
 
 // F's rows: a warp's items are (its R rows) x (one tile of 32 sub-blocks); P = RT/R items in flight through a
-// cp.async ring in (dynamic) shared memory: 8 warps x RT row-tiles x F::SLOT bytes (69632 for Q8_0's 8 tiles).
+// cp.async ring in (dynamic) shared memory: 8 warps x RT row-tiles x F::SLOT bytes (69632 for Q8_0's 8 tiles), then
+// F::TAB_BYTES of the format's table (tab: the blob in global memory).
 // nb: sub-blocks a row; blk: this block's index among the launch's blocks over these rows (blockIdx.x, or less
 // where one launch covers two matrices). `wait` runs once the first tiles are in flight: it waits for the
 // predecessor (x and res are its output) and may stage x.
@@ -194,6 +198,17 @@ __device__ __forceinline__ void matvec_blk_body(const u8* __restrict__ W, int ro
     };
 #pragma unroll
     for (int i = 0; i < P - 1; ++i) issue(i);
+    const u8* ftab = tab;  // what F::term reads: its table in shared memory, where it has one
+    if constexpr (F::TAB_BYTES > 0) {  // copied while the first tiles load (no predecessor writes it)
+        u32* ts = (u32*)(ring + MV_WARPS * RT * SLOT);
+        const u32* src = (const u32*)(tab + F::TAB_OFF);
+        static_assert(F::TAB_BYTES % (4 * MV_WARPS * 32) == 0, "a table word a thread, or a few");
+#pragma unroll
+        for (int k = 0; k < F::TAB_BYTES / (4 * MV_WARPS * 32); ++k)
+            ts[threadIdx.x + MV_WARPS * 32 * k] = __ldg(src + threadIdx.x + MV_WARPS * 32 * k);
+        __syncthreads();
+        ftab = (const u8*)ts;
+    }
     wait();
     for (int i = 0; i < nitems; ++i) {
         issue(i + P - 1);
@@ -216,7 +231,7 @@ __device__ __forceinline__ void matvec_blk_body(const u8* __restrict__ W, int ro
 #pragma unroll
                     for (int r = 0; r < R; ++r) {
                         u32 qa, qb;
-                        const float d = F::part_q(sbv, r * SLOT + mis, b, sub, tab, qa, qb);
+                        const float d = F::part_q(sbv, r * SLOT + mis, b, sub, ftab, qa, qb);
                         int sum = __dp4a((int)qa, (int)xv.x, 0);
                         sum = __dp4a((int)qb, (int)xv.y, sum);
                         acc[r] = f_fma(f_mul(d, dx), (float)sum, acc[r]);
@@ -226,7 +241,7 @@ __device__ __forceinline__ void matvec_blk_body(const u8* __restrict__ W, int ro
                 const float4* xp = (const float4*)(x + ((i64)tile * 32 + b) * 32 + 8 * sub);
                 const float4 x0 = ldx4<XS>(xp), x1 = ldx4<XS>(xp + 1);
 #pragma unroll
-                for (int r = 0; r < R; ++r) acc[r] = F::term(sbv, r * SLOT + mis, b, sub, tab, x0, x1, acc[r]);
+                for (int r = 0; r < R; ++r) acc[r] = F::term(sbv, r * SLOT + mis, b, sub, ftab, x0, x1, acc[r]);
             }
         }
         __syncwarp();  // stage i % P is refilled by the next iteration's issue

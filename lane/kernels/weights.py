@@ -49,10 +49,16 @@ def ring_smem(tile: int, ring: int, norm_ring: int, norm: bool) -> int:
     return staged if norm else max(8 * ring * slot, staged)
 
 
+# the table a file type's mat-vec stages after its ring (decode.cuh RqTab: IQ3_S's grid)
+FILE_TAB_BYTES = {T.IQ3_S: 512 * 4}
+
+
 def blk_smem(qtype, norm: bool) -> int:
-    """ring_smem of a file block type's rows (Q8_0: 8 / 6 stages of 1088 bytes; FileBlk: 8 / 6 of 32 sub-blocks)."""
-    f = quants.fmt(dense_qtype(qtype))
-    return ring_smem(32 * 32 // f.block_values * f.block_bytes, 8, 6, norm)
+    """ring_smem of a file block type's rows (Q8_0: 8 / 6 stages of 1088 bytes; FileBlk: 8 / 6 of 32 sub-blocks),
+    and its table."""
+    qt = dense_qtype(qtype)
+    f = quants.fmt(qt)
+    return ring_smem(32 * 32 // f.block_values * f.block_bytes, 8, 6, norm) + FILE_TAB_BYTES.get(qt, 0)
 
 
 def rq_format(qtype) -> tuple[int, int]:
