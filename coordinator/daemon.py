@@ -21,7 +21,7 @@ import zmq
 
 from coordinator import profile_store
 from coordinator.client_io import ClientIO
-from coordinator.intake import Intake
+from coordinator.intake import BEHIND_BYTES, BEHIND_COUNT, Intake
 from stratad.prompts import HEAVY_BYTES, INPUT_ERRORS, max_prompt_bytes, prompt_tokens, size_refusal
 from coordinator.gateway_child import GatewayChild
 from coordinator.lanes import LaneHandle, Supervisor, lane_argv
@@ -378,7 +378,10 @@ class Coordinator:
         except FrameError as e:
             return self._bad_frame(sock, client, e.code, str(e))
         if self.intake.busy((sock, client)):  # behind this client's earlier messages
-            self.intake.add((sock, client), msg)
+            if not self.intake.add((sock, client), msg, size=len(parts[1])):
+                self._reply(sock, client, M.Error(req_id=getattr(msg, "req_id", None), code=M.ErrorCode.QUEUE_FULL,
+                                                  message=f"over {BEHIND_COUNT} messages or {BEHIND_BYTES} bytes wait "
+                                                          "behind this client's large requests; send it again later"))
         else:
             self._handle(sock, client, msg)
 

@@ -9,7 +9,10 @@ sends back the request with its prompt as token ids, or the error to answer; the
 smaller frame (at most ~1,100 messages or 32 KB of text: milliseconds) is handled in the loop. While one of a
 client's frames is in the worker, that client's later messages wait behind it, so its order is kept. At most
 MAX_WAITING big frames (of all clients) are in the worker or wait for it; one more is answered queue_full, in its
-client's order, undecoded.
+client's order, undecoded. A client's small messages waiting behind its big frames are bounded too (BEHIND_COUNT
+messages, BEHIND_BYTES of frames): one more is answered queue_full at once, with its req_id (the client library reads
+each request's answers on a socket of its own, so answering it before the messages ahead of it loses no order that
+a client sees).
 """
 from __future__ import annotations
 
@@ -22,7 +25,12 @@ from protos.codec import FrameError, decode
 from stratad.intake_worker import MAX_WAITING, PrepareFailed, WorkerPool
 from stratad.prompts import HEAVY_BYTES, INPUT_ERRORS, size_refusal
 
-__all__ = ["Intake", "MAX_WAITING", "PrepareFailed", "prepare_frame"]
+__all__ = ["BEHIND_BYTES", "BEHIND_COUNT", "Intake", "MAX_WAITING", "PrepareFailed", "prepare_frame"]
+
+# a client's decoded small messages held behind its big frames: a decoded message takes several times its frame's
+# bytes, and a stream of tiny frames costs a Python object each, so both are bounded
+BEHIND_COUNT = 1024
+BEHIND_BYTES = 4 << 20
 
 
 def _load_tokenizer(model_path: str):
@@ -70,7 +78,8 @@ class Intake:
         self.prepare = prepare
         self.limits = (context_length, max_prompt_bytes)
         self.workers = WorkerPool(_load_tokenizer, model_path)
-        self.waiting: dict[tuple, deque[tuple[object | None, Future | None]]] = {}
+        self.waiting: dict[tuple, deque[tuple[object | None, Future | None, int]]] = {}
+        self.behind: dict[tuple, int] = {}  # frame bytes of each client's small messages in waiting
         self.in_worker: set[Future] = set()  # big frames sent to the worker whose answer the loop has not taken
 
     def start(self) -> None:
@@ -84,10 +93,12 @@ class Intake:
     def pending(self) -> bool:
         return bool(self.waiting)
 
-    def add(self, peer, msg=None, frame: bytes | None = None) -> None:
-        """Queue a client's decoded message, or its big frame (to the worker now), behind its earlier ones. Past
-        MAX_WAITING big frames in the worker or waiting for it (any clients'), a frame is not sent: its turn answers
-        queue_full (M.Error, no req_id), so that the frames held, each up to 8 MiB, stay bounded."""
+    def add(self, peer, msg=None, frame: bytes | None = None, size: int = 0) -> bool:
+        """Queue a client's decoded message (its frame size bytes), or its big frame (to the worker now), behind its
+        earlier ones. Past MAX_WAITING big frames in the worker or waiting for it (any clients'), a frame is not
+        sent: its turn answers queue_full (M.Error, no req_id), so that the frames held, each up to 8 MiB, stay
+        bounded. A small message past its client's BEHIND_COUNT / BEHIND_BYTES is not queued: False (the caller
+        refuses it, queue_full)."""
         fut = None
         if frame is not None:
             if len(self.in_worker) >= MAX_WAITING:
@@ -95,7 +106,13 @@ class Intake:
             else:
                 fut = self.workers.submit(prepare_frame, frame, self.prepare, *self.limits)
                 self.in_worker.add(fut)
-        self.waiting.setdefault(peer, deque()).append((msg, fut))
+        else:
+            held = self.behind.get(peer, 0)
+            if len(self.waiting.get(peer, ())) >= BEHIND_COUNT or held + size > BEHIND_BYTES:
+                return False
+            self.behind[peer] = held + size
+        self.waiting.setdefault(peer, deque()).append((msg, fut, size))
+        return True
 
     def ready(self, everything: bool = False) -> list[tuple[tuple, object | None, Future | None]]:
         """(peer, message or None, the worker's preparation or None) for each message whose turn has come, in each
@@ -105,18 +122,22 @@ class Intake:
         out = []
         for peer, items in list(self.waiting.items()):
             while items and (everything or items[0][1] is None or items[0][1].done()):
-                msg, fut = items.popleft()
+                msg, fut, size = items.popleft()
                 if fut is not None:
                     self.in_worker.discard(fut)
                     self.workers.broken(fut)
+                if size:
+                    self.behind[peer] -= size
                 out.append((peer, msg, fut))
             if not items:
                 del self.waiting[peer]
+                self.behind.pop(peer, None)
         return out
 
     def drop(self, peer) -> None:
         """A lost client's waiting messages (their preparation, if running, finishes unread)."""
-        for _, fut in self.waiting.pop(peer, ()):
+        self.behind.pop(peer, None)
+        for _, fut, _ in self.waiting.pop(peer, ()):
             if fut is not None:
                 self.in_worker.discard(fut)
                 fut.cancel()

@@ -193,3 +193,63 @@ def test_the_daemon_refuses_big_frames_past_the_cap_with_queue_full(tiny_model_p
         for ctx, _ in socks:
             ctx.destroy(linger=0)
         assert d.stop() == 0
+
+
+def test_small_messages_behind_a_big_frame_are_bounded(tiny_model_path, tiny_model):
+    """A client's small messages waiting behind its big frame: at most BEHIND_COUNT and BEHIND_BYTES are held; one
+    more is not queued (the caller answers it queue_full), and the room comes back as they are handled."""
+    from coordinator.intake import BEHIND_BYTES, BEHIND_COUNT
+
+    ctx = 8192
+    intake = Intake(str(tiny_model_path), prompt_tokens, ctx, max_prompt_bytes(tiny_model.tokenizer, ctx))
+    intake.start()
+    try:
+        intake.add(("c", 0), frame=big_frame(0))
+        for _ in range(BEHIND_COUNT - 1):
+            assert intake.add(("c", 0), M.StatusRequest(), size=10)
+        assert not intake.add(("c", 0), M.StatusRequest(), size=10)  # the frame and BEHIND_COUNT - 1 behind it
+        intake.add(("d", 0), frame=big_frame(1))
+        assert intake.add(("d", 0), M.StatusRequest(), size=BEHIND_BYTES - 1)
+        assert not intake.add(("d", 0), M.StatusRequest(), size=2)  # bytes
+        assert intake.add(("e", 0), M.StatusRequest(), size=BEHIND_BYTES)  # another client's own room
+        got = []
+        deadline = time.monotonic() + 60
+        while intake.pending():
+            assert time.monotonic() < deadline
+            got += intake.ready()
+            time.sleep(0.01)
+        assert len(got) == 1 + (BEHIND_COUNT - 1) + 2 + 1 and not intake.behind
+        intake.add(("c", 0), frame=big_frame(2))
+        assert intake.add(("c", 0), M.StatusRequest(), size=BEHIND_BYTES)  # room again
+    finally:
+        intake.close()
+
+
+def test_the_daemon_refuses_a_flood_behind_a_big_frame_with_queue_full(tiny_model_path, tmp_path):
+    """A client sends a big frame and then 3000 status requests at once: the first are answered in its order after
+    the big one, those past the bound queue_full; every frame gets one answer and the daemon serves as before."""
+    from coordinator.intake import BEHIND_COUNT
+
+    d = Daemon(tiny_model_path, tmp_path / "run", cards="cpu").start()
+    ctx_, s = raw_socket(d)
+    try:
+        want = greedy(d)
+        n = 3000
+        s.send(big_frame(0, words=60_000))
+        status = encode(M.StatusRequest())
+        for _ in range(n):
+            s.send(status)
+        answers = []
+        while len(answers) < n + 1:
+            assert s.poll(60_000), f"{len(answers)} of {n + 1} answered"
+            answers.append(decode(s.recv(), M.CoordinatorToClient))
+        full = [a for a in answers if isinstance(a, M.Error) and a.code == M.ErrorCode.QUEUE_FULL]
+        statuses = [a for a in answers if isinstance(a, M.Status)]
+        big = [a for a in answers if isinstance(a, M.Error) and a.code == M.ErrorCode.PROMPT_TOO_LONG]
+        assert len(big) == 1 and len(full) + len(statuses) == n, [type(a).__name__ for a in answers[:5]]
+        assert full and len(statuses) >= BEHIND_COUNT - 1, (len(full), len(statuses))
+        assert "large requests" in full[0].message
+        assert greedy(d) == want
+    finally:
+        ctx_.destroy(linger=0)
+        assert d.stop() == 0
