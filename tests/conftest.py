@@ -38,6 +38,22 @@ def tiny_model(tiny_model_path):
     m.close()
 
 
+@pytest.fixture(scope="module")
+def card(tiny_model):
+    """A numpy card holding every expert of the tiny model."""
+    import numpy as np
+
+    from lane.numpy_card import NumpyCard
+    from lane.slot_pool import SlotPool
+    from stratad.model.slot_layout import slot_bytes
+
+    c = tiny_model.config
+    n = c.n_layer * c.n_expert
+    pool = SlotPool(tiny_model, np.zeros(n * slot_bytes(tiny_model), np.uint8), n)
+    pool.fill([(layer, e) for layer in range(c.n_layer) for e in range(c.n_expert)])
+    return NumpyCard(tiny_model, pool)
+
+
 @pytest.fixture(scope="session")
 def cp():
     """CuPy, or a skip where there is no CUDA device (CI): the GPU tests' entry point."""

@@ -244,20 +244,6 @@ def test_new_halves_and_close_wait_for_an_upload_in_flight():
 
 
 # ---- the numpy card's restore, and the lane's fallback to reading the prompt ----------------------------------
-@pytest.fixture(scope="module")
-def card(tiny_model):
-    """A numpy card holding every expert."""
-    from lane.numpy_card import NumpyCard
-    from lane.slot_pool import SlotPool
-    from stratad.model.slot_layout import slot_bytes
-
-    c = tiny_model.config
-    n = c.n_layer * c.n_expert
-    pool = SlotPool(tiny_model, np.zeros(n * slot_bytes(tiny_model), np.uint8), n)
-    pool.fill([(layer, e) for layer in range(c.n_layer) for e in range(c.n_expert)])
-    return NumpyCard(tiny_model, pool)
-
-
 PROMPT = list(range(3, 3 + 70))  # 70 tokens + 12 generated - 1 = 81: five whole blocks kept
 
 

@@ -117,20 +117,6 @@ def run(engine, prompt, n, cache):
     return g, toks
 
 
-@pytest.fixture(scope="module")
-def card(tiny_model):
-    """A numpy card holding every expert."""
-    from lane.numpy_card import NumpyCard
-    from lane.slot_pool import SlotPool
-    from stratad.model.slot_layout import slot_bytes
-
-    c = tiny_model.config
-    n = c.n_layer * c.n_expert
-    pool = SlotPool(tiny_model, np.zeros(n * slot_bytes(tiny_model), np.uint8), n)
-    pool.fill([(layer, e) for layer in range(c.n_layer) for e in range(c.n_expert)])
-    return NumpyCard(tiny_model, pool)
-
-
 def test_restored_kv_gives_the_kept_kvs_bits(card, tmp_path):
     """A conversation's next turn from the KV kept on the lane and from the same KV through the store: the same
     tokens and the same logits, bit for bit."""
