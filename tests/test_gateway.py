@@ -23,7 +23,7 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from daemon_harness import ROOT, Daemon
+from daemon_harness import MAX_GAP_S, ROOT, Daemon, Stalls
 from stratad.intake_worker import MAX_WAITING
 from stratad.gateway.parsing import OutputParser
 from stratad.model import quants
@@ -526,7 +526,8 @@ def test_big_bodies_do_not_pause_other_streams(daemon, gateway, an, tok):
     """Issue 26: parsing, rendering and tokenising a body grow with it; a big one (over the coordinator's
     HEAVY_BYTES) is prepared in the gateway's worker process, refused first by the daemon's own bounds. While big
     bodies are answered (a 7 MB tools description to count_tokens, a 7 MB prompt and 60,000 messages without
-    max_tokens, a big body the daemon then serves), another client's stream never pauses a second."""
+    max_tokens, a big body the daemon then serves), another client's stream never pauses a second
+    (MAX_GAP_S)."""
     headers = {"x-api-key": KEY}
     ref = zmq_run(daemon, messages=CHAT, max_tokens=6)
     assert len(ref.text) >= 2
@@ -546,9 +547,10 @@ def test_big_bodies_do_not_pause_other_streams(daemon, gateway, an, tok):
                     return
 
     t = threading.Thread(target=other_client, daemon=True)
+    stalls = Stalls()  # this process's own stalls (building and sending 7 MB bodies holds the GIL) are not pauses
     t.start()
-    assert started.wait(30)
     try:
+        assert started.wait(30)
         big = "the experts on the cards " * 280_000  # 7 MB
         r = httpx.post(gateway.url + "/v1/messages/count_tokens", headers=headers, timeout=60, json={
             "model": "m", "messages": CHAT, "tools": [{"name": "f", "description": big, "input_schema": {}}]})
@@ -572,8 +574,11 @@ def test_big_bodies_do_not_pause_other_streams(daemon, gateway, an, tok):
     finally:
         done.set()
         t.join(30)
-    gaps = [b - a for a, b in zip(times[4:], times[5:])]
-    assert len(gaps) > 10 and max(gaps) < 1.0, f"the other stream paused {max(gaps):.2f} s"
+        stalls.close()
+    # the daemon's and the gateway's part of each pause: the spans this process was stalled itself taken off
+    gaps = [(b - a - stalls.within(a, b), b - a) for a, b in zip(times[4:], times[5:])]
+    assert len(gaps) > 10 and max(gaps)[0] < MAX_GAP_S, \
+        f"the other stream paused {max(gaps)[0]:.2f} s ({max(gaps)[1]:.2f} s with this process's own stalls)"
     wait_idle(daemon)
 
 
@@ -709,7 +714,10 @@ def test_lane_death_ends_the_stream_with_an_error_event(daemon, oa, an):
         with pytest.raises(anthropic.APIStatusError) as e:
             for ev in s:
                 kinds.append(ev.type)
-                if kinds.count("text") == 2:
+                # once: the events after the second text that were already read (its next content_block_delta,
+                # before that delta's own text) kept the count at 2, and a second call, reading a status from
+                # before the coordinator saw the lane die, found its pid gone and then no serving lane, ever
+                if kinds.count("text") == 2 and ev.type == "text":
                     kill_serving_lane(daemon)
     assert "lane" in str(e.value) and e.value.body["error"]["type"] == "api_error"
     assert "content_block_start" in kinds and "message_stop" not in kinds

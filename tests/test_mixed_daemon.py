@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from gguf import GGMLQuantizationType as T
 
-from daemon_harness import Daemon, RoleWatch, run_chats
+from daemon_harness import Daemon, beside, max_tokens_of, run_chats
 from stratad.engine.generation import Generation
 from stratad.engine.reference import ReferenceEngine
 from stratad.engine.sampling import SamplingParams
@@ -23,16 +23,18 @@ class Mixed:
     def __init__(self, path, mix: str):
         make_model(path, "tiny", mix=mix, seed=5)
         self.path, self.mix = path, mix
-        m = ModelFile(path)
+        m = self.m = ModelFile(path)
         self.types = {m.expert_type(i, k) for i in range(m.config.n_layer) for k in ("gate", "up", "down")}
-        eng = ReferenceEngine(m, "canonical")
-        self.digest = {}
-        for name, prompt in PROMPTS.items():
-            g = Generation(eng, m.tokenizer, m.tokenizer.encode(prompt), SamplingParams(max_tokens=N),
-                           m.config.context_length, digest=True)
-            for _ in g:
-                pass
-            self.digest[name] = g.digest.hexdigest()
+        self.eng = ReferenceEngine(m, "canonical")
+        self.digest = {name: self.ref(name, N) for name in PROMPTS}
+
+    def ref(self, name: str, n: int, ignore_eos: bool = False) -> str:
+        m = self.m
+        g = Generation(self.eng, m.tokenizer, m.tokenizer.encode(PROMPTS[name]),
+                       SamplingParams(max_tokens=n, ignore_eos=ignore_eos), m.config.context_length, digest=True)
+        for _ in g:
+            pass
+        return g.digest.hexdigest()
 
 
 @pytest.fixture(scope="module")
@@ -101,10 +103,10 @@ def test_lead_peer_and_mutual_help_on_a_mixed_file(models, tmp_path):
     try:
         out = run(d, "A")
         assert out["A"].stats.logits_sha256 == m.digest["A"] and out["A"].stats.experts_peer > 0
-        with RoleWatch(d) as w:
-            out = run(d, "AB")
-        for name in "AB":
-            assert out[name].stats.logits_sha256 == m.digest[name], name
-        assert (("mutual", True), ("mutual", True)) in w.seen
+        both = (("mutual", True), ("mutual", True))
+        a, b, seen = beside(d, {"prompt": PROMPTS["A"]}, {"prompt": PROMPTS["B"]}, until=lambda seen: both in seen)
+        for name, s in (("A", a), ("B", b)):
+            assert s.stats.logits_sha256 == m.ref(name, max_tokens_of(s), ignore_eos=True), name
+        assert both in seen
     finally:
         d.stop()
