@@ -216,6 +216,29 @@ def coordinator_rss(d: Daemon) -> int:
     return psutil.Process(d.proc.pid).memory_info().rss
 
 
+class RssPeak:
+    """The coordinator's RSS sampled every 10 ms while the block runs: base (at its start) and peak."""
+
+    def __init__(self, d: Daemon):
+        self.d = d
+        self._stop = threading.Event()
+        self._sampler = threading.Thread(target=self._sample)
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, coordinator_rss(self.d))
+            time.sleep(0.01)
+
+    def __enter__(self) -> RssPeak:
+        self.base = self.peak = coordinator_rss(self.d)
+        self._sampler.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._sampler.join()
+
+
 class Stalls:
     """The spans of time during which this test process did not run: not scheduled on a loaded machine, or one of
     its threads holding the GIL in C code (a 7 MB json.dumps). A thread that means to wake every TICK_S records

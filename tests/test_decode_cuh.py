@@ -161,6 +161,19 @@ def assert_bits_equal(ours: np.ndarray, ref: np.ndarray, what: str) -> None:
                           f"ref {ref[~nan_r][bad[0]]!r}"
 
 
+def assert_int_view_equal(ours: quants.IntBlocks, ref: quants.IntBlocks, what: str) -> None:
+    """A C++ integer view (codes, scales, minimums, minimum weights) equal to quants.decode_int's, bit for bit; a
+    type without minimums (or minimum weights) has zeros (ones) there."""
+    assert np.array_equal(ours.q, ref.q.astype(np.int16)), f"{what}: q differs"
+    assert_bits_equal(ours.scale, ref.scale, f"{what} scale")
+    if ref.minimum is None:
+        assert not ours.minimum.any(), f"{what}: a minimum where the view has none"
+    else:
+        assert_bits_equal(ours.minimum, ref.minimum, f"{what} minimum")
+    want_mw = np.ones_like(ours.mweight) if ref.mweight is None else ref.mweight
+    assert np.array_equal(ours.mweight, want_mw), f"{what}: mweight differs"
+
+
 def _rows(qtype: T, source: str, seed: int, rows: int = 12, n: int = 768) -> np.ndarray:
     rng = np.random.default_rng([seed, int(qtype)])
     if source == "random_rows":
@@ -196,15 +209,7 @@ def test_type_lists_are_the_quants_types():
 @pytest.mark.parametrize("qtype", QUANTISED, ids=[t.name for t in QUANTISED])
 def test_int_view_equals_decode_int(lib, qtype, source):
     raw = _rows(qtype, source, 1)
-    ref, ours = quants.decode_int(qtype, raw), host_int(lib, qtype, raw)
-    assert np.array_equal(ours.q, ref.q.astype(np.int16)), f"{qtype.name}: q differs"
-    assert_bits_equal(ours.scale, ref.scale, f"{qtype.name} scale")
-    if ref.minimum is None:
-        assert not ours.minimum.any(), f"{qtype.name}: a minimum where the view has none"
-    else:
-        assert_bits_equal(ours.minimum, ref.minimum, f"{qtype.name} minimum")
-    want_mw = np.ones_like(ours.mweight) if ref.mweight is None else ref.mweight
-    assert np.array_equal(ours.mweight, want_mw), f"{qtype.name}: mweight differs"
+    assert_int_view_equal(host_int(lib, qtype, raw), quants.decode_int(qtype, raw), qtype.name)
 
 
 @IGNORE_NAN_WARNINGS

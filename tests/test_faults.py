@@ -14,7 +14,8 @@ import time
 import pytest
 import zmq
 
-from daemon_harness import GREEDY_PROMPT, MAX_GAP_S, Daemon, Gaps, coordinator_rss, curve_tcp, greedy, raw_socket
+from daemon_harness import GREEDY_PROMPT, MAX_GAP_S, Daemon, Gaps, RssPeak, coordinator_rss, curve_tcp, greedy, \
+    raw_socket
 from protos import messages as M
 from protos.codec import decode, encode
 from stratad.client import KEEPALIVE_CNT, KEEPALIVE_IDLE_S, KEEPALIVE_INTVL_S, AsyncClient, Client, \
@@ -164,24 +165,11 @@ def test_a_client_flooding_status_requests_without_reading(daemon):
 def memory_bounded(d: Daemon):
     """The coordinator's RSS sampled while the block runs: its peak at most 200 MB over the start, and within 64 MB
     of it a second after."""
-    base = coordinator_rss(d)
-    peak, stop = [base], threading.Event()
-
-    def sample():
-        while not stop.is_set():
-            peak[0] = max(peak[0], coordinator_rss(d))
-            time.sleep(0.01)
-
-    sampler = threading.Thread(target=sample)
-    sampler.start()
-    try:
+    with RssPeak(d) as rss:
         yield
-    finally:
-        stop.set()
-        sampler.join()
-    assert peak[0] - base < 200 << 20, (base, peak[0])
+    assert rss.peak - rss.base < 200 << 20, (rss.base, rss.peak)
     time.sleep(1.0)
-    assert coordinator_rss(d) - base < 64 << 20, (base, coordinator_rss(d))
+    assert coordinator_rss(d) - rss.base < 64 << 20, (rss.base, coordinator_rss(d))
 
 
 def test_oversized_frames_and_prompts_are_refused_with_the_limit_and_memory_stays_bounded(daemon):

@@ -8,7 +8,7 @@ import time
 
 import zmq
 
-from daemon_harness import MAX_GAP_S, Daemon, Gaps, coordinator_rss, greedy, raw_socket
+from daemon_harness import MAX_GAP_S, Daemon, Gaps, RssPeak, greedy, raw_socket
 from protos import messages as M
 from protos.codec import decode, encode
 
@@ -24,13 +24,6 @@ def test_clients_that_stop_reading_are_cut_by_the_total_and_a_reader_streams_on(
     socks = []
     try:
         reference = greedy(d)
-        base = coordinator_rss(d)
-        peak, stop = [base], threading.Event()
-
-        def sample():
-            while not stop.is_set():
-                peak[0] = max(peak[0], coordinator_rss(d))
-                time.sleep(0.01)
 
         def flood(s: zmq.Socket):
             status = encode(M.StatusRequest())
@@ -40,33 +33,31 @@ def test_clients_that_stop_reading_are_cut_by_the_total_and_a_reader_streams_on(
         def cut() -> int:
             return d.log_text().count("the most of all clients")
 
-        sampler = threading.Thread(target=sample)
-        sampler.start()
-        socks = [raw_socket(d, rcvhwm=1, rcvbuf=4096) for _ in range(N_CLIENTS)]
-        floods = [threading.Thread(target=flood, args=(s,)) for _, s in socks]
-        t_check, done_at = 0.0, None
-        deadline = time.monotonic() + 60
-        with Gaps() as gaps, d.client(stream_timeout_s=30) as c:
-            stream = c.generate(prompt="Tell me everything about the cards.", max_tokens=6000, ignore_eos=True)
-            for _ in stream:
-                gaps.tick()
-                if gaps.n == 5:
-                    for t in floods:
-                        t.start()
-                if done_at is None and gaps.n > 5 and time.monotonic() - t_check > 0.3:
-                    if cut() >= N_CLIENTS:
-                        done_at = gaps.n
-                    gaps.last = t_check = time.monotonic()  # reading the log is the test's pause, not the daemon's
-                if (done_at is not None and gaps.n > done_at + 20) or time.monotonic() > deadline:
-                    stream.cancel()
-            assert stream.finish_reason == "cancelled"
-        for t in floods:
-            t.join(10)
-        stop.set()
-        sampler.join()
+        with RssPeak(d) as rss:
+            socks = [raw_socket(d, rcvhwm=1, rcvbuf=4096) for _ in range(N_CLIENTS)]
+            floods = [threading.Thread(target=flood, args=(s,)) for _, s in socks]
+            t_check, done_at = 0.0, None
+            deadline = time.monotonic() + 60
+            with Gaps() as gaps, d.client(stream_timeout_s=30) as c:
+                stream = c.generate(prompt="Tell me everything about the cards.", max_tokens=6000, ignore_eos=True)
+                for _ in stream:
+                    gaps.tick()
+                    if gaps.n == 5:
+                        for t in floods:
+                            t.start()
+                    if done_at is None and gaps.n > 5 and time.monotonic() - t_check > 0.3:
+                        if cut() >= N_CLIENTS:
+                            done_at = gaps.n
+                        # reading the log is the test's pause, not the daemon's
+                        gaps.last = t_check = time.monotonic()
+                    if (done_at is not None and gaps.n > done_at + 20) or time.monotonic() > deadline:
+                        stream.cancel()
+                assert stream.finish_reason == "cancelled"
+            for t in floods:
+                t.join(10)
         assert done_at is not None, f"{cut()} of {N_CLIENTS} clients cut off"
         assert gaps.longest < MAX_GAP_S, gaps
-        assert peak[0] - base < 16 << 20, (base, peak[0])  # the replies alone would be ~48 MB
+        assert rss.peak - rss.base < 16 << 20, (rss.base, rss.peak)  # the replies alone would be ~48 MB
         for _, s in socks:  # reading at last: what fitted in the pipe, then the error
             err = None
             while err is None and s.poll(5000):
