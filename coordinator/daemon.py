@@ -227,11 +227,11 @@ class Coordinator:
         """At the stop's end, every message still in the intake answered, in each client's order: those whose turn
         has come as the loop would (a request refused shutting_down, with its req_id: decoded here or by the
         worker; a status request answered; a cancel as any); a big frame still in the worker is refused
-        shutting_down without a req_id (not decoded yet: the client library reads each request's answers on a
-        socket of its own, so the error reaches the right request)."""
+        shutting_down with the req_id its head shows (codec.req_id_of: it is not decoded yet)."""
         for (sock, client), msg, prepared in self.intake.ready(everything=True):
             if prepared is not None and not prepared.done():
-                self._reply(sock, client, M.Error(code=M.ErrorCode.SHUTTING_DOWN, message="the daemon is stopping"))
+                self._reply(sock, client, M.Error(req_id=getattr(prepared, "req_id", None),
+                                                  code=M.ErrorCode.SHUTTING_DOWN, message="the daemon is stopping"))
             else:
                 self._guarded(sock, client, self._prepared, sock, client, msg, prepared)
 
@@ -405,6 +405,8 @@ class Coordinator:
             if isinstance(msg, M.Error):
                 if msg.req_id is None:  # a bad frame
                     return self._bad_frame(sock, client, msg.code, msg.message)
+                if msg.code == M.ErrorCode.QUEUE_FULL:  # the intake's own refusal: the operator sees the load
+                    log.warning("client %s, request %s: %s", client.hex(), msg.req_id, msg.message)
                 return self._reply(sock, client, msg)
         self._handle(sock, client, msg)
 

@@ -6,13 +6,13 @@ megabytes), and all of it holds the GIL, so a thread would pause the loop as muc
 whole to a worker process (stratad/intake_worker.py: started with the daemon, with its own copy of the tokenizer),
 which decodes it, refuses it by its size before rendering anything (`size_refusal`), renders and tokenises it, and
 sends back the request with its prompt as token ids, or the error to answer; the loop polls `ready()` every turn. A
-smaller frame (at most ~1,100 messages or 32 KB of text: milliseconds) is handled in the loop. While one of a
-client's frames is in the worker, that client's later messages wait behind it, so its order is kept. At most
-MAX_WAITING big frames (of all clients) are in the worker or wait for it; one more is answered queue_full, in its
-client's order, undecoded. A client's small messages waiting behind its big frames are bounded too (BEHIND_COUNT
-messages, BEHIND_BYTES of frames): one more is answered queue_full at once, with its req_id (the client library reads
-each request's answers on a socket of its own, so answering it before the messages ahead of it loses no order that
-a client sees).
+smaller frame (at most ~1,100 messages or 32 KB of text: milliseconds) is handled in the loop. While one of a client's
+frames is in the worker, that client's later messages wait behind it, so its order is kept. At most MAX_WAITING big
+frames (of all clients) are in the worker or wait for it; one more is answered queue_full, in its client's order,
+undecoded (its req_id read off the frame's head). A client's small messages waiting behind its big frames are bounded
+too (BEHIND_COUNT messages, BEHIND_BYTES of frames): one more is answered queue_full at once, with its req_id (the
+client library reads each request's answers on a socket of its own, so answering it before the messages ahead of it
+loses no order that a client sees).
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from concurrent.futures import Future
 from typing import Callable
 
 from protos import messages as M
-from protos.codec import FrameError, decode
+from protos.codec import FrameError, decode, req_id_of
 from stratad.intake_worker import MAX_WAITING, PrepareFailed, WorkerPool
 from stratad.prompts import HEAVY_BYTES, INPUT_ERRORS, size_refusal
 
@@ -61,12 +61,11 @@ def prepare_frame(tokenizer, frame: bytes, prepare: Callable, context_length: in
                                       tokens=tuple(tokens)))
 
 
-def _refused(in_worker: int) -> Future:
+def _refused(in_worker: int, req_id: str | None) -> Future:
     """A big frame over the cap, answered queue_full in its client's order (through ready(), as the worker's answer
-    would be). Its request id is not known: finding it means decoding the frame, the work refused; the client
-    library reads each request's answers on a socket of its own, so the error reaches the right request."""
+    would be), with the req_id its head shows (codec.req_id_of: the frame is not decoded, the work refused)."""
     fut = Future()
-    fut.set_result(M.Error(code=M.ErrorCode.QUEUE_FULL, message=(
+    fut.set_result(M.Error(req_id=req_id, code=M.ErrorCode.QUEUE_FULL, message=(
         f"{in_worker} large requests (over {HEAVY_BYTES} bytes) are being prepared; send it again later")))
     return fut
 
@@ -95,16 +94,17 @@ class Intake:
 
     def add(self, peer, msg=None, frame: bytes | None = None, size: int = 0) -> bool:
         """Queue a client's decoded message (its frame size bytes), or its big frame (to the worker now), behind its
-        earlier ones. Past MAX_WAITING big frames in the worker or waiting for it (any clients'), a frame is not
-        sent: its turn answers queue_full (M.Error, no req_id), so that the frames held, each up to 8 MiB, stay
-        bounded. A small message past its client's BEHIND_COUNT / BEHIND_BYTES is not queued: False (the caller
+        earlier ones. Past MAX_WAITING big frames in the worker or waiting for it (any clients'), a frame is not sent:
+        its turn answers queue_full (M.Error, the req_id its head shows), so that the frames held, each up to 8 MiB,
+        stay bounded. A small message past its client's BEHIND_COUNT / BEHIND_BYTES is not queued: False (the caller
         refuses it, queue_full)."""
         fut = None
         if frame is not None:
             if len(self.in_worker) >= MAX_WAITING:
-                fut = _refused(len(self.in_worker))
+                fut = _refused(len(self.in_worker), req_id_of(frame))
             else:
                 fut = self.workers.submit(prepare_frame, frame, self.prepare, *self.limits)
+                fut.req_id = req_id_of(frame)  # for an answer while it is still in the worker (a stop)
                 self.in_worker.add(fut)
         else:
             held = self.behind.get(peer, 0)

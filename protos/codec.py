@@ -11,8 +11,9 @@ from functools import lru_cache
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
+from pydantic_core import from_json
 
-from protos.messages import MAX_FRAME_BYTES, PROTOCOL_VERSION, ErrorCode
+from protos.messages import MAX_FRAME_BYTES, PROTOCOL_VERSION, REQ_ID_MAX, ErrorCode
 
 
 class FrameError(ValueError):
@@ -66,6 +67,21 @@ def _check_version(frame: bytes) -> None:
     if v != PROTOCOL_VERSION:
         raise FrameError(ErrorCode.BAD_VERSION, f"protocol version {repr(v)[:40]} not supported (this daemon "
                                                 f"speaks {PROTOCOL_VERSION})")
+
+
+PEEK_BYTES = 4096  # where an encoded message's req_id is (after v and type): a frame's head, parsed alone
+
+
+def req_id_of(frame: bytes) -> str | None:
+    """The req_id of a frame not decoded (too big to decode where it must be answered), if its first PEEK_BYTES
+    hold it whole as a top-level key: parsed as a partial JSON object (the same bounded parser; an unfinished string
+    is left out, so a cut id is never returned). None for anything else."""
+    try:
+        head = from_json(frame[:PEEK_BYTES], allow_partial=True)
+    except ValueError:
+        return None
+    rid = head.get("req_id") if isinstance(head, dict) else None
+    return rid if isinstance(rid, str) and 0 < len(rid) <= REQ_ID_MAX else None
 
 
 def peek(frame: bytes) -> dict:

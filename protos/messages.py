@@ -35,6 +35,9 @@ class Role(str, Enum):
     DOWN = "down"
 
 
+REQ_ID_MAX = 128  # characters of a client's request id
+
+
 class _Msg(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     v: int = PROTOCOL_VERSION
@@ -92,7 +95,7 @@ class Sampling(BaseModel):
 # ---- client <-> coordinator ---------------------------------------------------------------------------------
 class Generate(_Msg):
     type: Literal["generate"] = "generate"
-    req_id: str = Field(min_length=1, max_length=128)
+    req_id: str = Field(min_length=1, max_length=REQ_ID_MAX)
     prompt: str | None = None
     messages: tuple[ChatMessage, ...] | None = None
     tokens: tuple[int, ...] | None = None
@@ -128,7 +131,7 @@ class Generate(_Msg):
 
 class Cancel(_Msg):
     type: Literal["cancel"] = "cancel"
-    req_id: str = Field(max_length=128)
+    req_id: str = Field(max_length=REQ_ID_MAX)
 
 
 class StatusRequest(_Msg):

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from daemon_harness import Daemon, greedy, raw_socket
 from protos import messages as M
-from protos.codec import FrameError, decode
+from protos.codec import FrameError, decode, encode, req_id_of
 
 EXAMPLES = 40  # per kind: the whole file runs in seconds on 2 cores
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None,
@@ -55,6 +55,24 @@ FRAMES = st.one_of(
     st.integers(300, 200_000).map(lambda n: b'{"v":1e' + b"9" * n + b',"type":"status_request"}'),
     wrong_typed(),
 )
+
+
+@FUZZ
+@given(st.text(min_size=1, max_size=M.REQ_ID_MAX), st.text(max_size=3000), st.sampled_from(["generate", "cancel"]))
+def test_req_id_of_reads_an_encoded_messages_id_off_its_head(req_id, prompt, kind):
+    """What the intake answers a big frame with before (or without) decoding it: the message's own req_id, whatever
+    its characters (escaped in JSON: up to 6 bytes each) and whatever follows."""
+    msg = M.Generate(req_id=req_id, prompt=prompt) if kind == "generate" else M.Cancel(req_id=req_id)
+    assert req_id_of(encode(msg)) == req_id
+
+
+@FUZZ
+@given(FRAMES)
+def test_req_id_of_never_raises_and_never_returns_a_cut_id(frame):
+    rid = req_id_of(frame)
+    assert rid is None or (isinstance(rid, str) and 0 < len(rid) <= M.REQ_ID_MAX)
+    whole = b'{"v":1,"type":"generate","req_id":"' + b"a" * 100 + b'"}'
+    assert req_id_of(whole[:60]) is None and req_id_of(whole) == "a" * 100
 
 
 @pytest.fixture(scope="module")

@@ -142,7 +142,7 @@ def test_big_frames_past_the_cap_are_answered_queue_full_in_order(tiny_model_pat
             (g,) = got[("c", i)]
             assert isinstance(g, M.Generate) and g.req_id == f"big{i}" and g.prompt is None and g.tokens, g
         refused, status = got[("late", 0)]
-        assert refused.code == M.ErrorCode.QUEUE_FULL and refused.req_id is None, refused
+        assert refused.code == M.ErrorCode.QUEUE_FULL and refused.req_id == "big99", refused
         assert f"{MAX_WAITING} large requests (over {HEAVY_BYTES} bytes) are being prepared" in refused.message
         assert status == M.StatusRequest()
         assert not intake.pending() and not intake.in_worker
