@@ -91,11 +91,12 @@ class CupyCard:
         if prompt_chunk < 1:
             raise ValueError("prompt_chunk must be at least 1")
         self.prompt_chunk = int(prompt_chunk)
-        launch.PDL = options.pdl
         kernel_compile.CACHE_DIR = options.kernel_cache
         self.model = model
         self.device = cp.cuda.Device(device)
         self.device.use()
+        # programmatic dependent launch exists from compute capability 9.0 (the kernels' PDL_WAIT is a no-op below)
+        launch.PDL = options.pdl and int(self.device.compute_capability) >= 90
         # a blocking stream: slot loads issued on the default stream between tokens are ordered before compute
         self.stream = cp.cuda.Stream()
         self.max_ctx = -(-min(context_length, c.context_length) // 64) * 64

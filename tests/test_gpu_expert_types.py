@@ -51,7 +51,8 @@ def _run(cp, gu, dn, d_model, d_ff, n_slots, n_tok, n_pairs, max_pairs, tiled, *
     k = run_case(cp, rng, getattr(T, gu), getattr(T, dn), d_model, d_ff, n_slots, n_tok, n_pairs, max_pairs,
                  tiled=tiled, **kw)
     tuned = k.qt_gu in TUNED and k.qt_dn in TUNED
-    assert k.mma == tuned and k.tile_p == (64 if tuned else simt_tile(k.qt_gu, k.tuning))
+    assert k.mma == (tuned and "smem" not in kw) and k.tile_p == (64 if k.mma else k.simt_tile)
+    assert k.simt_tile == simt_tile(k.qt_gu, k.tuning) or "smem" in kw
     return k
 
 
@@ -69,6 +70,17 @@ def test_expert_bits(cp, case):
 def test_experts_read_from_host_memory(cp, gu, dn, tiled):
     """Generic types read from page-locked host memory in the arena's layout (gate, up and down tensors apart)."""
     _run(cp, gu, dn, *(A3B_TILED if tiled else A3B_DECODE), tiled, host=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tiled", [False, True], ids=["decode", "tiled"])
+@pytest.mark.parametrize("gu,dn", [("IQ3_S", "IQ3_S"), ("Q4_K", "Q6_K"), ("Q5_1", "Q5_1"), ("F16", "F16")],
+                         ids=lambda v: v)
+def test_the_plan_of_a_card_with_99_kb_a_block(cp, gu, dn, tiled):
+    """The staging an RTX 30xx / 40xx card plans (99 KB of shared memory a block: one stage, SIMT prompt tiles,
+    Q5_1's tiles of 4), run on this card (tests/test_expert_plan.py plans it on the host)."""
+    k = _run(cp, gu, dn, *(A3B_TILED if tiled else A3B_DECODE), tiled, smem=(101376, 102400))
+    assert max(k.gu_smem, k.dn_smem, k.gut_smem) <= 101376 and not k.mma
 
 
 @pytest.mark.gpu

@@ -120,10 +120,10 @@ def host_tensors(cp, slots):
 
 
 def run_case(cp, rng, qgu, qdn, d_model, d_ff, n_slots, n_tokens, n_pairs, max_pairs, sort_by_slot=False,
-             tuning=None, check_intermediates=True, tiled=False, host=False):
+             tuning=None, check_intermediates=True, tiled=False, host=False, smem=None):
     from lane.kernels.experts import ExpertKernels
 
-    k = ExpertKernels(d_model, d_ff, qgu, qdn, max_pairs, tuning=tuning)
+    k = ExpertKernels(d_model, d_ff, qgu, qdn, max_pairs, tuning=tuning, smem=smem)
     slots = make_slots(rng, n_slots, d_model, d_ff, qgu, qdn)
     pool = cp.asarray(np.stack([k.pack_slot(*m) for m in slots]))
     where = pool.data.ptr

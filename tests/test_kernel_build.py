@@ -48,6 +48,15 @@ def test_kernels_build_without_decode_spills(nc, usages, i):
     assert not spills, f"{label}: decode kernels with a stack frame (registers, bytes): {spills}"
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["80", "86", "89"])
+def test_kernels_build_for_ampere_and_ada(nc, arch):
+    """Every source builds for the cards users run besides Hopper (A100, RTX 3090, RTX 4090): PDL and the other
+    sm_90 instructions are behind __CUDA_ARCH__ guards. Built only; no test has run on those cards."""
+    for label, filename, defines in nc.BUILDS:
+        assert nc.resource_usage(nc.build(nc.lib, filename, defines, arch)), label
+
+
 def test_build_error_names_the_line(nc):
     with pytest.raises(RuntimeError, match=r"bad\.cu\(2\)"):
         nc.nvrtc_cubin(nc.lib, '__global__ void k() {\n  undeclared = 1;\n}\n', "bad.cu", ["-std=c++17"])

@@ -164,7 +164,10 @@ class ExpertKernels:
     """The GPU expert path of one layer shape (d_model, d_ff, gate/up type, down type) for up to max_pairs pairs."""
 
     def __init__(self, d_model: int, d_ff: int, qtype_gate_up, qtype_down, max_pairs: int, *,
-                 slot_stride: int | None = None, tuning: Tuning | None = None, device=None):
+                 slot_stride: int | None = None, tuning: Tuning | None = None, device=None,
+                 smem: tuple[int, int] | None = None):
+        """smem: plan as for a card with that much shared memory (a block's opt-in, an SM's) instead of this one's:
+        a smaller card's staging run here (tests)."""
         import cupy
 
         self.cp = cupy
@@ -174,8 +177,8 @@ class ExpertKernels:
             attrs = self.device.attributes
             self.n_sm = int(attrs.get("MultiProcessorCount") or
                             cupy.cuda.runtime.getDeviceProperties(self.device.id)["multiProcessorCount"])
-            self._plan(int(attrs.get("MaxSharedMemoryPerBlockOptin", H200_SMEM_BLOCK)),
-                       int(attrs.get("MaxSharedMemoryPerMultiprocessor", H200_SMEM_SM)))
+            self._plan(*(smem or (int(attrs.get("MaxSharedMemoryPerBlockOptin", H200_SMEM_BLOCK)),
+                                  int(attrs.get("MaxSharedMemoryPerMultiprocessor", H200_SMEM_SM)))))
             self.defines = self._defines()
             self.module, self.build = load_module(SOURCE, self.defines, device=self.device.id, return_info=True)
             self._k_gu = self.module.get_function("expert_gateup")
@@ -210,13 +213,14 @@ class ExpertKernels:
 
     @classmethod
     def planned(cls, d_model: int, d_ff: int, qtype_gate_up, qtype_down, tuning: Tuning | None = None,
-                n_sm: int = 132) -> "ExpertKernels":
-        """The plan and the defines an H200 lane builds experts.cu with (shared memory per block and SM as sm_90
-        has them), without CuPy or a device: what scripts/nvrtc_check.py builds. Launch nothing with it."""
+                n_sm: int = 132, smem: tuple[int, int] = (H200_SMEM_BLOCK, H200_SMEM_SM)) -> "ExpertKernels":
+        """The plan and the defines a lane builds experts.cu with on a card of n_sm SMs and smem (shared bytes a
+        block may opt in to, an SM has; default: an H200's), without CuPy or a device: what scripts/nvrtc_check.py
+        builds. Launch nothing with it."""
         k = cls.__new__(cls)
         k._configure(d_model, d_ff, qtype_gate_up, qtype_down, 1, None, tuning)
         k.n_sm = n_sm
-        k._plan(H200_SMEM_BLOCK, H200_SMEM_SM)
+        k._plan(*smem)
         k.defines = k._defines()
         return k
 
@@ -290,7 +294,8 @@ class ExpertKernels:
                 stages -= 1
                 smem = table_bytes(qt, t.iq3_fast) + fixed + warps * stages * stg + 16
             if smem > smem_block:
-                raise ValueError(f"rows too long for shared memory ({smem} bytes per block)")
+                raise ValueError(f"{_qtype(qt).name} expert rows need {smem} bytes of shared memory a block staged; "
+                                 f"this GPU allows {smem_block}")
             blocks = max(1, min(blocks, smem_sm // (smem + 1024)))
             return stages, blocks, smem
 
@@ -304,9 +309,14 @@ class ExpertKernels:
                                                            t.dn_min_blocks)
         self.gu_grid = self.n_sm * self.gu_blocks
         self.dn_grid = self.n_sm * self.dn_blocks
-        # tiled kernels: the same staging, h of tile_p tokens per group instead of one (experts.cu: GUT_SMEM)
+        # tiled kernels: the same staging, h of tile_p tokens per group instead of one (experts.cu: GUT_SMEM); a
+        # shorter tile where that is over the card's shared memory (a 99 KB card: Q5_1's staged rows leave room
+        # for 4 tokens, not 8)
         self.simt_tile = simt_tile(self.qt_gu, t)
         self.gut_smem = self.gu_smem - 2 * 32 * 4 + 2 * self.simt_tile * 32 * 4
+        while self.gut_smem > smem_block and self.simt_tile > 4:
+            self.simt_tile //= 2
+            self.gut_smem = self.gu_smem - 2 * 32 * 4 + 2 * self.simt_tile * 32 * 4
         if self.gut_smem > smem_block:
             raise ValueError(f"tiled gate/up needs {self.gut_smem} bytes of shared memory per block")
         # tensor-core tiles (experts_mma.cuh): compiled for these row lengths and the tuned types only (their q is
