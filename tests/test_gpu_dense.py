@@ -404,8 +404,12 @@ def _attn_case(cp, D, rng, n_head, n_kv, hd, max_ctx, L, Tn=1, q_scale=1.0, pref
     Vt[:, :, :L] = Vf.transpose(1, 2, 0).astype(np.float16)
     Vc = cp.asarray(rope_kv.v_blocked(Vt))
     out = nan_like(cp, (Tn, n_head * hd))
-    if prefill:
-        attention.PrefillAttention(n_head, n_kv, hd, max_ctx)(cp.asarray(q), Kc, Vc, pos0, out)
+    if prefill:  # blocks of 128 query rows, and of 64 (a card of 99 KB a block): the same bits
+        attention.PrefillAttention(n_head, n_kv, hd, max_ctx, block_rows=128)(cp.asarray(q), Kc, Vc, pos0, out)
+        out64 = nan_like(cp, (Tn, n_head * hd))
+        attention.PrefillAttention(n_head, n_kv, hd, max_ctx, block_rows=64)(cp.asarray(q), Kc, Vc, pos0, out64)
+        sync(cp)
+        assert np.array_equal(out64.get().view(np.uint32), out.get().view(np.uint32)), "block_rows 64 vs 128"
     else:
         att = attention.DecodeAttention(n_head, n_kv, hd, max_ctx, max_T=Tn, **kw)
         att(cp.asarray(q), Kc, Vc, cp.asarray(np.array([pos0], np.int32)), out, Tn)
@@ -508,8 +512,8 @@ def test_attention_long(cp, D, var):
                                         ((8, 8, 64), 1000, 1), ((32, 4, 128), 40000, 64)],
                          ids=["a3b-first-chunk", "a3b-later-chunk", "tiny", "mha-one", "a3b-40K"])
 def test_prefill_attention(cp, D, cfg, L, Tn):
-    """Tensor-core prefill attention (fp16 Q and P, float32 accumulation) against float64 on the f16 cache; both
-    kernel shapes give the same bits (_attn_case)."""
+    """Tensor-core prefill attention (fp16 Q and P, float32 accumulation) against float64 on the f16 cache; blocks
+    of 128 and of 64 query rows give the same bits (_attn_case)."""
     rng = np.random.default_rng(L + Tn)
     for q_scale in (1.0, 4.0):
         got, ref64, _ = _attn_case(cp, D, rng, *cfg, 65536, L, Tn=Tn, q_scale=q_scale, prefill=True)

@@ -91,7 +91,8 @@ def test_every_kernel_a_wrapper_launches_is_in_its_source(usages):
         "rope_kv.cu": {"qk_norm_rope_kv", "advance_pos"},
         "attention_decode.cu": {f"attn_split_hd{hd}_g{g}{suf}" for hd in (64, 128) for g in (8, 16)
                                 for suf in ("", "_pipe", "_qkv", "_qkv_plain")} | {"attn_combine"},
-        "attention_prefill.cu": {"attn_flash_prefill_64", "attn_flash_prefill_128", "attn_q_pack", "attn_o_unpack"},
+        "attention_prefill.cu": {f"attn_flash_prefill_{hd}{m}" for hd in (64, 128) for m in ("", "_m64")}
+        | {"attn_q_pack", "attn_o_unpack"},
         "router.cu": {"route_topk"},
         "sampling.cu": {"argmax_k", "topk_stage1", "topk_sample", "cdf_max", "cdf_sample"},
         "embedding.cu": {f"embed_rows_{q}" for q in every_type},

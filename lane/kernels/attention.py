@@ -127,9 +127,12 @@ class PrefillAttention:
     memory stays O(T) at any context. Same arguments as DecodeAttention but pos0 is a host int: prompts are read
     eagerly, not in graphs. Measured error against attention_ref: tests/test_gpu_dense.py."""
 
-    BLOCK_ROWS, KEY_TILE = 128, 64  # FA_BM, FA_BN in attention_prefill.cu (16 rows a warp)
+    KEY_TILE = 64  # FA_BN in attention_prefill.cu
 
-    def __init__(self, n_head: int, n_kv: int, head_dim: int, max_ctx: int, *, device=None):
+    def __init__(self, n_head: int, n_kv: int, head_dim: int, max_ctx: int, *, device=None,
+                 block_rows: int | None = None):
+        """block_rows: query rows a block (the kernel's BM, 16 a warp), 128 or 64; default 128 where the card's
+        shared memory takes it, else 64 (head_dim 128 on a card of 99 KB a block): the same bits either way."""
         self.m = module(PREFILL, device)
         if n_head % n_kv:
             raise ValueError("n_head must be a multiple of n_kv")
@@ -143,8 +146,17 @@ class PrefillAttention:
         # FaShape: the Q tile's rows (hd + 8 halfs), then two stages of a key tile, each K rows (hd + 8 halfs) and
         # V^T rows (64 + 8 halfs)
         stage = self.KEY_TILE * (head_dim + 8) + head_dim * (self.KEY_TILE + 8)
-        self.smem = 2 * (self.BLOCK_ROWS * (head_dim + 8) + 2 * stage)
-        self.fn = self.m.fn(f"attn_flash_prefill_{head_dim}", self.smem)
+
+        def smem(rows: int) -> int:
+            return 2 * (rows * (head_dim + 8) + 2 * stage)
+
+        if block_rows is None:
+            block_rows = 128 if smem(128) <= self.m.smem_optin else 64
+        if block_rows not in (64, 128) or smem(block_rows) > self.m.smem_optin:
+            raise ValueError(f"block_rows {block_rows}: 128 or 64, within the card's {self.m.smem_optin} bytes of "
+                             f"shared memory a block")
+        self.block_rows, self.smem = block_rows, smem(block_rows)
+        self.fn = self.m.fn(f"attn_flash_prefill_{head_dim}" + ("" if block_rows == 128 else "_m64"), self.smem)
 
     def __call__(self, q, k_cache, v_cache, pos0: int, out, *, stream=None) -> None:
         Tn, hd = int(q.shape[0]), self.hd
@@ -163,7 +175,7 @@ class PrefillAttention:
             o = cp.empty((nkv, R, hd), cp.float32)
             launch(m.fn("attn_q_pack"), ((n + 255) // 256,), (256,), (q, np.int32(Tn), np.int32(self.n_head),
                                                                np.int32(nkv), np.int32(hd), self.scale, qp))
-            launch(self.fn, ((R + self.BLOCK_ROWS - 1) // self.BLOCK_ROWS, nkv), (self.BLOCK_ROWS * 2,),
+            launch(self.fn, ((R + self.block_rows - 1) // self.block_rows, nkv), (self.block_rows * 2,),
                    (qp, k_cache, v_cache, np.int32(R), np.int32(self.group), np.int32(pos0),
                     np.int32(self.max_ctx), o), shared_mem=self.smem)
             launch(m.fn("attn_o_unpack"), ((n + 255) // 256,), (256,), (o, np.int32(Tn), np.int32(self.n_head),

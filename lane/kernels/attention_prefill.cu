@@ -38,7 +38,7 @@ extern "C" __global__ void attn_o_unpack(const float* __restrict__ o, int T, int
 // =============================================================================================================
 // prompt attention, flash style on fp16 tensor cores (mma.m16n8k16, fp32 accumulate): no score matrix in
 // memory. Per kv head the chunk's query rows r = t * group + j (qp from attn_q_pack: f16, scaled by 1/sqrt(hd))
-// attend to keys 0 .. pos0 + t. A block takes 128 rows (8 warps x 16); keys come in tiles of 64 through shared
+// attend to keys 0 .. pos0 + t. A block takes BM rows (BM / 16 warps x 16); keys come in tiles of 64 through shared
 // memory (cp.async, one barrier a tile; keys past the chunk read as 0, so a NaN left in the cache cannot reach
 // P V). Per warp and tile: S (16 x 64) = Q K^T, the online softmax in base 2 (P rounded to f16, l summed from the
 // rounded values, as in the decode kernel), then O (16 x hd) += P V with the S accumulators reused as A fragments.
@@ -46,17 +46,20 @@ extern "C" __global__ void attn_o_unpack(const float* __restrict__ o, int T, int
 // by 16 bytes so that each 8-row phase of ldmatrix hits 32 different banks.
 // The block's Q tile sits in shared memory, its fragments read by ldmatrix at each use, with 2 key-tile stages, so
 // that two blocks (16 warps) fit an SM's registers (128 a thread) and shared memory.
-// Grid (ceil(R / 128), n_kv), 256 threads, dynamic shared memory FaShape<HD>::SMEM.
+// Grid (ceil(R / BM), n_kv), BM * 2 threads, dynamic shared memory FaShape<HD, BM>::SMEM. BM = 128; 64 where that
+// is over a card's shared memory (head_dim 128 on a 99 KB card). A warp's results depend on its own 16 rows only
+// (the tiles it skips, its masks and rescales are its own), so both give the same bits.
 // =============================================================================================================
-constexpr int FA_BM = 128, FA_BN = 64, FA_THREADS = FA_BM / 16 * 32;
+constexpr int FA_BN = 64;
 
-template <int HD>
+template <int HD, int BM>
 struct FaShape {
+    static constexpr int THREADS = BM / 16 * 32;
     static constexpr int STAGES = 2;  // key tiles in flight: the next STAGES - 1 load while one computes
     static constexpr int KST = HD + 8;     // K tile row and Q row (halfs)
     static constexpr int VST = FA_BN + 8;  // V^T tile row (halfs)
     static constexpr int STAGE = FA_BN * KST + HD * VST;  // halfs
-    static constexpr int QTILE = FA_BM * KST;  // halfs, before the stages
+    static constexpr int QTILE = BM * KST;  // halfs, before the stages
     static constexpr int SMEM = (QTILE + STAGES * STAGE) * 2;  // bytes
 };
 
@@ -68,19 +71,19 @@ __device__ __forceinline__ void ldsm_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32
 }
 
 // keys k0 .. k0 + 63 of one kv head into a stage: K rows (key-major) and V^T rows (dim-major); keys >= S as 0
-template <int HD>
+template <int HD, int BM>
 __device__ __forceinline__ void fa_load(u16* st, const u16* __restrict__ kh, const u16* __restrict__ vh, int k0, int S,
                                         int tid) {
-    using F = FaShape<HD>;
+    using F = FaShape<HD, BM>;
     u16* ks = st;
     u16* vs = st + FA_BN * F::KST;
-    for (int i = tid; i < FA_BN * (HD / 8); i += FA_THREADS) {
+    for (int i = tid; i < FA_BN * (HD / 8); i += F::THREADS) {
         const int key = i / (HD / 8), c = i % (HD / 8);
         u16* dst = ks + key * F::KST + c * 8;
         if (k0 + key < S) cp_async16(smem_addr(dst), kh + (i64)(k0 + key) * HD + c * 8);
         else *(uint4*)dst = make_uint4(0u, 0u, 0u, 0u);
     }
-    for (int i = tid; i < HD * (FA_BN / 8); i += FA_THREADS) {  // V^T: the key tiles' 16-position pieces in order
+    for (int i = tid; i < HD * (FA_BN / 8); i += F::THREADS) {  // V^T: the key tiles' 16-position pieces in order
         const int kt = i / (2 * HD), d = (i >> 1) % HD, key = k0 + 16 * kt + 8 * (i & 1);
         u16* dst = vs + d * F::VST + (key - k0);
         const u16* src = vh + ((i64)(key >> 4) * HD + d) * 16 + (key & 15);
@@ -93,15 +96,15 @@ __device__ __forceinline__ void fa_load(u16* st, const u16* __restrict__ kh, con
     }
 }
 
-template <int HD>
+template <int HD, int BM>
 __device__ __forceinline__ void attn_flash_body(const u16* __restrict__ qp, const u16* __restrict__ kc,
                                                 const u16* __restrict__ vc, int R, int group, int pos0, int max_ctx,
                                                 float* __restrict__ o) {
-    using F = FaShape<HD>;
+    using F = FaShape<HD, BM>;
     constexpr int KS = HD / 16, NDT = HD / 8, NT = FA_BN / 8;
     constexpr float LOG2E = 1.4426950408889634f;
     extern __shared__ __align__(16) u16 fa_sm[];
-    const int h = blockIdx.y, r0 = blockIdx.x * FA_BM;
+    const int h = blockIdx.y, r0 = blockIdx.x * BM;
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, q4 = lane & 3;
     const int S = pos0 + R / group;  // the prefix and the chunk
     const u16* kh = kc + (i64)h * max_ctx * HD;
@@ -113,7 +116,7 @@ __device__ __forceinline__ void attn_flash_body(const u16* __restrict__ qp, cons
     u32 qf[1][4];
     u16* const stages = fa_sm + F::QTILE;
     // the block's rows into shared memory, landing with the first key tile's commit group
-    for (int i = tid; i < FA_BM * (HD / 8); i += FA_THREADS) {
+    for (int i = tid; i < BM * (HD / 8); i += F::THREADS) {
         const int r = i / (HD / 8), c = i % (HD / 8);
         cp_async16(smem_addr(fa_sm + r * F::KST + c * 8), qp + ((i64)h * R + min(r0 + r, R - 1)) * HD + c * 8);
     }
@@ -124,20 +127,20 @@ __device__ __forceinline__ void attn_flash_body(const u16* __restrict__ qp, cons
     for (int i = 0; i < NDT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
     float ma = NEG_INF, mb = NEG_INF, la = 0.f, lb = 0.f;
 
-    const int kend = pos0 + (min(r0 + FA_BM, R) - 1) / group + 1;  // keys this block needs
+    const int kend = pos0 + (min(r0 + BM, R) - 1) / group + 1;  // keys this block needs
     const int nkb = (kend + FA_BN - 1) / FA_BN;
     const int warp_last = pos0 + (min(r0 + w * 16 + 15, R - 1)) / group;  // the warp's last visible key
     const int warp_first = pos0 + min(r0 + w * 16, R - 1) / group;         // every row of the warp sees keys <= it
 #pragma unroll
     for (int t = 0; t < F::STAGES - 1; ++t) {  // the first tiles in flight (a commit group each, empty or not)
-        if (t < nkb) fa_load<HD>(stages + t * F::STAGE, kh, vh, t * FA_BN, S, tid);
+        if (t < nkb) fa_load<HD, BM>(stages + t * F::STAGE, kh, vh, t * FA_BN, S, tid);
         cp_commit();
     }
     for (int kb = 0; kb < nkb; ++kb) {
         cp_wait<F::STAGES - 2>();  // this thread's copies of tile kb (and of Q) have landed
         __syncthreads();           // everyone's have; and everyone is done with tile kb - 1, whose stage refills now
         const int nx = kb + F::STAGES - 1;
-        if (nx < nkb) fa_load<HD>(stages + (nx % F::STAGES) * F::STAGE, kh, vh, nx * FA_BN, S, tid);
+        if (nx < nkb) fa_load<HD, BM>(stages + (nx % F::STAGES) * F::STAGE, kh, vh, nx * FA_BN, S, tid);
         cp_commit();
         const int k0 = kb * FA_BN;
         if (k0 <= warp_last) {  // else every key of the tile is after this warp's rows
@@ -216,12 +219,14 @@ __device__ __forceinline__ void attn_flash_body(const u16* __restrict__ qp, cons
     }
 }
 
-#define FA_INST(HD, NAME)                                                                                         \
-    extern "C" __global__ void __launch_bounds__(FA_THREADS, 2) NAME(                                               \
+#define FA_INST(HD, BM, NAME)                                                                                     \
+    extern "C" __global__ void __launch_bounds__(BM / 16 * 32, 2) NAME(                                            \
         const u16* __restrict__ qp, const u16* __restrict__ kc, const u16* __restrict__ vc, int R, int group,      \
         int pos0, int max_ctx, float* __restrict__ o) {                                                           \
         PDL_ENTRY();                                                                                               \
-        attn_flash_body<HD>(qp, kc, vc, R, group, pos0, max_ctx, o);                                              \
+        attn_flash_body<HD, BM>(qp, kc, vc, R, group, pos0, max_ctx, o);                                          \
     }
-FA_INST(64, attn_flash_prefill_64)
-FA_INST(128, attn_flash_prefill_128)
+FA_INST(64, 128, attn_flash_prefill_64)
+FA_INST(128, 128, attn_flash_prefill_128)
+FA_INST(64, 64, attn_flash_prefill_64_m64)
+FA_INST(128, 64, attn_flash_prefill_128_m64)
