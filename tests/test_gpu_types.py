@@ -36,3 +36,17 @@ def test_a_shape_the_kernels_cannot_take_is_refused_naming_the_layers(tmp_path):
     with pytest.raises(ValueError, match=r"cannot take layers 0\.\.3 \(4 layers: F32 gate / up, F32 down, d_model "
                                          r"4096, expert width 1536\)"):
         check_model(m)
+
+
+def test_the_check_plans_for_the_cards_shared_memory(tmp_path):
+    """F32 down experts at the 30B shape fit an H200's shared memory, not a 99 KB card's (RTX 3090 / 4090): the
+    check, given the card's shared memory (as a GPU card passes its own), refuses them there before anything is
+    allocated, naming the layers (before, it planned for an H200 whatever the card, and the card failed later, its
+    slot pool allocated)."""
+    make_model(tmp_path / "m.gguf", "tiny", mix="f32")
+    m = ModelFile(tmp_path / "m.gguf")
+    m.config = dataclasses.replace(m.config, d_model=2048, d_ff_expert=768)  # the planner reads only the shape
+    check_model(m)  # an H200
+    with pytest.raises(ValueError, match=r"cannot take layers 0\.\.3 .* F32 expert rows need 197136 bytes of shared "
+                                         r"memory a block staged; this GPU allows 101376"):
+        check_model(m, smem=(101376, 102400))

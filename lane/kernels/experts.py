@@ -662,10 +662,12 @@ def combine_rows_ref(x: np.ndarray, w: np.ndarray, rows: list[np.ndarray]) -> np
     return x + canonical.combine(w, np.stack(rows).reshape(T, K, -1))
 
 
-def check_model(model, tuning: Tuning | None = None) -> None:
+def check_model(model, tuning: Tuning | None = None,
+                smem: tuple[int, int] = (H200_SMEM_BLOCK, H200_SMEM_SM)) -> None:
     """Whether the expert kernels take every layer of the model (its types and shape; any type with any down
     type), planned on the host: a GPU card checks this before it allocates anything, so a model it cannot run
-    fails with one error naming the layers instead of starting half-loaded."""
+    fails with one error naming the layers instead of starting half-loaded. smem: the card's shared memory (a
+    block's opt-in, an SM's; default: an H200's), as ExpertKernels plans from it."""
     c = model.config
     plans: dict[tuple, list[int]] = {}
     for layer in range(c.n_layer):
@@ -676,7 +678,7 @@ def check_model(model, tuning: Tuning | None = None) -> None:
         plans.setdefault((gate, down), []).append(layer)
     for (gate, down), layers in plans.items():
         try:
-            ExpertKernels.planned(c.d_model, c.d_ff_expert, gate, down, tuning)
+            ExpertKernels.planned(c.d_model, c.d_ff_expert, gate, down, tuning, smem=smem)
         except ValueError as e:
             raise ValueError(f"the GPU expert kernels cannot take layers {layers[0]}..{layers[-1]} ({len(layers)} "
                              f"layers: {gate.name} gate / up, {down.name} down, d_model {c.d_model}, expert width "
