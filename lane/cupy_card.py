@@ -33,7 +33,7 @@ from lane.gpu_model import Break, DeviceSample, Qwen3MoeGpu, Work
 from lane.slot_pool import SlotPool
 from lane.kernels import attention, launch, rope_kv, sampling
 from lane.kernels import compile as kernel_compile
-from lane.kernels.experts import H200_SMEM_BLOCK, H200_SMEM_SM, Tuning, check_model
+from lane.kernels.experts import Tuning, card_smem, check_model
 from protos import messages as M
 from stratad.config import GPU_PROMPT_CHUNK, GpuOptions
 from stratad.engine.sampling import Sampler
@@ -88,9 +88,7 @@ class CupyCard:
         launch shape (default: the measured one)."""
         # before anything is allocated: a model the kernels cannot take fails whole (planned from this card's shared
         # memory, as ExpertKernels plans: an RTX card's 99 KB refuses what an H200 takes)
-        attrs = cp.cuda.Device(device).attributes
-        check_model(model, tuning, (int(attrs.get("MaxSharedMemoryPerBlockOptin", H200_SMEM_BLOCK)),
-                                    int(attrs.get("MaxSharedMemoryPerMultiprocessor", H200_SMEM_SM))))
+        check_model(model, tuning, card_smem(cp.cuda.Device(device)))
         c = self.c = model.config
         if prompt_chunk < 1:
             raise ValueError("prompt_chunk must be at least 1")

@@ -84,6 +84,13 @@ def gu_min_blocks(qt_gate_up, tuning: "Tuning") -> int:
 H200_SMEM_BLOCK, H200_SMEM_SM = 232448, 233472  # shared bytes a block may opt in to / an SM has (sm_90)
 
 
+def card_smem(device) -> tuple[int, int]:
+    """A CuPy device's shared memory: the bytes a block may opt in to, and an SM's (H200's where not reported)."""
+    attrs = device.attributes
+    return (int(attrs.get("MaxSharedMemoryPerBlockOptin", H200_SMEM_BLOCK)),
+            int(attrs.get("MaxSharedMemoryPerMultiprocessor", H200_SMEM_SM)))
+
+
 def gate_up_direct(qt_gate_up, d_model: int, tuning: "Tuning", smem_block: int) -> bool:
     """Whether a gate/up type's rows are decoded where they are instead of staged (experts.cu's GU_DIRECT): a gate/up
     block stages its 32 rows of gate and up, which for F16 / BF16 / F32 at d_model 2048 (and Q8_0 on a card of 99 KB
@@ -179,8 +186,7 @@ class ExpertKernels:
             attrs = self.device.attributes
             self.n_sm = int(attrs.get("MultiProcessorCount") or
                             cupy.cuda.runtime.getDeviceProperties(self.device.id)["multiProcessorCount"])
-            self._plan(*(smem or (int(attrs.get("MaxSharedMemoryPerBlockOptin", H200_SMEM_BLOCK)),
-                                  int(attrs.get("MaxSharedMemoryPerMultiprocessor", H200_SMEM_SM)))))
+            self._plan(*(smem or card_smem(self.device)))
             self.defines = self._defines()
             self.module, self.build = load_module(SOURCE, self.defines, device=self.device.id, return_info=True)
             self._k_gu = self.module.get_function("expert_gateup")
