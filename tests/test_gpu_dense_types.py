@@ -227,8 +227,9 @@ def test_file_rows_are_the_packed_rows(D, qt, shape):
     def bits(a):
         return a.get().view(np.uint32)
 
-    for plan in (None,) + weights.PLANS:
-        got, want = (matvec.matvec(M, xd, cp.full(rows, np.nan, cp.float32), residual=rd, plan=plan) for M in (W, P))
+    for plan in (None,) + weights.PLANS:  # None: the file rows' default plan (the packed rows' may differ)
+        got, want = (matvec.matvec(M, xd, cp.full(rows, np.nan, cp.float32), residual=rd, plan=plan or W.plan())
+                     for M in (W, P))
         inplace = rd.copy()
         matvec.matvec(W, xd, inplace, residual=inplace, plan=plan)
         cp.cuda.Device().synchronize()
@@ -237,7 +238,7 @@ def test_file_rows_are_the_packed_rows(D, qt, shape):
         assert bound_err(got.get(), W64, x.astype(np.float64), r) <= 1e-5, plan
     if cols <= matvec.NORM_MV_MAX_N:
         for plan in (None,) + tuple(p for p in weights.PLANS if p[0] <= 2):
-            got, want = (matvec.norm_matvec(M, xd, nw, 1e-6, cp.full(rows, np.nan, cp.float32), plan=plan)
+            got, want = (matvec.norm_matvec(M, xd, nw, 1e-6, cp.full(rows, np.nan, cp.float32), plan=plan or W.plan())
                          for M in (W, P))
             cp.cuda.Device().synchronize()
             assert np.array_equal(bits(got), bits(want)), f"norm {plan}: file rows differ from packed rows"
