@@ -74,12 +74,11 @@ def test_experts_read_from_host_memory(cp, gu, dn, tiled):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tiled", [False, True], ids=["decode", "tiled"])
-@pytest.mark.parametrize("gu,dn", [("IQ3_S", "IQ3_S"), ("Q4_K", "Q6_K"), ("Q5_1", "Q5_1"), ("F16", "F16"),
-                                   ("Q8_0", "Q8_0")], ids=lambda v: v)
+@pytest.mark.parametrize("gu,dn", [("IQ3_S", "IQ3_S"), ("Q4_K", "Q6_K"), ("Q5_1", "Q5_1"), ("F16", "F16")],
+                         ids=lambda v: v)
 def test_the_plan_of_a_card_with_99_kb_a_block(cp, gu, dn, tiled):
     """The staging an RTX 30xx / 40xx card plans (99 KB of shared memory a block: one stage, SIMT prompt tiles,
-    Q5_1's tiles of 4, Q8_0's gate/up read in place by the generic decoder), run on this card
-    (tests/test_expert_plan.py plans it on the host)."""
+    Q5_1's tiles of 4), run on this card (tests/test_expert_plan.py plans it on the host)."""
     k = _run(cp, gu, dn, *(A3B_TILED if tiled else A3B_DECODE), tiled, smem=(101376, 102400))
     assert max(k.gu_smem, k.dn_smem, k.gut_smem) <= 101376 and not k.mma
 
