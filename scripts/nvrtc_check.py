@@ -166,10 +166,19 @@ def expert_type_builds() -> list[tuple[str, str, list]]:
             for g, d in pairs + llama_mixes()]
 
 
-def build(lib: ctypes.CDLL, filename: str, defines, arch: str = "90") -> bytes:
-    """The cubin NVRTC makes of `filename` (lane/kernels) with the lanes' options; RuntimeError with NVRTC's log."""
+def build(lib: ctypes.CDLL, filename: str, defines, arch: str = "90", extra: str = "") -> bytes:
+    """The cubin NVRTC makes of `filename` (lane/kernels) with the lanes' options, `extra` appended to the source;
+    RuntimeError with NVRTC's log."""
     options = list(kc.BASE_OPTIONS) + [f"--gpu-architecture=sm_{arch}"] + [kc._define(d) for d in defines]
-    return nvrtc_cubin(lib, kc._source(kc.HERE / filename), filename, options)
+    return nvrtc_cubin(lib, kc._source(kc.HERE / filename) + extra, filename, options)
+
+
+def layout_asserts(k) -> str:
+    """static_asserts that an ExpertKernels plan's shared-memory layout is the kernels' (what _check_layout compares
+    on the device), for build(..., extra=): a plan the kernels disagree with fails to compile."""
+    layout = {"GU_SMEM": k.gu_smem, "DN_SMEM": k.dn_smem, "GUT_SMEM": k.gut_smem, "TILE_P": k.simt_tile,
+              "MMA_GU_SMEM": k.mma_gu_smem, "MMA_DN_SMEM": k.mma_dn_smem, "GRID_TABLE_BYTES": k.grid_bytes}
+    return "".join(f'\nstatic_assert({n} == {v}, "the plan\'s {n} is not the kernels\'");' for n, v in layout.items())
 
 
 def load_nvrtc(path: str | None = None) -> ctypes.CDLL:

@@ -11,7 +11,7 @@ CARDS = {"h200": ((H200_SMEM_BLOCK, H200_SMEM_SM), 132), "a100": ((166912, 16793
          "rtx": ((101376, 102400), 82)}
 
 
-TOO_BIG_FOR_RTX = {"Q8_0", "F32"}  # Q8_0's tuned gate/up and F32's down stage a block's rows whole
+TOO_BIG_FOR_RTX = {"F32"}  # F32's down stages a block's rows whole
 TYPES = [t.name for t in EXPERT_TYPES] + ["Q4_K+Q6_K", "IQ3_S+Q4_K"]
 
 
@@ -33,15 +33,27 @@ def test_the_plan_fits_the_cards_shared_memory(qt, card):
         assert not k.mma  # the tensor-core prompt tiles need more: prompts take the SIMT tiles (same bits)
 
 
-@pytest.mark.parametrize("qt, need, on_a100", [("Q8_0", 140560, True), ("F32", 197136, False)])
-def test_what_a_99_kb_card_cannot_stage_is_refused_naming_the_type_and_the_limit(qt, need, on_a100):
-    """Q8_0's tuned gate/up stages a block's 32 gate and 32 up rows of 2048 values, F32's down its rows of 768 floats:
-    more than an RTX card allows a block. The lane fails to start saying so (its card is built before it takes
-    requests); an A100 (163 KB) takes Q8_0."""
-    with pytest.raises(ValueError, match=rf"{qt} expert rows need {need} bytes of shared memory .* allows 101376"):
-        ExpertKernels.planned(2048, 768, qt, qt, n_sm=82, smem=CARDS["rtx"][0])
-    if on_a100:
-        ExpertKernels.planned(2048, 768, qt, qt, n_sm=108, smem=CARDS["a100"][0])
+def test_f32_down_on_a_99_kb_card_is_refused_naming_the_type_and_the_limit():
+    """F32's down stages a block's rows of 768 floats: more than an RTX card (or an A100) allows a block. The lane
+    fails to start saying so (its card is built before it takes requests)."""
+    for card in ("rtx", "a100"):
+        with pytest.raises(ValueError, match=rf"F32 expert rows need 197136 bytes of shared memory .* allows "
+                                             rf"{CARDS[card][0][0]}"):
+            ExpertKernels.planned(2048, 768, "F32", "F32", n_sm=82, smem=CARDS[card][0])
+
+
+def test_q8_0_gate_up_on_a_99_kb_card_is_read_in_place_by_the_generic_decoder():
+    """Q8_0's tuned gate/up would stage a block's 32 gate and 32 up rows of 2048 values (139 KB): on an RTX card
+    they are decoded where they are (GU_DIRECT) by the generic decoder (UNTUNED: the tuned one reads staged rows
+    only), the same bits (canonical's); on an H200 the tuned path stays."""
+    k = ExpertKernels.planned(2048, 768, "Q8_0", "Q8_0", n_sm=82, smem=CARDS["rtx"][0])
+    assert k.gu_direct and k.untuned.name == "Q8_0" and not k.tuned(k.qt_gu) and not k.tuned(k.qt_dn)
+    assert dict(k.defines)["UNTUNED"] == 8 and dict(k.defines)["GU_DIRECT"] == 1
+    h200 = ExpertKernels.planned(2048, 768, "Q8_0", "Q8_0")
+    assert not h200.gu_direct and h200.untuned is None and h200.tuned(h200.qt_gu)
+    assert dict(h200.defines)["UNTUNED"] == -1
+    with pytest.raises(ValueError, match=r"IQ3_S expert rows need"):  # IQ3_S is never read in place
+        ExpertKernels.planned(4096, 1536, "IQ3_S", "IQ3_S", n_sm=82, smem=CARDS["rtx"][0])
 
 
 def test_a_shorter_simt_tile_where_the_staging_leaves_too_little_room():

@@ -74,11 +74,12 @@ def test_experts_read_from_host_memory(cp, gu, dn, tiled):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tiled", [False, True], ids=["decode", "tiled"])
-@pytest.mark.parametrize("gu,dn", [("IQ3_S", "IQ3_S"), ("Q4_K", "Q6_K"), ("Q5_1", "Q5_1"), ("F16", "F16")],
-                         ids=lambda v: v)
+@pytest.mark.parametrize("gu,dn", [("IQ3_S", "IQ3_S"), ("Q4_K", "Q6_K"), ("Q5_1", "Q5_1"), ("F16", "F16"),
+                                   ("Q8_0", "Q8_0")], ids=lambda v: v)
 def test_the_plan_of_a_card_with_99_kb_a_block(cp, gu, dn, tiled):
     """The staging an RTX 30xx / 40xx card plans (99 KB of shared memory a block: one stage, SIMT prompt tiles,
-    Q5_1's tiles of 4), run on this card (tests/test_expert_plan.py plans it on the host)."""
+    Q5_1's tiles of 4, Q8_0's gate/up read in place by the generic decoder), run on this card
+    (tests/test_expert_plan.py plans it on the host)."""
     k = _run(cp, gu, dn, *(A3B_TILED if tiled else A3B_DECODE), tiled, smem=(101376, 102400))
     assert max(k.gu_smem, k.dn_smem, k.gut_smem) <= 101376 and not k.mma
 
@@ -99,7 +100,6 @@ def test_sources_build():
     """Every case's experts.cu builds for sm_90 with NVRTC, without a GPU, with the defines an H200 lane plans for it
     (ExpertKernels.planned), and the plan's shared-memory layout is the kernels' (what ExpertKernels._check_layout
     compares on the device, asserted here at compile time)."""
-    from lane.kernels import compile as kc
     from lane.kernels.experts import ExpertKernels
 
     nc = _nvrtc_check()
@@ -107,12 +107,7 @@ def test_sources_build():
         lib = nc.load_nvrtc()
     except OSError as e:
         pytest.skip(f"no NVRTC library ({e}); the test extra installs nvidia-cuda-nvrtc")
-    source = kc._source(kc.HERE / "experts.cu")
     for gu, dn, d_model, d_ff in sorted({c[:4] for c in CASES}):
         k = ExpertKernels.planned(d_model, d_ff, gu, dn)
-        layout = {"GU_SMEM": k.gu_smem, "DN_SMEM": k.dn_smem, "GUT_SMEM": k.gut_smem, "TILE_P": k.simt_tile,
-                  "MMA_GU_SMEM": k.mma_gu_smem, "MMA_DN_SMEM": k.mma_dn_smem, "GRID_TABLE_BYTES": k.grid_bytes}
-        asserts = "".join(f'static_assert({n} == {v}, "{n}");\n' for n, v in layout.items())
-        options = list(kc.BASE_OPTIONS) + ["--gpu-architecture=sm_90"] + [kc._define(d) for d in k.defines]
-        usage = nc.resource_usage(nc.nvrtc_cubin(lib, source + asserts, "experts.cu", options))
+        usage = nc.resource_usage(nc.build(lib, "experts.cu", k.defines, extra=nc.layout_asserts(k)))
         assert {"expert_gateup", "expert_down", "expert_gateup_tiled", "expert_down_tiled"} <= set(usage), (gu, dn)

@@ -57,6 +57,21 @@ def test_kernels_build_for_ampere_and_ada(nc, arch):
         assert nc.resource_usage(nc.build(nc.lib, filename, defines, arch)), label
 
 
+@pytest.mark.parametrize("qt", ["Q8_0", "Q5_1"])
+def test_experts_build_as_a_99_kb_card_plans_them(nc, qt):
+    """What an RTX 30xx / 40xx card's plan builds (tests/test_expert_plan.py): Q8_0's gate/up read in place by the
+    generic decoder (UNTUNED), Q5_1's SIMT tiles of 4; for sm_86, with the plan's layout the kernels' (a Q8_0 plan
+    without tensor-core tiles once disagreed with kernels that still sized them: the lane's layout check failed on
+    the H100), the decode kernels without a stack frame."""
+    from lane.kernels.experts import ExpertKernels
+
+    k = ExpertKernels.planned(2048, 768, qt, qt, n_sm=82, smem=(101376, 102400))
+    usage = nc.resource_usage(nc.build(nc.lib, "experts.cu", k.defines, "86", extra=nc.layout_asserts(k)))
+    assert {"expert_gateup", "expert_down", "expert_gateup_tiled", "expert_down_tiled"} <= set(usage)
+    spills = {n: v for n, v in usage.items() if v[1] and n.startswith(DECODE_KERNELS)}
+    assert not spills, spills
+
+
 def test_build_error_names_the_line(nc):
     with pytest.raises(RuntimeError, match=r"bad\.cu\(2\)"):
         nc.nvrtc_cubin(nc.lib, '__global__ void k() {\n  undeclared = 1;\n}\n', "bad.cu", ["-std=c++17"])

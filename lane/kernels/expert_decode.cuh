@@ -6,8 +6,14 @@
 
 // ---- formats -----------------------------------------------------------------------------------------------------
 template <int QT> struct QF { static constexpr int BV = XtTraits<QT>::BV, BB = XtTraits<QT>::BB; };
-// the types with decoders of their own (decode_sub below, decode_frag in experts_mma.cuh); the rest are generic
-template <int QT> struct Tuned { static constexpr bool value = QT == QT_Q8_0 || QT == QT_Q4_K || QT == QT_IQ3_S; };
+// the types with decoders of their own (decode_sub below, decode_frag in experts_mma.cuh); the rest are generic, and
+// so is UNTUNED (experts.py: a tuned type whose gate/up rows a card cannot stage, read in place: GU_DIRECT)
+#ifndef UNTUNED
+#define UNTUNED -1
+#endif
+template <int QT> struct Tuned {
+    static constexpr bool value = QT != UNTUNED && (QT == QT_Q8_0 || QT == QT_Q4_K || QT == QT_IQ3_S);
+};
 // a generic type whose decode reads decode.cuh's table blob: it is at shared offset 0 (fill_tab)
 template <int QT> struct TabSmem {
     static constexpr int BYTES = (!Tuned<QT>::value && XtTraits<QT>::TABLE) ? (DQ_TAB_BYTES + 15) / 16 * 16 : 0;

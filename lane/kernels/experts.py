@@ -92,12 +92,14 @@ def card_smem(device) -> tuple[int, int]:
 
 
 def gate_up_direct(qt_gate_up, d_model: int, tuning: "Tuning", smem_block: int) -> bool:
-    """Whether a generic gate/up type's rows are decoded where they are instead of staged (experts.cu's GU_DIRECT):
-    a gate/up block stages its 32 rows of gate and up, which for F16 / BF16 / F32 at d_model 2048 is more shared
-    memory than a block has."""
+    """Whether a gate/up type's rows are decoded where they are instead of staged (experts.cu's GU_DIRECT): a gate/up
+    block stages its 32 rows of gate and up, which for F16 / BF16 / F32 at d_model 2048 (and Q8_0 on a card of 99 KB
+    a block) is more shared memory than a block has. The tuned decoders read staged rows only, so a tuned type read
+    in place goes through the generic path (experts.cu's UNTUNED); IQ3_S, whose generic path has no table, is never
+    read in place (its rows then do not fit: refused)."""
     staged = table_bytes(qt_gate_up, tuning.iq3_fast) + 256 + 16 + \
         tuning.gu_warps * 2 * _staged(qt_gate_up, d_model, 32 // tuning.gu_warps)
-    return qt_gate_up not in TUNED and staged > smem_block
+    return qt_gate_up != _T.IQ3_S and staged > smem_block
 
 
 def _f32hex(v) -> str:
@@ -268,7 +270,7 @@ class ExpertKernels:
             ("GU_DIRECT", int(self.gu_direct)), ("TILE_P", self.simt_tile), ("MMA_MPW", t.mma_mpw),
             ("MMA_PREFETCH", t.mma_prefetch), ("MMA_UNROLL", t.mma_unroll),
             ("DN_WPB", self.dn_warps), ("DN_MINB", self.dn_blocks), ("DN_STAGES", self.dn_stages),
-            ("DN_R", t.dn_rows), ("IQ3_FAST", t.iq3_fast),
+            ("DN_R", t.dn_rows), ("IQ3_FAST", t.iq3_fast), ("UNTUNED", int(self.untuned or -1)),
         ] + exp_defines()
 
     # ---- sizes --------------------------------------------------------------------------------------------------
@@ -290,6 +292,10 @@ class ExpertKernels:
             off += n
         return out
 
+    def tuned(self, qt) -> bool:
+        """Whether qt runs on its tuned decoder here (not where the plan reads its rows in place: UNTUNED)."""
+        return qt in TUNED and qt != self.untuned
+
     def _plan(self, smem_block: int, smem_sm: int) -> None:
         t = self.tuning
         self.grid_bytes = table_bytes(_T.IQ3_S, t.iq3_fast)  # expert_decode.cuh's GRID_TABLE_BYTES
@@ -306,6 +312,7 @@ class ExpertKernels:
             return stages, blocks, smem
 
         self.gu_direct = gate_up_direct(self.qt_gu, self.d_model, t, smem_block)
+        self.untuned = self.qt_gu if self.gu_direct and self.qt_gu in TUNED else None  # generic, in place
         gu_stg = 2 * _staged(self.qt_gu, self.d_model, 0 if self.gu_direct else 32 // t.gu_warps)
         dn_stg = _staged(self.qt_dn, self.d_ff, t.dn_rows)
         self.gu_warps, self.dn_warps = t.gu_warps, t.dn_warps
@@ -327,7 +334,8 @@ class ExpertKernels:
             raise ValueError(f"tiled gate/up needs {self.gut_smem} bytes of shared memory per block")
         # tensor-core tiles (experts_mma.cuh): compiled for these row lengths and the tuned types only (their q is
         # int8), used where they fit
-        shape_ok = self.d_model % 128 == 0 and self.d_ff % 128 == 0 and self.qt_gu in TUNED and self.qt_dn in TUNED
+        shape_ok = self.d_model % 128 == 0 and self.d_ff % 128 == 0 and self.tuned(self.qt_gu) and \
+            self.tuned(self.qt_dn)
         self.mma_gu_smem, self.mma_dn_smem = ((mma_smem(self.qt_gu, self.d_model, True),
                                                mma_smem(self.qt_dn, self.d_ff, False)) if shape_ok else (0, 0))
         self.mma = t.prompt == "mma" and shape_ok and max(self.mma_gu_smem, self.mma_dn_smem) <= smem_block

@@ -20,7 +20,7 @@
 
 // Tensor-core tiles for the tuned types only (their q is int8 and decode_frag exists for them); generic types take
 // the SIMT tiles (experts.py: ExpertKernels.mma).
-#define MMA_TYPE(q) ((q) == QT_Q8_0 || (q) == QT_Q4_K || (q) == QT_IQ3_S)
+#define MMA_TYPE(q) ((q) != UNTUNED && ((q) == QT_Q8_0 || (q) == QT_Q4_K || (q) == QT_IQ3_S))
 #if GU_KIN % 128 == 0 && DN_KIN % 128 == 0 && DN_ROWS % 64 == 0 && MMA_TYPE(GU_QT) && MMA_TYPE(DN_QT)
 #define MMA_TILES 1
 
