@@ -325,11 +325,13 @@ class ExpertKernels:
         # tiled kernels: the same staging, h of tile_p tokens per group instead of one (experts.cu: GUT_SMEM); a
         # shorter tile where that is over the card's shared memory (a 99 KB card: Q5_1's staged rows leave room
         # for 4 tokens, not 8)
+        def gut(tile: int) -> int:
+            return self.gu_smem - 2 * 32 * 4 + 2 * tile * 32 * 4
+
         self.simt_tile = simt_tile(self.qt_gu, t)
-        self.gut_smem = self.gu_smem - 2 * 32 * 4 + 2 * self.simt_tile * 32 * 4
-        while self.gut_smem > smem_block and self.simt_tile > 4:
+        while gut(self.simt_tile) > smem_block and self.simt_tile > 4:
             self.simt_tile //= 2
-            self.gut_smem = self.gu_smem - 2 * 32 * 4 + 2 * self.simt_tile * 32 * 4
+        self.gut_smem = gut(self.simt_tile)
         if self.gut_smem > smem_block:
             raise ValueError(f"tiled gate/up needs {self.gut_smem} bytes of shared memory per block")
         # tensor-core tiles (experts_mma.cuh): compiled for these row lengths and the tuned types only (their q is
