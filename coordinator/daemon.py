@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import zmq
 
-from coordinator import profile_store
+from coordinator import card_slots, profile_store
 from coordinator.client_io import ClientIO
 from coordinator.intake import BEHIND_BYTES, BEHIND_COUNT, Intake
 from stratad.prompts import HEAVY_BYTES, INPUT_ERRORS, max_prompt_bytes, prompt_tokens, size_refusal
@@ -93,15 +93,16 @@ class Coordinator:
         self.intake = Intake(str(self.model.path), prompt_tokens, self.context_length, self.max_prompt_bytes)
         self.cards = list(self.cfg.cards) or detect_cards()
         self.slot_bytes = slot_bytes(self.model)
-        self.n_slots = self._slots_per_card()
+        self.slots, fit = card_slots.per_card(self.cfg.expert_cache, self.cards, c.n_layer * c.n_expert,
+                                              self.slot_bytes, self.model.size)
         self.state_file = (profile_store.path_for(self.cfg.state_dir, self.model.header_hash)
                            if self.cfg.state_dir else None)
         self.profile = self._profile()
         self.last_profile_save = time.monotonic()
         self.kv_store = self._kv_store()
-        self.pool = CardPool(len(self.cards), self.n_slots, (c.n_layer, c.n_expert), self.profile,
-                             self.rt.shm_prefix, self._send_lane, self.cfg.mutual_help, self.cfg.rejoin_idle_s,
-                             self.cfg.replan_interval_s, self.cfg.replan_min_gain)
+        self.pool = CardPool(self.slots, (c.n_layer, c.n_expert), self.profile, self.rt.shm_prefix,
+                             self._send_lane, self.cfg.mutual_help, self.cfg.rejoin_idle_s,
+                             self.cfg.replan_interval_s, self.cfg.replan_min_gain, fit)
         self.ctx = zmq.Context()
         self.lane_sock = self.ctx.socket(zmq.ROUTER)
         self.lane_sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -123,9 +124,10 @@ class Coordinator:
         self.intake.start()  # beside the lanes' start
         if self.gateway:
             self.gateway.start()
-        log.info("model %s: %d layers x %d experts, slot %.2f MiB, %d slots per card (%s), %d cards %s",
-                 self.model.path, c.n_layer, c.n_expert, self.slot_bytes / 2**20, self.n_slots,
-                 self.cfg.expert_cache, len(self.cards), ",".join(self.cards))
+        log.info("model %s: %d layers x %d experts, slot %.2f MiB, expert slots per card %s (expert_cache %s%s), "
+                 "%d cards %s", self.model.path, c.n_layer, c.n_expert, self.slot_bytes / 2**20,
+                 ",".join(map(str, self.slots)), self.cfg.expert_cache,
+                 ": GPU cards keep what fits" if any(fit) else "", len(self.cards), ",".join(self.cards))
 
     def _kv_store(self) -> kv_store.KvStore | None:
         """The host conversation cache's segment (with prefix_cache), sized by kv_cache_host."""
@@ -135,7 +137,7 @@ class Coordinator:
             log.info("host conversation cache off for GPU cards ([gpu] host_kv_cache = false)")
             return None
         block = kv_store.block_bytes(self.model.config, self.cards)
-        pools = sum(self.n_slots * self.slot_bytes for card in self.cards if card == "cpu")
+        pools = sum(n * self.slot_bytes for n, card in zip(self.slots, self.cards) if card == "cpu")
         limit = kv_store.host_limit(self.cfg.kv_cache_host, self.model.size + pools)
         if limit < block:
             log.info("host conversation cache off (kv_cache_host %s: %d bytes, a block is %d)",
@@ -146,12 +148,6 @@ class Coordinator:
         log.info("host conversation cache: %.1f MiB, %d blocks of %d tokens", st.n_slots * block / 2**20,
                  st.n_slots, st.block_tokens)
         return st
-
-    def _slots_per_card(self) -> int:
-        c, b = self.model.config, self.cfg.expert_cache
-        total = c.n_layer * c.n_expert
-        n = int(b.fraction * total) if b.fraction is not None else b.bytes // self.slot_bytes
-        return max(0, min(total, n))
 
     def _profile(self) -> np.ndarray:
         """The starting profile: the configured file, else the one saved by an earlier run, else none (lane 0's
@@ -595,7 +591,8 @@ class Coordinator:
             used = (st.slots_used if st else 0) * self.slot_bytes
             cards.append(M.CardStatus(card=f"{card}{i}" if card == "cpu" else card,
                                       kind="cpu" if card == "cpu" else "gpu", memory_used=used,
-                                      memory_total=self.n_slots * self.slot_bytes, used_by=self.pool.users(i)))
+                                      memory_total=self.pool.slots[i] * self.slot_bytes,
+                                      used_by=self.pool.users(i)))
         return M.Status(model=str(self.model.path), uptime_s=time.time() - self.t_start, lanes=tuple(lanes),
                         cards=tuple(cards), queue=tuple(self.queue), queue_limit=self.cfg.queue_limit,
                         epoch=self.pool.epochs.epoch, role_log=tuple(self.pool.role_log),

@@ -53,12 +53,12 @@ def stable_slots(current: list[Expert | None], wanted: list[Expert]) -> list[Exp
     return [x if x is not None else next(missing, None) for x in out]
 
 
-def plan(groups: list[list[int]], group_weights: list[np.ndarray], n_slots: int,
+def plan(groups: list[list[int]], group_weights: list[np.ndarray], slots: list[int],
          current: list[list[Expert | None]]) -> list[list[Expert | None]]:
-    """New slot contents of every card (indexed by lane/card) for these groups."""
+    """New slot contents of every card (indexed by lane/card; slots: each card's count) for these groups."""
     out = [list(c) for c in current]
     for members, w in zip(groups, group_weights):
-        for card, wanted in zip(members, pooled(w, [n_slots] * len(members))):
+        for card, wanted in zip(members, pooled(w, [slots[m] for m in members])):
             out[card] = stable_slots(current[card], wanted)
     return out
 

@@ -24,8 +24,9 @@ class Transition:
 
 
 class Epochs:
-    def __init__(self, n_cards: int, n_slots: int):
-        self.contents: list[list[Expert | None]] = [[None] * n_slots for _ in range(n_cards)]
+    def __init__(self, slots: list[int]):
+        """slots: each card's slot count."""
+        self.contents: list[list[Expert | None]] = [[None] * n for n in slots]
         self.epoch = 0
         self.t: Transition | None = None
 
@@ -92,6 +93,12 @@ class Epochs:
         self.epoch += 1
         self.t = None
         return True
+
+    def shrink(self, lane: int, held: list[Expert]) -> None:
+        """A card that had room for fewer slots than it was given (expert_cache = auto) holds `held`, one a slot
+        in order; it was not live, so no transition names it."""
+        assert self.t is None or lane not in self.t.dirty
+        self.contents[lane] = list(held)
 
     def lane_gone(self, lane: int) -> tuple[list[int] | None, bool]:
         """A lane died: its card holds nothing any more; it no longer blocks the transition.

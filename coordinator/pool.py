@@ -25,14 +25,19 @@ ROLE_LOG = 50
 
 
 class CardPool:
-    def __init__(self, n_cards: int, n_slots: int, shape: tuple[int, int], profile: np.ndarray, shm_prefix: str,
+    def __init__(self, slots: list[int], shape: tuple[int, int], profile: np.ndarray, shm_prefix: str,
                  send: Callable[[int, object], bool], mutual_help: bool, rejoin_idle_s: float,
-                 replan_interval_s: float, replan_min_gain: float):
-        self.n, self.n_slots, self.shape = n_cards, n_slots, shape
+                 replan_interval_s: float, replan_min_gain: float, fit: list[bool] | None = None):
+        """slots: each card's slot count; fit: which cards hold only what they have room for, up to that
+        (expert_cache = auto on a GPU), telling how many once ready."""
+        n_cards = len(slots)
+        self.n, self.slots, self.shape = n_cards, list(slots), shape
+        self.fit = list(fit) if fit is not None else [False] * n_cards
+        self.placed: list[tuple] = [()] * n_cards  # per card: the experts its last Placement listed
         self.profile = profile / profile.sum() if profile.sum() else np.zeros(shape)
         self.prefix, self.send = shm_prefix, send
         self.roles = Roles(n_cards, mutual_help, rejoin_idle_s)
-        self.epochs = Epochs(n_cards, n_slots)
+        self.epochs = Epochs(self.slots)
         self.ready = [False] * n_cards
         self.generation = [0] * n_cards
         self.pools: list[tuple[str, str]] = [("", "")] * n_cards  # per card: (pool, device) as its lane reported
@@ -46,7 +51,7 @@ class CardPool:
         self.role_since = [time.time()] * n_cards
         # the first placement: all cards pooled on the profile, loaded by each lane before it reports ready
         self.epochs.contents = directory.plan(self.roles.groups(), [self._group_weights(g) for g in
-                                                                    self.roles.groups()], n_slots,
+                                                                    self.roles.groups()], self.slots,
                                               self.epochs.contents)
 
     # ---- names ----------------------------------------------------------------------------------------------
@@ -75,10 +80,17 @@ class CardPool:
 
     # ---- events ---------------------------------------------------------------------------------------------
     def placement(self, lane: int, warmup_tokens: int = 0) -> M.Placement:
-        return M.Placement(epoch=self.epochs.epoch, n_slots=self.n_slots, warmup_tokens=warmup_tokens,
-                           experts=tuple(x for x in self.epochs.contents[lane] if x is not None))
+        self.placed[lane] = tuple(x for x in self.epochs.contents[lane] if x is not None)
+        return M.Placement(epoch=self.epochs.epoch, n_slots=self.slots[lane], warmup_tokens=warmup_tokens,
+                           experts=self.placed[lane], fit=self.fit[lane], cards=self.n)
 
     def lane_ready(self, lane: int, restarted: bool, status: M.LaneStatus) -> None:
+        if status.slots_total < self.slots[lane]:  # a card that had room for fewer (fit): it holds the first ones
+            log.info("card %d has room for %d expert slots of the %d it was given", lane, status.slots_total,
+                     self.slots[lane])
+            self.slots[lane] = status.slots_total
+            self.epochs.shrink(lane, list(self.placed[lane][:status.slots_total])
+                               + [None] * max(0, status.slots_total - len(self.placed[lane])))
         self.ready[lane] = True
         self.pools[lane] = (status.pool, status.device)
         if self.counts[lane] is not None:
@@ -154,7 +166,7 @@ class CardPool:
         self.planned_for = self._structure()
         groups = self.roles.groups()
         weights = [self._group_weights(g) for g in groups]
-        target = directory.plan(groups, weights, self.n_slots, self.epochs.contents)
+        target = directory.plan(groups, weights, self.slots, self.epochs.contents)
         if min_gain is not None:  # adaptive swap: only for a clear gain on the live traffic
             gain = sum(directory.coverage(target, g, w) - directory.coverage(self.epochs.contents, g, w)
                        for g, w in zip(groups, weights))

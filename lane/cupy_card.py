@@ -26,7 +26,7 @@ import numpy as np
 
 from stratad.engine.card import KvExport
 from stratad.engine.chunks import chunks
-from lane import kv_staging
+from lane import host_lock, kv_staging
 from lane.counters import Counters
 from lane.gpu_experts import D2D, D2H, H2D, GpuExperts
 from lane.gpu_model import Break, DeviceSample, Qwen3MoeGpu, Work
@@ -43,6 +43,9 @@ from stratad.model.slot_layout import slot_bytes
 HALF_LIFE_TOKENS = 256
 log = logging.getLogger("stratad.lane")
 MAX_CAPTURED = 8  # placement shapes x context side x how the step's token comes back
+# expert_cache = auto: GPU memory left free beside the slots (cuBLAS and CUDA graph workspaces, the memory pool's
+# rounding), a fraction of the card's and at least FIT_MARGIN_MIN
+FIT_MARGIN, FIT_MARGIN_MIN = 0.03, 768 << 20
 
 
 class GpuKV:
@@ -82,10 +85,12 @@ class CupyCard:
     def __init__(self, model: ModelFile, device: int, n_slots: int, context_length: int,
                  counts: np.ndarray | None = None, cpu_threads: int = 0, graphs: bool = True,
                  host_experts: str = "card", prompt_chunk: int = GPU_PROMPT_CHUNK, options: GpuOptions = GpuOptions(),
-                 tuning: Tuning | None = None):
+                 tuning: Tuning | None = None, fit: bool = False, cards: int = 1):
         """prompt_chunk: tokens a prompt chunk (the expert kernels' pair lists and workspaces are sized for it);
         options: the config's [gpu] code paths (process-wide: PDL, the kernel cache); tuning: the expert kernels'
-        launch shape (default: the measured one)."""
+        launch shape (default: the measured one). fit: hold at most n_slots experts, as many as the card has room
+        for once everything else is in place (expert_cache = auto; `fit_pool`); cards: the daemon's card count
+        (the sources whose results a prompt chunk may hold)."""
         # before anything is allocated: a model the kernels cannot take fails whole (planned from this card's shared
         # memory, as ExpertKernels plans: an RTX card's 99 KB refuses what an H200 takes)
         check_model(model, tuning, card_smem(cp.cuda.Device(device)))
@@ -107,16 +112,9 @@ class CupyCard:
         self.epoch = 0
         self.graphs = graphs
         self.pos = cp.zeros((1,), cp.int32)
-        # the slot pool is its own cudaMalloc (not a memory-pool sub-allocation), so that its CUDA IPC handle
-        # opens at the pool's first byte in other lanes
-        nbytes = max(1, n_slots) * slot_bytes(model)
-        self._pool_mem = cp.cuda.Memory(nbytes)
-        buf = cp.ndarray((nbytes,), cp.uint8, cp.cuda.MemoryPointer(self._pool_mem, 0))
-        buf.fill(0)
-        self.pool = SlotPool(model, buf, n_slots, self._write_slot)
+        self._new_pool(0 if fit else n_slots)
         self.copy_stream = cp.cuda.Stream(non_blocking=True)  # slot copies run beside the compute stream
         self.kv_stream = cp.cuda.Stream(non_blocking=True)  # KV blocks to the host cache, beside both
-        self.pool_ident = bytes(cp.cuda.runtime.ipcGetMemHandle(self._pool_mem.ptr)).hex()
         self.device_ident = "cuda:" + cp.cuda.runtime.deviceGetPCIBusId(device)
         self.experts = GpuExperts(model, self.pool, self.prompt_chunk, cpu_threads, self.stream, self.device_ident,
                                   host_experts, options, tuning)
@@ -133,7 +131,46 @@ class CupyCard:
         self._remote_direct = False  # a step with a peer on another GPU failed to capture: such steps run directly
         self._staging: kv_staging.KvStaging | None = None  # restores from the host conversation cache, once used
         self._kv_dev = None  # their device staging: the two halves' blocks on the card
+        self._store_lock = None  # the host conversation cache page-locked for this process (pin_store)
+        if fit:
+            self.fit_pool(n_slots, cards)
 
+    def _new_pool(self, n_slots: int) -> None:
+        """The slot pool: its own cudaMalloc (not a memory-pool sub-allocation), so that its CUDA IPC handle opens
+        at the pool's first byte in other lanes."""
+        nbytes = max(1, n_slots) * slot_bytes(self.model)
+        self._pool_mem = None  # the old one's memory first: fit_pool counts on it
+        self._pool_mem = cp.cuda.Memory(nbytes)
+        buf = cp.ndarray((nbytes,), cp.uint8, cp.cuda.MemoryPointer(self._pool_mem, 0))
+        buf.fill(0)
+        self.pool = SlotPool(self.model, buf, n_slots, self._write_slot)
+        self.pool_ident = bytes(cp.cuda.runtime.ipcGetMemHandle(self._pool_mem.ptr)).hex()
+
+    def fit_pool(self, most: int, cards: int) -> int:
+        """Size the slot pool from what the card has left (expert_cache = auto), at most `most` slots: a prompt
+        chunk of prompt_chunk tokens runs first (with no expert on the card: each layer's are staged), so that
+        every workspace a request allocates exists; then what is free, less what grows later (the result rows of
+        peers' sources, the KV restore's staging) and a margin (the CUDA libraries' workspaces, the memory pool's
+        rounding), becomes slots. Returns the slot count."""
+        n_tok = min(self.prompt_chunk, self.max_ctx)
+        self.forward(np.zeros(n_tok, np.int32), self.new_kv(), logits="last")
+        self.counters, self.counts[:] = Counters(), 0.0  # no request's work
+        with self.device:
+            self.stream.synchronize()
+            free, total = cp.cuda.runtime.memGetInfo()
+            free += self._pool_mem.size  # the placeholder pool goes
+            rows = self.experts.max_pairs * self.c.d_model * 4  # one source's results (gpu_experts.rows)
+            later = (cards - 1) * rows + (2 * kv_staging.CHUNK_BYTES if self.experts.options.host_kv_cache else 0)
+            margin = max(FIT_MARGIN_MIN, int(FIT_MARGIN * total))
+            n = int(max(0, min(most, (free - later - margin) // slot_bytes(self.model))))
+            self.fit_room = (free, later + margin)  # bytes free before the pool, bytes kept free beside it
+            self._new_pool(n)
+            self.experts.pool = self.pool
+            self.experts.forget_tables()
+            self._graphs.clear()  # they read the old pool
+        log.info("card %d: room for %d expert slots of %d (%.1f GiB free, %.1f GiB kept for later and margin)",
+                 self.device.id, n, most, free / 2**30, (later + margin) / 2**30)
+        return n
     def _write_slot(self, dst: cp.ndarray, parts: list[np.ndarray]) -> None:
         """An expert's matrices into a slot, straight from the (page-locked) arena on the copy stream (the slot
         loader's thread, or the fill at start): decode steps keep running meanwhile."""
@@ -218,9 +255,11 @@ class CupyCard:
 
     def import_kv_from(self, kv: GpuKV, start: int, store, slots: list[int], block_tokens: int,
                        hashes: list[bytes] | None = None) -> int:
-        """The store's blocks through the card's staging (lane/kv_staging.py): read by threads a chunk at a time,
-        each chunk uploaded while the next is read, as one contiguous copy into device staging (a strided copy from
+        """The store's blocks onto the card: each block copied as a whole into device staging (a strided copy from
         host memory moves a head's 4 KB at a time, well below the link's rate), then into the caches on the card.
+        From the store itself where pin_store page-locked it (no copy on the host: the copies' reads are checked
+        whole after they end, as a reader's are), else through page-locked staging (lane/kv_staging.py: read by
+        threads a chunk at a time, each chunk uploaded while the next is read).
 
         Returns the blocks restored (up to the first taken for another block meanwhile, or one the store failed to
         give: the caller reads the prompt from there); kv then holds (start + that) * block_tokens positions,
@@ -230,13 +269,15 @@ class CupyCard:
         B = block_tokens
         if (start + len(slots)) * B > self.max_ctx:
             raise ValueError(f"{(start + len(slots)) * B} positions exceed the card's KV capacity of {self.max_ctx}")
-        if self._staging is None:
-            self._staging = kv_staging.KvStaging()
         bb = self.kv_block_bytes(B)
-        shape = self._staging.halves(bb).shape
+        shape = (2, max(1, kv_staging.CHUNK_BYTES // bb), bb)
         with self.device:
             if self._kv_dev is None or self._kv_dev.shape != shape:
                 self._kv_dev = cp.empty(shape, cp.uint8)  # no copy uses the old one: every restore ends synchronised
+        if self._store_lock is not None and self._store_lock.covers(store.data):
+            return self._restore_pinned(kv, start, store, slots, B, hashes)
+        if self._staging is None:
+            self._staging = kv_staging.KvStaging()
         cut = []
 
         def upload(rows: np.ndarray, first: int, half: int):
@@ -264,6 +305,50 @@ class CupyCard:
             self.stream.synchronize()
         return got
 
+    def pin_store(self, store) -> bool:
+        """Page-lock the host conversation cache's slots for this process, so that restores copy straight from
+        them (at start: pinning touches every page of the cache, seconds for tens of GB, and keeps them resident).
+        False where the driver refused (restores then go through the staging)."""
+        with self.device:
+            self._store_lock = host_lock.lock(self, store.data)
+        return self._store_lock is not None
+
+    def _restore_pinned(self, kv: GpuKV, start: int, store, slots: list[int], B: int,
+                        hashes: list[bytes] | None) -> int:
+        """import_kv_from from the page-locked store: a copy a block into one of the staging halves, a chunk's
+        blocks then into the caches, all on the card's stream (a half is written again only after the copies out
+        of it, in stream order); once every copy has ended, the blocks the store confirms whole count."""
+        try:
+            snap = store.snapshot(slots, hashes)
+        except Exception:  # noqa: BLE001 - the cache is an optimisation: the prompt is read
+            log.exception("reading the host conversation cache failed: the prompt is read instead")
+            return 0
+        n = len(snap)
+        if not n:
+            return 0
+        rt, dev = cp.cuda.runtime, self._kv_dev
+        chunk, bb = dev.shape[1], dev.shape[2]
+        with self.device:
+            kv.truncate(start * B)  # the kept positions past start are written over from here
+            try:
+                for k, c0 in enumerate(range(0, n, chunk)):
+                    half = dev[k % 2]
+                    part = slots[c0:min(c0 + chunk, n)]
+                    for i, slot in enumerate(part):
+                        # at most a block: a slot taken meanwhile for a larger one is cut and found not whole
+                        nbytes = min(int(store.nbytes[slot]), bb)
+                        rt.memcpyAsync(half[i].data.ptr, store.data[slot].ctypes.data, nbytes, H2D, self.stream.ptr)
+                    self._kv_copies(half.data.ptr, start + c0, len(part), B, D2D, self.stream)
+            finally:  # nothing issued may outlive this call (a failed copy raises here, after the rest ended)
+                self.stream.synchronize()
+            got = store.confirm(slots[:n], snap)
+            if got:
+                kv.length = (start + got) * B
+                with self.stream:
+                    self.pos.fill(kv.length)
+                self.stream.synchronize()
+        return got
+
     def set_view(self, view: M.View) -> None:
         """Compute from these other cards' slots from the next token on (peers on this same GPU; see gpu_experts).
         Returns once no step of the old view runs: the lane then acknowledges the view, after which the slots it
@@ -283,6 +368,8 @@ class CupyCard:
         if self._staging is not None:
             self._staging.close()
         self._kv_dev = None
+        if self._store_lock is not None:  # before the store's mapping can go
+            self._store_lock.release()
 
     def forward(self, tokens, kv: GpuKV, logits: str = "last"):
         return self._forward(tokens, kv, logits, None)

@@ -330,6 +330,10 @@ class GpuExperts:
         """A peer on another GPU is in use (its work is on that GPU's stream)."""
         return any(p.remote for p in self.peers.values())
 
+    def forget_tables(self) -> None:
+        """The pool was replaced (CupyCard.fit_pool): the next refresh rebuilds the tables and sources."""
+        self._version = None
+
     def refresh(self) -> None:
         """Bring the device tables up to the pool's slots and the view (between steps, on the card's stream)."""
         version = (self.pool.version, self._view_version)

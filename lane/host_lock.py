@@ -30,9 +30,14 @@ class Lock:
     """A user's hold on a page-locked range: release() (or the owner's finalizer) gives it up; mapped says whether
     kernels may read the range directly (else it is page-locked for copies only)."""
 
-    def __init__(self, owner: object, ptr: int, mapped: bool):
-        self.mapped = mapped
+    def __init__(self, owner: object, ptr: int, nbytes: int, mapped: bool):
+        self.mapped, self.ptr, self.nbytes = mapped, ptr, nbytes
         self.release = weakref.finalize(owner, _release, ptr)
+
+    def covers(self, mem: np.ndarray) -> bool:
+        """Whether mem lies in the locked range (and the lock is still held)."""
+        a = mem.ctypes.data
+        return self.release.alive and self.ptr <= a and a + mem.nbytes <= self.ptr + self.nbytes
 
 
 def lock(owner: object, mem: np.ndarray) -> Lock | None:
@@ -47,12 +52,12 @@ def lock(owner: object, mem: np.ndarray) -> Lock | None:
                 except rt.CUDARuntimeError as e:
                     log.info("host range not page-locked with flags %d (%s)", flags, e)
                     continue
-                _users[ptr] = [0, bool(flags & MAPPED)]
+                _users[ptr] = [0, bool(flags & MAPPED), mem.nbytes]
                 break
             else:  # copies from it go through the driver's staging
                 return None
         _users[ptr][0] += 1
-        return Lock(owner, ptr, _users[ptr][1])
+        return Lock(owner, ptr, _users[ptr][2], _users[ptr][1])
 
 
 def _release(ptr: int) -> None:

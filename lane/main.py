@@ -6,10 +6,13 @@ between tokens it reads cancels and role changes and sends heartbeats.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import os
 import signal
 import sys
+import tempfile
 import threading
 import time
 from collections import deque
@@ -155,9 +158,17 @@ class Lane:
         else:
             from lane.cupy_card import CupyCard  # CUDA only where a GPU card is asked for
 
-            self.card = CupyCard(self.model, int(self.cfg.card), n, self.cfg.context_length, live,
-                                 self.cfg.cpu_threads, host_experts=self.cfg.host_experts,
-                                 prompt_chunk=self.cfg.prompt_chunk, options=self.cfg.gpu)
+            with fitting_alone(self.cfg.card, placement.fit):
+                self.card = CupyCard(self.model, int(self.cfg.card), n, self.cfg.context_length, live,
+                                     self.cfg.cpu_threads, host_experts=self.cfg.host_experts,
+                                     prompt_chunk=self.cfg.prompt_chunk, options=self.cfg.gpu, fit=placement.fit,
+                                     cards=placement.cards)
+            if self.store is not None:  # restores then copy straight from the cache's pages
+                t0 = time.monotonic()
+                pinned = self.card.pin_store(self.store)
+                log.info("lane %d: host conversation cache (%.1f GiB) %s in %.1f s", self.lane,
+                         self.store.data.nbytes / 2**30, "page-locked" if pinned else "not page-locked (restores "
+                         "go through staging)", time.monotonic() - t0)
         self.card.pool.fill(list(placement.experts))
         self.loader = SlotLoader(self.card.pool)
         if placement.warmup_tokens:
@@ -347,6 +358,22 @@ class Lane:
         self.ctx.term()
 
 
+@contextlib.contextmanager
+def fitting_alone(card: str, fit: bool):
+    """Lanes of one GPU that fit their pools to the memory left build one after the other (a file lock a GPU and
+    user): each sees what the others took."""
+    if not fit:
+        yield
+        return
+    path = os.path.join(tempfile.gettempdir(), f"stratad-{os.getuid()}-gpu{card}-fit.lock")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # the lock goes with it, also when the lane dies holding it
+
+
 def error_reply(lane: int, req_id: str, e: Exception) -> M.Error:
     """A request's failure as the client sees it: `bad_request` only for input Generation refused (BadRequest),
     anything else is this lane's fault (`internal`, with the exception's type; the traceback is in the log)."""
@@ -362,10 +389,14 @@ def card_failure(a: LaneConfig, placement: M.Placement, model: ModelFile, e: Exc
         return (f"card {a.card} is a GPU card but CuPy is not installed (install the gpu extra: "
                 f"pip install 'stratad[gpu]'; or use 'cpu' cards)")
     if type(e).__name__ == "OutOfMemoryError":  # CuPy's, on the card's first allocation that did not fit
+        if placement.fit:  # expert_cache = auto: the slots were to be what is left; the rest did not fit
+            return (f"card {a.card}: out of GPU memory building the lane before any expert slot (the model's dense "
+                    f"weights, a KV cache of {a.context_length} tokens, prompt chunks of {a.prompt_chunk} tokens): "
+                    f"lower context_length or prompt_chunk ({e})")
         gib = placement.n_slots * slot_bytes(model) / 2**30
         return (f"card {a.card}: out of GPU memory building the lane ({placement.n_slots} expert slots = {gib:.1f} "
                 f"GiB, a KV cache of {a.context_length} tokens, prompt chunks of {a.prompt_chunk} tokens): lower "
-                f"expert_cache, context_length or prompt_chunk ({e})")
+                f"expert_cache (or set it to auto), context_length or prompt_chunk ({e})")
     return f"card {a.card}: {type(e).__name__}: {e}"
 
 

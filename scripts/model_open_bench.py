@@ -58,10 +58,10 @@ def measure(path: str, n_cards: int) -> dict:
     shape = (c.n_layer, c.n_expert)
 
     class Ready:
-        pool, device = "pool", "cpu"
+        pool, device, slots_total = "pool", "cpu", 1 << 30
 
     t0 = time.perf_counter()
-    pool = CardPool(n_cards, c.n_layer * c.n_expert // n_cards, shape, np.ones(shape), "/stratad-bench-none-",
+    pool = CardPool([c.n_layer * c.n_expert // n_cards] * n_cards, shape, np.ones(shape), "/stratad-bench-none-",
                     lambda lane, msg: True, mutual_help=True, rejoin_idle_s=30, replan_interval_s=2, replan_min_gain=0.02)
     for i in range(n_cards):
         pool.lane_ready(i, False, Ready)

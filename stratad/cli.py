@@ -265,7 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--model")
     s.add_argument("--cards", help="comma-separated GPU indices or 'cpu' virtual cards, e.g. cpu,cpu")
     s.add_argument("--runtime-dir", help=f"sockets, lock, pid file (else ${discovery.ENV}, else the config's)")
-    s.add_argument("--expert-cache", help="per-card expert-cache budget: fraction 0..1 or size like 40GiB")
+    s.add_argument("--expert-cache", help="per-card expert-cache budget: fraction 0..1, a size like 40GiB, or auto "
+                                          "(the default: as many as each card has room for)")
     add_rope_flags(s, ctx_default="the config file's, else 8192 capped at the model's length",
                    ctx_aliases=("--context-length",))
     s.add_argument("--rejoin-idle-s", type=float)

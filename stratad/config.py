@@ -33,15 +33,19 @@ def default_runtime_dir() -> str:
 
 
 class CacheBudget(BaseModel):
-    """A budget: a fraction (of all experts: expert_cache; of the host memory left: kv_cache_host) or bytes."""
+    """A budget: a fraction (of all experts: expert_cache; of the host memory left: kv_cache_host), bytes, or (the
+    expert cache only) auto: as many as the card has room for."""
     model_config = ConfigDict(frozen=True, allow_inf_nan=False)
     fraction: float | None = None
     bytes: int | None = None
+    auto: bool = False
 
     @classmethod
     def parse(cls, v: Any) -> "CacheBudget":
         if isinstance(v, CacheBudget):
             return v
+        if isinstance(v, str) and v.strip() == "auto":
+            return cls(auto=True)
         if isinstance(v, (int, float)) and not isinstance(v, bool):
             if not 0.0 <= v <= 1.0:
                 raise ValueError(f"a fraction must be within 0..1, got {v}")
@@ -54,9 +58,11 @@ class CacheBudget(BaseModel):
                 return cls.parse(float(v))
             except ValueError:
                 pass
-        raise ValueError(f"expected a fraction 0..1 or a size such as '40GiB', got {v!r}")
+        raise ValueError(f"expected a fraction 0..1, a size such as '40GiB' or 'auto', got {v!r}")
 
     def __str__(self) -> str:
+        if self.auto:
+            return "auto"
         return f"{self.fraction:g} of the experts" if self.fraction is not None else f"{self.bytes} bytes"
 
 
@@ -91,7 +97,8 @@ class DaemonConfig(BaseModel):
                                                                "unset: the model file's")
     yarn_orig_ctx: int | None = Field(None, ge=16, description="YaRN: the context the model was trained at "
                                                                "(--yarn-orig-ctx); unset: the file's, else its length")
-    expert_cache: CacheBudget = Field(CacheBudget(fraction=1.0), description="per-card expert-cache budget")
+    expert_cache: CacheBudget = Field(CacheBudget(auto=True), description="per-card expert-cache budget: a "
+                                      "fraction of all experts, a size, or auto: as many as each card has room for")
     rejoin_idle_s: float = Field(30.0, ge=0)
     mutual_help: bool = False
     replan_interval_s: float = Field(2.0, gt=0, description="how often live counts are checked for a better placement")
@@ -138,8 +145,11 @@ class DaemonConfig(BaseModel):
 
     @field_validator("expert_cache", "kv_cache_host", mode="before")
     @classmethod
-    def _budget(cls, v):
-        return CacheBudget.parse(v)
+    def _budget(cls, v, info):
+        b = CacheBudget.parse(v)
+        if b.auto and info.field_name != "expert_cache":
+            raise ValueError(f"{info.field_name} takes a fraction 0..1 or a size, not 'auto'")
+        return b
 
     @field_validator("cards", mode="before")
     @classmethod

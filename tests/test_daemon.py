@@ -436,7 +436,12 @@ def test_lane_says_when_its_card_runs_out_of_memory(tiny_model_path):
     oom = type("OutOfMemoryError", (MemoryError,), {})("Out of memory allocating 1,073,741,824 bytes")
     why = lane.main.card_failure(a, M.Placement(epoch=0, n_slots=40, experts=()), ModelFile(tiny_model_path), oom)
     assert why.startswith("card 1: out of GPU memory building the lane (40 expert slots")
-    assert "65536 tokens" in why and "2048 tokens" in why and "lower expert_cache, context_length or prompt_chunk" in why
+    assert "65536 tokens" in why and "2048 tokens" in why
+    assert "lower expert_cache (or set it to auto), context_length or prompt_chunk" in why
+    fit = lane.main.card_failure(a, M.Placement(epoch=0, n_slots=40, experts=(), fit=True), ModelFile(tiny_model_path),
+                                 oom)  # expert_cache = auto: nothing but the card's own needs was allocated
+    assert fit.startswith("card 1: out of GPU memory building the lane before any expert slot")
+    assert "65536 tokens" in fit and "lower context_length or prompt_chunk" in fit
 
 
 def test_learned_profile_kept_between_runs(tiny_model_path, tmp_path):

@@ -2,7 +2,8 @@
 side of the same cases runs on the CPU in tests/test_kv_staging.py): a block rewritten by another lane while a
 reading thread copies it, the store failing mid-restore, and the card's own copies failing. The restore returns
 (or raises) with nothing left running; the caches hold the store's bits for the positions kv says it holds; the
-staging serves the next restore whole. Staging halves of two blocks, so every case spans several chunks."""
+staging serves the next restore whole. Staging halves of two blocks, so every case spans several chunks. The same
+from the store page-locked for the card (pin_store: no staging on the host)."""
 from __future__ import annotations
 
 import logging
@@ -162,6 +163,78 @@ def test_the_cards_copies_failing(setup, monkeypatch):
     with pytest.raises(RuntimeError, match="the card failed"):
         s.card.import_kv_from(kv, 1, s.st, slots[1:], s.B, s.hashes[1:])
     assert s.card.stream.done and s.card._staging._free == [None, None]
+    holds(s, kv, 1)
+    monkeypatch.undo()
+    whole_again(s)
+
+
+@pytest.fixture
+def pinned(setup):
+    """The store page-locked for the card (lane/main.py does this at start): restores copy straight from it."""
+    s = setup
+    assert s.card.pin_store(s.st)
+    try:
+        yield s
+    finally:
+        s.card._store_lock.release()
+        s.card._store_lock = None
+
+
+def test_a_restore_from_the_page_locked_store(pinned):
+    """Straight from the store's pages, in chunks of two blocks: the caches hold the store's bits (the same as the
+    staged restore's, whole_again above); a restore after a kept block goes on from it."""
+    s = pinned
+    whole_again(s)
+    slots = republish(s)
+    kv = fresh(s.card)
+    assert s.card.import_kv_from(kv, 0, s.st, slots[:1], s.B, s.hashes[:1]) == 1
+    assert s.card.import_kv_from(kv, 1, s.st, slots[1:], s.B, s.hashes[1:]) == s.n - 1
+    holds(s, kv, s.n)
+
+
+def test_a_block_rewritten_while_the_card_copies_from_the_page_locked_store(pinned, monkeypatch):
+    """Another lane takes block 3's slot for a block of its own while the card's copies of chunk 1 (blocks 2, 3)
+    are issued: confirm finds it, 3 blocks count; the caches hold the store's bits for them."""
+    s = pinned
+    slots = republish(s)
+    real, fired = s.card._kv_copies, []
+
+    def copies(ptr, start, n_blocks, *a):
+        if start == 2 and not fired:
+            fired.append(True)
+            s.st.touch([x for x in range(s.st.n_slots) if x != slots[3]])
+            (h, got), = s.st.claim([b"\x98" * 32])
+            assert got == slots[3]
+            s.st.publish(got, h, np.full(s.st.slot_bytes, 98, np.uint8))
+        return real(ptr, start, n_blocks, *a)
+
+    monkeypatch.setattr(s.card, "_kv_copies", copies)
+    kv = fresh(s.card)
+    assert s.card.import_kv_from(kv, 0, s.st, slots, s.B, s.hashes) == 3 and fired
+    holds(s, kv, 3)
+    monkeypatch.undo()
+    whole_again(s)
+
+
+def test_the_cards_copies_failing_from_the_page_locked_store(pinned, monkeypatch):
+    """The card's copies raising for chunk 1: raised once the stream is idle; kv holds the kept block."""
+    s = pinned
+    slots = republish(s)
+    kv = fresh(s.card)
+    assert s.card.import_kv_from(kv, 0, s.st, slots[:1], s.B, s.hashes[:1]) == 1
+    real, calls = s.card._kv_copies, []
+
+    def copies(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("the card failed")
+        return real(*a, **k)
+
+    monkeypatch.setattr(s.card, "_kv_copies", copies)
+    with pytest.raises(RuntimeError, match="the card failed"):
+        s.card.import_kv_from(kv, 1, s.st, slots[1:], s.B, s.hashes[1:])
+    assert s.card.stream.done
+    assert kv.length == s.B  # what it held past start went first
     holds(s, kv, 1)
     monkeypatch.undo()
     whole_again(s)

@@ -66,7 +66,7 @@ def test_stable_slots_move_only_what_changes():
 
 
 def test_epoch_transition_waits_for_every_ack_before_loading():
-    ep = Epochs(2, 2)
+    ep = Epochs([2, 2])
     ep.contents = [[(0, 0), (0, 1)], [(0, 2), (0, 3)]]
     target = [[(0, 0), (0, 5)], [(0, 2), (0, 3)]]
     assert ep.begin(target, {0, 1}) == "revoke"
@@ -79,7 +79,7 @@ def test_epoch_transition_waits_for_every_ack_before_loading():
 
 
 def test_epoch_transition_survives_a_lane_death():
-    ep = Epochs(2, 1)
+    ep = Epochs([1, 1])
     ep.contents = [[(0, 0)], [(0, 1)]]
     ep.begin([[(0, 4)], [(0, 5)]], {0, 1})
     ep.ack(0, ep.epoch)

@@ -48,7 +48,7 @@ def test_pooled_is_the_greedy_deal():
 
 
 class _Ready:
-    pool, device = "pool", "cpu"
+    pool, device, slots_total = "pool", "cpu", 1 << 30
 
 
 @pytest.mark.parametrize("n_cards", [2, 8])
@@ -59,7 +59,7 @@ def test_card_pool_at_a235b_shape(n_cards):
     profile = np.stack([1.0 / (1 + rng.permutation(A235B[1])) for _ in range(A235B[0])])
     sent = []
     t0 = time.perf_counter()
-    p = CardPool(n_cards, A235B[0] * A235B[1] // n_cards, A235B, profile, "/stratad-test-none-",
+    p = CardPool([A235B[0] * A235B[1] // n_cards] * n_cards, A235B, profile, "/stratad-test-none-",
                  lambda lane, msg: sent.append((lane, msg)) or True, mutual_help=True, rejoin_idle_s=30,
                  replan_interval_s=2.0, replan_min_gain=0.02)
     for i in range(n_cards):

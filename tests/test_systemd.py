@@ -52,5 +52,5 @@ def test_default_config_is_valid():
     from stratad import config
 
     cfg = config.load(str(ROOT / "systemd" / "stratad.toml"), {})
-    assert cfg.runtime_dir == "/run/stratad" and cfg.expert_cache.fraction == 0.45
+    assert cfg.runtime_dir == "/run/stratad" and cfg.expert_cache.auto
     assert cfg.http == "127.0.0.1:8080" and cfg.api_key_file is None  # `systemctl start stratad` brings the gateway up
