@@ -327,14 +327,15 @@ ncu-qkv)
     grep -E "issue_stalled_.*ratio" "$OUT/ncu-qkv.txt" | sed 's/  */ /g' | awk '{print $NF, $1}' | sort -gr | head -6
     ;;
 timeline)  # a3b all resident: the replayed decode step's kernels as the GPU ran them (CUPTI kernel records; needs
-           # the cupti-python wheel in .whl/ and a libcupti of the driver's CUDA), at CONTEXTS (1024,32768)
-    model "$A3B" --router-skew 1.0
+           # the cupti-python wheel in .whl/ and a libcupti of the driver's CUDA), at CONTEXTS (1024,32768); MODEL
+    m=${MODEL:-$A3B}  # MODEL: another file (a mix: /tmp/a3b-mix-iq3_s.gguf, made by the mixes step)
+    [ "$m" != "$A3B" ] || model "$A3B" --router-skew 1.0
     lib=$(find /usr/local/cuda*/extras/CUPTI/lib64 $(python3 -c "import site; print(*site.getsitepackages())") \
         -name 'libcupti.so*' 2> /dev/null | head -1)
     ctxs=${CONTEXTS:-1024,32768}
     for ctx in ${ctxs//,/ }; do
         LD_LIBRARY_PATH=${lib:+$(dirname "$lib"):}${LD_LIBRARY_PATH:-} timeout 240 python3 scripts/gpu_decode_profile.py \
-            --model "$A3B" --fractions 1.0 --context "$ctx" --tokens 32 --iters 5 --timeline \
+            --model "$m" --fractions 1.0 --context "$ctx" --tokens 32 --iters 5 --timeline \
             --json "$OUT/timeline-$ctx.json" 2>&1 | grep -A40 "timeline over"
     done
     ;;
