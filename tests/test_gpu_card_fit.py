@@ -41,18 +41,21 @@ def test_a_card_fits_its_pool_to_the_memory_left(cp, tmp_path):
     total, sb = c.n_layer * c.n_expert, slot_bytes(model)
     everything = [(layer, e) for layer in range(c.n_layer) for e in range(c.n_expert)]
 
+    cp.get_default_memory_pool().free_all_blocks()
+    before = cp.cuda.runtime.memGetInfo()[0]
     card = CupyCard(model, 0, total, 8192, prompt_chunk=CHUNK, fit=True, cards=2)
     assert card.pool.n_slots == total  # an H100 / H200 holds every expert of two layers
     free, kept = card.fit_room
+    needs = before - free  # what the card took before its pool
     card.pool.fill(everything)
     want = serve(card, 3 * CHUNK + 100, 8)
     card.close()
     del card
     cp.get_default_memory_pool().free_all_blocks()
 
-    # a ballast leaving the card's own needs and room for about half of the experts
+    # a ballast leaving a card's own needs and room for about half of the experts (whatever of the first card's
+    # memory is not given back yet counts as taken: free_now is what is free)
     free_now = cp.cuda.runtime.memGetInfo()[0]
-    needs = free_now - free  # what the first card took before its pool
     ballast = cp.cuda.Memory(free_now - needs - kept - (total // 2) * sb)
     try:
         card = CupyCard(model, 0, total, 8192, prompt_chunk=CHUNK, fit=True, cards=2)

@@ -94,35 +94,73 @@ template <int QT> DQ_FN void xt_pack(const DqSub& s, XtW<QT>& w) {  // a quantis
     w.minimum = s.minimum;
 }
 
-// floats.float_view of the 32 values at b (4-byte aligned: every float row of an expert is, rows being 64 / 128-byte
+// floats.float_view of the 32 values at b (16-byte aligned: every float row of an expert is, rows being 64 / 128-byte
 // multiples at 16-byte aligned starts): non-finite values read as 0; amax = f 2^e (1/2 <= f < 1, e = 0 for 0);
-// k = max(e - 12, -126); scale 2^k, q = rint(w * 2^-k) (a multiply by a power of two: exact)
-template <int QT, class P> DQ_FN float xt_float_value(P p, int v) {
-    if (QT == 0) return dq_bits(p[v]);                                            // F32
-    const dq_u32 h = (p[v >> 1] >> (16 * (v & 1))) & 0xffffu;
-    return QT == 1 ? dq_h2f((dq_u16)h) : dq_bits(h << 16);                        // F16 / BF16
+// k = max(e - 12, -126); scale 2^k, q = rint(w * 2^-k) (a multiply by a power of two: exact). amax is taken on the
+// values' bits (|w| orders as the bits of |w| do for every finite float of each type; F16's converted once).
+// The values are read twice (16 or 8 bytes a load), by volatile loads in order: a warp decodes several sub-blocks at once,
+// and their values held across the amax (or loads hoisted ahead) would spill.
+template <int QT> struct XtFloat {
+    static constexpr int NW = QT == 0 ? 32 : 16;  // 32-bit words of 32 values
+    static constexpr dq_u32 EXP = QT == 0 ? 0x7f800000u : QT == 1 ? 0x7c00u : 0x7f80u;  // a value's exponent bits
+    static constexpr dq_u32 ABS = QT == 0 ? 0x7fffffffu : 0x7fffu;
+};
+template <int N> DQ_FN void xt_load(const dq_u8* b, int i, dq_u32 (&w)[N]) {  // words N i .. N i + N - 1 at b
+#ifdef __CUDA_ARCH__
+    if constexpr (N == 4)
+        asm volatile("ld.volatile.v4.u32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "l"(b + 16 * i));
+    else
+        asm volatile("ld.volatile.v2.u32 {%0, %1}, [%2];" : "=r"(w[0]), "=r"(w[1]) : "l"(b + 8 * i));
+#else
+    __builtin_memcpy(w, b + 4 * N * i, 4 * N);
+#endif
 }
-DQ_FN float xt_finite_or_0(float f) { return (xt_fbits(f) & 0x7f800000u) == 0x7f800000u ? 0.f : f; }
+template <int QT, int N> DQ_FN dq_u32 xt_float_raw(const dq_u32 (&w)[N], int v) {  // value v of N words: its bits
+    return QT == 0 ? w[v] : (w[v >> 1] >> (16 * (v & 1))) & 0xffffu;
+}
+template <int QT> DQ_FN float xt_float_of(dq_u32 raw) {  // a finite value's bits -> float
+    return QT == 0 ? dq_bits(raw) : QT == 1 ? dq_h2f((dq_u16)raw) : dq_bits(raw << 16);
+}
+DQ_FN int xt_rint_int(float a) {  // rint(a) as an int (|a| <= 4096 here); one cvt.rni on the device
+#ifdef __CUDA_ARCH__
+    return __float2int_rn(a);
+#else
+    return (int)xt_rint(a);
+#endif
+}
 template <int QT> DQ_FN void xt_float_sub(const dq_u8* b, XtW<QT>& w) {
-    const dq_u32* p = (const dq_u32*)b;
-    dq_u32 amax = 0;  // |x| as bits: non-negative floats order as their bits do
+    typedef XtFloat<QT> F;
+    // words a first-pass load (16 bytes; F32, whose registers run tightest, 8), values in 16 bytes
+    constexpr int N1 = QT == 0 ? 2 : 4, VPG = QT == 0 ? 4 : 8;
+    dq_u32 amax_raw = 0;  // the largest |value| among the finite ones, as the type's bits
     XT_UNROLL
-    for (int v = 0; v < 32; ++v) {
-        const dq_u32 u = xt_fbits(xt_finite_or_0(xt_float_value<QT>(p, v))) & 0x7fffffffu;
-        amax = u > amax ? u : amax;
+    for (int g = 0; g < F::NW / N1; ++g) {
+        dq_u32 x[N1];
+        xt_load(b, g, x);
+        XT_UNROLL
+        for (int v = 0; v < VPG * N1 / 4; ++v) {
+            const dq_u32 u = xt_float_raw<QT>(x, v);
+            const dq_u32 a = (u & F::EXP) == F::EXP ? 0u : u & F::ABS;
+            amax_raw = a > amax_raw ? a : amax_raw;
+        }
     }
+    const dq_u32 amax = xt_fbits(xt_float_of<QT>(amax_raw));  // |x| as float bits
     // e = biased exponent - 126 for a normal amax; a subnormal one has e <= -126, so k = -126 either way
     int k = amax == 0 ? -12 : amax < 0x00800000u ? -126 : (int)(amax >> 23) - 138;
     k = k < -126 ? -126 : k;
     const float inv = dq_bits((dq_u32)(127 - k) << 23);  // 2^-k, k in [-126, 116]: a normal float
     XT_UNROLL
-    // the values are read again (volatile: not merged with the first reads), not kept: a warp decodes four
-    // sub-blocks at once, and 4 x 32 values held across the amax would spill
-    const volatile dq_u32* pv = p;
-    for (int i = 0; i < 16; ++i) {
-        const int lo = (int)xt_rint(dq_mul(xt_finite_or_0(xt_float_value<QT>(pv, 2 * i)), inv));
-        const int hi = (int)xt_rint(dq_mul(xt_finite_or_0(xt_float_value<QT>(pv, 2 * i + 1)), inv));
-        w.q[i] = ((dq_u32)lo & 0xffffu) | ((dq_u32)hi << 16);
+    for (int g = 0; g < F::NW / 2; ++g) {  // 8 bytes a load here: fewer values live at once
+        dq_u32 x[2];
+        xt_load(b, g, x);
+        XT_UNROLL
+        for (int v = 0; v < VPG / 2; v += 2) {
+            const dq_u32 u0 = xt_float_raw<QT>(x, v), u1 = xt_float_raw<QT>(x, v + 1);
+            const int lo = (u0 & F::EXP) == F::EXP ? 0 : xt_rint_int(dq_mul(xt_float_of<QT>(u0), inv));
+            const int hi = (u1 & F::EXP) == F::EXP ? 0 : xt_rint_int(dq_mul(xt_float_of<QT>(u1), inv));
+            w.q[(g * VPG / 2 + v) / 2] = ((dq_u32)lo & 0xffffu) | ((dq_u32)hi << 16);
+        }
     }
     w.fold[0] = w.fold[1] = w.mw[0] = w.mw[1] = 1;
     w.scale = dq_bits((dq_u32)(k + 127) << 23);
