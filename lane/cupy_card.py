@@ -307,7 +307,7 @@ class CupyCard:
 
     def pin_store(self, store) -> bool:
         """Page-lock the host conversation cache's slots for this process, so that restores copy straight from
-        them (at start: pinning touches every page of the cache, seconds for tens of GB, and keeps them resident).
+        them (at start: pinning touches every page of the cache, and keeps them resident; the lane logs its time).
         False where the driver refused (restores then go through the staging)."""
         with self.device:
             self._store_lock = host_lock.lock(self, store.data)

@@ -1,5 +1,6 @@
-"""A GPU card's restore from the host conversation cache (stratad/kv_store.py): the store's slots are copied by a
-few threads into page-locked staging, a chunk at a time, and each chunk goes to the card's caches while the next
+"""A GPU card's restore from the host conversation cache (stratad/kv_store.py) where the card could not page-lock
+the store itself (CupyCard.pin_store; then it copies from the store's pages directly): the store's slots are copied
+by a few threads into page-locked staging, a chunk at a time, and each chunk goes to the card's caches while the next
 is read. One thread copying the whole prompt into one buffer and then uploading it cost ~0.7 s for 32K tokens of
 the a3b shape on the H200 host; this overlaps the reading with the upload and spreads it over cores. Staging is two
 halves of CHUNK blocks, allocated once per block size, so no request pays for page-locking a prompt-sized buffer.
@@ -7,9 +8,8 @@ halves of CHUNK blocks, allocated once per block size, so no request pays for pa
 A staging half is written again only once its last upload's event is reached and every reading thread has ended
 its copy, and is never dropped (a new block size) with an upload from it in flight; a restore returns, or raises,
 only once every upload it issued is done, so that a failed one leaves nothing running into the staging or the KV.
-This path has not yet run on a GPU: its host side (reading, chunking, the halves' reuse, the failures) is tested on
-the CPU with a stand-in upload (tests/test_kv_staging.py), the card's copies by tests/test_gpu_card.py and
-tests/test_gpu_kv_restore.py.
+Its host side (reading, chunking, the halves' reuse, the failures) is tested on the CPU with a stand-in upload
+(tests/test_kv_staging.py), the card's copies on a GPU by tests/test_gpu_kv_restore.py.
 """
 from __future__ import annotations
 
