@@ -154,7 +154,7 @@ DQ_FLOAT_TRAITS(1, 2)   // F16
 DQ_FLOAT_TRAITS(30, 2)  // BF16
 #undef DQ_FLOAT_TRAITS
 
-DQ_FN void dq_plain(DqSub& s, float scale) {
+template <class S> DQ_FN void dq_plain(S& s, float scale) {  // S: DqSub, or expert_term.cuh's XtW
     s.scale = scale;
     s.minimum = 0.f;
     s.fold[0] = s.fold[1] = s.mw[0] = s.mw[1] = 1;
@@ -260,9 +260,41 @@ template <> DQ_FN void dq_sub<23>(const dq_u8* b, int j, const dq_u8* tab, DqSub
     dq_plain(s, dq_mul(dq_f16(b), dq_i2f((lo | (hi << 4)) - 32)));
     for (int v = 0; v < 32; ++v) s.code[v] = dq_grid(tab, DQ_TAB_IQ4NL + dq_nib32(b + 8 + 16 * j, v));
 }
-template <> DQ_FN void dq_sub<18>(const dq_u8* b, int j, const dq_u8* tab, DqSub& s) {  // IQ3_XXS
+// The scale (and folds) of sub-block j of the IQ types: their dq_sub's, and expert_term.cuh's word decoders'
+// (each returns the field its codes read too)
+template <class S> DQ_FN dq_u32 dq_iq3xxs_head(const dq_u8* b, int j, S& s) {
     const dq_u32 w = dq_rd32(b + 66 + 4 * j);  // 4 x 7 sign bits, then the 4-bit scale
     dq_plain(s, dq_mul(dq_mul(dq_f16(b), dq_add(0.5f, dq_i2f((int)(w >> 28)))), 0.5f));
+    return w;
+}
+template <class S> DQ_FN dq_u32 dq_iq2xxs_head(const dq_u8* b, int j, S& s) {
+    const dq_u32 w1 = dq_rd32(b + 2 + 8 * j + 4);  // after the 4 grid index bytes: signs, then the scale
+    dq_plain(s, dq_mul(dq_mul(dq_f16(b), dq_add(0.5f, dq_i2f((int)(w1 >> 28)))), 0.25f));
+    return w1;
+}
+// IQ2_XS / IQ2_S: scale d / 8, fold 2 ls + 1 (ls the 4-bit scale at `scales`, one nibble per 16 values)
+template <class S> DQ_FN void dq_iq2_scales(const dq_u8* b, int j, const dq_u8* scales, S& s) {
+    dq_plain(s, dq_mul(dq_f16(b), 0.125f));
+    for (int h = 0; h < 2; ++h) s.fold[h] = 2 * ((scales[j] >> (4 * h)) & 15) + 1;
+}
+template <class S> DQ_FN dq_u32 dq_iq1s_head(const dq_u8* b, int j, S& s) {
+    const dq_u32 qh = dq_rd16(b + 34 + 2 * j);  // 4 x 3 index bits, the 3-bit scale, the delta's sign
+    dq_plain(s, dq_mul(dq_mul(dq_f16(b), dq_i2f(2 * ((qh >> 12) & 7) + 1)), 0.125f));
+    return qh;
+}
+template <class S> DQ_FN void dq_iq1m_head(const dq_u8* b, int j, S& s) {
+    // d: the top nibbles of the four scale words (iquants._iq1m_d)
+    const dq_u32 w0 = dq_rd16(b + 48), w1 = dq_rd16(b + 50), w2 = dq_rd16(b + 52), w3 = dq_rd16(b + 54);
+    const dq_u32 h = (w0 >> 12) | ((w1 >> 8) & 0x00F0) | ((w2 >> 4) & 0x0F00) | (w3 & 0xF000);
+    dq_plain(s, dq_mul(dq_h2f((dq_u16)h), 0.125f));
+    for (int hh = 0; hh < 2; ++hh) {
+        const int k = 2 * j + hh;  // 3-bit scale t of word w: k = 4 w + t
+        s.fold[hh] = 2 * ((dq_rd16(b + 48 + 2 * (k >> 2)) >> (3 * (k & 3))) & 7) + 1;
+    }
+}
+
+template <> DQ_FN void dq_sub<18>(const dq_u8* b, int j, const dq_u8* tab, DqSub& s) {  // IQ3_XXS
+    const dq_u32 w = dq_iq3xxs_head(b, j, s);
     for (int v = 0; v < 32; ++v)
         s.code[v] = dq_grid(tab, DQ_TAB_IQ3XXS + 4 * b[2 + 8 * j + (v >> 2)] + (v & 3)) *
                     dq_sign8(tab, (w >> (7 * (v >> 3))) & 127, v & 7);
@@ -277,16 +309,10 @@ template <> DQ_FN void dq_sub<21>(const dq_u8* b, int j, const dq_u8* tab, DqSub
     }
 }
 template <> DQ_FN void dq_sub<16>(const dq_u8* b, int j, const dq_u8* tab, DqSub& s) {  // IQ2_XXS
-    const dq_u32 w1 = dq_rd32(b + 2 + 8 * j + 4);  // after the 4 grid index bytes: signs, then the scale
-    dq_plain(s, dq_mul(dq_mul(dq_f16(b), dq_add(0.5f, dq_i2f((int)(w1 >> 28)))), 0.25f));
+    const dq_u32 w1 = dq_iq2xxs_head(b, j, s);
     for (int v = 0; v < 32; ++v)
         s.code[v] = dq_grid(tab, DQ_TAB_IQ2XXS + 8 * b[2 + 8 * j + (v >> 3)] + (v & 7)) *
                     dq_sign8(tab, (w1 >> (7 * (v >> 3))) & 127, v & 7);
-}
-// IQ2_XS / IQ2_S: scale d / 8, fold 2 ls + 1 (ls the 4-bit scale at `scales`, one nibble per 16 values)
-DQ_FN void dq_iq2_scales(const dq_u8* b, int j, const dq_u8* scales, DqSub& s) {
-    dq_plain(s, dq_mul(dq_f16(b), 0.125f));
-    for (int h = 0; h < 2; ++h) s.fold[h] = 2 * ((scales[j] >> (4 * h)) & 15) + 1;
 }
 template <> DQ_FN void dq_sub<17>(const dq_u8* b, int j, const dq_u8* tab, DqSub& s) {  // IQ2_XS
     dq_iq2_scales(b, j, b + 66, s);
@@ -305,8 +331,7 @@ template <> DQ_FN void dq_sub<22>(const dq_u8* b, int j, const dq_u8* tab, DqSub
     }
 }
 template <> DQ_FN void dq_sub<19>(const dq_u8* b, int j, const dq_u8* tab, DqSub& s) {  // IQ1_S: q = 8 g +- 1
-    const dq_u32 qh = dq_rd16(b + 34 + 2 * j);  // 4 x 3 index bits, the 3-bit scale, the delta's sign
-    dq_plain(s, dq_mul(dq_mul(dq_f16(b), dq_i2f(2 * ((qh >> 12) & 7) + 1)), 0.125f));
+    const dq_u32 qh = dq_iq1s_head(b, j, s);
     const int delta = (qh & 0x8000) ? -1 : 1;
     for (int v = 0; v < 32; ++v) {
         const int e = v >> 3, idx = b[2 + 4 * j + e] | (((qh >> (3 * e)) & 7) << 8);
@@ -314,14 +339,7 @@ template <> DQ_FN void dq_sub<19>(const dq_u8* b, int j, const dq_u8* tab, DqSub
     }
 }
 template <> DQ_FN void dq_sub<29>(const dq_u8* b, int j, const dq_u8* tab, DqSub& s) {  // IQ1_M
-    // d: the top nibbles of the four scale words (iquants._iq1m_d)
-    const dq_u32 w0 = dq_rd16(b + 48), w1 = dq_rd16(b + 50), w2 = dq_rd16(b + 52), w3 = dq_rd16(b + 54);
-    const dq_u32 h = (w0 >> 12) | ((w1 >> 8) & 0x00F0) | ((w2 >> 4) & 0x0F00) | (w3 & 0xF000);
-    dq_plain(s, dq_mul(dq_h2f((dq_u16)h), 0.125f));
-    for (int hh = 0; hh < 2; ++hh) {
-        const int k = 2 * j + hh;  // 3-bit scale t of word w: k = 4 w + t
-        s.fold[hh] = 2 * ((dq_rd16(b + 48 + 2 * (k >> 2)) >> (3 * (k & 3))) & 7) + 1;
-    }
+    dq_iq1m_head(b, j, s);
     for (int v = 0; v < 32; ++v) {
         const int k = 4 * j + (v >> 3);  // 8-value group: 3 index bits and the delta's sign in a nibble
         const int qh = (b[32 + (k >> 1)] >> (4 * (k & 1))) & 15, idx = b[k] | ((qh & 7) << 8);

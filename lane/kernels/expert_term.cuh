@@ -167,10 +167,124 @@ template <int QT> DQ_FN void xt_float_sub(const dq_u8* b, XtW<QT>& w) {
     w.minimum = 0.f;
 }
 
+// The grid types' codes four a word, as dq_sub gives them value by value: a grid entry's bytes read as words from the
+// table (its offsets are multiples of 8), their signs applied to the word (bytes negated where a bit is set), the
+// block's fields read 2 bytes at a time (blocks of these types are 2-aligned in every row). Scales: decode.cuh's heads.
+template <int QT> struct XtGrid {
+    static constexpr bool value = QT == 16 || QT == 17 || QT == 18 || QT == 19 || QT == 22 || QT == 29;
+};
+DQ_FN dq_u32 xt_tab32(const dq_u8* tab, int off) {  // off a multiple of 4
+#ifdef __CUDA_ARCH__
+    return *reinterpret_cast<const dq_u32*>(tab + off);
+#else
+    dq_u32 u;
+    __builtin_memcpy(&u, tab + off, 4);
+    return u;
+#endif
+}
+DQ_FN dq_u32 xt_u16(const dq_u8* p) {  // p 2-aligned
+#ifdef __CUDA_ARCH__
+    return *reinterpret_cast<const dq_u16*>(p);
+#else
+    return dq_rd16(p);
+#endif
+}
+DQ_FN dq_u32 xt_ksigns(dq_u32 i) {  // ggml's ksigns_iq2xs[i]: i with bit 7 its parity
+#ifdef __CUDA_ARCH__
+    return i | ((__popc(i) & 1u) << 7);
+#else
+    return i | (((dq_u32)__builtin_popcount(i) & 1u) << 7);
+#endif
+}
+DQ_FN dq_u32 xt_signed(dq_u32 g, dq_u32 bits) {  // g's bytes (magnitudes 1..127) negated where bits 0..3 are set
+    const dq_u32 ones = ((bits & 15u) * 0x00204081u) & 0x01010101u;
+    return (g ^ (ones * 255u)) + ones;
+}
+DQ_FN dq_u32 xt_iq1(dq_u32 g, bool minus) {  // 8 g + delta a byte (g in -1, 0, 1; delta -1 or 1), no carries
+    const dq_u32 m = (g << 3) & 0xf8f8f8f8u, d = minus ? 0xffffffffu : 0x01010101u;
+    return ((m & 0x7f7f7f7fu) + (d & 0x7f7f7f7fu)) ^ ((m ^ d) & 0x80808080u);
+}
+DQ_FN void xt_tab64(const dq_u8* tab, int off, dq_u32& lo, dq_u32& hi) {  // off a multiple of 8: one load
+#ifdef __CUDA_ARCH__
+    const uint2 u = *reinterpret_cast<const uint2*>(tab + off);
+    lo = u.x;
+    hi = u.y;
+#else
+    lo = xt_tab32(tab, off);
+    hi = xt_tab32(tab, off + 4);
+#endif
+}
+// words 2e, 2e + 1: the 8-byte grid entry at table offset off, bits 0..7 of sg its signs
+template <int QT> DQ_FN void xt_grid8(const dq_u8* tab, int off, dq_u32 sg, int e, XtW<QT>& w) {
+    dq_u32 lo, hi;
+    xt_tab64(tab, off, lo, hi);
+    w.q[2 * e] = xt_signed(lo, sg);
+    w.q[2 * e + 1] = xt_signed(hi, sg >> 4);
+}
+template <int QT> DQ_FN void xt_grid_words(const dq_u8* b, int j, const dq_u8* tab, XtW<QT>& w) {
+    if constexpr (QT == 16) {  // IQ2_XXS: 4 grid index bytes, then 4 x 7 sign-index bits (the head's word)
+        const dq_u32 w1 = dq_iq2xxs_head(b, j, w), idx = xt_u16(b + 2 + 8 * j) | (xt_u16(b + 4 + 8 * j) << 16);
+        XT_UNROLL
+        for (int e = 0; e < 4; ++e)
+            xt_grid8(tab, DQ_TAB_IQ2XXS + 8 * (int)((idx >> (8 * e)) & 255u), xt_ksigns((w1 >> (7 * e)) & 127u), e, w);
+    } else if constexpr (QT == 17) {  // IQ2_XS: a 16-bit word a group: 9-bit grid index, 7-bit sign index
+        dq_iq2_scales(b, j, b + 66, w);
+        XT_UNROLL
+        for (int e = 0; e < 4; ++e) {
+            const dq_u32 q = xt_u16(b + 2 + 2 * (4 * j + e));
+            xt_grid8(tab, DQ_TAB_IQ2XS + 8 * (int)(q & 511u), xt_ksigns(q >> 9), e, w);
+        }
+    } else if constexpr (QT == 22) {  // IQ2_S: index low bytes, a sign byte a group, 2 high index bits from qh
+        dq_iq2_scales(b, j, b + 74, w);
+        const dq_u32 lo = xt_u16(b + 2 + 4 * j) | (xt_u16(b + 4 + 4 * j) << 16);
+        const dq_u32 sg = xt_u16(b + 34 + 4 * j) | (xt_u16(b + 36 + 4 * j) << 16), qh = b[66 + j];
+        XT_UNROLL
+        for (int e = 0; e < 4; ++e) {
+            const dq_u32 idx = ((lo >> (8 * e)) & 255u) | (((qh >> (2 * e)) & 3u) << 8);
+            xt_grid8(tab, DQ_TAB_IQ2S + 8 * (int)idx, sg >> (8 * e), e, w);
+        }
+    } else if constexpr (QT == 18) {  // IQ3_XXS: a grid index byte (4 values) each, 7 sign-index bits each 8
+        const dq_u32 ws = dq_iq3xxs_head(b, j, w);
+        XT_UNROLL
+        for (int h = 0; h < 2; ++h) {
+            const dq_u32 idx = xt_u16(b + 2 + 8 * j + 4 * h) | (xt_u16(b + 4 + 8 * j + 4 * h) << 16);
+            XT_UNROLL
+            for (int e = 0; e < 2; ++e) {
+                const dq_u32 sg = xt_ksigns((ws >> (7 * (2 * h + e))) & 127u);
+                w.q[4 * h + 2 * e] = xt_signed(xt_tab32(tab, DQ_TAB_IQ3XXS + 4 * (int)((idx >> (16 * e)) & 255u)), sg);
+                w.q[4 * h + 2 * e + 1] =
+                    xt_signed(xt_tab32(tab, DQ_TAB_IQ3XXS + 4 * (int)((idx >> (16 * e + 8)) & 255u)), sg >> 4);
+            }
+        }
+    } else if constexpr (QT == 19) {  // IQ1_S: 8 g + delta, 3 high index bits a group and the delta's sign in qh
+        const dq_u32 qh = dq_iq1s_head(b, j, w), lo = xt_u16(b + 2 + 4 * j) | (xt_u16(b + 4 + 4 * j) << 16);
+        XT_UNROLL
+        for (int e = 0; e < 4; ++e) {
+            dq_u32 g0, g1;
+            xt_tab64(tab, DQ_TAB_IQ1 + 8 * (int)(((lo >> (8 * e)) & 255u) | (((qh >> (3 * e)) & 7u) << 8)), g0, g1);
+            w.q[2 * e] = xt_iq1(g0, qh & 0x8000u);
+            w.q[2 * e + 1] = xt_iq1(g1, qh & 0x8000u);
+        }
+    } else {  // IQ1_M: a nibble a group in qh (3 high index bits, the delta's sign)
+        dq_iq1m_head(b, j, w);
+        const dq_u32 lo = xt_u16(b + 4 * j) | (xt_u16(b + 2 + 4 * j) << 16), qh = xt_u16(b + 32 + 2 * j);
+        XT_UNROLL
+        for (int e = 0; e < 4; ++e) {
+            const dq_u32 n = (qh >> (4 * e)) & 15u;
+            dq_u32 g0, g1;
+            xt_tab64(tab, DQ_TAB_IQ1 + 8 * (int)(((lo >> (8 * e)) & 255u) | ((n & 7u) << 8)), g0, g1);
+            w.q[2 * e] = xt_iq1(g0, n & 8u);
+            w.q[2 * e + 1] = xt_iq1(g1, n & 8u);
+        }
+    }
+}
+
 // Sub-block s (0 .. row's NSUB - 1) of the row whose first byte is at `row`; tab: decode.cuh's table blob
 template <int QT> DQ_FN void xt_decode(const dq_u8* row, int s, const dq_u8* tab, XtW<QT>& w) {
     typedef XtTraits<QT> X;
-    if constexpr (DqTraits<QT>::QUANT) {
+    if constexpr (XtGrid<QT>::value) {
+        xt_grid_words<QT>(row + (s / X::NSUB) * X::BB, s % X::NSUB, tab, w);
+    } else if constexpr (DqTraits<QT>::QUANT) {
         DqSub d;
         dq_sub<QT>(row + (s / X::NSUB) * X::BB, s % X::NSUB, tab, d);
         xt_pack<QT>(d, w);
