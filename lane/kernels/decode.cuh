@@ -230,14 +230,17 @@ template <> DQ_FN void dq_sub<10>(const dq_u8* b, int j, const dq_u8*, DqSub& s)
     }
     for (int i = 0; i < 32; ++i) s.code[i] = dq_k2(b + 16, j, i);
 }
-template <> DQ_FN void dq_sub<11>(const dq_u8* b, int j, const dq_u8*, DqSub& s) {  // Q3_K: q = (sc - 32) * code
-    dq_plain(s, dq_f16(b + 108));
+template <class S> DQ_FN void dq_q3k_head(const dq_u8* b, int j, S& s) {  // Q3_K's scale and 6-bit folds (also
+    dq_plain(s, dq_f16(b + 108));                                          // expert_term.cuh's word decoder's)
     const dq_u8* sc = b + 96;
     for (int h = 0; h < 2; ++h) {
         const int k = 2 * j + h;
         const int lo = (sc[k & 7] >> (k & 8 ? 4 : 0)) & 15, hi = (sc[8 + (k & 3)] >> (2 * (k >> 2))) & 3;
         s.fold[h] = (lo | (hi << 4)) - 32;
     }
+}
+template <> DQ_FN void dq_sub<11>(const dq_u8* b, int j, const dq_u8*, DqSub& s) {  // Q3_K: q = (sc - 32) * code
+    dq_q3k_head(b, j, s);
     for (int i = 0; i < 32; ++i) s.code[i] = dq_k2(b + 32, j, i) - ((((b[i] >> j) & 1) ^ 1) << 2);
 }
 template <> DQ_FN void dq_sub<14>(const dq_u8* b, int j, const dq_u8*, DqSub& s) {  // Q6_K: q = sc * (code - 32)

@@ -167,11 +167,12 @@ template <int QT> DQ_FN void xt_float_sub(const dq_u8* b, XtW<QT>& w) {
     w.minimum = 0.f;
 }
 
-// The grid types' codes four a word, as dq_sub gives them value by value: a grid entry's bytes read as words from the
-// table (its offsets are multiples of 8), their signs applied to the word (bytes negated where a bit is set), the
-// block's fields read 2 bytes at a time (blocks of these types are 2-aligned in every row). Scales: decode.cuh's heads.
-template <int QT> struct XtGrid {
-    static constexpr bool value = QT == 16 || QT == 17 || QT == 18 || QT == 19 || QT == 22 || QT == 29;
+// Codes four a word, as dq_sub gives them value by value, for the grid types and Q3_K: a grid entry's bytes read as
+// words from the table (its offsets are multiples of 8), their signs applied to the word (bytes negated where a bit
+// is set), Q3_K's bit fields masked four at a time, the block's fields read 2 bytes at a time (blocks of these types
+// are 2-aligned in every row). Scales and folds: decode.cuh's heads.
+template <int QT> struct XtWords {
+    static constexpr bool value = QT == 11 || QT == 16 || QT == 17 || QT == 18 || QT == 19 || QT == 22 || QT == 29;
 };
 DQ_FN dq_u32 xt_tab32(const dq_u8* tab, int off) {  // off a multiple of 4
 #ifdef __CUDA_ARCH__
@@ -221,8 +222,17 @@ template <int QT> DQ_FN void xt_grid8(const dq_u8* tab, int off, dq_u32 sg, int 
     w.q[2 * e] = xt_signed(lo, sg);
     w.q[2 * e + 1] = xt_signed(hi, sg >> 4);
 }
-template <int QT> DQ_FN void xt_grid_words(const dq_u8* b, int j, const dq_u8* tab, XtW<QT>& w) {
-    if constexpr (QT == 16) {  // IQ2_XXS: 4 grid index bytes, then 4 x 7 sign-index bits (the head's word)
+template <int QT> DQ_FN void xt_words(const dq_u8* b, int j, const dq_u8* tab, XtW<QT>& w) {
+    if constexpr (QT == 11) {  // Q3_K: 2 low bits from qs, the high bit from hmask: code = low + 4 high - 4
+        dq_q3k_head(b, j, w);
+        const dq_u8* qs = b + 32 + 32 * (j >> 2);
+        XT_UNROLL
+        for (int k = 0; k < 8; ++k) {  // values 4k .. 4k + 3: bytes 4k .. of qs and of hmask (b)
+            const dq_u32 lo = ((xt_u16(qs + 4 * k) | (xt_u16(qs + 4 * k + 2) << 16)) >> (2 * (j & 3))) & 0x03030303u;
+            const dq_u32 hi = ((xt_u16(b + 4 * k) | (xt_u16(b + 4 * k + 2) << 16)) >> j) & 0x01010101u;
+            w.q[k] = ((lo | (hi << 2)) + 0x7c7c7c7cu) ^ 0x80808080u;  // a byte v in 0..7 -> v - 4, no carries
+        }
+    } else if constexpr (QT == 16) {  // IQ2_XXS: 4 grid index bytes, then 4 x 7 sign-index bits (the head's word)
         const dq_u32 w1 = dq_iq2xxs_head(b, j, w), idx = xt_u16(b + 2 + 8 * j) | (xt_u16(b + 4 + 8 * j) << 16);
         XT_UNROLL
         for (int e = 0; e < 4; ++e)
@@ -282,8 +292,8 @@ template <int QT> DQ_FN void xt_grid_words(const dq_u8* b, int j, const dq_u8* t
 // Sub-block s (0 .. row's NSUB - 1) of the row whose first byte is at `row`; tab: decode.cuh's table blob
 template <int QT> DQ_FN void xt_decode(const dq_u8* row, int s, const dq_u8* tab, XtW<QT>& w) {
     typedef XtTraits<QT> X;
-    if constexpr (XtGrid<QT>::value) {
-        xt_grid_words<QT>(row + (s / X::NSUB) * X::BB, s % X::NSUB, tab, w);
+    if constexpr (XtWords<QT>::value) {
+        xt_words<QT>(row + (s / X::NSUB) * X::BB, s % X::NSUB, tab, w);
     } else if constexpr (DqTraits<QT>::QUANT) {
         DqSub d;
         dq_sub<QT>(row + (s / X::NSUB) * X::BB, s % X::NSUB, tab, d);
