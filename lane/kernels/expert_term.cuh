@@ -98,8 +98,9 @@ template <int QT> DQ_FN void xt_pack(const DqSub& s, XtW<QT>& w) {  // a quantis
 // multiples at 16-byte aligned starts): non-finite values read as 0; amax = f 2^e (1/2 <= f < 1, e = 0 for 0);
 // k = max(e - 12, -126); scale 2^k, q = rint(w * 2^-k) (a multiply by a power of two: exact). amax is taken on the
 // values' bits (|w| orders as the bits of |w| do for every finite float of each type; F16's converted once).
-// The values are read twice (16 or 8 bytes a load), by volatile loads in order: a warp decodes several sub-blocks at once,
-// and their values held across the amax (or loads hoisted ahead) would spill.
+// The values are read twice (16 or 8 bytes a load) by strong loads at CTA scope: ptxas keeps them in program order
+// (a warp decodes several sub-blocks at once, and values held across the amax, or loads hoisted ahead, spilled), and
+// unlike volatile ones (system scope, past L1) they may hit L1, which serves the second pass over rows read in place.
 template <int QT> struct XtFloat {
     static constexpr int NW = QT == 0 ? 32 : 16;  // 32-bit words of 32 values
     static constexpr dq_u32 EXP = QT == 0 ? 0x7f800000u : QT == 1 ? 0x7c00u : 0x7f80u;  // a value's exponent bits
@@ -108,10 +109,10 @@ template <int QT> struct XtFloat {
 template <int N> DQ_FN void xt_load(const dq_u8* b, int i, dq_u32 (&w)[N]) {  // words N i .. N i + N - 1 at b
 #ifdef __CUDA_ARCH__
     if constexpr (N == 4)
-        asm volatile("ld.volatile.v4.u32 {%0, %1, %2, %3}, [%4];"
+        asm volatile("ld.relaxed.cta.v4.u32 {%0, %1, %2, %3}, [%4];"
                      : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "l"(b + 16 * i));
     else
-        asm volatile("ld.volatile.v2.u32 {%0, %1}, [%2];" : "=r"(w[0]), "=r"(w[1]) : "l"(b + 8 * i));
+        asm volatile("ld.relaxed.cta.v2.u32 {%0, %1}, [%2];" : "=r"(w[0]), "=r"(w[1]) : "l"(b + 8 * i));
 #else
     __builtin_memcpy(w, b + 4 * N * i, 4 * N);
 #endif
