@@ -138,7 +138,7 @@ class Coordinator:
             return None
         block = kv_store.block_bytes(self.model.config, self.cards)
         pools = sum(n * self.slot_bytes for n, card in zip(self.slots, self.cards) if card == "cpu")
-        limit = kv_store.host_limit(self.cfg.kv_cache_host, self.model.size + pools)
+        limit = kv_store.host_limit(self.cfg.kv_cache_host, self.model.size + pools, pools)
         if limit < block:
             log.info("host conversation cache off (kv_cache_host %s: %d bytes, a block is %d)",
                      self.cfg.kv_cache_host, limit, block)

@@ -27,12 +27,14 @@ ROLE_LOG = 50
 class CardPool:
     def __init__(self, slots: list[int], shape: tuple[int, int], profile: np.ndarray, shm_prefix: str,
                  send: Callable[[int, object], bool], mutual_help: bool, rejoin_idle_s: float,
-                 replan_interval_s: float, replan_min_gain: float, fit: list[bool] | None = None):
-        """slots: each card's slot count; fit: which cards hold only what they have room for, up to that
-        (expert_cache = auto on a GPU), telling how many once ready."""
+                 replan_interval_s: float, replan_min_gain: float, fit: list[int] | None = None):
+        """slots: each card's slot count; fit: per card 0, or (expert_cache = auto on a GPU) the number of such cards
+        on its GPU: it holds only what it has room for, up to its count, and tells how many once ready."""
         n_cards = len(slots)
         self.n, self.slots, self.shape = n_cards, list(slots), shape
-        self.fit = list(fit) if fit is not None else [False] * n_cards
+        self.most = list(slots)  # a fit card's count before it told its own (a restart asks again)
+        self.fit = list(fit) if fit is not None else [0] * n_cards
+        self.sized = [not f for f in self.fit]  # whether the card's count is its own (a fit one: once ready)
         self.placed: list[tuple] = [()] * n_cards  # per card: the experts its last Placement listed
         self.profile = profile / profile.sum() if profile.sum() else np.zeros(shape)
         self.prefix, self.send = shm_prefix, send
@@ -82,15 +84,17 @@ class CardPool:
     def placement(self, lane: int, warmup_tokens: int = 0) -> M.Placement:
         self.placed[lane] = tuple(x for x in self.epochs.contents[lane] if x is not None)
         return M.Placement(epoch=self.epochs.epoch, n_slots=self.slots[lane], warmup_tokens=warmup_tokens,
-                           experts=self.placed[lane], fit=self.fit[lane], cards=self.n)
+                           experts=self.placed[lane], fit=bool(self.fit[lane]), gpu_lanes=max(1, self.fit[lane]),
+                           cards=self.n)
 
     def lane_ready(self, lane: int, restarted: bool, status: M.LaneStatus) -> None:
-        if status.slots_total < self.slots[lane]:  # a card that had room for fewer (fit): it holds the first ones
-            log.info("card %d has room for %d expert slots of the %d it was given", lane, status.slots_total,
-                     self.slots[lane])
-            self.slots[lane] = status.slots_total
-            self.epochs.shrink(lane, list(self.placed[lane][:status.slots_total])
-                               + [None] * max(0, status.slots_total - len(self.placed[lane])))
+        if self.fit[lane]:  # it holds the first of its placement that it had room for
+            n = min(status.slots_total, self.slots[lane])
+            if n < self.slots[lane]:
+                log.info("card %d has room for %d expert slots of the %d it was given", lane, n, self.slots[lane])
+            self.slots[lane], self.sized[lane] = n, True
+            held = list(self.placed[lane][:n])
+            self.epochs.shrink(lane, held + [None] * (n - len(held)))
         self.ready[lane] = True
         self.pools[lane] = (status.pool, status.device)
         if self.counts[lane] is not None:
@@ -111,6 +115,9 @@ class CardPool:
             self.counts[lane].close()
             self.counts[lane] = None
         owners, done = self.epochs.lane_gone(lane)
+        if self.fit[lane]:  # its restart is given every expert again and tells its own count
+            self.slots[lane], self.sized[lane] = self.most[lane], False
+            self.epochs.shrink(lane, [None] * self.most[lane])
         self._after_transition_step(owners, done)
         self.changed()
 
@@ -166,7 +173,7 @@ class CardPool:
         self.planned_for = self._structure()
         groups = self.roles.groups()
         weights = [self._group_weights(g) for g in groups]
-        target = directory.plan(groups, weights, self.slots, self.epochs.contents)
+        target = directory.plan(groups, weights, self._budgets(), self.epochs.contents)
         if min_gain is not None:  # adaptive swap: only for a clear gain on the live traffic
             gain = sum(directory.coverage(target, g, w) - directory.coverage(self.epochs.contents, g, w)
                        for g, w in zip(groups, weights))
@@ -176,6 +183,14 @@ class CardPool:
         live = {i for i in range(self.n) if self.ready[i]}
         self.epochs.begin(target, live)
         self._send_views()
+
+    def _budgets(self) -> list[int]:
+        """Slot counts to plan with: a fit card that has not told its own count yet is planned as the smallest fit
+        card that has (cards alike; it keeps the start of its placement), so that the others are not planned around
+        room it may not have."""
+        told = [n for n, f, s in zip(self.slots, self.fit, self.sized) if f and s]
+        guess = min(told) if told else None
+        return [n if s or guess is None else min(n, guess) for n, s in zip(self.slots, self.sized)]
 
     def _after_transition_step(self, owners: list[int] | None, done: bool) -> None:
         if owners:

@@ -85,12 +85,13 @@ class CupyCard:
     def __init__(self, model: ModelFile, device: int, n_slots: int, context_length: int,
                  counts: np.ndarray | None = None, cpu_threads: int = 0, graphs: bool = True,
                  host_experts: str = "card", prompt_chunk: int = GPU_PROMPT_CHUNK, options: GpuOptions = GpuOptions(),
-                 tuning: Tuning | None = None, fit: bool = False, cards: int = 1):
+                 tuning: Tuning | None = None, fit: bool = False, cards: int = 1, after: int = 0):
         """prompt_chunk: tokens a prompt chunk (the expert kernels' pair lists and workspaces are sized for it);
         options: the config's [gpu] code paths (process-wide: PDL, the kernel cache); tuning: the expert kernels'
         launch shape (default: the measured one). fit: hold at most n_slots experts, as many as the card has room
-        for once everything else is in place (expert_cache = auto; `fit_pool`); cards: the daemon's card count
-        (the sources whose results a prompt chunk may hold)."""
+        for once everything else is in place (expert_cache = auto; `fit_pool`), leaving an equal share to `after`
+        lanes of this GPU that build after this one; cards: the daemon's card count (the sources whose results a
+        prompt chunk may hold)."""
         # before anything is allocated: a model the kernels cannot take fails whole (planned from this card's shared
         # memory, as ExpertKernels plans: an RTX card's 99 KB refuses what an H200 takes)
         check_model(model, tuning, card_smem(cp.cuda.Device(device)))
@@ -102,6 +103,7 @@ class CupyCard:
         self.model = model
         self.device = cp.cuda.Device(device)
         self.device.use()
+        free_at_start = cp.cuda.runtime.memGetInfo()[0]  # before this card's allocations (fit_pool)
         # programmatic dependent launch exists from compute capability 9.0 (the kernels' PDL_WAIT is a no-op below)
         launch.PDL = options.pdl and int(self.device.compute_capability) >= 90
         # a blocking stream: slot loads issued on the default stream between tokens are ordered before compute
@@ -133,25 +135,27 @@ class CupyCard:
         self._kv_dev = None  # their device staging: the two halves' blocks on the card
         self._store_lock = None  # the host conversation cache page-locked for this process (pin_store)
         if fit:
-            self.fit_pool(n_slots, cards)
+            self.fit_pool(n_slots, cards, after, free_at_start)
 
     def _new_pool(self, n_slots: int) -> None:
         """The slot pool: its own cudaMalloc (not a memory-pool sub-allocation), so that its CUDA IPC handle opens
         at the pool's first byte in other lanes."""
         nbytes = max(1, n_slots) * slot_bytes(self.model)
-        self._pool_mem = None  # the old one's memory first: fit_pool counts on it
+        self.pool = self._pool_mem = None  # the old one's memory goes first (fit_pool counts on it)
         self._pool_mem = cp.cuda.Memory(nbytes)
         buf = cp.ndarray((nbytes,), cp.uint8, cp.cuda.MemoryPointer(self._pool_mem, 0))
         buf.fill(0)
         self.pool = SlotPool(self.model, buf, n_slots, self._write_slot)
         self.pool_ident = bytes(cp.cuda.runtime.ipcGetMemHandle(self._pool_mem.ptr)).hex()
 
-    def fit_pool(self, most: int, cards: int) -> int:
+    def fit_pool(self, most: int, cards: int, after: int = 0, free_at_start: int | None = None) -> int:
         """Size the slot pool from what the card has left (expert_cache = auto), at most `most` slots: a prompt
         chunk of prompt_chunk tokens runs first (with no expert on the card: each layer's are staged), so that
         every workspace a request allocates exists; then what is free, less what grows later (the result rows of
         peers' sources, the KV restore's staging) and a margin (the CUDA libraries' workspaces, the memory pool's
-        rounding), becomes slots. Returns the slot count."""
+        rounding), becomes slots. `after` lanes of this GPU build later (free_at_start: the free memory before this
+        card's first allocation): each is left what this card took besides its pool, the same for later and margin,
+        and an equal share of the rest. Returns the slot count."""
         n_tok = min(self.prompt_chunk, self.max_ctx)
         self.forward(np.zeros(n_tok, np.int32), self.new_kv(), logits="last")
         self.counters, self.counts[:] = Counters(), 0.0  # no request's work
@@ -162,8 +166,11 @@ class CupyCard:
             rows = self.experts.max_pairs * self.c.d_model * 4  # one source's results (gpu_experts.rows)
             later = (cards - 1) * rows + (2 * kv_staging.CHUNK_BYTES if self.experts.options.host_kv_cache else 0)
             margin = max(FIT_MARGIN_MIN, int(FIT_MARGIN * total))
-            n = int(max(0, min(most, (free - later - margin) // slot_bytes(self.model))))
+            needs = max(0, (free_at_start or free) - free)  # what this card took besides its pool
+            room = (free - later - margin - after * (needs + later + margin)) // (after + 1)
+            n = int(max(0, min(most, room // slot_bytes(self.model))))
             self.fit_room = (free, later + margin)  # bytes free before the pool, bytes kept free beside it
+            self.experts.pool = None
             self._new_pool(n)
             self.experts.pool = self.pool
             self.experts.forget_tables()
@@ -315,33 +322,45 @@ class CupyCard:
 
     def _restore_pinned(self, kv: GpuKV, start: int, store, slots: list[int], B: int,
                         hashes: list[bytes] | None) -> int:
-        """import_kv_from from the page-locked store: a copy a block into one of the staging halves, a chunk's
-        blocks then into the caches, all on the card's stream (a half is written again only after the copies out
-        of it, in stream order); once every copy has ended, the blocks the store confirms whole count."""
+        """import_kv_from from the page-locked store: a chunk's blocks copied into one of the staging halves (a copy
+        a block), confirmed whole once that copy has ended (as a reader confirms), and only then into the caches,
+        while the next chunk's copy runs into the other half; all on the card's stream (a half is written again
+        only after the copies out of it, in stream order). kv is cut to start only once a block is confirmed."""
         try:
             snap = store.snapshot(slots, hashes)
         except Exception:  # noqa: BLE001 - the cache is an optimisation: the prompt is read
             log.exception("reading the host conversation cache failed: the prompt is read instead")
             return 0
-        n = len(snap)
-        if not n:
-            return 0
-        rt, dev = cp.cuda.runtime, self._kv_dev
+        n, rt, dev = len(snap), cp.cuda.runtime, self._kv_dev
         chunk, bb = dev.shape[1], dev.shape[2]
+        parts = [(c0, slots[c0:min(c0 + chunk, n)]) for c0 in range(0, n, chunk)]
+
+        def upload(k: int):  # chunk k's blocks into half k % 2; the event its copies end at
+            half = dev[k % 2]
+            for i, slot in enumerate(parts[k][1]):
+                # at most a block: a slot taken meanwhile for a larger one is cut and found not whole
+                nbytes = min(int(store.nbytes[slot]), bb)
+                rt.memcpyAsync(half[i].data.ptr, store.data[slot].ctypes.data, nbytes, H2D, self.stream.ptr)
+            return kv_staging.record(self.stream)
+
+        got = 0
         with self.device:
-            kv.truncate(start * B)  # the kept positions past start are written over from here
             try:
-                for k, c0 in enumerate(range(0, n, chunk)):
-                    half = dev[k % 2]
-                    part = slots[c0:min(c0 + chunk, n)]
-                    for i, slot in enumerate(part):
-                        # at most a block: a slot taken meanwhile for a larger one is cut and found not whole
-                        nbytes = min(int(store.nbytes[slot]), bb)
-                        rt.memcpyAsync(half[i].data.ptr, store.data[slot].ctypes.data, nbytes, H2D, self.stream.ptr)
-                    self._kv_copies(half.data.ptr, start + c0, len(part), B, D2D, self.stream)
+                landed = upload(0) if parts else None
+                for k, (c0, part) in enumerate(parts):
+                    following = upload(k + 1) if k + 1 < len(parts) else None
+                    landed.synchronize()
+                    whole = store.confirm(part, snap.part(c0, c0 + len(part)), first=c0)
+                    if whole:
+                        if not got:  # the kept positions past start are written over from here
+                            kv.truncate(start * B)
+                        self._kv_copies(dev[k % 2].data.ptr, start + c0, whole, B, D2D, self.stream)
+                        got = c0 + whole
+                    if whole < len(part):
+                        break
+                    landed = following
             finally:  # nothing issued may outlive this call (a failed copy raises here, after the rest ended)
                 self.stream.synchronize()
-            got = store.confirm(slots[:n], snap)
             if got:
                 kv.length = (start + got) * B
                 with self.stream:

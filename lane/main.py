@@ -158,11 +158,11 @@ class Lane:
         else:
             from lane.cupy_card import CupyCard  # CUDA only where a GPU card is asked for
 
-            with fitting_alone(self.cfg.card, placement.fit):
+            with fitting_alone(self.cfg.card, placement.fit, self.cfg.shm_prefix, self.beat) as before:
                 self.card = CupyCard(self.model, int(self.cfg.card), n, self.cfg.context_length, live,
                                      self.cfg.cpu_threads, host_experts=self.cfg.host_experts,
                                      prompt_chunk=self.cfg.prompt_chunk, options=self.cfg.gpu, fit=placement.fit,
-                                     cards=placement.cards)
+                                     cards=placement.cards, after=max(0, placement.gpu_lanes - 1 - before))
             if self.store is not None:  # restores then copy straight from the cache's pages
                 t0 = time.monotonic()
                 pinned = self.card.pin_store(self.store)
@@ -359,17 +359,29 @@ class Lane:
 
 
 @contextlib.contextmanager
-def fitting_alone(card: str, fit: bool):
+def fitting_alone(card: str, fit: bool, run: str, beat=lambda: None):
     """Lanes of one GPU that fit their pools to the memory left build one after the other (a file lock a GPU and
-    user): each sees what the others took."""
+    user), each seeing what the others took; yields how many lanes of this GPU built before this one in this
+    daemon's run (run: its shm prefix; the count is kept in the lock file and goes up once a build succeeds).
+    beat() is called while the lock is waited for (the coordinator hears from a lane that waits)."""
     if not fit:
-        yield
+        yield 0
         return
     path = os.path.join(tempfile.gettempdir(), f"stratad-{os.getuid()}-gpu{card}-fit.lock")
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                beat()
+                time.sleep(0.2)
+        seen = os.pread(fd, 512, 0).decode(errors="replace").split()
+        before = int(seen[1]) if len(seen) == 2 and seen[0] == run and seen[1].isdigit() else 0
+        yield before
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{run} {before + 1}".encode(), 0)
     finally:
         os.close(fd)  # the lock goes with it, also when the lane dies holding it
 

@@ -294,9 +294,10 @@ class Placement(_Msg):
     experts: tuple[tuple[int, int], ...]  # (layer, expert)
     warmup_tokens: int = 0  # run this many tokens of the built-in text first, to seed the live expert counts
     # expert_cache = auto on a GPU card: hold the first experts of the list up to what the card has room for beside
-    # its own needs (n_slots at most); the lane's first Heartbeat tells how many (slots_total). cards: the daemon's
-    # card count (the most sources whose results a prompt chunk's rows may hold)
+    # its own needs (n_slots at most), sharing the GPU with gpu_lanes such lanes; the lane's first Heartbeat tells
+    # how many (slots_total). cards: the daemon's card count (the most sources a prompt chunk's rows may hold)
     fit: bool = False
+    gpu_lanes: int = Field(1, ge=1)
     cards: int = Field(1, ge=1)
 
 

@@ -273,12 +273,13 @@ def block_bytes(config, cards) -> int:
     return per * (4 if "cpu" in cards else 2)
 
 
-def host_limit(budget, reserved: int) -> int:
+def host_limit(budget, reserved: int, shm_reserved: int = 0) -> int:
     """kv_cache_host in bytes: a size as given, or a fraction of the memory available beside `reserved` (the
     model's mapping and the CPU cards' pools: the arena and the lanes keep what they need); never more than
-    /dev/shm can hold (a page that does not fit there would kill its writer)."""
+    /dev/shm can hold beside `shm_reserved` (the CPU cards' pools, made there after this) (a page that does not
+    fit there would kill its writer)."""
     st = os.statvfs(shm.SHM_DIR)
-    shm_free = int(0.9 * st.f_bavail * st.f_frsize)
+    shm_free = max(0, int(0.9 * st.f_bavail * st.f_frsize) - shm_reserved)
     if budget.bytes is not None:
         return min(budget.bytes, shm_free)
     return min(int(budget.fraction * max(0, mem_available() - reserved)), shm_free)

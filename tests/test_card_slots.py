@@ -27,21 +27,23 @@ def test_expert_cache_config_takes_auto_and_it_is_the_default():
 
 def test_a_fraction_or_a_size_gives_every_card_the_same_count():
     frac = config.CacheBudget.parse(0.5)
-    assert card_slots.per_card(frac, ["0", "cpu"], 64, SLOT, 0) == ([32, 32], [False, False])
+    assert card_slots.per_card(frac, ["0", "cpu"], 64, SLOT, 0) == ([32, 32], [0, 0])
     size = config.CacheBudget.parse("1MiB")
-    assert card_slots.per_card(size, ["0"], 64, SLOT, 0) == ([64], [False])  # never more than every expert
-    assert card_slots.per_card(config.CacheBudget.parse("10KiB"), ["0"], 64, SLOT, 0) == ([10], [False])
+    assert card_slots.per_card(size, ["0"], 64, SLOT, 0) == ([64], [0])  # never more than every expert
+    assert card_slots.per_card(config.CacheBudget.parse("10KiB"), ["0"], 64, SLOT, 0) == ([10], [0])
 
 
 def test_auto_gives_gpu_cards_every_expert_to_fit_and_shares_the_host_among_cpu_cards():
     auto = config.CacheBudget.parse("auto")
     # half of 40,000 free bytes, split over two CPU cards: 10 slots each; the GPU card fits itself
     assert card_slots.per_card(auto, ["cpu", "0", "cpu"], 64, SLOT, 0, host_free=40_000) == \
-        ([10, 64, 10], [False, True, False])
-    assert card_slots.per_card(auto, ["cpu"], 64, SLOT, 0, host_free=10**9) == ([64], [False])
-    assert card_slots.per_card(auto, ["cpu"], 64, SLOT, 0, host_free=0) == ([0], [False])
+        ([10, 64, 10], [0, 1, 0])
+    assert card_slots.per_card(auto, ["cpu"], 64, SLOT, 0, host_free=10**9) == ([64], [0])
+    assert card_slots.per_card(auto, ["cpu"], 64, SLOT, 0, host_free=0) == ([0], [0])
+    # lanes of one GPU are told how many fit there
+    assert card_slots.per_card(auto, ["0", "0", "1"], 64, SLOT, 0) == ([64, 64, 64], [2, 2, 1])
     # this host, the tiny counts: every expert fits
-    assert card_slots.per_card(auto, ["cpu", "cpu"], 64, SLOT, 0) == ([64, 64], [False, False])
+    assert card_slots.per_card(auto, ["cpu", "cpu"], 64, SLOT, 0) == ([64, 64], [0, 0])
 
 
 class _Status:
@@ -49,7 +51,7 @@ class _Status:
         self.pool, self.device, self.slots_total = "pool", "cuda:0", slots_total
 
 
-def _pool(slots, fit, sent):
+def _pool(slots, fit: list[int], sent):
     profile = 1.0 / (1 + np.arange(SHAPE[0] * SHAPE[1], dtype=np.float64).reshape(SHAPE))
     return CardPool(slots, SHAPE, profile, "/stratad-test-none-", lambda lane, msg: sent.append((lane, msg)) or True,
                     mutual_help=False, rejoin_idle_s=30, replan_interval_s=2.0, replan_min_gain=0.02, fit=fit)
@@ -66,9 +68,10 @@ def _settle(p: CardPool) -> None:
 
 def test_a_card_with_room_for_fewer_slots_holds_the_first_of_its_placement():
     sent = []
-    p = _pool([64, 64], [True, True], sent)
+    p = _pool([64, 64], [1, 1], sent)
     first = [p.placement(lane) for lane in range(2)]
-    assert all(pl.fit and pl.n_slots == 64 and pl.cards == 2 and len(pl.experts) == 64 for pl in first)
+    assert all(pl.fit and pl.n_slots == 64 and pl.cards == 2 and pl.gpu_lanes == 1 and len(pl.experts) == 64
+               for pl in first)
     p.lane_ready(0, False, _Status(64))  # room for all
     p.lane_ready(1, False, _Status(20))  # room for 20: it filled the first 20 of its list
     assert p.slots == [64, 20]
@@ -83,11 +86,28 @@ def test_a_card_with_room_for_fewer_slots_holds_the_first_of_its_placement():
     # the two cards together hold every expert once more (64 + 20 slots for 64 experts)
     held = {x for c in p.epochs.contents for x in c if x is not None}
     assert len(held) == SHAPE[0] * SHAPE[1]
-    # a restart of that lane is placed with the count it has room for
+    # a restart of that lane is given every expert to fit again (its room may have changed), and tells its count
     p.lane_dead(1)
     _settle(p)
     again = p.placement(1)
-    assert again.n_slots == 20 and again.fit
+    assert again.n_slots == 64 and again.fit and again.experts == ()
+    p.lane_ready(1, True, _Status(30))
+    assert p.slots == [64, 30] and len(p.epochs.contents[1]) == 30
+    _settle(p)
+    assert len({x for c in p.epochs.contents for x in c if x is not None}) == SHAPE[0] * SHAPE[1]
+
+
+def test_a_fit_card_not_yet_sized_is_planned_as_the_sized_ones():
+    """While card 1 still builds, card 0 (room for 20) is planned as if card 1 had 20 slots too: card 0 keeps the
+    start of its placement (no reloads), rather than being left the coldest experts around card 1's 64."""
+    sent = []
+    p = _pool([64, 64], [2, 2], sent)
+    placed0 = p.placement(0).experts
+    p.placement(1)
+    p.lane_ready(0, False, _Status(20))
+    assert p.epochs.contents[0] == list(placed0[:20])
+    assert p.epochs.t is None or 0 not in p.epochs.t.dirty  # nothing to reload on card 0
+    assert p.placement(0).gpu_lanes == 2
 
 
 def test_plan_deals_by_each_cards_own_count():
@@ -99,20 +119,43 @@ def test_plan_deals_by_each_cards_own_count():
 
 def test_lanes_of_one_gpu_fit_one_after_the_other(tmp_path, monkeypatch):
     """fitting_alone holds a lock a GPU while a lane builds a card that fits its pool: a second lane of that GPU
-    waits; one of another GPU, or one with a fixed budget, does not."""
+    waits (beating meanwhile); one of another GPU, or one with a fixed budget, does not. Each is told how many lanes
+    of its GPU built before it in this run; a failed build does not count."""
     import fcntl
     import os
     import tempfile
+    import threading
 
     import lane.main
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     path = tmp_path / f"stratad-{os.getuid()}-gpu3-fit.lock"
-    with lane.main.fitting_alone("3", True):
+    beats, got = [], []
+    with lane.main.fitting_alone("3", True, "/run-a-") as before:
+        assert before == 0
         fd = os.open(path, os.O_RDWR)
         with pytest.raises(BlockingIOError):
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        with lane.main.fitting_alone("4", True), lane.main.fitting_alone("3", False):
-            pass
+        with lane.main.fitting_alone("4", True, "/run-a-") as other, lane.main.fitting_alone("3", False, "/run-a-"):
+            assert other == 0
+
+        def second():
+            with lane.main.fitting_alone("3", True, "/run-a-", lambda: beats.append(1)) as b:
+                got.append(b)
+
+        t = threading.Thread(target=second)
+        t.start()
+        t.join(0.6)
+        assert t.is_alive() and beats  # waiting, and heard from
+    t.join(5)
+    assert got == [1]
+    with pytest.raises(RuntimeError):
+        with lane.main.fitting_alone("3", True, "/run-a-") as b:
+            assert b == 2
+            raise RuntimeError("the build failed")
+    with lane.main.fitting_alone("3", True, "/run-a-") as b:
+        assert b == 2  # the failed one did not count
+    with lane.main.fitting_alone("3", True, "/run-b-") as b:
+        assert b == 0  # another daemon's run starts over
     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released
     os.close(fd)

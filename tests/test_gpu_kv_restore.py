@@ -193,25 +193,57 @@ def test_a_restore_from_the_page_locked_store(pinned):
 
 
 def test_a_block_rewritten_while_the_card_copies_from_the_page_locked_store(pinned, monkeypatch):
-    """Another lane takes block 3's slot for a block of its own while the card's copies of chunk 1 (blocks 2, 3)
-    are issued: confirm finds it, 3 blocks count; the caches hold the store's bits for them."""
+    """Another lane takes block 3's slot for a block of its own right after the card's copies of chunk 1 (blocks 2,
+    3) are issued: the confirm after they end finds it, 3 blocks count; the caches hold the store's bits for them,
+    and nothing of the rewritten slot reaches them."""
+    from lane import kv_staging
+
     s = pinned
     slots = republish(s)
-    real, fired = s.card._kv_copies, []
+    real, calls = kv_staging.record, []
 
-    def copies(ptr, start, n_blocks, *a):
-        if start == 2 and not fired:
-            fired.append(True)
+    def record(stream):
+        ev = real(stream)
+        calls.append(1)
+        if len(calls) == 2:  # chunk 1's copies are issued
             s.st.touch([x for x in range(s.st.n_slots) if x != slots[3]])
             (h, got), = s.st.claim([b"\x98" * 32])
             assert got == slots[3]
             s.st.publish(got, h, np.full(s.st.slot_bytes, 98, np.uint8))
-        return real(ptr, start, n_blocks, *a)
+        return ev
 
-    monkeypatch.setattr(s.card, "_kv_copies", copies)
+    monkeypatch.setattr(kv_staging, "record", record)
     kv = fresh(s.card)
-    assert s.card.import_kv_from(kv, 0, s.st, slots, s.B, s.hashes) == 3 and fired
+    assert s.card.import_kv_from(kv, 0, s.st, slots, s.B, s.hashes) == 3 and len(calls) >= 2
     holds(s, kv, 3)
+    monkeypatch.undo()
+    whole_again(s)
+
+
+def test_a_restore_whose_first_block_is_taken_leaves_the_kv_as_it_was(pinned, monkeypatch):
+    """Block 0's slot taken while its copy runs: nothing is restored and the kept KV is untouched (the caller reads
+    the prompt from its own kept positions)."""
+    from lane import kv_staging
+
+    s = pinned
+    slots = republish(s)
+    kv = fresh(s.card)
+    assert s.card.import_kv_from(kv, 0, s.st, slots[:2], s.B, s.hashes[:2]) == 2
+    real, calls = kv_staging.record, []
+
+    def record(stream):
+        ev = real(stream)
+        calls.append(1)
+        if len(calls) == 1:
+            s.st.touch([x for x in range(s.st.n_slots) if x != slots[2]])
+            (h, got), = s.st.claim([b"\x97" * 32])
+            assert got == slots[2]
+            s.st.publish(got, h, np.full(s.st.slot_bytes, 97, np.uint8))
+        return ev
+
+    monkeypatch.setattr(kv_staging, "record", record)
+    assert s.card.import_kv_from(kv, 2, s.st, slots[2:], s.B, s.hashes[2:]) == 0
+    holds(s, kv, 2)
     monkeypatch.undo()
     whole_again(s)
 

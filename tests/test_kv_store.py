@@ -156,6 +156,12 @@ def test_kv_cache_host_config():
     mem = kv_store.mem_available()
     assert 0 < kv_store.host_limit(config.CacheBudget(fraction=0.5), 0) <= mem // 2
     assert kv_store.host_limit(config.CacheBudget(fraction=0.5), 2 * mem) == 0  # nothing left beside the arena
+    # the CPU cards' pools, made in /dev/shm after the cache, come off what /dev/shm can give it
+    st = os.statvfs(kv_store.shm.SHM_DIR)
+    shm_free = int(0.9 * st.f_bavail * st.f_frsize)
+    half = kv_store.host_limit(config.CacheBudget(bytes=1 << 60), 0, shm_free // 2)
+    assert half <= shm_free // 2 + (256 << 20)  # other processes' segments come and go meanwhile
+    assert kv_store.host_limit(config.CacheBudget(bytes=1 << 60), 0, 2 * shm_free) == 0
 
 
 CHURN = textwrap.dedent("""
