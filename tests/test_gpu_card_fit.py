@@ -67,5 +67,24 @@ def test_a_card_fits_its_pool_to_the_memory_left(cp, tmp_path):
         assert got[0] == want[0]
         assert np.array_equal(got[1].view(np.uint32), want[1].view(np.uint32))
         card.close()
+        del card
+    finally:
+        del ballast
+    cp.get_default_memory_pool().free_all_blocks()
+
+    # two lanes of one GPU (cards 0,0): the first leaves the second its needs, reserve and margin and an equal
+    # share of the rest (in one process here, so the second needs a little less: no context of its own)
+    free_now = cp.cuda.runtime.memGetInfo()[0]
+    ballast = cp.cuda.Memory(free_now - 2 * (needs + kept) - (total // 2) * sb)
+    try:
+        first = CupyCard(model, 0, total, 8192, prompt_chunk=CHUNK, fit=True, cards=2, after=1)
+        second = CupyCard(model, 0, total, 8192, prompt_chunk=CHUNK, fit=True, cards=2)
+        n1, n2 = first.pool.n_slots, second.pool.n_slots
+        assert total // 8 < n1 and total // 8 < n2 and abs(n1 - n2) <= total // 8, (n1, n2, total)
+        for c in (first, second):
+            c.pool.fill(everything)
+        assert serve(second, 3 * CHUNK + 100, 8)[0] == want[0]
+        first.close()
+        second.close()
     finally:
         del ballast
