@@ -203,7 +203,7 @@ DQ_FN void dq_k4_scale_min(const dq_u8* b, int j, int& sc, int& mn) {
         mn = (q[4 + j] >> 4) | ((q[j] >> 2) & 0x30);
     }
 }
-DQ_FN void dq_k4_scales(const dq_u8* b, int j, DqSub& s) {
+template <class S> DQ_FN void dq_k4_scales(const dq_u8* b, int j, S& s) {  // Q4_K / Q5_K (expert_term.cuh's too)
     int sc, mn;
     dq_k4_scale_min(b, j, sc, mn);
     dq_plain(s, dq_mul(dq_f16(b), dq_i2f(sc)));
@@ -221,13 +221,16 @@ template <> DQ_FN void dq_sub<13>(const dq_u8* b, int j, const dq_u8*, DqSub& s)
 }
 // 2-bit fields in 128-value groups over 32 bytes: field (j % 4) of byte i of group j / 4
 DQ_FN int dq_k2(const dq_u8* qs, int j, int i) { return (qs[(j >> 2) * 32 + i] >> (2 * (j & 3))) & 3; }
-template <> DQ_FN void dq_sub<10>(const dq_u8* b, int j, const dq_u8*, DqSub& s) {  // Q2_K: q = sc * code
+template <class S> DQ_FN void dq_q2k_head(const dq_u8* b, int j, S& s) {  // Q2_K's scales, minimum weights
     dq_plain(s, dq_f16(b + 80));
     s.minimum = dq_f16(b + 82);
     for (int h = 0; h < 2; ++h) {
         s.fold[h] = b[2 * j + h] & 15;
         s.mw[h] = b[2 * j + h] >> 4;
     }
+}
+template <> DQ_FN void dq_sub<10>(const dq_u8* b, int j, const dq_u8*, DqSub& s) {  // Q2_K: q = sc * code
+    dq_q2k_head(b, j, s);
     for (int i = 0; i < 32; ++i) s.code[i] = dq_k2(b + 16, j, i);
 }
 template <class S> DQ_FN void dq_q3k_head(const dq_u8* b, int j, S& s) {  // Q3_K's scale and 6-bit folds (also
@@ -243,9 +246,12 @@ template <> DQ_FN void dq_sub<11>(const dq_u8* b, int j, const dq_u8*, DqSub& s)
     dq_q3k_head(b, j, s);
     for (int i = 0; i < 32; ++i) s.code[i] = dq_k2(b + 32, j, i) - ((((b[i] >> j) & 1) ^ 1) << 2);
 }
-template <> DQ_FN void dq_sub<14>(const dq_u8* b, int j, const dq_u8*, DqSub& s) {  // Q6_K: q = sc * (code - 32)
+template <class S> DQ_FN void dq_q6k_head(const dq_u8* b, int j, S& s) {  // Q6_K's scale and int8 folds
     dq_plain(s, dq_f16(b + 208));
     for (int h = 0; h < 2; ++h) s.fold[h] = (signed char)b[192 + 2 * j + h];
+}
+template <> DQ_FN void dq_sub<14>(const dq_u8* b, int j, const dq_u8*, DqSub& s) {  // Q6_K: q = sc * (code - 32)
+    dq_q6k_head(b, j, s);
     const int g = j >> 2, r = j & 3;
     for (int i = 0; i < 32; ++i) {
         const int lo = (b[g * 64 + (r & 1) * 32 + i] >> (4 * (r >> 1))) & 15;

@@ -168,12 +168,14 @@ template <int QT> DQ_FN void xt_float_sub(const dq_u8* b, XtW<QT>& w) {
     w.minimum = 0.f;
 }
 
-// Codes four a word, as dq_sub gives them value by value, for the grid types and Q3_K: a grid entry's bytes read as
-// words from the table (its offsets are multiples of 8), their signs applied to the word (bytes negated where a bit
-// is set), Q3_K's bit fields masked four at a time, the block's fields read 2 bytes at a time (blocks of these types
-// are 2-aligned in every row). Scales and folds: decode.cuh's heads.
+// Codes four a word, as dq_sub gives them value by value, for the grid types and the K-quants but Q4_K (whose tuned
+// decoder runs unless it is read in place): a grid entry's bytes read as words from the table (its offsets are
+// multiples of 8), their signs applied to the word (bytes negated where a bit is set), the K-quants' bit fields
+// masked four at a time; the block's fields read 2 bytes at a time (blocks of these types are 2-aligned in every
+// row; Q2_K's and Q5_K's 4-aligned, read 4 at a time). Scales, folds and minimums: decode.cuh's heads.
 template <int QT> struct XtWords {
-    static constexpr bool value = QT == 11 || QT == 16 || QT == 17 || QT == 18 || QT == 19 || QT == 22 || QT == 29;
+    static constexpr bool value = QT == 10 || QT == 11 || QT == 13 || QT == 14 || QT == 16 || QT == 17 ||
+                                  QT == 18 || QT == 19 || QT == 22 || QT == 29;
 };
 DQ_FN dq_u32 xt_tab32(const dq_u8* tab, int off) {  // off a multiple of 4
 #ifdef __CUDA_ARCH__
@@ -182,6 +184,13 @@ DQ_FN dq_u32 xt_tab32(const dq_u8* tab, int off) {  // off a multiple of 4
     dq_u32 u;
     __builtin_memcpy(&u, tab + off, 4);
     return u;
+#endif
+}
+DQ_FN dq_u32 xt_u32(const dq_u8* p) {  // p 4-aligned
+#ifdef __CUDA_ARCH__
+    return *reinterpret_cast<const dq_u32*>(p);
+#else
+    return dq_rd32(p);
 #endif
 }
 DQ_FN dq_u32 xt_u16(const dq_u8* p) {  // p 2-aligned
@@ -224,7 +233,30 @@ template <int QT> DQ_FN void xt_grid8(const dq_u8* tab, int off, dq_u32 sg, int 
     w.q[2 * e + 1] = xt_signed(hi, sg >> 4);
 }
 template <int QT> DQ_FN void xt_words(const dq_u8* b, int j, const dq_u8* tab, XtW<QT>& w) {
-    if constexpr (QT == 11) {  // Q3_K: 2 low bits from qs, the high bit from hmask: code = low + 4 high - 4
+    if constexpr (QT == 10) {  // Q2_K: field j % 4 of 2 bits, bytes of group j / 4
+        dq_q2k_head(b, j, w);
+        const dq_u8* qs = b + 16 + 32 * (j >> 2);
+        XT_UNROLL
+        for (int k = 0; k < 8; ++k) w.q[k] = (xt_u32(qs + 4 * k) >> (2 * (j & 3))) & 0x03030303u;
+    } else if constexpr (QT == 13) {  // Q5_K: a nibble (low or high, by j % 2) and high bit j of qh's byte
+        dq_k4_scales(b, j, w);
+        const dq_u8* qs = b + 48 + 32 * (j >> 1);
+        XT_UNROLL
+        for (int k = 0; k < 8; ++k)
+            w.q[k] = ((xt_u32(qs + 4 * k) >> (4 * (j & 1))) & 0x0f0f0f0fu) |
+                     (((xt_u32(b + 16 + 4 * k) >> j) & 0x01010101u) << 4);
+    } else if constexpr (QT == 14) {  // Q6_K: 4 low bits from ql, 2 high from qh: code = v - 32 a byte
+        dq_q6k_head(b, j, w);
+        const int g = j >> 2, r = j & 3;
+        const dq_u8* ql = b + 64 * g + 32 * (r & 1);
+        const dq_u8* qh = b + 128 + 32 * g;
+        XT_UNROLL
+        for (int k = 0; k < 8; ++k) {
+            const dq_u32 lo = ((xt_u16(ql + 4 * k) | (xt_u16(ql + 4 * k + 2) << 16)) >> (4 * (r >> 1))) & 0x0f0f0f0fu;
+            const dq_u32 hi = ((xt_u16(qh + 4 * k) | (xt_u16(qh + 4 * k + 2) << 16)) >> (2 * r)) & 0x03030303u;
+            w.q[k] = ((lo | (hi << 4)) + 0x60606060u) ^ 0x80808080u;  // a byte v in 0..63 -> v - 32, no carries
+        }
+    } else if constexpr (QT == 11) {  // Q3_K: 2 low bits from qs, the high bit from hmask: code = low + 4 high - 4
         dq_q3k_head(b, j, w);
         const dq_u8* qs = b + 32 + 32 * (j >> 2);
         XT_UNROLL
