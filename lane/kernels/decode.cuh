@@ -167,23 +167,27 @@ template <int QT> DQ_FN void dq_sub(const dq_u8* b, int j, const dq_u8* tab, DqS
 // ggml's 4-bit layout in 32-value blocks: value v < 16 the low nibble of byte v, else the high nibble of v - 16
 DQ_FN int dq_nib32(const dq_u8* qs, int v) { return (qs[v & 15] >> (v & 16 ? 4 : 0)) & 15; }
 
-template <> DQ_FN void dq_sub<2>(const dq_u8* b, int, const dq_u8*, DqSub& s) {  // Q4_0: code - 8
+// Q4_0 / Q4_1 / Q5_0 / Q5_1 / IQ4_NL: the block's scale d, and (Q4_1, Q5_1) its minimum, -m (also
+// expert_term.cuh's word decoders')
+template <class S> DQ_FN void dq_legacy_head(const dq_u8* b, bool has_min, S& s) {
     dq_plain(s, dq_f16(b));
+    if (has_min) s.minimum = -dq_f16(b + 2);
+}
+template <> DQ_FN void dq_sub<2>(const dq_u8* b, int, const dq_u8*, DqSub& s) {  // Q4_0: code - 8
+    dq_legacy_head(b, false, s);
     for (int v = 0; v < 32; ++v) s.code[v] = dq_nib32(b + 2, v) - 8;
 }
 template <> DQ_FN void dq_sub<3>(const dq_u8* b, int, const dq_u8*, DqSub& s) {  // Q4_1: minimum = -m
-    dq_plain(s, dq_f16(b));
-    s.minimum = -dq_f16(b + 2);
+    dq_legacy_head(b, true, s);
     for (int v = 0; v < 32; ++v) s.code[v] = dq_nib32(b + 4, v);
 }
 template <> DQ_FN void dq_sub<6>(const dq_u8* b, int, const dq_u8*, DqSub& s) {  // Q5_0: 5-bit code - 16
-    dq_plain(s, dq_f16(b));
+    dq_legacy_head(b, false, s);
     const dq_u32 qh = dq_rd32(b + 2);
     for (int v = 0; v < 32; ++v) s.code[v] = (dq_nib32(b + 6, v) | (((qh >> v) & 1) << 4)) - 16;
 }
 template <> DQ_FN void dq_sub<7>(const dq_u8* b, int, const dq_u8*, DqSub& s) {  // Q5_1
-    dq_plain(s, dq_f16(b));
-    s.minimum = -dq_f16(b + 2);
+    dq_legacy_head(b, true, s);
     const dq_u32 qh = dq_rd32(b + 4);
     for (int v = 0; v < 32; ++v) s.code[v] = dq_nib32(b + 8, v) | (((qh >> v) & 1) << 4);
 }
@@ -261,12 +265,15 @@ template <> DQ_FN void dq_sub<14>(const dq_u8* b, int j, const dq_u8*, DqSub& s)
 }
 
 template <> DQ_FN void dq_sub<20>(const dq_u8* b, int, const dq_u8* tab, DqSub& s) {  // IQ4_NL: kvalues[code]
-    dq_plain(s, dq_f16(b));
+    dq_legacy_head(b, false, s);
     for (int v = 0; v < 32; ++v) s.code[v] = dq_grid(tab, DQ_TAB_IQ4NL + dq_nib32(b + 2, v));
 }
-template <> DQ_FN void dq_sub<23>(const dq_u8* b, int j, const dq_u8* tab, DqSub& s) {  // IQ4_XS: d (ls - 32)
+template <class S> DQ_FN void dq_iq4xs_head(const dq_u8* b, int j, S& s) {  // IQ4_XS: d (ls - 32), ls of 6 bits
     const int lo = (b[4 + (j >> 1)] >> (4 * (j & 1))) & 15, hi = (dq_rd16(b + 2) >> (2 * j)) & 3;
     dq_plain(s, dq_mul(dq_f16(b), dq_i2f((lo | (hi << 4)) - 32)));
+}
+template <> DQ_FN void dq_sub<23>(const dq_u8* b, int j, const dq_u8* tab, DqSub& s) {  // IQ4_XS: d (ls - 32)
+    dq_iq4xs_head(b, j, s);
     for (int v = 0; v < 32; ++v) s.code[v] = dq_grid(tab, DQ_TAB_IQ4NL + dq_nib32(b + 8 + 16 * j, v));
 }
 // The scale (and folds) of sub-block j of the IQ types: their dq_sub's, and expert_term.cuh's word decoders'

@@ -168,6 +168,13 @@ template <int QT> DQ_FN void xt_float_sub(const dq_u8* b, XtW<QT>& w) {
     w.minimum = 0.f;
 }
 
+// The types of ggml's 4-bit layout in 32-value groups (value v < 16: the low nibble of byte v, else the high nibble of
+// byte v - 16): Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, IQ4_XS; QS: their nibbles' offset in the block (IQ4_XS: + 16 j)
+template <int QT> struct XtNib32 {
+    static constexpr bool value = QT == 2 || QT == 3 || QT == 6 || QT == 7 || QT == 20 || QT == 23;
+    static constexpr int QS = QT == 3 ? 4 : QT == 6 ? 6 : QT == 7 || QT == 23 ? 8 : 2;
+    static constexpr bool ALIGN4 = QT == 3 || QT == 7 || QT == 23;  // blocks of 20, 24, 136 bytes: 4-aligned nibbles
+};
 // Codes four a word, as dq_sub gives them value by value, for the grid types and the K-quants but Q4_K (whose tuned
 // decoder runs unless it is read in place): a grid entry's bytes read as words from the table (its offsets are
 // multiples of 8), their signs applied to the word (bytes negated where a bit is set), the K-quants' bit fields
@@ -175,7 +182,7 @@ template <int QT> DQ_FN void xt_float_sub(const dq_u8* b, XtW<QT>& w) {
 // row; Q2_K's and Q5_K's 4-aligned, read 4 at a time). Scales, folds and minimums: decode.cuh's heads.
 template <int QT> struct XtWords {
     static constexpr bool value = QT == 10 || QT == 11 || QT == 13 || QT == 14 || QT == 16 || QT == 17 ||
-                                  QT == 18 || QT == 19 || QT == 22 || QT == 29;
+                                  QT == 18 || QT == 19 || QT == 22 || QT == 29 || XtNib32<QT>::value;
 };
 DQ_FN dq_u32 xt_tab32(const dq_u8* tab, int off) {  // off a multiple of 4
 #ifdef __CUDA_ARCH__
@@ -225,6 +232,21 @@ DQ_FN void xt_tab64(const dq_u8* tab, int off, dq_u32& lo, dq_u32& hi) {  // off
     hi = xt_tab32(tab, off + 4);
 #endif
 }
+DQ_FN dq_u32 xt_prmt(dq_u32 x, dq_u32 y, dq_u32 s) {  // bytes of y:x selected by s's 3-bit fields (__byte_perm)
+#ifdef __CUDA_ARCH__
+    return __byte_perm(x, y, s);
+#else
+    const unsigned long long xy = ((unsigned long long)y << 32) | x;
+    dq_u32 r = 0;
+    for (int i = 0; i < 4; ++i) r |= (dq_u32)((xy >> (8 * ((s >> (4 * i)) & 7))) & 255u) << (8 * i);
+    return r;
+#endif
+}
+DQ_FN dq_u32 xt_iq4(dq_u32 nib, const dq_u32 (&t)[4]) {  // kvalues of 4 nibbles (a byte each) from the table words t
+    const dq_u32 u = nib | (nib >> 4), s = ((u & 255u) | ((u >> 8) & 0xff00u)) & 0x7777u;  // 4 3-bit selectors
+    const dq_u32 lo = xt_prmt(t[0], t[1], s), hi = xt_prmt(t[2], t[3], s), m = ((nib >> 3) & 0x01010101u) * 255u;
+    return (lo & ~m) | (hi & m);  // entries 8..15 where a nibble's bit 3 is set
+}
 // words 2e, 2e + 1: the 8-byte grid entry at table offset off, bits 0..7 of sg its signs
 template <int QT> DQ_FN void xt_grid8(const dq_u8* tab, int off, dq_u32 sg, int e, XtW<QT>& w) {
     dq_u32 lo, hi;
@@ -233,7 +255,30 @@ template <int QT> DQ_FN void xt_grid8(const dq_u8* tab, int off, dq_u32 sg, int 
     w.q[2 * e + 1] = xt_signed(hi, sg >> 4);
 }
 template <int QT> DQ_FN void xt_words(const dq_u8* b, int j, const dq_u8* tab, XtW<QT>& w) {
-    if constexpr (QT == 10) {  // Q2_K: field j % 4 of 2 bits, bytes of group j / 4
+    if constexpr (XtNib32<QT>::value) {
+        typedef XtNib32<QT> N;
+        const dq_u8* qs = b + N::QS + (QT == 23 ? 16 * j : 0);
+        if constexpr (QT == 23) dq_iq4xs_head(b, j, w);
+        else dq_legacy_head(b, QT == 3 || QT == 7, w);
+        // Q5_x: the fifth bits, bit v of a word (2-aligned in Q5_0's 22-byte blocks)
+        const dq_u32 qh = QT == 6 ? xt_u16(b + 2) | (xt_u16(b + 4) << 16) : QT == 7 ? xt_u32(b + 4) : 0u;
+        dq_u32 t[4] = {0u, 0u, 0u, 0u};
+        if constexpr (QT == 20 || QT == 23)
+            XT_UNROLL
+            for (int i = 0; i < 4; ++i) t[i] = xt_tab32(tab, DQ_TAB_IQ4NL + 4 * i);
+        XT_UNROLL
+        for (int k = 0; k < 8; ++k) {  // values 4k .. 4k + 3: bytes 4 (k % 4) .., the high nibbles from k = 4
+            const dq_u8* p = qs + 4 * (k & 3);
+            const dq_u32 x = N::ALIGN4 ? xt_u32(p) : xt_u16(p) | (xt_u16(p + 2) << 16);
+            const dq_u32 nib = (x >> (k >= 4 ? 4 : 0)) & 0x0f0f0f0fu;
+            const dq_u32 hb = (((qh >> (4 * k)) & 15u) * 0x00204081u) & 0x01010101u;
+            if constexpr (QT == 2) w.q[k] = (nib + 0x78787878u) ^ 0x80808080u;  // v - 8 a byte, no carries
+            else if constexpr (QT == 3) w.q[k] = nib;
+            else if constexpr (QT == 6) w.q[k] = ((nib | (hb << 4)) + 0x70707070u) ^ 0x80808080u;  // v - 16
+            else if constexpr (QT == 7) w.q[k] = nib | (hb << 4);
+            else w.q[k] = xt_iq4(nib, t);
+        }
+    } else if constexpr (QT == 10) {  // Q2_K: field j % 4 of 2 bits, bytes of group j / 4
         dq_q2k_head(b, j, w);
         const dq_u8* qs = b + 16 + 32 * (j >> 2);
         XT_UNROLL
