@@ -315,8 +315,11 @@ template <> DQ_FN void dq_sub<18>(const dq_u8* b, int j, const dq_u8* tab, DqSub
         s.code[v] = dq_grid(tab, DQ_TAB_IQ3XXS + 4 * b[2 + 8 * j + (v >> 2)] + (v & 3)) *
                     dq_sign8(tab, (w >> (7 * (v >> 3))) & 127, v & 7);
 }
-template <> DQ_FN void dq_sub<21>(const dq_u8* b, int j, const dq_u8* tab, DqSub& s) {  // IQ3_S
+template <class S> DQ_FN void dq_iq3s_head(const dq_u8* b, int j, S& s) {  // IQ3_S: d (1 + 2 nibble)
     dq_plain(s, dq_mul(dq_f16(b), dq_i2f(1 + 2 * ((b[106 + (j >> 1)] >> (4 * (j & 1))) & 15))));
+}
+template <> DQ_FN void dq_sub<21>(const dq_u8* b, int j, const dq_u8* tab, DqSub& s) {  // IQ3_S
+    dq_iq3s_head(b, j, s);
     for (int v = 0; v < 32; ++v) {
         const int k = 8 * j + (v >> 2);  // grid entry: index bit 8 is bit k % 8 of qh byte k / 8
         const int idx = b[2 + k] | (((b[66 + (k >> 3)] >> (k & 7)) & 1) << 8);

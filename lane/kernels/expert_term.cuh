@@ -1,8 +1,9 @@
 // The generic expert path's arithmetic on one canonical sub-block (stratad/engine/canonical.py), for every expert
-// type: the weight's integer view (decode.cuh's dq_sub for the quantised types, floats.float_view for F32 / F16 /
-// BF16), the exact integer sums with an int8 activation sub-block, and the canonical term
+// type: the weight's integer view (dq_sub's codes, four a word, for the quantised types: xt_words; floats.float_view
+// for F32 / F16 / BF16), the exact integer sums with an int8 activation sub-block, and the canonical term
 // (scale * d) * isum [- (minimum * d) * msum]. Written once as __host__ __device__ code: experts.cu calls these
-// for every type without a tuned decoder of its own (IQ3_S, Q4_K and Q8_0 keep theirs), and
+// for every type without a tuned decoder of its own (IQ3_S, Q4_K and Q8_0 keep theirs, but for rows read in place:
+// UNTUNED), and
 // tests/test_expert_term_host.py compiles them with g++ and compares a row's dot, summed over 32 virtual lanes in
 // the canonical order, with canonical.qdot bit for bit. Only the lanes' fold differs (shuffles on the device).
 // experts.cu inlines decode.cuh before this file (compile.py expands the .cu's own includes only).
@@ -73,26 +74,14 @@ DQ_FN float xt_rint(float a) {  // round half to even (np.rint)
 
 // ---- the weight side -----------------------------------------------------------------------------------------
 // A decoded sub-block: codes packed in words (int8 x 4, or int16 x 2 for the float types), q_v = fold[v / 16] *
-// code_v, value_v = scale * q_v [- minimum * mw[v / 16]] (decode.cuh's DqSub, packed: 14 registers, not 38)
+// code_v, value_v = scale * q_v [- minimum * mw[v / 16]] (decode.cuh's DqSub, packed: 14 registers, not 38;
+// the heads that set scale, fold, mw and minimum take either)
 template <int QT> struct XtW {
     dq_u32 q[XtTraits<QT>::WORDS];
     int fold[2], mw[2];
     float scale, minimum;
 };
 
-template <int QT> DQ_FN void xt_pack(const DqSub& s, XtW<QT>& w) {  // a quantised type's codes, 4 a word
-    XT_UNROLL
-    for (int k = 0; k < 8; ++k)
-        w.q[k] = ((dq_u32)s.code[4 * k] & 255u) | (((dq_u32)s.code[4 * k + 1] & 255u) << 8) |
-                 (((dq_u32)s.code[4 * k + 2] & 255u) << 16) | ((dq_u32)s.code[4 * k + 3] << 24);
-    XT_UNROLL
-    for (int h = 0; h < 2; ++h) {
-        w.fold[h] = s.fold[h];
-        w.mw[h] = s.mw[h];
-    }
-    w.scale = s.scale;
-    w.minimum = s.minimum;
-}
 
 // floats.float_view of the 32 values at b (16-byte aligned: every float row of an expert is, rows being 64 / 128-byte
 // multiples at 16-byte aligned starts): non-finite values read as 0; amax = f 2^e (1/2 <= f < 1, e = 0 for 0);
@@ -175,15 +164,11 @@ template <int QT> struct XtNib32 {
     static constexpr int QS = QT == 3 ? 4 : QT == 6 ? 6 : QT == 7 || QT == 23 ? 8 : 2;
     static constexpr bool ALIGN4 = QT == 3 || QT == 7 || QT == 23;  // blocks of 20, 24, 136 bytes: 4-aligned nibbles
 };
-// Codes four a word, as dq_sub gives them value by value, for the grid types and the K-quants but Q4_K (whose tuned
-// decoder runs unless it is read in place): a grid entry's bytes read as words from the table (its offsets are
-// multiples of 8), their signs applied to the word (bytes negated where a bit is set), the K-quants' bit fields
-// masked four at a time; the block's fields read 2 bytes at a time (blocks of these types are 2-aligned in every
-// row; Q2_K's and Q5_K's 4-aligned, read 4 at a time). Scales, folds and minimums: decode.cuh's heads.
-template <int QT> struct XtWords {
-    static constexpr bool value = QT == 10 || QT == 11 || QT == 13 || QT == 14 || QT == 16 || QT == 17 ||
-                                  QT == 18 || QT == 19 || QT == 22 || QT == 29 || XtNib32<QT>::value;
-};
+// Every quantised type's codes four a word, as dq_sub gives them value by value: grid entries read as words from
+// the table (its offsets are multiples of 8) with their signs applied to the word (bytes negated where a bit is
+// set), bit fields masked four codes at a time, offsets subtracted a byte at a time with no carries; the block's
+// fields read 2 bytes at a time (every block size is even), 4 where the block size is a multiple of 4. Scales,
+// folds and minimums: decode.cuh's heads, shared with dq_sub.
 DQ_FN dq_u32 xt_tab32(const dq_u8* tab, int off) {  // off a multiple of 4
 #ifdef __CUDA_ARCH__
     return *reinterpret_cast<const dq_u32*>(tab + off);
@@ -255,7 +240,30 @@ template <int QT> DQ_FN void xt_grid8(const dq_u8* tab, int off, dq_u32 sg, int 
     w.q[2 * e + 1] = xt_signed(hi, sg >> 4);
 }
 template <int QT> DQ_FN void xt_words(const dq_u8* b, int j, const dq_u8* tab, XtW<QT>& w) {
-    if constexpr (XtNib32<QT>::value) {
+    if constexpr (QT == 8) {  // Q8_0: the codes are the bytes
+        dq_legacy_head(b, false, w);
+        XT_UNROLL
+        for (int k = 0; k < 8; ++k) w.q[k] = xt_u16(b + 2 + 4 * k) | (xt_u16(b + 4 + 4 * k) << 16);
+    } else if constexpr (QT == 12) {  // Q4_K: a nibble, low or high by j % 2, in 64-value groups
+        dq_k4_scales(b, j, w);
+        const dq_u8* qs = b + 16 + 32 * (j >> 1);
+        XT_UNROLL
+        for (int k = 0; k < 8; ++k) w.q[k] = (xt_u32(qs + 4 * k) >> (4 * (j & 1))) & 0x0f0f0f0fu;
+    } else if constexpr (QT == 21) {  // IQ3_S: a 9-bit grid index a group of 4 (its top bit in qh), sign bytes
+        dq_iq3s_head(b, j, w);
+        const dq_u32 qh = b[66 + j];
+        const dq_u32 sg = xt_u16(b + 74 + 4 * j) | (xt_u16(b + 76 + 4 * j) << 16);
+        XT_UNROLL
+        for (int h = 0; h < 2; ++h) {
+            const dq_u32 lo = xt_u16(b + 2 + 8 * j + 4 * h) | (xt_u16(b + 4 + 8 * j + 4 * h) << 16);
+            XT_UNROLL
+            for (int e = 0; e < 4; ++e) {
+                const int g = 4 * h + e;
+                const dq_u32 idx = ((lo >> (8 * e)) & 255u) | (((qh >> g) & 1u) << 8);
+                w.q[g] = xt_signed(xt_tab32(tab, DQ_TAB_IQ3S + 4 * (int)idx), sg >> (4 * g));
+            }
+        }
+    } else if constexpr (XtNib32<QT>::value) {
         typedef XtNib32<QT> N;
         const dq_u8* qs = b + N::QS + (QT == 23 ? 16 * j : 0);
         if constexpr (QT == 23) dq_iq4xs_head(b, j, w);
@@ -354,6 +362,7 @@ template <int QT> DQ_FN void xt_words(const dq_u8* b, int j, const dq_u8* tab, X
             w.q[2 * e + 1] = xt_iq1(g1, qh & 0x8000u);
         }
     } else {  // IQ1_M: a nibble a group in qh (3 high index bits, the delta's sign)
+        static_assert(QT == 29, "a quantised type without a word decoder");
         dq_iq1m_head(b, j, w);
         const dq_u32 lo = xt_u16(b + 4 * j) | (xt_u16(b + 2 + 4 * j) << 16), qh = xt_u16(b + 32 + 2 * j);
         XT_UNROLL
@@ -370,12 +379,8 @@ template <int QT> DQ_FN void xt_words(const dq_u8* b, int j, const dq_u8* tab, X
 // Sub-block s (0 .. row's NSUB - 1) of the row whose first byte is at `row`; tab: decode.cuh's table blob
 template <int QT> DQ_FN void xt_decode(const dq_u8* row, int s, const dq_u8* tab, XtW<QT>& w) {
     typedef XtTraits<QT> X;
-    if constexpr (XtWords<QT>::value) {
+    if constexpr (DqTraits<QT>::QUANT) {
         xt_words<QT>(row + (s / X::NSUB) * X::BB, s % X::NSUB, tab, w);
-    } else if constexpr (DqTraits<QT>::QUANT) {
-        DqSub d;
-        dq_sub<QT>(row + (s / X::NSUB) * X::BB, s % X::NSUB, tab, d);
-        xt_pack<QT>(d, w);
     } else {
         xt_float_sub<QT>(row + s * X::BB, w);
     }
