@@ -281,8 +281,27 @@ class CupyCard:
         with self.device:
             if self._kv_dev is None or self._kv_dev.shape != shape:
                 self._kv_dev = cp.empty(shape, cp.uint8)  # no copy uses the old one: every restore ends synchronised
-        if self._store_lock is not None and self._store_lock.covers(store.data):
-            return self._restore_pinned(kv, start, store, slots, B, hashes)
+            try:
+                if self._store_lock is not None and self._store_lock.covers(store.data):
+                    got = self._restore_pinned(kv, start, store, slots, B, hashes)
+                else:
+                    got = self._restore_staged(kv, start, store, slots, B, hashes)
+            except BaseException:
+                try:  # a copy that raised may have issued some of its copies: none may outlive this call
+                    self.stream.synchronize()
+                except Exception:  # noqa: BLE001 - the card's own failure is the one raised
+                    log.exception("synchronising the card after a failed KV restore failed too")
+                raise
+            if got:
+                kv.length = (start + got) * B
+                with self.stream:
+                    self.pos.fill(kv.length)
+            self.stream.synchronize()
+        return got
+
+    def _restore_staged(self, kv: GpuKV, start: int, store, slots: list[int], B: int,
+                        hashes: list[bytes] | None) -> int:
+        """import_kv_from through page-locked staging (lane/kv_staging.py); the blocks confirmed whole."""
         if self._staging is None:
             self._staging = kv_staging.KvStaging()
         cut = []
@@ -296,21 +315,7 @@ class CupyCard:
             self._kv_copies(dev.data.ptr, start + first, len(rows), B, D2D, self.stream)
             return kv_staging.record(self.stream)
 
-        with self.device:
-            try:
-                got = self._staging.restore(store, slots, bb, upload, hashes)
-            except BaseException:
-                try:  # an upload that raised may have issued some of its copies: none may outlive this call
-                    self.stream.synchronize()
-                except Exception:  # noqa: BLE001 - the card's own failure is the one raised
-                    log.exception("synchronising the card after a failed KV restore failed too")
-                raise
-            if got:
-                kv.length = (start + got) * B
-                with self.stream:
-                    self.pos.fill(kv.length)
-            self.stream.synchronize()
-        return got
+        return self._staging.restore(store, slots, self._kv_dev.shape[2], upload, hashes)
 
     def pin_store(self, store) -> bool:
         """Page-lock the host conversation cache's slots for this process, so that restores copy straight from
@@ -325,7 +330,8 @@ class CupyCard:
         """import_kv_from from the page-locked store: a chunk's blocks copied into one of the staging halves (a copy
         a block), confirmed whole once that copy has ended (as a reader confirms), and only then into the caches,
         while the next chunk's copy runs into the other half; all on the card's stream (a half is written again
-        only after the copies out of it, in stream order). kv is cut to start only once a block is confirmed."""
+        only after the copies out of it, in stream order). kv is cut to start only once a block is confirmed.
+        Returns the blocks confirmed, with their copies into the caches possibly still running."""
         try:
             snap = store.snapshot(slots, hashes)
         except Exception:  # noqa: BLE001 - the cache is an optimisation: the prompt is read
@@ -344,28 +350,19 @@ class CupyCard:
             return kv_staging.record(self.stream)
 
         got = 0
-        with self.device:
-            try:
-                landed = upload(0) if parts else None
-                for k, (c0, part) in enumerate(parts):
-                    following = upload(k + 1) if k + 1 < len(parts) else None
-                    landed.synchronize()
-                    whole = store.confirm(part, snap.part(c0, c0 + len(part)), first=c0)
-                    if whole:
-                        if not got:  # the kept positions past start are written over from here
-                            kv.truncate(start * B)
-                        self._kv_copies(dev[k % 2].data.ptr, start + c0, whole, B, D2D, self.stream)
-                        got = c0 + whole
-                    if whole < len(part):
-                        break
-                    landed = following
-            finally:  # nothing issued may outlive this call (a failed copy raises here, after the rest ended)
-                self.stream.synchronize()
-            if got:
-                kv.length = (start + got) * B
-                with self.stream:
-                    self.pos.fill(kv.length)
-                self.stream.synchronize()
+        landed = upload(0) if parts else None
+        for k, (c0, part) in enumerate(parts):
+            following = upload(k + 1) if k + 1 < len(parts) else None
+            landed.synchronize()
+            whole = store.confirm(part, snap.part(c0, c0 + len(part)), first=c0)
+            if whole:
+                if not got:  # the kept positions past start are written over from here
+                    kv.truncate(start * B)
+                self._kv_copies(dev[k % 2].data.ptr, start + c0, whole, B, D2D, self.stream)
+                got = c0 + whole
+            if whole < len(part):
+                break
+            landed = following
         return got
 
     def set_view(self, view: M.View) -> None:

@@ -6,6 +6,7 @@ staging serves the next restore whole. Staging halves of two blocks, so every ca
 from the store page-locked for the card (pin_store: no staging on the host)."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from types import SimpleNamespace
@@ -143,11 +144,16 @@ def test_the_store_failing_mid_restore(setup, monkeypatch, caplog):
     whole_again(s)
 
 
-def test_the_cards_copies_failing(setup, monkeypatch):
-    """The card's copies raising for chunk 1 of a restore after one kept block (its H2D into device staging
-    already issued, chunk 0's copies maybe still running): the error is raised once the stream is idle and no
-    upload event is left; kv holds its first block, as before the restore."""
-    s = setup
+@pytest.mark.parametrize("path", ["staged", "pinned"])
+def test_the_cards_copies_failing(setup, monkeypatch, path):
+    """The card's copies raising for chunk 1 of a restore after one kept block (its copy into device staging
+    already issued, chunk 0's copies maybe still running), through the staging or from the page-locked store: the
+    error is raised once the stream is idle and no upload event is left; kv holds its first block, as before."""
+    with (pinning(setup) if path == "pinned" else contextlib.nullcontext(setup)) as s:
+        _copies_failing(s, monkeypatch)
+
+
+def _copies_failing(s, monkeypatch):
     slots = republish(s)
     kv = fresh(s.card)
     assert s.card.import_kv_from(kv, 0, s.st, slots[:1], s.B, s.hashes[:1]) == 1
@@ -162,22 +168,27 @@ def test_the_cards_copies_failing(setup, monkeypatch):
     monkeypatch.setattr(s.card, "_kv_copies", copies)
     with pytest.raises(RuntimeError, match="the card failed"):
         s.card.import_kv_from(kv, 1, s.st, slots[1:], s.B, s.hashes[1:])
-    assert s.card.stream.done and s.card._staging._free == [None, None]
+    assert s.card.stream.done and (s.card._staging is None or s.card._staging._free == [None, None])
     holds(s, kv, 1)
     monkeypatch.undo()
     whole_again(s)
 
 
-@pytest.fixture
-def pinned(setup):
+@contextlib.contextmanager
+def pinning(s):
     """The store page-locked for the card (lane/main.py does this at start): restores copy straight from it."""
-    s = setup
     assert s.card.pin_store(s.st)
     try:
         yield s
     finally:
         s.card._store_lock.release()
         s.card._store_lock = None
+
+
+@pytest.fixture
+def pinned(setup):
+    with pinning(setup) as s:
+        yield s
 
 
 def test_a_restore_from_the_page_locked_store(pinned):
@@ -192,27 +203,34 @@ def test_a_restore_from_the_page_locked_store(pinned):
     holds(s, kv, s.n)
 
 
-def test_a_block_rewritten_while_the_card_copies_from_the_page_locked_store(pinned, monkeypatch):
-    """Another lane takes block 3's slot for a block of its own right after the card's copies of chunk 1 (blocks 2,
-    3) are issued: the confirm after they end finds it, 3 blocks count; the caches hold the store's bits for them,
-    and nothing of the rewritten slot reaches them."""
+def take_at_record(s, monkeypatch, slot: int, nth: int) -> list:
+    """Another lane takes `slot` for a block of its own (a different size) right after the card's nth recorded
+    event (kv_staging.record: a chunk's copies into staging issued). Returns the calls seen."""
     from lane import kv_staging
 
-    s = pinned
-    slots = republish(s)
     real, calls = kv_staging.record, []
 
     def record(stream):
         ev = real(stream)
         calls.append(1)
-        if len(calls) == 2:  # chunk 1's copies are issued
-            s.st.touch([x for x in range(s.st.n_slots) if x != slots[3]])
-            (h, got), = s.st.claim([b"\x98" * 32])
-            assert got == slots[3]
-            s.st.publish(got, h, np.full(s.st.slot_bytes, 98, np.uint8))
+        if len(calls) == nth:
+            s.st.touch([x for x in range(s.st.n_slots) if x != slot])
+            (h, got), = s.st.claim([bytes([0x90 + nth]) * 32])  # no block of the chain's
+            assert got == slot
+            s.st.publish(got, h, np.full(s.st.slot_bytes, 90 + nth, np.uint8))
         return ev
 
     monkeypatch.setattr(kv_staging, "record", record)
+    return calls
+
+
+def test_a_block_rewritten_while_the_card_copies_from_the_page_locked_store(pinned, monkeypatch):
+    """Another lane takes block 3's slot right after the card's copies of chunk 1 (blocks 2, 3) are issued: the
+    confirm after they end finds it, 3 blocks count; the caches hold the store's bits for them, and nothing of the
+    rewritten slot reaches them."""
+    s = pinned
+    slots = republish(s)
+    calls = take_at_record(s, monkeypatch, slots[3], 2)
     kv = fresh(s.card)
     assert s.card.import_kv_from(kv, 0, s.st, slots, s.B, s.hashes) == 3 and len(calls) >= 2
     holds(s, kv, 3)
@@ -221,52 +239,16 @@ def test_a_block_rewritten_while_the_card_copies_from_the_page_locked_store(pinn
 
 
 def test_a_restore_whose_first_block_is_taken_leaves_the_kv_as_it_was(pinned, monkeypatch):
-    """Block 0's slot taken while its copy runs: nothing is restored and the kept KV is untouched (the caller reads
-    the prompt from its own kept positions)."""
-    from lane import kv_staging
-
+    """Block 2's slot taken while the copy of the restore's first chunk (blocks 2, 3) runs: nothing is restored
+    and the kept KV is untouched (the caller reads the prompt from its own kept positions)."""
     s = pinned
     slots = republish(s)
     kv = fresh(s.card)
     assert s.card.import_kv_from(kv, 0, s.st, slots[:2], s.B, s.hashes[:2]) == 2
-    real, calls = kv_staging.record, []
-
-    def record(stream):
-        ev = real(stream)
-        calls.append(1)
-        if len(calls) == 1:
-            s.st.touch([x for x in range(s.st.n_slots) if x != slots[2]])
-            (h, got), = s.st.claim([b"\x97" * 32])
-            assert got == slots[2]
-            s.st.publish(got, h, np.full(s.st.slot_bytes, 97, np.uint8))
-        return ev
-
-    monkeypatch.setattr(kv_staging, "record", record)
+    take_at_record(s, monkeypatch, slots[2], 1)
     assert s.card.import_kv_from(kv, 2, s.st, slots[2:], s.B, s.hashes[2:]) == 0
     holds(s, kv, 2)
     monkeypatch.undo()
     whole_again(s)
 
 
-def test_the_cards_copies_failing_from_the_page_locked_store(pinned, monkeypatch):
-    """The card's copies raising for chunk 1: raised once the stream is idle; kv holds the kept block."""
-    s = pinned
-    slots = republish(s)
-    kv = fresh(s.card)
-    assert s.card.import_kv_from(kv, 0, s.st, slots[:1], s.B, s.hashes[:1]) == 1
-    real, calls = s.card._kv_copies, []
-
-    def copies(*a, **k):
-        calls.append(1)
-        if len(calls) == 2:
-            raise RuntimeError("the card failed")
-        return real(*a, **k)
-
-    monkeypatch.setattr(s.card, "_kv_copies", copies)
-    with pytest.raises(RuntimeError, match="the card failed"):
-        s.card.import_kv_from(kv, 1, s.st, slots[1:], s.B, s.hashes[1:])
-    assert s.card.stream.done
-    assert kv.length == s.B  # what it held past start went first
-    holds(s, kv, 1)
-    monkeypatch.undo()
-    whole_again(s)

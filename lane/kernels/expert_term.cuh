@@ -169,29 +169,17 @@ template <int QT> struct XtNib32 {
 // set), bit fields masked four codes at a time, offsets subtracted a byte at a time with no carries; the block's
 // fields read 2 bytes at a time (every block size is even), 4 where the block size is a multiple of 4. Scales,
 // folds and minimums: decode.cuh's heads, shared with dq_sub.
-DQ_FN dq_u32 xt_tab32(const dq_u8* tab, int off) {  // off a multiple of 4
+template <class T> DQ_FN dq_u32 xt_rd(const dq_u8* p) {  // a little-endian field at p, aligned to its size
 #ifdef __CUDA_ARCH__
-    return *reinterpret_cast<const dq_u32*>(tab + off);
+    return *reinterpret_cast<const T*>(p);
 #else
-    dq_u32 u;
-    __builtin_memcpy(&u, tab + off, 4);
-    return u;
+    T v;
+    __builtin_memcpy(&v, p, sizeof(T));
+    return v;
 #endif
 }
-DQ_FN dq_u32 xt_u32(const dq_u8* p) {  // p 4-aligned
-#ifdef __CUDA_ARCH__
-    return *reinterpret_cast<const dq_u32*>(p);
-#else
-    return dq_rd32(p);
-#endif
-}
-DQ_FN dq_u32 xt_u16(const dq_u8* p) {  // p 2-aligned
-#ifdef __CUDA_ARCH__
-    return *reinterpret_cast<const dq_u16*>(p);
-#else
-    return dq_rd16(p);
-#endif
-}
+DQ_FN dq_u32 xt_u32(const dq_u8* p) { return xt_rd<dq_u32>(p); }
+DQ_FN dq_u32 xt_u16(const dq_u8* p) { return xt_rd<dq_u16>(p); }
 DQ_FN dq_u32 xt_ksigns(dq_u32 i) {  // ggml's ksigns_iq2xs[i]: i with bit 7 its parity
 #ifdef __CUDA_ARCH__
     return i | ((__popc(i) & 1u) << 7);
@@ -213,8 +201,8 @@ DQ_FN void xt_tab64(const dq_u8* tab, int off, dq_u32& lo, dq_u32& hi) {  // off
     lo = u.x;
     hi = u.y;
 #else
-    lo = xt_tab32(tab, off);
-    hi = xt_tab32(tab, off + 4);
+    lo = xt_u32(tab + off);
+    hi = xt_u32(tab + off + 4);
 #endif
 }
 DQ_FN dq_u32 xt_prmt(dq_u32 x, dq_u32 y, dq_u32 s) {  // bytes of y:x selected by s's 3-bit fields (__byte_perm)
@@ -260,7 +248,7 @@ template <int QT> DQ_FN void xt_words(const dq_u8* b, int j, const dq_u8* tab, X
             for (int e = 0; e < 4; ++e) {
                 const int g = 4 * h + e;
                 const dq_u32 idx = ((lo >> (8 * e)) & 255u) | (((qh >> g) & 1u) << 8);
-                w.q[g] = xt_signed(xt_tab32(tab, DQ_TAB_IQ3S + 4 * (int)idx), sg >> (4 * g));
+                w.q[g] = xt_signed(xt_u32(tab + DQ_TAB_IQ3S + 4 * (int)idx), sg >> (4 * g));
             }
         }
     } else if constexpr (XtNib32<QT>::value) {
@@ -273,7 +261,7 @@ template <int QT> DQ_FN void xt_words(const dq_u8* b, int j, const dq_u8* tab, X
         dq_u32 t[4] = {0u, 0u, 0u, 0u};
         if constexpr (QT == 20 || QT == 23)
             XT_UNROLL
-            for (int i = 0; i < 4; ++i) t[i] = xt_tab32(tab, DQ_TAB_IQ4NL + 4 * i);
+            for (int i = 0; i < 4; ++i) t[i] = xt_u32(tab + DQ_TAB_IQ4NL + 4 * i);
         XT_UNROLL
         for (int k = 0; k < 8; ++k) {  // values 4k .. 4k + 3: bytes 4 (k % 4) .., the high nibbles from k = 4
             const dq_u8* p = qs + 4 * (k & 3);
@@ -347,9 +335,9 @@ template <int QT> DQ_FN void xt_words(const dq_u8* b, int j, const dq_u8* tab, X
             XT_UNROLL
             for (int e = 0; e < 2; ++e) {
                 const dq_u32 sg = xt_ksigns((ws >> (7 * (2 * h + e))) & 127u);
-                w.q[4 * h + 2 * e] = xt_signed(xt_tab32(tab, DQ_TAB_IQ3XXS + 4 * (int)((idx >> (16 * e)) & 255u)), sg);
+                w.q[4 * h + 2 * e] = xt_signed(xt_u32(tab + DQ_TAB_IQ3XXS + 4 * (int)((idx >> (16 * e)) & 255u)), sg);
                 w.q[4 * h + 2 * e + 1] =
-                    xt_signed(xt_tab32(tab, DQ_TAB_IQ3XXS + 4 * (int)((idx >> (16 * e + 8)) & 255u)), sg >> 4);
+                    xt_signed(xt_u32(tab + DQ_TAB_IQ3XXS + 4 * (int)((idx >> (16 * e + 8)) & 255u)), sg >> 4);
             }
         }
     } else if constexpr (QT == 19) {  // IQ1_S: 8 g + delta, 3 high index bits a group and the delta's sign in qh
