@@ -259,9 +259,10 @@ template <int QT> DQ_FN void xt_words(const dq_u8* b, int j, const dq_u8* tab, X
         // Q5_x: the fifth bits, bit v of a word (2-aligned in Q5_0's 22-byte blocks)
         const dq_u32 qh = QT == 6 ? xt_u16(b + 2) | (xt_u16(b + 4) << 16) : QT == 7 ? xt_u32(b + 4) : 0u;
         dq_u32 t[4] = {0u, 0u, 0u, 0u};
-        if constexpr (QT == 20 || QT == 23)
+        if constexpr (QT == 20 || QT == 23) {
             XT_UNROLL
             for (int i = 0; i < 4; ++i) t[i] = xt_u32(tab + DQ_TAB_IQ4NL + 4 * i);
+        }
         XT_UNROLL
         for (int k = 0; k < 8; ++k) {  // values 4k .. 4k + 3: bytes 4 (k % 4) .., the high nibbles from k = 4
             const dq_u8* p = qs + 4 * (k & 3);
