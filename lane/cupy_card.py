@@ -27,6 +27,7 @@ import numpy as np
 from stratad.engine.card import KvExport
 from stratad.engine.chunks import chunks
 from lane import host_lock, kv_staging
+from lane.fit import room_slots
 from lane.counters import Counters
 from lane.gpu_experts import D2D, D2H, H2D, GpuExperts
 from lane.gpu_model import Break, DeviceSample, Qwen3MoeGpu, Work
@@ -85,13 +86,13 @@ class CupyCard:
     def __init__(self, model: ModelFile, device: int, n_slots: int, context_length: int,
                  counts: np.ndarray | None = None, cpu_threads: int = 0, graphs: bool = True,
                  host_experts: str = "card", prompt_chunk: int = GPU_PROMPT_CHUNK, options: GpuOptions = GpuOptions(),
-                 tuning: Tuning | None = None, fit: bool = False, cards: int = 1, after: int = 0):
+                 tuning: Tuning | None = None, fit: bool = False, cards: int = 1, before: int = 0, after: int = 0):
         """prompt_chunk: tokens a prompt chunk (the expert kernels' pair lists and workspaces are sized for it);
         options: the config's [gpu] code paths (process-wide: PDL, the kernel cache); tuning: the expert kernels'
         launch shape (default: the measured one). fit: hold at most n_slots experts, as many as the card has room
-        for once everything else is in place (expert_cache = auto; `fit_pool`), leaving an equal share to `after`
-        lanes of this GPU that build after this one; cards: the daemon's card count (the sources whose results a
-        prompt chunk may hold)."""
+        for once everything else is in place (expert_cache = auto; `fit_pool`), beside `before` lanes of this GPU
+        that built before this one and leaving an equal share to `after` that build after it; cards: the daemon's
+        card count (the sources whose results a prompt chunk may hold)."""
         # before anything is allocated: a model the kernels cannot take fails whole (planned from this card's shared
         # memory, as ExpertKernels plans: an RTX card's 99 KB refuses what an H200 takes)
         check_model(model, tuning, card_smem(cp.cuda.Device(device)))
@@ -135,7 +136,7 @@ class CupyCard:
         self._kv_dev = None  # their device staging: the two halves' blocks on the card
         self._store_lock = None  # the host conversation cache page-locked for this process (pin_store)
         if fit:
-            self.fit_pool(n_slots, cards, after, free_at_start)
+            self.fit_pool(n_slots, cards, before, after, free_at_start)
 
     def _new_pool(self, n_slots: int) -> None:
         """The slot pool: its own cudaMalloc (not a memory-pool sub-allocation), so that its CUDA IPC handle opens
@@ -148,14 +149,15 @@ class CupyCard:
         self.pool = SlotPool(self.model, buf, n_slots, self._write_slot)
         self.pool_ident = bytes(cp.cuda.runtime.ipcGetMemHandle(self._pool_mem.ptr)).hex()
 
-    def fit_pool(self, most: int, cards: int, after: int = 0, free_at_start: int | None = None) -> int:
+    def fit_pool(self, most: int, cards: int, before: int = 0, after: int = 0, free_at_start: int | None = None) -> int:
         """Size the slot pool from what the card has left (expert_cache = auto), at most `most` slots: a prompt
         chunk of prompt_chunk tokens runs first (with no expert on the card: each layer's are staged), so that
         every workspace a request allocates exists; then what is free, less what grows later (the result rows of
         peers' sources, the KV restore's staging) and a margin (the CUDA libraries' workspaces, the memory pool's
-        rounding), becomes slots. `after` lanes of this GPU build later (free_at_start: the free memory before this
-        card's first allocation): each is left what this card took besides its pool, the same for later and margin,
-        and an equal share of the rest. Returns the slot count."""
+        rounding), becomes slots. Lanes of the same GPU: the `before` ones that built earlier kept their own reserve
+        and margin free, which this one leaves to them; each of the `after` ones that build later is left what this
+        card took besides its pool (free_at_start: the free memory before its first allocation), a reserve and
+        margin, and an equal share of the rest. Returns the slot count."""
         n_tok = min(self.prompt_chunk, self.max_ctx)
         self.forward(np.zeros(n_tok, np.int32), self.new_kv(), logits="last")
         self.counters, self.counts[:] = Counters(), 0.0  # no request's work
@@ -167,8 +169,7 @@ class CupyCard:
             later = (cards - 1) * rows + (2 * kv_staging.CHUNK_BYTES if self.experts.options.host_kv_cache else 0)
             margin = max(FIT_MARGIN_MIN, int(FIT_MARGIN * total))
             needs = max(0, (free_at_start or free) - free)  # what this card took besides its pool
-            room = (free - later - margin - after * (needs + later + margin)) // (after + 1)
-            n = int(max(0, min(most, room // slot_bytes(self.model))))
+            n = room_slots(free, needs, later + margin, before, after, slot_bytes(self.model), most)
             self.fit_room = (free, later + margin)  # bytes free before the pool, bytes kept free beside it
             self.experts.pool = None
             self._new_pool(n)

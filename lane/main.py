@@ -162,7 +162,8 @@ class Lane:
                 self.card = CupyCard(self.model, int(self.cfg.card), n, self.cfg.context_length, live,
                                      self.cfg.cpu_threads, host_experts=self.cfg.host_experts,
                                      prompt_chunk=self.cfg.prompt_chunk, options=self.cfg.gpu, fit=placement.fit,
-                                     cards=placement.cards, after=max(0, placement.gpu_lanes - 1 - before))
+                                     cards=placement.cards, before=min(before, placement.gpu_lanes - 1),
+                                     after=max(0, placement.gpu_lanes - 1 - before))
             if self.store is not None:  # restores then copy straight from the cache's pages
                 t0 = time.monotonic()
                 pinned = self.card.pin_store(self.store)

@@ -159,3 +159,23 @@ def test_lanes_of_one_gpu_fit_one_after_the_other(tmp_path, monkeypatch):
         assert b == 0  # another daemon's run starts over
     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released
     os.close(fd)
+
+
+def test_lanes_of_one_gpu_share_its_room():
+    """room_slots as the lanes of one GPU use it, one after the other (each its own process: the same needs): equal
+    shares, and every lane's reserve still free once all have built; one lane takes what it has room for."""
+    from lane.fit import room_slots
+
+    GB, needs, reserve, sb = 1 << 30, 6 << 30, 2 << 30, 5 << 20
+    for k in (1, 2, 3):
+        free = 80 * GB  # the bare card
+        got = []
+        for i in range(k):  # lane i: its needs taken, then its pool
+            free -= needs
+            n = room_slots(free, needs, reserve, i, k - 1 - i, sb, 10**6)
+            free -= n * sb
+            got.append(n)
+        assert max(got) - min(got) <= 1, got
+        assert k * reserve <= free < k * reserve + k * sb  # the reserves, and less than a slot each besides
+    assert room_slots(80 * GB, needs, reserve, 0, 0, sb, 100) == 100  # at most every expert
+    assert room_slots(reserve // 2, needs, reserve, 0, 0, sb, 100) == 0  # no room: none, not fewer than none
