@@ -1,7 +1,7 @@
 // The expert kernels' weight decoding, a type at a time: sub-block s of a staged row (shared offset R) decoded to
 // 32 weights and a scale, and its canonical term against an activation sub-block. Q8_0, Q4_K and IQ3_S have tuned
 // decoders here (decode_sub, and the IQ3_S signed-table term); every other type goes through expert_term.cuh (the
-// generic path, decode.cuh's decode). experts.cu includes this file after its exact-arithmetic and shared-memory
+// generic path: its codes four a word, decode.cuh's heads for the scales). experts.cu includes this file after its exact-arithmetic and shared-memory
 // helpers; the tensor-core tiles' fragment decoders are experts_mma.cuh's decode_frag.
 
 // ---- formats -----------------------------------------------------------------------------------------------------
