@@ -94,9 +94,9 @@ class Epochs:
         self.t = None
         return True
 
-    def shrink(self, lane: int, held: list[Expert]) -> None:
-        """A card that had room for fewer slots than it was given (expert_cache = auto) holds `held`, one a slot
-        in order; it was not live, so no transition names it."""
+    def hold(self, lane: int, held: list[Expert | None]) -> None:
+        """A card that is not live holds `held`, one a slot in order, as many slots as it has (expert_cache = auto:
+        what it had room for once ready; every expert's worth of empty slots once dead); no transition names it."""
         assert self.t is None or lane not in self.t.dirty
         self.contents[lane] = list(held)
 

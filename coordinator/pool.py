@@ -94,7 +94,7 @@ class CardPool:
                 log.info("card %d has room for %d expert slots of the %d it was given", lane, n, self.slots[lane])
             self.slots[lane], self.sized[lane] = n, True
             held = list(self.placed[lane][:n])
-            self.epochs.shrink(lane, held + [None] * (n - len(held)))
+            self.epochs.hold(lane, held + [None] * (n - len(held)))
         self.ready[lane] = True
         self.pools[lane] = (status.pool, status.device)
         if self.counts[lane] is not None:
@@ -117,7 +117,7 @@ class CardPool:
         owners, done = self.epochs.lane_gone(lane)
         if self.fit[lane]:  # its restart is given every expert again and tells its own count
             self.slots[lane], self.sized[lane] = self.most[lane], False
-            self.epochs.shrink(lane, [None] * self.most[lane])
+            self.epochs.hold(lane, [None] * self.most[lane])
         self._after_transition_step(owners, done)
         self.changed()
 
