@@ -17,9 +17,10 @@ import pytest
 from gguf import GGMLQuantizationType as T
 from test_gpu_experts import run_case
 
-from lane.kernels.experts import TUNED, Tuning, simt_tile
+from lane.kernels.experts import MMA_TYPES, TUNED, Tuning, mma_smem, simt_tile
 from stratad.model import quants
 
+SMEM_BLOCK = 232448  # an H100 / H200 block's shared memory (opt-in)
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "nvrtc_check.py"
 GENERIC = [t.name for t in quants.EXPERT_TYPES if t not in TUNED]
 
@@ -50,8 +51,12 @@ def _run(cp, gu, dn, d_model, d_ff, n_slots, n_tok, n_pairs, max_pairs, tiled, *
     rng = np.random.default_rng(zlib.crc32(f"{gu}{dn}{d_model}{tiled}{kw}".encode()))
     k = run_case(cp, rng, getattr(T, gu), getattr(T, dn), d_model, d_ff, n_slots, n_tok, n_pairs, max_pairs,
                  tiled=tiled, **kw)
-    tuned = k.qt_gu in TUNED and k.qt_dn in TUNED
-    assert k.mma == (tuned and "smem" not in kw) and k.tile_p == (64 if k.mma else k.simt_tile)
+    # tensor-core tiles where both types have fragment decoders, the rows are whole 128s, the tuning asks for them
+    # and they fit an H100 / H200 block (Q6_K's gate/up of 2048 values does not: SIMT tiles)
+    fits = max(mma_smem(k.qt_gu, d_model, True), mma_smem(k.qt_dn, d_ff, False)) <= SMEM_BLOCK
+    mma = k.qt_gu in MMA_TYPES and k.qt_dn in MMA_TYPES and d_model % 128 == 0 and d_ff % 128 == 0 and fits
+    assert k.mma == (mma and k.tuning.prompt == "mma" and "smem" not in kw)
+    assert k.tile_p == (64 if k.mma else k.simt_tile)
     assert k.simt_tile == simt_tile(k.qt_gu, k.tuning) or "smem" in kw
     return k
 

@@ -126,6 +126,7 @@
 #define FULL_MASK 0xffffffffu
 #define QT_Q8_0 8
 #define QT_Q4_K 12
+#define QT_Q6_K 14
 #define QT_IQ3_S 21
 
 // ---- exact float32 arithmetic (IEEE round-to-nearest-even, subnormals kept, never contracted) ----------------

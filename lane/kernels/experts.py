@@ -49,8 +49,9 @@ def _qtype(q):
 
 
 # types with decoders of their own in expert_decode.cuh (and tensor-core prompt tiles); every other type runs the
-# generic path (expert_term.cuh) and SIMT prompt tiles
+# generic path (expert_term.cuh); those of MMA_TYPES on tensor-core prompt tiles too, the rest on SIMT ones
 TUNED = (_T.IQ3_S, _T.Q4_K, _T.Q8_0)
+MMA_TYPES = TUNED + (_T.Q6_K,)  # experts_mma.cuh's MMA_TYPE: decode_frag's types
 FLOATS = (_T.F32, _T.F16, _T.BF16)
 # generic types whose decode reads decode.cuh's table blob (a copy at shared offset 0: expert_decode.cuh's TabSmem)
 TABLE_TYPES = (_T.IQ2_XXS, _T.IQ2_XS, _T.IQ2_S, _T.IQ3_XXS, _T.IQ1_S, _T.IQ1_M, _T.IQ4_NL, _T.IQ4_XS)
@@ -334,10 +335,10 @@ class ExpertKernels:
         self.gut_smem = gut(self.simt_tile)
         if self.gut_smem > smem_block:
             raise ValueError(f"tiled gate/up needs {self.gut_smem} bytes of shared memory per block")
-        # tensor-core tiles (experts_mma.cuh): compiled for these row lengths and the tuned types only (their q is
-        # int8), used where they fit
-        shape_ok = self.d_model % 128 == 0 and self.d_ff % 128 == 0 and self.tuned(self.qt_gu) and \
-            self.tuned(self.qt_dn)
+        # tensor-core tiles (experts_mma.cuh): compiled for these row lengths and MMA_TYPES (their codes are int8;
+        # not a tuned type read in place, UNTUNED), used where they fit
+        shape_ok = self.d_model % 128 == 0 and self.d_ff % 128 == 0 and \
+            all(q in MMA_TYPES and q != self.untuned for q in (self.qt_gu, self.qt_dn))
         self.mma_gu_smem, self.mma_dn_smem = ((mma_smem(self.qt_gu, self.d_model, True),
                                                mma_smem(self.qt_dn, self.d_ff, False)) if shape_ok else (0, 0))
         self.mma = t.prompt == "mma" and shape_ok and max(self.mma_gu_smem, self.mma_dn_smem) <= smem_block

@@ -18,9 +18,12 @@
 // more warps to hide latency). The tile's activation rows (int8 and scales) are
 // staged once and kept while a block's items (a contiguous range) stay on the same tile.
 
-// Tensor-core tiles for the tuned types only (their q is int8 and decode_frag exists for them); generic types take
-// the SIMT tiles (experts.py: ExpertKernels.mma).
-#define MMA_TYPE(q) ((q) != UNTUNED && ((q) == QT_Q8_0 || (q) == QT_Q4_K || (q) == QT_IQ3_S))
+// Tensor-core tiles for the types decode_frag exists for (their codes are int8): the tuned ones and Q6_K (whose
+// 16-value halves have scales of their own: two mma a sub-block, the halves' integer sums weighted in integers);
+// the rest take the SIMT tiles (experts.py: ExpertKernels.mma).
+#define MMA_TYPE(q) ((q) != UNTUNED && ((q) == QT_Q8_0 || (q) == QT_Q4_K || (q) == QT_IQ3_S || (q) == QT_Q6_K))
+// a type whose canonical isum weights its two 16-value halves (fold0, fold1: Q6_K's int8 scales)
+template <int QT> struct MmaHalves { static constexpr bool value = QT == QT_Q6_K; };
 #if GU_KIN % 128 == 0 && DN_KIN % 128 == 0 && DN_ROWS % 64 == 0 && MMA_TYPE(GU_QT) && MMA_TYPE(DN_QT)
 #define MMA_TILES 1
 
@@ -116,6 +119,27 @@ template <> __device__ __forceinline__ void decode_frag<QT_IQ3_S>(u32 R, int s, 
     hi = q[1];
 }
 
+// Q6_K: code = (4 low bits of ql | 2 high bits of qh << 4) - 32, four a word (a byte v in 0..63: (v + 0x60) ^ 0x80,
+// no carries); the scale d, and the halves' folds returned in sc / mn's place by mma_frag (as ints)
+__device__ __forceinline__ void q6k_frag(u32 R, int s, u32 t, u32& lo, u32& hi, float& d, int& f0, int& f1) {
+    const u32 j = (u32)s & 7u, g = j >> 2, r = j & 3u;
+    const u32 B = R + 210u * ((u32)s >> 3);  // 2-aligned
+    d = h2f(sm_u16(B + 208u));
+    f0 = (int)(signed char)sm_u8(B + 192u + 2u * j);
+    f1 = (int)(signed char)sm_u8(B + 193u + 2u * j);
+    u32 q[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {  // values 16 h + 4t .. + 3
+        const u32 i = 16u * h + 4u * t;
+        const u32 ql = B + 64u * g + 32u * (r & 1u) + i, qh = B + 128u + 32u * g + i;
+        const u32 nib = ((sm_u16(ql) | (sm_u16(ql + 2u) << 16)) >> (4u * (r >> 1))) & 0x0f0f0f0fu;
+        const u32 top = ((sm_u16(qh) | (sm_u16(qh + 2u) << 16)) >> (2u * r)) & 0x03030303u;
+        q[h] = ((nib | (top << 4)) + 0x60606060u) ^ 0x80808080u;
+    }
+    lo = q[0];
+    hi = q[1];
+}
+
 #ifndef MMA_PREFETCH
 #define MMA_PREFETCH 0
 #endif
@@ -129,11 +153,21 @@ constexpr int MMA_LEAF_UNROLL = MMA_UNROLL;  // leaves a loop iteration: two giv
 struct MmaFrag {
     u32 b0, b1;
     float sc0, sc1, mn0, mn1;
+    int f00, f01, f10, f11;  // MmaHalves: fold of column 0 / 1's half 0 / 1
 };
 
 template <int QT> __device__ __forceinline__ void mma_frag(u32 R, int s, u32 t, MmaFrag& f) {
-    float sc, mn;
-    decode_frag<QT>(R, s, t, f.b0, f.b1, sc, mn);
+    float sc, mn = 0.0f;
+    if constexpr (MmaHalves<QT>::value) {
+        int h0, h1;
+        q6k_frag(R, s, t, f.b0, f.b1, sc, h0, h1);
+        f.f00 = __shfl_sync(FULL_MASK, h0, 8 * t);
+        f.f01 = __shfl_sync(FULL_MASK, h1, 8 * t);
+        f.f10 = __shfl_sync(FULL_MASK, h0, 8 * t + 4);
+        f.f11 = __shfl_sync(FULL_MASK, h1, 8 * t + 4);
+    } else {
+        decode_frag<QT>(R, s, t, f.b0, f.b1, sc, mn);
+    }
     f.sc0 = __shfl_sync(FULL_MASK, sc, 8 * t);
     f.sc1 = __shfl_sync(FULL_MASK, sc, 8 * t + 4);
     f.mn0 = f.mn1 = 0.0f;
@@ -205,14 +239,25 @@ __device__ __forceinline__ void mma_leaves(u32 sb, u32 R, int mt0, int nmt, int 
                     if (FULL || mt0 + mt < nmt) {  // warp-uniform
                         u32 a[4];
                         ldsm_x4(a_row + (u32)((mt0 + mt) * 16 * G::AST + 32 * s), a);
-                        int c[4];
-                        mma_s8(a, b0, b1, c);
                         const int m0 = (mt0 + mt) * 16 + (int)g;
                         const float d0 = das[m0 * G::DST + s], d1 = das[(m0 + 8) * G::DST + s];
-                        term[mt * 4 + 0] = f_mul(f_mul(sc0, d0), small_i2f(c[0]));
-                        term[mt * 4 + 1] = f_mul(f_mul(sc1, d0), small_i2f(c[1]));
-                        term[mt * 4 + 2] = f_mul(f_mul(sc0, d1), small_i2f(c[2]));
-                        term[mt * 4 + 3] = f_mul(f_mul(sc1, d1), small_i2f(c[3]));
+                        if constexpr (MmaHalves<QT>::value) {  // isum = fold0 (half 0's sum) + fold1 (half 1's):
+                            int c[4], h[4];  // |isum| < 2^24 (docs/quant-types.md), so its float is exact
+                            mma_s8(a, b0, 0u, c);
+                            mma_s8(a, 0u, b1, h);
+                            const MmaFrag& F = fr[i];
+                            term[mt * 4 + 0] = f_mul(f_mul(sc0, d0), __int2float_rn(F.f00 * c[0] + F.f01 * h[0]));
+                            term[mt * 4 + 1] = f_mul(f_mul(sc1, d0), __int2float_rn(F.f10 * c[1] + F.f11 * h[1]));
+                            term[mt * 4 + 2] = f_mul(f_mul(sc0, d1), __int2float_rn(F.f00 * c[2] + F.f01 * h[2]));
+                            term[mt * 4 + 3] = f_mul(f_mul(sc1, d1), __int2float_rn(F.f10 * c[3] + F.f11 * h[3]));
+                        } else {
+                            int c[4];
+                            mma_s8(a, b0, b1, c);
+                            term[mt * 4 + 0] = f_mul(f_mul(sc0, d0), small_i2f(c[0]));
+                            term[mt * 4 + 1] = f_mul(f_mul(sc1, d0), small_i2f(c[1]));
+                            term[mt * 4 + 2] = f_mul(f_mul(sc0, d1), small_i2f(c[2]));
+                            term[mt * 4 + 3] = f_mul(f_mul(sc1, d1), small_i2f(c[3]));
+                        }
                         if (QT == QT_Q4_K) {  // - (minimum * d_act) * (sum of the activation's integers)
                             int s0 = __dp4a((int)a[2], 0x01010101, __dp4a((int)a[0], 0x01010101, 0));
                             int s1 = __dp4a((int)a[3], 0x01010101, __dp4a((int)a[1], 0x01010101, 0));
