@@ -30,7 +30,6 @@ SHIM = r"""
 template <int QT>
 static void view(const dq_u8* raw, long long row_bytes, int rows, int nsub, const dq_u8* tab, short* q, float* scale,
                  float* minimum, signed char* mw) {
-    constexpr int W = XtTraits<QT>::WORDS, PER = 32 / W, BITS = 32 / PER;
     for (int r = 0; r < rows; ++r)
         for (int s = 0; s < nsub; ++s) {
             XtW<QT> w;
@@ -39,8 +38,7 @@ static void view(const dq_u8* raw, long long row_bytes, int rows, int nsub, cons
             scale[k] = w.scale;
             minimum[k] = w.minimum;
             for (int v = 0; v < 32; ++v) {
-                const int code = (int)(w.q[v / PER] << (32 - BITS * (v % PER + 1))) >> (32 - BITS);
-                q[32 * k + v] = (short)(w.fold[v >> 4] * code);
+                q[32 * k + v] = (short)(w.fold[v >> 4] * xt_code<QT>(w, v));
                 mw[32 * k + v] = (signed char)w.mw[v >> 4];
             }
         }

@@ -29,10 +29,11 @@ template <int QT> struct XtTraits<QT, true> {
     static constexpr int MIN = DqTraits<QT>::MIN, WORDS = 8;
     static constexpr bool TABLE = QT == 16 || QT == 17 || QT == 18 || QT == 19 || QT == 20 || QT == 21 ||
                                   QT == 22 || QT == 23 || QT == 29;
+    static constexpr bool IQ1 = QT == 19 || QT == 29;  // code 8 g + delta: words hold g, XtW::delta the signs
 };
 template <int QT> struct XtTraits<QT, false> {  // F32 / F16 / BF16: a "block" is one sub-block of 32 values
     static constexpr int BV = 32, BB = 32 * DqTraits<QT>::BB, NSUB = 1, MIN = DQ_NO_MIN, WORDS = 16;
-    static constexpr bool TABLE = false;
+    static constexpr bool TABLE = false, IQ1 = false;
 };
 
 // ---- integer dot products: dp4a / dp2a on the device, the same sums in a loop on the host ---------------------
@@ -75,11 +76,14 @@ DQ_FN float xt_rint(float a) {  // round half to even (np.rint)
 // ---- the weight side -----------------------------------------------------------------------------------------
 // A decoded sub-block: codes packed in words (int8 x 4, or int16 x 2 for the float types), q_v = fold[v / 16] *
 // code_v, value_v = scale * q_v [- minimum * mw[v / 16]] (decode.cuh's DqSub, packed: 14 registers, not 38;
-// the heads that set scale, fold, mw and minimum take either)
+// the heads that set scale, fold, mw and minimum take either). IQ1_S / IQ1_M: the words hold the grid's g (-1, 0, 1)
+// and bit e of delta is set where the delta of values 8 e .. 8 e + 7 is -1 (else +1); the code is 8 g + delta, whose
+// dot is 8 (g . a) + delta (1 . a): the same integer with no per-byte arithmetic on the weights (xt_isum)
 template <int QT> struct XtW {
     dq_u32 q[XtTraits<QT>::WORDS];
     int fold[2], mw[2];
     float scale, minimum;
+    dq_u32 delta;
 };
 
 
@@ -190,10 +194,6 @@ DQ_FN dq_u32 xt_ksigns(dq_u32 i) {  // ggml's ksigns_iq2xs[i]: i with bit 7 its 
 DQ_FN dq_u32 xt_signed(dq_u32 g, dq_u32 bits) {  // g's bytes (magnitudes 1..127) negated where bits 0..3 are set
     const dq_u32 ones = ((bits & 15u) * 0x00204081u) & 0x01010101u;
     return (g ^ (ones * 255u)) + ones;
-}
-DQ_FN dq_u32 xt_iq1(dq_u32 g, bool minus) {  // 8 g + delta a byte (g in -1, 0, 1; delta -1 or 1), no carries
-    const dq_u32 m = (g << 3) & 0xf8f8f8f8u, d = minus ? 0xffffffffu : 0x01010101u;
-    return ((m & 0x7f7f7f7fu) + (d & 0x7f7f7f7fu)) ^ ((m ^ d) & 0x80808080u);
 }
 DQ_FN void xt_tab64(const dq_u8* tab, int off, dq_u32& lo, dq_u32& hi) {  // off a multiple of 8: one load
 #ifdef __CUDA_ARCH__
@@ -341,27 +341,22 @@ template <int QT> DQ_FN void xt_words(const dq_u8* b, int j, const dq_u8* tab, X
                     xt_signed(xt_u32(tab + DQ_TAB_IQ3XXS + 4 * (int)((idx >> (16 * e + 8)) & 255u)), sg >> 4);
             }
         }
-    } else if constexpr (QT == 19) {  // IQ1_S: 8 g + delta, 3 high index bits a group and the delta's sign in qh
+    } else if constexpr (QT == 19) {  // IQ1_S: g, 3 high index bits a group and the sub-block's delta sign in qh
         const dq_u32 qh = dq_iq1s_head(b, j, w), lo = xt_u16(b + 2 + 4 * j) | (xt_u16(b + 4 + 4 * j) << 16);
+        w.delta = (qh & 0x8000u) ? 15u : 0u;
         XT_UNROLL
-        for (int e = 0; e < 4; ++e) {
-            dq_u32 g0, g1;
-            xt_tab64(tab, DQ_TAB_IQ1 + 8 * (int)(((lo >> (8 * e)) & 255u) | (((qh >> (3 * e)) & 7u) << 8)), g0, g1);
-            w.q[2 * e] = xt_iq1(g0, qh & 0x8000u);
-            w.q[2 * e + 1] = xt_iq1(g1, qh & 0x8000u);
-        }
-    } else {  // IQ1_M: a nibble a group in qh (3 high index bits, the delta's sign)
+        for (int e = 0; e < 4; ++e)
+            xt_tab64(tab, DQ_TAB_IQ1 + 8 * (int)(((lo >> (8 * e)) & 255u) | (((qh >> (3 * e)) & 7u) << 8)),
+                     w.q[2 * e], w.q[2 * e + 1]);
+    } else {  // IQ1_M: g, a nibble a group in qh (3 high index bits, the group's delta sign)
         static_assert(QT == 29, "a quantised type without a word decoder");
         dq_iq1m_head(b, j, w);
         const dq_u32 lo = xt_u16(b + 4 * j) | (xt_u16(b + 2 + 4 * j) << 16), qh = xt_u16(b + 32 + 2 * j);
+        w.delta = ((qh >> 3) & 1u) | ((qh >> 6) & 2u) | ((qh >> 9) & 4u) | ((qh >> 12) & 8u);
         XT_UNROLL
-        for (int e = 0; e < 4; ++e) {
-            const dq_u32 n = (qh >> (4 * e)) & 15u;
-            dq_u32 g0, g1;
-            xt_tab64(tab, DQ_TAB_IQ1 + 8 * (int)(((lo >> (8 * e)) & 255u) | ((n & 7u) << 8)), g0, g1);
-            w.q[2 * e] = xt_iq1(g0, n & 8u);
-            w.q[2 * e + 1] = xt_iq1(g1, n & 8u);
-        }
+        for (int e = 0; e < 4; ++e)
+            xt_tab64(tab, DQ_TAB_IQ1 + 8 * (int)(((lo >> (8 * e)) & 255u) | (((qh >> (4 * e)) & 7u) << 8)),
+                     w.q[2 * e], w.q[2 * e + 1]);
     }
 }
 
@@ -392,12 +387,30 @@ template <int QT> DQ_FN void xt_act_sums(XtAct& A) {
 }
 
 // ---- the term ---------------------------------------------------------------------------------------------------
+// code v of a decoded sub-block (before its fold): a byte or int16 of the words, IQ1's 8 g + delta
+template <int QT> DQ_FN int xt_code(const XtW<QT>& w, int v) {
+    constexpr int PER = 32 / XtTraits<QT>::WORDS, BITS = 32 / PER;
+    const int c = (int)(w.q[v / PER] << (32 - BITS * (v % PER + 1))) >> (32 - BITS);
+    if constexpr (XtTraits<QT>::IQ1) return 8 * c + (((w.delta >> (v >> 3)) & 1u) ? -1 : 1);
+    return c;
+}
+
 // isum = fold0 * (the low half's integer dot) + fold1 * (the high half's): exact (|isum| < 2^24, docs/quant-types.md)
 template <int QT> DQ_FN int xt_isum(const XtW<QT>& w, const XtAct& A) {
     int half[2] = {0, 0};
     if (XtTraits<QT>::WORDS == 8) {
         XT_UNROLL
         for (int k = 0; k < 8; ++k) half[k >> 2] = xt_dp4a(w.q[k], A.a[k], half[k >> 2]);
+        if constexpr (XtTraits<QT>::IQ1) {  // 8 (g . a) + delta (1 . a), the deltas as words of bytes 1 or -1
+            int dl[2] = {0, 0};
+            XT_UNROLL
+            for (int e = 0; e < 4; ++e) {
+                const dq_u32 D = 0x01010101u | (0u - ((w.delta >> e) & 1u));
+                dl[e >> 1] = xt_dp4a(D, A.a[2 * e + 1], xt_dp4a(D, A.a[2 * e], dl[e >> 1]));
+            }
+            half[0] = 8 * half[0] + dl[0];
+            half[1] = 8 * half[1] + dl[1];
+        }
     } else {  // word k: values 2k, 2k + 1 (int16), activation bytes (2k) % 4, + 1 of word k / 2
         XT_UNROLL
         for (int k = 0; k < 16; k += 2) {
