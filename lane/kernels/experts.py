@@ -53,15 +53,22 @@ def _qtype(q):
 TUNED = (_T.IQ3_S, _T.Q4_K, _T.Q8_0)
 MMA_TYPES = TUNED + (_T.Q6_K,)  # experts_mma.cuh's MMA_TYPE: decode_frag's types
 FLOATS = (_T.F32, _T.F16, _T.BF16)
-# generic types whose decode reads decode.cuh's table blob (a copy at shared offset 0: expert_decode.cuh's TabSmem)
-TABLE_TYPES = (_T.IQ2_XXS, _T.IQ2_XS, _T.IQ2_S, _T.IQ3_XXS, _T.IQ1_S, _T.IQ1_M, _T.IQ4_NL, _T.IQ4_XS)
+# generic types whose decode reads decode.cuh's table blob, and the table each reads (a copy of that part at shared
+# offset 0: expert_decode.cuh's TabSmem)
+TABLE_PARTS = {_T.IQ2_XXS: "IQ2XXS", _T.IQ2_XS: "IQ2XS", _T.IQ2_S: "IQ2S", _T.IQ3_XXS: "IQ3XXS", _T.IQ1_S: "IQ1",
+               _T.IQ1_M: "IQ1", _T.IQ4_NL: "IQ4NL", _T.IQ4_XS: "IQ4NL"}
+TABLE_TYPES = tuple(TABLE_PARTS)
 
 
 def table_bytes(qt, iq3_fast: int) -> int:
     """Shared bytes at offset 0 of a kernel reading weights of type qt (experts.cu's GU_TBL / DN_TBL)."""
     if qt == _T.IQ3_S:
         return GRID_SIGNED_BYTES if iq3_fast else GRID_PLAIN_BYTES
-    return -(-decode_tables.offsets()["BYTES"] // 16) * 16 if qt in TABLE_TYPES else 0
+    if qt not in TABLE_PARTS:
+        return 0
+    off = decode_tables.offsets()
+    start = off[TABLE_PARTS[qt]]
+    return -(-(min(v for v in off.values() if v > start) - start) // 16) * 16
 
 
 def simt_tile(qt_gate_up, tuning: "Tuning") -> int:
