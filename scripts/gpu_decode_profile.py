@@ -17,8 +17,8 @@ For each cache fraction: a prompt is read, then
            graph, PDL overlap and boundary waits included (the second launch finds its weights in L2: an estimate of
            what removing the launch would save, not of its bytes).
   plans    (every expert on the card, --plan-sweep) the step's ms with one mat-vec shape of the step (the qkv, o,
-           router weights; not the LM head) on each other plan of weights.PLANS in turn: the plans inside the real
-           graph, where the dense bench times them alone.
+           router and head weights) on each other plan of weights.PLANS in turn, and a mix's stacked qkv pair on
+           each of PAIR_PLANS: the plans inside the real graph, where the dense bench times them alone.
   timeline (--timeline; needs the cupti-python package) the replayed step's kernels as the GPU ran them, from
            CUPTI's kernel records (the device machine has no nsys): per kernel name its launches a step, its device
            time (start to end, PDL's early start included), what it adds to the step's critical path (its end
@@ -168,33 +168,41 @@ def plan_sweep(card, kv, prompt, tokens: int, pairs: int = 2) -> dict:
     """Each mat-vec shape of the step given each other plan in turn (the rest at their defaults): the step's ms
     against the default's, measured in `pairs` alternating pairs from the same position (the cache cut back to
     where the sweep began), the delta the median of the pairs' (a sweep with one base run and the positions
-    advancing through it read 0.2 ms apart for two entries that ran the same kernel, session 16)."""
-    default = weights.default_plan
-    shapes = set()
+    advancing through it read 0.2 ms apart for two entries that ran the same kernel, session 16). The single
+    weights (weights.default_plan over PLANS) and the stacked pairs of a mix's qkv (weights.pair_plan over
+    PAIR_PLANS; qtype -1 in the output)."""
     start = kv.length
-
-    def spy(qtype, rows, cols):
-        shapes.add((int(qtype), int(rows), int(cols)))
-        return default(qtype, rows, cols)
-
-    def step_ms(plans) -> float:
-        kv.truncate(start)
-        return patched_ms(card, kv, prompt, tokens, (weights,), "default_plan", plans)
-
-    base = [step_ms(spy)]
-    out = []
     # (4, 1) is the tall matrices' default (the LM head) and has no norm_matvec instance: never an alternative
-    for shape in sorted(shapes):
-        for plan in (p for p in weights.PLANS if p not in ((4, 1), default(*shape))):
-            def pick(qtype, rows, cols, shape=shape, plan=plan):
-                return plan if (int(qtype), int(rows), int(cols)) == shape else default(qtype, rows, cols)
+    chooser = {"default_plan": (weights.default_plan, weights.PLANS, lambda q, r, c: (int(q), int(r), int(c))),
+               "pair_plan": (weights.pair_plan, weights.PAIR_PLANS, lambda r, c: (-1, int(r), int(c)))}
+    shapes = {attr: {} for attr in chooser}  # key -> the arguments of a call
 
-            runs = [(step_ms(default), step_ms(pick)) for _ in range(pairs)]
-            base += [b for b, _ in runs]
-            out.append({"qtype": shape[0], "rows": shape[1], "cols": shape[2], "default": list(default(*shape)),
-                        "plan": list(plan), "step_ms": round(statistics.median(c for _, c in runs), 4),
-                        "delta_ms": round(statistics.median(c - b for b, c in runs), 4),
-                        "pairs": [[round(b, 4), round(c, 4)] for b, c in runs]})
+    def step_ms(attr, fn) -> float:
+        kv.truncate(start)
+        return patched_ms(card, kv, prompt, tokens, (weights,), attr, fn)
+
+    def spied(attr):
+        default, _, key = chooser[attr]
+
+        def spy(*a):
+            shapes[attr][key(*a)] = a
+            return default(*a)
+        return spy
+
+    base = [step_ms(attr, spied(attr)) for attr in chooser]
+    out = []
+    for attr, (default, plans, key) in chooser.items():
+        for shape, args in sorted(shapes[attr].items(), key=lambda e: e[0]):
+            for plan in (p for p in plans if p not in ((4, 1), default(*args))):
+                def pick(*a, shape=shape, plan=plan, default=default, key=key):
+                    return plan if key(*a) == shape else default(*a)
+
+                runs = [(step_ms(attr, default), step_ms(attr, pick)) for _ in range(pairs)]
+                base += [b for b, _ in runs]
+                out.append({"qtype": shape[0], "rows": shape[1], "cols": shape[2], "default": list(default(*args)),
+                            "plan": list(plan), "step_ms": round(statistics.median(c for _, c in runs), 4),
+                            "delta_ms": round(statistics.median(c - b for b, c in runs), 4),
+                            "pairs": [[round(b, 4), round(c, 4)] for b, c in runs]})
     card._graphs.clear()
     return {"step_ms": round(statistics.median(base), 4), "pairs": pairs, "plans": out}
 
