@@ -58,6 +58,11 @@ tree_tag() {  # a tree of ab / experts-ab as its JSON names it: . -> this, _abN 
     case $1 in .) echo this ;; *) echo "${1#_}" ;; esac
 }
 
+experts_bench() {  # the command of the expert kernels' bench in this directory's tree (a script before session 24)
+    if [ -f scripts/gpu_experts_bench.py ]; then echo python3 scripts/gpu_experts_bench.py
+    else echo python3 -m stratad.cli bench --scenario experts; fi
+}
+
 model() {  # path preset args...
     while [ -f /tmp/model-making ]; do sleep 2; done  # a batch's background model
     [ -f "$1" ] || python3 -m stratad.cli make-model --preset a3b --expert-quant IQ3_S --out "$@" | tail -1
@@ -136,15 +141,15 @@ experts-ab)  # the decode expert kernels alone (8 pairs, and 8 tokens x 8), on t
     for round in 1 2; do
         for tree in . _ab*; do
             [ -d "$tree" ] || continue
-            (cd "$tree" && PYTHONPATH=/tmp/site:$PWD timeout 120 python3 scripts/gpu_experts_bench.py --types IQ3_S \
+            (cd "$tree" && PYTHONPATH=/tmp/site:$PWD timeout 120 $(experts_bench) --types IQ3_S \
                 --cases decode8,decode8c,tok8x8 --variants default --json "$OUT/experts-$(tree_tag "$tree")-$round.json" 2>&1 |
-                grep "^{" | cut -c1-150 | sed "s|^|$tree: |")
+                grep '^{"' | cut -c1-150 | sed "s|^|$tree: |")
         done
     done
     ;;
 experts-decode)  # the decode expert kernels: gate/up groups over one block or two
-    timeout 200 python3 scripts/gpu_experts_bench.py --types IQ3_S --cases decode8,tok8x8 \
-        --variants default,split2,split2-gu8w --json "$OUT/experts-decode.json" 2>&1 | grep "^{"
+    timeout 200 $(experts_bench) --types IQ3_S --cases decode8,tok8x8 \
+        --variants default,split2,split2-gu8w --json "$OUT/experts-decode.json" 2>&1 | grep '^{"' 
     ;;
 profile)
     model "$A3B" --router-skew 1.0
@@ -192,8 +197,8 @@ engine-card)
         --json "$OUT/profile-card.json" 2>&1 | tail -2
     ;;
 experts-prompt)
-    timeout 400 python3 scripts/gpu_experts_bench.py --prompt --types IQ3_S \
-        --variants default,mma-unroll1,mma-prefetch,mma-prefetch-unroll1,mma-mpw4 --json "$OUT/experts-prompt.json" 2>&1 | grep "^{"
+    timeout 400 $(experts_bench) --prompt --types IQ3_S \
+        --variants default,mma-unroll1,mma-prefetch,mma-prefetch-unroll1,mma-mpw4 --json "$OUT/experts-prompt.json" 2>&1 | grep '^{"' 
     ;;
 seed13 | seed2)
     model "$SEED" --router-skew 0.7 --topics 2
@@ -294,9 +299,9 @@ ncu)
         # the stall reasons, cycles a warp spends in each per issued instruction, largest first
         grep -E "issue_stalled_.*ratio" "$OUT/ncu-$name.txt" | sed 's/  */ /g' | awk '{print $NF, $1}' | sort -gr | head -6
     }
-    prof decode-gateup "expert_gateup$" 5 python3 scripts/gpu_experts_bench.py --types IQ3_S --cases decode8 --iters 2 --reps 2
-    prof decode-down "expert_down$" 5 python3 scripts/gpu_experts_bench.py --types IQ3_S --cases decode8 --iters 2 --reps 2
-    prof prompt-gateup-mma "expert_gateup_mma" 3 python3 scripts/gpu_experts_bench.py --prompt --types IQ3_S --iters 2
+    prof decode-gateup "expert_gateup$" 5 python3 -m stratad.cli bench --scenario experts --types IQ3_S --cases decode8 --iters 2 --reps 2
+    prof decode-down "expert_down$" 5 python3 -m stratad.cli bench --scenario experts --types IQ3_S --cases decode8 --iters 2 --reps 2
+    prof prompt-gateup-mma "expert_gateup_mma" 3 python3 -m stratad.cli bench --scenario experts --prompt --types IQ3_S --iters 2
     prof decode-attn "attn_split_hd128" 20 python3 scripts/gpu_dense_bench.py --sections attention
     model "$A3B" --router-skew 1.0
     prof prompt-flash "attn_flash_prefill_128" 30 python3 scripts/gpu_prefill_profile.py --model "$A3B" --fractions 1.0 \

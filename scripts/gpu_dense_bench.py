@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gguf import GGMLQuantizationType as T  # noqa: E402
 
-from gpu_timing import graph_ms  # noqa: E402
+from stratad.bench.graph_timing import graph_ms  # noqa: E402
 from lane.kernels import (attention, device, embedding, gemm, matvec, norm, rope_kv, router, sampling,  # noqa: E402
                           weights)
 from stratad.model import quants  # noqa: E402

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -188,8 +189,12 @@ def _bench(a) -> int:
 
     from stratad.bench import hardware
 
+    gpu = a.scenario in ("engine", "experts") or (a.scenario in ("seed", "agents")
+                                                 and any(c != "cpu" for c in a.cards.split(",")))
+    if gpu:
+        hardware.need_gpu(a.scenario)
     model = a.model
-    if model is None:
+    if model is None and a.scenario != "experts":
         from stratad.model.generator import make_model
 
         topics = "-topics2" if a.scenario == "seed" else ""
@@ -197,8 +202,6 @@ def _bench(a) -> int:
         if not Path(model).exists():
             Path(a.cache_dir).mkdir(parents=True, exist_ok=True)
             make_model(model, a.preset, a.expert_quant, "Q8_0", a.router_skew, 0, topics=2 if a.scenario == "seed" else 1)
-    gpu = a.scenario == "engine" or (a.scenario in ("seed", "agents")
-                                     and any(c != "cpu" for c in a.cards.split(",")))
     if a.scenario == "overhead":
         from stratad.bench import overhead
 
@@ -209,6 +212,10 @@ def _bench(a) -> int:
         out = engine.run(model, fractions=[float(x) for x in a.fractions.split(",")],
                          contexts=[int(x) for x in a.contexts.split(",")], tokens=a.tokens,
                          host_experts=a.host_experts, prompt_chunk=a.prompt_chunk)
+    elif a.scenario == "experts":
+        from stratad.bench import experts
+
+        out = experts.run(experts.Options(**{f.name: getattr(a, f.name) for f in dataclasses.fields(experts.Options)}))
     elif a.scenario == "agents":
         from stratad.bench import agents
 
@@ -278,7 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=_serve)
 
     b = sub.add_parser("bench", help="measure; JSON with hardware, floor and fraction reached")
-    b.add_argument("--scenario", choices=["overhead", "engine", "seed", "agents"], default="overhead")
+    b.add_argument("--scenario", choices=["overhead", "engine", "seed", "agents", "experts"], default="overhead")
     b.add_argument("--model", help="GGUF to use; default: generate --preset into --cache-dir")
     b.add_argument("--preset", choices=["tiny", "mini", "a3b"], default="tiny")
     b.add_argument("--expert-quant", default="IQ3_S", choices=["IQ3_S", "Q4_K", "Q8_0"])
@@ -303,6 +310,18 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--new-tokens", type=int, default=512, help="agents: new tokens in each follow-up turn")
     b.add_argument("--kv-cache-host", default="0.25", help="agents: the host conversation cache (config "
                                                            "kv_cache_host) of the run with it")
+    b.add_argument("--types", default="all", help="experts: comma list of expert types, or all")
+    b.add_argument("--variants", default="default", help="experts: comma list of kernel tunings (stratad/bench/"
+                                                         "experts.py VARIANTS); 'TYPE:VARIANT' for one type only")
+    b.add_argument("--cases", default="decode8,decode8c", help="experts: decode8, decode8c, tok8x8, tok32x8, shared256")
+    b.add_argument("--slots", type=int, default=128, help="experts: experts in the card's pool the runs rotate over")
+    b.add_argument("--reps", type=int, default=16, help="experts: runs (pair lists) a captured graph")
+    b.add_argument("--iters", type=int, default=20, help="experts: graph replays a timing")
+    b.add_argument("--d-model", type=int, default=2048, help="experts: the expert's input width")
+    b.add_argument("--d-ff", type=int, default=768, help="experts: the expert's hidden width")
+    b.add_argument("--prompt", action="store_true", help="experts: the tiled kernels on a prompt chunk's layer")
+    b.add_argument("--prompt-tokens", type=int, default=1024, help="experts --prompt: tokens of the chunk")
+    b.add_argument("--skew", type=float, default=1.0, help="experts --prompt: the router's skew")
     b.add_argument("--json", help="also write the JSON here")
     b.set_defaults(fn=_bench)
     return p
@@ -310,7 +329,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
-    return exits.run(lambda: a.fn(a), {ModelFormatError: 2})
+    from stratad.bench.hardware import NoGpu
+
+    return exits.run(lambda: a.fn(a), {ModelFormatError: 2, NoGpu: 2})
 
 
 if __name__ == "__main__":

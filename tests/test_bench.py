@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from stratad.model.generator import make_model
 
 
@@ -53,3 +55,22 @@ def test_prompt_flops_per_token(tmp_path):
         attention = 2 * c.n_head * c.head_dim * (ctx + 1) / 2
         want = 2.0 * c.n_layer * (per_layer_dense + experts + attention)
         assert prompt_flops_per_token(m, ctx) == want
+
+
+def test_gpu_scenarios_without_a_gpu_name_the_scenario_and_the_cause(tmp_path):
+    """engine and experts need a CUDA GPU: where CuPy cannot reach one, one line naming the benchmark and why,
+    exit 2, and no model made (skipped where a GPU answers)."""
+    try:
+        import cupy
+
+        cupy.cuda.runtime.getDeviceCount()
+        pytest.skip("a GPU answers here")
+    except Exception:  # noqa: BLE001 - no CuPy, or no device
+        pass
+    for scenario in ("experts", "engine"):
+        r = subprocess.run([sys.executable, "-m", "stratad.cli", "bench", "--scenario", scenario, "--cache-dir",
+                            str(tmp_path)], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2, r.stderr[-2000:]
+        assert r.stderr.startswith(f"error: the {scenario} benchmark runs on a CUDA GPU"), r.stderr
+        assert "Traceback" not in r.stderr
+    assert not list(tmp_path.iterdir())

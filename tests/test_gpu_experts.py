@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
 
+from stratad.bench.experts import VARIANTS
 from stratad.engine import canonical
 from stratad.model.quants import decode_int, random_rows
 
@@ -173,23 +174,10 @@ def run_case(cp, rng, qgu, qdn, d_model, d_ff, n_slots, n_tokens, n_pairs, max_p
 
 # ---- GPU tests ----------------------------------------------------------------------------------------------------
 
-VARIANT_TUNINGS = [  # keep in step with scripts/gpu_experts_bench.py VARIANTS
-    {"iq3_fast": 0},
-    {"gu_warps": 32, "gu_min_blocks": 1},
-    {"gu_warps": 8, "gu_min_blocks": 3},
+# every tuning the bench offers (stratad bench --scenario experts --variants), and two more shapes of the launch
+VARIANT_TUNINGS = [t for t in VARIANTS.values() if t] + [
     {"gu_warps": 4, "gu_min_blocks": 4, "iq3_fast": 0},
-    {"gu_stages": 2, "dn_stages": 4, "dn_rows": 8},
     {"dn_rows": 2, "dn_min_blocks": 1},
-    {"mma_mpw": 1},
-    {"mma_mpw": 4},
-    {"mma_prefetch": 1},
-    {"mma_prefetch": 1, "mma_mpw": 4},
-    {"mma_unroll": 1},
-    {"mma_prefetch": 1, "mma_unroll": 1},
-    {"prompt": "simt"},
-    {"prompt": "simt", "tile_p": 16},
-    {"prompt": "simt", "tile_p": 16, "gu_stages": 2},
-    {"prompt": "simt", "tile_p": 4},
 ]
 
 SHAPES = [

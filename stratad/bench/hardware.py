@@ -97,6 +97,21 @@ def gpu_gemm_tflops(cp, n: int = 8192, iters: int = 10) -> tuple[float, list[flo
     return best / 1e3, [r / 1e3 for r in runs]
 
 
+class NoGpu(RuntimeError):
+    """A GPU benchmark asked for where CuPy cannot reach a CUDA device."""
+
+
+def need_gpu(scenario: str):
+    """The cupy module, or NoGpu naming the scenario and why."""
+    try:
+        import cupy
+
+        cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:  # noqa: BLE001 - ImportError, or CUDA's own error types (no driver, no device)
+        raise NoGpu(f"the {scenario} benchmark runs on a CUDA GPU through CuPy: {type(e).__name__}: {e}") from None
+    return cupy
+
+
 def gpu_info(cp) -> dict:
     """The current CUDA device, its software and (where nvidia-smi answers) its clocks and power now."""
     import subprocess

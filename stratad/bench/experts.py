@@ -1,5 +1,6 @@
-#!/usr/bin/env python3
-"""Time the GPU expert kernels (lane/kernels/experts.py) at the a3b shape and compare with copy bandwidth.
+"""The GPU expert kernels (lane/kernels/experts.py) at the a3b shape against the card's copy rate, per expert type:
+`stratad bench --scenario experts`. Each result holds its fraction of the copy rate (issue #27 asks >= 20 % of
+every type's decode kernels) and whether the kernels gave canonical.expert's bits.
 
 Cases (max_pairs = 256 for all, so one captured graph serves every size; n_pairs lives on the device):
   decode8    one token x 8 experts (8 distinct slots)            - decode
@@ -8,32 +9,29 @@ Cases (max_pairs = 256 for all, so one captured graph serves every size; n_pairs
   tok8x8     8 tokens x 8 experts, router order (~64 slots)      - small prefill chunk
   tok32x8    32 tokens x 8 experts, router order (~110 slots)    - prefill chunk
   shared256  32 tokens all on the same 8 slots, sorted by slot   - weight reuse across pairs
-Each timed unit is a CUDA graph of --reps runs over different pair lists (rotating over a pool of --slots experts,
-more than the L2 holds), replayed --iters times between CUDA events; time per run = total / (iters * reps).
+Each timed unit is a CUDA graph of `reps` runs over different pair lists (rotating over a pool of `slots` experts,
+more than the L2 holds), replayed `iters` times between CUDA events; time per run = total / (iters * reps).
 Bytes = distinct slots a run touches x slot bytes (the weights; activations are < 0.1 %). The copy ceiling is a
-device-to-device memcpy of 1 GiB, counting bytes read plus written. Prints a table last; --json writes everything.
+device-to-device memcpy of 1 GiB, counting bytes read plus written.
 
---prompt times the tiled kernels (run_tiled) on one layer of a prompt chunk instead: --prompt-tokens tokens x 8
+prompt=True times the tiled kernels (run_tiled) on one layer of a prompt chunk instead: `prompt_tokens` tokens x 8
 experts routed over 128 experts with a skewed router (expert e drawn with weight (e + 1)^-skew), pairs grouped by
-expert and cut into tiles as build_pairs does; reports us per chunk-layer, the chunk's expert time over 48 layers,
+expert and cut into tiles as build_pairs does; reports ms per chunk-layer, the chunk's expert time over 48 layers,
 and the integer MAC rate (3 x d_model x d_ff MACs a pair), each variant's bits checked against canonical.expert on
 a sample of pairs.
 """
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import json
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from gpu_timing import graph_ms  # noqa: E402
-from stratad.engine import canonical  # noqa: E402
-from stratad.model.quants import decode_int, parse_type, random_rows  # noqa: E402
+from stratad.bench.graph_timing import graph_ms
+from stratad.engine import canonical
+from stratad.model.quants import decode_int, parse_type, random_rows
 
 F32 = np.float32
 VARIANTS = {  # Tuning overrides (lane/kernels/experts.py); tests/test_gpu_experts.py checks each one's bits
@@ -74,10 +72,10 @@ def make_pairs(rng, case, perm, r, max_pairs):
     return a, len(pr), len({p[1] for p in pr})
 
 
-def bench_type(cp, qt, variant, args, copy_bw, rng):
+def bench_type(cp, qt, variant, opts: "Options", copy_bw, rng) -> dict:
     from lane.kernels.experts import ExpertKernels, Tuning, combine_rows_ref
 
-    d_model, d_ff, max_pairs = args.d_model, args.d_ff, 256
+    d_model, d_ff, max_pairs = opts.d_model, opts.d_ff, 256
     k = ExpertKernels(d_model, d_ff, qt, qt, max_pairs, tuning=Tuning(**VARIANTS[variant]))
     n_uniq = 16
     uniq = []
@@ -86,8 +84,8 @@ def bench_type(cp, qt, variant, args, copy_bw, rng):
                      random_rows(qt, rng, d_ff, d_model, 1 / np.sqrt(d_model)),
                      random_rows(qt, rng, d_model, d_ff, 1 / np.sqrt(d_ff))))
     uniq_dev = cp.asarray(np.stack([k.pack_slot(*m) for m in uniq]))
-    pool = cp.empty((args.slots, k.slot_stride), cp.uint8)
-    for s in range(args.slots):
+    pool = cp.empty((opts.slots, k.slot_stride), cp.uint8)
+    for s in range(opts.slots):
         pool[s] = uniq_dev[s % n_uniq]
     T_ = 32
     x = rng.standard_normal((T_, d_model), dtype=F32)
@@ -99,7 +97,7 @@ def bench_type(cp, qt, variant, args, copy_bw, rng):
     res = {"qtype": qt.name, "variant": variant, "layout": k.describe(), "cases": {}}
 
     # exactness spot check on the a3b shape: one decode set against canonical.expert
-    perm = rng.permutation(args.slots)
+    perm = rng.permutation(opts.slots)
     pr, n, _ = make_pairs(rng, "decode8", perm, 0, max_pairs)
     pairs = cp.asarray(pr)
     n_dev = cp.asarray(np.array([n], np.int32))
@@ -120,19 +118,19 @@ def bench_type(cp, qt, variant, args, copy_bw, rng):
     cp.cuda.get_current_stream().synchronize()
     res["exact_decode8c"] = bool(np.array_equal(xr.get().view(np.uint32), want_x.view(np.uint32)))
 
-    for case in args.cases.split(","):
+    for case in opts.cases.split(","):
         combine = cmb if case == "decode8c" else None  # x keeps adding up over the timed runs: only its time counts
-        sets = [make_pairs(rng, case.rstrip("c"), perm, r, max_pairs) for r in range(args.reps)]
+        sets = [make_pairs(rng, case.rstrip("c"), perm, r, max_pairs) for r in range(opts.reps)]
         pairs_l = [cp.asarray(s[0]) for s in sets]
         n_dev = cp.asarray(np.array([sets[0][1]], np.int32))
         distinct = float(np.mean([s[2] for s in sets]))
         runs = [lambda p=p: k.run(pool.data.ptr, p, n_dev, qa, da, out, combine, stream=stream) for p in pairs_l]
         gus = [lambda p=p: k.run_gate_up(pool.data.ptr, p, n_dev, qa, da, stream=stream) for p in pairs_l]
         dns = [lambda p=p: k.run_down(pool.data.ptr, p, n_dev, out, combine, stream=stream) for p in pairs_l]
-        t_run = graph_ms(cp, stream, runs, args.iters, 2)
-        t_gu = graph_ms(cp, stream, gus, args.iters, 2)
-        t_dn = graph_ms(cp, stream, dns, args.iters, 2)
-        per = args.iters * args.reps
+        t_run = graph_ms(cp, stream, runs, opts.iters, 2)
+        t_gu = graph_ms(cp, stream, gus, opts.iters, 2)
+        t_dn = graph_ms(cp, stream, dns, opts.iters, 2)
+        per = opts.iters * opts.reps
         us = [t * 1e3 / per for t in t_run]
         us_gu = [t * 1e3 / per for t in t_gu]
         us_dn = [t * 1e3 / per for t in t_dn]
@@ -149,7 +147,7 @@ def bench_type(cp, qt, variant, args, copy_bw, rng):
         }
         res["cases"][case]["frac_copy"] = res["cases"][case]["GBps"] / copy_bw
     stream.synchronize()
-    del pool, uniq_dev
+    pool = uniq_dev = None  # before the pool gives their blocks back
     cp.get_default_memory_pool().free_all_blocks()
     return res
 
@@ -166,13 +164,13 @@ def prompt_pairs(rng, n_tok: int, n_expert: int, k: int, skew: float, tile_p: in
     return (pairs, *tiles_ref(pairs[:, 1], max_tiles(len(pr), n_expert, tile_p), tile_p))
 
 
-def bench_prompt(cp, qt, variant, args, rng):
+def bench_prompt(cp, qt, variant, opts: "Options", rng) -> dict:
     from lane.kernels.experts import ExpertKernels, Tuning
 
-    d_model, d_ff, n_expert, T_ = args.d_model, args.d_ff, 128, args.prompt_tokens
+    d_model, d_ff, n_expert, T_ = opts.d_model, opts.d_ff, 128, opts.prompt_tokens
     tuning = Tuning(**VARIANTS[variant])
     k = ExpertKernels(d_model, d_ff, qt, qt, T_ * 8, tuning=tuning)
-    pairs_h, tiles_h, n_tiles = prompt_pairs(rng, T_, n_expert, 8, args.skew, k.tile_p)  # tiles of k's prompt kernel
+    pairs_h, tiles_h, n_tiles = prompt_pairs(rng, T_, n_expert, 8, opts.skew, k.tile_p)  # tiles of k's prompt kernel
     P = pairs_h.shape[0]
     mats = [(random_rows(qt, rng, d_ff, d_model, 1 / np.sqrt(d_model)),
              random_rows(qt, rng, d_ff, d_model, 1 / np.sqrt(d_model)),
@@ -189,8 +187,8 @@ def bench_prompt(cp, qt, variant, args, rng):
     pairs, tiles = cp.asarray(pairs_h), cp.asarray(tiles_h)
     n_dev = cp.asarray(np.array([n_tiles], np.int32))
     stream = cp.cuda.Stream(non_blocking=True)
-    run = [lambda: k.run_tiled(pool.data.ptr, pairs, tiles, n_dev, qa, da, out, stream=stream)]
-    ms = [t / args.iters for t in graph_ms(cp, stream, run, args.iters, 2)]
+    tiled = [lambda: k.run_tiled(pool.data.ptr, pairs, tiles, n_dev, qa, da, out, stream=stream)]
+    ms = [t / opts.iters for t in graph_ms(cp, stream, tiled, opts.iters, 2)]
     qa_ref, da_ref = canonical.quantize_act(x)
     got = out.get()
     sample = rng.choice(P, 16, replace=False)
@@ -198,77 +196,86 @@ def bench_prompt(cp, qt, variant, args, rng):
                                      qa_ref[pairs_h[i, 0]:pairs_h[i, 0] + 1], da_ref[pairs_h[i, 0]:pairs_h[i, 0] + 1])[0]
                     for i in sample])
     best = min(ms)
-    del pool, packed
+    pool = packed = None
     cp.get_default_memory_pool().free_all_blocks()
     return {"qtype": qt.name, "variant": variant, "layout": k.describe(), "tokens": T_, "pairs": P,
-            "tiles": n_tiles, "skew": args.skew, "ms_per_layer": ms, "ms_chunk_48_layers": 48 * best,
+            "tiles": n_tiles, "skew": opts.skew, "ms_per_layer": ms, "ms_chunk_48_layers": 48 * best,
             "tmac_s": P * 3 * d_model * d_ff / (best * 1e-3) / 1e12,
             "exact_sample": bool(np.array_equal(got[sample].view(np.uint32), ref.view(np.uint32)))}
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--json", default=None, help="write all results here")
-    ap.add_argument("--types", default="IQ3_S,Q4_K,Q8_0")
-    ap.add_argument("--variants", default="default", help=f"comma list of {list(VARIANTS)}; 'type:variant' "
-                                                           "restricts one to a type")
-    ap.add_argument("--cases", default="decode8,tok8x8,tok32x8,shared256")
-    ap.add_argument("--slots", type=int, default=128)
-    ap.add_argument("--reps", type=int, default=16)
-    ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--d-model", type=int, default=2048)
-    ap.add_argument("--d-ff", type=int, default=768)
-    ap.add_argument("--prompt", action="store_true", help="time the tiled kernels on a prompt chunk's layer")
-    ap.add_argument("--prompt-tokens", type=int, default=1024)
-    ap.add_argument("--skew", type=float, default=1.0)
-    args = ap.parse_args()
+FRACTION_MIN = 0.2  # issue #27: no type's decode kernels below this fraction of the copy rate
 
+
+@dataclasses.dataclass
+class Options:
+    """What `stratad bench --scenario experts` varies (its flags of the same names)."""
+    types: str = "all"  # comma list of expert types, or all
+    variants: str = "default"  # comma list of VARIANTS; 'type:variant' applies to that type only
+    cases: str = "decode8,decode8c"
+    slots: int = 128
+    reps: int = 16
+    iters: int = 20
+    d_model: int = 2048
+    d_ff: int = 768
+    prompt: bool = False
+    prompt_tokens: int = 1024
+    skew: float = 1.0
+
+
+def _types(spec: str) -> list[str]:
+    from stratad.model import quants
+
+    return [t.name for t in quants.EXPERT_TYPES] if spec == "all" else spec.split(",")
+
+
+def run(opts: Options) -> dict:
+    """Every type and variant asked for; a progress line a result on stderr, a table at the end."""
     import cupy as cp
 
-    from stratad.bench.hardware import gpu_copy_bandwidth, gpu_info
+    from stratad.bench.hardware import gpu_copy_bandwidth
 
-    info = gpu_info(cp)
     copy_bw, copy_all = gpu_copy_bandwidth(cp)
-    info["copy_GBps"] = copy_bw
-    info["copy_GBps_runs"] = copy_all
     rng = np.random.default_rng(int(time.time()))
     results = []
-    if args.prompt:
-        for tname in args.types.split(","):
-            for v in args.variants.split(","):
-                r = bench_prompt(cp, parse_type(tname), v, args, rng)
-                results.append(r)
-                print(json.dumps({k: r[k] for k in ("qtype", "variant", "tiles", "ms_chunk_48_layers", "tmac_s",
-                                                     "exact_sample")}), flush=True)
-        if args.json:
-            Path(args.json).write_text(json.dumps({"info": info, "args": vars(args), "results": results}, indent=1))
-        return
-    for tname in args.types.split(","):
+    for tname in _types(opts.types):
         qt = parse_type(tname)
-        for v in args.variants.split(","):
+        for v in opts.variants.split(","):
             if ":" in v:
                 vt, v = v.split(":")
                 if vt != tname:
                     continue
             t0 = time.time()
-            r = bench_type(cp, qt, v, args, copy_bw, rng)
+            if opts.prompt:
+                r = bench_prompt(cp, qt, v, opts, rng)
+                line = {k: r[k] for k in ("qtype", "variant", "tiles", "ms_chunk_48_layers", "tmac_s", "exact_sample")}
+            else:
+                r = bench_type(cp, qt, v, opts, copy_bw, rng)
+                if "decode8" in r["cases"]:
+                    r["fraction"] = round(r["cases"]["decode8"]["frac_copy"], 4)
+                line = {"type": tname, "variant": v, "exact": r["exact_decode8"] and r["exact_decode8c"],
+                        "fraction": r.get("fraction"), **{c: round(d["us_run"][0], 2) for c, d in r["cases"].items()}}
             r["wall_s"] = time.time() - t0
             results.append(r)
-            print(json.dumps({"type": tname, "variant": v, "exact": r["exact_decode8"] and r["exact_decode8c"],
-                              **{c: round(d["us_run"][0], 2) for c, d in r["cases"].items()}}), flush=True)
-    doc = {"info": info, "args": vars(args), "results": results}
-    if args.json:
-        Path(args.json).write_text(json.dumps(doc, indent=1))
-    print(f"\n{info['device']}  copy {copy_bw:.0f} GB/s (read+write)  {info.get('nvidia_smi', '')}")
-    print(f"{'type':6} {'variant':16} {'case':10} {'pairs':>5} {'slots':>6} {'us/run':>8} {'gu us':>7} {'dn us':>7} "
-          f"{'GB/s':>6} {'gu GB/s':>7} {'dn GB/s':>7} {'%copy':>6} {'floor':>6} exact")
-    for r in results:
+            print(json.dumps(line), file=sys.stderr, flush=True)
+    out = {"scenario": "experts", "options": dataclasses.asdict(opts), "copy_GBps": copy_bw, "copy_GBps_runs": copy_all,
+           "floor": "the weights a run reads (distinct slots x slot bytes) at the card's device-to-device copy rate "
+                    "(bytes read + written)", "results": results}
+    if not opts.prompt:
+        out["targets"] = {"fraction_min": FRACTION_MIN}
+        out["below_target"] = sorted({r["qtype"] for r in results if r.get("fraction", 1.0) < FRACTION_MIN})
+        _table(out)
+    return out
+
+
+def _table(doc: dict) -> None:
+    print(f"copy {doc['copy_GBps']:.0f} GB/s (read+write)", file=sys.stderr)
+    print(f"{'type':7} {'variant':16} {'case':10} {'pairs':>5} {'slots':>6} {'us/run':>8} {'gu us':>7} {'dn us':>7} "
+          f"{'GB/s':>6} {'gu GB/s':>7} {'dn GB/s':>7} {'%copy':>6} {'floor':>6} exact", file=sys.stderr)
+    for r in doc["results"]:
         for c, d in r["cases"].items():
-            print(f"{r['qtype']:6} {r['variant']:16} {c:10} {d['n_pairs']:5d} {d['distinct_slots']:6.1f} "
+            print(f"{r['qtype']:7} {r['variant']:16} {c:10} {d['n_pairs']:5d} {d['distinct_slots']:6.1f} "
                   f"{min(d['us_run']):8.2f} {min(d['us_gate_up']):7.2f} {min(d['us_down']):7.2f} {d['GBps']:6.0f} "
                   f"{d['GBps_gate_up']:7.0f} {d['GBps_down']:7.0f} {100 * d['frac_copy']:5.1f}% "
-                  f"{d['floor_us']:6.2f} {r['exact_decode8c' if c == 'decode8c' else 'exact_decode8']}")
-
-
-if __name__ == "__main__":
-    main()
+                  f"{d['floor_us']:6.2f} {r['exact_decode8c' if c == 'decode8c' else 'exact_decode8']}",
+                  file=sys.stderr)
