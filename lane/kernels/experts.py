@@ -66,9 +66,15 @@ def table_bytes(qt, iq3_fast: int) -> int:
         return GRID_SIGNED_BYTES if iq3_fast else GRID_PLAIN_BYTES
     if qt not in TABLE_PARTS:
         return 0
+    start, end = table_part(qt)
+    return -(-(end - start) // 16) * 16
+
+
+def table_part(qt) -> tuple[int, int]:
+    """The bytes [start, end) of decode.cuh's table blob a generic table type reads (TABLE_PARTS)."""
     off = decode_tables.offsets()
     start = off[TABLE_PARTS[qt]]
-    return -(-(min(v for v in off.values() if v > start) - start) // 16) * 16
+    return start, min(v for v in off.values() if v > start)
 
 
 def simt_tile(qt_gate_up, tuning: "Tuning") -> int:
