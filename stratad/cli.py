@@ -184,6 +184,16 @@ def _serve(a) -> int:
         return 2
 
 
+def _expert_types_arg(spec: str) -> str:
+    from stratad.bench.experts import expert_types
+
+    try:
+        expert_types(spec)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return spec
+
+
 def _bench(a) -> int:
     import datetime
 
@@ -310,7 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--new-tokens", type=int, default=512, help="agents: new tokens in each follow-up turn")
     b.add_argument("--kv-cache-host", default="0.25", help="agents: the host conversation cache (config "
                                                            "kv_cache_host) of the run with it")
-    b.add_argument("--types", default="all", help="experts: comma list of expert types, or all")
+    b.add_argument("--types", default="all", type=_expert_types_arg, help="experts: comma list of expert types, or all")
     b.add_argument("--variants", default="default", help="experts: comma list of kernel tunings (stratad/bench/"
                                                          "experts.py VARIANTS); 'TYPE:VARIANT' for one type only")
     b.add_argument("--cases", default="decode8,decode8c", help="experts: decode8, decode8c, tok8x8, tok32x8, shared256")

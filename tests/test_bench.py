@@ -74,3 +74,26 @@ def test_gpu_scenarios_without_a_gpu_name_the_scenario_and_the_cause(tmp_path):
         assert r.stderr.startswith(f"error: the {scenario} benchmark runs on a CUDA GPU"), r.stderr
         assert "Traceback" not in r.stderr
     assert not list(tmp_path.iterdir())
+
+
+def test_experts_summary_names_the_types_whose_default_kernels_miss_the_target():
+    """The per-type expert bench's JSON: the floor and target beside the results; a type is below the target by
+    its default kernels' decode fraction (a slower tuning of a type that passes does not flag it)."""
+    from stratad.bench import experts
+
+    results = [{"qtype": "IQ1_S", "variant": "default", "fraction": 0.157},
+               {"qtype": "Q4_K", "variant": "default", "fraction": 0.504},
+               {"qtype": "Q4_K", "variant": "gu8w", "fraction": 0.19},
+               {"qtype": "IQ2_XXS", "variant": "default", "fraction": 0.195}]
+    out = experts.summary(results, experts.Options(), 3012.6, [3012.6, 3000.2])
+    assert out["below_target"] == ["IQ1_S", "IQ2_XXS"]
+    assert out["targets"] == {"fraction_min": 0.2} and "copy rate" in out["floor"]
+    assert out["results"] is results and out["options"]["types"] == "all"
+    assert "below_target" not in experts.summary([], experts.Options(prompt=True), 1.0, [1.0])
+    assert [t.name for t in experts.expert_types("Q6_K,IQ1_M")] == ["Q6_K", "IQ1_M"]
+
+
+def test_experts_bench_refuses_an_unknown_type_before_measuring():
+    r = subprocess.run([sys.executable, "-m", "stratad.cli", "bench", "--scenario", "experts", "--types", "Q4_K,Q9_X"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "argument --types: unknown tensor type 'Q9_X'" in r.stderr, r.stderr
