@@ -14,7 +14,7 @@
 #   bash scripts/device_run.sh mixes     # the engine bench on the a3b iq3_s and q4_k_m mixes
 #   bash scripts/device_run.sh engine1   # a3b IQ3_S: the engine bench all resident (1K / 32K / 64K; TAG= names
 #                                        # the JSON)
-#   bash scripts/device_run.sh experts-decode  # the decode expert kernels, gate/up groups over one block or two
+#   bash scripts/device_run.sh experts-decode  # the decode expert kernels on the bench's launch shapes (IQ3_S)
 #   bash scripts/device_run.sh experts-ab  # the decode expert kernels alone on this tree and each tree _ab*/, twice
 #   bash scripts/device_run.sh marginal  # a3b IQ3_S: each idempotent decode kernel's cost inside the graph (1K, 32K)
 #   bash scripts/device_run.sh plans     # a3b 1K: the decode step with each mat-vec shape on each other plan
@@ -147,9 +147,9 @@ experts-ab)  # the decode expert kernels alone (8 pairs, and 8 tokens x 8), on t
         done
     done
     ;;
-experts-decode)  # the decode expert kernels: gate/up groups over one block or two
+experts-decode)  # the decode expert kernels on the launch shapes the bench offers (warps, stages, rows a warp)
     timeout 200 $(experts_bench) --types IQ3_S --cases decode8,tok8x8 \
-        --variants default,split2,split2-gu8w --json "$OUT/experts-decode.json" 2>&1 | grep '^{"' 
+        --variants default,gu8w,deep,dn8r --json "$OUT/experts-decode.json" 2>&1 | grep '^{"'
     ;;
 profile)
     model "$A3B" --router-skew 1.0
@@ -198,7 +198,7 @@ engine-card)
     ;;
 experts-prompt)
     timeout 400 $(experts_bench) --prompt --types IQ3_S \
-        --variants default,mma-unroll1,mma-prefetch,mma-prefetch-unroll1,mma-mpw4 --json "$OUT/experts-prompt.json" 2>&1 | grep '^{"' 
+        --variants default,mma-unroll1,mma-prefetch,mma-prefetch-unroll1,mma-mpw4 --json "$OUT/experts-prompt.json" 2>&1 | grep '^{"'
     ;;
 seed13 | seed2)
     model "$SEED" --router-skew 0.7 --topics 2
