@@ -13,13 +13,13 @@ import os
 import signal
 import sys
 import tempfile
-import threading
 import time
 from collections import deque
 
 import numpy as np
 import zmq
 
+from lane.block_writer import BlockWriter
 from lane.counters import Counters
 from lane.numpy_card import NumpyCard
 from lane.slot_loader import SlotLoader
@@ -75,7 +75,8 @@ class Lane:
         # the host conversation cache shared by every lane (its segment is the coordinator's)
         self.store = kv_store.KvStore(cfg.kv_store, lane=cfg.lane) if cfg.prefix_cache and cfg.kv_store else None
         self.prefix = PrefixCache(self.store) if cfg.prefix_cache else None  # the last sequence, for the next prompt
-        self.saver: threading.Thread | None = None  # writes the last sequence's new blocks to the store
+        # writes each sequence's new blocks to the store in the background
+        self.writer = BlockWriter(self.store, cfg.lane) if self.store is not None else None
         self.tok_s = 0.0
         self.last_beat = 0.0
         self.shutdown = False  # the coordinator's Shutdown
@@ -291,25 +292,16 @@ class Lane:
 
     def save_blocks(self) -> None:
         """After Done (the lane is free at once): the kept sequence's new whole blocks to the host cache. The
-        export is a copy made here (the next request may change the KV); the store is written by a thread."""
-        if self.store is None or self.prefix.kv is None:
+        export is a copy made here (the next request may change the KV); the writer's thread writes the store."""
+        if self.writer is None or self.prefix.kv is None:
             return
-        if self.saver is not None:
-            self.saver.join()  # one write at a time: its blocks may be the next one's parents
         try:
-            w = self.prefix.unsaved(self.card)
+            w = self.prefix.unsaved(self.card, self.writer.writing())
         except Exception:  # noqa: BLE001 - the cache is an optimisation: serving goes on without it
             log.exception("lane %d: exporting KV blocks for the host cache failed", self.lane)
             return
         if w is not None:
-            self.saver = threading.Thread(target=self._write_blocks, args=(w,), daemon=True)
-            self.saver.start()
-
-    def _write_blocks(self, w) -> None:
-        try:
-            w.write(self.store)
-        except Exception:  # noqa: BLE001
-            log.exception("lane %d: writing KV blocks to the host cache failed", self.lane)
+            self.writer.submit(w)
 
     def run(self) -> int:
         self.send(M.LaneHello(lane=self.lane, pid=os.getpid(), card=self.card_name, model_hash=self.model.header_hash))
@@ -349,8 +341,8 @@ class Lane:
             self.loader.close()
         if self.card is not None:
             self.card.close()
-        if self.saver is not None:
-            self.saver.join()
+        if self.writer is not None:
+            self.writer.close()
         if self.store is not None:
             self.store.close()
         for s in self.segments:

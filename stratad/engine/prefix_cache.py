@@ -97,16 +97,17 @@ class PrefixCache:
         """After a request: kv holds the entries of these tokens (kv.length == len(tokens))."""
         self.kv, self.tokens = kv, tokens
 
-    def unsaved(self, engine) -> BlockWrite | None:
+    def unsaved(self, engine, writing: frozenset[bytes] = frozenset()) -> BlockWrite | None:
         """The kept sequence's whole blocks the store lacks, exported now (None: nothing to write); those it has
-        are touched (the conversation is live)."""
+        are touched (the conversation is live). writing: blocks an earlier write of this lane has yet to land,
+        left out."""
         if self.store is None or self.kv is None or not isinstance(engine, KvBlockCard):
             return None
         st, B = self.store, self.store.block_tokens
         hashes = kv_store.chain_hashes(self.tokens, engine.kv_layout, B)
         have = st.present(hashes)
         st.touch([have[h] for h in hashes if h in have])
-        missing = [i for i, h in enumerate(hashes) if h not in have]
+        missing = [i for i, h in enumerate(hashes) if h not in have and h not in writing]
         if not missing:
             return None
         lo = missing[0]  # exported as one run from the first missing block; only the missing ones are written
