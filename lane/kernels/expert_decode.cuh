@@ -14,7 +14,6 @@ template <int QT> struct QF { static constexpr int BV = XtTraits<QT>::BV, BB = X
 template <int QT> struct Tuned {
     static constexpr bool value = QT != UNTUNED && (QT == QT_Q8_0 || QT == QT_Q4_K || QT == QT_IQ3_S);
 };
-// a generic type whose decode reads decode.cuh's table blob: it is at shared offset 0 (fill_tab)
 // The part of decode.cuh's table blob a generic type reads, [OFF, END): its grid, or IQ4's 16 values; a block
 // copies only that part to shared offset 0 (experts.py: TABLE_PARTS)
 template <int QT> struct TabSmem {

@@ -222,8 +222,8 @@ class ExpertKernels:
                 self._k_dnm.max_dynamic_shared_size_bytes = self.mma_dn_smem
 
             # the plain grid (signs4 = 0); the kernels' fill_grid builds the rest of signed_grid() in shared memory.
-            # A kernel's grid_g is that grid for IQ3_S, decode.cuh's table blob for the generic IQ types (unread by
-            # the rest)
+            # A kernel's grid_g is that grid for IQ3_S, decode.cuh's table blob for the generic IQ types (each block
+            # copies its type's part: table_part; unread by the rest)
             self.grid = cupy.asarray(signed_grid()[:512])
             self.gu_tab, self.dn_tab = (decode_tables.device_tables() if q in TABLE_TYPES else self.grid
                                         for q in (self.qt_gu, self.qt_dn))
