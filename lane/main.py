@@ -74,9 +74,10 @@ class Lane:
         self.gen: Generation | None = None  # the request in progress
         # the host conversation cache shared by every lane (its segment is the coordinator's)
         self.store = kv_store.KvStore(cfg.kv_store, lane=cfg.lane) if cfg.prefix_cache and cfg.kv_store else None
-        self.prefix = PrefixCache(self.store) if cfg.prefix_cache else None  # the last sequence, for the next prompt
         # writes each sequence's new blocks to the store in the background
         self.writer = BlockWriter(self.store, cfg.lane) if self.store is not None else None
+        # the last sequence, for the next prompt (which restores its blocks from the store once they have landed)
+        self.prefix = PrefixCache(self.store, self.writer and self.writer.wait_for) if cfg.prefix_cache else None
         self.tok_s = 0.0
         self.last_beat = 0.0
         self.shutdown = False  # the coordinator's Shutdown
@@ -295,13 +296,14 @@ class Lane:
         export is a copy made here (the next request may change the KV); the writer's thread writes the store."""
         if self.writer is None or self.prefix.kv is None:
             return
-        try:
-            w = self.prefix.unsaved(self.card, self.writer.writing())
-        except Exception:  # noqa: BLE001 - the cache is an optimisation: serving goes on without it
-            log.exception("lane %d: exporting KV blocks for the host cache failed", self.lane)
-            return
-        if w is not None:
-            self.writer.submit(w)
+        with self.writer.room() as submit:
+            try:
+                w = self.prefix.unsaved(self.card, self.writer.writing())
+            except Exception:  # noqa: BLE001 - the cache is an optimisation: serving goes on without it
+                log.exception("lane %d: exporting KV blocks for the host cache failed", self.lane)
+                return
+            if w is not None:
+                submit(w)
 
     def run(self) -> int:
         self.send(M.LaneHello(lane=self.lane, pid=os.getpid(), card=self.card_name, model_hash=self.model.header_hash))
@@ -342,7 +344,7 @@ class Lane:
         if self.card is not None:
             self.card.close()
         if self.writer is not None:
-            self.writer.close()
+            self.writer.close(drop=self.stopping)  # at a stop, only the write under way lands
         if self.store is not None:
             self.store.close()
         for s in self.segments:

@@ -184,14 +184,17 @@ def _serve(a) -> int:
         return 2
 
 
-def _expert_types_arg(spec: str) -> str:
-    from stratad.bench.experts import expert_types
+def _experts_arg(check: str):
+    """An argparse type: the value as given, once stratad.bench.experts' `check` accepts it."""
+    def parse(spec: str) -> str:
+        from stratad.bench import experts
 
-    try:
-        expert_types(spec)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return spec
+        try:
+            getattr(experts, check)(spec)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        return spec
+    return parse
 
 
 def _bench(a) -> int:
@@ -320,10 +323,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--new-tokens", type=int, default=512, help="agents: new tokens in each follow-up turn")
     b.add_argument("--kv-cache-host", default="0.25", help="agents: the host conversation cache (config "
                                                            "kv_cache_host) of the run with it")
-    b.add_argument("--types", default="all", type=_expert_types_arg, help="experts: comma list of expert types, or all")
-    b.add_argument("--variants", default="default", help="experts: comma list of kernel tunings (stratad/bench/"
-                                                         "experts.py VARIANTS); 'TYPE:VARIANT' for one type only")
-    b.add_argument("--cases", default="decode8,decode8c", help="experts: decode8, decode8c, tok8x8, tok32x8, shared256")
+    b.add_argument("--types", default="all", type=_experts_arg("expert_types"), help="experts: comma list of expert types, or all")
+    b.add_argument("--variants", default="default", type=_experts_arg("variants"),
+                   help="experts: comma list of kernel tunings (stratad/bench/experts.py VARIANTS); 'TYPE:VARIANT' for "
+                        "one type only")
+    b.add_argument("--cases", default="decode8,decode8c", type=_experts_arg("cases"),
+                   help="experts: decode8, decode8c, tok8x8, tok32x8, shared256")
     b.add_argument("--slots", type=int, default=128, help="experts: experts in the card's pool the runs rotate over")
     b.add_argument("--reps", type=int, default=16, help="experts: runs (pair lists) a captured graph")
     b.add_argument("--iters", type=int, default=20, help="experts: graph replays a timing")

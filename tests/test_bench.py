@@ -90,10 +90,14 @@ def test_experts_summary_names_the_types_whose_default_kernels_miss_the_target()
     assert out["targets"] == {"fraction_min": 0.2} and "copy rate" in out["floor"]
     assert out["results"] is results and out["options"]["types"] == "all"
     assert "below_target" not in experts.summary([], experts.Options(prompt=True), 1.0, [1.0])
+    assert "below_target" not in experts.summary([], experts.Options(cases="tok8x8"), 1.0, [1.0])  # no decode8
     assert [t.name for t in experts.expert_types("Q6_K,IQ1_M")] == ["Q6_K", "IQ1_M"]
 
 
-def test_experts_bench_refuses_an_unknown_type_before_measuring():
-    r = subprocess.run([sys.executable, "-m", "stratad.cli", "bench", "--scenario", "experts", "--types", "Q4_K,Q9_X"],
+@pytest.mark.parametrize("flag,value,says", [("--types", "Q4_K,Q9_X", "unknown tensor type 'Q9_X'"),
+                                              ("--variants", "gu8w,Q4_K:bogus", "unknown variant Q4_K:bogus"),
+                                              ("--cases", "decode8,tok8x8c", "unknown case tok8x8c")])
+def test_experts_bench_refuses_a_bad_option_before_measuring(flag, value, says):
+    r = subprocess.run([sys.executable, "-m", "stratad.cli", "bench", "--scenario", "experts", flag, value],
                        capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and "argument --types: unknown tensor type 'Q9_X'" in r.stderr, r.stderr
+    assert r.returncode == 2 and f"argument {flag}: {says}" in r.stderr, r.stderr

@@ -1,6 +1,7 @@
 """The lane's background writer of KV blocks (lane/block_writer.py) on a real host cache: a submit returns while
-an earlier write is still running (the lane serves its next request meanwhile), writes land in order, one export
-waits at most, a failed write does not stop the next, and close lets the submitted writes land."""
+an earlier write is still running (the lane serves its next request meanwhile), writes land in order, the exports
+alive are bounded, a prompt waits for its own blocks still being written, a failed write does not stop the next,
+and a stop drops the writes not yet begun."""
 from __future__ import annotations
 
 import threading
@@ -25,14 +26,22 @@ def store(tmp_path):
     assert not shm.unlink(name)  # the creator unlinked it
 
 
-def write_of(hashes, fill, gate: threading.Event | None = None) -> BlockWrite:
-    """Blocks of bytes fill, fill + 1, ...; with gate, the export's copy ends only once the gate opens."""
+def write_of(hashes, fill, gate: threading.Event | None = None, begun: threading.Event | None = None) -> BlockWrite:
+    """Blocks of bytes fill, fill + 1, ...; with gate, the export's copy ends only once the gate opens (begun: set
+    when the write starts waiting for it)."""
     blocks = np.stack([np.full(256, fill + i, np.uint8) for i in range(len(hashes))])
 
     def wait():
+        if begun is not None:
+            begun.set()
         if gate is not None and not gate.wait(30):
             raise TimeoutError("the test's gate never opened")
     return BlockWrite(list(hashes), list(range(len(hashes))), KvExport(blocks, wait))
+
+
+def submit(w: BlockWriter, job: BlockWrite) -> None:
+    with w.room() as put:
+        put(job)
 
 
 def read(store, hashes) -> list[int]:
@@ -42,22 +51,49 @@ def read(store, hashes) -> list[int]:
     return [int(b[0]) for b in out]
 
 
+def in_thread(fn, *args) -> threading.Thread:
+    t = threading.Thread(target=fn, args=args, daemon=True)
+    t.start()
+    t.join(0.5)
+    return t
+
+
 def test_submits_return_while_a_write_runs_and_writes_land_in_order(store):
     h = kv_store.chain_hashes(list(range(9 * B)), "t")
     gate = threading.Event()
     w = BlockWriter(store, lane=0)
     try:
-        w.submit(write_of(h[:3], 10, gate))  # its copy still running: held at the gate
-        w.submit(write_of(h[3:6], 20))  # waits behind it; the lane is not held
-        assert store.find(h) == [] and w.writing() == frozenset(h[:6])  # the lane's next export leaves them out
-        third = threading.Thread(target=w.submit, args=(write_of(h[6:9], 30),))
-        third.start()
-        third.join(0.5)
-        assert third.is_alive()  # a second export waiting already: this one waits for room
+        submit(w, write_of(h[:3], 10, gate))  # its copy still running: held at the gate
+        submit(w, write_of(h[3:6], 20))  # waits behind it; the lane is not held
+        assert store.present(h) == {} and w.writing() == frozenset(h[:6])  # the next export leaves them out
+        third = in_thread(submit, w, write_of(h[6:9], 30))
+        assert third.is_alive()  # two exports alive already: the third waits for room
         gate.set()
         third.join(30)
         w.idle()
         assert read(store, h) == [10, 11, 12, 20, 21, 22, 30, 31, 32] and w.writing() == frozenset()
+        with w.room():  # room taken and given back without a write
+            pass
+        with w.room(), w.room():
+            pass
+    finally:
+        gate.set()
+        w.close()
+
+
+def test_a_prompt_waits_for_its_blocks_still_being_written(store):
+    h = kv_store.chain_hashes(list(range(4 * B)), "t")
+    other = kv_store.chain_hashes([5] * (2 * B), "t")
+    gate = threading.Event()
+    w = BlockWriter(store, lane=0)
+    try:
+        submit(w, write_of(h[:2], 1, gate))
+        w.wait_for(other)  # none of its blocks is being written: at once
+        waiter = in_thread(w.wait_for, h)
+        assert waiter.is_alive()
+        gate.set()
+        waiter.join(30)
+        assert not waiter.is_alive() and read(store, h) == [1, 2]
     finally:
         gate.set()
         w.close()
@@ -68,8 +104,22 @@ def test_a_failed_write_is_logged_and_the_next_lands(store, caplog):
     w = BlockWriter(store, lane=3)
     bad = write_of(h[:2], 1)
     bad.export = KvExport(bad.export.blocks, lambda: (_ for _ in ()).throw(RuntimeError("copy failed")))
-    w.submit(bad)
-    w.submit(write_of(h[:2], 40))
+    submit(w, bad)
+    submit(w, write_of(h[:2], 40))
     w.close()  # lets both land first
     assert read(store, h[:2]) == [40, 41] and w.writing() == frozenset()  # the failed write's blocks too
     assert "lane 3: writing KV blocks to the host cache failed" in caplog.text and "copy failed" in caplog.text
+
+
+def test_a_stop_drops_the_writes_not_yet_begun(store):
+    h = kv_store.chain_hashes(list(range(4 * B)), "t")
+    gate, begun = threading.Event(), threading.Event()
+    w = BlockWriter(store, lane=0)
+    submit(w, write_of(h[:2], 1, gate, begun))
+    submit(w, write_of(h[2:], 3))
+    assert begun.wait(30)
+    closing = in_thread(w.close, True)
+    assert closing.is_alive()  # the write under way lands
+    gate.set()
+    closing.join(30)
+    assert not closing.is_alive() and read(store, h) == [1, 2] and w.writing() == frozenset()

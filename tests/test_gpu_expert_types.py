@@ -17,10 +17,9 @@ import pytest
 from gguf import GGMLQuantizationType as T
 from test_gpu_experts import run_case
 
-from lane.kernels.experts import MMA_TYPES, TUNED, Tuning, mma_smem, simt_tile
+from lane.kernels.experts import MMA_TYPES, TUNED, Tuning, card_smem, mma_smem, simt_tile
 from stratad.model import quants
 
-SMEM_BLOCK = 232448  # an H100 / H200 block's shared memory (opt-in)
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "nvrtc_check.py"
 GENERIC = [t.name for t in quants.EXPERT_TYPES if t not in TUNED]
 
@@ -52,8 +51,8 @@ def _run(cp, gu, dn, d_model, d_ff, n_slots, n_tok, n_pairs, max_pairs, tiled, *
     k = run_case(cp, rng, getattr(T, gu), getattr(T, dn), d_model, d_ff, n_slots, n_tok, n_pairs, max_pairs,
                  tiled=tiled, **kw)
     # tensor-core tiles where both types have fragment decoders, the rows are whole 128s, the tuning asks for them
-    # and they fit an H100 / H200 block (Q6_K's gate/up of 2048 values does not: SIMT tiles)
-    fits = max(mma_smem(k.qt_gu, d_model, True), mma_smem(k.qt_dn, d_ff, False)) <= SMEM_BLOCK
+    # and they fit this card's block (on an H100 / H200 Q6_K's gate/up of 2048 values does not: SIMT tiles)
+    fits = max(mma_smem(k.qt_gu, d_model, True), mma_smem(k.qt_dn, d_ff, False)) <= card_smem(cp.cuda.Device())[0]
     mma = k.qt_gu in MMA_TYPES and k.qt_dn in MMA_TYPES and d_model % 128 == 0 and d_ff % 128 == 0 and fits
     assert k.mma == (mma and k.tuning.prompt == "mma" and "smem" not in kw)
     assert k.tile_p == (64 if k.mma else k.simt_tile)

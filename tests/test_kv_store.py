@@ -127,7 +127,8 @@ def test_restored_kv_gives_the_kept_kvs_bits(card, tmp_path):
         prompt = list(range(3, 3 + 37))  # 37 tokens + 12 generated - 1 = 48: three whole blocks kept
         kept = PrefixCache()
         _, t1 = run(card, prompt, 12, kept)
-        stored = PrefixCache(st)
+        asked = []  # a lane's writer is asked to land the prompt's blocks before the store is searched
+        stored = PrefixCache(st, landed=asked.append)
         stored.keep(kept.kv, list(kept.tokens))
         # blocks an earlier write of this lane has yet to land are left out of the export
         all3 = stored.unsaved(card).hashes
@@ -140,6 +141,7 @@ def test_restored_kv_gives_the_kept_kvs_bits(card, tmp_path):
         g_kept, a = run(card, turn2, 6, kept)
         g_store, b = run(card, turn2, 6, stored)
         assert g_kept.cached == g_store.cached == 48 and stored.from_store == 48
+        assert asked[-1] == kv_store.chain_hashes(turn2[:len(turn2) - 1 - (len(turn2) - 1) % B], card.kv_layout, B)
         assert a == b and g_kept.digest.hexdigest() == g_store.digest.hexdigest()
         s = st.stats()
         assert (s.hits, s.tokens_served) == (1, 48)

@@ -11,6 +11,7 @@ experts are computed still changes nothing.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -49,10 +50,13 @@ class PrefixCache:
     """Holds one KV (the engine's object) and the tokens whose entries it has, in order; with a store, the host
     cache's blocks too."""
 
-    def __init__(self, store: kv_store.KvStore | None = None):
+    def __init__(self, store: kv_store.KvStore | None = None, landed: Callable[[list[bytes]], None] | None = None):
+        """landed: called with a prompt's block hashes before the store is searched for them; returns once none
+        is still being written (a lane's writer of its earlier sequences' blocks)."""
         self.kv = None
         self.tokens: list[int] = []
         self.store = store
+        self.landed = landed
         self.from_store = 0  # tokens of the last take() uploaded from the store
 
     def take(self, engine, prompt: list[int]):
@@ -76,6 +80,8 @@ class PrefixCache:
         st, B = self.store, self.store.block_tokens
         st.count(kv_store.LOOKUPS)
         hashes = kv_store.chain_hashes(prompt[:(len(prompt) - 1) // B * B], engine.kv_layout, B)
+        if self.landed is not None:
+            self.landed(hashes)
         slots = st.find(hashes)
         first = n // B if kv is not None else 0  # the kept sequence's whole blocks stay; the rest is uploaded
         if len(slots) * B <= n:
