@@ -142,6 +142,9 @@ def test_restored_kv_gives_the_kept_kvs_bits(card, tmp_path):
         g_store, b = run(card, turn2, 6, stored)
         assert g_kept.cached == g_store.cached == 48 and stored.from_store == 48
         assert asked[-1] == kv_store.chain_hashes(turn2[:len(turn2) - 1 - (len(turn2) - 1) % B], card.kv_layout, B)
+        # the next turn on the same lane: its whole blocks are all in the kept sequence, nothing to wait for
+        run(card, turn2 + b + [9], 2, stored)
+        assert stored.from_store == 0 and len(asked) == 1
         assert a == b and g_kept.digest.hexdigest() == g_store.digest.hexdigest()
         s = st.stats()
         assert (s.hits, s.tokens_served) == (1, 48)

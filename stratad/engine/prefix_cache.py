@@ -51,8 +51,8 @@ class PrefixCache:
     cache's blocks too."""
 
     def __init__(self, store: kv_store.KvStore | None = None, landed: Callable[[list[bytes]], None] | None = None):
-        """landed: called with a prompt's block hashes before the store is searched for them; returns once none
-        is still being written (a lane's writer of its earlier sequences' blocks)."""
+        """landed: called with a prompt's block hashes past the kept sequence's before the store is searched for
+        them; returns once none is still being written (a lane's writer of its earlier sequences' blocks)."""
         self.kv = None
         self.tokens: list[int] = []
         self.store = store
@@ -80,10 +80,10 @@ class PrefixCache:
         st, B = self.store, self.store.block_tokens
         st.count(kv_store.LOOKUPS)
         hashes = kv_store.chain_hashes(prompt[:(len(prompt) - 1) // B * B], engine.kv_layout, B)
-        if self.landed is not None:
-            self.landed(hashes)
-        slots = st.find(hashes)
         first = n // B if kv is not None else 0  # the kept sequence's whole blocks stay; the rest is uploaded
+        if self.landed is not None and hashes[first:]:  # only what the kept sequence does not hold is waited for
+            self.landed(hashes[first:])
+        slots = st.find(hashes)
         if len(slots) * B <= n:
             st.touch(slots)
             return kv, n
