@@ -9,8 +9,8 @@ written, else it waits (only back-to-back long prompts on one lane get there).
 The blocks of writes not yet landed are `writing()`: the next export leaves them out (copied from the card twice,
 the claim would skip them anyway). A request whose prompt needs some of them waits for those writes first
 (`wait_for`), so it restores them rather than reading them again. Should such a write fail, its blocks are left to
-a later export: blocks exported meanwhile that follow them stay unreachable until then (the cache's lookups walk a
-chain from its start).
+a later export; a write whose chain's parent is not in the cache then is skipped (BlockWrite.write: the cache's
+lookups walk a chain from its start, so no lookup could reach its blocks).
 """
 from __future__ import annotations
 

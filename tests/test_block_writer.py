@@ -123,3 +123,24 @@ def test_a_stop_drops_the_writes_not_yet_begun(store):
     gate.set()
     closing.join(30)
     assert not closing.is_alive() and read(store, h) == [1, 2] and w.writing() == frozenset()
+
+
+def test_a_write_whose_parent_is_not_in_the_cache_is_skipped(store):
+    """Its blocks could not be reached by any lookup (which walks a chain from its start): not written until the
+    parent is there."""
+    h = kv_store.chain_hashes(list(range(4 * B)), "t")
+    w = BlockWriter(store, lane=0)
+    try:
+        child = write_of(h[2:], 30)
+        child.parent = h[1]
+        submit(w, child)
+        w.idle()
+        assert store.present(h) == {}
+        submit(w, write_of(h[:2], 10))
+        child = write_of(h[2:], 30)
+        child.parent = h[1]
+        submit(w, child)
+        w.idle()
+        assert read(store, h) == [10, 11, 30, 31]
+    finally:
+        w.close()

@@ -134,8 +134,9 @@ def test_restored_kv_gives_the_kept_kvs_bits(card, tmp_path):
         all3 = stored.unsaved(card).hashes
         part = stored.unsaved(card, writing=frozenset(all3[:2]))
         assert part.hashes == all3[2:] and part.rows == [0] and stored.unsaved(card, frozenset(all3)) is None
+        assert part.parent == all3[1] and part.write(st) == 0  # its parent is not in the store: nothing written
         w = stored.unsaved(card)
-        assert len(w.hashes) == 3 and w.write(st) == 3
+        assert len(w.hashes) == 3 and w.parent is None and w.write(st) == 3
         turn2 = prompt + t1 + [5, 6, 7]
         stored.clear()  # another lane: nothing kept, everything from the store
         g_kept, a = run(card, turn2, 6, kept)

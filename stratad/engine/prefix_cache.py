@@ -35,10 +35,15 @@ class BlockWrite:
     hashes: list[bytes]
     rows: list[int]  # each hash's row of export.blocks
     export: KvExport
+    parent: bytes | None = None  # the chain's block before the first of these (None: they start the chain)
 
     def write(self, store: kv_store.KvStore) -> int:
-        """Claim slots and publish the blocks (a block another lane wrote meanwhile is skipped); blocks written."""
+        """Claim slots and publish the blocks (a block another lane wrote meanwhile is skipped); blocks written.
+        Nothing where the parent is not in the store (an earlier write of it failed, or it was evicted): blocks no
+        lookup could reach are not written, a later export of the sequence sends them with the parent."""
         self.export.wait()
+        if self.parent is not None and not store.present([self.parent]):
+            return 0
         row = dict(zip(self.hashes, self.rows))
         claimed = store.claim(self.hashes)
         for h, slot in claimed:
@@ -118,7 +123,8 @@ class PrefixCache:
             return None
         lo = missing[0]  # exported as one run from the first missing block; only the missing ones are written
         run = engine.export_kv(self.kv, lo, len(hashes) - lo, B)
-        return BlockWrite([hashes[i] for i in missing], [i - lo for i in missing], run)
+        return BlockWrite([hashes[i] for i in missing], [i - lo for i in missing], run,
+                          hashes[lo - 1] if lo else None)
 
     def clear(self) -> None:
         self.kv, self.tokens = None, []
