@@ -1,4 +1,4 @@
-"""Shared test set-up: the `slow` marker's opt-in, and a tiny model built once per session."""
+"""Shared test set-up: the `slow` marker's opt-in, a tiny model built once per session, host caches of small slots."""
 from __future__ import annotations
 
 import os
@@ -67,3 +67,22 @@ def cp():
     except Exception:  # noqa: BLE001
         pytest.skip("no CUDA device")
     return cupy
+
+
+@pytest.fixture
+def host_cache(tmp_path):
+    """make(n_slots): a host conversation cache (stratad/kv_store.py) of n slots of 256 bytes, made by this process
+    (lane 0); each is closed after the test, which checks its creator unlinked it."""
+    from stratad import kv_store, shm
+
+    made = []
+
+    def make(n_slots: int):
+        name = kv_store.segment_name(shm.prefix_for(tmp_path / f"cache{len(made)}"))
+        st = kv_store.KvStore(name, create=True, limit_bytes=n_slots * 256, slot_bytes=256, lane=0)
+        made.append((st, name))
+        return st
+    yield make
+    for st, name in made:
+        st.close()
+        assert not shm.unlink(name)  # the creator unlinked it

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from lane.block_writer import BlockWriter
-from stratad import kv_store, shm
+from stratad import kv_store
 from stratad.engine.card import KvExport
 from stratad.engine.prefix_cache import BlockWrite
 
@@ -18,12 +18,8 @@ B = kv_store.BLOCK_TOKENS
 
 
 @pytest.fixture
-def store(tmp_path):
-    name = kv_store.segment_name(shm.prefix_for(tmp_path))
-    st = kv_store.KvStore(name, create=True, limit_bytes=16 * 256, slot_bytes=256, lane=0)
-    yield st
-    st.close()
-    assert not shm.unlink(name)  # the creator unlinked it
+def store(host_cache):
+    return host_cache(16)
 
 
 def write_of(hashes, fill, gate: threading.Event | None = None, begun: threading.Event | None = None) -> BlockWrite:
