@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import re
@@ -228,7 +227,7 @@ def _bench(a) -> int:
     elif a.scenario == "experts":
         from stratad.bench import experts
 
-        out = experts.run(experts.Options(**{f.name: getattr(a, f.name) for f in dataclasses.fields(experts.Options)}))
+        out = experts.run(experts.Options.from_args(a))
     elif a.scenario == "agents":
         from stratad.bench import agents
 
@@ -323,20 +322,24 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--new-tokens", type=int, default=512, help="agents: new tokens in each follow-up turn")
     b.add_argument("--kv-cache-host", default="0.25", help="agents: the host conversation cache (config "
                                                            "kv_cache_host) of the run with it")
-    b.add_argument("--types", default="all", type=_experts_arg("expert_types"), help="experts: comma list of expert types, or all")
-    b.add_argument("--variants", default="default", type=_experts_arg("variants"),
+    # the experts scenario's flags: a flag not given leaves Options' default (stratad/bench/experts.py)
+    quiet = argparse.SUPPRESS
+    b.add_argument("--types", default=quiet, type=_experts_arg("expert_types"),
+                   help="experts: comma list of expert types, or all")
+    b.add_argument("--variants", default=quiet, type=_experts_arg("variants"),
                    help="experts: comma list of kernel tunings (stratad/bench/experts.py VARIANTS); 'TYPE:VARIANT' for "
                         "one type only")
-    b.add_argument("--cases", default="decode8,decode8c", type=_experts_arg("cases"),
+    b.add_argument("--cases", default=quiet, type=_experts_arg("cases"),
                    help="experts: decode8, decode8c, tok8x8, tok32x8, shared256")
-    b.add_argument("--slots", type=int, default=128, help="experts: experts in the card's pool the runs rotate over")
-    b.add_argument("--reps", type=int, default=16, help="experts: runs (pair lists) a captured graph")
-    b.add_argument("--iters", type=int, default=20, help="experts: graph replays a timing")
-    b.add_argument("--d-model", type=int, default=2048, help="experts: the expert's input width")
-    b.add_argument("--d-ff", type=int, default=768, help="experts: the expert's hidden width")
-    b.add_argument("--prompt", action="store_true", help="experts: the tiled kernels on a prompt chunk's layer")
-    b.add_argument("--prompt-tokens", type=int, default=1024, help="experts --prompt: tokens of the chunk")
-    b.add_argument("--skew", type=float, default=1.0, help="experts --prompt: the router's skew")
+    b.add_argument("--slots", type=int, default=quiet, help="experts: experts in the card's pool the runs rotate over")
+    b.add_argument("--reps", type=int, default=quiet, help="experts: runs (pair lists) a captured graph")
+    b.add_argument("--iters", type=int, default=quiet, help="experts: graph replays a timing")
+    b.add_argument("--d-model", type=int, default=quiet, help="experts: the expert's input width")
+    b.add_argument("--d-ff", type=int, default=quiet, help="experts: the expert's hidden width")
+    b.add_argument("--prompt", action="store_true", default=quiet,
+                   help="experts: the tiled kernels on a prompt chunk's layer")
+    b.add_argument("--prompt-tokens", type=int, default=quiet, help="experts --prompt: tokens of the chunk")
+    b.add_argument("--skew", type=float, default=quiet, help="experts --prompt: the router's skew")
     b.add_argument("--json", help="also write the JSON here")
     b.set_defaults(fn=_bench)
     return p

@@ -94,6 +94,17 @@ def test_experts_summary_names_the_types_whose_default_kernels_miss_the_target()
     assert [t.name for t in experts.expert_types("Q6_K,IQ1_M")] == ["Q6_K", "IQ1_M"]
 
 
+def test_experts_flags_not_given_take_the_options_defaults():
+    from stratad.bench import experts
+    from stratad.cli import build_parser
+
+    parse = build_parser().parse_args
+    assert experts.Options.from_args(parse(["bench", "--scenario", "experts"])) == experts.Options()
+    got = experts.Options.from_args(parse(["bench", "--scenario", "experts", "--reps", "3", "--types", "Q6_K",
+                                           "--prompt"]))
+    assert got == experts.Options(reps=3, types="Q6_K", prompt=True)
+
+
 @pytest.mark.parametrize("flag,value,says", [("--types", "Q4_K,Q9_X", "unknown tensor type 'Q9_X'"),
                                               ("--variants", "gu8w,Q4_K:bogus", "unknown variant Q4_K:bogus"),
                                               ("--cases", "decode8,tok8x8c", "unknown case tok8x8c")])

@@ -223,6 +223,12 @@ class Options:
     prompt_tokens: int = 1024
     skew: float = 1.0
 
+    @classmethod
+    def from_args(cls, ns) -> "Options":
+        """From the parsed command line: its flags leave no attribute where not given (argparse.SUPPRESS), so a
+        default is only ever this class's."""
+        return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls) if hasattr(ns, f.name)})
+
 
 def expert_types(spec: str) -> list:
     """The expert types of a --types value (all, or a comma list); ValueError naming a type that is none."""
