@@ -176,8 +176,14 @@ def build(lib: ctypes.CDLL, filename: str, defines, arch: str = "90", extra: str
 def layout_asserts(k) -> str:
     """static_asserts that an ExpertKernels plan's shared-memory layout is the kernels' (what _check_layout compares
     on the device), for build(..., extra=): a plan the kernels disagree with fails to compile."""
+    from lane.kernels.experts import TABLE_PARTS, table_part
+
     layout = {"GU_SMEM": k.gu_smem, "DN_SMEM": k.dn_smem, "GUT_SMEM": k.gut_smem, "TILE_P": k.simt_tile,
               "MMA_GU_SMEM": k.mma_gu_smem, "MMA_DN_SMEM": k.mma_dn_smem, "GRID_TABLE_BYTES": k.grid_bytes}
+    for side, qt in (("GU_QT", k.qt_gu), ("DN_QT", k.qt_dn)):  # a generic IQ type's part of the table blob
+        if qt in TABLE_PARTS:
+            start, end = table_part(qt)
+            layout |= {f"TabSmem<{side}>::OFF": start, f"TabSmem<{side}>::END": end}
     return "".join(f'\nstatic_assert({n} == {v}, "the plan\'s {n} is not the kernels\'");' for n, v in layout.items())
 
 

@@ -16,6 +16,7 @@ from test_decode_cuh import IGNORE_NAN_WARNINGS, _ptr, assert_bits_equal, assert
 import host_cxx
 
 from lane.kernels import decode_tables
+from lane.kernels.experts import TABLE_PARTS, table_part
 from stratad.engine import canonical
 from stratad.model import quants
 
@@ -114,13 +115,15 @@ def _raw(qtype: T, rng, rows: int, n: int, source: str) -> np.ndarray:
     return np.ascontiguousarray(weight_rows(qtype, rng, rows, n, source)).view(np.uint8).reshape(rows, -1)
 
 
-def host_view(lib, qtype: T, raw: np.ndarray) -> quants.IntBlocks:
+def host_view(lib, qtype: T, raw: np.ndarray, tab: np.ndarray | None = None) -> quants.IntBlocks:
+    """tab: the table blob the decode reads (decode.cuh's, by default)."""
+    tab = decode_tables.host_tables() if tab is None else tab
     rows, rb = raw.shape
     nsub = rb // quants.fmt(qtype).block_bytes * quants.fmt(qtype).block_values // 32
     q = np.empty((rows, nsub, 32), np.int16)
     scale, minimum = np.empty((rows, nsub), F32), np.empty((rows, nsub), F32)
     mw = np.empty((rows, nsub, 32), np.int8)
-    assert lib.xt_view(int(qtype), _ptr(raw), rb, rows, nsub, _ptr(decode_tables.host_tables()), _ptr(q),
+    assert lib.xt_view(int(qtype), _ptr(raw), rb, rows, nsub, _ptr(tab), _ptr(q),
                        _ptr(scale), _ptr(minimum), _ptr(mw)) == 0
     return quants.IntBlocks(q, scale, minimum, mw)
 
@@ -144,6 +147,18 @@ SOURCES = ["random_rows", "random_bytes"]
 def test_decoded_sub_blocks_are_decode_int(lib, qtype, source):
     raw = _raw(qtype, np.random.default_rng([5, int(qtype)]), 6, 512, source)
     assert_int_view_equal(host_view(lib, qtype, raw), quants.decode_int(qtype, raw), qtype.name)
+
+
+@pytest.mark.parametrize("qtype", list(TABLE_PARTS), ids=[t.name for t in TABLE_PARTS])
+def test_a_table_type_reads_its_own_part_of_the_blob(lib, qtype):
+    """A GPU block of a generic table type holds only its part of the blob (experts.table_part): with every other
+    byte of the blob poisoned, its decode still gives decode_int's view."""
+    start, end = table_part(qtype)
+    tab = decode_tables.host_tables()
+    poisoned = np.full_like(tab, 0x5A)
+    poisoned[start:end] = tab[start:end]
+    raw = _raw(qtype, np.random.default_rng([7, int(qtype)]), 6, 512, "random_bytes")
+    assert_int_view_equal(host_view(lib, qtype, raw, poisoned), quants.decode_int(qtype, raw), qtype.name)
 
 
 @pytest.mark.parametrize("n", [256, 1280, 2048], ids=["8sub", "40sub", "64sub"])

@@ -14,9 +14,16 @@ template <int QT> struct QF { static constexpr int BV = XtTraits<QT>::BV, BB = X
 template <int QT> struct Tuned {
     static constexpr bool value = QT != UNTUNED && (QT == QT_Q8_0 || QT == QT_Q4_K || QT == QT_IQ3_S);
 };
-// a generic type whose decode reads decode.cuh's table blob: it is at shared offset 0 (fill_tab)
+// The part of decode.cuh's table blob a generic type reads, [OFF, END): its grid, or IQ4's 16 values; a block
+// copies only that part to shared offset 0 (experts.py: TABLE_PARTS)
 template <int QT> struct TabSmem {
-    static constexpr int BYTES = (!Tuned<QT>::value && XtTraits<QT>::TABLE) ? (DQ_TAB_BYTES + 15) / 16 * 16 : 0;
+    static constexpr bool ON = !Tuned<QT>::value && XtTraits<QT>::TABLE;
+    static constexpr int OFF = !ON ? 0 : QT == 16 ? DQ_TAB_IQ2XXS : QT == 17 ? DQ_TAB_IQ2XS : QT == 22 ? DQ_TAB_IQ2S
+                             : QT == 18 ? DQ_TAB_IQ3XXS : QT == 19 || QT == 29 ? DQ_TAB_IQ1 : DQ_TAB_IQ4NL;
+    static constexpr int END = !ON ? 0 : QT == 16 ? DQ_TAB_IQ2XS : QT == 17 ? DQ_TAB_IQ2S : QT == 22 ? DQ_TAB_IQ3XXS
+                             : QT == 18 ? DQ_TAB_IQ3S : QT == 19 || QT == 29 ? DQ_TAB_KSIGNS : DQ_TAB_BYTES;
+    static constexpr int BYTES = (END - OFF + 15) / 16 * 16;
+    static_assert(!ON || (QT == 20 || QT == 23) == (OFF == DQ_TAB_IQ4NL), "a table type without its part");
 };
 
 template <int QT, int KIN> struct Geom {
@@ -50,11 +57,12 @@ template <int WORDS> __device__ __forceinline__ void fill_grid(const u32* __rest
     }
 }
 
-// Copy decode.cuh's table blob (tab_g, DQ_TAB_BYTES) to shared offset 0 for a generic type that reads it.
+// Copy QT's part of decode.cuh's table blob (tab_g) to shared offset 0 for a generic type that reads it.
 template <int QT> __device__ __forceinline__ void fill_tab(const u32* __restrict__ tab_g) {
-    if (TabSmem<QT>::BYTES == 0) return;
+    typedef TabSmem<QT> TS;
+    if (TS::BYTES == 0) return;
     u32* dst = reinterpret_cast<u32*>(g_smem);
-    for (int i = threadIdx.x; i < DQ_TAB_BYTES / 4; i += blockDim.x) dst[i] = __ldg(tab_g + i);
+    for (int i = threadIdx.x; i < (TS::END - TS::OFF) / 4; i += blockDim.x) dst[i] = __ldg(tab_g + TS::OFF / 4 + i);
 }
 
 // One decoded sub-block: 32 signed 8-bit weights (4 per word), scale, minimum (Q4_K only).
@@ -149,11 +157,11 @@ template <> __device__ __forceinline__ void decode_sub<QT_IQ3_S>(u32 R, int s, S
     }
 }
 
-// Every other type: expert_term.cuh's decode of sub-block s of the row at shared offset R (the table blob, for the
-// types that read it, at shared offset 0)
+// Every other type: expert_term.cuh's decode of sub-block s of the row at shared offset R (the type's part of the
+// table blob, for the types that read it, at shared offset 0: the blob's offsets less the part's)
 // (W: XtW<QT>; a parameter, so that the GU_DIRECT branches of the bodies name it for the tuned types too)
 template <int QT, class W> __device__ __forceinline__ void decode_at(const u8* row, int s, W& w) {
-    xt_decode<QT>(row, s, g_smem, w);
+    xt_decode<QT>(row, s, g_smem - TabSmem<QT>::OFF, w);
 }
 template <int QT> __device__ __forceinline__ void decode_sub(u32 R, int s, XtW<QT>& w) {
     decode_at<QT>(g_smem + R, s, w);

@@ -26,14 +26,15 @@
 // (each block copies it from grid_g): the decode kernels (IQ3_FAST) read a group of 4 weights with its signs already
 // applied from the 32 KB signed grid (16 sign patterns x 512 grid entries: experts.py's signed_grid), one load a
 // group; decode_sub, the tiled kernels and experts_mma.cuh read the plain grid (its first 2 KB) and negate bytes.
-// The kernels' grid_g argument is that grid for IQ3_S and decode.cuh's table blob for a generic IQ type (fill_tab).
+// The kernels' grid_g argument is that grid for IQ3_S and decode.cuh's table blob for a generic IQ type, of which a
+// block copies the type's own part (fill_tab).
 //
 // Weight formats (GGML type numbers): every expert type of stratad.model.quants. 21 = IQ3_S (110 B / 256), 12 = Q4_K
 // (144 B / 256) and 8 = Q8_0 (34 B / 32) have tuned decoders (expert_decode.cuh); every other type takes the generic
 // path of expert_term.cuh (dq_sub's codes decoded four a word as int8, or int16 for the float view, the same
 // canonical term): the same kernels. Tensor-core prompt tiles for those three and Q6_K (experts_mma.cuh), SIMT ones
-// for the rest. Generic types that read decode.cuh's table blob (the IQ types) copy it to shared offset 0, where
-// IQ3_S keeps its grid.
+// for the rest. Generic types that read decode.cuh's table blob (the IQ types) copy their part of it to shared
+// offset 0, where IQ3_S keeps its grid.
 
 #include "common.cuh"
 #include "route.cuh"

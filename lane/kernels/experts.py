@@ -53,15 +53,28 @@ def _qtype(q):
 TUNED = (_T.IQ3_S, _T.Q4_K, _T.Q8_0)
 MMA_TYPES = TUNED + (_T.Q6_K,)  # experts_mma.cuh's MMA_TYPE: decode_frag's types
 FLOATS = (_T.F32, _T.F16, _T.BF16)
-# generic types whose decode reads decode.cuh's table blob (a copy at shared offset 0: expert_decode.cuh's TabSmem)
-TABLE_TYPES = (_T.IQ2_XXS, _T.IQ2_XS, _T.IQ2_S, _T.IQ3_XXS, _T.IQ1_S, _T.IQ1_M, _T.IQ4_NL, _T.IQ4_XS)
+# generic types whose decode reads decode.cuh's table blob, and the table each reads (a copy of that part at shared
+# offset 0: expert_decode.cuh's TabSmem)
+TABLE_PARTS = {_T.IQ2_XXS: "IQ2XXS", _T.IQ2_XS: "IQ2XS", _T.IQ2_S: "IQ2S", _T.IQ3_XXS: "IQ3XXS", _T.IQ1_S: "IQ1",
+               _T.IQ1_M: "IQ1", _T.IQ4_NL: "IQ4NL", _T.IQ4_XS: "IQ4NL"}
+TABLE_TYPES = tuple(TABLE_PARTS)
 
 
 def table_bytes(qt, iq3_fast: int) -> int:
     """Shared bytes at offset 0 of a kernel reading weights of type qt (experts.cu's GU_TBL / DN_TBL)."""
     if qt == _T.IQ3_S:
         return GRID_SIGNED_BYTES if iq3_fast else GRID_PLAIN_BYTES
-    return -(-decode_tables.offsets()["BYTES"] // 16) * 16 if qt in TABLE_TYPES else 0
+    if qt not in TABLE_PARTS:
+        return 0
+    start, end = table_part(qt)
+    return -(-(end - start) // 16) * 16
+
+
+def table_part(qt) -> tuple[int, int]:
+    """The bytes [start, end) of decode.cuh's table blob a generic table type reads (TABLE_PARTS)."""
+    off = decode_tables.offsets()
+    start = off[TABLE_PARTS[qt]]
+    return start, min(v for v in off.values() if v > start)
 
 
 def simt_tile(qt_gate_up, tuning: "Tuning") -> int:
@@ -209,8 +222,8 @@ class ExpertKernels:
                 self._k_dnm.max_dynamic_shared_size_bytes = self.mma_dn_smem
 
             # the plain grid (signs4 = 0); the kernels' fill_grid builds the rest of signed_grid() in shared memory.
-            # A kernel's grid_g is that grid for IQ3_S, decode.cuh's table blob for the generic IQ types (unread by
-            # the rest)
+            # A kernel's grid_g is that grid for IQ3_S, decode.cuh's table blob for the generic IQ types (each block
+            # copies its type's part: table_part; unread by the rest)
             self.grid = cupy.asarray(signed_grid()[:512])
             self.gu_tab, self.dn_tab = (decode_tables.device_tables() if q in TABLE_TYPES else self.grid
                                         for q in (self.qt_gu, self.qt_dn))
