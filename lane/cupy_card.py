@@ -137,6 +137,8 @@ class CupyCard:
         self._store_lock = None  # the host conversation cache page-locked for this process (pin_store)
         if fit:
             self.fit_pool(n_slots, cards, before, after, free_at_start)
+        elif options.pack_layers and self.net.pack_layers(dry=True):
+            self._pack_layers_if_room(cards)
 
     def _new_pool(self, n_slots: int) -> None:
         """The slot pool: its own cudaMalloc (not a memory-pool sub-allocation), so that its CUDA IPC handle opens
@@ -157,28 +159,57 @@ class CupyCard:
         rounding), becomes slots. Lanes of the same GPU: the `before` ones that built earlier kept their own reserve
         and margin free, which this one leaves to them; each of the `after` ones that build later is left what this
         card took besides its pool (free_at_start: the free memory before its first allocation), a reserve and
-        margin, and an equal share of the rest. Returns the slot count."""
-        n_tok = min(self.prompt_chunk, self.max_ctx)
-        self.forward(np.zeros(n_tok, np.int32), self.new_kv(), logits="last")
-        self.counters, self.counts[:] = Counters(), 0.0  # no request's work
+        margin, and an equal share of the rest. The layers' file rows are packed first where that costs no slot
+        ([gpu] pack_layers: faster decode steps, the same bits). Returns the slot count."""
+        free, keep = self._free_after_a_chunk(cards)
+        free += self._pool_mem.size  # the placeholder pool goes
         with self.device:
-            self.stream.synchronize()
-            free, total = cp.cuda.runtime.memGetInfo()
-            free += self._pool_mem.size  # the placeholder pool goes
-            rows = self.experts.max_pairs * self.c.d_model * 4  # one source's results (gpu_experts.rows)
-            later = (cards - 1) * rows + (2 * kv_staging.CHUNK_BYTES if self.experts.options.host_kv_cache else 0)
-            margin = max(FIT_MARGIN_MIN, int(FIT_MARGIN * total))
             needs = max(0, (free_at_start or free) - free)  # what this card took besides its pool
-            n = room_slots(free, needs, later + margin, before, after, slot_bytes(self.model), most)
-            self.fit_room = (free, later + margin)  # bytes free before the pool, bytes kept free beside it
+            n = room_slots(free, needs, keep, before, after, slot_bytes(self.model), most)
+            extra = self.net.pack_layers(dry=True) if self.experts.options.pack_layers else 0
+            if extra and room_slots(free - extra, needs + extra, keep, before, after, slot_bytes(self.model),
+                                    most) == n:  # packing costs no slot
+                self._pack_layers()
+                free -= extra
+                needs += extra
+            self.fit_room = (free, keep)  # bytes free before the pool, bytes kept free beside it
             self.experts.pool = None
             self._new_pool(n)
             self.experts.pool = self.pool
             self.experts.forget_tables()
             self._graphs.clear()  # they read the old pool
         log.info("card %d: room for %d expert slots of %d (%.1f GiB free, %.1f GiB kept for later and margin)",
-                 self.device.id, n, most, free / 2**30, (later + margin) / 2**30)
+                 self.device.id, n, most, free / 2**30, keep / 2**30)
         return n
+
+    def _free_after_a_chunk(self, cards: int) -> tuple[int, int]:
+        """(bytes free, bytes to keep free) once a prompt chunk of prompt_chunk tokens has run (with no expert on
+        the card: each layer's are staged), so that every workspace a request allocates exists: what grows later
+        (the result rows of peers' sources, the KV restore's staging) and a margin (the CUDA libraries' workspaces,
+        the memory pool's rounding) are kept."""
+        n_tok = min(self.prompt_chunk, self.max_ctx)
+        self.forward(np.zeros(n_tok, np.int32), self.new_kv(), logits="last")
+        self.counters, self.counts[:] = Counters(), 0.0  # no request's work
+        with self.device:
+            self.stream.synchronize()
+            free, total = cp.cuda.runtime.memGetInfo()
+        rows = self.experts.max_pairs * self.c.d_model * 4  # one source's results (gpu_experts.rows)
+        later = (cards - 1) * rows + (2 * kv_staging.CHUNK_BYTES if self.experts.options.host_kv_cache else 0)
+        return free, later + max(FIT_MARGIN_MIN, int(FIT_MARGIN * total))
+
+    def _pack_layers_if_room(self, cards: int) -> None:
+        """A card of a fixed slot count packs its layers' file rows (Qwen3MoeGpu.pack_layers) where they fit beside
+        what it keeps free."""
+        free, keep = self._free_after_a_chunk(cards)
+        if free - self.net.pack_layers(dry=True) >= keep:
+            self._pack_layers()
+
+    def _pack_layers(self) -> None:
+        with self.device:
+            added = self.net.pack_layers()
+            self.stream.synchronize()
+        self._graphs.clear()  # captured on the file rows' kernels
+        log.info("card %d: layers packed (%.2f GiB)", self.device.id, added / 2**30)
     def _write_slot(self, dst: cp.ndarray, parts: list[np.ndarray]) -> None:
         """An expert's matrices into a slot, straight from the (page-locked) arena on the copy stream (the slot
         loader's thread, or the fill at start): decode steps keep running meanwhile."""

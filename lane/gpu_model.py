@@ -91,13 +91,26 @@ class Qwen3MoeGpu:
         self.attn = {long: attention.DecodeAttention(c.n_head, c.n_head_kv, c.head_dim, max_ctx, pipelined=not long)
                      for long in (False, True)}
         self.prefill_attn = attention.PrefillAttention(c.n_head, c.n_head_kv, c.head_dim, max_ctx)
-        # decode steps: the o mat-vec on the attention output quantised to 8 bits by the combine
-        self.o_qx = bool(self.layers and self.layers[0]["o"].takes_qx and all(a.quantizes() for a in self.attn.values()))
+        self._set_o_qx()
+        self.packed_bytes = 0  # what pack_layers added
         self.argmax, self.topk, self.cdf = sampling.Argmax(c.vocab_size), sampling.DeviceSampler(c.vocab_size), \
             sampling.CdfSampler(c.vocab_size)
         # the sampler's parameters and its token; host copies by slot (a step launched ahead uses the other one)
         self.sparams, self.sparams_h = cp.zeros((4,), cp.float64), pinned((2, 4), np.float64)
         self.token, self.token_h = cp.zeros((1,), cp.int32), pinned((2,), np.int32)
+
+    def _set_o_qx(self) -> None:
+        # decode steps: the o mat-vec on the attention output quantised to 8 bits by the combine
+        self.o_qx = bool(self.layers and self.layers[0]["o"].takes_qx and all(a.quantizes() for a in self.attn.values()))
+
+    def pack_layers(self, dry: bool = False) -> int:
+        """Pack the layers' K- and I-quant file rows (weights.DenseWeight.to_packed: faster decode steps, the same
+        numbers; steps captured before must be captured again); dry: only say. Returns the bytes it adds."""
+        added = sum(L[k].to_packed(dry) for L in self.layers for k in ("qkv", "o", "router"))
+        if not dry:
+            self._set_o_qx()
+            self.packed_bytes += added
+        return added
 
     def ops(self, w: Work, logit_rows: int, sample: DeviceSample | None = None) -> list:
         """The step for w.T tokens: callables that only launch work on the card's stream, and Breaks (a decode

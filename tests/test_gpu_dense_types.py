@@ -245,6 +245,41 @@ def test_file_rows_are_the_packed_rows(D, qt, shape):
 
 
 @gpu
+@pytest.mark.parametrize("qt", PART_TYPES, ids=_ids(PART_TYPES))
+@pytest.mark.parametrize("shape", [(4096, 2048), (2048, 4096), (512, 2048)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_to_packed_keeps_the_bits(D, qt, shape):
+    """A layer's file rows packed later (DenseWeight.to_packed, what a card does where it has the memory) give the
+    bits they gave before on their default plan: the plain mat-vec with a residual, the norm folded in and, for
+    IQ3_S (the o projection's type in llama.cpp's IQ3 mixes), x on 8 bits."""
+    from lane.kernels import matvec
+    from lane.kernels.weights import DenseWeight
+
+    cp = D
+    rows, cols = shape
+    rng = np.random.default_rng([int(qt), *shape, 5])
+    raw = rand_raw(rng, qt, rows, cols)
+    W = DenseWeight.upload(raw, qt, cols)
+    x = cp.asarray(rng.standard_normal(cols, dtype=F32))
+    r = cp.asarray(rng.standard_normal(rows, dtype=F32))
+    nw = cp.asarray(rng.uniform(0.5, 1.5, cols).astype(F32))
+    xq = cp.asarray(matvec.quantize_row(rng.standard_normal(cols, dtype=F32)))
+
+    def run():
+        out = [matvec.matvec(W, x, residual=r), matvec.norm_matvec(W, x, nw, 1e-6, residual=r)]
+        if W.takes_qx:
+            out.append(matvec.matvec(W, xq, residual=r, qx=True))
+        cp.cuda.Device().synchronize()
+        return [o.get().view(np.uint32) for o in out]
+
+    assert W.fast and W.packed is None and (qt == T.IQ3_S) == W.takes_qx
+    before = run()
+    added = W.to_packed()
+    assert added == W.packed.nbytes and not W.fast and W.to_packed() == 0 and (qt == T.IQ3_S) == W.takes_qx
+    for i, (a, b) in enumerate(zip(before, run())):
+        assert np.array_equal(a, b), ("plain", "norm", "qx")[i]
+
+
+@gpu
 @pytest.mark.parametrize("types", [(T.IQ3_S, T.Q4_K), (T.Q4_K, T.Q6_K), (T.Q5_K, T.Q6_K)],
                          ids=["iq3_s-q4_k", "q4_k-q6_k", "q5_k-q6_k"])
 def test_pair_of_file_types_in_one_launch(D, types):
@@ -278,6 +313,12 @@ def test_pair_of_file_types_in_one_launch(D, types):
     assert np.array_equal(y.get().view(np.uint32), want.get().view(np.uint32))
     W64 = np.concatenate([quants.dequantize(qt, raw) for raw, (qt, _) in zip(raws, parts)]).astype(np.float64)
     assert bound_err(y.get(), W64, x.get().astype(np.float64)) <= 1e-5
+    # packed later (StackedWeight.to_packed): alike, one launch on the packed rows, the pair's bits on its plan
+    before = matvec.norm_matvec(W, x, nw, 1e-6, residual=r)
+    assert W.to_packed() == W.packed.nbytes and not W.pair and W.to_packed() == 0
+    after = matvec.norm_matvec(W, x, nw, 1e-6, residual=r)
+    cp.cuda.Device().synchronize()
+    assert np.array_equal(before.get().view(np.uint32), after.get().view(np.uint32))
 
 
 @gpu
@@ -321,6 +362,39 @@ def test_stacked_qkv_of_mixed_types(D):
 # ---- the GPU card on the mixes ----------------------------------------------------------------------------------
 
 PROMPT = "The first chat talks about caches and slots, and the second one about routing."
+
+
+@gpu
+def test_gpu_card_packs_its_layers_with_the_same_bits(cp, tmp_path):
+    """A card on an iq3_s mix of a3b-width layers (q and k IQ3_S with a Q4_K attn_v: a pair of file types; o IQ3_S
+    on 8-bit x) with [gpu] pack_layers on and off: packed, its layers read packed rows (o still on 8-bit x), and a
+    prompt's last logits and 8 greedy steps' are the file rows' bit for bit; the LM head keeps its file rows."""
+    from lane.cupy_card import CupyCard
+    from stratad.config import GpuOptions
+    from stratad.model.config import ModelConfig
+
+    c = ModelConfig(n_layer=2, d_model=2048, n_head=32, n_head_kv=4, head_dim=128, n_expert=8, n_expert_used=2,
+                    d_ff_expert=768, vocab_size=1024, context_length=4096)
+    path = tmp_path / "wide-iq3_s.gguf"
+    make_model(path, c, mix="iq3_s", seed=3)
+    m = ModelFile(path)
+    prompt = list(range(3, 60))
+    out = {}
+    for pack in (False, True):
+        card = CupyCard(m, 0, c.n_layer * c.n_expert, 1024, options=GpuOptions(pack_layers=pack))
+        try:
+            card.pool.fill([(layer, e) for layer in range(c.n_layer) for e in range(c.n_expert)])
+            L = card.net.layers[0]
+            assert (L["o"].packed is not None) == (L["qkv"].packed is not None) == pack
+            assert card.net.o_qx and card.net.out_w.fast
+            kv = card.new_kv()
+            rows = [card.forward(prompt, kv)[0]]
+            for _ in range(8):
+                rows.append(card.forward([int(rows[-1].argmax())], kv)[0])
+            out[pack] = np.stack(rows)
+        finally:
+            card.close()
+    assert np.array_equal(out[False].view(np.uint32), out[True].view(np.uint32))
 
 
 @gpu

@@ -93,7 +93,7 @@ def test_every_kernel_a_wrapper_launches_is_in_its_source(usages):
     packed = tuple(sorted({f"rq{ns}{nm}" for ns, nm in {weights.rq_widest([a, b]) for a in own for b in own}}))
     # the types read as the file holds them (Q8_0 and decode.cuh's RQ_PART_TYPES), on 8-bit x too (QX_TYPES)
     fast = tuple(device.QNAME[t] for t in device.FAST)
-    qx = tuple(f"{device.QNAME[t]}x" for t in weights.QX_TYPES)
+    qx = tuple(f"{device.QNAME[t]}x" for t in weights.QX_TYPES) + ("rq10x",)  # IQ3_S packed (to_packed)
     pairs = tuple(f"{device.QNAME[a]}_{device.QNAME[b]}" for a, b in weights.FILE_PAIRS)
     wanted = {
         "matvec.cu": {f"matvec_{names(q, R, KS)}" for q in fast + qx + packed for R, KS in weights.PLANS}

@@ -120,6 +120,16 @@ struct RqBlk : BlkGeom<1, 32 + 4 * (NS + NM), 8 * 34 / (32 + 4 * (NS + NM)), 6 *
         const u32 qa = wp[NS + NM + 2 * sub], qb = wp[NS + NM + 2 * sub + 1];
         return rq_term<NM != 0>(__int_as_float(wp[h]), m, qa, qb, x0, x1, acc);
     }
+    // for the 8-bit x path: the numbers FileBlk's rq_part gives for the same part of the file's block, so a weight's
+    // rows packed later (weights.DenseWeight.to_packed) give the bits its file rows gave
+    static __device__ __forceinline__ float part_q(const u8* sbv, u32 base, int b, int sub, const u8*, u32& qa,
+                                                   u32& qb) {
+        static_assert(NM == 0, "8-bit x: formats without a minimum");
+        const u32* wp = (const u32*)(sbv + base + BB * b);
+        qa = wp[NS + 2 * sub];
+        qb = wp[NS + 2 * sub + 1];
+        return __int_as_float(wp[NS == 2 ? sub >> 1 : 0]);
+    }
 };
 // A type's rows as the file holds them (decode.cuh RQ_PART_TYPES): a lane decodes its part of the staged block with
 // rq_part (the packed format's numbers, so the packed rows' bits); tab: the type's table in shared memory.

@@ -55,8 +55,8 @@ def matvec(W: DenseWeight | StackedWeight, x, y=None, residual=None, *, plan: tu
         tab = device_tables()
         if W.packed is not None:
             P = W.packed
-            _launch_matvec(m, f"matvec_{P.name}", P, P.cols // 32, plan or P.plan(), (x, ptr(residual), y, tab),
-                           rq_smem(P.fmt, norm=False))
+            _launch_matvec(m, f"matvec_{P.name}{'x' if qx else ''}", P, P.cols // 32, plan or P.plan(),
+                           (x, ptr(residual), y, tab), rq_smem(P.fmt, norm=False))
         elif W.fast:
             blk = W.qtype in FILE_BLK
             _launch_matvec(m, f"matvec_{QNAME[W.qtype]}{'x' if qx else ''}", W, _fast_ncu(W), plan or W.plan(),

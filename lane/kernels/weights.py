@@ -8,6 +8,10 @@ per-type mat-vec. decode.cuh also makes the float16 copy a prompt chunk's cuBLAS
 (`DenseWeight.dequantized`) and the embedding's rows, from the file's rows. A file's q, k and v of different types
 (llama.cpp's mixes give attn_v its own) stack as a `StackedWeight`: two file types of FILE_PAIRS in one launch
 (norm_matvec), else packed alike (one launch) where all are quantised, else a launch a part.
+
+File rows of Q4_K / Q5_K / Q6_K / IQ3_S can be packed later too (`to_packed`): a card does so for a layer's matrices
+where it has the memory (lane/cupy_card.py), since their decode steps run faster packed (a layer's mat-vecs are
+bound by the decode's instructions and fixed costs, not by bytes; docs/perf-notes.md, session 25).
 """
 from __future__ import annotations
 
@@ -29,13 +33,15 @@ DQ_PLANS = ((2, 1), (1, 1), (1, 2), (1, 4), (1, 8))
 # a 16-value half for the types whose integer scales cover 16 values; a minimum a scale for the types with one
 RQ_FORMATS = {T.Q2_K: (2, 2), T.Q3_K: (2, 0), T.Q6_K: (2, 0), T.IQ2_XS: (2, 0), T.IQ2_S: (2, 0), T.IQ1_M: (2, 0),
               T.Q4_1: (1, 1), T.Q5_1: (1, 1), T.Q4_K: (1, 1), T.Q5_K: (1, 1)}
-
+# the file rows to_packed packs: the types decoded a lane's 8 values at a time (decode.cuh RQ_PART_TYPES)
+FILE_PARTS = tuple(t for t in FILE_BLK if t != T.Q8_0)
 
 # the pairs of file types one norm_matvec launch takes (matvec.cu NORM_MV_PAIR): llama.cpp's IQ3_S q and k with
 # a Q4_K attn_v (iq3_s, iq3_m), Q4_K or Q5_K with a Q6_K attn_v (q4_k_m's and q5_k_m's more-bits layers)
 FILE_PAIRS = ((T.IQ3_S, T.Q4_K), (T.Q4_K, T.Q6_K), (T.Q5_K, T.Q6_K))
 PAIR_PLANS = ((2, 1), (1, 1), (1, 2), (2, 2))
-# the file types matvec takes on 8-bit x (qx; matvec.cu's matvec_<type>x): block formats without a minimum
+# the file types matvec takes on 8-bit x (qx; matvec.cu's matvec_<type>x): block formats without a minimum; IQ3_S
+# packed too (matvec_rq10x, the same numbers)
 QX_TYPES = (T.Q8_0, T.IQ3_S)
 NORM_MV_MAX_N = 4096  # the row a norm_matvec stages in shared memory, floats (matvec.cuh)
 
@@ -180,8 +186,8 @@ class DenseWeight:
 
     @property
     def takes_qx(self) -> bool:
-        """Whether matvec takes this weight on 8-bit x (qx): fast rows of QX_TYPES."""
-        return self.fast and self.qtype in QX_TYPES
+        """Whether matvec takes this weight on 8-bit x (qx): rows of QX_TYPES, fast or packed in one scale a block."""
+        return self.qtype in QX_TYPES and (self.fast or (self.packed is not None and self.packed.fmt == (1, 0)))
 
     @property
     def name(self) -> str:
@@ -222,6 +228,17 @@ class DenseWeight:
     def drop_cache(self) -> None:
         self._cache = None
 
+    def to_packed(self, dry: bool = False) -> int:
+        """Pack these rows if they are file rows of FILE_PARTS (the mat-vec reads the packed rows from then on, on
+        the same numbers); dry: only say. Returns the bytes packing adds (the file's rows stay: the float16 copy is
+        made from them), 0 where there is nothing to pack."""
+        if not (self.fast and self.qtype in FILE_PARTS and packable(self)):
+            return 0
+        fmt = rq_format(self.qtype)
+        if not dry:
+            self.packed, self.fast = PackedRows.pack(self, fmt), False
+        return self.rows * (self.cols // 32) * rq_block_bytes(fmt)
+
 
 class StackedWeight:
     """Rows of matrices of one width and different types (q, k, v of a llama.cpp mix), stacked: the ops launch a
@@ -233,8 +250,6 @@ class StackedWeight:
     takes_qx = False
 
     def __init__(self, parts: list[DenseWeight]):
-        import cupy
-
         if len({p.cols for p in parts}) != 1:
             raise ValueError("stacked matrices need one column count")
         runs: list[list[DenseWeight]] = []
@@ -252,11 +267,28 @@ class StackedWeight:
         # else all quantised: packed alike (the widest format of the parts), one mat-vec launch; the parts' own dropped
         self.packed = None
         if not self.pair and all(p.packed is not None or (p.fast and packable(p)) for p in self.parts):
-            fmt = rq_widest([rq_format(p.qtype) for p in parts])
-            self.packed = PackedRows(cupy.concatenate([PackedRows.pack(p, fmt).data for p in self.parts], axis=0),
-                                     fmt, self.cols)
-            for p in self.parts:
-                p.packed = None
+            self._pack_alike()
+
+    def _pack_alike(self) -> None:
+        import cupy
+
+        fmt = self._alike_format()
+        self.packed = PackedRows(cupy.concatenate([PackedRows.pack(p, fmt).data for p in self.parts], axis=0),
+                                 fmt, self.cols)
+        for p in self.parts:
+            p.packed = None
+
+    def _alike_format(self) -> tuple[int, int]:
+        return rq_widest([rq_format(p.qtype) for p in self.parts])
+
+    def to_packed(self, dry: bool = False) -> int:
+        """A pair packed alike (DenseWeight.to_packed): one norm_matvec launch on the packed rows."""
+        if not self.pair or not all(packable(p) for p in self.parts):
+            return 0
+        if not dry:
+            self._pack_alike()
+            self.pair = False
+        return self.rows * (self.cols // 32) * rq_block_bytes(self._alike_format())
 
     def plan(self) -> tuple[int, int]:
         """A pair's (from PAIR_PLANS) or the packed rows' plan."""
@@ -331,6 +363,8 @@ def default_plan(qtype, rows: int, cols: int) -> tuple[int, int]:
     f = quants.fmt(qt)
     if qt not in FAST:
         return dq_plan(rows, cols // dq_span(qt))
+    if qt in FILE_PARTS and rows < 16384:  # a layer's: the packed rows' plan, so to_packed keeps the bits
+        return rq_plan(rows, cols)
     if qt in FILE_BLK:
         ntiles = -(-(cols // 32) // 32)
     else:

@@ -116,6 +116,7 @@ def run(model_path: str, fractions=(1.0, 0.5, 0.25), contexts=(1024,), tokens: i
                 "decode_tok_s": round(tps, 1), "decode_tok_s_with_first_step": round(g.decode_tok_s, 1),
                 "first_decode_step_ms": round((stamps[0] - g.t_first) * 1e3, 2) if stamps else None,
                 "hit_rate": round(share, 4), "cpu_share": round(on_cpu / used, 4),
+                "layers_packed_gib": round(card.net.packed_bytes / 2**30, 3),
                 "host_read_share": round(read / used, 4),
                 "floor_ms_per_token": round(floor_s * 1e3, 4),
                 "floor_tok_s": round(1 / floor_s, 1), "fraction_of_floor": round(tps * floor_s, 4),
