@@ -296,7 +296,9 @@ class Lane:
         export is a copy made here (the next request may change the KV); the writer's thread writes the store."""
         if self.writer is None or self.prefix.kv is None:
             return
+        t0 = time.monotonic()
         with self.writer.room() as submit:
+            t_room = time.monotonic()
             try:
                 w = self.prefix.unsaved(self.card, self.writer.writing())
             except Exception:  # noqa: BLE001 - the cache is an optimisation: serving goes on without it
@@ -304,6 +306,10 @@ class Lane:
                 return
             if w is not None:
                 submit(w)
+        held = time.monotonic() - t0
+        if held > 0.1:  # the lane takes no request meanwhile (docs/perf-notes.md, session 25's agents run)
+            log.info("lane %d: the host cache export held the lane %.2f s (%.2f s waiting for room, %d blocks)",
+                     self.lane, held, t_room - t0, len(w.hashes) if w is not None else 0)
 
     def run(self) -> int:
         self.send(M.LaneHello(lane=self.lane, pid=os.getpid(), card=self.card_name, model_hash=self.model.header_hash))
