@@ -93,6 +93,10 @@ class BlockWriter:
 
     def _done(self, w: BlockWrite | None) -> None:
         if w is not None:
+            try:
+                w.release()  # whatever still refers to w (the loop's variable, a logged traceback) holds no rows
+            except Exception:  # noqa: BLE001 - a failed copy: its rows are dropped, not given back for reuse
+                log.exception("lane %d: an exported KV copy failed", self.lane)
             self._count(w, -1)
             self._room.release()
         self._jobs.task_done()

@@ -62,9 +62,11 @@ class KvBlockCard(Protocol):
 @dataclass
 class KvExport:
     """Blocks exported from a card: `blocks` holds them once `wait()` has returned (a GPU card's copy to host
-    memory may still be running when export_kv returns)."""
+    memory may still be running when export_kv returns); `release()` gives their memory back once nothing reads
+    them (a GPU card's page-locked buffer, for its next export: lane/export_buffers.py)."""
     blocks: np.ndarray
     wait: Callable[[], None] = lambda: None
+    release: Callable[[], None] = lambda: None
 
 
 class HostSampled:

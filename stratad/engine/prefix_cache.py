@@ -34,8 +34,20 @@ class BlockWrite:
     again): written by write() in the background."""
     hashes: list[bytes]
     rows: list[int]  # each hash's row of export.blocks
-    export: KvExport
+    export: KvExport | None  # None once released
     parent: bytes | None = None  # the chain's block before the first of these (None: they start the chain)
+
+    def release(self) -> None:
+        """Let the exported rows go once their copy has ended (a GPU card's page-locked buffer returns to its pool,
+        where the next export of that size finds it instead of page-locking gigabytes anew)."""
+        if self.export is not None:
+            ex, self.export = self.export, None
+            try:
+                ex.wait()  # a buffer given back while its copy runs would be written under its next export
+            except BaseException:
+                del ex  # a traceback a log handler keeps would hold the rows through this frame
+                raise
+            ex.release()
 
     def write(self, store: kv_store.KvStore) -> int:
         """Claim slots and publish the blocks (a block another lane wrote meanwhile is skipped); blocks written.
