@@ -152,6 +152,7 @@ class DenseWeight:
         self._cache = None  # the float16 copy, once dequantized(cache=True) made it
         # what the mat-vec reads for rows off the fast paths: packed now (never during a capture) unless pack=False
         self.packed = PackedRows.pack(self) if pack and not self.fast and packable(self) else None
+        self.repacked = False  # fast rows packed later (to_packed)
 
     @classmethod
     def upload(cls, raw: np.ndarray, qtype, cols: int | None = None, *, pack: bool = True) -> "DenseWeight":
@@ -186,8 +187,9 @@ class DenseWeight:
 
     @property
     def takes_qx(self) -> bool:
-        """Whether matvec takes this weight on 8-bit x (qx): rows of QX_TYPES, fast or packed in one scale a block."""
-        return self.qtype in QX_TYPES and (self.fast or (self.packed is not None and self.packed.fmt == (1, 0)))
+        """Whether matvec takes this weight on 8-bit x (qx): fast rows of QX_TYPES, and such rows packed later
+        (to_packed: they keep their 8-bit x path, the same bits)."""
+        return self.qtype in QX_TYPES and (self.fast or self.repacked)
 
     @property
     def name(self) -> str:
@@ -236,7 +238,7 @@ class DenseWeight:
             return 0
         fmt = rq_format(self.qtype)
         if not dry:
-            self.packed, self.fast = PackedRows.pack(self, fmt), False
+            self.packed, self.fast, self.repacked = PackedRows.pack(self, fmt), False, True
         return self.rows * (self.cols // 32) * rq_block_bytes(fmt)
 
 
