@@ -1,11 +1,10 @@
 """The CPU pool: threads that compute the experts no card holds, straight from the arena's raw GGUF bytes.
 
 Every output bit equals `stratad.engine.canonical.expert` on `decode_int` of the same rows (docs/design.md, exactness),
-for every expert type. Every quantised type has a kernel reading its raw GGUF blocks (gate / up / down may each be
-any type: llama.cpp's mixes): IQ3_S / Q4_K / Q8_0 decode in vector registers; every other type goes through one
-mechanism, a per-type decoder filling a block's integer view in small buffers and one row loop over them
-(`_rows_dec`). Float experts (no raw kernel) run the generic path, the same arithmetic on the integer views
-`decode_int` gives (see `_run_generic`). The kernels form exact integer sub-block dots, scale each term as
+for every expert type. Every type has a kernel reading its raw GGUF blocks (gate / up / down may each be any type:
+llama.cpp's mixes): IQ3_S / Q4_K / Q8_0 decode in vector registers; every other type, the float ones (F32 / F16 /
+BF16) included, goes through one mechanism, a per-type decoder filling a block's integer view in small buffers and
+one row loop over them (`_rows_dec`). The kernels form exact integer sub-block dots, scale each term as
 `(scale_b * d_b) * isum_b [- (minimum_b * d_b) * msum_b]` in float32 (every op rounded on its own: no fastmath, so
 LLVM never contracts to FMA or reassociates), sum terms in the canonical warp order (virtual lane l adds terms
 l, l+32, ... to 0.0, then folds 16, 8, 4, 2, 1), apply SwiGLU with the canonical float32 `exp`, quantise h
@@ -24,6 +23,7 @@ Its throughput (GB/s of expert bytes read) is measured by `stratad.bench.cpu_poo
 """
 from __future__ import annotations
 
+import math
 import threading
 import weakref
 from dataclasses import dataclass
@@ -37,7 +37,7 @@ from numba.extending import intrinsic
 
 from gguf import GGMLQuantizationType as T
 
-from stratad.model.quants import EXPERT_TYPES, SUB, decode_int, fmt, iq3s_grid
+from stratad.model.quants import EXPERT_TYPES, SUB, fmt, iq3s_grid
 from stratad.model.quants.iquants import IQ4_VALUES, grid, ksigns
 
 F32 = np.float32
@@ -48,6 +48,7 @@ IQ3_S, Q4_K, Q6_K, Q8_0 = int(T.IQ3_S), int(T.Q4_K), int(T.Q6_K), int(T.Q8_0)
 Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL = int(T.Q4_0), int(T.Q4_1), int(T.Q5_0), int(T.Q5_1), int(T.IQ4_NL)
 Q2_K, Q3_K, Q5_K, IQ4_XS, IQ3_XXS = int(T.Q2_K), int(T.Q3_K), int(T.Q5_K), int(T.IQ4_XS), int(T.IQ3_XXS)
 IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S, IQ1_M = int(T.IQ2_XXS), int(T.IQ2_XS), int(T.IQ2_S), int(T.IQ1_S), int(T.IQ1_M)
+F32_T, F16_T, BF16_T = int(T.F32), int(T.F16), int(T.BF16)
 
 # The decoded-block types (_rows_dec) by the buffer their q is decoded into and their minimum term: int8 q, no
 # minimum; uint8 q (codes >= 0), a minimum of weight 1; uint8 q with uint8 mweights (Q2_K); int16 q (16-value
@@ -55,8 +56,9 @@ IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S, IQ1_M = int(T.IQ2_XXS), int(T.IQ2_XS), int(T.IQ2_
 _K_I8, _K_U8_MIN, _K_U8_MW, _K_I16 = 0, 1, 2, 3
 _DECODED = {Q4_0: _K_I8, Q5_0: _K_I8, IQ4_NL: _K_I8, IQ4_XS: _K_I8, IQ3_XXS: _K_I8, IQ2_XXS: _K_I8, IQ1_S: _K_I8,
             Q4_1: _K_U8_MIN, Q5_1: _K_U8_MIN, Q5_K: _K_U8_MIN, Q2_K: _K_U8_MW,
-            Q3_K: _K_I16, Q6_K: _K_I16, IQ2_XS: _K_I16, IQ2_S: _K_I16, IQ1_M: _K_I16}
-# the types with kernels reading raw blocks; others (float experts): _run_generic
+            Q3_K: _K_I16, Q6_K: _K_I16, IQ2_XS: _K_I16, IQ2_S: _K_I16, IQ1_M: _K_I16,
+            F32_T: _K_I16, F16_T: _K_I16, BF16_T: _K_I16}
+# the types with kernels reading raw blocks: every expert type
 _BLOCK_BYTES = {t: fmt(t).block_bytes for t in (IQ3_S, Q4_K, Q8_0, *_DECODED)}
 _SUPPORTED = {int(t) for t in EXPERT_TYPES}
 # per type code, for the njit code (global arrays are compile-time constants there): decoded kind, block bytes and
@@ -911,6 +913,56 @@ def _dec_iq1m(w, o, wb16, sbuf, f16e, tab):
             _vgrid(8, wb16, 8 * n, tab, gi, _T_EIGHTS, -1 if nib & 8 else 1, f)
 
 
+@njit(nogil=True, cache=True)
+def _dec_float(qtype, w, o, g, wb16, sbuf):
+    """F32 / F16 / BF16, g sub-blocks of 32 values from w[o]: the float view (stratad.model.quants.floats) in
+    integers. A finite value is mant 2^(E' - bias) exactly (E' = max(E, 1); mant with its implicit bit where E > 0);
+    the sub-block's largest magnitude gives e (amax = f 2^e, 1/2 <= f < 1), k = max(e - 12, -126), scale 2^k and
+    q = mant 2^(E' - bias - k) rounded half to even: what rint(w * 2^-k) gives, the float32 product being exact
+    wherever it can round to a nonzero q; non-finite values read as 0. Branch-free loops over a sub-block (LLVM
+    vectorises them)."""
+    if qtype == F32_T:
+        _dec_float_t(w[o:o + 4 * SUB * g].view(np.uint32), g, wb16, sbuf, 8, 23, 150)
+    elif qtype == BF16_T:
+        _dec_float_t(w[o:o + 2 * SUB * g].view(np.uint16), g, wb16, sbuf, 8, 7, 134)
+    else:
+        _dec_float_t(w[o:o + 2 * SUB * g].view(np.uint16), g, wb16, sbuf, 5, 10, 25)
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _dec_float_t(u, g, wb16, sbuf, eb, mb, bias):
+    """_dec_float on the values' bits u (uint16 or uint32): exponent bits eb, mantissa bits mb."""
+    emax = (1 << eb) - 1
+    inf = emax << mb  # magnitudes from here on are not finite
+    mmask = (1 << mb) - 1
+    amask = (1 << (eb + mb)) - 1
+    for j in range(g):
+        top = 0
+        for v in range(SUB):
+            a = np.int64(u[j * SUB + v]) & amask
+            top = max(top, a if a < inf else 0)
+        te = top >> mb
+        length = 0  # the mantissa's length, for a subnormal top
+        tm = top & mmask
+        while tm >> length:
+            length += 1
+        e = 0 if top == 0 else (te - bias + mb + 1 if te > 0 else length + 1 - bias)
+        k = max(e - 12, -126)
+        sbuf[j] = np.float32(math.ldexp(1.0, k))
+        for v in range(SUB):
+            b = np.int64(u[j * SUB + v])
+            a = b & amask
+            ex = a >> mb
+            mant = (a & mmask) | (np.int64(ex > 0) << mb)
+            sh = max(ex, 1) - bias - k
+            up = mant << min(max(sh, 0), 40)  # large only for values not finite (q 0)
+            n = min(max(-sh, 1), 62)  # the right shift where sh < 0
+            down = (mant + (1 << (n - 1)) - 1 + ((mant >> n) & 1)) >> n
+            q = up if sh >= 0 else down
+            q = q if a < inf else 0
+            wb16[j * SUB + v] = -q if (b >> (eb + mb)) & 1 else q
+
+
 @njit(nogil=True, cache=True, inline="always")
 def _decode(qtype, w, o, g, s, f16e, tab):
     """The decoded view of the block at w[o] (32-value types: g blocks from w[o]) into the scratch buffers s."""
@@ -935,6 +987,8 @@ def _decode(qtype, w, o, g, s, f16e, tab):
         _dec_iq1s(w, o, wb8, sbuf, f16e, tab)
     elif qtype == IQ1_M:
         _dec_iq1m(w, o, wb16, sbuf, f16e, tab)
+    elif qtype == F32_T or qtype == F16_T or qtype == BF16_T:
+        _dec_float(qtype, w, o, g, wb16, sbuf)
     else:
         _dec_legacy(qtype, w, o, g, wb8, wbu, sbuf, mbuf, f16e, tab)
 
@@ -961,7 +1015,7 @@ def _rows_dec(qtype, w, ro, rb, nrows, a, da, asum, idx, n, s, res, f16e, tab):
     kind = _KIND[qtype]
     bb = _BB[qtype]
     step = bb * 256 // _BV[qtype]  # bytes of 8 sub-blocks
-    nsub = rb // bb * (_BV[qtype] // SUB)
+    nsub = rb // bb * _BV[qtype] // SUB
     ng = nsub // 8
     r = nsub - ng * 8
     for i in range(nrows):
@@ -980,12 +1034,15 @@ def _rows_dec(qtype, w, ro, rb, nrows, a, da, asum, idx, n, s, res, f16e, tab):
                     _blk_dec(wbu, mwu, sbuf, mbuf, a, t * SUB, da, asum, t, acc, k * LANES + lane0)
                 else:
                     _blk_dec(wb16, None, sbuf, None, a, t * SUB, da, asum, t, acc, k * LANES + lane0)
-        if r:  # only 32-value types (kinds _K_I8, _K_U8_MIN) have rows whose length is not a multiple of 256
+        if r:  # only 32-value types (kinds _K_I8, _K_U8_MIN) and the float types (_K_I16) have rows whose length is
+            # not a multiple of 256
             _decode(qtype, w, ro + i * rb + ng * step, r, s, f16e, tab)
             for k in range(n):
                 t = idx[k] * nsub + ng * 8
                 if kind == _K_I8:
                     _sub_terms(r, wb8, sbuf, mbuf, False, a, da, asum, t, acc, k * LANES, (ng * 8) & 31)
+                elif kind == _K_I16:
+                    _sub_terms(r, wb16, sbuf, mbuf, False, a, da, asum, t, acc, k * LANES, (ng * 8) & 31)
                 else:
                     _sub_terms(r, wbu, sbuf, mbuf, True, a, da, asum, t, acc, k * LANES, (ng * 8) & 31)
         for k in range(n):
@@ -1201,115 +1258,6 @@ def _layer_parallel(nthreads, tickets, tg, tu, td, gate, up, down, d_ff, d_model
                      grid, tab)
 
 
-# ---- the generic path: any expert type, from its canonical integer view (quants.decode_int) --------------------
-# Layers whose three types are not all in _BLOCK_BYTES (float experts): the pairs' experts are decoded to their
-# integer views by the types' own units (bounded batches of experts), then these kernels do the canonical
-# arithmetic on the views: exact integer sub-block sums, each term (scale_b * d_b) * isum_b [- (minimum_b * d_b) *
-# msum_b] in float32, the warp order of lanes, SwiGLU, h quantised, the down dot. mode: 0 no minimum, 1 minimum
-# with weight 1 (msum = the activation's sub-block sum), 2 minimum with per-value weights.
-
-
-@njit(nogil=True, cache=True)
-def _view_dot(q, s, m, mw, mode, wrow, nsub, a, da, asum, arow, acc):
-    """Canonical dot of view row wrow (q: int16 flat, 32 a sub-block) with activation row arow."""
-    for lane in range(LANES):
-        acc[lane] = _ZERO
-    for b in range(nsub):
-        wo = (wrow * nsub + b) * SUB
-        ao = (arow * nsub + b) * SUB
-        isum = 0
-        for v in range(SUB):
-            isum += np.int32(q[wo + v]) * np.int32(a[ao + v])
-        ab = arow * nsub + b
-        t = (s[wrow * nsub + b] * da[ab]) * np.float32(isum)
-        if mode == 1:
-            t = t - (m[wrow * nsub + b] * da[ab]) * asum[ab]
-        elif mode == 2:
-            msum = 0
-            for v in range(SUB):
-                msum += np.int32(mw[wo + v]) * np.int32(a[ao + v])
-            t = t - (m[wrow * nsub + b] * da[ab]) * np.float32(msum)
-        acc[b & 31] = acc[b & 31] + t
-    return _fold32(acc, 0)
-
-
-@njit(nogil=True, cache=True, inline="always")
-def _pair_row(i, rows, pair_slot):
-    """Flattened index i = pair * rows + r of a phase's outputs -> (pair, row r's place in the slot-major view)."""
-    p = i // rows
-    return p, pair_slot[p] * rows + i - p * rows
-
-
-@njit(nogil=True, cache=True, parallel=True)
-def _generic_layer(nthreads, gv, uv, dv, modes, d_ff, d_model, a, da, asum, pair_tok, pair_slot, h, qh, dh, hsum,
-                   out, pow2):
-    """gv / uv / dv: (q int16, scale, minimum, mweight) flat views of the batch's experts (slot-major); pair p is
-    token pair_tok[p] through expert slot pair_slot[p]; out: float32 flat (n_pairs * d_model)."""
-    npair = pair_tok.shape[0]
-    nin, nff = d_model // SUB, d_ff // SUB
-    for c in prange(nthreads):
-        acc = np.empty(LANES, np.float32)
-        lo, hi = _part(c, npair * d_ff, nthreads)
-        for i in range(lo, hi):
-            p, wrow = _pair_row(i, d_ff, pair_slot)
-            g = _view_dot(gv[0], gv[1], gv[2], gv[3], modes[0], wrow, nin, a, da, asum, pair_tok[p], acc)
-            u = _view_dot(uv[0], uv[1], uv[2], uv[3], modes[1], wrow, nin, a, da, asum, pair_tok[p], acc)
-            h[i] = (g / (_ONE + _exp(-g, pow2))) * u
-    for c in prange(nthreads):
-        lo, hi = _part(c, npair, nthreads)
-        _quantize(h, lo, hi, d_ff, qh, dh, hsum)
-    for c in prange(nthreads):
-        acc = np.empty(LANES, np.float32)
-        lo, hi = _part(c, npair * d_model, nthreads)
-        for i in range(lo, hi):
-            p, wrow = _pair_row(i, d_model, pair_slot)
-            out[i] = _view_dot(dv[0], dv[1], dv[2], dv[3], modes[2], wrow, nff, qh, dh, hsum, p, acc)
-
-
-_NO_F32 = np.zeros(1, F32)
-_NO_I8 = np.zeros(1, np.int8)
-GENERIC_BATCH_BYTES = 64 << 20  # decoded view bytes per batch of experts: bounds the generic path's memory
-
-
-def _flat_view(qtype: int, mats: np.ndarray) -> tuple[tuple, int]:
-    """((q int16, scale, minimum, mweight) flat, mode) of the integer view of mats (n, rows, row_bytes)."""
-    ib = decode_int(qtype, mats)
-    mode = 0 if ib.minimum is None else 1 if ib.mweight is None else 2
-    return ((np.ascontiguousarray(ib.q, np.int16).reshape(-1), np.ascontiguousarray(ib.scale, F32).reshape(-1),
-             _NO_F32 if ib.minimum is None else np.ascontiguousarray(ib.minimum, F32).reshape(-1),
-             _NO_I8 if ib.mweight is None else np.ascontiguousarray(ib.mweight, np.int8).reshape(-1)), mode)
-
-
-def _run_generic(threads: int, jobs: "LayerJobs", pairs: np.ndarray, qa: np.ndarray, da: np.ndarray,
-                 asum: np.ndarray, out: np.ndarray) -> None:
-    """The pairs of a layer with a type that has no raw-block kernel, in batches of experts (see above)."""
-    d_ff, d_model = jobs.gate.shape[1], jobs.down.shape[1]
-    experts = np.unique(pairs[:, 1])
-    per_expert = 3 * d_ff * d_model * 4  # int16 q and int8 mweight per value, with room for the scales
-    per_batch = max(1, GENERIC_BATCH_BYTES // per_expert)
-    for k in range(0, len(experts), per_batch):
-        batch = experts[k:k + per_batch]
-        slot_of = np.full(jobs.gate.shape[0], -1, np.int64)
-        slot_of[batch] = np.arange(len(batch))
-        sel = np.flatnonzero(slot_of[pairs[:, 1]] >= 0)
-        views = [_flat_view(t, np.asarray(m)[batch]) for t, m in ((jobs.gate_type, jobs.gate),
-                                                                    (jobs.up_type, jobs.up),
-                                                                    (jobs.down_type, jobs.down))]
-        npair = len(sel)
-        h = np.empty(npair * d_ff, F32)
-        qh = np.empty(npair * d_ff, np.int8)
-        dh = np.empty(npair * d_ff // SUB, F32)
-        hsum = np.empty(npair * d_ff // SUB, F32)
-        res = np.empty(npair * d_model, F32)
-        _generic_layer(threads, views[0][0], views[1][0], views[2][0], np.array([v[1] for v in views], np.int64),
-                       d_ff, d_model, qa, da, asum, pairs[sel, 0].astype(np.int64), slot_of[pairs[sel, 1]], h, qh,
-                       dh, hsum, res, POW2)
-        out[sel] = res.reshape(npair, d_model)
-
-
-# ---- the pool ---------------------------------------------------------------------------------------------------
-
-
 @dataclass
 class LayerJobs:
     """One layer's CPU share: the layer's expert tensors and the (token, expert) pairs to compute.
@@ -1388,9 +1336,10 @@ _PRANGE_LOCK = threading.Lock()
 
 
 def _flat_readonly(x: np.ndarray) -> np.ndarray:
-    """A flat read-only ndarray view of weight bytes (np.asarray turns a np.memmap into a plain ndarray), so that
-    the kernels see one array type (one compiled specialisation) for file mappings, arenas and test arrays."""
-    v = np.asarray(x).reshape(-1).view()
+    """A flat read-only ndarray view of weight bytes (np.asarray turns a np.memmap into a plain ndarray; float
+    experts come as their floats), so that the kernels see one array type (one compiled specialisation) for file
+    mappings, arenas and test arrays."""
+    v = np.asarray(x).reshape(-1).view(np.uint8)
     v.setflags(write=False)
     return v
 
@@ -1457,11 +1406,6 @@ class CpuPool:
         ngrp, maxg = _group(pairs, jobs.gate.shape[0], jobs.qa.shape[0], gpairs, gstart, gexp)
         if ngrp < 0:
             raise ValueError("pairs: token or expert index out of range")
-        if not all(int(t) in _BLOCK_BYTES for t in (jobs.gate_type, jobs.up_type, jobs.down_type)):
-            with _PRANGE_LOCK:
-                numba.set_num_threads(self.threads)
-                _run_generic(self.threads, jobs, pairs, qa, da, asum, out)
-            return out
         gstart, gexp = gstart[:ngrp + 1], gexp[:ngrp]
         pair_tok = pairs[:, 0].astype(np.int64)
         h = np.empty(n_pairs * d_ff, F32)
@@ -1469,7 +1413,7 @@ class CpuPool:
         dh = np.empty(n_pairs * d_ff // SUB, F32)
         hsum = np.empty(n_pairs * d_ff // SUB, F32)
         tg, tu, td = int(jobs.gate_type), int(jobs.up_type), int(jobs.down_type)
-        rb_g, rb_u, rb_d = jobs.gate.shape[2], jobs.up.shape[2], jobs.down.shape[2]
+        rb_g, rb_u, rb_d = fmt(tg).row_bytes(d_model), fmt(tu).row_bytes(d_model), fmt(td).row_bytes(d_ff)
         flat = out.reshape(-1)
         with _PRANGE_LOCK:
             numba.set_num_threads(self.threads)

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from stratad.model.generator import make_model
@@ -112,3 +113,21 @@ def test_experts_bench_refuses_a_bad_option_before_measuring(flag, value, says):
     r = subprocess.run([sys.executable, "-m", "stratad.cli", "bench", "--scenario", "experts", flag, value],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and f"argument {flag}: {says}" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("qt", ["F16", "IQ3_S"])
+def test_cpu_pool_bench_layers_of_float_and_quantised_experts(qt):
+    """The CPU pool bench's random layer holds each expert's rows as bytes, a float type's too (its rows come as
+    floats), decoding to the values drawn."""
+    from gguf import GGMLQuantizationType as T
+
+    from stratad.bench.cpu_pool import random_layer
+    from stratad.model import quants
+
+    t = T[qt]
+    gate, up, down = random_layer(t, 3, 512, 256)
+    f = quants.fmt(t)
+    assert gate.shape == up.shape == (3, 256, f.row_bytes(512)) and down.shape == (3, 512, f.row_bytes(256))
+    assert gate.dtype == np.uint8
+    w = quants.dequantize(t, gate[1])
+    assert w.shape == (256, 512) and np.isfinite(w).all() and 0 < np.abs(w).max() < 1

@@ -65,7 +65,7 @@ def assert_bits(got, want):
         i = np.argwhere(~same)[0]
         raise AssertionError(f"{(~same).sum()} of {same.size} outputs differ, first at {tuple(i)}: "
                              f"{got[tuple(i)]!r} vs canonical {want[tuple(i)]!r}")
-    assert np.array_equal(got, want)
+    assert np.array_equal(got, want, equal_nan=True)
 
 
 def run_all(pools, jobs):
@@ -91,14 +91,9 @@ def test_bit_exact_vs_canonical(pools, seed, qtype, shape):
     assert np.all(da[0, 1] == 0) and np.all(da[2] == 0)
 
 
-# cpu_pool's raw-block kernels: every quantised type (float experts take the generic path)
-BLOCK_KERNELS = [T.IQ3_S, T.Q4_K, T.Q6_K, T.Q8_0, T.Q5_K, T.Q3_K, T.Q2_K, T.IQ4_XS, T.IQ4_NL, T.Q4_0, T.Q4_1, T.Q5_0,
-                 T.Q5_1, T.IQ3_XXS, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ1_S, T.IQ1_M]
-
-
 @pytest.mark.parametrize("qtype", EXPERT_TYPES, ids=lambda t: t.name)
 def test_every_type_bit_exact_vs_canonical(pools, seed, qtype):
-    """Every expert type (raw-block kernels or the generic path on the integer views), several tokens per expert."""
+    """Every expert type (each has a raw-block kernel), several tokens per expert."""
     d_model, d_ff = TINY
     rng = np.random.default_rng([seed, int(qtype), 3])
     types = (qtype,) * 3
@@ -124,26 +119,62 @@ def test_mixed_types_bit_exact(pools, seed, types):
     assert_bits(run_all(pools, jobs), reference(types, layer, pairs, qa, da))
 
 
-@pytest.mark.parametrize("qtype", BLOCK_KERNELS, ids=lambda t: t.name)
-def test_generic_path_equals_block_kernels(seed, qtype, monkeypatch):
-    """The generic path on a type that has raw-block kernels gives their bits (two implementations, one function);
-    small expert batches (several passes) change nothing."""
+FLOATS = [T.F16, T.BF16, T.F32]
+
+
+def special_floats(rng, qtype, rows, n):
+    """Rows of a float type whose 32-value sub-blocks hit the float view's edges: zeros and -0, infinities and NaNs
+    (read as 0), subnormals (a sub-block of them alone: its e from the mantissa's length), large values beside
+    tiny ones (q rounds to 0 or half to even), and random bit patterns; exponents of the 8-bit-exponent types up to
+    2^24, so that the dot products stay finite."""
+    bits = {T.F16: (np.uint16, 5, 10, 30), T.BF16: (np.uint16, 8, 7, 151), T.F32: (np.uint32, 8, 23, 151)}
+    dt, eb, mb, big = bits[qtype]
+    emax, top = (1 << eb) - 1, 1 << (eb + mb)
+    sign = rng.integers(0, 2, (rows, n)).astype(np.uint64) << np.uint64(eb + mb)
+    ex = rng.integers(0, big + 1, (rows, n)).astype(np.uint64) << np.uint64(mb)
+    u = (sign | ex | rng.integers(0, 1 << mb, (rows, n)).astype(np.uint64)).astype(dt)
+    sub = u.reshape(rows, -1, 32)
+    kinds = sub.shape[1]
+    for s in range(kinds):
+        block = sub[:, s]
+        kind = s % 6
+        if kind == 0:  # zeros, -0 and a few values
+            block[:] = 0
+            block[:, 1] = top
+            block[:, 5] = (1 << mb) * 3
+        elif kind == 1:  # non-finite among finite
+            block[:, ::4] = (emax << mb) | rng.integers(0, 1 << mb, (rows, 8)).astype(dt)
+            block[:, 1::8] = emax << mb
+        elif kind == 2:  # subnormals only
+            block[:] = rng.integers(0, 1 << mb, block.shape).astype(dt) | (rng.integers(0, 2, block.shape) * top).astype(dt)
+        elif kind == 3:  # a large magnitude beside tiny ones
+            block[:, 0] = (big << mb) | ((1 << mb) - 1)
+            block[:, 1:] = rng.integers(0, 1 << (eb + mb - 2), (rows, 31)).astype(dt)
+        elif kind == 4:  # exact halves: q on a rounding tie
+            block[:] = ((7 << mb) + (rng.integers(0, 1 << mb, block.shape) & ~0x7).astype(dt)).astype(dt)
+            block[:, 0] = (20 << mb)
+    return u.view(np.uint8).reshape(rows, -1)
+
+
+@pytest.mark.parametrize("qtype", FLOATS, ids=lambda t: t.name)
+def test_float_view_edges_bit_exact(pools, seed, qtype):
+    """The float types' integer view formed in integers from the raw bits (cpu_pool._dec_float) against
+    quants.floats.float_view through canonical.expert, on sub-blocks at the view's edges (special_floats)."""
+    d_model, d_ff = 256, 96  # 96: a remainder of 3 sub-blocks on the down rows
+    rng = np.random.default_rng([seed, 23, int(qtype)])
+    types = (qtype,) * 3
+    layer = tuple(np.stack([special_floats(rng, qtype, r, n) for _ in range(3)])
+                  for r, n in ((d_ff, d_model), (d_ff, d_model), (d_model, d_ff)))
+    qa, da = make_tokens(rng, 2, d_model)
+    pairs = np.array([(0, 0), (1, 2), (0, 1)], np.int32)
+    jobs = LayerJobs(*layer, *map(int, types), pairs, qa, da)
+    assert_bits(run_all(pools, jobs), reference(types, layer, pairs, qa, da))
+
+
+def test_every_expert_type_reads_raw_blocks():
     import lane.cpu_pool as cp
 
-    assert set(cp._BLOCK_BYTES) == {int(t) for t in BLOCK_KERNELS}
-    assert set(BLOCK_KERNELS) == {t for t in EXPERT_TYPES if fmt(t).quantised}
-    d_model, d_ff = TINY
-    rng = np.random.default_rng([seed, int(qtype), 5])
-    types = (qtype,) * 3
-    layer = make_layer(rng, types, 5, d_model, d_ff)
-    qa, da = make_tokens(rng, 3, d_model)
-    pairs = np.array([(0, 4), (1, 1), (2, 4), (1, 0), (2, 2)], np.int32)
-    jobs = LayerJobs(*layer, *map(int, types), pairs, qa, da)
-    with CpuPool(2) as pool:
-        fast = pool.run(jobs)
-        monkeypatch.setattr(cp, "_BLOCK_BYTES", {})
-        monkeypatch.setattr(cp, "GENERIC_BATCH_BYTES", 1)  # one expert a batch
-        assert_bits(pool.run(jobs), fast)
+    assert set(cp._BLOCK_BYTES) == {int(t) for t in EXPERT_TYPES}
 
 
 def test_quantize_edges_match_canonical():
@@ -221,10 +252,11 @@ def test_mixed_types_several_tokens(pools, seed, types):
     assert_bits(run_all(pools, jobs), reference(types, layer, pairs, qa, da))
 
 
-@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.IQ4_NL], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.IQ4_NL, T.F16, T.BF16, T.F32],
+                         ids=lambda t: t.name)
 def test_rows_not_multiple_of_256(pools, seed, qtype):
-    """32-value block types, rows of 288 values: 8 blocks in the vector path, the 9th on the scalar path; rows of
-    96 (down): the scalar path only."""
+    """32-value block types and the float types, rows of 288 values: 8 blocks in the vector path, the 9th on the
+    scalar path; rows of 96 (down): the scalar path only."""
     d_model, d_ff = 288, 96
     rng = np.random.default_rng([seed, 17, int(qtype)])
     types = (qtype,) * 3

@@ -1,7 +1,7 @@
 """CPU pool throughput: GB/s of expert bytes read by `CpuPool.run`, against the host's own memory bandwidth.
 
 `python -m stratad.bench.cpu_pool [--threads N ...] [--qtype IQ3_S ...]` prints one JSON line per type and thread
-count (`--qtype all`: every quantised expert type).
+count (`--qtype all`: every expert type).
 """
 from __future__ import annotations
 
@@ -27,10 +27,11 @@ def random_layer(qtype: T, n_expert: int, d_model: int, d_ff: int, seed: int = 0
     gate = np.empty((n_expert, d_ff, fmt(qtype).row_bytes(d_model)), np.uint8)
     up = np.empty_like(gate)
     down = np.empty((n_expert, d_model, fmt(qtype).row_bytes(d_ff)), np.uint8)
+
+    def rows(n, k):  # a float type's rows come as its floats: their bytes
+        return np.ascontiguousarray(random_rows(qtype, rng, n, k, 0.02)).view(np.uint8).reshape(n, -1)
     for e in range(n_expert):
-        gate[e] = random_rows(qtype, rng, d_ff, d_model, 0.02)
-        up[e] = random_rows(qtype, rng, d_ff, d_model, 0.02)
-        down[e] = random_rows(qtype, rng, d_model, d_ff, 0.02)
+        gate[e], up[e], down[e] = rows(d_ff, d_model), rows(d_ff, d_model), rows(d_model, d_ff)
     return gate, up, down
 
 
@@ -78,8 +79,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tokens", type=int, default=1)
     ap.add_argument("--n-expert", type=int, default=128)
     a = ap.parse_args(argv)
-    qtypes = ([t for t in EXPERT_TYPES if fmt(t).quantised] if a.qtype == ["all"]
-              else [parse_type(name) for name in a.qtype])
+    qtypes = list(EXPERT_TYPES) if a.qtype == ["all"] else [parse_type(name) for name in a.qtype]
     for qt in qtypes:
         layer = random_layer(qt, a.n_expert, 2048, 768)
         for th in a.threads:
