@@ -1,6 +1,6 @@
 """Files with llama.cpp's type mixes through the real daemon on CPU cards: every cache fraction, lead + peer and
 mutual help give the reference engine's bits (a digest of every step's logits), whatever computed each expert
-(the card's slots, a peer's, the CPU pool's generic path on mixed gate / up / down types)."""
+(the card's slots, a peer's, the CPU pool's block kernels on mixed gate / up / down types)."""
 from __future__ import annotations
 
 import pytest
