@@ -27,7 +27,7 @@ import numpy as np
 from stratad.engine.card import KvExport
 from stratad.engine.chunks import chunks
 from lane import host_lock, kv_staging
-from lane.fit import room_slots
+from lane.fit import packing_costs_no_slot, room_slots
 from lane.counters import Counters
 from lane.gpu_experts import D2D, D2H, H2D, GpuExperts
 from lane.gpu_model import Break, DeviceSample, Qwen3MoeGpu, Work
@@ -167,8 +167,7 @@ class CupyCard:
             needs = max(0, (free_at_start or free) - free)  # what this card took besides its pool
             n = room_slots(free, needs, keep, before, after, slot_bytes(self.model), most)
             extra = self.net.pack_layers(dry=True) if self.experts.options.pack_layers else 0
-            if extra and room_slots(free - extra, needs + extra, keep, before, after, slot_bytes(self.model),
-                                    most) == n:  # packing costs no slot
+            if packing_costs_no_slot(extra, free, needs, keep, before, after, slot_bytes(self.model), most):
                 self._pack_layers()
                 free -= extra
                 needs += extra

@@ -179,3 +179,23 @@ def test_lanes_of_one_gpu_share_its_room():
         assert k * reserve <= free < k * reserve + k * sb  # the reserves, and less than a slot each besides
     assert room_slots(80 * GB, needs, reserve, 0, 0, sb, 100) == 100  # at most every expert
     assert room_slots(reserve // 2, needs, reserve, 0, 0, sb, 100) == 0  # no room: none, not fewer than none
+
+
+def test_a_card_packs_its_layers_only_where_that_costs_no_slot():
+    """[gpu] pack_layers with expert_cache = auto: the extra bytes may only come out of what the slots leave over
+    (on a card that holds every expert, or of the remainder below one slot); a lane still to build on the GPU is
+    left the extra too."""
+    from lane.fit import packing_costs_no_slot, room_slots
+
+    GB, sb = 1 << 30, 2 << 20
+    needs, reserve = 20 * GB, 3 * GB
+    assert packing_costs_no_slot(GB, 80 * GB, needs, reserve, 0, 0, sb, 6144)  # 6144 slots of 2 MB fit either way
+    short = reserve + 5000 * sb  # memory-bound: 5000 slots
+    assert not packing_costs_no_slot(GB, short, needs, reserve, 0, 0, sb, 6144)  # 512 slots fewer
+    assert packing_costs_no_slot(sb // 2, short + sb // 2, needs, reserve, 0, 0, sb, 6144)  # within a slot's rest
+    assert not packing_costs_no_slot(0, 80 * GB, needs, reserve, 0, 0, sb, 6144)  # nothing to pack
+    # two lanes on one GPU: the first leaves the second its needs with the extra
+    free = 2 * reserve + needs + 2 * 6144 * sb + GB
+    assert room_slots(free, needs, reserve, 0, 1, sb, 6144) == 6144
+    assert packing_costs_no_slot(GB // 2, free, needs, reserve, 0, 1, sb, 6144)
+    assert not packing_costs_no_slot(GB, free, needs, reserve, 0, 1, sb, 6144)
