@@ -137,8 +137,8 @@ class CupyCard:
         self._store_lock = None  # the host conversation cache page-locked for this process (pin_store)
         if fit:
             self.fit_pool(n_slots, cards, before, after, free_at_start)
-        elif options.pack_layers and self.net.pack_layers(dry=True):
-            self._pack_layers_if_room(cards)
+        elif options.pack_layers:
+            self._pack_layers_if_room(cards, self.net.pack_layers(dry=True))
 
     def _new_pool(self, n_slots: int) -> None:
         """The slot pool: its own cudaMalloc (not a memory-pool sub-allocation), so that its CUDA IPC handle opens
@@ -196,11 +196,13 @@ class CupyCard:
         later = (cards - 1) * rows + (2 * kv_staging.CHUNK_BYTES if self.experts.options.host_kv_cache else 0)
         return free, later + max(FIT_MARGIN_MIN, int(FIT_MARGIN * total))
 
-    def _pack_layers_if_room(self, cards: int) -> None:
-        """A card of a fixed slot count packs its layers' file rows (Qwen3MoeGpu.pack_layers) where they fit beside
-        what it keeps free."""
+    def _pack_layers_if_room(self, cards: int, extra: int) -> None:
+        """A card of a fixed slot count packs its layers' file rows (Qwen3MoeGpu.pack_layers: `extra` bytes) where
+        they fit beside what it keeps free."""
+        if not extra:
+            return
         free, keep = self._free_after_a_chunk(cards)
-        if free - self.net.pack_layers(dry=True) >= keep:
+        if free - extra >= keep:
             self._pack_layers()
 
     def _pack_layers(self) -> None:
@@ -209,6 +211,7 @@ class CupyCard:
             self.stream.synchronize()
         self._graphs.clear()  # captured on the file rows' kernels
         log.info("card %d: layers packed (%.2f GiB)", self.device.id, added / 2**30)
+
     def _write_slot(self, dst: cp.ndarray, parts: list[np.ndarray]) -> None:
         """An expert's matrices into a slot, straight from the (page-locked) arena on the copy stream (the slot
         loader's thread, or the fill at start): decode steps keep running meanwhile."""
