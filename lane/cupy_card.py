@@ -29,6 +29,7 @@ from stratad.engine.chunks import chunks
 from lane import host_lock, kv_staging
 from lane.fit import packing_costs_no_slot, room_slots
 from lane.counters import Counters
+from lane.export_buffers import ExportBuffers
 from lane.gpu_experts import D2D, D2H, H2D, GpuExperts
 from lane.gpu_model import Break, DeviceSample, Qwen3MoeGpu, Work
 from lane.slot_pool import SlotPool
@@ -135,6 +136,8 @@ class CupyCard:
         self._staging: kv_staging.KvStaging | None = None  # restores from the host conversation cache, once used
         self._kv_dev = None  # their device staging: the two halves' blocks on the card
         self._store_lock = None  # the host conversation cache page-locked for this process (pin_store)
+        self._exports = ExportBuffers(lambda n: cp.cuda.PinnedMemoryPointer(  # export_kv's page-locked rows
+            cp.cuda.PinnedMemory(n, cp.cuda.runtime.hostAllocPortable), 0))
         if fit:
             self.fit_pool(n_slots, cards, before, after, free_at_start)
         elif options.pack_layers:
@@ -268,7 +271,7 @@ class CupyCard:
         if (start + n_blocks) * block_tokens > kv.length:
             raise ValueError(f"blocks up to position {(start + n_blocks) * block_tokens} asked of a KV of "
                              f"{kv.length} positions")
-        host = self.kv_host_buffer(n_blocks, block_tokens)
+        host, give_back = self._exports.take((n_blocks, self.kv_block_bytes(block_tokens)))
         with self.device:
             written = cp.cuda.Event(disable_timing=True)
             written.record(self.stream)
@@ -277,7 +280,7 @@ class CupyCard:
             done = cp.cuda.Event(disable_timing=True)
             done.record(self.kv_stream)
             self.stream.wait_event(done)
-        return KvExport(host, done.synchronize)
+        return KvExport(host, done.synchronize, give_back)
 
     def import_kv(self, kv: GpuKV, start: int, blocks: np.ndarray, block_tokens: int) -> None:
         n = len(blocks)
