@@ -98,6 +98,14 @@ DQ_FN float dq_i2f(int v) { return (float)v; }  // |v| <= 4096 here: exact eithe
 DQ_FN dq_u32 dq_rd16(const dq_u8* p) { return (dq_u32)p[0] | ((dq_u32)p[1] << 8); }
 DQ_FN dq_u32 dq_rd32(const dq_u8* p) { return dq_rd16(p) | (dq_rd16(p + 2) << 16); }
 DQ_FN float dq_f16(const dq_u8* p) { return dq_h2f((dq_u16)dq_rd16(p)); }
+// a u16 / u32 at p aligned to its size: one load on the device
+template <class T> DQ_FN dq_u32 dq_aligned(const dq_u8* p) {
+#ifdef __CUDA_ARCH__
+    return *(const T*)p;
+#else
+    return sizeof(T) == 2 ? dq_rd16(p) : dq_rd32(p);
+#endif
+}
 DQ_FN int dq_grid(const dq_u8* tab, int off) { return (int)(signed char)tab[off]; }
 DQ_FN int dq_sign8(const dq_u8* tab, int sidx, int bit) {  // ksigns[sidx]'s bit: -1 where set
     return ((tab[DQ_TAB_KSIGNS + sidx] >> bit) & 1) ? -1 : 1;
@@ -294,18 +302,20 @@ template <class S> DQ_FN void dq_iq2_scales(const dq_u8* b, int j, const dq_u8* 
     for (int h = 0; h < 2; ++h) s.fold[h] = 2 * ((scales[j] >> (4 * h)) & 15) + 1;
 }
 template <class S> DQ_FN dq_u32 dq_iq1s_head(const dq_u8* b, int j, S& s) {
-    const dq_u32 qh = dq_rd16(b + 34 + 2 * j);  // 4 x 3 index bits, the 3-bit scale, the delta's sign
-    dq_plain(s, dq_mul(dq_mul(dq_f16(b), dq_i2f(2 * ((qh >> 12) & 7) + 1)), 0.125f));
+    // (IQ1's fields, read as aligned 16-bit words: IQ1_S / IQ1_M blocks are 50 / 56 bytes, rows start even)
+    const dq_u32 qh = dq_aligned<dq_u16>(b + 34 + 2 * j);  // 4 x 3 index bits, the 3-bit scale, the delta's sign
+    dq_plain(s, dq_mul(dq_mul(dq_h2f((dq_u16)dq_aligned<dq_u16>(b)), dq_i2f(2 * ((qh >> 12) & 7) + 1)), 0.125f));
     return qh;
 }
 template <class S> DQ_FN void dq_iq1m_head(const dq_u8* b, int j, S& s) {
     // d: the top nibbles of the four scale words (iquants._iq1m_d)
-    const dq_u32 w0 = dq_rd16(b + 48), w1 = dq_rd16(b + 50), w2 = dq_rd16(b + 52), w3 = dq_rd16(b + 54);
+    const dq_u32 w0 = dq_aligned<dq_u16>(b + 48), w1 = dq_aligned<dq_u16>(b + 50), w2 = dq_aligned<dq_u16>(b + 52),
+                 w3 = dq_aligned<dq_u16>(b + 54);
     const dq_u32 h = (w0 >> 12) | ((w1 >> 8) & 0x00F0) | ((w2 >> 4) & 0x0F00) | (w3 & 0xF000);
     dq_plain(s, dq_mul(dq_h2f((dq_u16)h), 0.125f));
     for (int hh = 0; hh < 2; ++hh) {
         const int k = 2 * j + hh;  // 3-bit scale t of word w: k = 4 w + t
-        s.fold[hh] = 2 * ((dq_rd16(b + 48 + 2 * (k >> 2)) >> (3 * (k & 3))) & 7) + 1;
+        s.fold[hh] = 2 * ((dq_aligned<dq_u16>(b + 48 + 2 * (k >> 2)) >> (3 * (k & 3))) & 7) + 1;
     }
 }
 
@@ -425,14 +435,6 @@ template <> struct RqTab<21> {
     static constexpr int OFF = DQ_TAB_IQ3S, BYTES = 512 * 4;
 };
 
-// a u16 / u32 at p aligned to its size: one load on the device
-template <class T> DQ_FN dq_u32 dq_aligned(const dq_u8* p) {
-#ifdef __CUDA_ARCH__
-    return *(const T*)p;
-#else
-    return sizeof(T) == 2 ? dq_rd16(p) : dq_rd32(p);
-#endif
-}
 // the u32 at 2-byte aligned p: two aligned words and a funnel shift on the device (the second word is read even
 // where p is 4-byte aligned, so 4 bytes past the field must be in the block)
 DQ_FN dq_u32 dq_w32(const dq_u8* p) {

@@ -371,8 +371,10 @@ template <int QT> DQ_FN void xt_decode(const dq_u8* row, int s, const dq_u8* tab
 }
 
 // ---- the activation side -------------------------------------------------------------------------------------
-// An activation sub-block: 32 int8 (4 a word, value v in byte v % 4 of word v / 4), its scale, and for the types with
-// a minimum the sums of its integers over each 16-value half (msum = sum(q_a), or mw0 sum0 + mw1 sum1)
+// An activation sub-block: 32 int8 (4 a word, value v in byte v % 4 of word v / 4), its scale, and sums of its
+// integers: for the types with a minimum, over each 16-value half (msum = sum(q_a), or mw0 sum0 + mw1 sum1); for
+// IQ1_S / IQ1_M, over each 8-value group, as int16 pairs (groups 0, 1 in sum[0], 2, 3 in sum[1]; |sum| <= 1024):
+// their deltas' dot is then two dp2a a sub-block (xt_isum), computed once for all the rows the activation meets
 struct XtAct {
     dq_u32 a[8];
     float d;
@@ -381,9 +383,17 @@ struct XtAct {
 
 template <int QT> DQ_FN void xt_act_sums(XtAct& A) {
     A.sum[0] = A.sum[1] = 0;
-    if (XtTraits<QT>::MIN != DQ_NO_MIN)
+    if constexpr (XtTraits<QT>::IQ1) {
+        XT_UNROLL
+        for (int h = 0; h < 2; ++h) {
+            const int g0 = xt_dp4a(A.a[4 * h + 1], 0x01010101u, xt_dp4a(A.a[4 * h], 0x01010101u, 0));
+            const int g1 = xt_dp4a(A.a[4 * h + 3], 0x01010101u, xt_dp4a(A.a[4 * h + 2], 0x01010101u, 0));
+            A.sum[h] = (int)(((dq_u32)g0 & 0xffffu) | ((dq_u32)g1 << 16));
+        }
+    } else if (XtTraits<QT>::MIN != DQ_NO_MIN) {
         XT_UNROLL
         for (int k = 0; k < 8; ++k) A.sum[k >> 2] = xt_dp4a(A.a[k], 0x01010101u, A.sum[k >> 2]);
+    }
 }
 
 // ---- the term ---------------------------------------------------------------------------------------------------
@@ -401,15 +411,10 @@ template <int QT> DQ_FN int xt_isum(const XtW<QT>& w, const XtAct& A) {
     if (XtTraits<QT>::WORDS == 8) {
         XT_UNROLL
         for (int k = 0; k < 8; ++k) half[k >> 2] = xt_dp4a(w.q[k], A.a[k], half[k >> 2]);
-        if constexpr (XtTraits<QT>::IQ1) {  // 8 (g . a) + delta (1 . a), the deltas as words of bytes 1 or -1
-            int dl[2] = {0, 0};
-            XT_UNROLL
-            for (int e = 0; e < 4; ++e) {
-                const dq_u32 D = 0x01010101u | (0u - ((w.delta >> e) & 1u));
-                dl[e >> 1] = xt_dp4a(D, A.a[2 * e + 1], xt_dp4a(D, A.a[2 * e], dl[e >> 1]));
-            }
-            half[0] = 8 * half[0] + dl[0];
-            half[1] = 8 * half[1] + dl[1];
+        if constexpr (XtTraits<QT>::IQ1) {  // 8 (g . a) + delta (1 . a): group e's sum times byte e of D (1 or -1)
+            const dq_u32 D = 0x01010101u | (((w.delta * 0x00204081u) & 0x01010101u) * 0xfeu);
+            half[0] = 8 * half[0] + xt_dp2a<false>((dq_u32)A.sum[0], D, 0);
+            half[1] = 8 * half[1] + xt_dp2a<true>((dq_u32)A.sum[1], D, 0);
         }
     } else {  // word k: values 2k, 2k + 1 (int16), activation bytes (2k) % 4, + 1 of word k / 2
         XT_UNROLL
