@@ -61,3 +61,12 @@ def test_a_shorter_simt_tile_where_the_staging_leaves_too_little_room():
     k = ExpertKernels.planned(2048, 768, "Q5_1", "Q5_1", n_sm=82, smem=CARDS["rtx"][0])
     assert (k.simt_tile, ExpertKernels.planned(2048, 768, "Q5_1", "Q5_1").simt_tile) == (4, 8)
     assert dict(k.defines)["TILE_P"] == 4
+
+
+@pytest.mark.parametrize("dn_rows", [3, 6, 64])
+def test_down_rows_must_divide_the_warp(dn_rows):
+    """A down item's rows share the warp's 32 lanes evenly (32 / dn_rows lanes a row): other counts are refused."""
+    from lane.kernels.experts import Tuning
+
+    with pytest.raises(ValueError, match="dn_rows must divide 32 and d_model"):
+        ExpertKernels.planned(2048, 768, "IQ3_S", "IQ3_S", tuning=Tuning(dn_rows=dn_rows))

@@ -3,15 +3,19 @@
 // Exactness (docs/design.md): every float32 operation whose result reaches an output is written as inline PTX with an
 // explicit rounding mode and no .ftz (add.rn / sub.rn / mul.rn / div.rn / cvt.rni), so neither --fmad nor -ftz
 // nor --prec-div can change a bit. Integer block dots use dp4a (exact). Terms of a row are summed in the
-// canonical lane order: lane l adds the terms of sub-blocks l, l+32, ... to 0.0f in order, then the lanes are
-// folded with __shfl_down_sync offsets 16, 8, 4, 2, 1, which is numpy's half-split fold in canonical.lane_sum.
+// canonical lane order: virtual lane l adds the terms of sub-blocks l, l+32, ... to 0.0f in order, then lane l +=
+// lane l + o for o = 16, 8, 4, 2, 1, which is numpy's half-split fold in canonical.lane_sum. Where the virtual lanes
+// live is the kernels' choice (gate/up: a warp's lanes, their sums folded together by fold_many; down: DN_G lanes
+// a row, DN_VL virtual lanes each): the same pairs are added, so the bits are the same.
 //
 // Kernels (persistent: fixed grids whose blocks/warps loop over work items; n_pairs is read on the device, so the
 // launches are CUDA-graph safe and blocks past the count do nothing):
 //   expert_gateup : block item = (pair, 32-row group of d_ff); each warp stages its rows of gate and up in shared
 //                   memory (cp.async, GU_STAGES items deep), decodes and dots them with the pair's activation,
-//                   lane 0 writes h = silu(gate) * up; the block then quantises the group (qh, dh). No atomics.
-//   expert_down   : warp item = (pair, DN_R rows of d_model); out[p, r] = canonical dot of down row r with qh[p].
+//                   folds the sums together (fold_many) and writes h = silu(gate) * up, a lane a row; the block
+//                   then quantises the group (qh, dh). No atomics.
+//   expert_down   : warp item = (pair, DN_R rows of d_model), 32 / DN_R lanes a row; out[p, r] = canonical dot of
+//                   down row r with qh[p].
 //   expert_gateup_tiled, expert_down_tiled : the same with an item per tile of up to TILE_P pairs of one expert
 //                   (prompt chunks): a staged weight sub-block is decoded once for all of the tile's tokens.
 //   expert_gateup_mma, expert_down_mma (experts_mma.cuh): prompt tiles of up to 64 pairs on int8 tensor cores.
@@ -168,11 +172,31 @@ __device__ __forceinline__ float c_exp(float x) {
 
 __device__ __forceinline__ float c_silu(float g) { return f_div(g, f_add(1.0f, c_exp(f_neg(g)))); }
 
-// canonical lane fold: lane l += lane l + o for o = 16, 8, 4, 2, 1; lane 0 holds the row's sum
-__device__ __forceinline__ float lane_fold(float acc) {
+// The canonical lane fold (lane l += lane l + o for o = 16, 8, 4, 2, 1) of N values a lane at once (N a power of two
+// <= 32). While a lane holds more than one value, at offset o the lanes with bit o set keep the second half of their
+// values and the others the first, each adding what its partner (lane ^ o) sends of the half it keeps: the pairs of
+// lanes the canonical fold adds, in an order addition ignores, with N - 1 + 5 - log2 N shuffles instead of 5 N.
+// Value v's fold ends on lane v * (32 / N).
+template <int N> __device__ __forceinline__ float fold_many(const float (&v)[N], int lane) {
+    static_assert(N >= 1 && N <= 32 && (N & (N - 1)) == 0, "a power of two values, at most a lane each");
+    float a[N];
 #pragma unroll
-    for (int o = 16; o; o >>= 1) acc = f_add(acc, __shfl_down_sync(FULL_MASK, acc, o));
-    return acc;
+    for (int j = 0; j < N; ++j) a[j] = v[j];
+#pragma unroll
+    for (int k = 0; k < 5; ++k) {
+        const int o = 16 >> k, n = N >> k;
+        if (n > 1) {
+            const bool hi = lane & o;
+#pragma unroll
+            for (int j = 0; j < n / 2; ++j) {
+                const float keep = hi ? a[j + n / 2] : a[j], send = hi ? a[j] : a[j + n / 2];
+                a[j] = f_add(keep, __shfl_xor_sync(FULL_MASK, send, o));
+            }
+        } else {
+            a[0] = f_add(a[0], __shfl_down_sync(FULL_MASK, a[0], o));
+        }
+    }
+    return a[0];
 }
 
 // ---- shared memory and cp.async --------------------------------------------------------------------------------
@@ -247,7 +271,7 @@ __device__ __forceinline__ int tile_slot(const int* __restrict__ pairs, const in
 // quantise them (qh, dh), a token each.
 typedef Geom<GU_QT, GU_KIN> GUG;
 constexpr int GU_R = 32 / GU_WPB;
-static_assert(GU_R * GU_WPB == 32, "GU_WPB must divide 32");
+static_assert(GU_R * GU_WPB == 32 && GU_R <= 16, "GU_WPB must divide 32, at least 2 (a warp folds its 2 GU_R sums)");
 // GU_DIRECT (experts.py, where a block's 64 staged rows would not fit in shared memory: F16 / BF16 / F32 gate and up
 // at d_model 2048): a generic type's rows are decoded where they are (global memory), nothing is staged
 #ifndef GU_DIRECT
@@ -384,25 +408,24 @@ __device__ __forceinline__ void gateup_body(const u8* __restrict__ pool, i64 slo
                 }
             }
         }
-#pragma unroll
-        for (int t = 0; t < TP; ++t)
-#pragma unroll
-            for (int r = 0; r < GU_R; ++r) {
-                ag[t][r] = lane_fold(ag[t][r]);
-                au[t][r] = lane_fold(au[t][r]);
-            }
+        // each token's gate and up sums folded together (gate row r's on lane r * 16 / GU_R, up row r's 16 lanes
+        // further on); those lanes compute h
         float* hs = reinterpret_cast<float*>(g_smem + GU_TBL + (k & 1) * TP * 128);
-        if (lane == 0) {
+        constexpr int SPREAD = 16 / GU_R;
+        const int r = lane / SPREAD;
 #pragma unroll
-            for (int t = 0; t < TP; ++t) {
-                if (t < cnt) {
+        for (int t = 0; t < TP; ++t) {
+            float v[2 * GU_R];
 #pragma unroll
-                    for (int r = 0; r < GU_R; ++r) {
-                        const float hv = f_mul(c_silu(ag[t][r]), au[t][r]);
-                        hs[t * 32 + warp * GU_R + r] = hv;
-                        hbuf[(i64)(p0 + t) * GU_ROWS + row0 + r] = hv;
-                    }
-                }
+            for (int j = 0; j < GU_R; ++j) {
+                v[j] = ag[t][j];
+                v[GU_R + j] = au[t][j];
+            }
+            const float gate = fold_many(v, lane), up = __shfl_down_sync(FULL_MASK, gate, 16);
+            if (t < cnt && lane < 16 && lane % SPREAD == 0) {
+                const float hv = f_mul(c_silu(gate), up);
+                hs[t * 32 + warp * GU_R + r] = hv;
+                hbuf[(i64)(p0 + t) * GU_ROWS + row0 + r] = hv;
             }
         }
         __syncwarp();  // every lane is done reading stage st
@@ -448,8 +471,8 @@ expert_gateup_tiled(GU_TILED_PARAMS) {
     gateup_body<TILE_P>(pool, slot_bytes, up_off, pairs, tiles, n_tiles_p, max_tiles, qa, da, grid_g, hbuf, qhbuf, dhbuf);
 }
 
-// Warp item = (tile, DN_R consecutive rows of d_model): stage the rows (one contiguous range), DN_R independent
-// canonical sums per token, folded together; lane 0 writes the outputs.
+// Warp item = (tile, DN_R consecutive rows of d_model): stage the rows (one contiguous range), each row's canonical
+// sums per token on DN_G of the warp's lanes (below), folded; the first lane of each row writes its outputs.
 typedef Geom<DN_QT, DN_KIN> DNG;
 static_assert(DN_ROWS % DN_R == 0, "DN_R must divide d_model");
 constexpr int DN_RANGE = DN_R * DNG::RB;
@@ -459,6 +482,16 @@ constexpr int DN_STG = DN_CHB;
 constexpr int DN_SMEM = DN_TBL + DN_WPB * DN_STAGES * DN_STG + 16;
 static_assert(DN_KIN == GU_ROWS, "down rows take d_ff values");
 static_assert(DN_ROWS == GU_KIN, "down has d_model rows");
+
+// Lanes of an item: DN_G lanes a row (lane = row * DN_G + g), each holding the canonical order's virtual lanes g,
+// g + DN_G, ... (DN_VL of them) of its row, so that rows of fewer than 32 sub-blocks a lane (d_ff 768: 24) leave no
+// lane idle and a row's fold is DN_VL - 1 adds in the lane and log2(DN_G) shuffles, not five shuffles a row
+constexpr int DN_G = 32 / DN_R, DN_VL = DN_R;
+static_assert(DN_G * DN_R == 32, "DN_R must divide 32");
+// whether sub-block g + DN_G m + 32 i of virtual lane g + DN_G m is in the row (a constant where DN_G divides NSUB)
+__device__ __forceinline__ bool dn_busy(int m, int i, int g) {
+    return DN_G * m + 32 * i < DNG::NSUB && (DNG::NSUB % DN_G == 0 || g + DN_G * m + 32 * i < DNG::NSUB);
+}
 
 // stage chunk c (DN_R rows) of the down rows of the expert in `slot`; they start at pool + slot * slot_bytes (the
 // caller points pool at the first slot's down rows, which follow gate and up, or at the arena's down tensor)
@@ -491,6 +524,7 @@ __device__ __forceinline__ void down_body(const u8* __restrict__ pool, i64 slot_
     constexpr int NC = DN_ROWS / DN_R;
     constexpr int SPL = DNG::SPL, NSUB = DNG::NSUB;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int r = lane / DN_G, g = lane % DN_G;  // this lane's row of the item, and its place among the row's lanes
     const int n_tiles = clamp_pairs(n_tiles_p, max_tiles);
     const int W = gridDim.x * DN_WPB;
     const int gw = blockIdx.x * DN_WPB + warp;
@@ -519,72 +553,78 @@ __device__ __forceinline__ void down_body(const u8* __restrict__ pool, i64 slot_
         int p0, cnt;
         Tile<TP>::get(tiles, tile, p0, cnt);
         const int slot = __ldg(pairs + 2 * p0 + 1);
-        typename Sub<DN_QT>::A A[TP == 1 ? SPL : 1];
-        if (TP == 1) load_row_act<DN_QT, DN_KIN>(qhbuf, dhbuf, p0, lane, A);
+        // one pair: its activation sub-blocks of this lane's virtual lanes, loaded while the weights land
+        typename Sub<DN_QT>::A A[TP == 1 ? DN_VL : 1][TP == 1 ? SPL : 1];
+        if (TP == 1) {
+#pragma unroll
+            for (int m = 0; m < DN_VL; ++m)
+#pragma unroll
+                for (int i = 0; i < SPL; ++i)
+                    if (dn_busy(m, i, g)) load_act<DN_QT>(qhbuf + (i64)p0 * DN_KIN, dhbuf + (i64)p0 * NSUB,
+                                                          g + DN_G * m + 32 * i, A[m][i]);
+        }
         cp_wait<DN_STAGES - 1>();
         __syncwarp();
 
-        const u32 R0 = wst + st * DN_STG +
-                       (u32)(((u64)pool + (u64)((i64)slot * slot_bytes + (i64)c * DN_RANGE)) & 15);
-        float acc[TP][DN_R];
+        const u32 R = wst + st * DN_STG + r * DNG::RB +
+                      (u32)(((u64)pool + (u64)((i64)slot * slot_bytes + (i64)c * DN_RANGE)) & 15);
+        float acc[TP][DN_VL];  // virtual lane g + DN_G m's canonical sum, for each token
 #pragma unroll
         for (int t = 0; t < TP; ++t)
 #pragma unroll
-            for (int r = 0; r < DN_R; ++r) acc[t][r] = 0.0f;
+            for (int m = 0; m < DN_VL; ++m) acc[t][m] = 0.0f;
 #pragma unroll
         for (int i = 0; i < SPL; ++i) {
-            const int s = lane + 32 * i;
 #pragma unroll
-            for (int r = 0; r < DN_R; ++r) {
+            for (int m = 0; m < DN_VL; ++m) {
+                const int s = g + DN_G * m + 32 * i;
+                const bool busy = dn_busy(m, i, g);
                 if (TP == 1) {
-                    float t1 = 0.0f;
-                    if (s < NSUB) t1 = sub_dot<DN_QT>(R0 + r * DNG::RB, s, A[i % (TP == 1 ? SPL : 1)]);
-                    acc[0][r] = f_add(acc[0][r], t1);
+                    if (busy) acc[0][m] = f_add(acc[0][m], sub_dot<DN_QT>(R, s, A[m % DN_VL][i % SPL]));
                 } else {
                     typename Sub<DN_QT>::W w;
-                    if (s < NSUB) decode_sub<DN_QT>(R0 + r * DNG::RB, s, w);
+                    if (busy) decode_sub<DN_QT>(R, s, w);
 #pragma unroll
                     for (int t = 0; t < TP; ++t) {
-                        if (t < cnt) {
-                            float tt = 0.0f;
-                            if (s < NSUB) {
-                                const int p = p0 + t;
-                                typename Sub<DN_QT>::A B;
-                                load_act<DN_QT>(qhbuf + (i64)p * DN_KIN, dhbuf + (i64)p * NSUB, s, B);
-                                tt = sub_term<DN_QT>(w, B);
-                            }
-                            acc[t][r] = f_add(acc[t][r], tt);
+                        if (t < cnt && busy) {
+                            typename Sub<DN_QT>::A B;
+                            load_act<DN_QT>(qhbuf + (i64)(p0 + t) * DN_KIN, dhbuf + (i64)(p0 + t) * NSUB, s, B);
+                            acc[t][m] = f_add(acc[t][m], sub_term<DN_QT>(w, B));
                         }
                     }
                 }
             }
         }
+        // the canonical fold: offsets 16 .. DN_G join virtual lanes of this lane, the rest are shuffles in the row's
+        // lanes; a virtual lane past the row (no term at all: +0.0, which adding would not change) is left out
 #pragma unroll
-        for (int t = 0; t < TP; ++t)
+        for (int t = 0; t < TP; ++t) {
 #pragma unroll
-            for (int r = 0; r < DN_R; ++r) acc[t][r] = lane_fold(acc[t][r]);
-        if (lane == 0) {
+            for (int o = 16; o >= DN_G; o >>= 1)
 #pragma unroll
-            for (int t = 0; t < TP; ++t) {
-                if (t < cnt) {
-                    float* o = out + (i64)(p0 + t) * DN_ROWS + (i64)c * DN_R;
+                for (int m = 0; m < o / DN_G; ++m)
+                    if (DN_G * (m + o / DN_G) < NSUB) acc[t][m] = f_add(acc[t][m], acc[t][m + o / DN_G]);
 #pragma unroll
-                    for (int r = 0; r < DN_R; ++r) o[r] = acc[t][r];
-                }
-            }
-            if (TP == 1 && cmb.x != nullptr) __threadfence();  // these rows device-wide before the pair is counted
+            for (int o = DN_G / 2; o; o >>= 1) acc[t][0] = f_add(acc[t][0], __shfl_down_sync(FULL_MASK, acc[t][0], o));
+        }
+        if (g == 0) {
+#pragma unroll
+            for (int t = 0; t < TP; ++t)
+                if (t < cnt) out[(i64)(p0 + t) * DN_ROWS + (i64)c * DN_R + r] = acc[t][0];
         }
         if (TP == 1 && cmb.x != nullptr) {
+            __threadfence();  // these rows device-wide before the pair is counted
+            __syncwarp();
             int last = 0;
             if (lane == 0) last = atomicAdd(cmb.count + c, 1) == cmb.k - 1;
             if (__shfl_sync(FULL_MASK, last, 0)) {  // warp-uniform: the chunk's k rows are all written
                 __threadfence();
                 if (lane < DN_R) {  // combine_rows' sum for row c * DN_R + lane (past L1: other SMs wrote them)
-                    const int r = c * DN_R + lane;
+                    const int row = c * DN_R + lane;
                     float a = 0.0f;
                     for (int j = 0; j < cmb.k; ++j)
-                        a = f_add(a, f_mul(cmb.w[j], __ldcg(out + (i64)cmb.rowmap[j] * DN_ROWS + r)));
-                    cmb.x[r] = f_add(cmb.x[r], a);
+                        a = f_add(a, f_mul(cmb.w[j], __ldcg(out + (i64)cmb.rowmap[j] * DN_ROWS + row)));
+                    cmb.x[row] = f_add(cmb.x[row], a);
                 }
                 if (lane == 0) cmb.count[c] = 0;
             }

@@ -140,7 +140,7 @@ class Tuning:
     dn_warps: int = 16          # warps per down block
     dn_min_blocks: int = 2
     dn_stages: int = 2
-    dn_rows: int = 4            # down rows per warp item (independent sums in flight)
+    dn_rows: int = 4            # down rows per warp item (32 / dn_rows lanes a row)
     iq3_fast: int = 1           # IQ3_S decode: 1 = read a group's signed weights from the 32 KB signed grid table
                                 # (signed_grid, one load a 4-weight group), 0 = decode magnitudes from the 2 KB grid
                                 # and negate bytes (decode_sub)
@@ -256,10 +256,10 @@ class ExpertKernels:
             raise ValueError("max_pairs must be >= 1")
         self.tuning = tuning or Tuning()
         t = self.tuning
-        if t.gu_warps not in (1, 2, 4, 8, 16, 32):
-            raise ValueError("gu_warps must divide 32")
-        if self.d_model % t.dn_rows:
-            raise ValueError("dn_rows must divide d_model")
+        if t.gu_warps not in (2, 4, 8, 16, 32):
+            raise ValueError("gu_warps must be 2, 4, 8, 16 or 32")
+        if t.dn_rows not in (1, 2, 4, 8, 16, 32) or self.d_model % t.dn_rows:
+            raise ValueError("dn_rows must divide 32 and d_model")
         if t.tile_p not in (4, 8, 16):
             raise ValueError("tile_p must be 4, 8 or 16")
         if t.prompt not in ("mma", "simt"):
