@@ -61,8 +61,8 @@ def test_die_with_follows_a_parent_killed_later(tmp_path):
         parent.kill()
         parent.wait()
         t0 = time.monotonic()
-        child.wait(5)
-        assert time.monotonic() - t0 < 2 and mark.read_text() == "SIGTERM"
+        child.wait(20)  # the signal comes at once; the bound only tells it from the child's own 60 s (a loaded
+        assert time.monotonic() - t0 < 15 and mark.read_text() == "SIGTERM"  # CI box took 2.02 s once)
     finally:
         parent.kill()
         parent.wait()
