@@ -66,7 +66,7 @@ class Coordinator:
         self.t_start = time.time()
         self.stopping = False
         self.exit_code = 0
-        self.stop_deadline = 0.0
+        self.stop_began = self.stop_deadline = 0.0
         self.ready_sent = False
         self.requests: dict[str, Request] = {}
         self.last_prompt: dict[int, list[int]] = {}  # lane -> the prompt it read last (prefix_cache affinity)
@@ -211,7 +211,8 @@ class Coordinator:
         if not self.stopping:
             log.info("stopping: in-flight requests get %.1f s to finish", self.cfg.stop_grace_s)
             self.stopping = True
-            self.stop_deadline = time.monotonic() + self.cfg.stop_grace_s
+            self.stop_began = time.monotonic()
+            self.stop_deadline = self.stop_began + self.cfg.stop_grace_s
             sd_notify.notify("STOPPING=1")
             for rid in list(self.queue):
                 self._fail(self.requests[rid], M.ErrorCode.SHUTTING_DOWN, "the daemon is stopping")
@@ -313,6 +314,7 @@ class Coordinator:
         for h in self.sup.lanes:
             self._to_lane(h, M.Shutdown(reason="daemon stopping"))
         self.sup.stop_all()
+        log.info("lanes stopped, %.2f s into the stop", time.monotonic() - self.stop_began)  # a slow stop's clue
         return True
 
     def close(self) -> None:
@@ -630,3 +632,5 @@ def serve(cfg: DaemonConfig) -> int:
         return co.run()
     finally:
         co.close()
+        if co.stopping:
+            log.info("stopped: everything released, %.2f s into the stop", time.monotonic() - co.stop_began)
