@@ -25,18 +25,16 @@
 #define DQ_FLOAT_TYPES(X) X(f32, 0) X(f16, 1) X(bf16, 30)
 #define DQ_ALL_TYPES(X) DQ_FLOAT_TYPES(X) DQ_QUANT_TYPES(X)
 
-// the table blob: int8 grids (entries x values), IQ1's codes, ggml's ksigns_iq2xs, the IQ4 values. IQ1_S and IQ1_M
-// share a grid, kept as codes: entry (sign << 11) | idx holds 8 g + 1 (sign 0) or 8 g - 1 (sign 1, a delta of -1)
-// for grid entry idx's eight g
+// the table blob: int8 grids (entries x values), ggml's ksigns_iq2xs, the IQ4 values (IQ1_S and IQ1_M share a grid)
 #define DQ_TAB_IQ2XXS 0      // 256 x 8
 #define DQ_TAB_IQ2XS 2048    // 512 x 8
 #define DQ_TAB_IQ2S 6144     // 1024 x 8
 #define DQ_TAB_IQ3XXS 14336  // 256 x 4
 #define DQ_TAB_IQ3S 15360    // 512 x 4
-#define DQ_TAB_IQ1 17408     // 2 x 2048 x 8
-#define DQ_TAB_KSIGNS 50176  // 128
-#define DQ_TAB_IQ4NL 50304   // 16
-#define DQ_TAB_BYTES 50320
+#define DQ_TAB_IQ1 17408     // 2048 x 8
+#define DQ_TAB_KSIGNS 33792  // 128
+#define DQ_TAB_IQ4NL 33920   // 16
+#define DQ_TAB_BYTES 33936
 
 typedef unsigned char dq_u8;
 typedef unsigned short dq_u16;
@@ -363,17 +361,18 @@ template <> DQ_FN void dq_sub<22>(const dq_u8* b, int j, const dq_u8* tab, DqSub
 }
 template <> DQ_FN void dq_sub<19>(const dq_u8* b, int j, const dq_u8* tab, DqSub& s) {  // IQ1_S: q = 8 g +- 1
     const dq_u32 qh = dq_iq1s_head(b, j, s);
-    for (int v = 0; v < 32; ++v) {  // the code table's index: qs byte, 3 high bits, the sub-block's delta sign
-        const int e = v >> 3, idx = b[2 + 4 * j + e] | (((qh >> (3 * e)) & 7) << 8) | ((qh >> 15) << 11);
-        s.code[v] = dq_grid(tab, DQ_TAB_IQ1 + 8 * idx + (v & 7));
+    const int delta = (qh & 0x8000) ? -1 : 1;
+    for (int v = 0; v < 32; ++v) {
+        const int e = v >> 3, idx = b[2 + 4 * j + e] | (((qh >> (3 * e)) & 7) << 8);
+        s.code[v] = 8 * dq_grid(tab, DQ_TAB_IQ1 + 8 * idx + (v & 7)) + delta;
     }
 }
 template <> DQ_FN void dq_sub<29>(const dq_u8* b, int j, const dq_u8* tab, DqSub& s) {  // IQ1_M
     dq_iq1m_head(b, j, s);
     for (int v = 0; v < 32; ++v) {
         const int k = 4 * j + (v >> 3);  // 8-value group: 3 index bits and the delta's sign in a nibble
-        const int qh = (b[32 + (k >> 1)] >> (4 * (k & 1))) & 15, idx = b[k] | (qh << 8);  // the sign: bit 11
-        s.code[v] = dq_grid(tab, DQ_TAB_IQ1 + 8 * idx + (v & 7));
+        const int qh = (b[32 + (k >> 1)] >> (4 * (k & 1))) & 15, idx = b[k] | ((qh & 7) << 8);
+        s.code[v] = 8 * dq_grid(tab, DQ_TAB_IQ1 + 8 * idx + (v & 7)) + ((qh & 8) ? -1 : 1);
     }
 }
 

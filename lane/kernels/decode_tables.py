@@ -23,10 +23,8 @@ def _parts() -> dict[str, np.ndarray]:
     """decode.cuh's table name -> its int8 / uint8 contents."""
     if not np.array_equal(iquants.grid(T.IQ1_S), iquants.grid(T.IQ1_M)):
         raise AssertionError("decode.cuh shares one grid between IQ1_S and IQ1_M; gguf's copies now differ")
-    g8 = 8 * iquants.grid(T.IQ1_S).astype(np.int16)
-    iq1_codes = np.concatenate([g8 + 1, g8 - 1]).astype(np.int8)  # index (delta sign << 11) | idx: 8 g -+ 1
     return {"IQ2XXS": iquants.grid(T.IQ2_XXS), "IQ2XS": iquants.grid(T.IQ2_XS), "IQ2S": iquants.grid(T.IQ2_S),
-            "IQ3XXS": iquants.grid(T.IQ3_XXS), "IQ3S": iquants.grid(T.IQ3_S), "IQ1": iq1_codes,
+            "IQ3XXS": iquants.grid(T.IQ3_XXS), "IQ3S": iquants.grid(T.IQ3_S), "IQ1": iquants.grid(T.IQ1_S),
             "KSIGNS": iquants.ksigns(), "IQ4NL": iquants.IQ4_VALUES}
 
 

@@ -14,8 +14,8 @@ template <int QT> struct QF { static constexpr int BV = XtTraits<QT>::BV, BB = X
 template <int QT> struct Tuned {
     static constexpr bool value = QT != UNTUNED && (QT == QT_Q8_0 || QT == QT_Q4_K || QT == QT_IQ3_S);
 };
-// The part of decode.cuh's table blob a generic type reads, [OFF, END): its grid (IQ1: its codes), or IQ4's 16
-// values; a block copies only that part to shared offset 0 (experts.py: TABLE_PARTS)
+// The part of decode.cuh's table blob a generic type reads, [OFF, END): its grid, or IQ4's 16 values; a block
+// copies only that part to shared offset 0 (experts.py: TABLE_PARTS)
 template <int QT> struct TabSmem {
     static constexpr bool ON = !Tuned<QT>::value && XtTraits<QT>::TABLE;
     static constexpr int OFF = !ON ? 0 : QT == 16 ? DQ_TAB_IQ2XXS : QT == 17 ? DQ_TAB_IQ2XS : QT == 22 ? DQ_TAB_IQ2S

@@ -29,10 +29,11 @@ template <int QT> struct XtTraits<QT, true> {
     static constexpr int MIN = DqTraits<QT>::MIN, WORDS = 8;
     static constexpr bool TABLE = QT == 16 || QT == 17 || QT == 18 || QT == 19 || QT == 20 || QT == 21 ||
                                   QT == 22 || QT == 23 || QT == 29;
+    static constexpr bool IQ1 = QT == 19 || QT == 29;  // code 8 g + delta: words hold g, XtW::delta the signs
 };
 template <int QT> struct XtTraits<QT, false> {  // F32 / F16 / BF16: a "block" is one sub-block of 32 values
     static constexpr int BV = 32, BB = 32 * DqTraits<QT>::BB, NSUB = 1, MIN = DQ_NO_MIN, WORDS = 16;
-    static constexpr bool TABLE = false;
+    static constexpr bool TABLE = false, IQ1 = false;
 };
 
 // ---- integer dot products: dp4a / dp2a on the device, the same sums in a loop on the host ---------------------
@@ -75,11 +76,14 @@ DQ_FN float xt_rint(float a) {  // round half to even (np.rint)
 // ---- the weight side -----------------------------------------------------------------------------------------
 // A decoded sub-block: codes packed in words (int8 x 4, or int16 x 2 for the float types), q_v = fold[v / 16] *
 // code_v, value_v = scale * q_v [- minimum * mw[v / 16]] (decode.cuh's DqSub, packed: 14 registers, not 38;
-// the heads that set scale, fold, mw and minimum take either).
+// the heads that set scale, fold, mw and minimum take either). IQ1_S / IQ1_M: the words hold the grid's g (-1, 0, 1)
+// and bit e of delta is set where the delta of values 8 e .. 8 e + 7 is -1 (else +1); the code is 8 g + delta, whose
+// dot is 8 (g . a) + delta (1 . a): the same integer with no per-byte arithmetic on the weights (xt_isum)
 template <int QT> struct XtW {
     dq_u32 q[XtTraits<QT>::WORDS];
     int fold[2], mw[2];
     float scale, minimum;
+    dq_u32 delta;
 };
 
 
@@ -223,18 +227,6 @@ template <int QT> DQ_FN void xt_grid8(const dq_u8* tab, int off, dq_u32 sg, int 
     w.q[2 * e] = xt_signed(lo, sg);
     w.q[2 * e + 1] = xt_signed(hi, sg >> 4);
 }
-// IQ1_S / IQ1_M: group e's 12-bit index into decode.cuh's IQ1 code table is byte e of lo | 4 bits of hi << 8 (the
-// delta's sign the top one); S01 / S23 pick bytes of (lo, hi) into [index 0 | index 1 << 16] and [index 2 | 3 << 16]
-// (prmt, as IQ3_S's fast path), whose byte offsets in the table are then a shift (and a mask) each
-template <dq_u32 S01, dq_u32 S23, class W>
-DQ_FN void xt_iq1_words(const dq_u8* tab, dq_u32 lo, dq_u32 hi, W& w) {
-    const dq_u32 P[2] = {xt_prmt(lo, hi, S01), xt_prmt(lo, hi, S23)};
-    XT_UNROLL
-    for (int e = 0; e < 4; ++e) {
-        const dq_u32 off = (e & 1) ? P[e >> 1] >> 13 : (P[e >> 1] << 3) & 0x7fff8u;  // 8 * index (< 2^15)
-        xt_tab64(tab, DQ_TAB_IQ1 + (int)off, w.q[2 * e], w.q[2 * e + 1]);
-    }
-}
 template <int QT> DQ_FN void xt_words(const dq_u8* b, int j, const dq_u8* tab, XtW<QT>& w) {
     if constexpr (QT == 8) {  // Q8_0: the codes are the bytes
         dq_legacy_head(b, false, w);
@@ -349,16 +341,22 @@ template <int QT> DQ_FN void xt_words(const dq_u8* b, int j, const dq_u8* tab, X
                     xt_signed(xt_u32(tab + DQ_TAB_IQ3XXS + 4 * (int)((idx >> (16 * e + 8)) & 255u)), sg >> 4);
             }
         }
-    } else if constexpr (QT == 19) {  // IQ1_S: the code table's index a group: qs byte, 3 bits of qh, its bit 15
+    } else if constexpr (QT == 19) {  // IQ1_S: g, 3 high index bits a group and the sub-block's delta sign in qh
         const dq_u32 qh = dq_iq1s_head(b, j, w), lo = xt_u16(b + 2 + 4 * j) | (xt_u16(b + 4 + 4 * j) << 16);
-        const dq_u32 hi = (qh & 7u) | ((qh << 5) & 0x700u) | ((qh << 10) & 0x70000u) | ((qh << 15) & 0x7000000u) |
-                          ((qh >> 15) * 0x08080808u);  // byte e: group e's index bits 8 .. 11
-        xt_iq1_words<0x5140u, 0x7362u>(tab, lo, hi, w);
-    } else {  // IQ1_M: a nibble a group in qh is its index bits 8 .. 11
+        w.delta = (qh & 0x8000u) ? 15u : 0u;
+        XT_UNROLL
+        for (int e = 0; e < 4; ++e)
+            xt_tab64(tab, DQ_TAB_IQ1 + 8 * (int)(((lo >> (8 * e)) & 255u) | (((qh >> (3 * e)) & 7u) << 8)),
+                     w.q[2 * e], w.q[2 * e + 1]);
+    } else {  // IQ1_M: g, a nibble a group in qh (3 high index bits, the group's delta sign)
         static_assert(QT == 29, "a quantised type without a word decoder");
         dq_iq1m_head(b, j, w);
         const dq_u32 lo = xt_u16(b + 4 * j) | (xt_u16(b + 2 + 4 * j) << 16), qh = xt_u16(b + 32 + 2 * j);
-        xt_iq1_words<0x6140u, 0x7352u>(tab, lo, (qh | (qh << 12)) & 0x0f0f0f0fu, w);  // nibbles 0, 2, 1, 3 as bytes
+        w.delta = ((qh >> 3) & 1u) | ((qh >> 6) & 2u) | ((qh >> 9) & 4u) | ((qh >> 12) & 8u);
+        XT_UNROLL
+        for (int e = 0; e < 4; ++e)
+            xt_tab64(tab, DQ_TAB_IQ1 + 8 * (int)(((lo >> (8 * e)) & 255u) | (((qh >> (4 * e)) & 7u) << 8)),
+                     w.q[2 * e], w.q[2 * e + 1]);
     }
 }
 
@@ -373,8 +371,10 @@ template <int QT> DQ_FN void xt_decode(const dq_u8* row, int s, const dq_u8* tab
 }
 
 // ---- the activation side -------------------------------------------------------------------------------------
-// An activation sub-block: 32 int8 (4 a word, value v in byte v % 4 of word v / 4), its scale, and for the types with
-// a minimum the sums of its integers over each 16-value half (msum = sum(q_a), or mw0 sum0 + mw1 sum1)
+// An activation sub-block: 32 int8 (4 a word, value v in byte v % 4 of word v / 4), its scale, and sums of its
+// integers: for the types with a minimum, over each 16-value half (msum = sum(q_a), or mw0 sum0 + mw1 sum1); for
+// IQ1_S / IQ1_M, over each 8-value group, as int16 pairs (groups 0, 1 in sum[0], 2, 3 in sum[1]; |sum| <= 1024):
+// their deltas' dot is then two dp2a a sub-block (xt_isum), computed once for all the rows the activation meets
 struct XtAct {
     dq_u32 a[8];
     float d;
@@ -383,16 +383,26 @@ struct XtAct {
 
 template <int QT> DQ_FN void xt_act_sums(XtAct& A) {
     A.sum[0] = A.sum[1] = 0;
-    if (XtTraits<QT>::MIN != DQ_NO_MIN)
+    if constexpr (XtTraits<QT>::IQ1) {
+        XT_UNROLL
+        for (int h = 0; h < 2; ++h) {
+            const int g0 = xt_dp4a(A.a[4 * h + 1], 0x01010101u, xt_dp4a(A.a[4 * h], 0x01010101u, 0));
+            const int g1 = xt_dp4a(A.a[4 * h + 3], 0x01010101u, xt_dp4a(A.a[4 * h + 2], 0x01010101u, 0));
+            A.sum[h] = (int)(((dq_u32)g0 & 0xffffu) | ((dq_u32)g1 << 16));
+        }
+    } else if (XtTraits<QT>::MIN != DQ_NO_MIN) {
         XT_UNROLL
         for (int k = 0; k < 8; ++k) A.sum[k >> 2] = xt_dp4a(A.a[k], 0x01010101u, A.sum[k >> 2]);
+    }
 }
 
 // ---- the term ---------------------------------------------------------------------------------------------------
-// code v of a decoded sub-block (before its fold): a byte or int16 of the words
+// code v of a decoded sub-block (before its fold): a byte or int16 of the words, IQ1's 8 g + delta
 template <int QT> DQ_FN int xt_code(const XtW<QT>& w, int v) {
     constexpr int PER = 32 / XtTraits<QT>::WORDS, BITS = 32 / PER;
-    return (int)(w.q[v / PER] << (32 - BITS * (v % PER + 1))) >> (32 - BITS);
+    const int c = (int)(w.q[v / PER] << (32 - BITS * (v % PER + 1))) >> (32 - BITS);
+    if constexpr (XtTraits<QT>::IQ1) return 8 * c + (((w.delta >> (v >> 3)) & 1u) ? -1 : 1);
+    return c;
 }
 
 // isum = fold0 * (the low half's integer dot) + fold1 * (the high half's): exact (|isum| < 2^24, docs/quant-types.md)
@@ -401,6 +411,11 @@ template <int QT> DQ_FN int xt_isum(const XtW<QT>& w, const XtAct& A) {
     if (XtTraits<QT>::WORDS == 8) {
         XT_UNROLL
         for (int k = 0; k < 8; ++k) half[k >> 2] = xt_dp4a(w.q[k], A.a[k], half[k >> 2]);
+        if constexpr (XtTraits<QT>::IQ1) {  // 8 (g . a) + delta (1 . a): group e's sum times byte e of D (1 or -1)
+            const dq_u32 D = 0x01010101u | (((w.delta * 0x00204081u) & 0x01010101u) * 0xfeu);
+            half[0] = 8 * half[0] + xt_dp2a<false>((dq_u32)A.sum[0], D, 0);
+            half[1] = 8 * half[1] + xt_dp2a<true>((dq_u32)A.sum[1], D, 0);
+        }
     } else {  // word k: values 2k, 2k + 1 (int16), activation bytes (2k) % 4, + 1 of word k / 2
         XT_UNROLL
         for (int k = 0; k < 16; k += 2) {
