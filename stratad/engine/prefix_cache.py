@@ -38,8 +38,8 @@ class BlockWrite:
     parent: bytes | None = None  # the chain's block before the first of these (None: they start the chain)
 
     def release(self) -> None:
-        """Let the exported rows go once their copy has ended (a GPU card's page-locked buffer returns to its pool,
-        where the next export of that size finds it instead of page-locking gigabytes anew)."""
+        """Let the exported rows go once their copy has ended (a GPU card's page-locked buffer goes back to the
+        card's export buffers, where a next export finds it instead of page-locking gigabytes anew)."""
         if self.export is not None:
             ex, self.export = self.export, None
             try:
