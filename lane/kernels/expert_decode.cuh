@@ -150,10 +150,7 @@ template <> __device__ __forceinline__ void decode_sub<QT_IQ3_S>(u32 R, int s, S
         const u32 qw = (k < 4) ? qs0 : qs1;
         const u32 idx = ((qw >> (8 * (k & 3))) & 255u) | (((qh >> k) & 1u) << 8);
         const u32 mag = sm_u32(idx * 4u);
-        // sign bits of values 4k..4k+3 -> 0/1 in bit 0 of each byte; then negate those bytes (grid values >= 1,
-        // so (mag ^ 0xff) + 1 never carries into the next byte)
-        const u32 bits = (((sg >> (4 * k)) & 15u) * 0x00204081u) & 0x01010101u;
-        w.q[k] = (mag ^ (bits * 255u)) + bits;
+        w.q[k] = dq_neg4(mag, sg >> (4 * k));  // the signs of values 4k..4k+3
     }
 }
 
@@ -250,8 +247,8 @@ __device__ __forceinline__ float iq3s_term_fast(u32 R, int s, const Act& A) {
     // byte k of gl (groups 0..3) / gh (4..7): bits 8..15 of group k's table index (signs4 << 9) | idx, i.e.
     // qh bit k | sign nibble k << 1 (sg bytes doubled by prmt, their nibbles moved to bits 1..4 of a byte)
     const u32 tl = prmt(sg, 0u, 0x1100u), th = prmt(sg, 0u, 0x3322u);
-    const u32 gl = (((qh & 15u) * 0x00204081u) & 0x01010101u) | ((tl << 1) & 0x001e001eu) | ((tl >> 3) & 0x1e001e00u);
-    const u32 gh = (((qh >> 4) * 0x00204081u) & 0x01010101u) | ((th << 1) & 0x001e001eu) | ((th >> 3) & 0x1e001e00u);
+    const u32 gl = dq_bit_bytes(qh) | ((tl << 1) & 0x001e001eu) | ((tl >> 3) & 0x1e001e00u);
+    const u32 gh = dq_bit_bytes(qh >> 4) | ((th << 1) & 0x001e001eu) | ((th >> 3) & 0x1e001e00u);
     const u32 P[4] = {prmt(qs0, gl, 0x5140u), prmt(qs0, gl, 0x7362u), prmt(qs1, gh, 0x5140u),
                       prmt(qs1, gh, 0x7362u)};  // [e 2m | e 2m+1 << 16], e < 2^13 (bits 13..15, 29..31 zero)
     int isum = 0;

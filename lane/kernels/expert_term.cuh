@@ -191,10 +191,6 @@ DQ_FN dq_u32 xt_ksigns(dq_u32 i) {  // ggml's ksigns_iq2xs[i]: i with bit 7 its 
     return i | (((dq_u32)__builtin_popcount(i) & 1u) << 7);
 #endif
 }
-DQ_FN dq_u32 xt_signed(dq_u32 g, dq_u32 bits) {  // g's bytes (magnitudes 1..127) negated where bits 0..3 are set
-    const dq_u32 ones = ((bits & 15u) * 0x00204081u) & 0x01010101u;
-    return (g ^ (ones * 255u)) + ones;
-}
 DQ_FN void xt_tab64(const dq_u8* tab, int off, dq_u32& lo, dq_u32& hi) {  // off a multiple of 8: one load
 #ifdef __CUDA_ARCH__
     const uint2 u = *reinterpret_cast<const uint2*>(tab + off);
@@ -224,8 +220,8 @@ DQ_FN dq_u32 xt_iq4(dq_u32 nib, const dq_u32 (&t)[4]) {  // kvalues of 4 nibbles
 template <int QT> DQ_FN void xt_grid8(const dq_u8* tab, int off, dq_u32 sg, int e, XtW<QT>& w) {
     dq_u32 lo, hi;
     xt_tab64(tab, off, lo, hi);
-    w.q[2 * e] = xt_signed(lo, sg);
-    w.q[2 * e + 1] = xt_signed(hi, sg >> 4);
+    w.q[2 * e] = dq_neg4(lo, sg);
+    w.q[2 * e + 1] = dq_neg4(hi, sg >> 4);
 }
 template <int QT> DQ_FN void xt_words(const dq_u8* b, int j, const dq_u8* tab, XtW<QT>& w) {
     if constexpr (QT == 8) {  // Q8_0: the codes are the bytes
@@ -248,7 +244,7 @@ template <int QT> DQ_FN void xt_words(const dq_u8* b, int j, const dq_u8* tab, X
             for (int e = 0; e < 4; ++e) {
                 const int g = 4 * h + e;
                 const dq_u32 idx = ((lo >> (8 * e)) & 255u) | (((qh >> g) & 1u) << 8);
-                w.q[g] = xt_signed(xt_u32(tab + DQ_TAB_IQ3S + 4 * (int)idx), sg >> (4 * g));
+                w.q[g] = dq_neg4(xt_u32(tab + DQ_TAB_IQ3S + 4 * (int)idx), sg >> (4 * g));
             }
         }
     } else if constexpr (XtNib32<QT>::value) {
@@ -268,7 +264,7 @@ template <int QT> DQ_FN void xt_words(const dq_u8* b, int j, const dq_u8* tab, X
             const dq_u8* p = qs + 4 * (k & 3);
             const dq_u32 x = N::ALIGN4 ? xt_u32(p) : xt_u16(p) | (xt_u16(p + 2) << 16);
             const dq_u32 nib = (x >> (k >= 4 ? 4 : 0)) & 0x0f0f0f0fu;
-            const dq_u32 hb = (((qh >> (4 * k)) & 15u) * 0x00204081u) & 0x01010101u;
+            const dq_u32 hb = dq_bit_bytes(qh >> (4 * k));
             if constexpr (QT == 2) w.q[k] = (nib + 0x78787878u) ^ 0x80808080u;  // v - 8 a byte, no carries
             else if constexpr (QT == 3) w.q[k] = nib;
             else if constexpr (QT == 6) w.q[k] = ((nib | (hb << 4)) + 0x70707070u) ^ 0x80808080u;  // v - 16
@@ -336,9 +332,9 @@ template <int QT> DQ_FN void xt_words(const dq_u8* b, int j, const dq_u8* tab, X
             XT_UNROLL
             for (int e = 0; e < 2; ++e) {
                 const dq_u32 sg = xt_ksigns((ws >> (7 * (2 * h + e))) & 127u);
-                w.q[4 * h + 2 * e] = xt_signed(xt_u32(tab + DQ_TAB_IQ3XXS + 4 * (int)((idx >> (16 * e)) & 255u)), sg);
+                w.q[4 * h + 2 * e] = dq_neg4(xt_u32(tab + DQ_TAB_IQ3XXS + 4 * (int)((idx >> (16 * e)) & 255u)), sg);
                 w.q[4 * h + 2 * e + 1] =
-                    xt_signed(xt_u32(tab + DQ_TAB_IQ3XXS + 4 * (int)((idx >> (16 * e + 8)) & 255u)), sg >> 4);
+                    dq_neg4(xt_u32(tab + DQ_TAB_IQ3XXS + 4 * (int)((idx >> (16 * e + 8)) & 255u)), sg >> 4);
             }
         }
     } else if constexpr (QT == 19) {  // IQ1_S: g, 3 high index bits a group and the sub-block's delta sign in qh
@@ -412,7 +408,7 @@ template <int QT> DQ_FN int xt_isum(const XtW<QT>& w, const XtAct& A) {
         XT_UNROLL
         for (int k = 0; k < 8; ++k) half[k >> 2] = xt_dp4a(w.q[k], A.a[k], half[k >> 2]);
         if constexpr (XtTraits<QT>::IQ1) {  // 8 (g . a) + delta (1 . a): group e's sum times byte e of D (1 or -1)
-            const dq_u32 D = 0x01010101u | (((w.delta * 0x00204081u) & 0x01010101u) * 0xfeu);
+            const dq_u32 D = 0x01010101u | (dq_bit_bytes(w.delta) * 0xfeu);
             half[0] = 8 * half[0] + xt_dp2a<false>((dq_u32)A.sum[0], D, 0);
             half[1] = 8 * half[1] + xt_dp2a<true>((dq_u32)A.sum[1], D, 0);
         }
