@@ -11,7 +11,8 @@ tests/test_kernel_build.py runs the same builds in CI.
 
 Kernels with a stack frame (spills) are named; --regs prints registers too. --sass NAME prints that kernel's SASS
 (cuobjdump from the `nvidia-cuda-cuobjdump` wheel, or CUOBJDUMP=path): where ptxas put the loads relative to the
-PDL wait (ACQBULK) is read there, not in the PTX.
+PDL wait (ACQBULK) is read there, not in the PTX. --sass-dir DIR writes every build's SASS: a change meant to
+leave the machine code alone (a helper in place of copies) is checked by `diff -r` of the folders before and after.
 """
 from __future__ import annotations
 
@@ -120,15 +121,18 @@ def _cuobjdump() -> str:
                      "set CUOBJDUMP")
 
 
-def sass(cubin: bytes, kernel: str) -> str:
+def sass(cubin: bytes, kernel: str | None = None) -> str:
+    """The SASS of one kernel of the cubin, or of all of them (without the temporary file's name, so that two
+    builds' listings compare equal where their machine code is)."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
         tool = _cuobjdump()
         # cuobjdump runs nvdisasm from PATH: the wheels put both in one bin folder
         env = dict(os.environ, PATH=str(Path(tool).parent) + os.pathsep + os.environ.get("PATH", ""))
-        return subprocess.run([tool, "-sass", "-fun", kernel, f.name], capture_output=True, text=True, check=True,
-                              env=env).stdout
+        out = subprocess.run([tool, "-sass", *(["-fun", kernel] if kernel else []), f.name], capture_output=True,
+                             text=True, check=True, env=env).stdout
+        return out.replace(f.name, "")
 
 
 # the sources as the lanes build them: each dense op's, and experts.cu for each expert type at the a3b shape
@@ -199,6 +203,9 @@ def main() -> int:
                     help="print the registers of kernels whose name holds this (all without a value); a kernel with "
                          "a stack frame is printed always")
     ap.add_argument("--sass", default="", help="print this kernel's SASS (from the first source that has it)")
+    ap.add_argument("--sass-dir", default="",
+                    help="write each build's SASS to DIR/<build>.sass: a change meant to keep the machine code is "
+                         "checked by `diff -r` of two such folders, before and after")
     ap.add_argument("--expert-types", action="store_true",
                     help="also build experts.cu for every other expert type and llama.cpp's gate/up + down mixes")
     args = ap.parse_args()
@@ -213,6 +220,9 @@ def main() -> int:
             continue
         print(f"ok   {label}: {len(cubin)} bytes")
         usage = resource_usage(cubin)
+        if args.sass_dir:
+            Path(args.sass_dir).mkdir(parents=True, exist_ok=True)
+            (Path(args.sass_dir) / (label.replace(" ", "_").replace("+", "-") + ".sass")).write_text(sass(cubin))
         if args.sass in usage:
             print(sass(cubin, args.sass))
             args.sass = ""
