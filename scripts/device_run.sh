@@ -14,9 +14,11 @@
 #   bash scripts/device_run.sh mixes     # the engine bench on the a3b iq3_s and q4_k_m mixes
 #   bash scripts/device_run.sh engine1   # a3b IQ3_S: the engine bench all resident (1K / 32K / 64K; TAG= names
 #                                        # the JSON)
-#   bash scripts/device_run.sh experts-types   # every expert type's decode kernels, fraction of the copy rate (TYPES)
+#   bash scripts/device_run.sh experts-types   # every expert type's decode kernels, fraction of the copy rate (TYPES;
+#                                        # VARIANTS: launch shapes to compare, stratad/bench/experts.py VARIANTS)
 #   bash scripts/device_run.sh experts-decode  # the decode expert kernels on the bench's launch shapes (IQ3_S)
 #   bash scripts/device_run.sh experts-ab  # the decode expert kernels alone on this tree and each tree _ab*/, twice
+#                                        # (TYPES, default IQ3_S; CASES, default decode8,decode8c,tok8x8)
 #   bash scripts/device_run.sh marginal  # a3b IQ3_S: each idempotent decode kernel's cost inside the graph (1K, 32K)
 #   bash scripts/device_run.sh plans     # a3b 1K: the decode step with each mat-vec shape on each other plan
 #   bash scripts/device_run.sh prefill32k  # a3b IQ3_S: a 32K prompt's profile in chunks of 4096 / 8192 tokens
@@ -142,14 +144,16 @@ experts-ab)  # the decode expert kernels alone (8 pairs, and 8 tokens x 8), on t
     for round in 1 2; do
         for tree in . _ab*; do
             [ -d "$tree" ] || continue
-            (cd "$tree" && PYTHONPATH=/tmp/site:$PWD timeout 120 $(experts_bench) --types IQ3_S \
-                --cases decode8,decode8c,tok8x8 --variants default --json "$OUT/experts-$(tree_tag "$tree")-$round.json" 2>&1 |
+            (cd "$tree" && PYTHONPATH=/tmp/site:$PWD timeout 120 $(experts_bench) --types "${TYPES:-IQ3_S}" \
+                --cases "${CASES:-decode8,decode8c,tok8x8}" --variants default \
+                --json "$OUT/experts-$(tree_tag "$tree")-$round.json" 2>&1 |
                 grep '^{"' | cut -c1-150 | sed "s|^|$tree: |")
         done
     done
     ;;
 experts-types)  # every expert type's decode kernels against the copy rate (issue #27: >= 20 % each); TYPES to choose
-    timeout 300 $(experts_bench) --types "${TYPES:-all}" --cases decode8,decode8c --json "$OUT/experts-types.json" 2>&1 |
+    timeout 300 $(experts_bench) --types "${TYPES:-all}" --variants "${VARIANTS:-default}" --cases decode8,decode8c \
+        --json "$OUT/experts-types.json" 2>&1 |
         grep '^{"' | cut -c1-200
     ;;
 experts-decode)  # the decode expert kernels on the launch shapes the bench offers (warps, stages, rows a warp)
