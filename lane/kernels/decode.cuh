@@ -451,8 +451,8 @@ DQ_FN dq_u32 dq_bit_bytes(dq_u32 s) { return ((s & 15u) * 0x00204081u) & 0x01010
 // the int8 of g (magnitudes 1..127) negated where bits 0-3 of s say (bit i: byte i): two's complement (v ^ 0xff) + 1
 // a byte, which cannot carry out of it
 DQ_FN dq_u32 dq_neg4(dq_u32 g, dq_u32 s) {
-    const dq_u32 ones = dq_bit_bytes(s);
-    return (g ^ (ones * 0xffu)) + ones;
+    const dq_u32 m = dq_bit_bytes(s) * 0xffu;
+    return (g ^ m) + (m & 0x01010101u);
 }
 
 template <> DQ_FN RqPart rq_part<21>(const dq_u8* b, int j, int p, const dq_u8* tab) {  // IQ3_S: tab its grid
@@ -463,7 +463,7 @@ template <> DQ_FN RqPart rq_part<21>(const dq_u8* b, int j, int p, const dq_u8* 
     const dq_u32 qs = dq_aligned<dq_u16>(b + 2 + 8 * j + 2 * p);  // the part's two grid entries, index bit 8 from qh
     const dq_u32 qh = (dq_u32)b[66 + j] >> (2 * p);
     const dq_u32 sg = b[74 + 4 * j + p];  // the part's 8 sign bits
-    o.qa = dq_neg4(dq_aligned<dq_u32>(tab + 4 * ((qs & 255u) | ((qh & 1u) << 8))), sg);
+    o.qa = dq_neg4(dq_aligned<dq_u32>(tab + 4 * ((qs & 255u) | ((qh & 1u) << 8))), sg & 15u);
     o.qb = dq_neg4(dq_aligned<dq_u32>(tab + 4 * ((qs >> 8) | ((qh & 2u) << 7))), sg >> 4);
     return o;
 }

@@ -150,7 +150,7 @@ template <> __device__ __forceinline__ void decode_sub<QT_IQ3_S>(u32 R, int s, S
         const u32 qw = (k < 4) ? qs0 : qs1;
         const u32 idx = ((qw >> (8 * (k & 3))) & 255u) | (((qh >> k) & 1u) << 8);
         const u32 mag = sm_u32(idx * 4u);
-        w.q[k] = dq_neg4(mag, sg >> (4 * k));  // the signs of values 4k..4k+3
+        w.q[k] = xt_signed(mag, sg >> (4 * k));  // the signs of values 4k..4k+3
     }
 }
 

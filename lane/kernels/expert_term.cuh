@@ -191,6 +191,10 @@ DQ_FN dq_u32 xt_ksigns(dq_u32 i) {  // ggml's ksigns_iq2xs[i]: i with bit 7 its 
     return i | (((dq_u32)__builtin_popcount(i) & 1u) << 7);
 #endif
 }
+DQ_FN dq_u32 xt_signed(dq_u32 g, dq_u32 bits) {  // g's bytes (magnitudes 1..127) negated where bits 0..3 are set
+    const dq_u32 ones = dq_bit_bytes(bits);  // dq_neg4's value in the form that gives the expert kernels' code
+    return (g ^ (ones * 255u)) + ones;
+}
 DQ_FN void xt_tab64(const dq_u8* tab, int off, dq_u32& lo, dq_u32& hi) {  // off a multiple of 8: one load
 #ifdef __CUDA_ARCH__
     const uint2 u = *reinterpret_cast<const uint2*>(tab + off);
@@ -220,8 +224,8 @@ DQ_FN dq_u32 xt_iq4(dq_u32 nib, const dq_u32 (&t)[4]) {  // kvalues of 4 nibbles
 template <int QT> DQ_FN void xt_grid8(const dq_u8* tab, int off, dq_u32 sg, int e, XtW<QT>& w) {
     dq_u32 lo, hi;
     xt_tab64(tab, off, lo, hi);
-    w.q[2 * e] = dq_neg4(lo, sg);
-    w.q[2 * e + 1] = dq_neg4(hi, sg >> 4);
+    w.q[2 * e] = xt_signed(lo, sg);
+    w.q[2 * e + 1] = xt_signed(hi, sg >> 4);
 }
 template <int QT> DQ_FN void xt_words(const dq_u8* b, int j, const dq_u8* tab, XtW<QT>& w) {
     if constexpr (QT == 8) {  // Q8_0: the codes are the bytes
@@ -244,7 +248,7 @@ template <int QT> DQ_FN void xt_words(const dq_u8* b, int j, const dq_u8* tab, X
             for (int e = 0; e < 4; ++e) {
                 const int g = 4 * h + e;
                 const dq_u32 idx = ((lo >> (8 * e)) & 255u) | (((qh >> g) & 1u) << 8);
-                w.q[g] = dq_neg4(xt_u32(tab + DQ_TAB_IQ3S + 4 * (int)idx), sg >> (4 * g));
+                w.q[g] = xt_signed(xt_u32(tab + DQ_TAB_IQ3S + 4 * (int)idx), sg >> (4 * g));
             }
         }
     } else if constexpr (XtNib32<QT>::value) {
@@ -332,9 +336,9 @@ template <int QT> DQ_FN void xt_words(const dq_u8* b, int j, const dq_u8* tab, X
             XT_UNROLL
             for (int e = 0; e < 2; ++e) {
                 const dq_u32 sg = xt_ksigns((ws >> (7 * (2 * h + e))) & 127u);
-                w.q[4 * h + 2 * e] = dq_neg4(xt_u32(tab + DQ_TAB_IQ3XXS + 4 * (int)((idx >> (16 * e)) & 255u)), sg);
+                w.q[4 * h + 2 * e] = xt_signed(xt_u32(tab + DQ_TAB_IQ3XXS + 4 * (int)((idx >> (16 * e)) & 255u)), sg);
                 w.q[4 * h + 2 * e + 1] =
-                    dq_neg4(xt_u32(tab + DQ_TAB_IQ3XXS + 4 * (int)((idx >> (16 * e + 8)) & 255u)), sg >> 4);
+                    xt_signed(xt_u32(tab + DQ_TAB_IQ3XXS + 4 * (int)((idx >> (16 * e + 8)) & 255u)), sg >> 4);
             }
         }
     } else if constexpr (QT == 19) {  // IQ1_S: g, 3 high index bits a group and the sub-block's delta sign in qh

@@ -112,7 +112,7 @@ template <> __device__ __forceinline__ void decode_frag<QT_IQ3_S>(u32 R, int s, 
         const u32 idx = sm_u8(B + 2u + 8u * j + k) | (((qh >> k) & 1u) << 8);
         const u32 mag = sm_u32(idx * 4u);
         const u32 sg = (sm_u8(B + 74u + 4u * j + (k >> 1)) >> (4u * (k & 1u))) & 15u;
-        q[h] = dq_neg4(mag, sg);
+        q[h] = xt_signed(mag, sg);
     }
     lo = q[0];
     hi = q[1];
