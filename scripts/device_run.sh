@@ -151,8 +151,9 @@ experts-ab)  # the decode expert kernels alone (8 pairs, and 8 tokens x 8), on t
         done
     done
     ;;
-experts-types)  # every expert type's decode kernels against the copy rate (issue #27: >= 20 % each); TYPES to choose
-    timeout 300 $(experts_bench) --types "${TYPES:-all}" --variants "${VARIANTS:-default}" --cases decode8,decode8c \
+experts-types)  # every expert type's decode kernels against the copy rate (issue #27: >= 20 % each); TYPES,
+                # CASES (decode8,decode8c; bus1,bus2,bus8: experts read from host memory) to choose
+    timeout 300 $(experts_bench) --types "${TYPES:-all}" --variants "${VARIANTS:-default}" --cases "${CASES:-decode8,decode8c}" \
         --json "$OUT/experts-types.json" 2>&1 |
         grep '^{"' | cut -c1-200
     ;;
@@ -341,7 +342,8 @@ ncu-qkv)
     grep -E "issue_stalled_.*ratio" "$OUT/ncu-qkv.txt" | sed 's/  */ /g' | awk '{print $NF, $1}' | sort -gr | head -6
     ;;
 timeline)  # a3b all resident: the replayed decode step's kernels as the GPU ran them (CUPTI kernel records; needs
-           # the cupti-python wheel in .whl/ and a libcupti of the driver's CUDA), at CONTEXTS (1024,32768); MODEL
+           # the cupti-python wheel in .whl/ and a libcupti of the driver's CUDA), at CONTEXTS (1024,32768) and
+           # FRACTION (1.0: all resident; 0.5: half, misses read from the arena); MODEL
     m=${MODEL:-$A3B}  # MODEL: another file (a mix: /tmp/a3b-mix-iq3_s.gguf, made by the mixes step)
     [ "$m" != "$A3B" ] || model "$A3B" --router-skew 1.0
     lib=$(find /usr/local/cuda*/extras/CUPTI/lib64 $(python3 -c "import site; print(*site.getsitepackages())") \
@@ -349,8 +351,8 @@ timeline)  # a3b all resident: the replayed decode step's kernels as the GPU ran
     ctxs=${CONTEXTS:-1024,32768}
     for ctx in ${ctxs//,/ }; do
         LD_LIBRARY_PATH=${lib:+$(dirname "$lib"):}${LD_LIBRARY_PATH:-} timeout 240 python3 scripts/gpu_decode_profile.py \
-            --model "$m" --fractions 1.0 --context "$ctx" --tokens 32 --iters 5 --timeline \
-            --json "$OUT/timeline-$ctx.json" 2>&1 | grep -A40 "timeline over"
+            --model "$m" --fractions "${FRACTION:-1.0}" --context "$ctx" --tokens 32 --iters 5 --timeline \
+            --json "$OUT/timeline-$ctx${FRACTION:+-$FRACTION}.json" 2>&1 | grep -A40 "timeline over"
     done
     ;;
 ncu-src)  # a3b all resident, CONTEXT (1024): each decode kernel's stall samples by SASS instruction (one launch

@@ -23,7 +23,8 @@ For each cache fraction: a prompt is read, then
            CUPTI's kernel records (the device machine has no nsys): per kernel name its launches a step, its device
            time (start to end, PDL's early start included), what it adds to the step's critical path (its end
            minus the latest end before it), how long before that end it started (lead), its launch shape, and
-           the step's busy time (some kernel running). Unlike `kernels` and
+           the step's busy time (some kernel running). At any fraction: partly resident, the kernels that read the
+           misses from the arena (the same names) run among the card's, on a stream of their own. Unlike `kernels` and
            `marginal` it covers the o mat-vec and the down kernel and needs no replay of a kernel alone.
 Prints a table last; --json writes everything.
 """
@@ -339,10 +340,10 @@ def profile(path: str, fraction: float, context: int, tokens: int, iters: int, h
                     out["kernels"] = kernel_times(cp, card, ops, iters)
                 if marginal:
                     out["marginal"] = marginal_ms(card, kv, prompt, tokens)
-                if trace:
-                    out["timeline"] = timeline(card, kv, prompt, tokens, records)
                 if sweep:
                     out["plan_sweep"] = plan_sweep(card, kv, prompt, tokens)
+            if trace:  # partly resident too: the arena's kernels on their side stream among the card's
+                out["timeline"] = timeline(card, kv, prompt, tokens, records)
             cnt = card.counters
             out["cpu_share"] = cnt.cpu / max(1, cnt.total)
         card.close()

@@ -106,6 +106,30 @@ def test_experts_flags_not_given_take_the_options_defaults():
     assert got == experts.Options(reps=3, types="Q6_K", prompt=True)
 
 
+def test_experts_bus_cases_read_n_experts_of_one_token_from_an_arena_layer():
+    """bus1 / bus2 / bus8: one token's n distinct experts, read from host memory laid out as an arena layer (three
+    expert-major tensors, each 4 KiB-aligned): the bytes of expert e are where ExpertKernels.layout looks."""
+    import types
+
+    from stratad.bench import experts
+
+    rng = np.random.default_rng(3)
+    perm = rng.permutation(16)
+    for n in (1, 2, 8):
+        pr, count, distinct = experts.make_pairs(rng, f"bus{n}", perm, 5, 256)
+        assert count == distinct == n and (pr[:n, 0] == 0).all() and (pr[n:] == -1).all()
+    fake_cp = types.SimpleNamespace(cuda=types.SimpleNamespace(alloc_pinned_memory=bytearray))
+    slots = [tuple(rng.integers(0, 256, shape, dtype=np.uint8) for shape in ((6, 40), (6, 40), (8, 18)))
+             for _ in range(5)]
+    mem, (gate, stride, up, down, down_stride) = experts.arena_layer(fake_cp, slots, gap=4096)
+    buf = np.frombuffer(mem, np.uint8)
+    at = lambda ptr, e, n: buf[ptr - buf.ctypes.data + e * n:ptr - buf.ctypes.data + (e + 1) * n]  # noqa: E731
+    assert (stride, down_stride) == (240, 144) and all((p - buf.ctypes.data) % 4096 == 0 for p in (gate, up, down))
+    for e, (g, u, d) in enumerate(slots):
+        assert (at(gate, e, stride) == g.ravel()).all() and (at(up, e, stride) == u.ravel()).all()
+        assert (at(down, e, down_stride) == d.ravel()).all()
+
+
 @pytest.mark.parametrize("flag,value,says", [("--types", "Q4_K,Q9_X", "unknown tensor type 'Q9_X'"),
                                               ("--variants", "gu8w,Q4_K:bogus", "unknown variant Q4_K:bogus"),
                                               ("--cases", "decode8,tok8x8c", "unknown case tok8x8c")])

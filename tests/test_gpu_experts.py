@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
 
-from stratad.bench.experts import VARIANTS
+from stratad.bench.experts import VARIANTS, arena_layer
 from stratad.engine import canonical
 from stratad.model.quants import decode_int, random_rows
 
@@ -104,22 +104,6 @@ def reference(slots, qgu, qdn, pairs, qa, da):
     return h, qh.reshape(n, d_ff), dh, out
 
 
-def host_tensors(cp, slots):
-    """The experts as an arena layer holds them: three tensors (gate, up, down; expert-major) in page-locked host
-    memory, at unrelated 4 KiB-aligned offsets. Returns (the memory, to keep alive; ExpertKernels.layout args)."""
-    parts = [np.stack([s[i] for s in slots]) for i in range(3)]
-    offs, o = [], 0
-    for p in parts:
-        offs.append(o)
-        o += -(-p.nbytes // 4096) * 4096 + 3 * 4096
-    mem = cp.cuda.alloc_pinned_memory(o)
-    buf = np.frombuffer(mem, np.uint8, o)
-    for p, off in zip(parts, offs):
-        buf[off:off + p.nbytes] = p.reshape(-1)
-    ptr = buf.ctypes.data
-    return mem, (ptr + offs[0], parts[0].strides[0], ptr + offs[1], ptr + offs[2], parts[2].strides[0])
-
-
 def run_case(cp, rng, qgu, qdn, d_model, d_ff, n_slots, n_tokens, n_pairs, max_pairs, sort_by_slot=False,
              tuning=None, check_intermediates=True, tiled=False, host=False, smem=None):
     from lane.kernels.experts import ExpertKernels
@@ -129,7 +113,7 @@ def run_case(cp, rng, qgu, qdn, d_model, d_ff, n_slots, n_tokens, n_pairs, max_p
     pool = cp.asarray(np.stack([k.pack_slot(*m) for m in slots]))
     where = pool.data.ptr
     if host:  # the kernels read the weights from host memory over the bus, in the arena's layout
-        mem, args = host_tensors(cp, slots)
+        mem, args = arena_layer(cp, slots, gap=3 * 4096)  # unrelated offsets
         where = k.layout(*args)
     x = random_x(rng, n_tokens, d_model)
     qa_ref, da_ref = canonical.quantize_act(x)

@@ -9,6 +9,9 @@ Cases (max_pairs = 256 for all, so one captured graph serves every size; n_pairs
   tok8x8     8 tokens x 8 experts, router order (~64 slots)      - small prefill chunk
   tok32x8    32 tokens x 8 experts, router order (~110 slots)    - prefill chunk
   shared256  32 tokens all on the same 8 slots, sorted by slot   - weight reuse across pairs
+  bus1, bus2, bus8  one token x 1 / 2 / 8 experts read from page-locked host memory over the bus, laid out as an
+             arena layer (three expert-major tensors): a decode step's misses (~1-2 a layer half resident); their
+             fraction is of the card's upload rate (host -> device DMA), not of the copy rate
 Each timed unit is a CUDA graph of `reps` runs over different pair lists (rotating over a pool of `slots` experts,
 more than the L2 holds), replayed `iters` times between CUDA events; time per run = total / (iters * reps).
 Bytes = distinct slots a run touches x slot bytes (the weights; activations are < 0.1 %). The copy ceiling is a
@@ -56,8 +59,9 @@ VARIANTS = {  # Tuning overrides (lane/kernels/experts.py); tests/test_gpu_exper
 
 def make_pairs(rng, case, perm, r, max_pairs):
     n_slots = len(perm)
-    if case == "decode8":
-        slots = perm[(8 * r) % n_slots:(8 * r) % n_slots + 8]
+    if case == "decode8" or case.startswith("bus"):
+        n = 8 if case == "decode8" else int(case[3:])
+        slots = perm[(n * r) % n_slots:(n * r) % n_slots + n]
         pr = [(0, int(s)) for s in slots]
     elif case in ("tok8x8", "tok32x8"):
         nt = 8 if case == "tok8x8" else 32
@@ -72,7 +76,21 @@ def make_pairs(rng, case, perm, r, max_pairs):
     return a, len(pr), len({p[1] for p in pr})
 
 
-def bench_type(cp, qt, variant, opts: "Options", copy_bw, rng) -> dict:
+def arena_layer(cp, slots: list, gap: int = 0) -> tuple:
+    """(gate, up, down) byte rows of each expert as an arena layer holds them: three expert-major tensors in
+    page-locked host memory, each 4 KiB-aligned, `gap` bytes (a multiple of 4 KiB) apart. Returns (the memory, to
+    keep alive; ExpertKernels.layout args)."""
+    sizes = [slots[0][i].nbytes for i in range(3)]
+    offs = np.cumsum([0] + [-(-len(slots) * n // 4096) * 4096 + gap for n in sizes])
+    mem = cp.cuda.alloc_pinned_memory(int(offs[-1]))
+    buf = np.frombuffer(mem, np.uint8, int(offs[-1]))
+    for i in range(3):
+        buf[offs[i]:offs[i] + len(slots) * sizes[i]] = np.stack([s[i] for s in slots]).reshape(-1)
+    ptr = buf.ctypes.data
+    return mem, (ptr + int(offs[0]), sizes[0], ptr + int(offs[1]), ptr + int(offs[2]), sizes[2])
+
+
+def bench_type(cp, qt, variant, opts: "Options", copy_bw, rng, upload_bw=None) -> dict:
     from lane.kernels.experts import ExpertKernels, Tuning, combine_rows_ref
 
     d_model, d_ff, max_pairs = opts.d_model, opts.d_ff, 256
@@ -118,16 +136,22 @@ def bench_type(cp, qt, variant, opts: "Options", copy_bw, rng) -> dict:
     cp.cuda.get_current_stream().synchronize()
     res["exact_decode8c"] = bool(np.array_equal(xr.get().view(np.uint32), want_x.view(np.uint32)))
 
+    host = host_where = None  # the bus cases' arena layer
     for case in opts.cases.split(","):
+        bus = case.startswith("bus")
+        if bus and host is None:
+            host, args = arena_layer(cp, [uniq[s % n_uniq] for s in range(opts.slots)])
+            host_where = k.layout(*args)
+        where = host_where if bus else pool.data.ptr
         combine = cmb if case == "decode8c" else None  # x keeps adding up over the timed runs: only its time counts
         sets = [make_pairs(rng, "decode8" if case == "decode8c" else case, perm, r, max_pairs)
                 for r in range(opts.reps)]
         pairs_l = [cp.asarray(s[0]) for s in sets]
         n_dev = cp.asarray(np.array([sets[0][1]], np.int32))
         distinct = float(np.mean([s[2] for s in sets]))
-        runs = [lambda p=p: k.run(pool.data.ptr, p, n_dev, qa, da, out, combine, stream=stream) for p in pairs_l]
-        gus = [lambda p=p: k.run_gate_up(pool.data.ptr, p, n_dev, qa, da, stream=stream) for p in pairs_l]
-        dns = [lambda p=p: k.run_down(pool.data.ptr, p, n_dev, out, combine, stream=stream) for p in pairs_l]
+        runs = [lambda p=p: k.run(where, p, n_dev, qa, da, out, combine, stream=stream) for p in pairs_l]
+        gus = [lambda p=p: k.run_gate_up(where, p, n_dev, qa, da, stream=stream) for p in pairs_l]
+        dns = [lambda p=p: k.run_down(where, p, n_dev, out, combine, stream=stream) for p in pairs_l]
         t_run = graph_ms(cp, stream, runs, opts.iters, 2)
         t_gu = graph_ms(cp, stream, gus, opts.iters, 2)
         t_dn = graph_ms(cp, stream, dns, opts.iters, 2)
@@ -144,11 +168,12 @@ def bench_type(cp, qt, variant, opts: "Options", copy_bw, rng) -> dict:
             "us_run": us, "us_gate_up": us_gu, "us_down": us_dn,
             "GBps": b_all / (best * 1e-6) / 1e9, "GBps_gate_up": b_gu / (min(us_gu) * 1e-6) / 1e9,
             "GBps_down": b_dn / (min(us_dn) * 1e-6) / 1e9,
-            "floor_us": b_all / (copy_bw * 1e9) * 1e6,
+            "floor_us": b_all / ((upload_bw if bus else copy_bw) * 1e9) * 1e6,
         }
-        res["cases"][case]["frac_copy"] = res["cases"][case]["GBps"] / copy_bw
+        res["cases"][case]["frac_upload" if bus else "frac_copy"] = res["cases"][case]["GBps"] / \
+            (upload_bw if bus else copy_bw)
     stream.synchronize()
-    pool = uniq_dev = None  # before the pool gives their blocks back
+    pool = uniq_dev = host = None  # before the pools give their blocks back
     cp.get_default_memory_pool().free_all_blocks()
     return res
 
@@ -243,7 +268,7 @@ def expert_types(spec: str) -> list:
     return types
 
 
-CASES = ("decode8", "decode8c", "tok8x8", "tok32x8", "shared256")
+CASES = ("decode8", "decode8c", "tok8x8", "tok32x8", "shared256", "bus1", "bus2", "bus8")
 
 
 def variants(spec: str) -> list[str]:
@@ -281,10 +306,11 @@ def run(opts: Options) -> dict:
     """Every type and variant asked for; a progress line a result on stderr, a table at the end."""
     import cupy as cp
 
-    from stratad.bench.hardware import gpu_copy_bandwidth
+    from stratad.bench.hardware import gpu_copy_bandwidth, gpu_upload_bandwidth
 
     types = expert_types(opts.types)
     copy_bw, copy_all = gpu_copy_bandwidth(cp)
+    upload_bw = gpu_upload_bandwidth(cp)[0] if any(c.startswith("bus") for c in opts.cases.split(",")) else None
     rng = np.random.default_rng(int(time.time()))
     results = []
     for qt in types:
@@ -299,7 +325,7 @@ def run(opts: Options) -> dict:
                 r = bench_prompt(cp, qt, v, opts, rng)
                 line = {k: r[k] for k in ("qtype", "variant", "tiles", "ms_chunk_48_layers", "tmac_s", "exact_sample")}
             else:
-                r = bench_type(cp, qt, v, opts, copy_bw, rng)
+                r = bench_type(cp, qt, v, opts, copy_bw, rng, upload_bw)
                 if "decode8" in r["cases"]:
                     r["fraction"] = round(r["cases"]["decode8"]["frac_copy"], 4)
                 line = {"type": tname, "variant": v, "exact": r["exact_decode8"] and r["exact_decode8c"],
@@ -308,6 +334,8 @@ def run(opts: Options) -> dict:
             results.append(r)
             print(json.dumps(line), file=sys.stderr, flush=True)
     out = summary(results, opts, copy_bw, copy_all)
+    if upload_bw is not None:
+        out["upload_GBps"] = upload_bw
     if not opts.prompt:
         _table(out)
     return out
@@ -316,11 +344,13 @@ def run(opts: Options) -> dict:
 def _table(doc: dict) -> None:
     print(f"copy {doc['copy_GBps']:.0f} GB/s (read+write)", file=sys.stderr)
     print(f"{'type':7} {'variant':16} {'case':10} {'pairs':>5} {'slots':>6} {'us/run':>8} {'gu us':>7} {'dn us':>7} "
-          f"{'GB/s':>6} {'gu GB/s':>7} {'dn GB/s':>7} {'%copy':>6} {'floor':>6} exact", file=sys.stderr)
+          f"{'GB/s':>6} {'gu GB/s':>7} {'dn GB/s':>7} {'%ceil':>7} {'floor':>6} exact", file=sys.stderr)
+    print("(%ceil: of the copy rate; of the upload rate, marked u, for the bus cases)", file=sys.stderr)
     for r in doc["results"]:
         for c, d in r["cases"].items():
+            pct = f"{100 * d['frac_upload']:5.1f}%u" if "frac_upload" in d else f"{100 * d['frac_copy']:5.1f}% "
             print(f"{r['qtype']:7} {r['variant']:16} {c:10} {d['n_pairs']:5d} {d['distinct_slots']:6.1f} "
                   f"{min(d['us_run']):8.2f} {min(d['us_gate_up']):7.2f} {min(d['us_down']):7.2f} {d['GBps']:6.0f} "
-                  f"{d['GBps_gate_up']:7.0f} {d['GBps_down']:7.0f} {100 * d['frac_copy']:5.1f}% "
+                  f"{d['GBps_gate_up']:7.0f} {d['GBps_down']:7.0f} {pct} "
                   f"{d['floor_us']:6.2f} {r['exact_decode8c' if c == 'decode8c' else 'exact_decode8']}",
                   file=sys.stderr)
