@@ -101,11 +101,20 @@ template <int QT> struct XtFloat {
 };
 template <int N> DQ_FN void xt_load(const dq_u8* b, int i, dq_u32 (&w)[N]) {  // words N i .. N i + N - 1 at b
 #ifdef __CUDA_ARCH__
-    if constexpr (N == 4)
+    const dq_u8* p = b + 4 * N * i;
+    if (__isGlobal(p)) {  // rows read in place: the read-only path, which L1 keeps for the second pass
+        const size_t g = __cvta_generic_to_global(p);
+        if constexpr (N == 4)
+            asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
+                         : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "l"(g));
+        else
+            asm volatile("ld.global.nc.v2.u32 {%0, %1}, [%2];" : "=r"(w[0]), "=r"(w[1]) : "l"(g));
+    } else if constexpr (N == 4) {
         asm volatile("ld.relaxed.cta.v4.u32 {%0, %1, %2, %3}, [%4];"
-                     : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "l"(b + 16 * i));
-    else
-        asm volatile("ld.relaxed.cta.v2.u32 {%0, %1}, [%2];" : "=r"(w[0]), "=r"(w[1]) : "l"(b + 8 * i));
+                     : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "l"(p));
+    } else {
+        asm volatile("ld.relaxed.cta.v2.u32 {%0, %1}, [%2];" : "=r"(w[0]), "=r"(w[1]) : "l"(p));
+    }
 #else
     __builtin_memcpy(w, b + 4 * N * i, 4 * N);
 #endif

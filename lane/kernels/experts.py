@@ -83,18 +83,6 @@ def simt_tile(qt_gate_up, tuning: "Tuning") -> int:
     return min(tuning.tile_p, 4) if qt_gate_up in FLOATS else tuning.tile_p
 
 
-# registers a gate/up thread needs where the generic decode of a warp's four sub-blocks at once spills in the 64 that
-# 16 warps x 2 blocks leave (NVRTC, sm_90, the a3b shape: IQ2_S spilled 48 bytes, used 79 registers with 85)
-GU_REGS = {_T.IQ2_S: 80}
-
-
-def gu_min_blocks(qt_gate_up, tuning: "Tuning") -> int:
-    """Gate/up blocks an SM for the decode kernel's register cap: the tuning's, fewer where GU_REGS says."""
-    need = GU_REGS.get(qt_gate_up)
-    cap = 65536 // (32 * tuning.gu_warps * need) if need else tuning.gu_min_blocks
-    return max(1, min(tuning.gu_min_blocks, cap))
-
-
 H200_SMEM_BLOCK, H200_SMEM_SM = 232448, 233472  # shared bytes a block may opt in to / an SM has (sm_90)
 
 
@@ -331,7 +319,7 @@ class ExpertKernels:
         dn_stg = _staged(self.qt_dn, self.d_ff, t.dn_rows)
         self.gu_warps, self.dn_warps = t.gu_warps, t.dn_warps
         self.gu_stages, self.gu_blocks, self.gu_smem = fit(self.qt_gu, 256, gu_stg, t.gu_warps, t.gu_stages,
-                                                           gu_min_blocks(self.qt_gu, t))
+                                                           t.gu_min_blocks)
         self.dn_stages, self.dn_blocks, self.dn_smem = fit(self.qt_dn, 0, dn_stg, t.dn_warps, t.dn_stages,
                                                            t.dn_min_blocks)
         self.gu_grid = self.n_sm * self.gu_blocks

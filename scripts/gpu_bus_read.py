@@ -1,0 +1,109 @@
+"""How fast this card's SMs read page-locked host memory over the bus (zero-copy), against its DMA upload rate.
+
+The decode step reads the experts no card holds straight from the arena this way (lane/gpu_experts.py
+ArenaSource), and `stratad bench --scenario experts --cases bus1,bus2,bus8` times the expert kernels doing it.
+This probe says what the bus allows a plain reader: every thread reads 16-byte words, `depth` loads in flight at a
+time, by plain loads (ld.global.nc) or by cp.async into shared memory (the expert kernels' staging), over a
+range of grid sizes; each result in GB/s and as a fraction of the upload rate (host -> device DMA, the copy
+engine).
+
+    python3 scripts/gpu_bus_read.py [--mib 256] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+SOURCE = r"""
+extern "C" __global__ void read_ld(const uint4* __restrict__ src, long long n16, int depth, unsigned* out) {
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    unsigned acc = 0;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n16; i += stride * depth) {
+        uint4 v[8];
+#pragma unroll
+        for (int d = 0; d < 8; ++d)
+            if (d < depth && i + d * stride < n16) v[d] = __ldg(src + i + d * stride);
+#pragma unroll
+        for (int d = 0; d < 8; ++d)
+            if (d < depth && i + d * stride < n16) acc ^= v[d].x ^ v[d].y ^ v[d].z ^ v[d].w;
+    }
+    if (acc == 0x9e3779b9u) out[0] = acc;  // keeps the loads
+}
+
+extern "C" __global__ void read_cp_async(const uint4* __restrict__ src, long long n16, int depth, unsigned* out) {
+    extern __shared__ uint4 buf[];  // depth x blockDim.x words
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    unsigned acc = 0;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n16; i += stride * depth) {
+        for (int d = 0; d < depth; ++d) {
+            if (i + d * stride < n16) {
+                const unsigned dst = (unsigned)__cvta_generic_to_shared(buf + d * blockDim.x + threadIdx.x);
+                asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(dst), "l"(src + i + d * stride));
+            }
+        }
+        asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;" ::: "memory");
+        for (int d = 0; d < depth; ++d)
+            if (i + d * stride < n16) acc ^= buf[d * blockDim.x + threadIdx.x].x;
+    }
+    if (acc == 0x9e3779b9u) out[0] = acc;
+}
+"""
+
+
+def main() -> int:
+    import cupy as cp
+    import numpy as np
+
+    from stratad.bench.hardware import gpu_info, gpu_upload_bandwidth
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mib", type=int, default=256)
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    nbytes = a.mib << 20
+    host = cp.cuda.alloc_pinned_memory(nbytes)
+    np.frombuffer(host, np.uint8, nbytes)[:] = np.arange(nbytes, dtype=np.uint64).astype(np.uint8)
+    upload = gpu_upload_bandwidth(cp, nbytes)[0]
+    mod = cp.RawModule(code=SOURCE, options=("-std=c++17",))
+    out = cp.zeros(1, cp.uint32)
+    n_sm = cp.cuda.Device().attributes["MultiProcessorCount"]
+    src = np.uint64(host.ptr)  # a page-locked pointer is a device pointer as it is (UVA)
+    results = []
+    e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+    for kind in ("read_ld", "read_cp_async"):
+        k = mod.get_function(kind)
+        for threads in (256, 512):
+            for blocks_per_sm in (1, 2, 4):
+                for depth in (1, 2, 4, 8):
+                    smem = depth * threads * 16 if kind == "read_cp_async" else 0
+                    if smem > 48 * 1024:  # no opt-in to more
+                        continue
+                    args = (src, np.int64(nbytes // 16), np.int32(depth), out)
+                    grid = (n_sm * blocks_per_sm,)
+                    k(grid, (threads,), args, shared_mem=smem)
+                    e0.record()
+                    for _ in range(3):
+                        k(grid, (threads,), args, shared_mem=smem)
+                    e1.record()
+                    e1.synchronize()
+                    gbs = 3 * nbytes / (cp.cuda.get_elapsed_time(e0, e1) * 1e-3) / 1e9
+                    r = {"kind": kind, "threads": threads, "blocks_per_sm": blocks_per_sm, "depth": depth,
+                         "GBps": round(gbs, 1), "frac_upload": round(gbs / upload, 3)}
+                    results.append(r)
+                    print(json.dumps(r), flush=True)
+    best = max(results, key=lambda r: r["GBps"])
+    doc = {"probe": "zero-copy reads of page-locked host memory by the SMs", "bytes": nbytes,
+           "upload_GBps": round(upload, 1), "hardware": gpu_info(cp), "best": best, "results": results}
+    print(f"upload (DMA) {upload:.1f} GB/s; best SM read {best['GBps']} GB/s ({best['kind']}, {best['threads']} "
+          f"threads x {best['blocks_per_sm']} blocks an SM, {best['depth']} loads in flight)")
+    if a.json:
+        Path(a.json).write_text(json.dumps(doc, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
