@@ -91,9 +91,10 @@ template <int QT> struct XtW {
 // multiples at 16-byte aligned starts): non-finite values read as 0; amax = f 2^e (1/2 <= f < 1, e = 0 for 0);
 // k = max(e - 12, -126); scale 2^k, q = rint(w * 2^-k) (a multiply by a power of two: exact). amax is taken on the
 // values' bits (|w| orders as the bits of |w| do for every finite float of each type; F16's converted once).
-// The values are read twice (16 or 8 bytes a load) by strong loads at CTA scope: ptxas keeps them in program order
-// (a warp decodes several sub-blocks at once, and values held across the amax, or loads hoisted ahead, spilled), and
-// unlike volatile ones (system scope, past L1) they may hit L1, which serves the second pass over rows read in place.
+// The values are read twice (16 or 8 bytes a load) by asm volatile loads, which ptxas keeps in program order (a warp
+// decodes several sub-blocks at once, and values held across the amax, or loads hoisted ahead, spilled): rows read
+// in place through the read-only path (ld.global.nc: faster than strong CTA-scope loads, docs/perf-notes.md), staged
+// rows from shared memory (ld.relaxed.cta on their generic address).
 template <int QT> struct XtFloat {
     static constexpr int NW = QT == 0 ? 32 : 16;  // 32-bit words of 32 values
     static constexpr dq_u32 EXP = QT == 0 ? 0x7f800000u : QT == 1 ? 0x7c00u : 0x7f80u;  // a value's exponent bits
