@@ -17,7 +17,7 @@ in CUDA graphs. Tables (expert -> source, slot) live on the device and are refre
 Another card's pool is opened through its CUDA IPC handle (from the coordinator's View): on this GPU its experts
 run here; on another GPU they run there (RemotePool), the input going over and the result rows coming back. With
 host_experts = "card" the experts no card holds are one more source, the page-locked arena, read over the bus by
-this card's kernels (ArenaSource) instead of being computed by the CPU pool. Sources with a stream of their own
+this card (ArenaSource: a decode step's fetched into staging slots first) instead of being computed by the CPU pool. Sources with a stream of their own
 (RemotePool, ArenaSource) are launched first and joined before the combine, so they overlap this card's work.
 """
 from __future__ import annotations
@@ -32,6 +32,7 @@ from lane import host_lock
 from lane.cpu_pool import CpuPool, LayerJobs
 from lane.expert_counts import entries_by_source, routed_counts
 from lane.kernels.experts import MAX_SOURCES, ExpertKernels, Tuning, max_tiles
+from lane.kernels.fetch import fetch_experts
 from lane.slot_pool import SlotPool
 from stratad.config import GpuOptions
 from stratad.model.gguf_file import ModelFile
@@ -152,15 +153,23 @@ class RemotePool(PeerPool):
 
 
 class ArenaSource:
-    """The experts no card holds, computed by this card's kernels reading the weights straight from the page-locked
-    arena over the bus (zero-copy): the same kernels as for a slot, so the same bits, with ~2 MB an expert crossing
-    the bus instead of the CPU pool computing it (config host_experts = "card")."""
+    """The experts no card holds, computed by this card's kernels from the page-locked arena, ~2 MB an expert
+    crossing the bus instead of the CPU pool computing it (config host_experts = "card"). A decode step first
+    fetches its (at most k) experts into staging slots on the card (lane/kernels/fetch.cu: the bus read at the SMs'
+    best rate), then computes them there; prompt tiles (which stage their misses themselves) read the arena in
+    place. The same kernels as for a slot either way, so the same bits."""
 
     side = True  # on a stream of its own: the bus reads overlap this card's own experts
 
     def __init__(self, experts: "GpuExperts"):
         model = experts.model
         self.kernels = experts.new_kernels()  # intermediates of their own: they run beside the card's kernels
+        # decode: staging slots for a step's arena pairs (one token's distinct experts), where every matrix is whole
+        # 16-byte words (fetch.cu's unit; else the kernels read the arena in place)
+        self.n_stage = experts.k
+        self.fetch = all(k.gate_bytes % 16 == 0 and k.down_bytes % 16 == 0 for k in self.kernels.values())
+        self.stage = cp.empty((self.n_stage if self.fetch else 0, experts.pool.slot_bytes), cp.uint8)
+        self.stage_pairs = cp.zeros((experts.max_pairs, 2), cp.int32)
         self.layouts = []
         for layer in range(model.config.n_layer):
             g, u, d = (model.raw(f"blk.{layer}.ffn_{k}_exps.weight") for k in ("gate", "up", "down"))
@@ -179,8 +188,13 @@ class ArenaSource:
         if tiled:
             k.run_tiled(where, ex.pairs[s], ex.tiles[s], ex.n_tiles[s:s + 1], ex.qa, ex.da, ex.rows[s],
                         stream=self.stream)
-        else:
+        elif not self.fetch:
             k.run(where, ex.pairs[s], ex.n_pairs[s:s + 1], ex.qa, ex.da, ex.rows[s], stream=self.stream)
+        else:
+            staged = k.slots(self.stage.data.ptr)
+            fetch_experts(ex.pairs[s], ex.n_pairs[s:s + 1], where, staged, k.gate_bytes, k.down_bytes,
+                          self.stage_pairs, self.n_stage, stream=self.stream)
+            k.run(staged, self.stage_pairs, ex.n_pairs[s:s + 1], ex.qa, ex.da, ex.rows[s], stream=self.stream)
         self.done.record(self.stream)
 
     def join(self, ex: "GpuExperts") -> None:

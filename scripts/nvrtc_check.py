@@ -135,9 +135,9 @@ def sass(cubin: bytes, kernel: str | None = None) -> str:
         return out.replace(f.name, "")
 
 
-# the sources as the lanes build them: each dense op's, and experts.cu for each expert type at the a3b shape
+# the sources as the lanes build them: each other op's, and experts.cu for each expert type at the a3b shape
 DENSE_SOURCES = ("matvec.cu", "gemm.cu", "norm.cu", "rope_kv.cu", "attention_decode.cu", "attention_prefill.cu",
-                 "router.cu", "sampling.cu", "embedding.cu")
+                 "router.cu", "sampling.cu", "embedding.cu", "fetch.cu")
 BUILDS = [(name, name, []) for name in DENSE_SOURCES] + \
     [(f"experts.cu {q}", EXPERTS, expert_defines(q)) for q in ("IQ3_S", "Q4_K", "Q8_0")]
 

@@ -209,6 +209,49 @@ def test_experts_read_from_host_memory(cp, shape, tiled):
              getattr(T, qdn), d_model, d_ff, n_slots, n_tok, n_pairs, max_pairs, tiled=tiled, host=True)
 
 
+@pytest.mark.parametrize("qgu,qdn", [("IQ3_S", "IQ3_S"), ("Q4_K", "Q8_0")])
+def test_fetch_experts_is_fetch_ref(cp, qgu, qdn):
+    """A decode step's arena experts fetched into staging slots on the card (fetch.cu) = fetch_ref's bytes, pairs
+    past the slots left alone; then the expert kernels on the staging slots give canonical's bits, as in place."""
+    from lane.kernels.experts import ExpertKernels, Layout
+    from lane.kernels.fetch import fetch_experts, fetch_ref
+
+    rng = np.random.default_rng(zlib.crc32(f"fetch{qgu}{qdn}".encode()))
+    k = ExpertKernels(2048, 768, getattr(T, qgu), getattr(T, qdn), 32)
+    slots = make_slots(rng, 12, 2048, 768, getattr(T, qgu), getattr(T, qdn))
+    mem, args = arena_layer(cp, slots, gap=4096)
+    src = k.layout(*args)
+    n_slots = 8
+    stage = cp.full((n_slots * k.slot_stride,), 0xA5, cp.uint8)
+    staged = k.slots(stage.data.ptr)
+    for n in (0, 3, 8, 11):  # 11 > n_slots: the first 8 only
+        pairs_np = np.full((32, 2), -1, np.int32)
+        pairs_np[:n] = np.stack([rng.integers(0, 4, n), rng.permutation(12)[:n]], 1)
+        pairs_out = cp.full((32, 2), -7, cp.int32)
+        before = stage.get()
+        fetch_experts(cp.asarray(pairs_np), cp.asarray(np.array([n], np.int32)), src, staged, k.gate_bytes,
+                      k.down_bytes, pairs_out, n_slots)
+        host = np.frombuffer(mem, np.uint8)
+        off = lambda lay, at: Layout(lay.base - at, lay.stride, lay.up_off, lay.down - at, lay.down_stride)  # noqa: E731
+        want, want_pairs = fetch_ref(host, before, pairs_np, n, off(src, host.ctypes.data), off(staged, stage.data.ptr),
+                                     k.gate_bytes, k.down_bytes, n_slots)
+        np.testing.assert_array_equal(stage.get(), want)
+        m = min(n, n_slots)
+        np.testing.assert_array_equal(pairs_out.get()[:m], want_pairs)
+        assert (pairs_out.get()[m:] == -7).all()
+    # the staged experts computed where they are: the host-memory case's bits
+    x = random_x(rng, 4, 2048)
+    qa_ref, da_ref = canonical.quantize_act(x)
+    qa, da = cp.empty((4, 2048), cp.int8), cp.empty((4, 64), cp.float32)
+    k.quantize(cp.asarray(x), qa, da)
+    n_dev = cp.asarray(np.array([n_slots], np.int32))
+    out = cp.full((32, 2048), np.nan, cp.float32)
+    k.run(staged, pairs_out, n_dev, qa, da, out)
+    _, _, _, out_ref = reference(slots, getattr(T, qgu), getattr(T, qdn), pairs_np[:n_slots],
+                                 qa_ref.reshape(4, -1, 32), da_ref)
+    assert_bits(out.get()[:n_slots], out_ref, f"staged experts {qgu}/{qdn}")
+
+
 def test_layout_checks(cp):
     from lane.kernels.experts import ExpertKernels
 

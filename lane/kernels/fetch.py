@@ -1,0 +1,64 @@
+"""A decode step's experts that no card holds, fetched from the page-locked arena into staging slots on the card
+(fetch.cu), and the numpy reference of the same copy.
+
+  fetch_experts(pairs, n_pairs, src, dst, gate_bytes, down_bytes, pairs_out, n_slots)
+  fetch_ref(src_memory, dst_memory, pairs, n, src, dst, gate_bytes, down_bytes, n_slots)
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .device import module, need, on_stream
+from .experts import Layout
+from .launch import launch
+
+SOURCE = "fetch.cu"
+THREADS = 512
+
+
+def _check(src: Layout, dst: Layout, gate_bytes: int, down_bytes: int) -> None:
+    if gate_bytes % 16 or down_bytes % 16:
+        raise ValueError(f"expert matrices of {gate_bytes} / {down_bytes} bytes are not whole 16-byte words")
+    for lay in (src, dst):
+        if any(int(v) % 16 for v in (lay.base, lay.stride, lay.up_off, lay.down, lay.down_stride)):
+            raise ValueError("expert matrices must start 16-byte aligned, at strides that are multiples of 16")
+
+
+def fetch_experts(pairs, n_pairs, src: Layout, dst: Layout, gate_bytes: int, down_bytes: int, pairs_out,
+                  n_slots: int, *, stream=None) -> None:
+    """For p < min(n_pairs[0], n_slots) (a device count): expert pairs[p, 1]'s gate, up and down matrices from the
+    layout src into slot p of the layout dst; pairs_out[p] = (pairs[p, 0], p)."""
+    m = module(SOURCE)
+    _check(src, dst, gate_bytes, down_bytes)
+    need(pairs, np.int32, None, "pairs")
+    need(n_pairs, np.int32, None, "n_pairs")
+    need(pairs_out, np.int32, None, "pairs_out")
+    if pairs.ndim != 2 or pairs.shape[1] != 2 or pairs_out.ndim != 2 or pairs_out.shape[0] < n_slots:
+        raise ValueError(f"pairs must be (P, 2) and pairs_out hold {n_slots} pairs")
+    if n_slots * (2 * gate_bytes + down_bytes) // 16 >= 2**30:  # and the words past the last, in int
+        raise ValueError(f"{n_slots} experts of {2 * gate_bytes + down_bytes} bytes: too many words for one fetch")
+    with on_stream(stream):
+        launch(m.fn("fetch_experts"), (max(1, m.n_sm // 2),), (THREADS,),
+               (pairs, n_pairs, np.int32(n_slots),
+                np.uint64(src.base), np.int64(src.stride), np.int64(src.up_off), np.uint64(src.down),
+                np.int64(src.down_stride),
+                np.uint64(dst.base), np.int64(dst.stride), np.int64(dst.up_off), np.uint64(dst.down),
+                np.int64(dst.down_stride),
+                np.int32(gate_bytes // 16), np.int32(down_bytes // 16), pairs_out))
+
+
+def fetch_ref(src_memory: np.ndarray, dst_memory: np.ndarray, pairs: np.ndarray, n: int, src: Layout, dst: Layout,
+              gate_bytes: int, down_bytes: int, n_slots: int) -> tuple[np.ndarray, np.ndarray]:
+    """fetch_experts on byte arrays standing for the source and destination memory (each layout's addresses are
+    offsets into its array): the destination after the copy, and pairs_out's first min(n, n_slots) pairs."""
+    _check(src, dst, gate_bytes, down_bytes)
+    out = dst_memory.copy()
+    n = max(0, min(int(n), n_slots))
+    for p in range(n):
+        e = int(pairs[p, 1])
+        for a, b, size in ((src.base + e * src.stride, dst.base + p * dst.stride, gate_bytes),
+                           (src.base + src.up_off + e * src.stride, dst.base + dst.up_off + p * dst.stride,
+                            gate_bytes),
+                           (src.down + e * src.down_stride, dst.down + p * dst.down_stride, down_bytes)):
+            out[b:b + size] = src_memory[a:a + size]
+    return out, np.stack([pairs[:n, 0], np.arange(n)], axis=1).astype(np.int32)
