@@ -1,11 +1,11 @@
 """How fast this card's SMs read page-locked host memory over the bus (zero-copy), against its DMA upload rate.
 
-The decode step reads the experts no card holds straight from the arena this way (lane/gpu_experts.py
-ArenaSource), and `stratad bench --scenario experts --cases bus1,bus2,bus8` times the expert kernels doing it.
-This probe says what the bus allows a plain reader: every thread reads 16-byte words, `depth` loads in flight at a
-time, by plain loads (ld.global.nc) or by cp.async into shared memory (the expert kernels' staging), over a
-range of grid sizes; each result in GB/s and as a fraction of the upload rate (host -> device DMA, the copy
-engine).
+A decode step fetches the experts no card holds from the arena this way (lane/kernels/fetch.cu, one stream of
+16-byte words on half the SMs), and `stratad bench --scenario experts --cases bus1,bus2,bus8` times the expert
+kernels reading them in place. This probe says what the bus allows a plain reader: every thread reads 16-byte
+words, `depth` loads in flight at a time, by plain loads (ld.global.nc) or by cp.async into shared memory (the
+expert kernels' staging), on grids from a quarter of the SMs to four blocks an SM; each result in GB/s and as a
+fraction of the upload rate (host -> device DMA, the copy engine).
 
     python3 scripts/gpu_bus_read.py [--mib 256] [--json out.json]
 """
@@ -77,13 +77,13 @@ def main() -> int:
     for kind in ("read_ld", "read_cp_async"):
         k = mod.get_function(kind)
         for threads in (256, 512):
-            for blocks_per_sm in (1, 2, 4):
+            for blocks_per_sm in (0.25, 0.5, 1, 2, 4):  # under 1: part of the SMs (fetch.cu runs on half)
                 for depth in (1, 2, 4, 8):
                     smem = depth * threads * 16 if kind == "read_cp_async" else 0
                     if smem > 48 * 1024:  # no opt-in to more
                         continue
                     args = (src, np.int64(nbytes // 16), np.int32(depth), out)
-                    grid = (n_sm * blocks_per_sm,)
+                    grid = (max(1, int(n_sm * blocks_per_sm)),)
                     k(grid, (threads,), args, shared_mem=smem)
                     e0.record()
                     for _ in range(3):
