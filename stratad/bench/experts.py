@@ -9,9 +9,10 @@ Cases (max_pairs = 256 for all, so one captured graph serves every size; n_pairs
   tok8x8     8 tokens x 8 experts, router order (~64 slots)      - small prefill chunk
   tok32x8    32 tokens x 8 experts, router order (~110 slots)    - prefill chunk
   shared256  32 tokens all on the same 8 slots, sorted by slot   - weight reuse across pairs
-  bus1, bus2, bus8  one token x 1 / 2 / 8 experts read from page-locked host memory over the bus, laid out as an
-             arena layer (three expert-major tensors): a decode step's misses (~1-2 a layer half resident); their
-             fraction is of the card's upload rate (host -> device DMA), not of the copy rate
+  bus1, bus2, bus8  one token x 1 / 2 / 8 experts read in place from page-locked host memory over the bus, laid
+             out as an arena layer (three expert-major tensors), as prompt tiles read it (a decode step fetches its
+             misses onto the card first: lane/kernels/fetch.cu); their fraction is of the card's upload rate (host
+             -> device DMA), not of the copy rate
 Each timed unit is a CUDA graph of `reps` runs over different pair lists (rotating over a pool of `slots` experts,
 more than the L2 holds), replayed `iters` times between CUDA events; time per run = total / (iters * reps).
 Bytes = distinct slots a run touches x slot bytes (the weights; activations are < 0.1 %). The copy ceiling is a
