@@ -10,9 +10,9 @@ Cases (max_pairs = 256 for all, so one captured graph serves every size; n_pairs
   tok32x8    32 tokens x 8 experts, router order (~110 slots)    - prefill chunk
   shared256  32 tokens all on the same 8 slots, sorted by slot   - weight reuse across pairs
   bus1, bus2, bus8  one token x 1 / 2 / 8 experts read in place from page-locked host memory over the bus, laid
-             out as an arena layer (three expert-major tensors), as prompt tiles read it (a decode step fetches its
-             misses onto the card first: lane/kernels/fetch.cu); their fraction is of the card's upload rate (host
-             -> device DMA), not of the copy rate
+             out as an arena layer (three expert-major tensors); a decode step fetches its misses onto the card
+             first (lane/kernels/fetch.cu) and reads them in place only where a matrix is not whole 16-byte words;
+             their fraction is of the card's upload rate (host -> device DMA), not of the copy rate
 Each timed unit is a CUDA graph of `reps` runs over different pair lists (rotating over a pool of `slots` experts,
 more than the L2 holds), replayed `iters` times between CUDA events; time per run = total / (iters * reps).
 Bytes = distinct slots a run touches x slot bytes (the weights; activations are < 0.1 %). The copy ceiling is a
