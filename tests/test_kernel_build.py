@@ -14,7 +14,7 @@ SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "nvrtc_check.py"
 
 # the decode step's kernels: no stack frame (a spill there costs every token); prefix match
 DECODE_KERNELS = ("matvec_q8_0", "matvec_q4_k", "matvec_q6_k", "matvec_iq3_s", "matvec_rq", "matvec_dq_", "norm_matvec",
-                  "attn_split_", "expert_gateup", "expert_down", "route_pairs", "qk_norm_rope_kv")
+                  "attn_split_", "expert_gateup", "expert_down", "route_pairs", "qk_norm_rope_kv", "fetch_experts")
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +30,11 @@ def nc():
 
 
 BUILD_IDS = ["matvec", "gemm", "norm", "rope_kv", "attention_decode", "attention_prefill", "router", "sampling",
-             "embedding", "experts-IQ3_S", "experts-Q4_K", "experts-Q8_0"]
+             "embedding", "fetch", "experts-IQ3_S", "experts-Q4_K", "experts-Q8_0"]
+
+
+def test_every_build_has_its_id(nc):
+    assert [b[0].replace(".cu", "").replace("experts ", "experts-") for b in nc.BUILDS] == BUILD_IDS
 
 
 @pytest.fixture(scope="module")
