@@ -4,7 +4,8 @@ A decode step fetches the experts no card holds from the arena this way (lane/ke
 16-byte words on half the SMs), and `stratad bench --scenario experts --cases bus1,bus2,bus8` times the expert
 kernels reading them in place. This probe says what the bus allows a plain reader: every thread reads 16-byte
 words, `depth` loads in flight at a time, by plain loads (ld.global.nc) or by cp.async into shared memory (the
-expert kernels' staging), on grids from a quarter of the SMs to four blocks an SM; each result in GB/s and as a
+expert kernels' staging), on grids from a quarter of the SMs to four blocks an SM, and (sm_90) by bulk copies of
+4-16 KB (TMA); each result in GB/s and as a
 fraction of the upload rate (host -> device DMA, the copy engine).
 
     python3 scripts/gpu_bus_read.py [--mib 256] [--json out.json]
@@ -51,7 +52,48 @@ extern "C" __global__ void read_cp_async(const uint4* __restrict__ src, long lon
     }
     if (acc == 0x9e3779b9u) out[0] = acc;
 }
+
+// Hopper's bulk copies (TMA, one thread a block issues them): `depth` chunks of `chunk` bytes in flight a block,
+// each landing in shared memory on the block's mbarrier. Whether larger requests cross the bus faster.
+extern "C" __global__ void read_bulk(const unsigned char* __restrict__ src, long long nbytes, int chunk, int depth,
+                                     unsigned* out) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    extern __shared__ __align__(128) unsigned char bulk[];  // depth x chunk bytes
+    __shared__ __align__(8) unsigned long long bar;
+    const unsigned sbar = (unsigned)__cvta_generic_to_shared(&bar);
+    if (threadIdx.x == 0) asm volatile("mbarrier.init.shared.b64 [%0], 1;" :: "r"(sbar) : "memory");
+    __syncthreads();
+    unsigned phase = 0, acc = 0;
+    const long long n = nbytes / chunk;
+    for (long long c0 = (long long)blockIdx.x * depth; c0 < n; c0 += (long long)gridDim.x * depth) {
+        const int cnt = (int)(n - c0 < depth ? n - c0 : depth);
+        if (threadIdx.x == 0) {
+            asm volatile("mbarrier.arrive.expect_tx.shared.b64 _, [%0], %1;" :: "r"(sbar), "r"(cnt * chunk) : "memory");
+            for (int d = 0; d < cnt; ++d) {
+                const unsigned dst = (unsigned)__cvta_generic_to_shared(bulk + d * chunk);
+                asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                             :: "r"(dst), "l"(src + (c0 + d) * chunk), "r"(chunk), "r"(sbar) : "memory");
+            }
+        }
+        unsigned done = 0;
+        while (!done)
+            asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                         : "=r"(done) : "r"(sbar), "r"(phase) : "memory");
+        phase ^= 1u;
+        acc ^= bulk[threadIdx.x];
+        __syncthreads();  // every thread past the wait before the next copies land in the buffer
+    }
+    if (acc == 0x9e3779b9u) out[0] = acc;
+#endif
+}
 """
+
+# (kind, threads, blocks an SM, depth, chunk bytes or 0): the shapes each kernel is timed at; under one block an SM,
+# part of the SMs (fetch.cu runs on half)
+SHAPES = [(kind, t, b, d, 0) for kind in ("read_ld", "read_cp_async") for t in (256, 512)
+          for b in (0.25, 0.5, 1, 2, 4) for d in (1, 2, 4, 8)
+          if kind == "read_ld" or d * t * 16 <= 48 * 1024] + \
+         [("read_bulk", 128, b, d, c) for b in (0.5, 1, 2) for d in (1, 2) for c in (4096, 16384)]
 
 
 def main() -> int:
@@ -74,27 +116,25 @@ def main() -> int:
     src = np.uint64(host.ptr)  # a page-locked pointer is a device pointer as it is (UVA)
     results = []
     e0, e1 = cp.cuda.Event(), cp.cuda.Event()
-    for kind in ("read_ld", "read_cp_async"):
+    for kind, threads, blocks_per_sm, depth, chunk in SHAPES:
+        if kind == "read_bulk" and int(cp.cuda.Device().compute_capability) < 90:
+            continue
         k = mod.get_function(kind)
-        for threads in (256, 512):
-            for blocks_per_sm in (0.25, 0.5, 1, 2, 4):  # under 1: part of the SMs (fetch.cu runs on half)
-                for depth in (1, 2, 4, 8):
-                    smem = depth * threads * 16 if kind == "read_cp_async" else 0
-                    if smem > 48 * 1024:  # no opt-in to more
-                        continue
-                    args = (src, np.int64(nbytes // 16), np.int32(depth), out)
-                    grid = (max(1, int(n_sm * blocks_per_sm)),)
-                    k(grid, (threads,), args, shared_mem=smem)
-                    e0.record()
-                    for _ in range(3):
-                        k(grid, (threads,), args, shared_mem=smem)
-                    e1.record()
-                    e1.synchronize()
-                    gbs = 3 * nbytes / (cp.cuda.get_elapsed_time(e0, e1) * 1e-3) / 1e9
-                    r = {"kind": kind, "threads": threads, "blocks_per_sm": blocks_per_sm, "depth": depth,
-                         "GBps": round(gbs, 1), "frac_upload": round(gbs / upload, 3)}
-                    results.append(r)
-                    print(json.dumps(r), flush=True)
+        smem = depth * (chunk or threads * 16) if kind != "read_ld" else 0
+        args = (src, np.int64(nbytes), np.int32(chunk), np.int32(depth), out) if chunk else \
+            (src, np.int64(nbytes // 16), np.int32(depth), out)
+        grid = (max(1, int(n_sm * blocks_per_sm)),)
+        k(grid, (threads,), args, shared_mem=smem)
+        e0.record()
+        for _ in range(3):
+            k(grid, (threads,), args, shared_mem=smem)
+        e1.record()
+        e1.synchronize()
+        gbs = 3 * nbytes / (cp.cuda.get_elapsed_time(e0, e1) * 1e-3) / 1e9
+        r = {"kind": kind, "threads": threads, "blocks_per_sm": blocks_per_sm, "depth": depth, "chunk": chunk,
+             "GBps": round(gbs, 1), "frac_upload": round(gbs / upload, 3)}
+        results.append(r)
+        print(json.dumps(r), flush=True)
     best = max(results, key=lambda r: r["GBps"])
     doc = {"probe": "zero-copy reads of page-locked host memory by the SMs", "bytes": nbytes,
            "upload_GBps": round(upload, 1), "hardware": gpu_info(cp), "best": best, "results": results}
