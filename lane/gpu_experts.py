@@ -17,8 +17,9 @@ in CUDA graphs. Tables (expert -> source, slot) live on the device and are refre
 Another card's pool is opened through its CUDA IPC handle (from the coordinator's View): on this GPU its experts
 run here; on another GPU they run there (RemotePool), the input going over and the result rows coming back. With
 host_experts = "card" the experts no card holds are one more source, the page-locked arena, read over the bus by
-this card (ArenaSource: a decode step's fetched into staging slots first) instead of being computed by the CPU pool. Sources with a stream of their own
-(RemotePool, ArenaSource) are launched first and joined before the combine, so they overlap this card's work.
+this card (ArenaSource: a decode step's fetched into staging slots first) instead of being computed by the CPU
+pool. Sources with a stream of their own (RemotePool, ArenaSource) are launched first and joined before the
+combine, so they overlap this card's work.
 """
 from __future__ import annotations
 
@@ -156,8 +157,8 @@ class ArenaSource:
     """The experts no card holds, computed by this card's kernels from the page-locked arena, ~2 MB an expert
     crossing the bus instead of the CPU pool computing it (config host_experts = "card"). A decode step first
     fetches its (at most k) experts into staging slots on the card (lane/kernels/fetch.cu: the bus read at the SMs'
-    best rate), then computes them there; prompt tiles (which stage their misses themselves) read the arena in
-    place. The same kernels as for a slot either way, so the same bits."""
+    best rate), then computes them there: the same kernels as for a slot, so the same bits. (A prompt chunk stages
+    its misses itself, GpuExperts._stage, and leaves this source nothing.)"""
 
     side = True  # on a stream of its own: the bus reads overlap this card's own experts
 
