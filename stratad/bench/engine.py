@@ -122,6 +122,7 @@ def run(model_path: str, fractions=(1.0, 0.5, 0.25), contexts=(1024,), tokens: i
                 "floor_tok_s": round(1 / floor_s, 1), "fraction_of_floor": round(tps * floor_s, 4),
                 "cpu_expert_gb_s": round(cpu_gb_s, 2), "cpu_fraction_of_host_read": round(cpu_gb_s / host_read, 3),
                 "host_experts": host_experts, "prompt_chunk": card.prompt_chunk, "bus_expert_gb_s": round(bus_gb_s, 2),
+                "bus_expert_mb_per_token": round(read / max(1, n - 1) * expert_bytes / 1e6, 1),
                 "next_turn_tokens": len(turn), "next_turn_cached_tokens": g2.cached,
                 "next_turn_ttft_s": round(g2.ttft_s, 4),
                 "next_turn_ttft_fresh_s": round(len(turn) * g.ttft_s / ctx, 4),  # at this run's prompt rate
