@@ -11,6 +11,8 @@
 #   bash scripts/device_run.sh profile   # a3b IQ3_S: where a decode step's time goes (with and without PDL),
 #                                        # and a prompt's
 #   bash scripts/device_run.sh agents    # the agents scenario (host conversation cache) on two logical cards
+#   bash scripts/device_run.sh half      # the iq3_s mix half and a quarter resident (misses from the arena), this tree
+#                                        # and each _ab*/ tree, alternating (FRACTIONS, ROUNDS)
 #   bash scripts/device_run.sh mixes     # the engine bench on the a3b iq3_s and q4_k_m mixes
 #   bash scripts/device_run.sh engine1   # a3b IQ3_S: the engine bench all resident (1K / 32K / 64K; TAG= names
 #                                        # the JSON)
@@ -136,6 +138,20 @@ mixes)  # the engine bench on llama.cpp's iq3_s and q4_k_m mixes of the a3b shap
             (cd "$tree" && PYTHONPATH=/tmp/site:$PWD timeout 120 python3 -m stratad.cli bench --scenario engine \
                 --model /tmp/a3b-mix-iq3_s.gguf --fractions 0.5 --contexts 1024 \
                 --json "$OUT/engine-mix-iq3_s-half-$tag.json" 2>&1 | grep "^{'" | cut -c1-200 | sed "s|^|$tree: |")
+        done
+    done
+    ;;
+half)  # the iq3_s mix's decode with misses read from the arena: the engine bench at FRACTIONS (0.5,0.25) resident, 1K,
+      # on this tree and each tree _ab*/ in turn, ROUNDS (2) times (the misses' bus time dominates: bus_expert_*)
+    m=/tmp/a3b-mix-iq3_s.gguf
+    [ -f $m ] || python3 -m stratad.cli make-model --preset a3b --router-skew 1.0 --mix iq3_s --out $m | tail -1
+    for round in $(seq "${ROUNDS:-2}"); do
+        for tree in . _ab*; do
+            [ -d "$tree" ] || continue
+            (cd "$tree" && PYTHONPATH=/tmp/site:$PWD timeout 120 python3 -m stratad.cli bench --scenario engine \
+                --model $m --fractions "${FRACTIONS:-0.5,0.25}" --contexts 1024 \
+                --json "$OUT/engine-half-$(tree_tag "$tree")-$round.json" 2>&1 | grep "^{'" | cut -c1-160 |
+                sed "s|^|$tree: |")
         done
     done
     ;;
