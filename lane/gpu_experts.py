@@ -33,7 +33,7 @@ from lane import host_lock
 from lane.cpu_pool import CpuPool, LayerJobs
 from lane.expert_counts import entries_by_source, routed_counts
 from lane.kernels.experts import MAX_SOURCES, ExpertKernels, Tuning, max_tiles
-from lane.kernels.fetch import fetch_experts
+from lane.kernels.fetch import fetch_experts, whole_words
 from lane.slot_pool import SlotPool
 from stratad.config import GpuOptions
 from stratad.model.gguf_file import ModelFile
@@ -166,9 +166,9 @@ class ArenaSource:
         model = experts.model
         self.kernels = experts.new_kernels()  # intermediates of their own: they run beside the card's kernels
         # decode: staging slots for a step's arena pairs (one token's distinct experts), where every matrix is whole
-        # 16-byte words (fetch.cu's unit; else the kernels read the arena in place)
+        # 16-byte words (else the kernels read the arena in place)
         self.n_stage = experts.k
-        self.fetch = all(k.gate_bytes % 16 == 0 and k.down_bytes % 16 == 0 for k in self.kernels.values())
+        self.fetch = all(whole_words(k.gate_bytes, k.down_bytes) for k in self.kernels.values())
         self.stage = cp.empty((self.n_stage if self.fetch else 0, experts.pool.slot_bytes), cp.uint8)
         self.stage_pairs = cp.zeros((experts.max_pairs, 2), cp.int32)
         self.layouts = []

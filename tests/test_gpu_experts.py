@@ -224,6 +224,8 @@ def test_fetch_experts_is_fetch_ref(cp, qgu, qdn):
     n_slots = 8
     stage = cp.full((n_slots * k.slot_stride,), 0xA5, cp.uint8)
     staged = k.slots(stage.data.ptr)
+    host = np.frombuffer(mem, np.uint8)
+    off = lambda lay, at: Layout(lay.base - at, lay.stride, lay.up_off, lay.down - at, lay.down_stride)  # noqa: E731
     for n in (0, 3, 8, 11):  # 11 > n_slots: the first 8 only
         pairs_np = np.full((32, 2), -1, np.int32)
         pairs_np[:n] = np.stack([rng.integers(0, 4, n), rng.permutation(12)[:n]], 1)
@@ -231,8 +233,6 @@ def test_fetch_experts_is_fetch_ref(cp, qgu, qdn):
         before = stage.get()
         fetch_experts(cp.asarray(pairs_np), cp.asarray(np.array([n], np.int32)), src, staged, k.gate_bytes,
                       k.down_bytes, pairs_out, n_slots)
-        host = np.frombuffer(mem, np.uint8)
-        off = lambda lay, at: Layout(lay.base - at, lay.stride, lay.up_off, lay.down - at, lay.down_stride)  # noqa: E731
         want, want_pairs = fetch_ref(host, before, pairs_np, n, off(src, host.ctypes.data), off(staged, stage.data.ptr),
                                      k.gate_bytes, k.down_bytes, n_slots)
         np.testing.assert_array_equal(stage.get(), want)

@@ -16,8 +16,13 @@ SOURCE = "fetch.cu"
 THREADS = 512
 
 
+def whole_words(gate_bytes: int, down_bytes: int) -> bool:
+    """Whether an expert's matrices are whole 16-byte words: fetch.cu's unit (else they are read in place)."""
+    return gate_bytes % 16 == 0 and down_bytes % 16 == 0
+
+
 def _check(src: Layout, dst: Layout, gate_bytes: int, down_bytes: int) -> None:
-    if gate_bytes % 16 or down_bytes % 16:
+    if not whole_words(gate_bytes, down_bytes):
         raise ValueError(f"expert matrices of {gate_bytes} / {down_bytes} bytes are not whole 16-byte words")
     for lay in (src, dst):
         if any(int(v) % 16 for v in (lay.base, lay.stride, lay.up_off, lay.down, lay.down_stride)):
