@@ -157,8 +157,9 @@ class ArenaSource:
     """The experts no card holds, computed by this card's kernels from the page-locked arena, ~2 MB an expert
     crossing the bus instead of the CPU pool computing it (config host_experts = "card"). A decode step first
     fetches its (at most k) experts into staging slots on the card (lane/kernels/fetch.cu: the bus read at the SMs'
-    best rate), then computes them there: the same kernels as for a slot, so the same bits. (A prompt chunk stages
-    its misses itself, GpuExperts._stage, and leaves this source nothing.)"""
+    best rate; gate and up, then down while gate/up computes), then computes them there: the same kernels as for a
+    slot, so the same bits. (A prompt chunk stages its misses itself, GpuExperts._stage, and leaves this source
+    nothing.)"""
 
     side = True  # on a stream of its own: the bus reads overlap this card's own experts
 
@@ -180,6 +181,8 @@ class ArenaSource:
                                                                        d.ctypes.data, d.strides[0]))
         self.stream = cp.cuda.Stream(non_blocking=True)
         self.start, self.done = cp.cuda.Event(disable_timing=True), cp.cuda.Event(disable_timing=True)
+        self.down_stream = cp.cuda.Stream(non_blocking=True)  # a decode step's down rows, fetched beside gate/up
+        self.gate_up_in, self.down_in = cp.cuda.Event(disable_timing=True), cp.cuda.Event(disable_timing=True)
 
     def compute(self, layer: int, key, s: int, T: int, tiled: bool, ex: "GpuExperts") -> None:
         """Source s's pairs of this layer, from the arena, into ex.rows[s] (join() before the combine)."""
@@ -191,11 +194,19 @@ class ArenaSource:
                         stream=self.stream)
         elif not self.fetch:
             k.run(where, ex.pairs[s], ex.n_pairs[s:s + 1], ex.qa, ex.da, ex.rows[s], stream=self.stream)
-        else:
-            staged = k.slots(self.stage.data.ptr)
-            fetch_experts(ex.pairs[s], ex.n_pairs[s:s + 1], where, staged, k.gate_bytes, k.down_bytes,
-                          self.stage_pairs, self.n_stage, stream=self.stream)
-            k.run(staged, self.stage_pairs, ex.n_pairs[s:s + 1], ex.qa, ex.da, ex.rows[s], stream=self.stream)
+        else:  # gate and up fetched, then down on a stream of its own while gate/up computes
+            staged, n = k.slots(self.stage.data.ptr), ex.n_pairs[s:s + 1]
+            fetch = (ex.pairs[s], n, where, staged, k.gate_bytes, k.down_bytes, self.stage_pairs, self.n_stage)
+            fetch_experts(*fetch, "gate_up", stream=self.stream)
+            self.gate_up_in.record(self.stream)
+            self.down_stream.wait_event(self.gate_up_in)
+            fetch_experts(*fetch, "down", stream=self.down_stream)
+            self.down_in.record(self.down_stream)
+            k.run_gate_up(staged, self.stage_pairs, n, ex.qa, ex.da, stream=self.stream)
+            self.stream.wait_event(self.down_in)
+            # not a PDL launch: its early weight reads must follow the down fetch, which a captured programmatic
+            # edge would not order (every placement's digest differed with it)
+            k.run_down(staged, self.stage_pairs, n, ex.rows[s], stream=self.stream, pdl=False)
         self.done.record(self.stream)
 
     def join(self, ex: "GpuExperts") -> None:

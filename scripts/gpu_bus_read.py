@@ -8,7 +8,13 @@ expert kernels' staging), on grids from a quarter of the SMs to four blocks an S
 4-16 KB (TMA); each result in GB/s and as a
 fraction of the upload rate (host -> device DMA, the copy engine).
 
-    python3 scripts/gpu_bus_read.py [--mib 256] [--json out.json]
+--memory says where the host bytes live, each registered as the lanes register theirs (cudaHostRegister, mapped):
+a pinned allocation (cudaHostAlloc), a file's page cache (the engine bench's arena is the model file's mapping),
+anonymous memory in 4 KB pages or with transparent huge pages asked for, and /dev/shm (the daemon's arena): whether
+the pages' size and place change what the bus gives. --shapes fetch: only fetch.cu's shape and the best one.
+
+    python3 scripts/gpu_bus_read.py [--mib 256] [--memory pinned,file,anon,anon-huge,shm] [--shapes all|fetch]
+        [--json out.json]
 """
 from __future__ import annotations
 
@@ -96,6 +102,61 @@ SHAPES = [(kind, t, b, d, 0) for kind in ("read_ld", "read_cp_async") for t in (
          [("read_bulk", 128, b, d, c) for b in (0.5, 1, 2) for d in (1, 2) for c in (4096, 16384)]
 
 
+FETCH_SHAPES = [("read_ld", 512, 0.5, 4, 0), ("read_ld", 512, 2, 8, 0)]  # fetch.cu's, and the best of session 28
+MEMORY = ("pinned", "file", "anon", "anon-huge", "shm")
+
+
+def host_memory(cp, kind: str, nbytes: int, keep: list) -> int:
+    """A pointer to nbytes of host memory of this kind, page-locked and mapped; keep holds its owners (unregister()
+    before dropping them)."""
+    import mmap
+    import os
+    import tempfile
+
+    import numpy as np
+
+    if kind == "pinned":
+        mem = cp.cuda.alloc_pinned_memory(nbytes)
+        keep.append(mem)
+        view = np.frombuffer(mem, np.uint8, nbytes)
+    else:
+        if kind in ("file", "shm"):
+            fd, path = tempfile.mkstemp(dir="/dev/shm" if kind == "shm" else os.environ.get("BUS_DIR", "/tmp"))
+            os.ftruncate(fd, nbytes)
+            mm = mmap.mmap(fd, nbytes)
+            os.close(fd)
+            os.unlink(path)
+        else:
+            mm = mmap.mmap(-1, nbytes)
+            mm.madvise(mmap.MADV_HUGEPAGE if kind == "anon-huge" else mmap.MADV_NOHUGEPAGE)
+        view = np.frombuffer(mm, np.uint8, nbytes)
+        keep.append((mm, view))
+    view[:] = np.arange(nbytes, dtype=np.uint64).astype(np.uint8)  # every page present before it is locked
+    keep.append(huge_kb())
+    if kind != "pinned":
+        cp.cuda.runtime.hostRegister(view.ctypes.data, nbytes, 2 | 8)  # mapped, read-only: as lane/host_lock.py
+    return view.ctypes.data
+
+
+def huge_kb() -> dict:
+    """/proc/meminfo's huge-page lines (kB): whether the kernel gave this memory 2 MB pages."""
+    lines = Path("/proc/meminfo").read_text().splitlines()
+    return {k: int(v.split()[0]) for k, v in (ln.split(":", 1) for ln in lines) if "Huge" in k and "kB" in v}
+
+
+def upload_rate(cp, ptr: int, nbytes: int, iters: int = 4) -> float:
+    """Host -> device DMA from this memory, GB/s (best of iters)."""
+    dev = cp.empty(nbytes, cp.uint8)
+    e0, e1, best = cp.cuda.Event(), cp.cuda.Event(), 0.0
+    for _ in range(iters):
+        e0.record()
+        cp.cuda.runtime.memcpyAsync(dev.data.ptr, ptr, nbytes, 1, cp.cuda.get_current_stream().ptr)
+        e1.record()
+        e1.synchronize()
+        best = max(best, nbytes / (cp.cuda.get_elapsed_time(e0, e1) * 1e-3) / 1e9)
+    return best
+
+
 def main() -> int:
     import cupy as cp
     import numpy as np
@@ -104,19 +165,47 @@ def main() -> int:
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mib", type=int, default=256)
+    ap.add_argument("--memory", default="pinned", help=f"comma-separated, of {', '.join(MEMORY)}")
+    ap.add_argument("--shapes", choices=("all", "fetch"), default="all")
     ap.add_argument("--json")
     a = ap.parse_args()
     nbytes = a.mib << 20
-    host = cp.cuda.alloc_pinned_memory(nbytes)
-    np.frombuffer(host, np.uint8, nbytes)[:] = np.arange(nbytes, dtype=np.uint64).astype(np.uint8)
     upload = gpu_upload_bandwidth(cp, nbytes)[0]
     mod = cp.RawModule(code=SOURCE, options=("-std=c++17",))
     out = cp.zeros(1, cp.uint32)
     n_sm = cp.cuda.Device().attributes["MultiProcessorCount"]
-    src = np.uint64(host.ptr)  # a page-locked pointer is a device pointer as it is (UVA)
+    results = []
+    for memory in a.memory.split(","):
+        if memory not in MEMORY:
+            ap.error(f"--memory: {memory!r} is not one of {', '.join(MEMORY)}")
+        keep: list = []
+        src = host_memory(cp, memory, nbytes, keep)  # a page-locked pointer is a device pointer as it is (UVA)
+        r = {"memory": memory, "kind": "dma", "GBps": round(upload_rate(cp, src, nbytes), 1), "meminfo": keep[-1]}
+        r["frac_upload"] = round(r["GBps"] / upload, 3)
+        results.append(r)
+        print(json.dumps(r), flush=True)
+        results += read_rates(cp, mod, np.uint64(src), nbytes, out, n_sm, memory, upload,
+                              SHAPES if a.shapes == "all" else FETCH_SHAPES)
+        if memory != "pinned":  # before the mapping goes
+            cp.cuda.runtime.hostUnregister(src)
+        del keep
+    best = max((r for r in results if r["kind"] != "dma"), key=lambda r: r["GBps"])
+    doc = {"probe": "zero-copy reads of page-locked host memory by the SMs", "bytes": nbytes,
+           "upload_GBps": round(upload, 1), "hardware": gpu_info(cp), "best": best, "results": results}
+    print(f"upload (DMA) {upload:.1f} GB/s; best SM read {best['GBps']} GB/s ({best['memory']}, {best['kind']}, "
+          f"{best['threads']} threads x {best['blocks_per_sm']} blocks an SM, {best['depth']} loads in flight)")
+    if a.json:
+        Path(a.json).write_text(json.dumps(doc, indent=1))
+    return 0
+
+
+def read_rates(cp, mod, src, nbytes: int, out, n_sm: int, memory: str, upload: float, shapes) -> list[dict]:
+    """Each shape's zero-copy read rate of the bytes at src."""
+    import numpy as np
+
     results = []
     e0, e1 = cp.cuda.Event(), cp.cuda.Event()
-    for kind, threads, blocks_per_sm, depth, chunk in SHAPES:
+    for kind, threads, blocks_per_sm, depth, chunk in shapes:
         if kind == "read_bulk" and int(cp.cuda.Device().compute_capability) < 90:
             continue
         k = mod.get_function(kind)
@@ -131,18 +220,11 @@ def main() -> int:
         e1.record()
         e1.synchronize()
         gbs = 3 * nbytes / (cp.cuda.get_elapsed_time(e0, e1) * 1e-3) / 1e9
-        r = {"kind": kind, "threads": threads, "blocks_per_sm": blocks_per_sm, "depth": depth, "chunk": chunk,
-             "GBps": round(gbs, 1), "frac_upload": round(gbs / upload, 3)}
+        r = {"memory": memory, "kind": kind, "threads": threads, "blocks_per_sm": blocks_per_sm, "depth": depth,
+             "chunk": chunk, "GBps": round(gbs, 1), "frac_upload": round(gbs / upload, 3)}
         results.append(r)
         print(json.dumps(r), flush=True)
-    best = max(results, key=lambda r: r["GBps"])
-    doc = {"probe": "zero-copy reads of page-locked host memory by the SMs", "bytes": nbytes,
-           "upload_GBps": round(upload, 1), "hardware": gpu_info(cp), "best": best, "results": results}
-    print(f"upload (DMA) {upload:.1f} GB/s; best SM read {best['GBps']} GB/s ({best['kind']}, {best['threads']} "
-          f"threads x {best['blocks_per_sm']} blocks an SM, {best['depth']} loads in flight)")
-    if a.json:
-        Path(a.json).write_text(json.dumps(doc, indent=1))
-    return 0
+    return results
 
 
 if __name__ == "__main__":

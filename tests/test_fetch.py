@@ -37,3 +37,21 @@ def test_fetch_ref_refuses_what_the_kernel_cannot_copy():
     with pytest.raises(ValueError, match="16-byte aligned"):
         fetch_ref(np.zeros(8, np.uint8), np.zeros(8, np.uint8), np.zeros((1, 2), np.int32), 1, lay,
                   Layout(8, 64, 32, 1024, 64), 32, 16, 1)
+
+
+def test_fetch_ref_parts_split_an_expert_into_gate_up_and_down():
+    """A decode step fetches gate and up, then down: together the bytes of one fetch of all; only the first writes
+    the pair list."""
+    rng = np.random.default_rng(6)
+    gate, down = 48, 32
+    src_mem = rng.integers(0, 256, 4096, dtype=np.uint8)
+    src = Layout(base=0, stride=gate, up_off=1024, down=2048, down_stride=down)
+    dst = Layout(base=0, stride=160, up_off=gate, down=2 * gate, down_stride=160)
+    pairs = np.array([[0, 3], [0, 0]], np.int32)
+    whole, p_all = fetch_ref(src_mem, np.zeros(480, np.uint8), pairs, 2, src, dst, gate, down, 3)
+    first, p_gu = fetch_ref(src_mem, np.zeros(480, np.uint8), pairs, 2, src, dst, gate, down, 3, parts="gate_up")
+    both, p_dn = fetch_ref(src_mem, first, pairs, 2, src, dst, gate, down, 3, parts="down")
+    assert (both == whole).all() and not (first == whole).all() and p_dn is None
+    assert (p_gu == p_all).all()
+    with pytest.raises(ValueError, match="parts must be one of"):
+        fetch_ref(src_mem, first, pairs, 2, src, dst, gate, down, 3, parts="up")

@@ -239,6 +239,18 @@ def test_fetch_experts_is_fetch_ref(cp, qgu, qdn):
         m = min(n, n_slots)
         np.testing.assert_array_equal(pairs_out.get()[:m], want_pairs)
         assert (pairs_out.get()[m:] == -7).all()
+    # gate and up first, then down (a decode step's two launches): the same bytes, the pair list from the first
+    split = cp.full_like(stage, 0x5A)
+    split_pairs = cp.full((32, 2), -7, cp.int32)
+    n_dev = cp.asarray(np.array([11], np.int32))
+    for parts in ("gate_up", "down"):
+        fetch_experts(cp.asarray(pairs_np), n_dev, src, k.slots(split.data.ptr), k.gate_bytes, k.down_bytes,
+                      split_pairs, n_slots, parts)
+        if parts == "gate_up":
+            assert (split_pairs.get() == pairs_out.get()).all()
+    used = 2 * k.gate_bytes + k.down_bytes  # of each slot (the rest of a slot is padding)
+    np.testing.assert_array_equal(split.get().reshape(n_slots, -1)[:, :used],
+                                  stage.get().reshape(n_slots, -1)[:, :used])
     # the staged experts computed where they are: the host-memory case's bits
     x = random_x(rng, 4, 2048)
     qa_ref, da_ref = canonical.quantize_act(x)

@@ -427,10 +427,11 @@ class ExpertKernels:
                         qa, da, self.gu_tab, self.h, self.qh, self.dh),
                        shared_mem=self.gu_smem)
 
-    def run_down(self, where, pairs, n_pairs, out, combine=None, stream=None) -> None:
-        """The down half of run(). The kernel reads pairs / n_pairs before its PDL wait: they must not be the
-        output of the launch just before it on the stream (run_gate_up is; route_pairs / build_pairs come before
-        that)."""
+    def run_down(self, where, pairs, n_pairs, out, combine=None, stream=None, pdl: bool = True) -> None:
+        """The down half of run(). The kernel reads pairs / n_pairs and its first weight rows before its PDL wait:
+        they must not be the output of the launch just before it on the stream (run_gate_up is; route_pairs /
+        build_pairs come before that). pdl=False: weights written by a launch it joins from another stream (a
+        captured PDL launch's wait would not order those early reads after it)."""
         cp = self.cp
         lay = self._where(where)
         self._check_run_args(pairs, n_pairs)
@@ -448,7 +449,7 @@ class ExpertKernels:
             launch(self._k_dn, (self.dn_grid,), (self.dn_warps * 32,),
                        (np.uint64(lay.down), np.int64(lay.down_stride), pairs, n_pairs, np.int32(self.max_pairs),
                         self.qh, self.dh, self.dn_tab, out) + cmb,
-                       shared_mem=self.dn_smem)
+                       shared_mem=self.dn_smem, pdl=pdl)
 
     def run(self, where, pairs, n_pairs, qa, da, out, combine=None, stream=None) -> None:
         """out[p] = canonical.expert(expert pairs[p,1] of `where`, qa/da row pairs[p,0]) for p < n_pairs[0] (a

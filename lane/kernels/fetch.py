@@ -1,8 +1,11 @@
 """A decode step's experts that no card holds, fetched from the page-locked arena into staging slots on the card
 (fetch.cu), and the numpy reference of the same copy.
 
-  fetch_experts(pairs, n_pairs, src, dst, gate_bytes, down_bytes, pairs_out, n_slots)
-  fetch_ref(src_memory, dst_memory, pairs, n, src, dst, gate_bytes, down_bytes, n_slots)
+  fetch_experts(pairs, n_pairs, src, dst, gate_bytes, down_bytes, pairs_out, n_slots, parts="all")
+  fetch_ref(src_memory, dst_memory, pairs, n, src, dst, gate_bytes, down_bytes, n_slots, parts="all")
+
+parts: "all" (gate, up and down), "gate_up" or "down": a decode step fetches gate and up first, then down while the
+gate/up kernel computes (lane/gpu_experts.py ArenaSource).
 """
 from __future__ import annotations
 
@@ -14,6 +17,15 @@ from .launch import launch
 
 SOURCE = "fetch.cu"
 THREADS = 512
+PARTS = ("all", "gate_up", "down")
+
+
+def _words(parts: str, gate_bytes: int, down_bytes: int) -> tuple[int, int]:
+    """The range of an expert's 16-byte words (gate, up, down in that order) that `parts` names."""
+    g, d = gate_bytes // 16, down_bytes // 16
+    if parts not in PARTS:
+        raise ValueError(f"parts must be one of {', '.join(PARTS)}, not {parts!r}")
+    return {"all": (0, 2 * g + d), "gate_up": (0, 2 * g), "down": (2 * g, 2 * g + d)}[parts]
 
 
 def whole_words(gate_bytes: int, down_bytes: int) -> bool:
@@ -30,11 +42,12 @@ def _check(src: Layout, dst: Layout, gate_bytes: int, down_bytes: int) -> None:
 
 
 def fetch_experts(pairs, n_pairs, src: Layout, dst: Layout, gate_bytes: int, down_bytes: int, pairs_out,
-                  n_slots: int, *, stream=None) -> None:
-    """For p < min(n_pairs[0], n_slots) (a device count): expert pairs[p, 1]'s gate, up and down matrices from the
-    layout src into slot p of the layout dst; pairs_out[p] = (pairs[p, 0], p)."""
+                  n_slots: int, parts: str = "all", *, stream=None) -> None:
+    """For p < min(n_pairs[0], n_slots) (a device count): expert pairs[p, 1]'s matrices named by `parts` from the
+    layout src into slot p of the layout dst; pairs_out[p] = (pairs[p, 0], p) where parts has gate."""
     m = module(SOURCE)
     _check(src, dst, gate_bytes, down_bytes)
+    lo, hi = _words(parts, gate_bytes, down_bytes)
     need(pairs, np.int32, None, "pairs")
     need(n_pairs, np.int32, None, "n_pairs")
     need(pairs_out, np.int32, None, "pairs_out")
@@ -49,21 +62,26 @@ def fetch_experts(pairs, n_pairs, src: Layout, dst: Layout, gate_bytes: int, dow
                 np.int64(src.down_stride),
                 np.uint64(dst.base), np.int64(dst.stride), np.int64(dst.up_off), np.uint64(dst.down),
                 np.int64(dst.down_stride),
-                np.int32(gate_bytes // 16), np.int32(down_bytes // 16), pairs_out))
+                np.int32(gate_bytes // 16), np.int32(down_bytes // 16), np.int32(lo), np.int32(hi), pairs_out))
 
 
 def fetch_ref(src_memory: np.ndarray, dst_memory: np.ndarray, pairs: np.ndarray, n: int, src: Layout, dst: Layout,
-              gate_bytes: int, down_bytes: int, n_slots: int) -> tuple[np.ndarray, np.ndarray]:
+              gate_bytes: int, down_bytes: int, n_slots: int, parts: str = "all") -> tuple[np.ndarray, np.ndarray]:
     """fetch_experts on byte arrays standing for the source and destination memory (each layout's addresses are
-    offsets into its array): the destination after the copy, and pairs_out's first min(n, n_slots) pairs."""
+    offsets into its array): the destination after the copy, and pairs_out's first min(n, n_slots) pairs (None
+    where parts has no gate: that launch leaves pairs_out alone)."""
     _check(src, dst, gate_bytes, down_bytes)
+    lo, hi = _words(parts, gate_bytes, down_bytes)
     out = dst_memory.copy()
     n = max(0, min(int(n), n_slots))
+    g = gate_bytes // 16
     for p in range(n):
         e = int(pairs[p, 1])
-        for a, b, size in ((src.base + e * src.stride, dst.base + p * dst.stride, gate_bytes),
-                           (src.base + src.up_off + e * src.stride, dst.base + dst.up_off + p * dst.stride,
-                            gate_bytes),
-                           (src.down + e * src.down_stride, dst.down + p * dst.down_stride, down_bytes)):
-            out[b:b + size] = src_memory[a:a + size]
-    return out, np.stack([pairs[:n, 0], np.arange(n)], axis=1).astype(np.int32)
+        for w0, a, b, size in ((0, src.base + e * src.stride, dst.base + p * dst.stride, gate_bytes),
+                               (g, src.base + src.up_off + e * src.stride, dst.base + dst.up_off + p * dst.stride,
+                                gate_bytes),
+                               (2 * g, src.down + e * src.down_stride, dst.down + p * dst.down_stride, down_bytes)):
+            if lo <= w0 < hi:  # the parts are whole matrices
+                out[b:b + size] = src_memory[a:a + size]
+    got = np.stack([pairs[:n, 0], np.arange(n)], axis=1).astype(np.int32) if lo == 0 else None
+    return out, got
