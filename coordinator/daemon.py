@@ -318,23 +318,25 @@ class Coordinator:
         return True
 
     def close(self) -> None:
-        if getattr(self, "gateway", None):
-            self.gateway.stop()
-        if getattr(self, "pool", None):
-            self.pool.close()
-        if getattr(self, "sup", None):
-            self.sup.stop_all()
-        if getattr(self, "kv_store", None):
-            self.kv_store.close()  # unlinks the segment, once the lanes are gone
-        if self.intake is not None:
-            self.intake.close()
-        if self.io is not None:
-            self.io.close()
-        if self.auth is not None:
-            self.auth.stop()
-        if self.ctx is not None:
-            self.ctx.destroy(linger=0)
-        self.rt.release()
+        """Releases everything, in this order (the host conversation cache's segment once the lanes are gone); a
+        step over a second is logged by name: a slow stop's clue (one stalled for 10 s once, after its lanes had
+        stopped, on a loaded CI box)."""
+        for what, thing, release in (
+                ("the HTTP gateway", getattr(self, "gateway", None), lambda g: g.stop()),
+                ("the card pool", getattr(self, "pool", None), lambda p: p.close()),
+                ("the lanes", getattr(self, "sup", None), lambda s: s.stop_all()),
+                ("the host conversation cache", getattr(self, "kv_store", None), lambda k: k.close()),
+                ("the intake worker", self.intake, lambda i: i.close()),
+                ("the client sockets", self.io, lambda io: io.close()),
+                ("the authenticator", self.auth, lambda a: a.stop()),
+                ("the ZeroMQ context", self.ctx, lambda c: c.destroy(linger=0)),
+                ("the runtime directory", self.rt, lambda rt: rt.release())):
+            if thing is None:
+                continue
+            t0 = time.monotonic()
+            release(thing)
+            if time.monotonic() - t0 > 1.0:
+                log.warning("releasing %s took %.1f s", what, time.monotonic() - t0)
 
     # ---- clients --------------------------------------------------------------------------------------------
     def _reply(self, sock: zmq.Socket, client: bytes, msg) -> bool:
