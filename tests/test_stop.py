@@ -94,3 +94,29 @@ def test_stops_leave_nothing_and_no_traceback_whatever_the_lanes_do(tiny_model_p
             stop_in(d, state, sig, tiny_model)
     finally:
         d.stop()
+
+
+def test_a_slow_release_step_is_named_in_the_log(tmp_path, caplog):
+    """The coordinator's close() times each release step: one over a second is logged by name (a stop that stalls
+    after its lanes have stopped says where), and the steps after it still run."""
+    from coordinator.daemon import Coordinator
+    from stratad.config import DaemonConfig
+
+    released = []
+
+    class SlowStore:
+        def close(self):
+            time.sleep(1.1)
+            released.append("kv")
+
+    class Io:
+        def close(self):
+            released.append("io")
+
+    co = Coordinator(DaemonConfig(model=str(tmp_path / "m.gguf"), runtime_dir=str(tmp_path / "run")))
+    co.kv_store, co.io = SlowStore(), Io()
+    with caplog.at_level("WARNING", logger="stratad.coordinator"):
+        co.close()
+    assert released == ["kv", "io"]
+    slow = [r.getMessage() for r in caplog.records if "took" in r.getMessage()]
+    assert len(slow) == 1 and slow[0].startswith("releasing the host conversation cache took 1."), slow
