@@ -68,6 +68,10 @@ experts_bench() {  # the command of the expert kernels' bench in this directory'
     else echo python3 -m stratad.cli bench --scenario experts; fi
 }
 
+bus_read() {  # this host's bus as the SMs read it (half-resident figures follow it: 34-51 GB/s on H100 hosts)
+    timeout 60 python3 scripts/gpu_bus_read.py --shapes fetch --json "$OUT/bus-read.json" 2>&1 | tail -1
+}
+
 model() {  # path preset args...
     while [ -f /tmp/model-making ]; do sleep 2; done  # a batch's background model
     [ -f "$1" ] || python3 -m stratad.cli make-model --preset a3b --expert-quant IQ3_S --out "$@" | tail -1
@@ -125,6 +129,7 @@ mixes)  # the engine bench on llama.cpp's iq3_s and q4_k_m mixes of the a3b shap
         m=/tmp/a3b-mix-$mix.gguf
         [ -f $m ] || python3 -m stratad.cli make-model --preset a3b --router-skew 1.0 --mix $mix --out $m | tail -1
     done
+    bus_read
     for round in $(seq "${ROUNDS:-1}"); do
         for tree in . _ab*; do
             [ -d "$tree" ] || continue
@@ -145,6 +150,7 @@ half)  # the iq3_s mix's decode with misses read from the arena: the engine benc
       # on this tree and each tree _ab*/ in turn, ROUNDS (2) times (the misses' bus time dominates: bus_expert_*)
     m=/tmp/a3b-mix-iq3_s.gguf
     [ -f $m ] || python3 -m stratad.cli make-model --preset a3b --router-skew 1.0 --mix iq3_s --out $m | tail -1
+    bus_read
     for round in $(seq "${ROUNDS:-2}"); do
         for tree in . _ab*; do
             [ -d "$tree" ] || continue
