@@ -335,8 +335,9 @@ class Coordinator:
                 continue
             t0 = time.monotonic()
             release(thing)
-            if time.monotonic() - t0 > 1.0:
-                log.warning("releasing %s took %.1f s", what, time.monotonic() - t0)
+            took = time.monotonic() - t0
+            if took > 1.0:
+                log.warning("releasing %s took %.1f s", what, took)
 
     # ---- clients --------------------------------------------------------------------------------------------
     def _reply(self, sock: zmq.Socket, client: bytes, msg) -> bool:
