@@ -104,9 +104,12 @@ class Qwen3MoeGpu:
         self.o_qx = bool(self.layers and self.layers[0]["o"].takes_qx and all(a.quantizes() for a in self.attn.values()))
 
     def pack_layers(self, dry: bool = False) -> int:
-        """Pack the layers' K- and I-quant file rows (weights.DenseWeight.to_packed: faster decode steps, the same
-        numbers; steps captured before must be captured again); dry: only say. Returns the bytes it adds."""
+        """Pack the layers' and the LM head's K- and I-quant file rows (weights.DenseWeight.to_packed: faster decode
+        steps, the same numbers; steps captured before must be captured again); dry: only say. Returns the bytes it
+        adds. (The head's Q6_K file rows decode slower than the bus: packed, the largest single read of a step runs
+        near the copy rate.)"""
         added = sum(L[k].to_packed(dry) for L in self.layers for k in ("qkv", "o", "router"))
+        added += self.out_w.to_packed(dry)
         if not dry:
             self._set_o_qx()
             self.packed_bytes += added

@@ -82,7 +82,7 @@ class GpuOptions(BaseModel):
                                                        "$TMPDIR/stratad-kernels-<uid>")
     host_kv_cache: bool = Field(True, description="GPU lanes use the host conversation cache (KV blocks copied "
                                                   "to and from kv_cache_host, through page-locked staging)")
-    pack_layers: bool = Field(True, description="a card packs its layers' K- and I-quant matrices (Q4_K, Q5_K, "
+    pack_layers: bool = Field(True, description="a card packs its layers' and LM head's K- and I-quant matrices (Q4_K, Q5_K, "
                                                 "Q6_K, IQ3_S) into int8 rows where that costs no expert slot: "
                                                 "faster decode steps, the same bits, ~1.2 bytes a weight more")
 

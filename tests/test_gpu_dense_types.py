@@ -367,14 +367,15 @@ PROMPT = "The first chat talks about caches and slots, and the second one about 
 @gpu
 def test_gpu_card_packs_its_layers_with_the_same_bits(cp, tmp_path):
     """A card on an iq3_s mix of a3b-width layers (q and k IQ3_S with a Q4_K attn_v: a pair of file types; o IQ3_S
-    on 8-bit x) with [gpu] pack_layers on and off: packed, its layers read packed rows (o still on 8-bit x), and a
-    prompt's last logits and 8 greedy steps' are the file rows' bit for bit; the LM head keeps its file rows."""
+    on 8-bit x; a Q6_K head of more rows than a layer's plan covers) with [gpu] pack_layers on and off: packed, its
+    layers and its head read packed rows (o still on 8-bit x), and a prompt's last logits and 8 greedy steps' are
+    the file rows' bit for bit."""
     from lane.cupy_card import CupyCard
     from stratad.config import GpuOptions
     from stratad.model.config import ModelConfig
 
     c = ModelConfig(n_layer=2, d_model=2048, n_head=32, n_head_kv=4, head_dim=128, n_expert=8, n_expert_used=2,
-                    d_ff_expert=768, vocab_size=1024, context_length=4096)
+                    d_ff_expert=768, vocab_size=17408, context_length=4096)
     path = tmp_path / "wide-iq3_s.gguf"
     make_model(path, c, mix="iq3_s", seed=3)
     m = ModelFile(path)
@@ -385,8 +386,9 @@ def test_gpu_card_packs_its_layers_with_the_same_bits(cp, tmp_path):
         try:
             card.pool.fill([(layer, e) for layer in range(c.n_layer) for e in range(c.n_expert)])
             L = card.net.layers[0]
-            assert (L["o"].packed is not None) == (L["qkv"].packed is not None) == pack
-            assert card.net.o_qx and card.net.out_w.fast
+            head = card.net.out_w
+            assert (L["o"].packed is not None) == (L["qkv"].packed is not None) == (head.packed is not None) == pack
+            assert card.net.o_qx and head.qtype == T.Q6_K and head.rows >= 16384 and head.fast != pack
             kv = card.new_kv()
             rows = [card.forward(prompt, kv)[0]]
             for _ in range(8):

@@ -57,12 +57,28 @@ template <int WORDS> __device__ __forceinline__ void fill_grid(const u32* __rest
     }
 }
 
-// Copy QT's part of decode.cuh's table blob (tab_g) to shared offset 0 for a generic type that reads it.
+// Copy QT's part of decode.cuh's table blob (tab_g) to shared offset 0 for a generic type that reads it: 16-byte
+// words, FILL_U loads in flight a thread before their stores (one 4-byte load and its store at a time made IQ1's
+// 16 KB eight dependent L2 round trips a launch, before its PDL wait but not hidden: the predecessor's blocks hold
+// the SM's registers until they end).
+#define FILL_U 4
 template <int QT> __device__ __forceinline__ void fill_tab(const u32* __restrict__ tab_g) {
     typedef TabSmem<QT> TS;
     if (TS::BYTES == 0) return;
-    u32* dst = reinterpret_cast<u32*>(g_smem);
-    for (int i = threadIdx.x; i < (TS::END - TS::OFF) / 4; i += blockDim.x) dst[i] = __ldg(tab_g + TS::OFF / 4 + i);
+    static_assert(TS::OFF % 16 == 0 && (TS::END - TS::OFF) % 16 == 0, "table parts of whole 16-byte words");
+    constexpr int N = (TS::END - TS::OFF) / 16;
+    uint4* dst = reinterpret_cast<uint4*>(g_smem);
+    const uint4* src = reinterpret_cast<const uint4*>(tab_g) + TS::OFF / 16;
+    const int S = blockDim.x;
+    for (int i0 = threadIdx.x; i0 < N; i0 += FILL_U * S) {
+        uint4 v[FILL_U];
+#pragma unroll
+        for (int u = 0; u < FILL_U; ++u)
+            if (i0 + u * S < N) v[u] = __ldg(src + i0 + u * S);
+#pragma unroll
+        for (int u = 0; u < FILL_U; ++u)
+            if (i0 + u * S < N) dst[i0 + u * S] = v[u];
+    }
 }
 
 // One decoded sub-block: 32 signed 8-bit weights (4 per word), scale, minimum (Q4_K only).
