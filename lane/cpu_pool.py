@@ -39,6 +39,7 @@ from gguf import GGMLQuantizationType as T
 
 from stratad.model.quants import EXPERT_TYPES, SUB, fmt, iq3s_grid
 from stratad.model.quants.iquants import IQ4_VALUES, grid, ksigns
+from stratad.model.quants.mx import MXFP4_VALUES
 
 F32 = np.float32
 LANES = 32
@@ -48,6 +49,7 @@ IQ3_S, Q4_K, Q6_K, Q8_0 = int(T.IQ3_S), int(T.Q4_K), int(T.Q6_K), int(T.Q8_0)
 Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL = int(T.Q4_0), int(T.Q4_1), int(T.Q5_0), int(T.Q5_1), int(T.IQ4_NL)
 Q2_K, Q3_K, Q5_K, IQ4_XS, IQ3_XXS = int(T.Q2_K), int(T.Q3_K), int(T.Q5_K), int(T.IQ4_XS), int(T.IQ3_XXS)
 IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S, IQ1_M = int(T.IQ2_XXS), int(T.IQ2_XS), int(T.IQ2_S), int(T.IQ1_S), int(T.IQ1_M)
+MXFP4 = int(T.MXFP4)
 F32_T, F16_T, BF16_T = int(T.F32), int(T.F16), int(T.BF16)
 
 # The decoded-block types (_rows_dec) by the buffer their q is decoded into and their minimum term: int8 q, no
@@ -55,6 +57,7 @@ F32_T, F16_T, BF16_T = int(T.F32), int(T.F16), int(T.BF16)
 # scales folded in), no minimum.
 _K_I8, _K_U8_MIN, _K_U8_MW, _K_I16 = 0, 1, 2, 3
 _DECODED = {Q4_0: _K_I8, Q5_0: _K_I8, IQ4_NL: _K_I8, IQ4_XS: _K_I8, IQ3_XXS: _K_I8, IQ2_XXS: _K_I8, IQ1_S: _K_I8,
+            MXFP4: _K_I8,
             Q4_1: _K_U8_MIN, Q5_1: _K_U8_MIN, Q5_K: _K_U8_MIN, Q2_K: _K_U8_MW,
             Q3_K: _K_I16, Q6_K: _K_I16, IQ2_XS: _K_I16, IQ2_S: _K_I16, IQ1_M: _K_I16,
             F32_T: _K_I16, F16_T: _K_I16, BF16_T: _K_I16}
@@ -89,11 +92,11 @@ F16E, POW2, GRID = _tables()
 
 
 def _decode_tables() -> tuple[np.ndarray, dict[str, int]]:
-    """The decoders' tables as one int8 array, and each one's offset in it: IQ4's kvalues; 16 ones; 8 eights;
+    """The decoders' tables as one int8 array, and each one's offset in it: IQ4's kvalues, MXFP4's; 16 ones; 8 eights;
     sign8[8 m + v] = -1 if bit v of byte m is set, else 1; ggml's ksigns (int8: read & 0xFF); the IQ grids
     (entries x values, flat)."""
     bit = (np.arange(256)[:, None] >> np.arange(8)) & 1
-    parts = {"iq4": IQ4_VALUES, "ones": np.ones(16, np.int8), "eights": np.full(8, 8, np.int8),
+    parts = {"iq4": IQ4_VALUES, "mxfp4": MXFP4_VALUES, "ones": np.ones(16, np.int8), "eights": np.full(8, 8, np.int8),
              "sign8": (1 - 2 * bit).astype(np.int8).reshape(-1), "ksigns": ksigns().view(np.int8),
              **{t.name: grid(t).reshape(-1) for t in (T.IQ3_XXS, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ1_S, T.IQ1_M)}}
     offsets, at = {}, 0
@@ -103,7 +106,8 @@ def _decode_tables() -> tuple[np.ndarray, dict[str, int]]:
 
 
 TAB, _OFF = _decode_tables()
-_T_IQ4, _T_ONES, _T_EIGHTS, _T_SIGN8, _T_KSIGNS = (_OFF[k] for k in ("iq4", "ones", "eights", "sign8", "ksigns"))
+_T_IQ4, _T_MXFP4, _T_ONES, _T_EIGHTS, _T_SIGN8, _T_KSIGNS = (
+    _OFF[k] for k in ("iq4", "mxfp4", "ones", "eights", "sign8", "ksigns"))
 _T_IQ3XXS, _T_IQ2XXS, _T_IQ2XS, _T_IQ2S, _T_IQ1S, _T_IQ1M = (_OFF[t.name] for t in (T.IQ3_XXS, T.IQ2_XXS, T.IQ2_XS,
                                                                                    T.IQ2_S, T.IQ1_S, T.IQ1_M))
 
@@ -714,10 +718,10 @@ def _q5_sub(w, p, wb, wo):
 
 
 @njit(nogil=True, cache=True, inline="always")
-def _iq4_sub(w, p, wb8, wo, tab):
-    """IQ4 sub-block: 16 bytes at w[p], low nibbles then high, each the index of its kvalue."""
-    _vlut16(wb8, wo, w, p, 0, tab, _T_IQ4)
-    _vlut16(wb8, wo + 16, w, p, 4, tab, _T_IQ4)
+def _lut_sub(w, p, wb8, wo, tab, t):
+    """IQ4 / MXFP4 sub-block: 16 bytes at w[p], low nibbles then high, each the index of its value in tab[t:]."""
+    _vlut16(wb8, wo, w, p, 0, tab, t)
+    _vlut16(wb8, wo + 16, w, p, 4, tab, t)
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -735,15 +739,21 @@ def _ksign(tab, i):
 @njit(nogil=True, cache=True)
 def _dec_legacy(qtype, w, o, g, wb8, wbu, sbuf, mbuf, f16e, tab):
     """g consecutive 32-value blocks from w[o]: Q4_0 / Q5_0 (int8 q = code - 8 / - 16), Q4_1 / Q5_1 (uint8 q = code,
-    minimum = -m), IQ4_NL (q = kvalues[code]). Layout: f16 d [, f16 m] [, 32 high bits (Q5)], 16 nibble bytes."""
+    minimum = -m), IQ4_NL (q = kvalues[code]). Layout: f16 d [, f16 m] [, 32 high bits (Q5)], 16 nibble bytes. And
+    MXFP4: an exponent byte e (scale 2^(e - 128)), then 16 nibble bytes (q = the doubled E2M1 value)."""
     bb = _BB[qtype]
     has_m = qtype == Q4_1 or qtype == Q5_1
     five = qtype == Q5_0 or qtype == Q5_1
     for j in range(g):
         b = o + j * bb
+        if qtype == MXFP4:
+            e = np.int64(w[b])
+            sbuf[j] = POW2[e - 2] if e >= 2 else POW2[0] * (F32(0.5) if e == 1 else F32(0.25))
+            _lut_sub(w, b + 1, wb8, SUB * j, tab, _T_MXFP4)
+            continue
         sbuf[j] = _f16(w[b], w[b + 1], f16e)
         if qtype == IQ4_NL:
-            _iq4_sub(w, b + 2, wb8, SUB * j, tab)
+            _lut_sub(w, b + 2, wb8, SUB * j, tab, _T_IQ4)
             continue
         p = b + 2
         if has_m:
@@ -826,7 +836,7 @@ def _dec_iq4xs(w, o, wb8, sbuf, f16e, tab):
     for j in range(8):
         ls = ((np.int64(w[o + 4 + (j >> 1)]) >> (4 * (j & 1))) & 15) | (((sh >> (2 * j)) & 3) << 4)
         sbuf[j] = d * np.float32(ls - 32)
-        _iq4_sub(w, o + 8 + 16 * j, wb8, SUB * j, tab)
+        _lut_sub(w, o + 8 + 16 * j, wb8, SUB * j, tab, _T_IQ4)
 
 
 @njit(nogil=True, cache=True)

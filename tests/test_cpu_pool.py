@@ -238,7 +238,7 @@ def test_multi_token_multi_expert(pools, seed):
 @pytest.mark.parametrize("types", [(T.Q4_K, T.IQ3_S, T.Q8_0), (T.Q8_0, T.Q8_0, T.Q4_K), (T.IQ3_S, T.Q8_0, T.IQ3_S),
                                    (T.Q5_K, T.Q3_K, T.Q6_K), (T.Q2_K, T.IQ4_XS, T.Q4_1), (T.IQ2_XS, T.IQ1_M, T.Q5_0),
                                    (T.IQ2_S, T.IQ3_XXS, T.IQ4_NL), (T.IQ1_S, T.IQ2_XXS, T.Q5_1),
-                                   (T.Q4_0, T.Q5_K, T.Q2_K)],
+                                   (T.Q4_0, T.Q5_K, T.Q2_K), (T.MXFP4, T.MXFP4, T.Q8_0)],
                          ids=lambda ts: "-".join(t.name for t in ts))
 def test_mixed_types_several_tokens(pools, seed, types):
     """Gate, up and down of different types (different row sizes and decoded kinds: int8, uint8 with a minimum,
@@ -252,7 +252,7 @@ def test_mixed_types_several_tokens(pools, seed, types):
     assert_bits(run_all(pools, jobs), reference(types, layer, pairs, qa, da))
 
 
-@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.IQ4_NL, T.F16, T.BF16, T.F32],
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.IQ4_NL, T.MXFP4, T.F16, T.BF16, T.F32],
                          ids=lambda t: t.name)
 def test_rows_not_multiple_of_256(pools, seed, qtype):
     """32-value block types and the float types, rows of 288 values: 8 blocks in the vector path, the 9th on the

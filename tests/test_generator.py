@@ -308,6 +308,9 @@ def test_mix_table_facts_a3b():
     assert t["blk.0.attn_q.weight"] == T.IQ3_XXS
     t = _a3b_types("iq4_xs")
     assert t["blk.0.ffn_down_exps.weight"] == T.IQ4_XS and t["blk.0.attn_v.weight"] == T.Q5_K
+    t = _a3b_types("mxfp4_moe")  # experts MXFP4, every other quantised tensor Q8_0, the head included
+    assert {n for n, ty in t.items() if ty == T.MXFP4} == {n for n in t if n.endswith("_exps.weight")}
+    assert {ty for n, ty in t.items() if not n.endswith("_exps.weight")} == {T.Q8_0} and "output.weight" in t
     for mix, ty in (("f16", T.F16), ("bf16", T.BF16), ("f32", T.F32)):  # the converter's output: no rule applies
         t = _a3b_types(mix)
         assert t["output.weight"] == t["token_embd.weight"] == t["blk.0.ffn_down_exps.weight"] == ty

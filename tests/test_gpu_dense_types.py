@@ -28,7 +28,8 @@ F32 = np.float32
 ALL = list(quants.FORMATS)
 FAST = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ3_S)  # lane.kernels.device.FAST
 PART_TYPES = (T.Q4_K, T.Q5_K, T.Q6_K, T.IQ3_S)  # read as the file holds them, decoded by decode.cuh's rq_part
-MIXES = ("iq3_s", "iq3_m", "q4_k_s")  # tiny: IQ3_S / IQ3_S / Q4_K experts; dense IQ3_S, Q4_K, Q5_K, Q6_K
+# tiny: IQ3_S / IQ3_S / Q4_K / MXFP4 experts; dense IQ3_S, Q4_K, Q5_K, Q6_K, Q8_0
+MIXES = ("iq3_s", "iq3_m", "q4_k_s", "mxfp4_moe")
 
 
 def _ids(ts):
@@ -54,10 +55,13 @@ def mix_model(tmp_path_factory):
 @pytest.mark.parametrize("mix", MIXES)
 def test_gpu_card_accepts_mixes_with_gpu_expert_types(mix_model, mix):
     """Host side: a mix whose experts the GPU expert kernels read passes the card's type check, its dense matrices
-    of every type included."""
+    of every type included (each mix has K- / I-quant dense matrices, or experts of a generic type: MXFP4)."""
+    from lane.kernels.experts import TUNED
+
     m = mix_model(mix)
     dense = {ti.qtype for n, ti in m.tensors.items() if "_exps." not in n} - {T.F32}
-    assert dense - {T.F16, T.BF16, T.Q8_0}, f"{mix}: no K- or I-quant dense matrix"
+    experts = {ti.qtype for n, ti in m.tensors.items() if "_exps." in n}
+    assert dense - {T.F16, T.BF16, T.Q8_0} or experts - set(TUNED), f"{mix}: nothing but the tuned types"
     check_model(m)
 
 

@@ -12,7 +12,7 @@ from stratad.model.generator import make_model
 from stratad.model.gguf_file import ModelFile
 
 
-@pytest.mark.parametrize("mix", ["q4_k_m", "iq3_s", "q2_k", "iq1_m", "f16"])
+@pytest.mark.parametrize("mix", ["q4_k_m", "iq3_s", "q2_k", "iq1_m", "mxfp4_moe", "f16"])
 def test_mixes_accepted(tmp_path, mix):
     """llama.cpp's mixes (e.g. Q4_K gate / up with Q6_K down on some layers) and the converter's F16 output."""
     make_model(tmp_path / "m.gguf", "tiny", mix=mix)

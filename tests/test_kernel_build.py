@@ -89,8 +89,10 @@ def test_every_kernel_a_wrapper_launches_is_in_its_source(usages):
     def names(q, R, KS):
         return f"{q}_r{R}_k{KS}"
 
+    from stratad.model.quants import FORMATS
+
     every_type = set(device.QNAME.values())  # decode.cuh's per-type kernels: one for each type of quants
-    assert len(every_type) == 22
+    assert every_type == {t.name.lower() for t in FORMATS}
     quantised = every_type - {"f32", "f16", "bf16"}
     # the packed formats (weights.PackedRows): every type's own, and those a stack of types takes
     own = set(weights.RQ_FORMATS.values()) | {(1, 0)}

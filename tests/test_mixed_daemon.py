@@ -90,9 +90,10 @@ def test_f16_experts_half_and_none_resident(models, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mix", ["q4_k_m", "q2_k", "iq3_xs", "iq1_m", "q4_0", "bf16", "f32"])
+@pytest.mark.parametrize("mix", ["q4_k_m", "q2_k", "iq3_xs", "iq1_m", "q4_0", "mxfp4_moe", "bf16", "f32"])
 def test_every_cache_fraction(models, tmp_path, mix):
-    """100 / 50 / 10 / 0 % resident, for mixes of K-quants, i-quants (IQ3_XXS with IQ3_S, IQ1_M) and legacy types."""
+    """100 / 50 / 10 / 0 % resident, for mixes of K-quants, i-quants (IQ3_XXS with IQ3_S, IQ1_M), legacy types and
+    MXFP4 experts."""
     _check_fractions(models[mix], tmp_path, ("1.0", "0.5", "0.1", "0.0"))
 
 

@@ -319,7 +319,7 @@ def test_misshaped_tensor(tmp_path, name, qtype, shape):
     assert open_error(p).problem == f"tensor {name} has shape {list(shape)}, expected {list(want)}"
 
 
-@pytest.mark.parametrize("qtype", [T.TQ1_0, T.TQ2_0, T.MXFP4], ids=["TQ1_0", "TQ2_0", "MXFP4"])
+@pytest.mark.parametrize("qtype", [T.TQ1_0, T.TQ2_0, T.Q8_K], ids=["TQ1_0", "TQ2_0", "Q8_K"])
 def test_unsupported_tensor_type(tmp_path, qtype):
     """A type the model reader has no decoder for (written with GGUFWriter's raw_dtype): the error names it."""
     name = "blk.1.ffn_down_exps.weight"

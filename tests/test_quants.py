@@ -63,9 +63,10 @@ def test_format_sizes_match_gguf(qtype):
         assert f.row_bytes(n) == gq.quant_shape_to_byte_shape((n,), qtype)[0]
 
 
-# every type llama.cpp's quantiser writes for a qwen3moe file (the issue's list)
+# every type llama.cpp's quantiser writes for a qwen3moe file (the issue's list, and MXFP4: its MXFP4_MOE file type's
+# experts)
 WRITTEN_TYPES = [T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K,
-                 T.IQ1_S, T.IQ1_M, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ4_NL, T.IQ4_XS]
+                 T.IQ1_S, T.IQ1_M, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ4_NL, T.IQ4_XS, T.MXFP4]
 
 
 def test_supported_type_sets():
@@ -110,13 +111,17 @@ def test_dequantize_3d_expert_tensor(qtype):
 @IGNORE_NAN_WARNINGS
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=_ids(ALL_TYPES))
 def test_random_bytes_dequantize_matches_gguf(qtype):
-    """Any bit pattern, scales included: f16 scales that are NaN, inf, subnormal or negative."""
+    """Any bit pattern, scales included: f16 scales that are NaN, inf, subnormal or negative (MXFP4's power-of-two
+    scales hold no NaN: there the largest exponents overflow to inf, and the two smallest are subnormal)."""
     rng = np.random.default_rng([2, int(qtype)])
     raw = random_bytes(rng, qtype, 64, 1024)
     ours = quants.dequantize(qtype, raw)
     ref = gguf_dequantize(qtype, raw)
     assert_bits_equal(ours, ref)
-    assert np.isnan(ref).any(), "the NaN cases were not exercised"
+    if qtype == T.MXFP4:
+        assert np.isinf(ref).any() and (np.abs(ref[ref != 0]) < np.finfo(np.float32).tiny).any()
+    else:
+        assert np.isnan(ref).any(), "the NaN cases were not exercised"
 
 
 @IGNORE_NAN_WARNINGS
@@ -278,7 +283,7 @@ def test_row_bytes_values():
     assert quants.fmt(T.BF16).row_bytes(5) == 10
 
 
-@pytest.mark.parametrize("qtype", [T.Q8_1, T.TQ1_0, T.TQ2_0, T.MXFP4])
+@pytest.mark.parametrize("qtype", [T.Q8_1, T.Q8_K, T.TQ1_0, T.TQ2_0])
 def test_unsupported_type_named(qtype):
     with pytest.raises(ValueError, match=rf"unsupported tensor type {qtype.name}; supported: F32, F16, BF16, Q4_0"):
         quants.fmt(qtype)

@@ -21,11 +21,12 @@
 #define DQ_QUANT_TYPES(X)                                                                                        \
     X(q4_0, 2) X(q4_1, 3) X(q5_0, 6) X(q5_1, 7) X(q8_0, 8) X(q2_k, 10) X(q3_k, 11) X(q4_k, 12) X(q5_k, 13)          \
     X(q6_k, 14) X(iq2_xxs, 16) X(iq2_xs, 17) X(iq3_xxs, 18) X(iq1_s, 19) X(iq4_nl, 20) X(iq3_s, 21) X(iq2_s, 22)   \
-    X(iq4_xs, 23) X(iq1_m, 29)
+    X(iq4_xs, 23) X(iq1_m, 29) X(mxfp4, 39)
 #define DQ_FLOAT_TYPES(X) X(f32, 0) X(f16, 1) X(bf16, 30)
 #define DQ_ALL_TYPES(X) DQ_FLOAT_TYPES(X) DQ_QUANT_TYPES(X)
 
-// the table blob: int8 grids (entries x values), ggml's ksigns_iq2xs, the IQ4 values (IQ1_S and IQ1_M share a grid)
+// the table blob: int8 grids (entries x values), ggml's ksigns_iq2xs, the IQ4 values, MXFP4's doubled E2M1 values
+// (IQ1_S and IQ1_M share a grid)
 #define DQ_TAB_IQ2XXS 0      // 256 x 8
 #define DQ_TAB_IQ2XS 2048    // 512 x 8
 #define DQ_TAB_IQ2S 6144     // 1024 x 8
@@ -34,7 +35,8 @@
 #define DQ_TAB_IQ1 17408     // 2048 x 8
 #define DQ_TAB_KSIGNS 33792  // 128
 #define DQ_TAB_IQ4NL 33920   // 16
-#define DQ_TAB_BYTES 33936
+#define DQ_TAB_MXFP4 33936   // 16
+#define DQ_TAB_BYTES 33952
 
 typedef unsigned char dq_u8;
 typedef unsigned short dq_u16;
@@ -150,6 +152,7 @@ DQ_TRAITS(21, 256, 110, DQ_NO_MIN, false)      // IQ3_S
 DQ_TRAITS(22, 256, 82, DQ_NO_MIN, false)       // IQ2_S
 DQ_TRAITS(23, 256, 136, DQ_NO_MIN, false)      // IQ4_XS
 DQ_TRAITS(29, 256, 56, DQ_NO_MIN, false)       // IQ1_M
+DQ_TRAITS(39, 32, 17, DQ_NO_MIN, false)        // MXFP4
 #undef DQ_TRAITS
 // float element types: BB bytes a value, decoded one value at a time
 #define DQ_FLOAT_TRAITS(QT, BB_)                                                                                \
@@ -275,6 +278,15 @@ template <> DQ_FN void dq_sub<14>(const dq_u8* b, int j, const dq_u8*, DqSub& s)
 template <> DQ_FN void dq_sub<20>(const dq_u8* b, int, const dq_u8* tab, DqSub& s) {  // IQ4_NL: kvalues[code]
     dq_legacy_head(b, false, s);
     for (int v = 0; v < 32; ++v) s.code[v] = dq_grid(tab, DQ_TAB_IQ4NL + dq_nib32(b + 2, v));
+}
+// MXFP4: scale 2^(e - 128) from its bits (e < 2: a subnormal), q = the doubled E2M1 value of the code
+template <class S> DQ_FN void dq_mxfp4_head(const dq_u8* b, S& s) {
+    const dq_u32 e = b[0];
+    dq_plain(s, dq_bits(e < 2u ? 0x00200000u << e : (e - 1u) << 23));
+}
+template <> DQ_FN void dq_sub<39>(const dq_u8* b, int, const dq_u8* tab, DqSub& s) {
+    dq_mxfp4_head(b, s);
+    for (int v = 0; v < 32; ++v) s.code[v] = dq_grid(tab, DQ_TAB_MXFP4 + dq_nib32(b + 1, v));
 }
 template <class S> DQ_FN void dq_iq4xs_head(const dq_u8* b, int j, S& s) {  // IQ4_XS: d (ls - 32), ls of 6 bits
     const int lo = (b[4 + (j >> 1)] >> (4 * (j & 1))) & 15, hi = (dq_rd16(b + 2) >> (2 * j)) & 3;

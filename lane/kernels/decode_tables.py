@@ -1,6 +1,6 @@
-"""The table blob decode.cuh reads (IQ grids, ksigns, the IQ4 values) at its DQ_TAB_* offsets, built from the
-tables stratad.model.quants decodes with (the gguf package's copies of the format's tables), and its copy on each
-device."""
+"""The table blob decode.cuh reads (IQ grids, ksigns, the IQ4 and MXFP4 values) at its DQ_TAB_* offsets, built from
+the tables stratad.model.quants decodes with (the gguf package's copies of the format's tables), and its copy on
+each device."""
 from __future__ import annotations
 
 import re
@@ -12,6 +12,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as T
 
 from stratad.model.quants import iquants
+from stratad.model.quants.mx import MXFP4_VALUES
 
 HEADER = Path(__file__).resolve().parent / "decode.cuh"
 
@@ -25,7 +26,7 @@ def _parts() -> dict[str, np.ndarray]:
         raise AssertionError("decode.cuh shares one grid between IQ1_S and IQ1_M; gguf's copies now differ")
     return {"IQ2XXS": iquants.grid(T.IQ2_XXS), "IQ2XS": iquants.grid(T.IQ2_XS), "IQ2S": iquants.grid(T.IQ2_S),
             "IQ3XXS": iquants.grid(T.IQ3_XXS), "IQ3S": iquants.grid(T.IQ3_S), "IQ1": iquants.grid(T.IQ1_S),
-            "KSIGNS": iquants.ksigns(), "IQ4NL": iquants.IQ4_VALUES}
+            "KSIGNS": iquants.ksigns(), "IQ4NL": iquants.IQ4_VALUES, "MXFP4": MXFP4_VALUES}
 
 
 def offsets() -> dict[str, int]:

@@ -19,9 +19,11 @@ template <int QT> struct Tuned {
 template <int QT> struct TabSmem {
     static constexpr bool ON = !Tuned<QT>::value && XtTraits<QT>::TABLE;
     static constexpr int OFF = !ON ? 0 : QT == 16 ? DQ_TAB_IQ2XXS : QT == 17 ? DQ_TAB_IQ2XS : QT == 22 ? DQ_TAB_IQ2S
-                             : QT == 18 ? DQ_TAB_IQ3XXS : QT == 19 || QT == 29 ? DQ_TAB_IQ1 : DQ_TAB_IQ4NL;
+                             : QT == 18 ? DQ_TAB_IQ3XXS : QT == 19 || QT == 29 ? DQ_TAB_IQ1
+                             : QT == 39 ? DQ_TAB_MXFP4 : DQ_TAB_IQ4NL;
     static constexpr int END = !ON ? 0 : QT == 16 ? DQ_TAB_IQ2XS : QT == 17 ? DQ_TAB_IQ2S : QT == 22 ? DQ_TAB_IQ3XXS
-                             : QT == 18 ? DQ_TAB_IQ3S : QT == 19 || QT == 29 ? DQ_TAB_KSIGNS : DQ_TAB_BYTES;
+                             : QT == 18 ? DQ_TAB_IQ3S : QT == 19 || QT == 29 ? DQ_TAB_KSIGNS
+                             : QT == 39 ? DQ_TAB_BYTES : DQ_TAB_MXFP4;
     static constexpr int BYTES = (END - OFF + 15) / 16 * 16;
     static_assert(!ON || (QT == 20 || QT == 23) == (OFF == DQ_TAB_IQ4NL), "a table type without its part");
 };

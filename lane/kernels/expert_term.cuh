@@ -28,7 +28,7 @@ template <int QT> struct XtTraits<QT, true> {
     static constexpr int BV = DqTraits<QT>::BV, BB = DqTraits<QT>::BB, NSUB = DqTraits<QT>::NSUB;
     static constexpr int MIN = DqTraits<QT>::MIN, WORDS = 8;
     static constexpr bool TABLE = QT == 16 || QT == 17 || QT == 18 || QT == 19 || QT == 20 || QT == 21 ||
-                                  QT == 22 || QT == 23 || QT == 29;
+                                  QT == 22 || QT == 23 || QT == 29 || QT == 39;
     static constexpr bool IQ1 = QT == 19 || QT == 29;  // code 8 g + delta: words hold g, XtW::delta the signs
 };
 template <int QT> struct XtTraits<QT, false> {  // F32 / F16 / BF16: a "block" is one sub-block of 32 values
@@ -172,17 +172,18 @@ template <int QT> DQ_FN void xt_float_sub(const dq_u8* b, XtW<QT>& w) {
 }
 
 // The types of ggml's 4-bit layout in 32-value groups (value v < 16: the low nibble of byte v, else the high nibble of
-// byte v - 16): Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, IQ4_XS; QS: their nibbles' offset in the block (IQ4_XS: + 16 j)
+// byte v - 16): Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, IQ4_XS, MXFP4; QS: their nibbles' offset in the block (IQ4_XS:
+// + 16 j); ALIGN: the nibbles' alignment (blocks of 20, 24, 136 bytes: 4; MXFP4's 17-byte blocks: 1)
 template <int QT> struct XtNib32 {
-    static constexpr bool value = QT == 2 || QT == 3 || QT == 6 || QT == 7 || QT == 20 || QT == 23;
-    static constexpr int QS = QT == 3 ? 4 : QT == 6 ? 6 : QT == 7 || QT == 23 ? 8 : 2;
-    static constexpr bool ALIGN4 = QT == 3 || QT == 7 || QT == 23;  // blocks of 20, 24, 136 bytes: 4-aligned nibbles
+    static constexpr bool value = QT == 2 || QT == 3 || QT == 6 || QT == 7 || QT == 20 || QT == 23 || QT == 39;
+    static constexpr int QS = QT == 39 ? 1 : QT == 3 ? 4 : QT == 6 ? 6 : QT == 7 || QT == 23 ? 8 : 2;
+    static constexpr int ALIGN = QT == 3 || QT == 7 || QT == 23 ? 4 : QT == 39 ? 1 : 2;
 };
 // Every quantised type's codes four a word, as dq_sub gives them value by value: grid entries read as words from
 // the table (its offsets are multiples of 8) with their signs applied to the word (bytes negated where a bit is
 // set), bit fields masked four codes at a time, offsets subtracted a byte at a time with no carries; the block's
-// fields read 2 bytes at a time (every block size is even), 4 where the block size is a multiple of 4. Scales,
-// folds and minimums: decode.cuh's heads, shared with dq_sub.
+// fields read 2 bytes at a time (every block size but MXFP4's is even), 4 where the block size is a multiple of 4.
+// Scales, folds and minimums: decode.cuh's heads, shared with dq_sub.
 template <class T> DQ_FN dq_u32 xt_rd(const dq_u8* p) {  // a little-endian field at p, aligned to its size
 #ifdef __CUDA_ARCH__
     return *reinterpret_cast<const T*>(p);
@@ -194,6 +195,22 @@ template <class T> DQ_FN dq_u32 xt_rd(const dq_u8* p) {  // a little-endian fiel
 }
 DQ_FN dq_u32 xt_u32(const dq_u8* p) { return xt_rd<dq_u32>(p); }
 DQ_FN dq_u32 xt_u16(const dq_u8* p) { return xt_rd<dq_u16>(p); }
+// the 16 bytes at p, of any alignment, as 4 words: on the device aligned words and funnel shifts, reading only words
+// that hold some of the 16 bytes (a block's last field may end a row, and the row an allocation)
+DQ_FN void xt_rd16b(const dq_u8* p, dq_u32 (&x)[4]) {
+#ifdef __CUDA_ARCH__
+    const dq_u32 off = (dq_u32)(unsigned long long)p & 3u;  // stepping back keeps the pointer's state space
+    const dq_u32* a = (const dq_u32*)(p - off);
+    dq_u32 w[5];
+    XT_UNROLL
+    for (int i = 0; i < 4; ++i) w[i] = a[i];
+    w[4] = a[off ? 4 : 3];
+    XT_UNROLL
+    for (int i = 0; i < 4; ++i) x[i] = __funnelshift_r(w[i], w[i + 1], 8u * off);
+#else
+    for (int i = 0; i < 4; ++i) x[i] = dq_rd32(p + 4 * i);
+#endif
+}
 DQ_FN dq_u32 xt_ksigns(dq_u32 i) {  // ggml's ksigns_iq2xs[i]: i with bit 7 its parity
 #ifdef __CUDA_ARCH__
     return i | ((__popc(i) & 1u) << 7);
@@ -265,18 +282,21 @@ template <int QT> DQ_FN void xt_words(const dq_u8* b, int j, const dq_u8* tab, X
         typedef XtNib32<QT> N;
         const dq_u8* qs = b + N::QS + (QT == 23 ? 16 * j : 0);
         if constexpr (QT == 23) dq_iq4xs_head(b, j, w);
+        else if constexpr (QT == 39) dq_mxfp4_head(b, w);
         else dq_legacy_head(b, QT == 3 || QT == 7, w);
         // Q5_x: the fifth bits, bit v of a word (2-aligned in Q5_0's 22-byte blocks)
         const dq_u32 qh = QT == 6 ? xt_u16(b + 2) | (xt_u16(b + 4) << 16) : QT == 7 ? xt_u32(b + 4) : 0u;
         dq_u32 t[4] = {0u, 0u, 0u, 0u};
-        if constexpr (QT == 20 || QT == 23) {
+        if constexpr (QT == 20 || QT == 23 || QT == 39) {
             XT_UNROLL
-            for (int i = 0; i < 4; ++i) t[i] = xt_u32(tab + DQ_TAB_IQ4NL + 4 * i);
+            for (int i = 0; i < 4; ++i) t[i] = xt_u32(tab + (QT == 39 ? DQ_TAB_MXFP4 : DQ_TAB_IQ4NL) + 4 * i);
         }
+        dq_u32 x4[4] = {0u, 0u, 0u, 0u};  // MXFP4's 16 nibble bytes, unaligned: read once as 4 words
+        if constexpr (N::ALIGN == 1) xt_rd16b(qs, x4);
         XT_UNROLL
         for (int k = 0; k < 8; ++k) {  // values 4k .. 4k + 3: bytes 4 (k % 4) .., the high nibbles from k = 4
             const dq_u8* p = qs + 4 * (k & 3);
-            const dq_u32 x = N::ALIGN4 ? xt_u32(p) : xt_u16(p) | (xt_u16(p + 2) << 16);
+            const dq_u32 x = N::ALIGN == 1 ? x4[k & 3] : N::ALIGN == 4 ? xt_u32(p) : xt_u16(p) | (xt_u16(p + 2) << 16);
             const dq_u32 nib = (x >> (k >= 4 ? 4 : 0)) & 0x0f0f0f0fu;
             const dq_u32 hb = dq_bit_bytes(qh >> (4 * k));
             if constexpr (QT == 2) w.q[k] = (nib + 0x78787878u) ^ 0x80808080u;  // v - 8 a byte, no carries

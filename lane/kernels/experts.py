@@ -56,7 +56,7 @@ FLOATS = (_T.F32, _T.F16, _T.BF16)
 # generic types whose decode reads decode.cuh's table blob, and the table each reads (a copy of that part at shared
 # offset 0: expert_decode.cuh's TabSmem)
 TABLE_PARTS = {_T.IQ2_XXS: "IQ2XXS", _T.IQ2_XS: "IQ2XS", _T.IQ2_S: "IQ2S", _T.IQ3_XXS: "IQ3XXS", _T.IQ1_S: "IQ1",
-               _T.IQ1_M: "IQ1", _T.IQ4_NL: "IQ4NL", _T.IQ4_XS: "IQ4NL"}
+               _T.IQ1_M: "IQ1", _T.IQ4_NL: "IQ4NL", _T.IQ4_XS: "IQ4NL", _T.MXFP4: "MXFP4"}
 TABLE_TYPES = tuple(TABLE_PARTS)
 
 

@@ -30,6 +30,7 @@ DEFAULT = {
     F.MOSTLY_IQ2_XS: T.IQ2_XS, F.MOSTLY_IQ2_S: T.IQ2_XS, F.MOSTLY_IQ2_M: T.IQ2_S, F.MOSTLY_IQ3_XXS: T.IQ3_XXS,
     F.MOSTLY_IQ3_XS: T.IQ3_S, F.MOSTLY_IQ3_S: T.IQ3_S, F.MOSTLY_IQ3_M: T.IQ3_S, F.MOSTLY_IQ1_S: T.IQ1_S,
     F.MOSTLY_IQ1_M: T.IQ1_M, F.MOSTLY_IQ4_NL: T.IQ4_NL, F.MOSTLY_IQ4_XS: T.IQ4_XS,
+    F.MOSTLY_MXFP4_MOE: T.MXFP4,  # the experts' type: every other quantised tensor Q8_0 (RULES)
     # the converter's output (convert_hf_to_gguf --outtype): every matrix of the type, no rule applies
     F.MOSTLY_F16: T.F16, F.MOSTLY_BF16: T.BF16, F.ALL_F32: T.F32,
 }
@@ -65,6 +66,10 @@ def _below(k: int) -> Cond:
 # (role, file types, condition, type): for a tensor of that role, the first row whose file type and condition
 # match gives its type; no row: the file type's default. Mirrors llama_tensor_get_type's if / else-if chains.
 RULES: list[tuple[str, set, Cond, T]] = [
+    # MXFP4_MOE: the 3-D (expert) tensors MXFP4, every other one Q8_0, ahead of every other rule (read from
+    # llama-quant.cpp; not yet checked against a llama-quantize binary)
+    *((role, {F.MOSTLY_MXFP4_MOE}, ALWAYS, T.Q8_0) for role in ("output", "token_embd", "attn_q", "attn_k",
+                                                                "attn_v", "attn_output")),
     ("output", {F.MOSTLY_IQ2_XXS, F.MOSTLY_IQ2_XS, F.MOSTLY_IQ3_XXS, F.MOSTLY_IQ1_S, F.MOSTLY_IQ2_S, F.MOSTLY_IQ2_M,
                 F.MOSTLY_IQ1_M}, ALWAYS, T.Q5_K),
     ("output", set(DEFAULT) - {F.MOSTLY_Q8_0} - FLOAT_FILES, ALWAYS, T.Q6_K),

@@ -11,13 +11,13 @@ from __future__ import annotations
 import numpy as np
 from gguf import GGMLQuantizationType as T
 
-from . import floats, iquants, kquants, legacy
+from . import floats, iquants, kquants, legacy, mx
 from .common import SUB, Format, IntBlocks, Unit
 
 __all__ = ["SUB", "Format", "IntBlocks", "Unit", "FORMATS", "UNITS", "EXPERT_TYPES", "DENSE_TYPES", "fmt", "unit",
            "parse_type", "decode_int", "dequantize", "random_rows", "iq3s_grid", "supported_names"]
 
-UNITS: dict[T, Unit] = {**floats.UNITS, **legacy.UNITS, **kquants.UNITS, **iquants.UNITS}
+UNITS: dict[T, Unit] = {**floats.UNITS, **legacy.UNITS, **kquants.UNITS, **iquants.UNITS, **mx.UNITS}
 FORMATS: dict[T, Format] = {t: u.fmt for t, u in UNITS.items()}
 # every type has the canonical integer view experts need (the float types' is floats.float_view); dense tensors
 # use only the float decode
