@@ -185,13 +185,20 @@ class _StreamState:
 
 
 class _Watch:
-    """The wait of a stream's socket beside its connection monitor, shared by _wait and _await: the poll's
-    timeout left, and what a monitor event means."""
+    """A request's socket beside its connection monitor, for the socket's life, shared by _wait and _await: each
+    wait's timeout, what a monitor event means, and a drop already seen (`gone`). The monitor tells of a drop once:
+    seen while messages were still queued (they arrived before it), the messages are read first and the next wait
+    with none left raises at once. (Forgotten, as it once was, a stream then waited out its stream timeout, up to
+    10 minutes, for a daemon that had died.)"""
 
-    def __init__(self, sock, monitor, poller, timeout_s: float | None):
+    def __init__(self, sock, monitor, poller):
         self.sock, self.monitor, self.poller = sock, monitor, poller
         poller.register(sock, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
+        self.deadline: float | None = None
+        self.gone: Exception | None = None
+
+    def start(self, timeout_s: float | None) -> None:
         self.deadline = None if timeout_s is None else time.monotonic() + timeout_s
 
     def left_ms(self) -> int | None:
@@ -207,21 +214,22 @@ class _Watch:
         return ConnectionError() if event == zmq.EVENT_DISCONNECTED else ConnectionRefusedError()
 
 
-def _wait(sock: zmq.Socket, monitor: zmq.Socket, timeout_s: float | None) -> bool:
-    """Until sock has a message (True) or timeout_s passes (False); raises ConnectionError when the connection
-    drops first (a message that arrived before the drop is still read), ConnectionRefusedError when it closed
-    without ever connecting (a socket file nobody listens at)."""
-    w = _Watch(sock, monitor, zmq.Poller(), timeout_s)
+def _wait(w: _Watch, timeout_s: float | None) -> bool:
+    """Until w's socket has a message (True) or timeout_s passes (False); raises ConnectionError when the connection
+    has dropped and no message is left (those that arrived before the drop are still read), ConnectionRefusedError
+    when it closed without ever connecting (a socket file nobody listens at)."""
+    w.start(timeout_s)
     while True:
-        ready = dict(w.poller.poll(w.left_ms()))
-        if sock in ready:
-            return True
-        if monitor in ready:
-            err = w.dropped(monitor.recv_multipart())
-            if sock.poll(0):
+        if w.gone is not None:
+            if w.sock.poll(0):
                 return True
-            raise err
-        if w.expired():
+            raise w.gone
+        ready = dict(w.poller.poll(w.left_ms()))
+        if w.sock in ready:
+            return True
+        if w.monitor in ready:
+            w.gone = w.dropped(w.monitor.recv_multipart())
+        elif w.expired():
             return False
 
 
@@ -234,13 +242,14 @@ class Stream(_StreamState):
         sock = client.ctx.socket(zmq.DEALER)
         self.monitor = client._watch(sock)
         self.sock = client._setup(sock)
+        self.watch = _Watch(self.sock, self.monitor, zmq.Poller())
         self.sock.send(encode(msg))
 
     def _recv(self):
         first = self.accepted is None
         t = self.client._timeout(first)
         try:
-            arrived = _wait(self.sock, self.monitor, t)
+            arrived = _wait(self.watch, t)
         except ConnectionError as e:
             self.close()
             raise self.client._gone(self.req_id, e) from None
@@ -309,7 +318,7 @@ class Client(_Base):
         try:
             s.send(encode(M.StatusRequest()))
             try:
-                if not _wait(s, monitor, self.timeout_s):
+                if not _wait(_Watch(s, monitor, zmq.Poller()), self.timeout_s):
                     raise self._unavailable()
             except ConnectionError as e:
                 raise self._gone(None, e) from None
@@ -332,20 +341,21 @@ class Client(_Base):
         self.close()
 
 
-async def _await(sock: zmq.asyncio.Socket, monitor: zmq.asyncio.Socket, timeout_s: float | None) -> bytes | None:
-    """_wait's asyncio twin: sock's next message, or None after timeout_s; ConnectionError when the connection
-    drops first."""
-    w = _Watch(sock, monitor, zmq.asyncio.Poller(), timeout_s)
+async def _await(w: _Watch, timeout_s: float | None) -> bytes | None:
+    """_wait's asyncio twin: the socket's next message, or None after timeout_s; ConnectionError when the
+    connection has dropped and no message is left."""
+    w.start(timeout_s)
     while True:
+        if w.gone is not None:
+            if await w.sock.poll(0):
+                return await w.sock.recv()
+            raise w.gone
         ready = dict(await w.poller.poll(w.left_ms()))
-        if sock in ready:
-            return await sock.recv()
-        if monitor in ready:
-            err = w.dropped(await monitor.recv_multipart())
-            if await sock.poll(0):
-                return await sock.recv()
-            raise err
-        if w.expired():
+        if w.sock in ready:
+            return await w.sock.recv()
+        if w.monitor in ready:
+            w.gone = w.dropped(await w.monitor.recv_multipart())
+        elif w.expired():
             return None
 
 
@@ -356,6 +366,7 @@ class AsyncStream(_StreamState):
         sock = client.ctx.socket(zmq.DEALER)
         self.monitor = client._watch(sock)
         self.sock = client._setup(sock)
+        self.watch = _Watch(self.sock, self.monitor, zmq.asyncio.Poller())
 
     async def __aiter__(self) -> AsyncIterator[Chunk]:
         await self.sock.send(encode(self.msg))
@@ -363,7 +374,7 @@ class AsyncStream(_StreamState):
             while self.finish_reason is None:
                 t = self.client._timeout(self.accepted is None)
                 try:
-                    frame = await _await(self.sock, self.monitor, t)
+                    frame = await _await(self.watch, t)
                 except ConnectionError as e:
                     raise self.client._gone(self.req_id, e) from None
                 if frame is None:
@@ -401,7 +412,7 @@ class AsyncClient(_Base):
         try:
             await s.send(encode(M.StatusRequest()))
             try:
-                frame = await _await(s, monitor, self.timeout_s)
+                frame = await _await(_Watch(s, monitor, zmq.asyncio.Poller()), self.timeout_s)
             except ConnectionError as e:
                 raise self._gone(None, e) from None
             if frame is None:

@@ -357,6 +357,7 @@ def kill_coordinator_mid_stream(d: Daemon, within_s: float = 5.0, **client) -> N
     for t in ts:
         t.join(within_s + 5)
     for name in ("sync", "async"):
+        assert name in outcome, f"the {name} stream still open {within_s + 5:g} s after the kill"
         e, t = outcome[name]
         assert isinstance(e, DaemonUnavailable) and "went away" in str(e), (name, e)
         assert t - t0 < within_s, (name, t - t0)
