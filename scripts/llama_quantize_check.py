@@ -51,10 +51,11 @@ from stratad.engine.sampling import SamplingParams  # noqa: E402
 from stratad.model import mixes, quants  # noqa: E402
 from stratad.model.gguf_file import ModelFile  # noqa: E402
 
-# the file types llama-quantize offers that stratad's --mix knows (its name for each), lowest bits last
+# the file types llama-quantize offers that stratad's --mix knows (its name for each), lowest bits last; MXFP4_MOE
+# (MXFP4 experts) beside them
 FILE_TYPES = ["Q8_0", "Q6_K", "Q5_K_M", "Q5_K_S", "Q5_1", "Q5_0", "Q4_K_M", "Q4_K_S", "Q4_1", "Q4_0", "IQ4_XS",
-              "IQ4_NL", "Q3_K_L", "Q3_K_M", "Q3_K_S", "IQ3_M", "IQ3_S", "IQ3_XS", "IQ3_XXS", "Q2_K", "Q2_K_S",
-              "IQ2_M", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_M", "IQ1_S"]
+              "IQ4_NL", "MXFP4_MOE", "Q3_K_L", "Q3_K_M", "Q3_K_S", "IQ3_M", "IQ3_S", "IQ3_XS", "IQ3_XXS", "Q2_K",
+              "Q2_K_S", "IQ2_M", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_M", "IQ1_S"]
 PROMPT = "The quantiser and the loader agree"
 GREEDY_TOKENS = 8
 
