@@ -364,6 +364,23 @@ def test_cli_mix(tmp_path):
     assert r.returncode == 2 and "--mix gives every tensor its type" in r.stderr
 
 
+def test_mxfp4_rows_with_set_columns(tmp_path):
+    """MXFP4 embedding and LM head under a router skew and two topics: encoded by gguf.quants (its power-of-two
+    scales hold the set values 3 and 8 exactly); the file loads and generates."""
+    from stratad.model.generator import SKEW_DIM_VALUE, TOPIC_STICKINESS
+
+    p = tmp_path / "mx.gguf"
+    make_model(p, "tiny", expert_quant="MXFP4", dense_quant="MXFP4", router_skew=1.5, topics=2, seed=3)
+    m = ModelFile(p)
+    e, head = m.dense("token_embd.weight"), m.dense("output.weight")
+    odd = np.arange(len(e)) % 2 == 1
+    assert float(np.median(e[:, 0])) == SKEW_DIM_VALUE and float(np.median(e[odd, 2])) == SKEW_DIM_VALUE
+    assert float(np.median(head[~odd, 1])) == TOPIC_STICKINESS
+    eng = ReferenceEngine(m, "canonical")
+    assert len(list(eng.generate(m.tokenizer.encode("hi"), SamplingParams(max_tokens=4)))) == 4
+    m.close()
+
+
 @pytest.mark.parametrize("mix", ["q4_k_m", "iq3_s", "q2_k"])
 def test_mix_with_router_skew_and_topics(tmp_path, mix):
     """The embedding's set columns (skew on dimension 0, the topic on 1 and 2) survive its mix type's encoding

@@ -15,7 +15,7 @@ from gguf import quants as gq
 from . import iquants, kquants
 from .common import f16, put_f16
 
-GGUF_ENCODED = (T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0)
+GGUF_ENCODED = (T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.MXFP4)
 
 
 def pack_nibbles(v: np.ndarray, span: int) -> np.ndarray:
