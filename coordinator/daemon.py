@@ -601,7 +601,8 @@ class Coordinator:
         return M.Status(model=str(self.model.path), uptime_s=time.time() - self.t_start, lanes=tuple(lanes),
                         cards=tuple(cards), queue=tuple(self.queue), queue_limit=self.cfg.queue_limit,
                         epoch=self.pool.epochs.epoch, role_log=tuple(self.pool.role_log),
-                        profile=self.profile_source, kv_cache=self._kv_status())
+                        profile=self.profile_source, kv_cache=self._kv_status(),
+                        model_types=self.model.types_summary)
 
     def _kv_status(self) -> M.KvCacheStatus | None:
         if self.kv_store is None:

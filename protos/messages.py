@@ -256,6 +256,7 @@ class Status(_Msg):
     role_log: tuple[RoleEvent, ...] = ()  # the latest role changes, oldest first
     profile: str = ""  # where the starting expert profile came from (a file, a saved run, a warm-up, none)
     kv_cache: KvCacheStatus | None = None  # the host conversation cache; None: off
+    model_types: str = ""  # the file's type and each role's tensor types (ModelFile.types_summary)
 
 
 # ---- coordinator <-> lane -----------------------------------------------------------------------------------

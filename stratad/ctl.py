@@ -16,8 +16,10 @@ def _pct(x: float) -> str:
 
 def status_table(st) -> str:
     lines = [f"model {st.model}   up {st.uptime_s:.0f} s   epoch {st.epoch}   queue {len(st.queue)}/{st.queue_limit}"
-             + (f" ({', '.join(st.queue)})" if st.queue else ""),
-             f"expert profile at start: {st.profile or 'none'}", ""]
+             + (f" ({', '.join(st.queue)})" if st.queue else "")]
+    if st.model_types:
+        lines.append(f"tensor types: {st.model_types}")
+    lines += [f"expert profile at start: {st.profile or 'none'}", ""]
     head = f"{'lane':>4}  {'card':<5} {'role':<8} {'since':>8} {'pid':>7}  {'request':<14} {'tok/s':>7} " \
            f"{'card%':>6} {'peer%':>6} {'host%':>6}  {'slots':>11} {'restarts':>8}"
     lines += [head, "-" * len(head)]

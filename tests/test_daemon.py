@@ -206,6 +206,8 @@ def test_stratactl(daemon):
     out = subprocess.run(base + ["status"], capture_output=True, text=True, env=env, timeout=30)
     assert out.returncode == 0 and ("solo" in out.stdout or "peer" in out.stdout) and "card%" in out.stdout
     assert "expert profile at start: routing warm-up" in out.stdout
+    # the tiny model's types: IQ3_S experts, Q8_0 attention, embedding and head (the generator's defaults)
+    assert "tensor types: IQ3_S file; experts IQ3_S x12; attention Q8_0 x16; embedding Q8_0; head Q8_0" in out.stdout
     js = json.loads(subprocess.run(base + ["status", "--json"], capture_output=True, text=True, env=env,
                                    timeout=30).stdout)
     assert [ln["card"] for ln in js["lanes"]] == ["cpu", "cpu"]

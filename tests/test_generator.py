@@ -364,6 +364,19 @@ def test_cli_mix(tmp_path):
     assert r.returncode == 2 and "--mix gives every tensor its type" in r.stderr
 
 
+def test_types_summary_names_the_file_type_and_each_roles_types(tmp_path):
+    """What stratactl status prints of a file (ModelFile.types_summary): its llama.cpp file type and each role's
+    types with their counts, most frequent first; norms and the router left out."""
+    for mix, want in (("q4_k_m", "Q4_K_M file; experts Q4_K x10, Q6_K x2; attention Q4_K x14, Q6_K x2; "
+                                 "embedding Q4_K; head Q6_K"),
+                      ("mxfp4_moe", "MXFP4_MOE file; experts MXFP4 x12; attention Q8_0 x16; embedding Q8_0; "
+                                    "head Q8_0")):
+        make_model(tmp_path / f"{mix}.gguf", "tiny", mix=mix)
+        m = ModelFile(tmp_path / f"{mix}.gguf")
+        assert m.types_summary == want
+        m.close()
+
+
 def test_mxfp4_rows_with_set_columns(tmp_path):
     """MXFP4 embedding and LM head under a router skew and two topics: encoded by gguf.quants (its power-of-two
     scales hold the set values 3 and 8 exactly); the file loads and generates."""

@@ -214,6 +214,31 @@ class ModelFile:
         return self.tensors[f"blk.{layer}.ffn_{kind}_exps.weight"].qtype
 
     @cached_property
+    def types_summary(self) -> str:
+        """What a user's file holds, by role: its llama.cpp file type (general.file_type) and each role's tensor
+        types with their counts, e.g. "MXFP4_MOE file; experts MXFP4 x144; attention Q8_0 x192; embedding Q8_0;
+        head Q8_0" (norms and the router, F32 in every file, left out)."""
+        from gguf import LlamaFileType
+
+        roles: dict[str, dict[str, int]] = {}
+        for name, ti in self.tensors.items():
+            if len(ti.shape) < 2 or "ffn_gate_inp" in name:
+                continue
+            role = ("experts" if "_exps." in name else "embedding" if name.startswith("token_embd")
+                    else "head" if name.startswith("output") else "attention")
+            counts = roles.setdefault(role, {})
+            counts[ti.qtype.name] = counts.get(ti.qtype.name, 0) + 1
+        ft = self.meta("general.file_type")
+        try:
+            head = [f"{LlamaFileType(int(ft)).name.removeprefix('MOSTLY_').removeprefix('ALL_')} file"]
+        except (TypeError, ValueError):
+            head = []
+        parts = [f"{role} " + ", ".join(f"{t} x{n}" if n > 1 else t for t, n in sorted(roles[role].items(),
+                                                                                     key=lambda kv: -kv[1]))
+                 for role in ("experts", "attention", "embedding", "head") if role in roles]
+        return "; ".join(head + parts)
+
+    @cached_property
     def header_hash(self) -> str:
         """Identity of the model: sha256 of each shard's metadata and tensor table, the size and a sample of every
         tensor's bytes (its first and last 4 KiB), so a file regenerated with other weights differs. (One file:
