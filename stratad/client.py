@@ -188,8 +188,7 @@ class _Watch:
     """A request's socket beside its connection monitor, for the socket's life, shared by _wait and _await: each
     wait's timeout, what a monitor event means, and a drop already seen (`gone`). The monitor tells of a drop once:
     seen while messages were still queued (they arrived before it), the messages are read first and the next wait
-    with none left raises at once. (Forgotten, as it once was, a stream then waited out its stream timeout, up to
-    10 minutes, for a daemon that had died.)"""
+    with none left raises at once (forgotten, a stream would wait out its stream timeout for a dead daemon)."""
 
     def __init__(self, sock, monitor, poller):
         self.sock, self.monitor, self.poller = sock, monitor, poller
