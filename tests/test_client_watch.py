@@ -16,9 +16,8 @@ import zmq.asyncio
 from stratad.client import _await, _wait, _Watch
 
 
-def _dropped_with_two_queued(ctx, tmp_path):
-    """A DEALER (and its monitor) to which a ROUTER sent two messages and then closed: both messages and the drop
-    are at the client before it waits."""
+def _connected(ctx, tmp_path):
+    """A ROUTER, and a DEALER of ctx connected to it with its connection monitor."""
     router = zmq.Context.instance().socket(zmq.ROUTER)
     addr = f"ipc://{tmp_path}/s"
     router.bind(addr)
@@ -29,6 +28,7 @@ def _dropped_with_two_queued(ctx, tmp_path):
 
 
 def _serve_two_and_close(router):
+    """Answer the DEALER's first message with two, then close: the drop follows them."""
     ident, _ = router.recv_multipart()
     router.send_multipart([ident, b"one"])
     router.send_multipart([ident, b"two"])
@@ -39,7 +39,9 @@ def _monitor_first(base):
     """A poller that, the first time, reports the monitor alone: the order in which the drop and the last messages
     can meet a wait (the race, made certain)."""
     class MonitorFirst(base):
-        first = True
+        def __init__(self, monitor):
+            super().__init__()
+            self.monitor, self.first = monitor, True
 
         def only_monitor(self, ready):
             if self.first:
@@ -52,7 +54,7 @@ def _monitor_first(base):
 def test_a_drop_seen_before_the_last_messages_raises_after_them(tmp_path):
     ctx = zmq.Context()
     try:
-        router, dealer, monitor = _dropped_with_two_queued(ctx, tmp_path)
+        router, dealer, monitor = _connected(ctx, tmp_path)
         dealer.send(b"hello")
         _serve_two_and_close(router)
         assert monitor.poll(5000) and dealer.poll(5000)
@@ -61,9 +63,7 @@ def test_a_drop_seen_before_the_last_messages_raises_after_them(tmp_path):
             def poll(self, timeout=None):
                 return self.only_monitor(super().poll(timeout))
 
-        p = Poller()
-        p.monitor = monitor
-        w = _Watch(dealer, monitor, p)
+        w = _Watch(dealer, monitor, Poller(monitor))
         got = []
         for _ in range(2):
             assert _wait(w, 5.0)
@@ -82,7 +82,7 @@ def test_the_async_wait_likewise(tmp_path):
     async def go():
         ctx = zmq.asyncio.Context()
         try:
-            router, dealer, monitor = _dropped_with_two_queued(ctx, tmp_path)
+            router, dealer, monitor = _connected(ctx, tmp_path)
             await dealer.send(b"hello")
             await asyncio.get_running_loop().run_in_executor(None, _serve_two_and_close, router)
             assert await monitor.poll(5000) and await dealer.poll(5000)
@@ -91,9 +91,7 @@ def test_the_async_wait_likewise(tmp_path):
                 async def poll(self, timeout=None):
                     return self.only_monitor(await super().poll(timeout))
 
-            p = Poller()
-            p.monitor = monitor
-            w = _Watch(dealer, monitor, p)
+            w = _Watch(dealer, monitor, Poller(monitor))
             got = [await _await(w, 5.0), await _await(w, 5.0)]
             assert got == [b"one", b"two"]
             t0 = time.monotonic()

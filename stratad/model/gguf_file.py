@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 from gguf import GGMLQuantizationType as T
-from gguf import GGUFReader
+from gguf import GGUFReader, LlamaFileType
 
 from stratad.model import quants, split
 from stratad.model.config import ARCH, ModelConfig
@@ -218,8 +218,6 @@ class ModelFile:
         """What a user's file holds, by role: its llama.cpp file type (general.file_type) and each role's tensor
         types with their counts, e.g. "MXFP4_MOE file; experts MXFP4 x144; attention Q8_0 x192; embedding Q8_0;
         head Q8_0" (norms and the router, F32 in every file, left out)."""
-        from gguf import LlamaFileType
-
         roles: dict[str, dict[str, int]] = {}
         for name, ti in self.tensors.items():
             if len(ti.shape) < 2 or "ffn_gate_inp" in name:
