@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from lane.kernels.experts import EXPERT_TYPES, H200_SMEM_BLOCK, H200_SMEM_SM, ExpertKernels
+from lane.kernels.experts import EXPERT_TYPES, H200_SMEM_BLOCK, H200_SMEM_SM, ExpertKernels, Tuning
 
 CARDS = {"h200": ((H200_SMEM_BLOCK, H200_SMEM_SM), 132), "a100": ((166912, 167936), 108),
          "rtx": ((101376, 102400), 82)}
@@ -70,3 +70,13 @@ def test_down_rows_must_divide_the_warp(dn_rows):
 
     with pytest.raises(ValueError, match="dn_rows must divide 32 and d_model"):
         ExpertKernels.planned(2048, 768, "IQ3_S", "IQ3_S", tuning=Tuning(dn_rows=dn_rows))
+
+
+def test_f32_gate_up_runs_one_block_an_sm_for_its_registers():
+    """F32's decode gate/up reads its rows in place and needs the 128 registers of one block an SM (GU_REGS: at two
+    blocks, 64, it spills); a tuning of one block an SM already, and every other type, keep the tuning's blocks."""
+    f32 = ExpertKernels.planned(2048, 768, "F32", "F16")
+    assert f32.gu_blocks == 1 and dict(f32.defines)["GU_MINB"] == 1 and f32.gu_grid == f32.n_sm
+    for qt in ("F16", "Q4_K", "IQ2_S", "IQ1_S"):
+        assert ExpertKernels.planned(2048, 768, qt, qt).gu_blocks == 2
+    assert ExpertKernels.planned(2048, 768, "F32", "F16", tuning=Tuning(gu_warps=8, gu_min_blocks=3)).gu_blocks == 2

@@ -51,7 +51,9 @@ def _qtype(q):
 # types with decoders of their own in expert_decode.cuh (and tensor-core prompt tiles); every other type runs the
 # generic path (expert_term.cuh); those of MMA_TYPES on tensor-core prompt tiles too, the rest on SIMT ones
 TUNED = (_T.IQ3_S, _T.Q4_K, _T.Q8_0)
-MMA_TYPES = TUNED + (_T.Q6_K,)  # experts_mma.cuh's MMA_TYPE: decode_frag's types
+# experts_mma.cuh's MMA_TYPE: decode_frag's types; the generic ones (MMA_GENERIC) are those whose codes are whole
+# int8 weights, one scale a sub-block, no minimum
+MMA_TYPES = TUNED + (_T.Q6_K, _T.Q4_0, _T.Q5_0, _T.IQ2_XXS, _T.IQ3_XXS, _T.IQ4_NL, _T.IQ4_XS, _T.MXFP4)
 FLOATS = (_T.F32, _T.F16, _T.BF16)
 # generic types whose decode reads decode.cuh's table blob, and the table each reads (a copy of that part at shared
 # offset 0: expert_decode.cuh's TabSmem)
@@ -81,6 +83,18 @@ def simt_tile(qt_gate_up, tuning: "Tuning") -> int:
     """Pairs a SIMT prompt tile: the tuning's, at most 4 for float gate/up weights (a decoded float sub-block is 16
     registers, and 8 tokens' sums beside two of them spill)."""
     return min(tuning.tile_p, 4) if qt_gate_up in FLOATS else tuning.tile_p
+
+
+# registers a decode gate/up thread needs where the 64 that 16 warps x 2 blocks leave spill (NVRTC, sm_90, the a3b
+# shape): F32's rows read in place spill 192 bytes there; at one block an SM (128) it runs faster (docs/perf-notes.md)
+GU_REGS = {_T.F32: 128}
+
+
+def gu_min_blocks(qt_gate_up, tuning: "Tuning") -> int:
+    """Gate/up blocks an SM for the decode kernel's register cap: the tuning's, fewer where GU_REGS says."""
+    need = GU_REGS.get(qt_gate_up)
+    cap = 65536 // (32 * tuning.gu_warps * need) if need else tuning.gu_min_blocks
+    return max(1, min(tuning.gu_min_blocks, cap))
 
 
 H200_SMEM_BLOCK, H200_SMEM_SM = 232448, 233472  # shared bytes a block may opt in to / an SM has (sm_90)
@@ -319,7 +333,7 @@ class ExpertKernels:
         dn_stg = _staged(self.qt_dn, self.d_ff, t.dn_rows)
         self.gu_warps, self.dn_warps = t.gu_warps, t.dn_warps
         self.gu_stages, self.gu_blocks, self.gu_smem = fit(self.qt_gu, 256, gu_stg, t.gu_warps, t.gu_stages,
-                                                           t.gu_min_blocks)
+                                                           gu_min_blocks(self.qt_gu, t))
         self.dn_stages, self.dn_blocks, self.dn_smem = fit(self.qt_dn, 0, dn_stg, t.dn_warps, t.dn_stages,
                                                            t.dn_min_blocks)
         self.gu_grid = self.n_sm * self.gu_blocks

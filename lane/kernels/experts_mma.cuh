@@ -18,10 +18,13 @@
 // more warps to hide latency). The tile's activation rows (int8 and scales) are
 // staged once and kept while a block's items (a contiguous range) stay on the same tile.
 
-// Tensor-core tiles for the types decode_frag exists for (their codes are int8): the tuned ones and Q6_K (whose
-// 16-value halves have scales of their own: two mma a sub-block, the halves' integer sums weighted in integers);
-// the rest take the SIMT tiles (experts.py: ExpertKernels.mma).
-#define MMA_TYPE(q) ((q) != UNTUNED && ((q) == QT_Q8_0 || (q) == QT_Q4_K || (q) == QT_IQ3_S || (q) == QT_Q6_K))
+// Tensor-core tiles for the types decode_frag exists for (their codes are int8): the tuned ones, Q6_K (whose
+// 16-value halves have scales of their own: two mma a sub-block, the halves' integer sums weighted in integers) and
+// the generic types whose codes are whole int8 weights with one scale a sub-block and no minimum (MMA_GENERIC:
+// expert_term.cuh's decode); the rest take the SIMT tiles (experts.py: ExpertKernels.mma, MMA_TYPES).
+#define MMA_GENERIC(q) ((q) == 2 || (q) == 6 || (q) == 16 || (q) == 18 || (q) == 20 || (q) == 23 || (q) == 39)
+#define MMA_TYPE(q) \
+    ((q) != UNTUNED && ((q) == QT_Q8_0 || (q) == QT_Q4_K || (q) == QT_IQ3_S || (q) == QT_Q6_K || MMA_GENERIC(q)))
 // a type whose canonical isum weights its two 16-value halves (fold0, fold1: Q6_K's int8 scales)
 template <int QT> struct MmaHalves { static constexpr bool value = QT == QT_Q6_K; };
 #if GU_KIN % 128 == 0 && DN_KIN % 128 == 0 && DN_ROWS % 64 == 0 && MMA_TYPE(GU_QT) && MMA_TYPE(DN_QT)
@@ -34,7 +37,10 @@ constexpr int MMA_M = 64;                     // pairs per tile (4 m-tiles of 16
 constexpr int MMA_WARPS = 8 * (4 / MMA_MPW);  // warp w: n-tile w % 8, m-tiles (w / 8) * MMA_MPW ... + MMA_MPW - 1
 constexpr int MMA_NE = 4 * MMA_MPW;           // fragment elements a thread sums
 static_assert(MMA_MPW == 1 || MMA_MPW == 2 || MMA_MPW == 4, "MMA_MPW: m-tiles per warp, 1, 2 or 4");
-constexpr int MMA_TBL = 2048; // the IQ3_S grid table at offset 0, one copy (decode_frag reads it as decode_sub does)
+// the IQ3_S grid table at offset 0, one copy (decode_frag reads it as decode_sub does), or a generic type's part of
+// the table blob (as the SIMT kernels hold it: TabSmem, at most IQ2_XXS's 2 KB)
+constexpr int MMA_TBL = 2048;
+static_assert(TabSmem<GU_QT>::BYTES <= MMA_TBL && TabSmem<DN_QT>::BYTES <= MMA_TBL, "a table past MMA_TBL");
 
 template <int QT, int KIN, bool GU> struct MmaGeom {
     static constexpr int NSUB = KIN / 32;
@@ -72,9 +78,20 @@ __device__ __forceinline__ void mma_s8(const u32 (&a)[4], u32 b0, u32 b1, int (&
 }
 
 // This thread's B fragment of sub-block s of the row at shared offset R: signed weights 4t..4t+3 (lo) and
-// 16+4t..16+4t+3 (hi), i.e. decode_sub's q[t] and q[t + 4], and the sub-block's scale and minimum.
+// 16+4t..16+4t+3 (hi), i.e. decode_sub's q[t] and q[t + 4], and the sub-block's scale and minimum. The generic
+// types (MMA_GENERIC) decode the whole sub-block as their SIMT tiles do and keep words t and t + 4 (selected, not
+// indexed: a runtime index would put the words in local memory); the others below decode just the two words.
 template <int QT> __device__ __forceinline__ void decode_frag(u32 R, int s, u32 t, u32& lo, u32& hi, float& sc,
-                                                             float& mn);
+                                                             float& mn) {
+    static_assert(MMA_GENERIC(QT), "a type without its fragment decoder");
+    static_assert(XtTraits<QT>::MIN == DQ_NO_MIN && !XtTraits<QT>::IQ1 && XtTraits<QT>::WORDS == 8, "int8 codes");
+    XtW<QT> w;
+    decode_sub<QT>(R, s, w);
+    lo = t == 0u ? w.q[0] : t == 1u ? w.q[1] : t == 2u ? w.q[2] : w.q[3];
+    hi = t == 0u ? w.q[4] : t == 1u ? w.q[5] : t == 2u ? w.q[6] : w.q[7];
+    sc = w.scale;
+    mn = 0.0f;
+}
 
 template <> __device__ __forceinline__ void decode_frag<QT_Q8_0>(u32 R, int s, u32 t, u32& lo, u32& hi, float& sc,
                                                                  float& mn) {
@@ -343,11 +360,11 @@ __device__ __forceinline__ void mma_item(u32 sb, const int* __restrict__ pairs, 
     mma_sums<QT, KIN, GU>(sb, R, (warp >> 3) * MMA_MPW, (cnt + 15) >> 4, lane, v);
 }
 
-// The tiled kernels' loop: the IQ3_S grid table (one copy) at offset 0, then this block's items, a contiguous share
-// of them so that consecutive items share their tile (whose activations stay staged). An item is (tile, group of
-// output rows: 32 rows of gate and of up, or 64 down rows); for each whose tile has pairs, mma_item's sums v of this
-// warp over the group's weight rows (from the tile's slot; the second 32-row range off1 after the first), then
-// out(grp, p0, cnt, v) writes them.
+// The tiled kernels' loop: the IQ3_S grid table (one copy) or a generic type's table at offset 0, then this block's
+// items, a contiguous share of them so that consecutive items share their tile (whose activations stay staged). An
+// item is (tile, group of output rows: 32 rows of gate and of up, or 64 down rows); for each whose tile has pairs,
+// mma_item's sums v of this warp over the group's weight rows (from the tile's slot; the second 32-row range off1
+// after the first), then out(grp, p0, cnt, v) writes them.
 template <int QT, int KIN, bool GU, class Out>
 __device__ __forceinline__ void mma_items(const u8* __restrict__ pool, i64 slot_bytes, i64 off1,
                                           const int* __restrict__ pairs, const int* __restrict__ tiles,
@@ -358,7 +375,11 @@ __device__ __forceinline__ void mma_items(const u8* __restrict__ pool, i64 slot_
     constexpr int NGRP = (GU ? GU_ROWS : DN_ROWS) / GROWS;    // groups a tile
     const u32 sb = smem_base();
     const int items = clamp_pairs(n_tiles_p, max_tiles) * NGRP;
-    for (int e = threadIdx.x; e < 512; e += blockDim.x) reinterpret_cast<u32*>(g_smem)[e] = __ldg(grid_g + e);
+    if constexpr (TabSmem<QT>::ON) {
+        fill_tab<QT>(grid_g);  // grid_g: the table blob
+    } else {
+        for (int e = threadIdx.x; e < 512; e += blockDim.x) reinterpret_cast<u32*>(g_smem)[e] = __ldg(grid_g + e);
+    }
     const int b0 = (int)((i64)items * blockIdx.x / gridDim.x);
     const int b1 = (int)((i64)items * (blockIdx.x + 1) / gridDim.x);
     int staged = -1;  // the tile whose activations are in shared memory

@@ -43,7 +43,6 @@ VARIANTS = {  # Tuning overrides (lane/kernels/experts.py); tests/test_gpu_exper
     "iq3-slow": {"iq3_fast": 0},
     "gu8w": {"gu_warps": 8, "gu_min_blocks": 3},
     "gu32w": {"gu_warps": 32, "gu_min_blocks": 1},
-    "gu1b": {"gu_min_blocks": 1},  # 16 warps, one block an SM: 128 registers (F32's gate/up spills at 64)
     "deep": {"gu_stages": 2, "dn_stages": 4, "dn_rows": 8},
     "dn8r": {"dn_rows": 8},
     "mma-mpw1": {"mma_mpw": 1},  # tensor-core prompt tiles: 32 warps a block, one m-tile each
