@@ -125,10 +125,11 @@ agents)  # a3b IQ3_S: three conversations with 32K-token histories and four foll
 mixes)  # the engine bench on llama.cpp's iq3_s and q4_k_m mixes of the a3b shape: all resident at 1K / 32K, and the
         # iq3_s mix half resident at 1K (the targets: docs/perf-notes.md); on this tree, then on each tree
         # _ab*/ (scripts/ab_trees.sh) in turn, ROUNDS (1) times; MIXES (iq3_s q4_k_m) to choose
-    for mix in ${MIXES:-iq3_s q4_k_m}; do
+    for mix in ${MIXES:-iq3_s q4_k_m}; do  # the files made side by side (~60-75 s each)
         m=/tmp/a3b-mix-$mix.gguf
-        [ -f $m ] || python3 -m stratad.cli make-model --preset a3b --router-skew 1.0 --mix $mix --out $m | tail -1
+        [ -f $m ] || (python3 -m stratad.cli make-model --preset a3b --router-skew 1.0 --mix $mix --out $m | tail -1) &
     done
+    wait
     bus_read
     for round in $(seq "${ROUNDS:-1}"); do
         for tree in . _ab*; do
