@@ -22,6 +22,7 @@
 // 16-value halves have scales of their own: two mma a sub-block, the halves' integer sums weighted in integers) and
 // the generic types whose codes are whole int8 weights with one scale a sub-block and no minimum (MMA_GENERIC:
 // expert_term.cuh's decode); the rest take the SIMT tiles (experts.py: ExpertKernels.mma, MMA_TYPES).
+// (ggml's type codes: Q4_0 2, Q5_0 6, IQ2_XXS 16, IQ3_XXS 18, IQ4_NL 20, IQ4_XS 23, MXFP4 39)
 #define MMA_GENERIC(q) ((q) == 2 || (q) == 6 || (q) == 16 || (q) == 18 || (q) == 20 || (q) == 23 || (q) == 39)
 #define MMA_TYPE(q) \
     ((q) != UNTUNED && ((q) == QT_Q8_0 || (q) == QT_Q4_K || (q) == QT_IQ3_S || (q) == QT_Q6_K || MMA_GENERIC(q)))
