@@ -319,9 +319,11 @@ def test_misshaped_tensor(tmp_path, name, qtype, shape):
     assert open_error(p).problem == f"tensor {name} has shape {list(shape)}, expected {list(want)}"
 
 
-@pytest.mark.parametrize("qtype", [T.TQ1_0, T.TQ2_0, T.Q8_K], ids=["TQ1_0", "TQ2_0", "Q8_K"])
+@pytest.mark.parametrize("qtype", [T.TQ1_0, T.TQ2_0, T.Q8_K, T.NVFP4, T.Q1_0],
+                         ids=["TQ1_0", "TQ2_0", "Q8_K", "NVFP4", "Q1_0"])
 def test_unsupported_tensor_type(tmp_path, qtype):
-    """A type the model reader has no decoder for (written with GGUFWriter's raw_dtype): the error names it."""
+    """A type the model reader has no decoder for (written with GGUFWriter's raw_dtype): the error names it. NVFP4
+    and Q1_0 are llama.cpp's newest (file types 39 and 40), which gguf 0.19 reads."""
     name = "blk.1.ffn_down_exps.weight"
     block_values, block_bytes = GGML_QUANT_SIZES[qtype]
     nbytes = 16 * 256 * 256 // block_values * block_bytes
