@@ -1,7 +1,8 @@
 """GPU expert kernels on every expert type and on llama.cpp's gate/up + down mixes, against canonical.expert bit for
 bit: experts.cu's generic path (expert_term.cuh, host-checked by test_expert_term_host.py) for every type but the
-tuned IQ3_S / Q4_K / Q8_0 (tests/test_gpu_experts.py), in decode items and in prompt tiles (SIMT tiles for the
-generic types: tensor cores only where both types are tuned), pairs sharing experts, weights read over the bus.
+tuned IQ3_S / Q4_K / Q8_0 (tests/test_gpu_experts.py), in decode items and in prompt tiles (on int8 tensor
+cores where both types have int8 fragments and the tiles fit, else SIMT tiles), pairs sharing experts, weights read
+over the bus.
 
 On the device machine: `python3 -m pytest -q -m gpu tests/test_gpu_expert_types.py`. Without CuPy or a CUDA device
 the GPU tests skip; test_sources_build compiles each case's experts.cu here with NVRTC (slow: STRATAD_SLOW=1).
@@ -50,8 +51,8 @@ def _run(cp, gu, dn, d_model, d_ff, n_slots, n_tok, n_pairs, max_pairs, tiled, *
     rng = np.random.default_rng(zlib.crc32(f"{gu}{dn}{d_model}{tiled}{kw}".encode()))
     k = run_case(cp, rng, getattr(T, gu), getattr(T, dn), d_model, d_ff, n_slots, n_tok, n_pairs, max_pairs,
                  tiled=tiled, **kw)
-    # tensor-core tiles where both types have fragment decoders, the rows are whole 128s, the tuning asks for them
-    # and they fit this card's block (on an H100 / H200 Q6_K's gate/up of 2048 values does not: SIMT tiles)
+    # tensor-core tiles where both types have int8 fragments, the rows are whole 128s, the tuning asks for them and
+    # they fit this card's block (on an H100 / H200 gate/up of 2048 values in Q5_x, Q6_K or Q8_0 does not: SIMT)
     fits = max(mma_smem(k.qt_gu, d_model, True), mma_smem(k.qt_dn, d_ff, False)) <= card_smem(cp.cuda.Device())[0]
     mma = k.qt_gu in MMA_TYPES and k.qt_dn in MMA_TYPES and d_model % 128 == 0 and d_ff % 128 == 0 and fits
     assert k.mma == (mma and k.tuning.prompt == "mma" and "smem" not in kw)

@@ -154,8 +154,8 @@ KNOWN_FRAMES = {("experts.cu F32", "expert_gateup"): 8}
 @pytest.mark.parametrize("label", _expert_type_labels())
 def test_expert_kernels_build_for_every_type(nc, label):
     """The generic path (expert_term.cuh) builds for each type and mix as experts.py plans it, its decode kernels
-    without a stack frame (KNOWN_FRAMES aside); the tensor-core prompt kernels only where both types have fragment
-    decoders (the tuned ones, Q6_K and the generic int8-code types)."""
+    without a stack frame (KNOWN_FRAMES aside); the tensor-core prompt kernels, without one either, only where both
+    types have int8 fragments (every quantised type but IQ1_S / IQ1_M)."""
     _, filename, defines = next(b for b in nc.expert_type_builds() if b[0] == label)
     usage = nc.resource_usage(nc.build(nc.lib, filename, defines))
     assert {"expert_gateup", "expert_down", "expert_gateup_tiled", "expert_down_tiled"} <= set(usage)
@@ -167,3 +167,5 @@ def test_expert_kernels_build_for_every_type(nc, label):
     mma = {int(t) for t in MMA_TYPES}
     d = dict(defines)
     assert ("expert_gateup_mma" in usage) == (d["GU_QT"] in mma and d["DN_QT"] in mma)
+    frames = {k: v for k, v in usage.items() if k.endswith("_mma") and v[1]}  # 128 registers a thread at most
+    assert not frames, f"{label}: tensor-core tile kernels with a stack frame: {frames}"

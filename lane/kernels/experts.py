@@ -51,10 +51,10 @@ def _qtype(q):
 # types with decoders of their own in expert_decode.cuh (and tensor-core prompt tiles); every other type runs the
 # generic path (expert_term.cuh); those of MMA_TYPES on tensor-core prompt tiles too, the rest on SIMT ones
 TUNED = (_T.IQ3_S, _T.Q4_K, _T.Q8_0)
-# experts_mma.cuh's MMA_TYPE: decode_frag's types; the generic ones (MMA_GENERIC) are those whose codes are whole
-# int8 weights, one scale a sub-block, no minimum
-MMA_TYPES = TUNED + (_T.Q6_K, _T.Q4_0, _T.Q5_0, _T.IQ2_XXS, _T.IQ3_XXS, _T.IQ4_NL, _T.IQ4_XS, _T.MXFP4)
+# experts_mma.cuh's MMA_TYPE: every quantised type but IQ1_S / IQ1_M (their generic decode keeps the grid's g apart
+# from the deltas); FLOATS' views are int16
 FLOATS = (_T.F32, _T.F16, _T.BF16)
+MMA_TYPES = tuple(t for t in EXPERT_TYPES if t not in (_T.IQ1_S, _T.IQ1_M) + FLOATS)
 # generic types whose decode reads decode.cuh's table blob, and the table each reads (a copy of that part at shared
 # offset 0: expert_decode.cuh's TabSmem)
 TABLE_PARTS = {_T.IQ2_XXS: "IQ2XXS", _T.IQ2_XS: "IQ2XS", _T.IQ2_S: "IQ2S", _T.IQ3_XXS: "IQ3XXS", _T.IQ1_S: "IQ1",
@@ -614,7 +614,6 @@ class ExpertKernels:
 MAX_SOURCES = 8  # expert_pairs.cuh's MAX_SOURCES
 TILE_P = Tuning.tile_p  # the default simt tile (experts.cu's TILE_P is the tuning's)
 MMA_TILE = 64  # experts_mma.cuh's MMA_M
-MMA_TABLE = 2048  # experts_mma.cuh's MMA_TBL
 
 
 def mma_smem(qt, kin: int, gate_up: bool) -> int:
@@ -623,7 +622,7 @@ def mma_smem(qt, kin: int, gate_up: bool) -> int:
     chb = (32 * rb + 14 + 15) // 16 * 16 + 16
     fin = MMA_TILE * 65 * 4
     wreg = fin if gate_up and fin > 2 * chb else 2 * chb
-    return MMA_TABLE + MMA_TILE * (kin + 16) + MMA_TILE * (nsub + 4) * 4 + wreg
+    return table_bytes(qt, 0) + MMA_TILE * (kin + 16) + MMA_TILE * (nsub + 4) * 4 + wreg
 
 
 def leaf_fold_ref(terms: np.ndarray) -> np.ndarray:

@@ -18,16 +18,19 @@
 // more warps to hide latency). The tile's activation rows (int8 and scales) are
 // staged once and kept while a block's items (a contiguous range) stay on the same tile.
 
-// Tensor-core tiles for the types decode_frag exists for (their codes are int8): the tuned ones, Q6_K (whose
-// 16-value halves have scales of their own: two mma a sub-block, the halves' integer sums weighted in integers) and
-// the generic types whose codes are whole int8 weights with one scale a sub-block and no minimum (MMA_GENERIC:
-// expert_term.cuh's decode); the rest take the SIMT tiles (experts.py: ExpertKernels.mma, MMA_TYPES).
-// (ggml's type codes: Q4_0 2, Q5_0 6, IQ2_XXS 16, IQ3_XXS 18, IQ4_NL 20, IQ4_XS 23, MXFP4 39)
-#define MMA_GENERIC(q) ((q) == 2 || (q) == 6 || (q) == 16 || (q) == 18 || (q) == 20 || (q) == 23 || (q) == 39)
+// Tensor-core tiles for every quantised type but IQ1_S / IQ1_M (ggml's codes 19 and 29: their generic decode keeps
+// the grid's g apart from the deltas, expert_term.cuh) and the float types (0, 1, 30: int16 views). A sub-block's
+// codes are int8 for all of them; what the view adds is handled per element with the canonical term's operations:
+// types whose 16-value halves have integer folds of their own (MmaFolds: Q2_K, Q3_K, Q6_K, IQ2_XS, IQ2_S) take two
+// mma a sub-block, one a half, and weight the halves' integer sums in integers; types with a minimum subtract
+// (minimum * d_act) * msum, msum formed from the activation fragment's own integer sums (per half where the minimum
+// is weighted per half: Q2_K). The tuned types and Q6_K decode just their two words (decode_frag below), the rest
+// the whole sub-block through expert_term.cuh (experts.py: ExpertKernels.mma, MMA_TYPES).
 #define MMA_TYPE(q) \
-    ((q) != UNTUNED && ((q) == QT_Q8_0 || (q) == QT_Q4_K || (q) == QT_IQ3_S || (q) == QT_Q6_K || MMA_GENERIC(q)))
-// a type whose canonical isum weights its two 16-value halves (fold0, fold1: Q6_K's int8 scales)
-template <int QT> struct MmaHalves { static constexpr bool value = QT == QT_Q6_K; };
+    ((q) != UNTUNED && (q) != 0 && (q) != 1 && (q) != 30 && (q) != 19 && (q) != 29)
+template <int QT> struct MmaFolds {
+    static constexpr bool value = QT == 10 || QT == 11 || QT == QT_Q6_K || QT == 17 || QT == 22;
+};
 #if GU_KIN % 128 == 0 && DN_KIN % 128 == 0 && DN_ROWS % 64 == 0 && MMA_TYPE(GU_QT) && MMA_TYPE(DN_QT)
 #define MMA_TILES 1
 
@@ -38,10 +41,11 @@ constexpr int MMA_M = 64;                     // pairs per tile (4 m-tiles of 16
 constexpr int MMA_WARPS = 8 * (4 / MMA_MPW);  // warp w: n-tile w % 8, m-tiles (w / 8) * MMA_MPW ... + MMA_MPW - 1
 constexpr int MMA_NE = 4 * MMA_MPW;           // fragment elements a thread sums
 static_assert(MMA_MPW == 1 || MMA_MPW == 2 || MMA_MPW == 4, "MMA_MPW: m-tiles per warp, 1, 2 or 4");
-// the IQ3_S grid table at offset 0, one copy (decode_frag reads it as decode_sub does), or a generic type's part of
-// the table blob (as the SIMT kernels hold it: TabSmem, at most IQ2_XXS's 2 KB)
-constexpr int MMA_TBL = 2048;
-static_assert(TabSmem<GU_QT>::BYTES <= MMA_TBL && TabSmem<DN_QT>::BYTES <= MMA_TBL, "a table past MMA_TBL");
+// shared bytes at offset 0 of a tile kernel reading weights of type QT: the IQ3_S grid, one copy (decode_frag reads
+// it as decode_sub does), a generic type's part of the table blob (as its SIMT kernels hold it: TabSmem), or none
+template <int QT> struct MmaTbl {
+    static constexpr int BYTES = QT == QT_IQ3_S ? 512 * 4 : TabSmem<QT>::BYTES;
+};
 
 template <int QT, int KIN, bool GU> struct MmaGeom {
     static constexpr int NSUB = KIN / 32;
@@ -52,7 +56,7 @@ template <int QT, int KIN, bool GU> struct MmaGeom {
     static constexpr int CHB = (32 * RB + 14 + 15) / 16 * 16 + 16;  // one staged 32-row range (+16: over-read)
     static constexpr int FIN = MMA_M * 65 * 4; // gate/up: the item's 64 x 64 results, aliasing the weights
     static constexpr int WREG = (GU && FIN > 2 * CHB) ? FIN : 2 * CHB;
-    static constexpr int O_A = MMA_TBL;
+    static constexpr int O_A = MmaTbl<QT>::BYTES;
     static constexpr int O_D = O_A + MMA_M * AST;
     static constexpr int O_W = O_D + MMA_M * DST * 4;
     static constexpr int SMEM = O_W + WREG;
@@ -79,49 +83,57 @@ __device__ __forceinline__ void mma_s8(const u32 (&a)[4], u32 b0, u32 b1, int (&
 }
 
 // This thread's B fragment of sub-block s of the row at shared offset R: signed weights 4t..4t+3 (lo) and
-// 16+4t..16+4t+3 (hi), i.e. decode_sub's q[t] and q[t + 4], and the sub-block's scale and minimum. The generic
-// types (MMA_GENERIC) decode the whole sub-block as their SIMT tiles do and keep words t and t + 4 (selected, not
-// indexed: a runtime index would put the words in local memory); the others below decode just the two words.
-template <int QT> __device__ __forceinline__ void decode_frag(u32 R, int s, u32 t, u32& lo, u32& hi, float& sc,
-                                                             float& mn) {
-    static_assert(MMA_GENERIC(QT), "a type without its fragment decoder");
-    static_assert(XtTraits<QT>::MIN == DQ_NO_MIN && !XtTraits<QT>::IQ1 && XtTraits<QT>::WORDS == 8, "int8 codes");
+// 16+4t..16+4t+3 (hi), i.e. decode_sub's q[t] and q[t + 4], and the sub-block's numbers (the view's scale, minimum,
+// and each half's fold and minimum weight; only those its type has are set). The generic types decode the whole
+// sub-block as their SIMT tiles do and keep words t and t + 4 (selected, not indexed: a runtime index would put
+// the words in local memory); the others below decode just the two words.
+struct FragSub {
+    u32 lo, hi;
+    float sc, mn;
+    int f0, f1, w0, w1;
+};
+
+template <int QT> __device__ __forceinline__ void decode_frag(u32 R, int s, u32 t, FragSub& f) {
+    static_assert(MMA_TYPE(QT) && !XtTraits<QT>::IQ1 && XtTraits<QT>::WORDS == 8, "int8 codes");
     XtW<QT> w;
     decode_sub<QT>(R, s, w);
-    lo = t == 0u ? w.q[0] : t == 1u ? w.q[1] : t == 2u ? w.q[2] : w.q[3];
-    hi = t == 0u ? w.q[4] : t == 1u ? w.q[5] : t == 2u ? w.q[6] : w.q[7];
-    sc = w.scale;
-    mn = 0.0f;
+    f.lo = t == 0u ? w.q[0] : t == 1u ? w.q[1] : t == 2u ? w.q[2] : w.q[3];
+    f.hi = t == 0u ? w.q[4] : t == 1u ? w.q[5] : t == 2u ? w.q[6] : w.q[7];
+    f.sc = w.scale;
+    if constexpr (DqTraits<QT>::MIN != DQ_NO_MIN) f.mn = w.minimum;
+    if constexpr (MmaFolds<QT>::value) {
+        f.f0 = w.fold[0];
+        f.f1 = w.fold[1];
+    }
+    if constexpr (DqTraits<QT>::MIN == DQ_MIN_WEIGHTED) {
+        f.w0 = w.mw[0];
+        f.w1 = w.mw[1];
+    }
 }
 
-template <> __device__ __forceinline__ void decode_frag<QT_Q8_0>(u32 R, int s, u32 t, u32& lo, u32& hi, float& sc,
-                                                                 float& mn) {
+template <> __device__ __forceinline__ void decode_frag<QT_Q8_0>(u32 R, int s, u32 t, FragSub& f) {
     const u32 B = R + 34u * (u32)s;  // 2-aligned
-    sc = h2f(sm_u16(B));
-    mn = 0.0f;
+    f.sc = h2f(sm_u16(B));
     const u32 o = B + 2u + 4u * t;
-    lo = sm_u16(o) | (sm_u16(o + 2u) << 16);
-    hi = sm_u16(o + 16u) | (sm_u16(o + 18u) << 16);
+    f.lo = sm_u16(o) | (sm_u16(o + 2u) << 16);
+    f.hi = sm_u16(o + 16u) | (sm_u16(o + 18u) << 16);
 }
 
-template <> __device__ __forceinline__ void decode_frag<QT_Q4_K>(u32 R, int s, u32 t, u32& lo, u32& hi, float& sc,
-                                                                 float& mn) {
+template <> __device__ __forceinline__ void decode_frag<QT_Q4_K>(u32 R, int s, u32 t, FragSub& f) {
     const u32 j = (u32)s & 7u;
     const u32 B = R + 144u * ((u32)s >> 3);  // 16-aligned
-    q4k_scale_min(B, j, sc, mn);
+    q4k_scale_min(B, j, f.sc, f.mn);
     const u32 qo = B + 16u + 32u * (j >> 1), nsh = 4u * (j & 1u);
-    lo = (sm_u32(qo + 4u * t) >> nsh) & 0x0f0f0f0fu;
-    hi = (sm_u32(qo + 16u + 4u * t) >> nsh) & 0x0f0f0f0fu;
+    f.lo = (sm_u32(qo + 4u * t) >> nsh) & 0x0f0f0f0fu;
+    f.hi = (sm_u32(qo + 16u + 4u * t) >> nsh) & 0x0f0f0f0fu;
 }
 
-template <> __device__ __forceinline__ void decode_frag<QT_IQ3_S>(u32 R, int s, u32 t, u32& lo, u32& hi, float& sc,
-                                                                  float& mn) {
+template <> __device__ __forceinline__ void decode_frag<QT_IQ3_S>(u32 R, int s, u32 t, FragSub& f) {
     const u32 j = (u32)s & 7u;
     const u32 B = R + 110u * ((u32)s >> 3);  // 2-aligned
     const float d = h2f(sm_u16(B));
     const u32 nib = (sm_u8(B + 106u + (j >> 1)) >> (4u * (j & 1u))) & 15u;
-    sc = f_mul(d, small_i2f((int)(1u + 2u * nib)));
-    mn = 0.0f;
+    f.sc = f_mul(d, small_i2f((int)(1u + 2u * nib)));
     const u32 qh = sm_u8(B + 66u + j);
     u32 q[2];
 #pragma unroll
@@ -132,18 +144,18 @@ template <> __device__ __forceinline__ void decode_frag<QT_IQ3_S>(u32 R, int s, 
         const u32 sg = (sm_u8(B + 74u + 4u * j + (k >> 1)) >> (4u * (k & 1u))) & 15u;
         q[h] = xt_signed(mag, sg);
     }
-    lo = q[0];
-    hi = q[1];
+    f.lo = q[0];
+    f.hi = q[1];
 }
 
 // Q6_K: code = (4 low bits of ql | 2 high bits of qh << 4) - 32, four a word (a byte v in 0..63: (v + 0x60) ^ 0x80,
-// no carries); the scale d, and the halves' folds returned in sc / mn's place by mma_frag (as ints)
-__device__ __forceinline__ void q6k_frag(u32 R, int s, u32 t, u32& lo, u32& hi, float& d, int& f0, int& f1) {
+// no carries); the scale d, the halves' folds their int8 scales
+template <> __device__ __forceinline__ void decode_frag<QT_Q6_K>(u32 R, int s, u32 t, FragSub& f) {
     const u32 j = (u32)s & 7u, g = j >> 2, r = j & 3u;
     const u32 B = R + 210u * ((u32)s >> 3);  // 2-aligned
-    d = h2f(sm_u16(B + 208u));
-    f0 = (int)(signed char)sm_u8(B + 192u + 2u * j);
-    f1 = (int)(signed char)sm_u8(B + 193u + 2u * j);
+    f.sc = h2f(sm_u16(B + 208u));
+    f.f0 = (int)(signed char)sm_u8(B + 192u + 2u * j);
+    f.f1 = (int)(signed char)sm_u8(B + 193u + 2u * j);
     u32 q[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {  // values 16 h + 4t .. + 3
@@ -153,8 +165,8 @@ __device__ __forceinline__ void q6k_frag(u32 R, int s, u32 t, u32& lo, u32& hi, 
         const u32 top = ((sm_u16(qh) | (sm_u16(qh + 2u) << 16)) >> (2u * r)) & 0x03030303u;
         q[h] = ((nib | (top << 4)) + 0x60606060u) ^ 0x80808080u;
     }
-    lo = q[0];
-    hi = q[1];
+    f.lo = q[0];
+    f.hi = q[1];
 }
 
 #ifndef MMA_PREFETCH
@@ -165,32 +177,38 @@ __device__ __forceinline__ void q6k_frag(u32 R, int s, u32 t, u32& lo, u32& hi, 
 #endif
 constexpr int MMA_LEAF_UNROLL = MMA_UNROLL;  // leaves a loop iteration: two give the scheduler independent work
 
-// A warp's weight fragment of one sub-block, with the scales (and minimums) of the thread's two output columns: those
-// of rows 2t and 2t + 1, decoded by lanes 8t and 8t + 4
+// A warp's weight fragment of one sub-block, with the numbers of the thread's two output columns (rows 2t and
+// 2t + 1, decoded by lanes 8t and 8t + 4): scales, and where the type has them minimums, folds (f<column><half>)
+// and minimum weights (w<column><half>)
 struct MmaFrag {
     u32 b0, b1;
     float sc0, sc1, mn0, mn1;
-    int f00, f01, f10, f11;  // MmaHalves: fold of column 0 / 1's half 0 / 1
+    int f00, f01, f10, f11, w00, w01, w10, w11;
 };
 
 template <int QT> __device__ __forceinline__ void mma_frag(u32 R, int s, u32 t, MmaFrag& f) {
-    float sc, mn = 0.0f;
-    if constexpr (MmaHalves<QT>::value) {
-        int h0, h1;
-        q6k_frag(R, s, t, f.b0, f.b1, sc, h0, h1);
-        f.f00 = __shfl_sync(FULL_MASK, h0, 8 * t);
-        f.f01 = __shfl_sync(FULL_MASK, h1, 8 * t);
-        f.f10 = __shfl_sync(FULL_MASK, h0, 8 * t + 4);
-        f.f11 = __shfl_sync(FULL_MASK, h1, 8 * t + 4);
-    } else {
-        decode_frag<QT>(R, s, t, f.b0, f.b1, sc, mn);
+    FragSub d;
+    decode_frag<QT>(R, s, t, d);
+    f.b0 = d.lo;
+    f.b1 = d.hi;
+    const int c0 = 8 * t, c1 = 8 * t + 4;
+    f.sc0 = __shfl_sync(FULL_MASK, d.sc, c0);
+    f.sc1 = __shfl_sync(FULL_MASK, d.sc, c1);
+    if constexpr (DqTraits<QT>::MIN != DQ_NO_MIN) {
+        f.mn0 = __shfl_sync(FULL_MASK, d.mn, c0);
+        f.mn1 = __shfl_sync(FULL_MASK, d.mn, c1);
     }
-    f.sc0 = __shfl_sync(FULL_MASK, sc, 8 * t);
-    f.sc1 = __shfl_sync(FULL_MASK, sc, 8 * t + 4);
-    f.mn0 = f.mn1 = 0.0f;
-    if (QT == QT_Q4_K) {  // the only type with minimums
-        f.mn0 = __shfl_sync(FULL_MASK, mn, 8 * t);
-        f.mn1 = __shfl_sync(FULL_MASK, mn, 8 * t + 4);
+    if constexpr (MmaFolds<QT>::value) {
+        f.f00 = __shfl_sync(FULL_MASK, d.f0, c0);
+        f.f01 = __shfl_sync(FULL_MASK, d.f1, c0);
+        f.f10 = __shfl_sync(FULL_MASK, d.f0, c1);
+        f.f11 = __shfl_sync(FULL_MASK, d.f1, c1);
+    }
+    if constexpr (DqTraits<QT>::MIN == DQ_MIN_WEIGHTED) {
+        f.w00 = __shfl_sync(FULL_MASK, d.w0, c0);
+        f.w01 = __shfl_sync(FULL_MASK, d.w1, c0);
+        f.w10 = __shfl_sync(FULL_MASK, d.w0, c1);
+        f.w11 = __shfl_sync(FULL_MASK, d.w1, c1);
     }
 }
 
@@ -250,7 +268,7 @@ __device__ __forceinline__ void mma_leaves(u32 sb, u32 R, int mt0, int nmt, int 
             for (int e = 0; e < MMA_NE; ++e) term[e] = 0.0f;
             if (s < G::NSUB) {  // warp-uniform
                 const u32 b0 = fr[i].b0, b1 = fr[i].b1;
-                const float sc0 = fr[i].sc0, sc1 = fr[i].sc1, mn0 = fr[i].mn0, mn1 = fr[i].mn1;
+                const float sc0 = fr[i].sc0, sc1 = fr[i].sc1;
 #pragma unroll
                 for (int mt = 0; mt < MMA_MPW; ++mt) {
                     if (FULL || mt0 + mt < nmt) {  // warp-uniform
@@ -258,11 +276,11 @@ __device__ __forceinline__ void mma_leaves(u32 sb, u32 R, int mt0, int nmt, int 
                         ldsm_x4(a_row + (u32)((mt0 + mt) * 16 * G::AST + 32 * s), a);
                         const int m0 = (mt0 + mt) * 16 + (int)g;
                         const float d0 = das[m0 * G::DST + s], d1 = das[(m0 + 8) * G::DST + s];
-                        if constexpr (MmaHalves<QT>::value) {  // isum = fold0 (half 0's sum) + fold1 (half 1's):
+                        const MmaFrag& F = fr[i];
+                        if constexpr (MmaFolds<QT>::value) {  // isum = fold0 (half 0's sum) + fold1 (half 1's):
                             int c[4], h[4];  // |isum| < 2^24 (docs/quant-types.md), so its float is exact
                             mma_s8(a, b0, 0u, c);
                             mma_s8(a, 0u, b1, h);
-                            const MmaFrag& F = fr[i];
                             term[mt * 4 + 0] = f_mul(f_mul(sc0, d0), __int2float_rn(F.f00 * c[0] + F.f01 * h[0]));
                             term[mt * 4 + 1] = f_mul(f_mul(sc1, d0), __int2float_rn(F.f10 * c[1] + F.f11 * h[1]));
                             term[mt * 4 + 2] = f_mul(f_mul(sc0, d1), __int2float_rn(F.f00 * c[2] + F.f01 * h[2]));
@@ -275,17 +293,35 @@ __device__ __forceinline__ void mma_leaves(u32 sb, u32 R, int mt0, int nmt, int 
                             term[mt * 4 + 2] = f_mul(f_mul(sc0, d1), small_i2f(c[2]));
                             term[mt * 4 + 3] = f_mul(f_mul(sc1, d1), small_i2f(c[3]));
                         }
-                        if (QT == QT_Q4_K) {  // - (minimum * d_act) * (sum of the activation's integers)
-                            int s0 = __dp4a((int)a[2], 0x01010101, __dp4a((int)a[0], 0x01010101, 0));
-                            int s1 = __dp4a((int)a[3], 0x01010101, __dp4a((int)a[1], 0x01010101, 0));
-                            s0 += __shfl_xor_sync(FULL_MASK, s0, 1);
-                            s1 += __shfl_xor_sync(FULL_MASK, s1, 1);
-                            s0 += __shfl_xor_sync(FULL_MASK, s0, 2);
-                            s1 += __shfl_xor_sync(FULL_MASK, s1, 2);
-                            term[mt * 4 + 0] = f_sub(term[mt * 4 + 0], f_mul(f_mul(mn0, d0), small_i2f(s0)));
-                            term[mt * 4 + 1] = f_sub(term[mt * 4 + 1], f_mul(f_mul(mn1, d0), small_i2f(s0)));
-                            term[mt * 4 + 2] = f_sub(term[mt * 4 + 2], f_mul(f_mul(mn0, d1), small_i2f(s1)));
-                            term[mt * 4 + 3] = f_sub(term[mt * 4 + 3], f_mul(f_mul(mn1, d1), small_i2f(s1)));
+                        if constexpr (DqTraits<QT>::MIN != DQ_NO_MIN) {  // - (minimum * d_act) * msum
+                            // the activation's integer sums of rows g (a0: half 0, a2: half 1) and g + 8 (a1, a3)
+                            // over the four lanes of a row; msum = their total, or each half's times its weight
+                            int s0 = __dp4a((int)a[0], 0x01010101, 0), s1 = __dp4a((int)a[1], 0x01010101, 0);
+                            int u0 = __dp4a((int)a[2], 0x01010101, 0), u1 = __dp4a((int)a[3], 0x01010101, 0);
+                            if constexpr (DqTraits<QT>::MIN == DQ_MIN) {
+                                s0 += u0;
+                                s1 += u1;
+                            }
+#pragma unroll
+                            for (int o = 1; o <= 2; o <<= 1) {
+                                s0 += __shfl_xor_sync(FULL_MASK, s0, o);
+                                s1 += __shfl_xor_sync(FULL_MASK, s1, o);
+                                if constexpr (DqTraits<QT>::MIN == DQ_MIN_WEIGHTED) {
+                                    u0 += __shfl_xor_sync(FULL_MASK, u0, o);
+                                    u1 += __shfl_xor_sync(FULL_MASK, u1, o);
+                                }
+                            }
+                            int m00 = s0, m10 = s0, m01 = s1, m11 = s1;  // m<column><row>
+                            if constexpr (DqTraits<QT>::MIN == DQ_MIN_WEIGHTED) {
+                                m00 = F.w00 * s0 + F.w01 * u0;
+                                m10 = F.w10 * s0 + F.w11 * u0;
+                                m01 = F.w00 * s1 + F.w01 * u1;
+                                m11 = F.w10 * s1 + F.w11 * u1;
+                            }
+                            term[mt * 4 + 0] = f_sub(term[mt * 4 + 0], f_mul(f_mul(F.mn0, d0), small_i2f(m00)));
+                            term[mt * 4 + 1] = f_sub(term[mt * 4 + 1], f_mul(f_mul(F.mn1, d0), small_i2f(m10)));
+                            term[mt * 4 + 2] = f_sub(term[mt * 4 + 2], f_mul(f_mul(F.mn0, d1), small_i2f(m01)));
+                            term[mt * 4 + 3] = f_sub(term[mt * 4 + 3], f_mul(f_mul(F.mn1, d1), small_i2f(m11)));
                         }
                     }
                 }
@@ -361,7 +397,7 @@ __device__ __forceinline__ void mma_item(u32 sb, const int* __restrict__ pairs, 
     mma_sums<QT, KIN, GU>(sb, R, (warp >> 3) * MMA_MPW, (cnt + 15) >> 4, lane, v);
 }
 
-// The tiled kernels' loop: the IQ3_S grid table (one copy) or a generic type's table at offset 0, then this block's
+// The tiled kernels' loop: the type's table at offset 0 (MmaTbl), then this block's
 // items, a contiguous share of them so that consecutive items share their tile (whose activations stay staged). An
 // item is (tile, group of output rows: 32 rows of gate and of up, or 64 down rows); for each whose tile has pairs,
 // mma_item's sums v of this warp over the group's weight rows (from the tile's slot; the second 32-row range off1
@@ -378,8 +414,9 @@ __device__ __forceinline__ void mma_items(const u8* __restrict__ pool, i64 slot_
     const int items = clamp_pairs(n_tiles_p, max_tiles) * NGRP;
     if constexpr (TabSmem<QT>::ON) {
         fill_tab<QT>(grid_g);  // grid_g: the table blob
-    } else {
-        for (int e = threadIdx.x; e < 512; e += blockDim.x) reinterpret_cast<u32*>(g_smem)[e] = __ldg(grid_g + e);
+    } else if constexpr (QT == QT_IQ3_S) {
+        for (int e = threadIdx.x; e < MmaTbl<QT>::BYTES / 4; e += blockDim.x)
+            reinterpret_cast<u32*>(g_smem)[e] = __ldg(grid_g + e);
     }
     const int b0 = (int)((i64)items * blockIdx.x / gridDim.x);
     const int b1 = (int)((i64)items * (blockIdx.x + 1) / gridDim.x);
