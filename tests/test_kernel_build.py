@@ -155,7 +155,7 @@ KNOWN_FRAMES = {("experts.cu F32", "expert_gateup"): 8}
 def test_expert_kernels_build_for_every_type(nc, label):
     """The generic path (expert_term.cuh) builds for each type and mix as experts.py plans it, its decode kernels
     without a stack frame (KNOWN_FRAMES aside); the tensor-core prompt kernels, without one either, only where both
-    types have int8 fragments (every quantised type but IQ1_S / IQ1_M)."""
+    types have int8 fragments (every quantised type)."""
     _, filename, defines = next(b for b in nc.expert_type_builds() if b[0] == label)
     usage = nc.resource_usage(nc.build(nc.lib, filename, defines))
     assert {"expert_gateup", "expert_down", "expert_gateup_tiled", "expert_down_tiled"} <= set(usage)

@@ -51,10 +51,9 @@ def _qtype(q):
 # types with decoders of their own in expert_decode.cuh (and tensor-core prompt tiles); every other type runs the
 # generic path (expert_term.cuh); those of MMA_TYPES on tensor-core prompt tiles too, the rest on SIMT ones
 TUNED = (_T.IQ3_S, _T.Q4_K, _T.Q8_0)
-# experts_mma.cuh's MMA_TYPE: every quantised type but IQ1_S / IQ1_M (their generic decode keeps the grid's g apart
-# from the deltas); FLOATS' views are int16
+# experts_mma.cuh's MMA_TYPE: every quantised type (int8 codes); FLOATS' views are int16
 FLOATS = (_T.F32, _T.F16, _T.BF16)
-MMA_TYPES = tuple(t for t in EXPERT_TYPES if t not in (_T.IQ1_S, _T.IQ1_M) + FLOATS)
+MMA_TYPES = tuple(t for t in EXPERT_TYPES if t not in FLOATS)
 # generic types whose decode reads decode.cuh's table blob, and the table each reads (a copy of that part at shared
 # offset 0: expert_decode.cuh's TabSmem)
 TABLE_PARTS = {_T.IQ2_XXS: "IQ2XXS", _T.IQ2_XS: "IQ2XS", _T.IQ2_S: "IQ2S", _T.IQ3_XXS: "IQ3XXS", _T.IQ1_S: "IQ1",

@@ -18,18 +18,17 @@
 // more warps to hide latency). The tile's activation rows (int8 and scales) are
 // staged once and kept while a block's items (a contiguous range) stay on the same tile.
 
-// Tensor-core tiles for every quantised type but IQ1_S / IQ1_M (ggml's codes 19 and 29: their generic decode keeps
-// the grid's g apart from the deltas, expert_term.cuh) and the float types (0, 1, 30: int16 views). A sub-block's
-// codes are int8 for all of them; what the view adds is handled per element with the canonical term's operations:
-// types whose 16-value halves have integer folds of their own (MmaFolds: Q2_K, Q3_K, Q6_K, IQ2_XS, IQ2_S) take two
+// Tensor-core tiles for every quantised type; not the float types (ggml's codes 0, 1, 30: their views are int16). A
+// sub-block's codes are int8 for all of them (IQ1_S / IQ1_M's 8 g + delta formed from the generic decode's g and
+// delta signs); what the view adds is handled per element with the canonical term's operations:
+// types whose 16-value halves have integer folds of their own (MmaFolds: Q2_K, Q3_K, Q6_K, IQ2_XS, IQ2_S, IQ1_M) take two
 // mma a sub-block, one a half, and weight the halves' integer sums in integers; types with a minimum subtract
 // (minimum * d_act) * msum, msum formed from the activation fragment's own integer sums (per half where the minimum
 // is weighted per half: Q2_K). The tuned types and Q6_K decode just their two words (decode_frag below), the rest
 // the whole sub-block through expert_term.cuh (experts.py: ExpertKernels.mma, MMA_TYPES).
-#define MMA_TYPE(q) \
-    ((q) != UNTUNED && (q) != 0 && (q) != 1 && (q) != 30 && (q) != 19 && (q) != 29)
+#define MMA_TYPE(q) ((q) != UNTUNED && (q) != 0 && (q) != 1 && (q) != 30)
 template <int QT> struct MmaFolds {
-    static constexpr bool value = QT == 10 || QT == 11 || QT == QT_Q6_K || QT == 17 || QT == 22;
+    static constexpr bool value = QT == 10 || QT == 11 || QT == QT_Q6_K || QT == 17 || QT == 22 || QT == 29;
 };
 #if GU_KIN % 128 == 0 && DN_KIN % 128 == 0 && DN_ROWS % 64 == 0 && MMA_TYPE(GU_QT) && MMA_TYPE(DN_QT)
 #define MMA_TILES 1
@@ -94,11 +93,17 @@ struct FragSub {
 };
 
 template <int QT> __device__ __forceinline__ void decode_frag(u32 R, int s, u32 t, FragSub& f) {
-    static_assert(MMA_TYPE(QT) && !XtTraits<QT>::IQ1 && XtTraits<QT>::WORDS == 8, "int8 codes");
+    static_assert(MMA_TYPE(QT) && XtTraits<QT>::WORDS == 8, "int8 codes");
     XtW<QT> w;
     decode_sub<QT>(R, s, w);
     f.lo = t == 0u ? w.q[0] : t == 1u ? w.q[1] : t == 2u ? w.q[2] : w.q[3];
     f.hi = t == 0u ? w.q[4] : t == 1u ? w.q[5] : t == 2u ? w.q[6] : w.q[7];
+    if constexpr (XtTraits<QT>::IQ1) {  // code 8 g + delta a byte: g (-1, 0, 1) shifted bytewise (the bits a byte
+        // shifts into the next are masked off), then the delta of the values' 8-group (lo: group t / 2, hi: 2 + t / 2)
+        const u32 dl = (w.delta >> (t >> 1)) & 1u, dh = (w.delta >> (2u + (t >> 1))) & 1u;
+        f.lo = __vadd4((f.lo << 3) & 0xf8f8f8f8u, dl ? 0xffffffffu : 0x01010101u);
+        f.hi = __vadd4((f.hi << 3) & 0xf8f8f8f8u, dh ? 0xffffffffu : 0x01010101u);
+    }
     f.sc = w.scale;
     if constexpr (DqTraits<QT>::MIN != DQ_NO_MIN) f.mn = w.minimum;
     if constexpr (MmaFolds<QT>::value) {
