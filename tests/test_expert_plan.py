@@ -28,9 +28,10 @@ def test_the_plan_fits_the_cards_shared_memory(qt, card):
     assert k.gu_grid == n_sm * k.gu_blocks
     h200 = ExpertKernels.planned(2048, 768, gu, dn or gu)
     assert k.gu_stages <= h200.gu_stages and k.dn_stages <= h200.dn_stages  # fewer stages where less fits
-    assert k.simt_tile <= h200.simt_tile and k.tile_p in (4, 8, 16, 64)
-    if card == "rtx":
-        assert not k.mma  # the tensor-core prompt tiles need more: prompts take the SIMT tiles (same bits)
+    assert k.simt_tile <= h200.simt_tile and k.tile_p in (4, 8, 16, 32, 64)
+    if k.mma:  # tensor-core tiles of as many 16-pair m-tiles as fit the block (fewer than the H200's where less does)
+        assert max(k.mma_gu_smem, k.mma_dn_smem) <= smem[0] and k.tile_p == 16 * k.mma_mt <= h200.tile_p
+        assert k.mma_mt % k.mma_mpw == 0
 
 
 def test_f32_down_on_a_99_kb_card_is_refused_naming_the_type_and_the_limit():
@@ -80,3 +81,22 @@ def test_f32_gate_up_runs_one_block_an_sm_for_its_registers():
     for qt in ("F16", "Q4_K", "IQ2_S", "IQ1_S"):
         assert ExpertKernels.planned(2048, 768, qt, qt).gu_blocks == 2
     assert ExpertKernels.planned(2048, 768, "F32", "F16", tuning=Tuning(gu_warps=8, gu_min_blocks=3)).gu_blocks == 2
+
+
+@pytest.mark.parametrize("shape,qt,mt", [
+    ((2048, 768), "IQ3_S", 4), ((2048, 768), "Q4_K+Q6_K", 4), ((2048, 768), "Q5_K+Q6_K", 2), ((2048, 768), "Q6_K", 2),
+    ((2048, 768), "Q8_0", 2), ((2048, 768), "F16", 0), ((4096, 1536), "Q4_K+Q6_K", 1), ((4096, 1536), "Q8_0", 0),
+    ((6144, 2560), "IQ1_S+Q2_K", 1)])
+def test_tensor_core_tiles_take_as_many_pairs_as_fit(shape, qt, mt):
+    """An H200's prompt tiles: 64 pairs where their activation rows fit a block beside two 32-row ranges of gate and
+    up, else 32 or 16 (a3b's Q5_x / Q6_K / Q8_0 gate/up, the 235B shape's), else none (SIMT tiles); the warps'
+    m-tiles divide the tile's."""
+    gu, _, dn = qt.partition("+")
+    k = ExpertKernels.planned(*shape, gu, dn or gu)
+    assert k.mma_mt == mt and k.mma == (mt > 0)
+    assert k.tile_p == (16 * mt if mt else k.simt_tile)
+    if mt:
+        assert max(k.mma_gu_smem, k.mma_dn_smem) <= H200_SMEM_BLOCK and mt % k.mma_mpw == 0
+        assert ("MMA_MT", mt) in k.defines and ("MMA_MPW", k.mma_mpw) in k.defines
+    with pytest.raises(ValueError, match="mma_mt"):
+        ExpertKernels.planned(*shape, gu, dn or gu, tuning=Tuning(mma_mt=3))

@@ -52,11 +52,13 @@ def _run(cp, gu, dn, d_model, d_ff, n_slots, n_tok, n_pairs, max_pairs, tiled, *
     k = run_case(cp, rng, getattr(T, gu), getattr(T, dn), d_model, d_ff, n_slots, n_tok, n_pairs, max_pairs,
                  tiled=tiled, **kw)
     # tensor-core tiles where both types have int8 fragments, the rows are whole 128s, the tuning asks for them and
-    # they fit this card's block (on an H100 / H200 gate/up of 2048 values in Q5_x, Q6_K or Q8_0 does not: SIMT)
-    fits = max(mma_smem(k.qt_gu, d_model, True), mma_smem(k.qt_dn, d_ff, False)) <= card_smem(cp.cuda.Device())[0]
+    # a tile of 16 pairs at least fits the block (the plan's or this card's); as many m-tiles of 16 as fit
+    block = kw["smem"][0] if "smem" in kw else card_smem(cp.cuda.Device())[0]
+    fits = [mt for mt in (4, 2, 1) if mt <= k.tuning.mma_mt and
+            max(mma_smem(k.qt_gu, d_model, True, mt), mma_smem(k.qt_dn, d_ff, False, mt)) <= block]
     mma = k.qt_gu in MMA_TYPES and k.qt_dn in MMA_TYPES and d_model % 128 == 0 and d_ff % 128 == 0 and fits
-    assert k.mma == (mma and k.tuning.prompt == "mma" and "smem" not in kw)
-    assert k.tile_p == (64 if k.mma else k.simt_tile)
+    assert k.mma == bool(mma and k.tuning.prompt == "mma")
+    assert k.tile_p == (16 * fits[0] if k.mma else k.simt_tile)
     assert k.simt_tile == simt_tile(k.qt_gu, k.tuning) or "smem" in kw
     return k
 
@@ -82,11 +84,11 @@ def test_experts_read_from_host_memory(cp, gu, dn, tiled):
 @pytest.mark.parametrize("gu,dn", [("IQ3_S", "IQ3_S"), ("Q4_K", "Q6_K"), ("Q5_1", "Q5_1"), ("F16", "F16"),
                                    ("Q8_0", "Q8_0")], ids=lambda v: v)
 def test_the_plan_of_a_card_with_99_kb_a_block(cp, gu, dn, tiled):
-    """The staging an RTX 30xx / 40xx card plans (99 KB of shared memory a block: one stage, SIMT prompt tiles,
-    Q5_1's tiles of 4, Q8_0's gate/up read in place by the generic decoder), run on this card
-    (tests/test_expert_plan.py plans it on the host)."""
+    """The staging an RTX 30xx / 40xx card plans (99 KB of shared memory a block: one stage, tensor-core prompt tiles
+    of 16 pairs where they fit, else SIMT ones, Q5_1's of 4, Q8_0's gate/up read in place by the generic decoder),
+    run on this card (tests/test_expert_plan.py plans it on the host)."""
     k = _run(cp, gu, dn, *(A3B_TILED if tiled else A3B_DECODE), tiled, smem=(101376, 102400))
-    assert max(k.gu_smem, k.dn_smem, k.gut_smem) <= 101376 and not k.mma
+    assert max(k.gu_smem, k.dn_smem, k.gut_smem, *((k.mma_gu_smem, k.mma_dn_smem) if k.mma else ())) <= 101376
 
 
 @pytest.mark.gpu

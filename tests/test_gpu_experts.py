@@ -286,13 +286,15 @@ def test_tiled_prefill_batch(cp, qt, prompt):
     assert k.mma == (prompt == "mma")
 
 
-@pytest.mark.parametrize("qgu,qdn", [("IQ3_S", "IQ3_S"), ("Q4_K", "Q4_K"), ("IQ3_S", "Q8_0")])
-def test_mma_tiles_a3b_shape(cp, qgu, qdn):
-    """The a3b expert shape on tensor cores: 700 pairs of 300 tokens over 6 experts (full 64-pair tiles, a short
-    last tile each; several items of one tile in a block), every bit of h, qh, dh and the output."""
+@pytest.mark.parametrize("qgu,qdn,mt", [("IQ3_S", "IQ3_S", 4), ("Q4_K", "Q4_K", 4), ("IQ3_S", "Q8_0", 4),
+                                       ("Q8_0", "Q8_0", 2)])
+def test_mma_tiles_a3b_shape(cp, qgu, qdn, mt):
+    """The a3b expert shape on tensor cores: 700 pairs of 300 tokens over 6 experts (full tiles, a short last tile
+    each; several items of one tile in a block), every bit of h, qh, dh and the output; Q8_0's gate/up rows leave
+    room for tiles of 32 pairs."""
     k = run_case(cp, np.random.default_rng(21), getattr(T, qgu), getattr(T, qdn), 2048, 768, 6, 300, 700, 768,
                  tiled=True)
-    assert k.mma and k.tile_p == 64
+    assert k.mma and k.mma_mt == mt and k.tile_p == 16 * mt
 
 
 def test_variants(cp):

@@ -146,9 +146,12 @@ class Tuning:
                                 # (signed_grid, one load a 4-weight group), 0 = decode magnitudes from the 2 KB grid
                                 # and negate bytes (decode_sub)
     tile_p: int = 8             # prompt chunks, simt: pairs of one expert per tile (a weight sub-block decoded once)
-    prompt: str = "mma"         # prompt tiles: "mma" (int8 tensor cores, MMA_TILE pairs a tile, where the shape
+    prompt: str = "mma"         # prompt tiles: "mma" (int8 tensor cores, 16 mma_mt pairs a tile, where the shape
                                 # allows) or "simt" (the tiled dp4a kernels, tile_p pairs a tile)
-    mma_mpw: int = 2            # tensor-core tiles: m-tiles (16 pairs) per warp, 1 / 2 / 4 (32 / 16 / 8 warps a block)
+    mma_mpw: int = 2            # tensor-core tiles: m-tiles (16 pairs) per warp, 1 / 2 / 4 (32 / 16 / 8 warps a block
+                                # at 4 m-tiles a tile; at most the tile's)
+    mma_mt: int = 4             # tensor-core tiles: m-tiles a tile at most, 4 / 2 / 1 (64 / 32 / 16 pairs); fewer
+                                # where the activation rows of 64 pairs beside the weights do not fit a block
     mma_prefetch: int = 0       # tensor-core tiles: decode the next leaf's weight fragments during this leaf's mma
     mma_unroll: int = 2         # tensor-core tiles: leaves per loop iteration (1 or 2); 2 measured fastest
 
@@ -267,6 +270,8 @@ class ExpertKernels:
             raise ValueError("prompt must be 'mma' or 'simt'")
         if t.mma_mpw not in (1, 2, 4):
             raise ValueError("mma_mpw must be 1, 2 or 4")
+        if t.mma_mt not in (1, 2, 4):
+            raise ValueError("mma_mt must be 1, 2 or 4")
         if t.mma_unroll not in (1, 2):
             raise ValueError("mma_unroll must be 1 or 2")
         self.gate_bytes = self.d_ff * fmt(self.qt_gu).row_bytes(self.d_model)
@@ -282,7 +287,8 @@ class ExpertKernels:
             ("GU_QT", int(self.qt_gu)), ("GU_KIN", self.d_model), ("GU_ROWS", self.d_ff),
             ("DN_QT", int(self.qt_dn)), ("DN_KIN", self.d_ff), ("DN_ROWS", self.d_model),
             ("GU_WPB", self.gu_warps), ("GU_MINB", self.gu_blocks), ("GU_STAGES", self.gu_stages),
-            ("GU_DIRECT", int(self.gu_direct)), ("TILE_P", self.simt_tile), ("MMA_MPW", t.mma_mpw),
+            ("GU_DIRECT", int(self.gu_direct)), ("TILE_P", self.simt_tile), ("MMA_MPW", self.mma_mpw),
+            ("MMA_MT", max(1, self.mma_mt)),  # (_plan's `built`)
             ("MMA_PREFETCH", t.mma_prefetch), ("MMA_UNROLL", t.mma_unroll),
             ("DN_WPB", self.dn_warps), ("DN_MINB", self.dn_blocks), ("DN_STAGES", self.dn_stages),
             ("DN_R", t.dn_rows), ("IQ3_FAST", t.iq3_fast), ("UNTUNED", int(self.untuned or -1)),
@@ -351,12 +357,22 @@ class ExpertKernels:
             raise ValueError(f"tiled gate/up needs {self.gut_smem} bytes of shared memory per block")
         # tensor-core tiles (experts_mma.cuh): compiled for these row lengths and MMA_TYPES (their codes are int8;
         # not a tuned type read in place, UNTUNED), used where they fit
+        # not a tuned type read in place, UNTUNED), used where they fit: tiles of as many m-tiles (16 pairs) as the
+        # tuning allows and a block's shared memory holds (the activation rows of the tile's pairs and two 32-row
+        # ranges of weights), the warps' m-tiles a divisor of that
         shape_ok = self.d_model % 128 == 0 and self.d_ff % 128 == 0 and \
             all(q in MMA_TYPES and q != self.untuned for q in (self.qt_gu, self.qt_dn))
-        self.mma_gu_smem, self.mma_dn_smem = ((mma_smem(self.qt_gu, self.d_model, True),
-                                               mma_smem(self.qt_dn, self.d_ff, False)) if shape_ok else (0, 0))
-        self.mma = t.prompt == "mma" and shape_ok and max(self.mma_gu_smem, self.mma_dn_smem) <= smem_block
-        self.tile_p = MMA_TILE if self.mma else self.simt_tile  # pairs a prompt tile (build_pairs cuts them)
+
+        def mma_fits(mt: int) -> tuple[int, int]:
+            return mma_smem(self.qt_gu, self.d_model, True, mt), mma_smem(self.qt_dn, self.d_ff, False, mt)
+
+        self.mma_mt = next((mt for mt in (4, 2, 1) if mt <= t.mma_mt and max(mma_fits(mt)) <= smem_block), 0) \
+            if shape_ok else 0
+        self.mma = t.prompt == "mma" and self.mma_mt > 0
+        built = max(1, self.mma_mt)  # the tile kernels are built where the shape allows them, used or not
+        self.mma_mpw = min(t.mma_mpw, built)
+        self.mma_gu_smem, self.mma_dn_smem = mma_fits(built) if shape_ok else (0, 0)  # as layout_info reports
+        self.tile_p = 16 * self.mma_mt if self.mma else self.simt_tile  # pairs a prompt tile (build_pairs cuts them)
 
     def _check_layout(self) -> None:
         cp = self.cp
@@ -487,8 +503,8 @@ class ExpertKernels:
         self._need(da, cp.float32, None, "da")
         self._need(out, cp.float32, (self.max_pairs, self.d_model), "out")
         common = (pairs, tiles, n_tiles, np.int32(tiles.shape[0]))
-        if self.mma:  # one block an SM, (4 / mma_mpw) x 8 warps
-            threads = 32 * 8 * (4 // self.tuning.mma_mpw)
+        if self.mma:  # one block an SM, (mma_mt / mma_mpw) x 8 warps
+            threads = 32 * 8 * (self.mma_mt // self.mma_mpw)
             gu = (self._k_gum, self.n_sm, threads, self.mma_gu_smem)
             dn = (self._k_dnm, self.n_sm, threads, self.mma_dn_smem)
         else:
@@ -612,16 +628,16 @@ class ExpertKernels:
 
 MAX_SOURCES = 8  # expert_pairs.cuh's MAX_SOURCES
 TILE_P = Tuning.tile_p  # the default simt tile (experts.cu's TILE_P is the tuning's)
-MMA_TILE = 64  # experts_mma.cuh's MMA_M
 
 
-def mma_smem(qt, kin: int, gate_up: bool) -> int:
-    """Shared bytes of a tensor-core tile kernel (mirror of experts_mma.cuh's MmaGeom)."""
-    nsub, rb = kin // 32, fmt(qt).row_bytes(kin)
+def mma_smem(qt, kin: int, gate_up: bool, mt: int = 4) -> int:
+    """Shared bytes of a tensor-core tile kernel of mt m-tiles (16 pairs each) a tile (mirror of experts_mma.cuh's
+    MmaGeom)."""
+    nsub, rb, m = kin // 32, fmt(qt).row_bytes(kin), 16 * mt
     chb = (32 * rb + 14 + 15) // 16 * 16 + 16
-    fin = MMA_TILE * 65 * 4
+    fin = m * 65 * 4
     wreg = fin if gate_up and fin > 2 * chb else 2 * chb
-    return table_bytes(qt, 0) + MMA_TILE * (kin + 16) + MMA_TILE * (nsub + 4) * 4 + wreg
+    return table_bytes(qt, 0) + m * (kin + 16) + m * (nsub + 4) * 4 + wreg
 
 
 def leaf_fold_ref(terms: np.ndarray) -> np.ndarray:

@@ -11,9 +11,11 @@
 // (leaf j merges with the stack while bit b of j is set) builds exactly that tree, one leaf at a time, with five
 // partial sums per output instead of 32 (numpy reference: stratad.engine.canonical.bitrev_fold).
 //
-// Item = (tile of up to 64 pairs of one expert, 64 output rows): gate/up rows g..g+31 of both matrices (so that a
-// block has each 32-row group of h whole, to quantise it), or down rows r..r+63. Warp w owns output rows
-// 8(w % 8) .. + 7 (one mma n-tile) for MMA_MPW of the 4 m-tiles of 16 pairs: it decodes its weight fragment of a
+// Item = (tile of up to MMA_M pairs of one expert, 64 output rows): gate/up rows g..g+31 of both matrices (so that a
+// block has each 32-row group of h whole, to quantise it), or down rows r..r+63. A tile is MMA_MT m-tiles of 16
+// pairs (4 by default; 2 or 1 where a block's shared memory cannot stage 64 pairs' activation rows beside the
+// weights: experts.py). Warp w owns output rows 8(w % 8) .. + 7 (one mma n-tile) for MMA_MPW of the tile's m-tiles:
+// it decodes its weight fragment of a
 // sub-block once (from the staged raw rows) and uses it for its m-tiles (more m-tiles a warp: less decoding; fewer:
 // more warps to hide latency). The tile's activation rows (int8 and scales) are
 // staged once and kept while a block's items (a contiguous range) stay on the same tile.
@@ -36,10 +38,14 @@ template <int QT> struct MmaFolds {
 #ifndef MMA_MPW
 #define MMA_MPW 2
 #endif
-constexpr int MMA_M = 64;                     // pairs per tile (4 m-tiles of 16)
-constexpr int MMA_WARPS = 8 * (4 / MMA_MPW);  // warp w: n-tile w % 8, m-tiles (w / 8) * MMA_MPW ... + MMA_MPW - 1
-constexpr int MMA_NE = 4 * MMA_MPW;           // fragment elements a thread sums
-static_assert(MMA_MPW == 1 || MMA_MPW == 2 || MMA_MPW == 4, "MMA_MPW: m-tiles per warp, 1, 2 or 4");
+#ifndef MMA_MT
+#define MMA_MT 4
+#endif
+constexpr int MMA_M = 16 * MMA_MT;                 // pairs per tile (MMA_MT m-tiles of 16)
+constexpr int MMA_WARPS = 8 * (MMA_MT / MMA_MPW);  // warp w: n-tile w % 8, m-tiles (w / 8) * MMA_MPW .. + MMA_MPW - 1
+constexpr int MMA_NE = 4 * MMA_MPW;                // fragment elements a thread sums
+static_assert((MMA_MT == 1 || MMA_MT == 2 || MMA_MT == 4) && MMA_MT % MMA_MPW == 0,
+              "MMA_MT: 1, 2 or 4 m-tiles a tile; MMA_MPW: m-tiles per warp, dividing it");
 // shared bytes at offset 0 of a tile kernel reading weights of type QT: the IQ3_S grid, one copy (decode_frag reads
 // it as decode_sub does), a generic type's part of the table blob (as its SIMT kernels hold it: TabSmem), or none
 template <int QT> struct MmaTbl {
@@ -53,7 +59,7 @@ template <int QT, int KIN, bool GU> struct MmaGeom {
     static constexpr int AST = KIN + 16;       // activation row stride: ldmatrix's 8 rows fall on distinct banks
     static constexpr int DST = NSUB + 4;       // activation-scale row stride (floats): g rows on distinct banks
     static constexpr int CHB = (32 * RB + 14 + 15) / 16 * 16 + 16;  // one staged 32-row range (+16: over-read)
-    static constexpr int FIN = MMA_M * 65 * 4; // gate/up: the item's 64 x 64 results, aliasing the weights
+    static constexpr int FIN = MMA_M * 65 * 4; // gate/up: the item's MMA_M x 64 results, aliasing the weights
     static constexpr int WREG = (GU && FIN > 2 * CHB) ? FIN : 2 * CHB;
     static constexpr int O_A = MmaTbl<QT>::BYTES;
     static constexpr int O_D = O_A + MMA_M * AST;
