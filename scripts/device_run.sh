@@ -229,9 +229,10 @@ engine-card)
     timeout 120 python3 scripts/gpu_decode_profile.py --model "$A3B" --fractions 0.5 --host-experts card \
         --json "$OUT/profile-card.json" 2>&1 | tail -2
     ;;
-experts-prompt)
-    timeout 400 $(experts_bench) --prompt --types IQ3_S \
-        --variants default,mma-unroll1,mma-prefetch,mma-prefetch-unroll1,mma-mpw4 --json "$OUT/experts-prompt.json" 2>&1 | grep '^{"'
+experts-prompt)  # the expert prompt kernels alone (a 1K chunk); TYPES (IQ3_S), VARIANTS (the tile kernel's forms)
+    timeout 400 $(experts_bench) --prompt --types "${TYPES:-IQ3_S}" \
+        --variants "${VARIANTS:-default,mma-unroll1,mma-prefetch,mma-prefetch-unroll1,mma-mpw4}" \
+        --json "$OUT/experts-prompt.json" 2>&1 | grep '^{"' | cut -c1-200
     ;;
 seed13 | seed2)
     model "$SEED" --router-skew 0.7 --topics 2
