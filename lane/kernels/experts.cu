@@ -36,9 +36,9 @@
 // Weight formats (GGML type numbers): every expert type of stratad.model.quants. 21 = IQ3_S (110 B / 256), 12 = Q4_K
 // (144 B / 256) and 8 = Q8_0 (34 B / 32) have tuned decoders (expert_decode.cuh); every other type takes the generic
 // path of expert_term.cuh (dq_sub's codes decoded four a word as int8, or int16 for the float view, the same
-// canonical term): the same kernels. Tensor-core prompt tiles for every quantised type (experts_mma.cuh),
-// SIMT ones for the float types. Generic types that read decode.cuh's table blob (the IQ types) copy their part of it to shared
-// offset 0, where IQ3_S keeps its grid.
+// canonical term): the same kernels. Tensor-core prompt tiles for every quantised type (experts_mma.cuh), SIMT
+// ones for the float types. Generic types that read decode.cuh's table blob (the IQ types) copy their part of it to
+// shared offset 0, where IQ3_S keeps its grid.
 
 #include "common.cuh"
 #include "route.cuh"

@@ -293,7 +293,7 @@ class ExpertKernels:
             ("DN_QT", int(self.qt_dn)), ("DN_KIN", self.d_ff), ("DN_ROWS", self.d_model),
             ("GU_WPB", self.gu_warps), ("GU_MINB", self.gu_blocks), ("GU_STAGES", self.gu_stages),
             ("GU_DIRECT", int(self.gu_direct)), ("TILE_P", self.simt_tile), ("MMA_MPW", self.mma_mpw),
-            ("MMA_MT", max(1, self.mma_mt)),  # (_plan's `built`)
+            ("MMA_MT", max(1, self.mma_mt)),  # the size _plan builds where no tile is used
             ("MMA_PREFETCH", t.mma_prefetch), ("MMA_UNROLL", t.mma_unroll),
             ("DN_WPB", self.dn_warps), ("DN_MINB", self.dn_blocks), ("DN_STAGES", self.dn_stages),
             ("DN_R", t.dn_rows), ("IQ3_FAST", t.iq3_fast), ("UNTUNED", int(self.untuned or -1)),
@@ -361,23 +361,22 @@ class ExpertKernels:
         if self.gut_smem > smem_block:
             raise ValueError(f"tiled gate/up needs {self.gut_smem} bytes of shared memory per block")
         # tensor-core tiles (experts_mma.cuh): compiled for these row lengths and MMA_TYPES (their codes are int8;
-        # not a tuned type read in place, UNTUNED), used where they fit
         # not a tuned type read in place, UNTUNED), used where they fit: tiles of as many m-tiles (16 pairs) as the
         # tuning allows and a block's shared memory holds (the activation rows of the tile's pairs and two 32-row
         # ranges of weights), the warps' m-tiles a divisor of that
         shape_ok = self.d_model % 128 == 0 and self.d_ff % 128 == 0 and \
             all(q in MMA_TYPES and q != self.untuned for q in (self.qt_gu, self.qt_dn))
 
-        def mma_fits(mt: int) -> tuple[int, int]:
+        def mma_sizes(mt: int) -> tuple[int, int]:  # shared bytes of the gate/up and down tile kernels
             return mma_smem(self.qt_gu, self.d_model, True, mt), mma_smem(self.qt_dn, self.d_ff, False, mt)
 
         sizes = (4, 2, 1) if all(q in MMA_SHORT_TYPES for q in (self.qt_gu, self.qt_dn)) else (4,)
-        self.mma_mt = next((mt for mt in sizes if mt <= t.mma_mt and max(mma_fits(mt)) <= smem_block), 0) \
+        self.mma_mt = next((mt for mt in sizes if mt <= t.mma_mt and max(mma_sizes(mt)) <= smem_block), 0) \
             if shape_ok else 0
         self.mma = t.prompt == "mma" and self.mma_mt > 0
         built = max(1, self.mma_mt)  # the tile kernels are built where the shape allows them, used or not
         self.mma_mpw = min(t.mma_mpw, built)
-        self.mma_gu_smem, self.mma_dn_smem = mma_fits(built) if shape_ok else (0, 0)  # as layout_info reports
+        self.mma_gu_smem, self.mma_dn_smem = mma_sizes(built) if shape_ok else (0, 0)  # as layout_info reports
         self.tile_p = 16 * self.mma_mt if self.mma else self.simt_tile  # pairs a prompt tile (build_pairs cuts them)
 
     def _check_layout(self) -> None:

@@ -15,16 +15,15 @@
 // block has each 32-row group of h whole, to quantise it), or down rows r..r+63. A tile is MMA_MT m-tiles of 16
 // pairs (4 by default; 2 or 1 where a block's shared memory cannot stage 64 pairs' activation rows beside the
 // weights: experts.py). Warp w owns output rows 8(w % 8) .. + 7 (one mma n-tile) for MMA_MPW of the tile's m-tiles:
-// it decodes its weight fragment of a
-// sub-block once (from the staged raw rows) and uses it for its m-tiles (more m-tiles a warp: less decoding; fewer:
-// more warps to hide latency). The tile's activation rows (int8 and scales) are
+// it decodes its weight fragment of a sub-block once (from the staged raw rows) and uses it for its m-tiles (more
+// m-tiles a warp: less decoding; fewer: more warps to hide latency). The tile's activation rows (int8 and scales) are
 // staged once and kept while a block's items (a contiguous range) stay on the same tile.
 
 // Tensor-core tiles for every quantised type; not the float types (ggml's codes 0, 1, 30: their views are int16). A
 // sub-block's codes are int8 for all of them (IQ1_S / IQ1_M's 8 g + delta formed from the generic decode's g and
-// delta signs); what the view adds is handled per element with the canonical term's operations:
-// types whose 16-value halves have integer folds of their own (MmaFolds: Q2_K, Q3_K, Q6_K, IQ2_XS, IQ2_S, IQ1_M) take two
-// mma a sub-block, one a half, and weight the halves' integer sums in integers; types with a minimum subtract
+// delta signs); what the view adds is handled per element with the canonical term's operations: types whose
+// 16-value halves have integer folds of their own (MmaFolds: Q2_K, Q3_K, Q6_K, IQ2_XS, IQ2_S, IQ1_M) take two mma
+// a sub-block, one a half, and weight the halves' integer sums in integers; types with a minimum subtract
 // (minimum * d_act) * msum, msum formed from the activation fragment's own integer sums (per half where the minimum
 // is weighted per half: Q2_K). The tuned types and Q6_K decode just their two words (decode_frag below), the rest
 // the whole sub-block through expert_term.cuh (experts.py: ExpertKernels.mma, MMA_TYPES).
