@@ -352,21 +352,75 @@ def _blk_i8(typingctx, w, wo, stride, sbuf, mbuf, a, ao, da, asum, dao, acc, acc
     return types.none(w, wo, stride, sbuf, mbuf, a, ao, da, asum, dao, acc, acco), codegen
 
 
+def _bytes_at(context, builder, sig, args, off, n=32):
+    """<n x i8> of the block kernel's weights at w[wo + off] (args[0], args[1])."""
+    return _vload(context, builder, sig.args[0], args[0], builder.add(_i64(builder, args[1]), ir.Constant(_I64, off)),
+                  n)
+
+
+def _bytes(v):
+    return _const(_I8, [v] * 32)
+
+
+def _k4_codes(context, builder, sig, args, qs, qh=None):
+    """The 8 sub-blocks' 4-bit codes of a Q4_K / Q5_K block (the 128 quant bytes at w[wo + qs]; sub-block j: bytes
+    32 (j // 2), low nibbles for even j, high for odd), Q5_K's fifth bit (bit j of the 32 bytes at w[wo + qh]) << 4."""
+    high = None if qh is None else _bytes_at(context, builder, sig, args, qh)
+    w8 = []
+    for j in range(8):
+        q = _bytes_at(context, builder, sig, args, qs + 32 * (j >> 1))
+        code = builder.lshr(q, _bytes(4)) if j & 1 else builder.and_(q, _bytes(15))
+        if high is not None:
+            code = builder.or_(code, builder.shl(builder.and_(builder.lshr(high, _bytes(j)), _bytes(1)), _bytes(4)))
+        w8.append(code)
+    return w8
+
+
 @intrinsic
 def _blk_q4k(typingctx, w, wo, sbuf, mbuf, a, ao, da, asum, dao, acc, acco):
-    """The 8 sub-blocks of the Q4_K block whose 128 quant bytes start at w[wo] (sub-block j: bytes 32 * (j // 2),
-    low nibbles for even j, high for odd)."""
+    """The 8 sub-blocks of the Q4_K block whose 128 quant bytes start at w[wo]."""
     if not _blk_ok(w, sbuf, mbuf, a, da, asum, acc):
         return None
 
     def codegen(context, builder, sig, args):
-        w8 = []
-        for c in range(4):
-            q = _vload(context, builder, sig.args[0], args[0],
-                       builder.add(_i64(builder, args[1]), ir.Constant(_I64, 32 * c)), 32)
-            w8.append(builder.and_(q, _const(_I8, [15] * 32)))
-            w8.append(builder.lshr(q, _const(_I8, [4] * 32)))
-        return _accumulate8(context, builder, sig, args, 2, w8, signed=False)
+        return _accumulate8(context, builder, sig, args, 2, _k4_codes(context, builder, sig, args, 0), signed=False)
+    return types.none(w, wo, sbuf, mbuf, a, ao, da, asum, dao, acc, acco), codegen
+
+
+@intrinsic
+def _blk_q5k(typingctx, w, wo, sbuf, mbuf, a, ao, da, asum, dao, acc, acco):
+    """The 8 sub-blocks of the Q5_K block at w[wo] (qh at byte 16, the nibbles at 48), decoded in registers."""
+    if not _blk_ok(w, sbuf, mbuf, a, da, asum, acc):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return _accumulate8(context, builder, sig, args, 2, _k4_codes(context, builder, sig, args, 48, 16),
+                            signed=False)
+    return types.none(w, wo, sbuf, mbuf, a, ao, da, asum, dao, acc, acco), codegen
+
+
+@intrinsic
+def _blk_q6k(typingctx, w, wo, sbuf, mbuf, a, ao, da, asum, dao, acc, acco):
+    """The 8 sub-blocks of the Q6_K block at w[wo], decoded in registers: sub-block j = 4 h + p, code = nibble p // 2
+    of ql[64 h + 32 (p % 2) + v] | bits 2 p of qh[32 h + v] << 4, q = sc_k (code - 32) as int16 (sc_k the int8 scale
+    of values 16 k .. 16 k + 15, at byte 192 + k)."""
+    if not _blk_ok(w, sbuf, mbuf, a, da, asum, acc):
+        return None
+
+    def codegen(context, builder, sig, args):
+        v16 = ir.VectorType(ir.IntType(16), 32)
+        sc = builder.sext(_bytes_at(context, builder, sig, args, 192, 16), ir.VectorType(ir.IntType(16), 16))
+        w16 = []
+        for j in range(8):
+            h, p = j >> 2, j & 3
+            lo = builder.and_(builder.lshr(_bytes_at(context, builder, sig, args, 64 * h + 32 * (p & 1)),
+                                           _bytes(4 * (p >> 1))), _bytes(15))
+            hi = builder.and_(builder.lshr(_bytes_at(context, builder, sig, args, 128 + 32 * h), _bytes(2 * p)),
+                              _bytes(3))
+            code = builder.sub(builder.or_(lo, builder.shl(hi, _bytes(4))), _bytes(32))
+            scale = builder.shuffle_vector(sc, sc, _const(_I32, [2 * j] * 16 + [2 * j + 1] * 16))
+            w16.append(builder.mul(builder.sext(code, v16), scale))  # |q| <= 128 * 32: exact in int16
+        return _accumulate8(context, builder, sig, args, 2, w16, signed=True)
     return types.none(w, wo, sbuf, mbuf, a, ao, da, asum, dao, acc, acco), codegen
 
 
@@ -1020,7 +1074,8 @@ def _sub_terms(r, wb, sbuf, mbuf, has_min, a, da, asum, t0, acc, acco, lane0):
 @njit(nogil=True, cache=True, inline="always")
 def _rows_dec(qtype, w, ro, rb, nrows, a, da, asum, idx, n, s, res, f16e, tab):
     """Any type of _DECODED: per row, each block (32-value types: 8 blocks) decoded once, then its 8 sub-blocks'
-    terms for each of the n tokens."""
+    terms for each of the n tokens; a Q5_K / Q6_K block that one token reads is decoded in registers instead
+    (_blk_q5k, _blk_q6k: no buffer written and read back)."""
     acc, wb8, wbu, mwu, wb16, sbuf, mbuf = s
     kind = _KIND[qtype]
     bb = _BB[qtype]
@@ -1032,8 +1087,20 @@ def _rows_dec(qtype, w, ro, rb, nrows, a, da, asum, idx, n, s, res, f16e, tab):
         for l in range(n * LANES):
             acc[l] = _ZERO
         for bg in range(ng):
-            _decode(qtype, w, ro + i * rb + bg * step, 8, s, f16e, tab)
+            o = ro + i * rb + bg * step
             lane0 = (bg * 8) & 31
+            if n == 1 and (qtype == Q5_K or qtype == Q6_K):  # one token: the block decoded in registers instead
+                t = idx[0] * nsub + bg * 8
+                if qtype == Q5_K:
+                    _k4_scales(w, o, sbuf, mbuf, f16e)
+                    _blk_q5k(w, o, sbuf, mbuf, a, t * SUB, da, asum, t, acc, lane0)
+                else:
+                    d = _f16(w[o + 208], w[o + 209], f16e)
+                    for j in range(8):
+                        sbuf[j] = d
+                    _blk_q6k(w, o, sbuf, None, a, t * SUB, da, asum, t, acc, lane0)
+                continue
+            _decode(qtype, w, o, 8, s, f16e, tab)
             for k in range(n):
                 t = idx[k] * nsub + bg * 8
                 if kind == _K_I8:
