@@ -306,19 +306,21 @@ def _fload8(context, builder, aryty, ary, off):
     return builder.load(_vptr(context, builder, aryty, ary, off, ir.VectorType(ir.FloatType(), 8)), align=4)
 
 
-def _accumulate8(context, builder, sig, args, first, w8, signed: bool, neg=None, mw8=None):
+def _accumulate8(context, builder, sig, args, first, w8, signed: bool, neg=None, mw8=None, scales=None):
     """Shared tail: args[first:] = (sbuf, mbuf, a, ao, da, asum, dao, acc, acco); mbuf is None-typed for no min.
     w8, signed, neg: the 8 sub-blocks' <32 x i8> weights as for _isum8. mw8: <32 x i8> unsigned mweights, whose
-    sums with the activations replace asum's in the minimum term."""
+    sums with the activations replace asum's in the minimum term. scales: the sub-blocks' (scale, minimum) as
+    <8 x float> formed in registers, read instead of sbuf and mbuf."""
     sty, mty, aty, _, daty, asty, _, accty, _ = sig.args[first:]
     sbuf, mbuf, a, ao, da, asum, dao, acc, acco = args[first:]
     a8 = [_vload(context, builder, aty, a, builder.add(_i64(builder, ao), ir.Constant(_I64, 32 * j)), 32)
           for j in range(8)]
     isf = builder.sitofp(_isum8(builder, w8, a8, signed, neg), ir.VectorType(ir.FloatType(), 8))
     dav = _fload8(context, builder, daty, da, dao)
-    t = builder.fmul(builder.fmul(_fload8(context, builder, sty, sbuf, ir.Constant(_I64, 0)), dav), isf)
+    sv, mv = scales if scales is not None else (_fload8(context, builder, sty, sbuf, ir.Constant(_I64, 0)), None)
+    t = builder.fmul(builder.fmul(sv, dav), isf)
     if not isinstance(mty, types.NoneType):
-        m = builder.fmul(_fload8(context, builder, mty, mbuf, ir.Constant(_I64, 0)), dav)
+        m = builder.fmul(mv if scales is not None else _fload8(context, builder, mty, mbuf, ir.Constant(_I64, 0)), dav)
         if mw8 is None:
             msum = _fload8(context, builder, asty, asum, dao)
         else:
@@ -376,26 +378,67 @@ def _k4_codes(context, builder, sig, args, qs, qh=None):
     return w8
 
 
+def _half_at(context, builder, sig, args, off):
+    """The f16 at w[wo + off] as float32, its bits formed in integers (exact; no F16C or libcall needed): a normal
+    f16's exponent rebased by 112, inf / NaN's to 255, a subnormal's mantissa times 2^-24."""
+    h = builder.zext(_vload(context, builder, sig.args[0], args[0],
+                            builder.add(_i64(builder, args[1]), ir.Constant(_I64, off)), 1, ir.IntType(16)), _I32)
+
+    def c(v):
+        return ir.Constant(_I32, v)
+    mag, sign, e = builder.and_(h, c(0x7FFF)), builder.shl(builder.and_(h, c(0x8000)), c(16)), builder.lshr(h, c(10))
+    e = builder.and_(e, c(31))
+    normal = builder.shl(builder.add(mag, c(112 << 10)), c(13))
+    special = builder.shl(builder.add(mag, c(224 << 10)), c(13))
+    sub = builder.bitcast(builder.fmul(builder.uitofp(builder.and_(h, c(0x3FF)), ir.FloatType()),
+                                       ir.Constant(ir.FloatType(), 2.0 ** -24)), _I32)
+    bits = builder.select(builder.icmp_unsigned("==", e, c(0)), sub,
+                          builder.select(builder.icmp_unsigned("==", e, c(31)), special, normal))
+    return builder.bitcast(builder.or_(bits, sign), ir.FloatType())
+
+
+def _k4_scales8(context, builder, sig, args):
+    """(d sc_j, dmin m_j) of the Q4_K / Q5_K block at w[wo] as <8 x float>, what _k4_scales writes: the 6-bit sc / m
+    of sub-block j < 4 are the low 6 bits of bytes 4 + j / 8 + j; for j >= 4, the nibbles of byte 8 + j with the top
+    2 bits of bytes j / j + 4 as bits 4, 5."""
+    q = _bytes_at(context, builder, sig, args, 4, 16)  # the 12 scale bytes (and 4 of the codes, unused)
+
+    def pick(idx, mask, shift=0):
+        x = builder.shuffle_vector(q, q, _const(_I32, idx))
+        return builder.and_(builder.lshr(x, _const(_I8, [shift] * 8)) if shift else x, _const(_I8, [mask] * 8))
+    low = _const(ir.IntType(1), [1] * 4 + [0] * 4)
+    sc = builder.select(low, pick([0, 1, 2, 3, 8, 9, 10, 11], 63),
+                        builder.or_(pick([0, 1, 2, 3, 8, 9, 10, 11], 15), pick([0, 1, 2, 3, 0, 1, 2, 3], 0x30, 2)))
+    mn = builder.select(low, pick([4, 5, 6, 7, 8, 9, 10, 11], 63),
+                        builder.or_(pick([4, 5, 6, 7, 8, 9, 10, 11], 15, 4), pick([4, 5, 6, 7, 4, 5, 6, 7], 0x30, 2)))
+    f8 = ir.VectorType(ir.FloatType(), 8)
+    return tuple(builder.fmul(_splat(builder, _half_at(context, builder, sig, args, off), 8), builder.uitofp(v, f8))
+                 for off, v in ((0, sc), (2, mn)))
+
+
 @intrinsic
 def _blk_q4k(typingctx, w, wo, sbuf, mbuf, a, ao, da, asum, dao, acc, acco):
-    """The 8 sub-blocks of the Q4_K block whose 128 quant bytes start at w[wo]."""
+    """The 8 sub-blocks of the Q4_K block at w[wo] (the 128 quant bytes at byte 16), its scales and minimums formed
+    in registers (sbuf and mbuf unread)."""
     if not _blk_ok(w, sbuf, mbuf, a, da, asum, acc):
         return None
 
     def codegen(context, builder, sig, args):
-        return _accumulate8(context, builder, sig, args, 2, _k4_codes(context, builder, sig, args, 0), signed=False)
+        return _accumulate8(context, builder, sig, args, 2, _k4_codes(context, builder, sig, args, 16), signed=False,
+                            scales=_k4_scales8(context, builder, sig, args))
     return types.none(w, wo, sbuf, mbuf, a, ao, da, asum, dao, acc, acco), codegen
 
 
 @intrinsic
 def _blk_q5k(typingctx, w, wo, sbuf, mbuf, a, ao, da, asum, dao, acc, acco):
-    """The 8 sub-blocks of the Q5_K block at w[wo] (qh at byte 16, the nibbles at 48), decoded in registers."""
+    """The 8 sub-blocks of the Q5_K block at w[wo] (qh at byte 16, the nibbles at 48), decoded in registers, as
+    _blk_q4k."""
     if not _blk_ok(w, sbuf, mbuf, a, da, asum, acc):
         return None
 
     def codegen(context, builder, sig, args):
         return _accumulate8(context, builder, sig, args, 2, _k4_codes(context, builder, sig, args, 48, 16),
-                            signed=False)
+                            signed=False, scales=_k4_scales8(context, builder, sig, args))
     return types.none(w, wo, sbuf, mbuf, a, ao, da, asum, dao, acc, acco), codegen
 
 
@@ -689,11 +732,10 @@ def _rows_q4k(w, ro, rb, nrows, nsub, a, da, asum, idx, n, acc, sbuf, mbuf, res,
             acc[l] = _ZERO
         for bi in range(nsub // 8):
             o = ro + i * rb + bi * 144
-            _k4_scales(w, o, sbuf, mbuf, f16e)
             lane0 = (bi * 8) & 31
             for k in range(n):
                 t = idx[k] * nsub + bi * 8
-                _blk_q4k(w, o + 16, sbuf, mbuf, a, t * SUB, da, asum, t, acc, k * LANES + lane0)
+                _blk_q4k(w, o, sbuf, mbuf, a, t * SUB, da, asum, t, acc, k * LANES + lane0)
         for k in range(n):
             res[k * nrows + i] = _fold32(acc, k * LANES)
 
@@ -1092,7 +1134,6 @@ def _rows_dec(qtype, w, ro, rb, nrows, a, da, asum, idx, n, s, res, f16e, tab):
             if n == 1 and (qtype == Q5_K or qtype == Q6_K):  # one token: the block decoded in registers instead
                 t = idx[0] * nsub + bg * 8
                 if qtype == Q5_K:
-                    _k4_scales(w, o, sbuf, mbuf, f16e)
                     _blk_q5k(w, o, sbuf, mbuf, a, t * SUB, da, asum, t, acc, lane0)
                 else:
                     d = _f16(w[o + 208], w[o + 209], f16e)

@@ -216,6 +216,27 @@ def test_exp_clamp_large_inputs(pools, seed, qtype):
     assert_bits(out, reference(types, layer, pairs, qa, da))
 
 
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K, T.Q6_K], ids=lambda t: t.name)
+def test_k_quant_scales_of_every_f16_kind(pools, seed, qtype):
+    """The in-register K-quant kernels form d (and dmin) from the f16 bits themselves: blocks whose d / dmin are
+    subnormal, signed zeros, the smallest and largest normals and negative, one token an expert and three sharing."""
+    d_model, d_ff = TINY
+    rng = np.random.default_rng([seed, int(qtype), 11])
+    types = (qtype,) * 3
+    layer = make_layer(rng, types, 2, d_model, d_ff)
+    edges = np.array([0x0001, 0x03FF, 0x8001, 0x0000, 0x8000, 0x0400, 0x7BFF, 0xBC00, 0x3555, 0x83FF], np.uint16)
+    at = {T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}[qtype]
+    for m in layer:
+        blocks = m.reshape(-1, fmt(qtype).block_bytes)
+        for k, off in enumerate(at):
+            blocks[:, off:off + 2] = np.roll(edges, k)[np.arange(len(blocks)) % len(edges)].view(np.uint8).reshape(
+                -1, 1, 2)[:, 0]
+    qa, da = make_tokens(rng, 3, d_model)
+    pairs = np.array([(0, 0), (1, 1), (2, 1), (0, 1)], np.int32)
+    jobs = LayerJobs(*layer, *map(int, types), pairs, qa, da)
+    assert_bits(run_all(pools, jobs), reference(types, layer, pairs, qa, da))
+
+
 def test_multi_token_multi_expert(pools, seed):
     """A layer's job list for several tokens with shared experts: grouping (each weight row read once for all its
     tokens) gives the same bits as each pair alone and as canonical.expert."""
