@@ -442,28 +442,94 @@ def _blk_q5k(typingctx, w, wo, sbuf, mbuf, a, ao, da, asum, dao, acc, acco):
     return types.none(w, wo, sbuf, mbuf, a, ao, da, asum, dao, acc, acco), codegen
 
 
+def _field(builder, x, shift, mask):
+    """(x >> shift) & mask, bytewise (shift: one count, or a vector of them)."""
+    sh = _const(_I8, [shift] * len(x.type)) if isinstance(shift, int) else shift
+    return builder.and_(builder.lshr(x, sh), _const(_I8, [mask] * len(x.type)))
+
+
+def _scaled16(builder, codes, sc16):
+    """Sub-block j's int8 codes (codes[j], <32 x i8>) times the 16-value integer scales sc16 (<16 x i16>: values
+    16 k .. 16 k + 15 take sc16[k]) as <32 x i16>: a view's q where it folds the scales in (exact in int16)."""
+    v16 = ir.VectorType(ir.IntType(16), 32)
+    return [builder.mul(builder.sext(c, v16), builder.shuffle_vector(sc16, sc16, _const(_I32, [2 * j] * 16 +
+                                                                                          [2 * j + 1] * 16)))
+            for j, c in enumerate(codes)]
+
+
+def _d8(context, builder, sig, args, off):
+    """<8 x float> of the block's f16 at w[wo + off] (the 8 sub-blocks' common scale or minimum)."""
+    return _splat(builder, _half_at(context, builder, sig, args, off), 8)
+
+
 @intrinsic
 def _blk_q6k(typingctx, w, wo, sbuf, mbuf, a, ao, da, asum, dao, acc, acco):
     """The 8 sub-blocks of the Q6_K block at w[wo], decoded in registers: sub-block j = 4 h + p, code = nibble p // 2
-    of ql[64 h + 32 (p % 2) + v] | bits 2 p of qh[32 h + v] << 4, q = sc_k (code - 32) as int16 (sc_k the int8 scale
-    of values 16 k .. 16 k + 15, at byte 192 + k)."""
+    of ql[64 h + 32 (p % 2) + v] | bits 2 p of qh[32 h + v] << 4, q = sc_k (code - 32) (sc_k the int8 scale of
+    values 16 k .. 16 k + 15, at byte 192 + k), scale d (at 208)."""
     if not _blk_ok(w, sbuf, mbuf, a, da, asum, acc):
         return None
 
     def codegen(context, builder, sig, args):
-        v16 = ir.VectorType(ir.IntType(16), 32)
-        sc = builder.sext(_bytes_at(context, builder, sig, args, 192, 16), ir.VectorType(ir.IntType(16), 16))
-        w16 = []
+        codes = []
         for j in range(8):
             h, p = j >> 2, j & 3
-            lo = builder.and_(builder.lshr(_bytes_at(context, builder, sig, args, 64 * h + 32 * (p & 1)),
-                                           _bytes(4 * (p >> 1))), _bytes(15))
-            hi = builder.and_(builder.lshr(_bytes_at(context, builder, sig, args, 128 + 32 * h), _bytes(2 * p)),
-                              _bytes(3))
-            code = builder.sub(builder.or_(lo, builder.shl(hi, _bytes(4))), _bytes(32))
-            scale = builder.shuffle_vector(sc, sc, _const(_I32, [2 * j] * 16 + [2 * j + 1] * 16))
-            w16.append(builder.mul(builder.sext(code, v16), scale))  # |q| <= 128 * 32: exact in int16
-        return _accumulate8(context, builder, sig, args, 2, w16, signed=True)
+            lo = _field(builder, _bytes_at(context, builder, sig, args, 64 * h + 32 * (p & 1)), 4 * (p >> 1), 15)
+            hi = _field(builder, _bytes_at(context, builder, sig, args, 128 + 32 * h), 2 * p, 3)
+            codes.append(builder.sub(builder.or_(lo, builder.shl(hi, _bytes(4))), _bytes(32)))
+        sc = builder.sext(_bytes_at(context, builder, sig, args, 192, 16), ir.VectorType(ir.IntType(16), 16))
+        return _accumulate8(context, builder, sig, args, 2, _scaled16(builder, codes, sc), signed=True,
+                            scales=(_d8(context, builder, sig, args, 208), None))
+    return types.none(w, wo, sbuf, mbuf, a, ao, da, asum, dao, acc, acco), codegen
+
+
+@intrinsic
+def _blk_q3k(typingctx, w, wo, sbuf, mbuf, a, ao, da, asum, dao, acc, acco):
+    """The 8 sub-blocks of the Q3_K block at w[wo], decoded in registers: code = 2 low bits (bits 2 (j % 4) of
+    qs[32 (j // 4) + v], qs at byte 32) - 4 where bit j of hmask[v] (byte v) is clear; q = (sc_k - 32) code, sc_k of
+    6 bits: the nibble k // 8 of byte 96 + k % 8 and bits 2 (k // 4) of byte 104 + k % 4 as bits 4, 5; scale d (at
+    108)."""
+    if not _blk_ok(w, sbuf, mbuf, a, da, asum, acc):
+        return None
+
+    def codegen(context, builder, sig, args):
+        hmask = _bytes_at(context, builder, sig, args, 0)
+        codes = []
+        for j in range(8):
+            lo = _field(builder, _bytes_at(context, builder, sig, args, 32 + 32 * (j >> 2)), 2 * (j & 3), 3)
+            hi = builder.shl(_field(builder, hmask, j, 1), _bytes(2))
+            codes.append(builder.sub(builder.or_(lo, hi), _bytes(4)))
+        s8 = _bytes_at(context, builder, sig, args, 96, 8)  # exactly the block's 12 scale bytes: 8 here, 4 below
+        s4 = _bytes_at(context, builder, sig, args, 104, 4)
+        lo4 = builder.shuffle_vector(s8, s8, _const(_I32, list(range(8)) * 2))
+        lo4 = builder.and_(builder.lshr(lo4, _const(_I8, [0] * 8 + [4] * 8)), _const(_I8, [15] * 16))
+        hi2 = builder.shuffle_vector(s4, s4, _const(_I32, list(range(4)) * 4))
+        hi2 = builder.and_(builder.lshr(hi2, _const(_I8, [0] * 4 + [2] * 4 + [4] * 4 + [6] * 4)), _const(_I8, [3] * 16))
+        sc = builder.sub(builder.or_(lo4, builder.shl(hi2, _const(_I8, [4] * 16))), _const(_I8, [32] * 16))
+        sc = builder.sext(sc, ir.VectorType(ir.IntType(16), 16))
+        return _accumulate8(context, builder, sig, args, 2, _scaled16(builder, codes, sc), signed=True,
+                            scales=(_d8(context, builder, sig, args, 108), None))
+    return types.none(w, wo, sbuf, mbuf, a, ao, da, asum, dao, acc, acco), codegen
+
+
+@intrinsic
+def _blk_q2k(typingctx, w, wo, sbuf, mbuf, a, ao, da, asum, dao, acc, acco):
+    """The 8 sub-blocks of the Q2_K block at w[wo], decoded in registers: code = bits 2 (j % 4) of qs[32 (j // 4) +
+    v] (qs at byte 16), q = sc_k code and mweight m_k (sc_k / m_k: the low / high nibble of byte k), scale d and
+    minimum dmin (at 80, 82). mbuf must be an array (the minimum term is there); it is not read."""
+    if not _blk_ok(w, sbuf, mbuf, a, da, asum, acc) or isinstance(mbuf, types.NoneType):
+        return None
+
+    def codegen(context, builder, sig, args):
+        sc = _bytes_at(context, builder, sig, args, 0, 16)
+        w8, mw8 = [], []
+        for j in range(8):
+            code = _field(builder, _bytes_at(context, builder, sig, args, 16 + 32 * (j >> 2)), 2 * (j & 3), 3)
+            per = _const(_I32, [2 * j] * 16 + [2 * j + 1] * 16)
+            w8.append(builder.mul(code, builder.shuffle_vector(_field(builder, sc, 0, 15), sc, per)))  # <= 45
+            mw8.append(builder.shuffle_vector(_field(builder, sc, 4, 15), sc, per))
+        return _accumulate8(context, builder, sig, args, 2, w8, signed=False, mw8=mw8,
+                            scales=(_d8(context, builder, sig, args, 80), _d8(context, builder, sig, args, 82)))
     return types.none(w, wo, sbuf, mbuf, a, ao, da, asum, dao, acc, acco), codegen
 
 
@@ -1116,8 +1182,8 @@ def _sub_terms(r, wb, sbuf, mbuf, has_min, a, da, asum, t0, acc, acco, lane0):
 @njit(nogil=True, cache=True, inline="always")
 def _rows_dec(qtype, w, ro, rb, nrows, a, da, asum, idx, n, s, res, f16e, tab):
     """Any type of _DECODED: per row, each block (32-value types: 8 blocks) decoded once, then its 8 sub-blocks'
-    terms for each of the n tokens; a Q5_K / Q6_K block that one token reads is decoded in registers instead
-    (_blk_q5k, _blk_q6k: no buffer written and read back)."""
+    terms for each of the n tokens; a K-quant block that one token reads is decoded in registers instead
+    (_blk_q5k, _blk_q6k, _blk_q3k, _blk_q2k: no buffer written and read back)."""
     acc, wb8, wbu, mwu, wb16, sbuf, mbuf = s
     kind = _KIND[qtype]
     bb = _BB[qtype]
@@ -1131,15 +1197,16 @@ def _rows_dec(qtype, w, ro, rb, nrows, a, da, asum, idx, n, s, res, f16e, tab):
         for bg in range(ng):
             o = ro + i * rb + bg * step
             lane0 = (bg * 8) & 31
-            if n == 1 and (qtype == Q5_K or qtype == Q6_K):  # one token: the block decoded in registers instead
-                t = idx[0] * nsub + bg * 8
+            if n == 1 and (qtype == Q5_K or qtype == Q6_K or qtype == Q3_K or qtype == Q2_K):
+                t = idx[0] * nsub + bg * 8  # one token: the K-quant block decoded in registers instead
                 if qtype == Q5_K:
                     _blk_q5k(w, o, sbuf, mbuf, a, t * SUB, da, asum, t, acc, lane0)
-                else:
-                    d = _f16(w[o + 208], w[o + 209], f16e)
-                    for j in range(8):
-                        sbuf[j] = d
+                elif qtype == Q6_K:
                     _blk_q6k(w, o, sbuf, None, a, t * SUB, da, asum, t, acc, lane0)
+                elif qtype == Q3_K:
+                    _blk_q3k(w, o, sbuf, None, a, t * SUB, da, asum, t, acc, lane0)
+                else:
+                    _blk_q2k(w, o, sbuf, mbuf, a, t * SUB, da, asum, t, acc, lane0)
                 continue
             _decode(qtype, w, o, 8, s, f16e, tab)
             for k in range(n):
