@@ -71,6 +71,9 @@ _BB = np.zeros(64, np.int64)
 _BV = np.zeros(64, np.int64)
 for _t, _k in _DECODED.items():
     _KIND[_t], _BB[_t], _BV[_t] = _k, fmt(_t).block_bytes, fmt(_t).block_values
+# decoded types with a block kernel that decodes in registers (for a block one token reads)
+_IN_REGS = np.zeros(64, np.bool_)
+_IN_REGS[[Q2_K, Q3_K, Q5_K, Q6_K, Q4_0, Q4_1, Q5_0, Q5_1]] = True
 
 
 def _tables() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -564,6 +567,45 @@ def _blk_dec(typingctx, wbuf, mwbuf, sbuf, mbuf, a, ao, da, asum, dao, acc, acco
             _vload(context, builder, sig.args[1], args[1], ir.Constant(_I64, 32 * j), 32) for j in range(8)]
         return _accumulate8(context, builder, sig, args, 2, w8, signed=dt.signed, mw8=mw8)
     return types.none(wbuf, mwbuf, sbuf, mbuf, a, ao, da, asum, dao, acc, acco), codegen
+
+
+def _legacy_kernel(has_m: bool, five: bool):
+    """The block kernel of 8 consecutive 32-value blocks of Q4_0 (neither), Q4_1 (has_m), Q5_0 (five) or Q5_1
+    (both) from w[wo], decoded in registers: per block f16 d [, f16 m] [, 32 fifth bits], 16 nibble bytes (value v
+    < 16 the low nibble of byte v, else the high nibble of byte v - 16); q = code - 8 / - 16 (int8) without a
+    minimum, else q = code (uint8) and minimum -m."""
+    bb = 18 + 2 * has_m + 4 * five
+
+    @intrinsic
+    def kernel(typingctx, w, wo, sbuf, mbuf, a, ao, da, asum, dao, acc, acco):
+        if not _blk_ok(w, sbuf, mbuf, a, da, asum, acc) or isinstance(mbuf, types.NoneType) == has_m:
+            return None
+
+        def codegen(context, builder, sig, args):
+            f8 = ir.VectorType(ir.FloatType(), 8)
+            dv = mv = ir.Constant(f8, ir.Undefined)
+            w8 = []
+            for j in range(8):
+                b = bb * j
+                dv = builder.insert_element(dv, _half_at(context, builder, sig, args, b), ir.Constant(_I32, j))
+                if has_m:
+                    m = builder.fsub(ir.Constant(ir.FloatType(), -0.0), _half_at(context, builder, sig, args, b + 2))
+                    mv = builder.insert_element(mv, m, ir.Constant(_I32, j))
+                x = _bytes_at(context, builder, sig, args, b + 2 + 2 * has_m + 4 * five, 16)
+                code = builder.shuffle_vector(_field(builder, x, 0, 15), _field(builder, x, 4, 15), _const(_I32, range(32)))
+                if five:
+                    qh = _bytes_at(context, builder, sig, args, b + 2 + 2 * has_m, 4)
+                    bit = builder.shuffle_vector(qh, qh, _const(_I32, [v // 8 for v in range(32)]))
+                    bit = _field(builder, bit, _const(_I8, [v % 8 for v in range(32)]), 1)
+                    code = builder.or_(code, builder.shl(bit, _bytes(4)))
+                w8.append(code if has_m else builder.sub(code, _bytes(16 if five else 8)))
+            return _accumulate8(context, builder, sig, args, 2, w8, signed=not has_m,
+                                scales=(dv, mv if has_m else None))
+        return types.none(w, wo, sbuf, mbuf, a, ao, da, asum, dao, acc, acco), codegen
+    return kernel
+
+
+_blk_q40, _blk_q41, _blk_q50, _blk_q51 = (_legacy_kernel(m, f) for f in (False, True) for m in (False, True))
 
 
 # Byte-field ops for the decoders (16 values an op, in vector registers; numba's loops over arrays it cannot prove
@@ -1182,8 +1224,9 @@ def _sub_terms(r, wb, sbuf, mbuf, has_min, a, da, asum, t0, acc, acco, lane0):
 @njit(nogil=True, cache=True, inline="always")
 def _rows_dec(qtype, w, ro, rb, nrows, a, da, asum, idx, n, s, res, f16e, tab):
     """Any type of _DECODED: per row, each block (32-value types: 8 blocks) decoded once, then its 8 sub-blocks'
-    terms for each of the n tokens; a K-quant block that one token reads is decoded in registers instead
-    (_blk_q5k, _blk_q6k, _blk_q3k, _blk_q2k: no buffer written and read back)."""
+    terms for each of the n tokens; a block of the _IN_REGS types that one token reads is decoded in registers
+    instead (_blk_q5k, _blk_q6k, _blk_q3k, _blk_q2k, the legacy types' _legacy_kernel: no buffer written and read
+    back)."""
     acc, wb8, wbu, mwu, wb16, sbuf, mbuf = s
     kind = _KIND[qtype]
     bb = _BB[qtype]
@@ -1197,9 +1240,17 @@ def _rows_dec(qtype, w, ro, rb, nrows, a, da, asum, idx, n, s, res, f16e, tab):
         for bg in range(ng):
             o = ro + i * rb + bg * step
             lane0 = (bg * 8) & 31
-            if n == 1 and (qtype == Q5_K or qtype == Q6_K or qtype == Q3_K or qtype == Q2_K):
-                t = idx[0] * nsub + bg * 8  # one token: the K-quant block decoded in registers instead
-                if qtype == Q5_K:
+            if n == 1 and _IN_REGS[qtype]:  # one token: the block (8 blocks of 32) decoded in registers instead
+                t = idx[0] * nsub + bg * 8
+                if qtype == Q4_0:
+                    _blk_q40(w, o, sbuf, None, a, t * SUB, da, asum, t, acc, lane0)
+                elif qtype == Q4_1:
+                    _blk_q41(w, o, sbuf, mbuf, a, t * SUB, da, asum, t, acc, lane0)
+                elif qtype == Q5_0:
+                    _blk_q50(w, o, sbuf, None, a, t * SUB, da, asum, t, acc, lane0)
+                elif qtype == Q5_1:
+                    _blk_q51(w, o, sbuf, mbuf, a, t * SUB, da, asum, t, acc, lane0)
+                elif qtype == Q5_K:
                     _blk_q5k(w, o, sbuf, mbuf, a, t * SUB, da, asum, t, acc, lane0)
                 elif qtype == Q6_K:
                     _blk_q6k(w, o, sbuf, None, a, t * SUB, da, asum, t, acc, lane0)

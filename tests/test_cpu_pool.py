@@ -216,16 +216,19 @@ def test_exp_clamp_large_inputs(pools, seed, qtype):
     assert_bits(out, reference(types, layer, pairs, qa, da))
 
 
-@pytest.mark.parametrize("qtype", [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K], ids=lambda t: t.name)
-def test_k_quant_scales_of_every_f16_kind(pools, seed, qtype):
-    """The in-register K-quant kernels form d (and dmin) from the f16 bits themselves: blocks whose d / dmin are
-    subnormal, signed zeros, the smallest and largest normals and negative, one token an expert and three sharing."""
+@pytest.mark.parametrize("qtype", [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1],
+                         ids=lambda t: t.name)
+def test_block_scales_of_every_f16_kind(pools, seed, qtype):
+    """The in-register block kernels form d (and dmin, m) from the f16 bits themselves: blocks whose d / dmin / m
+    are subnormal, signed zeros, the smallest and largest normals and negative, one token an expert and three
+    sharing."""
     d_model, d_ff = TINY
     rng = np.random.default_rng([seed, int(qtype), 11])
     types = (qtype,) * 3
     layer = make_layer(rng, types, 2, d_model, d_ff)
     edges = np.array([0x0001, 0x03FF, 0x8001, 0x0000, 0x8000, 0x0400, 0x7BFF, 0xBC00, 0x3555, 0x83FF], np.uint16)
-    at = {T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}[qtype]
+    at = {T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,), T.Q4_0: (0,),
+          T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2)}[qtype]
     for m in layer:
         blocks = m.reshape(-1, fmt(qtype).block_bytes)
         for k, off in enumerate(at):
