@@ -73,7 +73,7 @@ for _t, _k in _DECODED.items():
     _KIND[_t], _BB[_t], _BV[_t] = _k, fmt(_t).block_bytes, fmt(_t).block_values
 # decoded types with a block kernel that decodes in registers (for a block one token reads)
 _IN_REGS = np.zeros(64, np.bool_)
-_IN_REGS[[Q2_K, Q3_K, Q5_K, Q6_K, Q4_0, Q4_1, Q5_0, Q5_1]] = True
+_IN_REGS[[Q2_K, Q3_K, Q5_K, Q6_K, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, IQ4_XS, MXFP4]] = True
 
 
 def _tables() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -592,7 +592,8 @@ def _legacy_kernel(has_m: bool, five: bool):
                     m = builder.fsub(ir.Constant(ir.FloatType(), -0.0), _half_at(context, builder, sig, args, b + 2))
                     mv = builder.insert_element(mv, m, ir.Constant(_I32, j))
                 x = _bytes_at(context, builder, sig, args, b + 2 + 2 * has_m + 4 * five, 16)
-                code = builder.shuffle_vector(_field(builder, x, 0, 15), _field(builder, x, 4, 15), _const(_I32, range(32)))
+                code = builder.shuffle_vector(_field(builder, x, 0, 15), _field(builder, x, 4, 15),
+                                              _const(_I32, range(32)))
                 if five:
                     qh = _bytes_at(context, builder, sig, args, b + 2 + 2 * has_m, 4)
                     bit = builder.shuffle_vector(qh, qh, _const(_I32, [v // 8 for v in range(32)]))
@@ -606,6 +607,65 @@ def _legacy_kernel(has_m: bool, five: bool):
 
 
 _blk_q40, _blk_q41, _blk_q50, _blk_q51 = (_legacy_kernel(m, f) for f in (False, True) for m in (False, True))
+
+
+def _lut_codes(builder, x, values):
+    """The 32 values of a sub-block whose 16 bytes x hold their indices in `values` (16 int8), low nibbles first."""
+    t = _const(_I8, [int(v) & 255 for v in values])
+    return builder.shuffle_vector(_lut16(builder, t, _field(builder, x, 0, 15)),
+                                  _lut16(builder, t, _field(builder, x, 4, 15)), _const(_I32, range(32)))
+
+
+def _lut_kernel(qtype: int):
+    """The block kernel of IQ4_NL / MXFP4 (8 consecutive 32-value blocks from w[wo]: f16 d or an E8M0 exponent
+    byte, 16 index bytes) or IQ4_XS (one 256-value block: f16 d, 2 + 4 bytes of 6-bit scales, 8 x 16 index bytes),
+    decoded in registers: q = the table value of each 4-bit index (kvalues, or MXFP4's doubled E2M1 values)."""
+    values = MXFP4_VALUES if qtype == MXFP4 else IQ4_VALUES
+
+    @intrinsic
+    def kernel(typingctx, w, wo, sbuf, mbuf, a, ao, da, asum, dao, acc, acco):
+        if not _blk_ok(w, sbuf, mbuf, a, da, asum, acc):
+            return None
+
+        def codegen(context, builder, sig, args):
+            f8 = ir.VectorType(ir.FloatType(), 8)
+            if qtype == IQ4_XS:
+                w8 = [_lut_codes(builder, _bytes_at(context, builder, sig, args, 8 + 16 * j, 16), values)
+                      for j in range(8)]
+                sl = _bytes_at(context, builder, sig, args, 4, 4)
+                lo = _field(builder, builder.shuffle_vector(sl, sl, _const(_I32, [j >> 1 for j in range(8)])),
+                            _const(_I8, [4 * (j & 1) for j in range(8)]), 15)
+                sh = _vload(context, builder, sig.args[0], args[0], builder.add(_i64(builder, args[1]),
+                                                                                 ir.Constant(_I64, 2)), 1,
+                            ir.IntType(16))
+                v16 = ir.VectorType(ir.IntType(16), 8)
+                hi = builder.and_(builder.lshr(_splat(builder, sh, 8), ir.Constant(v16, [2 * j for j in range(8)])),
+                                  ir.Constant(v16, [3] * 8))
+                ls = builder.or_(lo, builder.shl(builder.trunc(hi, ir.VectorType(_I8, 8)), _const(_I8, [4] * 8)))
+                ls = builder.sitofp(builder.sub(ls, _const(_I8, [32] * 8)), f8)
+                return _accumulate8(context, builder, sig, args, 2, w8, signed=True,
+                                    scales=(builder.fmul(_d8(context, builder, sig, args, 0), ls), None))
+            bb = 17 if qtype == MXFP4 else 18
+            dv = ir.Constant(f8, ir.Undefined)
+            w8 = []
+            for j in range(8):
+                if qtype == MXFP4:  # 2^(e - 128) from its bits: e < 2 a subnormal
+                    e = builder.zext(_bytes_at(context, builder, sig, args, bb * j, 1), _I32)
+                    small = builder.icmp_unsigned("<", e, ir.Constant(_I32, 2))
+                    bits = builder.select(small, builder.shl(ir.Constant(_I32, 0x00200000), e),
+                                          builder.shl(builder.sub(e, ir.Constant(_I32, 1)), ir.Constant(_I32, 23)))
+                    d = builder.bitcast(bits, ir.FloatType())
+                else:
+                    d = _half_at(context, builder, sig, args, bb * j)
+                dv = builder.insert_element(dv, d, ir.Constant(_I32, j))
+                off = bb * j + (1 if qtype == MXFP4 else 2)
+                w8.append(_lut_codes(builder, _bytes_at(context, builder, sig, args, off, 16), values))
+            return _accumulate8(context, builder, sig, args, 2, w8, signed=True, scales=(dv, None))
+        return types.none(w, wo, sbuf, mbuf, a, ao, da, asum, dao, acc, acco), codegen
+    return kernel
+
+
+_blk_iq4nl, _blk_iq4xs, _blk_mxfp4 = (_lut_kernel(t) for t in (IQ4_NL, IQ4_XS, MXFP4))
 
 
 # Byte-field ops for the decoders (16 values an op, in vector registers; numba's loops over arrays it cannot prove
@@ -657,6 +717,20 @@ def _vbit4(typingctx, dst, do, src, so):
 PSHUFB = "+ssse3" in llvm_binding.get_host_cpu_features().flatten().split(",")
 
 
+def _lut16(builder, t, ix):
+    """<16 x i8>: t[ix] bytewise (t: <16 x i8>, ix: indices 0..15)."""
+    v16 = ir.VectorType(_I8, 16)
+    if PSHUFB:
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16, [v16, v16]),
+                                            "llvm.x86.ssse3.pshuf.b.128")
+        return builder.call(fn, [t, ix])
+    y = _splat(builder, builder.extract_element(t, ir.Constant(_I32, 0)), 16)
+    for e in range(1, 16):
+        y = builder.select(builder.icmp_unsigned("==", ix, _const(_I8, [e] * 16)),
+                           _splat(builder, builder.extract_element(t, ir.Constant(_I32, e)), 16), y)
+    return y
+
+
 @intrinsic
 def _vlut16(typingctx, dst, do, src, so, shift, tab, to):
     """dst[do:do + 16] = tab[to + ((src[so:][:16] >> shift) & 15)], bytewise (IQ4's kvalues)."""
@@ -667,16 +741,7 @@ def _vlut16(typingctx, dst, do, src, so, shift, tab, to):
         v16 = ir.VectorType(_I8, 16)
         x = _vload(context, builder, sig.args[2], args[2], args[3], 16)
         ix = builder.and_(builder.lshr(x, _splat_int(builder, args[4], 16)), _const(_I8, [15] * 16))
-        t = _vload(context, builder, sig.args[5], args[5], args[6], 16)
-        if PSHUFB:
-            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16, [v16, v16]),
-                                                "llvm.x86.ssse3.pshuf.b.128")
-            y = builder.call(fn, [t, ix])
-        else:
-            y = _splat(builder, builder.extract_element(t, ir.Constant(_I32, 0)), 16)
-            for e in range(1, 16):
-                y = builder.select(builder.icmp_unsigned("==", ix, _const(_I8, [e] * 16)),
-                                   _splat(builder, builder.extract_element(t, ir.Constant(_I32, e)), 16), y)
+        y = _lut16(builder, _vload(context, builder, sig.args[5], args[5], args[6], 16), ix)
         builder.store(y, _vptr(context, builder, sig.args[0], args[0], args[1], v16), align=1)
         return context.get_dummy_value()
     return types.none(dst, do, src, so, shift, tab, to), codegen
@@ -1225,7 +1290,7 @@ def _sub_terms(r, wb, sbuf, mbuf, has_min, a, da, asum, t0, acc, acco, lane0):
 def _rows_dec(qtype, w, ro, rb, nrows, a, da, asum, idx, n, s, res, f16e, tab):
     """Any type of _DECODED: per row, each block (32-value types: 8 blocks) decoded once, then its 8 sub-blocks'
     terms for each of the n tokens; a block of the _IN_REGS types that one token reads is decoded in registers
-    instead (_blk_q5k, _blk_q6k, _blk_q3k, _blk_q2k, the legacy types' _legacy_kernel: no buffer written and read
+    instead (_blk_q5k, _blk_q6k, _blk_q3k, _blk_q2k, _legacy_kernel's and _lut_kernel's: no buffer written and read
     back)."""
     acc, wb8, wbu, mwu, wb16, sbuf, mbuf = s
     kind = _KIND[qtype]
@@ -1250,6 +1315,12 @@ def _rows_dec(qtype, w, ro, rb, nrows, a, da, asum, idx, n, s, res, f16e, tab):
                     _blk_q50(w, o, sbuf, None, a, t * SUB, da, asum, t, acc, lane0)
                 elif qtype == Q5_1:
                     _blk_q51(w, o, sbuf, mbuf, a, t * SUB, da, asum, t, acc, lane0)
+                elif qtype == IQ4_NL:
+                    _blk_iq4nl(w, o, sbuf, None, a, t * SUB, da, asum, t, acc, lane0)
+                elif qtype == IQ4_XS:
+                    _blk_iq4xs(w, o, sbuf, None, a, t * SUB, da, asum, t, acc, lane0)
+                elif qtype == MXFP4:
+                    _blk_mxfp4(w, o, sbuf, None, a, t * SUB, da, asum, t, acc, lane0)
                 elif qtype == Q5_K:
                     _blk_q5k(w, o, sbuf, mbuf, a, t * SUB, da, asum, t, acc, lane0)
                 elif qtype == Q6_K:

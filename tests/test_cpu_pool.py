@@ -216,22 +216,25 @@ def test_exp_clamp_large_inputs(pools, seed, qtype):
     assert_bits(out, reference(types, layer, pairs, qa, da))
 
 
-@pytest.mark.parametrize("qtype", [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1],
-                         ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.IQ4_NL,
+                                   T.IQ4_XS, T.MXFP4], ids=lambda t: t.name)
 def test_block_scales_of_every_f16_kind(pools, seed, qtype):
     """The in-register block kernels form d (and dmin, m) from the f16 bits themselves: blocks whose d / dmin / m
     are subnormal, signed zeros, the smallest and largest normals and negative, one token an expert and three
-    sharing."""
+    sharing (MXFP4: exponent bytes 0 and 1, the subnormal scales, and normal ones)."""
     d_model, d_ff = TINY
     rng = np.random.default_rng([seed, int(qtype), 11])
     types = (qtype,) * 3
     layer = make_layer(rng, types, 2, d_model, d_ff)
     edges = np.array([0x0001, 0x03FF, 0x8001, 0x0000, 0x8000, 0x0400, 0x7BFF, 0xBC00, 0x3555, 0x83FF], np.uint16)
     at = {T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,), T.Q4_0: (0,),
-          T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2)}[qtype]
+          T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.IQ4_NL: (0,), T.IQ4_XS: (0,), T.MXFP4: ()}[qtype]
     for m in layer:
         blocks = m.reshape(-1, fmt(qtype).block_bytes)
-        for k, off in enumerate(at):
+        if qtype == T.MXFP4:  # one exponent a row: the rows of subnormal scales give outputs of their own
+            rows = m.reshape(*m.shape[:2], -1, fmt(qtype).block_bytes)
+            rows[:, :, :, 0] = np.array([0, 1, 2, 100, 126, 127, 128, 131], np.uint8)[np.arange(m.shape[1]) % 8, None]
+        for k, off in enumerate(() if qtype == T.MXFP4 else at):
             blocks[:, off:off + 2] = np.roll(edges, k)[np.arange(len(blocks)) % len(edges)].view(np.uint8).reshape(
                 -1, 1, 2)[:, 0]
     qa, da = make_tokens(rng, 3, d_model)
