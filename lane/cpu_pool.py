@@ -73,7 +73,7 @@ for _t, _k in _DECODED.items():
     _KIND[_t], _BB[_t], _BV[_t] = _k, fmt(_t).block_bytes, fmt(_t).block_values
 # decoded types with a block kernel that decodes in registers (for a block one token reads)
 _IN_REGS = np.zeros(64, np.bool_)
-_IN_REGS[[Q2_K, Q3_K, Q5_K, Q6_K, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, IQ4_XS, MXFP4]] = True
+_IN_REGS[[Q2_K, Q3_K, Q5_K, Q6_K, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, IQ4_XS, MXFP4, IQ3_XXS]] = True
 
 
 def _tables() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -113,6 +113,7 @@ _T_IQ4, _T_MXFP4, _T_ONES, _T_EIGHTS, _T_SIGN8, _T_KSIGNS = (
     _OFF[k] for k in ("iq4", "mxfp4", "ones", "eights", "sign8", "ksigns"))
 _T_IQ3XXS, _T_IQ2XXS, _T_IQ2XS, _T_IQ2S, _T_IQ1S, _T_IQ1M = (_OFF[t.name] for t in (T.IQ3_XXS, T.IQ2_XXS, T.IQ2_XS,
                                                                                    T.IQ2_S, T.IQ1_S, T.IQ1_M))
+assert _T_IQ3XXS % 4 == 0, "_blk_iq3xxs reads the IQ3_XXS grid as aligned words"
 
 # the canonical exp's constants, as float32 (numba must never see a python float in float32 arithmetic)
 _LOG2E = F32(1.44269502)
@@ -186,6 +187,29 @@ def _iq3s_weights(context, builder, rowty, row, o, j, gty, grid):
     return builder.select(neg, builder.sub(_const(_I8, [0] * 32), mag), mag)
 
 
+def _grid_words(builder, data, off, ix):
+    """<32 x i8>: the 4-byte grid entries ix (<8 x i32>) of the table at byte off (a multiple of 4) of the array
+    data points to: one vector gather (IQ3S_GATHER) or 8 scalar loads."""
+    v8i32 = ir.VectorType(_I32, 8)
+    if IQ3S_GATHER:
+        base = _splat(builder, builder.add(builder.ptrtoint(data, _I64), ir.Constant(_I64, off)), 8)
+        addr = builder.add(base, builder.shl(builder.zext(ix, ir.VectorType(_I64, 8)), _const(_I64, [2] * 8)))
+        ptrs = builder.inttoptr(addr, ir.VectorType(ir.PointerType(), 8))
+        mask = ir.VectorType(ir.IntType(1), 8)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8i32, [ptrs.type, _I32, mask, v8i32]),
+                                            "llvm.masked.gather.v8i32.v8p0")
+        mag = builder.call(fn, [ptrs, ir.Constant(_I32, 4), ir.Constant(mask, [1] * 8),
+                                ir.Constant(v8i32, ir.Undefined)])
+    else:
+        mag = ir.Constant(v8i32, ir.Undefined)
+        for k in range(8):
+            kk = builder.add(builder.shl(builder.zext(builder.extract_element(ix, ir.Constant(_I32, k)), _I64),
+                                         ir.Constant(_I64, 2)), ir.Constant(_I64, off))
+            p = builder.gep(data, [kk], source_etype=_I8)
+            mag = builder.insert_element(mag, builder.load(p, typ=_I32, align=4), ir.Constant(_I32, k))
+    return builder.bitcast(mag, ir.VectorType(_I8, 32))
+
+
 def _iq3s_parts(context, builder, rowty, row, o, j, gty, grid):
     """IQ3_S sub-block j of the block at byte o of row: <32 x i8> magnitudes (grid values, 1..15) and the <32 x i1>
     mask of the negative weights."""
@@ -201,22 +225,7 @@ def _iq3s_parts(context, builder, rowty, row, o, j, gty, grid):
                      _const(_I32, [8] * 8))
     ix = builder.or_(ix, hi)
     g = context.make_array(gty)(context, builder, grid)
-    if IQ3S_GATHER:  # one vector gather of the 8 grid words
-        v8i64 = ir.VectorType(_I64, 8)
-        base = _splat(builder, builder.ptrtoint(g.data, _I64), 8)
-        addr = builder.add(base, builder.shl(builder.zext(ix, v8i64), _const(_I64, [2] * 8)))
-        ptrs = builder.inttoptr(addr, ir.VectorType(ir.PointerType(), 8))
-        mask = ir.VectorType(ir.IntType(1), 8)
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8i32, [ptrs.type, _I32, mask, v8i32]),
-                                            "llvm.masked.gather.v8i32.v8p0")
-        mag = builder.call(fn, [ptrs, ir.Constant(_I32, 4), ir.Constant(mask, [1] * 8), ir.Constant(v8i32, ir.Undefined)])
-    else:  # 8 scalar loads
-        mag = ir.Constant(v8i32, ir.Undefined)
-        for k in range(8):
-            kk = builder.zext(builder.extract_element(ix, ir.Constant(_I32, k)), _I64)
-            p = builder.gep(g.data, [kk], source_etype=_I32)
-            mag = builder.insert_element(mag, builder.load(p, typ=_I32), ir.Constant(_I32, k))
-    mag = builder.bitcast(mag, ir.VectorType(_I8, 32))
+    mag = _grid_words(builder, g.data, 0, ix)
     # sign of value v: bit v % 8 of sign byte v // 8
     sw = _vload(context, builder, rowty, row, so, 4)
     s32 = builder.shuffle_vector(sw, ir.Constant(ir.VectorType(_I8, 4), ir.Undefined),
@@ -666,6 +675,37 @@ def _lut_kernel(qtype: int):
 
 
 _blk_iq4nl, _blk_iq4xs, _blk_mxfp4 = (_lut_kernel(t) for t in (IQ4_NL, IQ4_XS, MXFP4))
+
+
+@intrinsic
+def _blk_iq3xxs(typingctx, w, wo, tab, sbuf, mbuf, a, ao, da, asum, dao, acc, acco):
+    """The 8 sub-blocks of the IQ3_XXS block at w[wo], decoded in registers: sub-block j's 8 grid indices (4 values
+    each) at byte 2 + 8 j, its word at 66 + 4 j: 4 x 7 sign bits (ggml's ksigns: the 8th is their parity), then the
+    4-bit ls; scale (d (0.5 + ls)) 0.5. tab: the decode tables (the grid at _T_IQ3XXS)."""
+    if not (_blk_ok(w, sbuf, mbuf, a, da, asum, acc) and _is_1d_bytes(tab)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        v8i32, f8 = ir.VectorType(_I32, 8), ir.VectorType(ir.FloatType(), 8)
+        t = context.make_array(sig.args[2])(context, builder, args[2])
+        words = builder.bitcast(_bytes_at(context, builder, sig, args, 66, 32), v8i32)
+        popc = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8i32, [v8i32]), "llvm.ctpop.v8i32")
+        mags, negs = [], []
+        for j in range(8):
+            ix = builder.zext(_bytes_at(context, builder, sig, args, 2 + 8 * j, 8), v8i32)
+            mags.append(_grid_words(builder, t.data, _T_IQ3XXS, ix))
+            wj = _splat(builder, builder.extract_element(words, ir.Constant(_I32, j)), 8)
+            k7 = builder.and_(builder.lshr(wj, _const(_I32, [7 * (k % 4) for k in range(8)])), _const(_I32, [127] * 8))
+            par = builder.and_(builder.call(popc, [k7]), _const(_I32, [1] * 8))
+            sg = builder.trunc(builder.or_(k7, builder.shl(par, _const(_I32, [7] * 8))), ir.VectorType(_I8, 8))
+            s32 = builder.shuffle_vector(sg, sg, _const(_I32, [v // 8 for v in range(32)]))
+            negs.append(builder.icmp_unsigned("!=", builder.and_(s32, _const(_I8, [1 << (v % 8) for v in range(32)])),
+                                              _bytes(0)))
+        ls = builder.sitofp(builder.lshr(words, _const(_I32, [28] * 8)), f8)
+        half = ir.Constant(f8, [0.5] * 8)
+        scale = builder.fmul(builder.fmul(_d8(context, builder, sig, args, 0), builder.fadd(half, ls)), half)
+        return _accumulate8(context, builder, sig, args, 3, mags, signed=False, neg=negs, scales=(scale, None))
+    return types.none(w, wo, tab, sbuf, mbuf, a, ao, da, asum, dao, acc, acco), codegen
 
 
 # Byte-field ops for the decoders (16 values an op, in vector registers; numba's loops over arrays it cannot prove
@@ -1321,6 +1361,8 @@ def _rows_dec(qtype, w, ro, rb, nrows, a, da, asum, idx, n, s, res, f16e, tab):
                     _blk_iq4xs(w, o, sbuf, None, a, t * SUB, da, asum, t, acc, lane0)
                 elif qtype == MXFP4:
                     _blk_mxfp4(w, o, sbuf, None, a, t * SUB, da, asum, t, acc, lane0)
+                elif qtype == IQ3_XXS:
+                    _blk_iq3xxs(w, o, tab, sbuf, None, a, t * SUB, da, asum, t, acc, lane0)
                 elif qtype == Q5_K:
                     _blk_q5k(w, o, sbuf, mbuf, a, t * SUB, da, asum, t, acc, lane0)
                 elif qtype == Q6_K:
