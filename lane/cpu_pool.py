@@ -73,7 +73,7 @@ for _t, _k in _DECODED.items():
     _KIND[_t], _BB[_t], _BV[_t] = _k, fmt(_t).block_bytes, fmt(_t).block_values
 # decoded types with a block kernel that decodes in registers (for a block one token reads)
 _IN_REGS = np.zeros(64, np.bool_)
-_IN_REGS[[Q2_K, Q3_K, Q5_K, Q6_K, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, IQ4_XS, MXFP4, IQ3_XXS]] = True
+_IN_REGS[[Q2_K, Q3_K, Q5_K, Q6_K, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, IQ4_XS, MXFP4, IQ3_XXS, IQ2_XXS]] = True
 
 
 def _tables() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -113,7 +113,7 @@ _T_IQ4, _T_MXFP4, _T_ONES, _T_EIGHTS, _T_SIGN8, _T_KSIGNS = (
     _OFF[k] for k in ("iq4", "mxfp4", "ones", "eights", "sign8", "ksigns"))
 _T_IQ3XXS, _T_IQ2XXS, _T_IQ2XS, _T_IQ2S, _T_IQ1S, _T_IQ1M = (_OFF[t.name] for t in (T.IQ3_XXS, T.IQ2_XXS, T.IQ2_XS,
                                                                                    T.IQ2_S, T.IQ1_S, T.IQ1_M))
-assert _T_IQ3XXS % 4 == 0, "_blk_iq3xxs reads the IQ3_XXS grid as aligned words"
+assert _T_IQ3XXS % 4 == 0 and _T_IQ2XXS % 8 == 0, "_xxs_kernel reads the grids' entries as aligned words"
 
 # the canonical exp's constants, as float32 (numba must never see a python float in float32 arithmetic)
 _LOG2E = F32(1.44269502)
@@ -187,26 +187,27 @@ def _iq3s_weights(context, builder, rowty, row, o, j, gty, grid):
     return builder.select(neg, builder.sub(_const(_I8, [0] * 32), mag), mag)
 
 
-def _grid_words(builder, data, off, ix):
-    """<32 x i8>: the 4-byte grid entries ix (<8 x i32>) of the table at byte off (a multiple of 4) of the array
-    data points to: one vector gather (IQ3S_GATHER) or 8 scalar loads."""
-    v8i32 = ir.VectorType(_I32, 8)
+def _grid_words(builder, data, off, ix, size=4):
+    """<32 x i8>: the grid entries ix (<8 x i32> of 4-byte entries, or <4 x i32> of 8-byte ones) of the table at byte
+    off (a multiple of the entry size) of the array data points to: one vector gather (IQ3S_GATHER) or scalar loads."""
+    n, et = 32 // size, ir.IntType(8 * size)
+    vt = ir.VectorType(et, n)
     if IQ3S_GATHER:
-        base = _splat(builder, builder.add(builder.ptrtoint(data, _I64), ir.Constant(_I64, off)), 8)
-        addr = builder.add(base, builder.shl(builder.zext(ix, ir.VectorType(_I64, 8)), _const(_I64, [2] * 8)))
-        ptrs = builder.inttoptr(addr, ir.VectorType(ir.PointerType(), 8))
-        mask = ir.VectorType(ir.IntType(1), 8)
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8i32, [ptrs.type, _I32, mask, v8i32]),
-                                            "llvm.masked.gather.v8i32.v8p0")
-        mag = builder.call(fn, [ptrs, ir.Constant(_I32, 4), ir.Constant(mask, [1] * 8),
-                                ir.Constant(v8i32, ir.Undefined)])
+        base = _splat(builder, builder.add(builder.ptrtoint(data, _I64), ir.Constant(_I64, off)), n)
+        addr = builder.add(base, builder.mul(builder.zext(ix, ir.VectorType(_I64, n)), _const(_I64, [size] * n)))
+        ptrs = builder.inttoptr(addr, ir.VectorType(ir.PointerType(), n))
+        mask = ir.VectorType(ir.IntType(1), n)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vt, [ptrs.type, _I32, mask, vt]),
+                                            f"llvm.masked.gather.v{n}i{8 * size}.v{n}p0")
+        mag = builder.call(fn, [ptrs, ir.Constant(_I32, size), ir.Constant(mask, [1] * n),
+                                ir.Constant(vt, ir.Undefined)])
     else:
-        mag = ir.Constant(v8i32, ir.Undefined)
-        for k in range(8):
-            kk = builder.add(builder.shl(builder.zext(builder.extract_element(ix, ir.Constant(_I32, k)), _I64),
-                                         ir.Constant(_I64, 2)), ir.Constant(_I64, off))
+        mag = ir.Constant(vt, ir.Undefined)
+        for k in range(n):
+            kk = builder.add(builder.mul(builder.zext(builder.extract_element(ix, ir.Constant(_I32, k)), _I64),
+                                         ir.Constant(_I64, size)), ir.Constant(_I64, off))
             p = builder.gep(data, [kk], source_etype=_I8)
-            mag = builder.insert_element(mag, builder.load(p, typ=_I32, align=4), ir.Constant(_I32, k))
+            mag = builder.insert_element(mag, builder.load(p, typ=et, align=size), ir.Constant(_I32, k))
     return builder.bitcast(mag, ir.VectorType(_I8, 32))
 
 
@@ -677,35 +678,51 @@ def _lut_kernel(qtype: int):
 _blk_iq4nl, _blk_iq4xs, _blk_mxfp4 = (_lut_kernel(t) for t in (IQ4_NL, IQ4_XS, MXFP4))
 
 
-@intrinsic
-def _blk_iq3xxs(typingctx, w, wo, tab, sbuf, mbuf, a, ao, da, asum, dao, acc, acco):
-    """The 8 sub-blocks of the IQ3_XXS block at w[wo], decoded in registers: sub-block j's 8 grid indices (4 values
-    each) at byte 2 + 8 j, its word at 66 + 4 j: 4 x 7 sign bits (ggml's ksigns: the 8th is their parity), then the
-    4-bit ls; scale (d (0.5 + ls)) 0.5. tab: the decode tables (the grid at _T_IQ3XXS)."""
-    if not (_blk_ok(w, sbuf, mbuf, a, da, asum, acc) and _is_1d_bytes(tab)):
-        return None
+def _xxs_kernel(qtype: int):
+    """The block kernel of IQ3_XXS or IQ2_XXS, decoded in registers: sub-block j's grid indices (IQ3_XXS: 8 bytes at
+    2 + 8 j, entries of 4 values; IQ2_XXS: 4 bytes at 2 + 8 j, entries of 8) and its word (IQ3_XXS: at 66 + 4 j;
+    IQ2_XXS: at 6 + 8 j): 4 x 7 sign bits (ggml's ksigns: the 8th is their parity by popcount), then the 4-bit ls;
+    scale (d (0.5 + ls)) 0.5 (IQ3_XXS) or 0.25. tab: the decode tables (the grids at _T_IQ3XXS / _T_IQ2XXS)."""
+    three = qtype == IQ3_XXS
+    size, toff, last = (4, _T_IQ3XXS, 0.5) if three else (8, _T_IQ2XXS, 0.25)
 
-    def codegen(context, builder, sig, args):
-        v8i32, f8 = ir.VectorType(_I32, 8), ir.VectorType(ir.FloatType(), 8)
-        t = context.make_array(sig.args[2])(context, builder, args[2])
-        words = builder.bitcast(_bytes_at(context, builder, sig, args, 66, 32), v8i32)
-        popc = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8i32, [v8i32]), "llvm.ctpop.v8i32")
-        mags, negs = [], []
-        for j in range(8):
-            ix = builder.zext(_bytes_at(context, builder, sig, args, 2 + 8 * j, 8), v8i32)
-            mags.append(_grid_words(builder, t.data, _T_IQ3XXS, ix))
-            wj = _splat(builder, builder.extract_element(words, ir.Constant(_I32, j)), 8)
-            k7 = builder.and_(builder.lshr(wj, _const(_I32, [7 * (k % 4) for k in range(8)])), _const(_I32, [127] * 8))
-            par = builder.and_(builder.call(popc, [k7]), _const(_I32, [1] * 8))
-            sg = builder.trunc(builder.or_(k7, builder.shl(par, _const(_I32, [7] * 8))), ir.VectorType(_I8, 8))
-            s32 = builder.shuffle_vector(sg, sg, _const(_I32, [v // 8 for v in range(32)]))
-            negs.append(builder.icmp_unsigned("!=", builder.and_(s32, _const(_I8, [1 << (v % 8) for v in range(32)])),
-                                              _bytes(0)))
-        ls = builder.sitofp(builder.lshr(words, _const(_I32, [28] * 8)), f8)
-        half = ir.Constant(f8, [0.5] * 8)
-        scale = builder.fmul(builder.fmul(_d8(context, builder, sig, args, 0), builder.fadd(half, ls)), half)
-        return _accumulate8(context, builder, sig, args, 3, mags, signed=False, neg=negs, scales=(scale, None))
-    return types.none(w, wo, tab, sbuf, mbuf, a, ao, da, asum, dao, acc, acco), codegen
+    @intrinsic
+    def kernel(typingctx, w, wo, tab, sbuf, mbuf, a, ao, da, asum, dao, acc, acco):
+        if not (_blk_ok(w, sbuf, mbuf, a, da, asum, acc) and _is_1d_bytes(tab)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            v8i32, f8 = ir.VectorType(_I32, 8), ir.VectorType(ir.FloatType(), 8)
+            t = context.make_array(sig.args[2])(context, builder, args[2])
+            if three:
+                words = builder.bitcast(_bytes_at(context, builder, sig, args, 66, 32), v8i32)
+            else:
+                both = builder.bitcast(_bytes_at(context, builder, sig, args, 2, 64), ir.VectorType(_I32, 16))
+                words = builder.shuffle_vector(both, both, _const(_I32, range(1, 16, 2)))
+            popc = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8i32, [v8i32]), "llvm.ctpop.v8i32")
+            mags, negs = [], []
+            for j in range(8):
+                n = 32 // size
+                ix = builder.zext(_bytes_at(context, builder, sig, args, 2 + 8 * j, n), ir.VectorType(_I32, n))
+                mags.append(_grid_words(builder, t.data, toff, ix, size))
+                wj = _splat(builder, builder.extract_element(words, ir.Constant(_I32, j)), 8)
+                k7 = builder.and_(builder.lshr(wj, _const(_I32, [7 * (k % 4) for k in range(8)])),
+                                  _const(_I32, [127] * 8))
+                par = builder.and_(builder.call(popc, [k7]), _const(_I32, [1] * 8))
+                sg = builder.trunc(builder.or_(k7, builder.shl(par, _const(_I32, [7] * 8))), ir.VectorType(_I8, 8))
+                s32 = builder.shuffle_vector(sg, sg, _const(_I32, [v // 8 for v in range(32)]))
+                negs.append(builder.icmp_unsigned(
+                    "!=", builder.and_(s32, _const(_I8, [1 << (v % 8) for v in range(32)])), _bytes(0)))
+            ls = builder.sitofp(builder.lshr(words, _const(_I32, [28] * 8)), f8)
+            d = _d8(context, builder, sig, args, 0)
+            scale = builder.fmul(builder.fmul(d, builder.fadd(ir.Constant(f8, [0.5] * 8), ls)),
+                                 ir.Constant(f8, [last] * 8))
+            return _accumulate8(context, builder, sig, args, 3, mags, signed=False, neg=negs, scales=(scale, None))
+        return types.none(w, wo, tab, sbuf, mbuf, a, ao, da, asum, dao, acc, acco), codegen
+    return kernel
+
+
+_blk_iq3xxs, _blk_iq2xxs = _xxs_kernel(IQ3_XXS), _xxs_kernel(IQ2_XXS)
 
 
 # Byte-field ops for the decoders (16 values an op, in vector registers; numba's loops over arrays it cannot prove
@@ -1363,6 +1380,8 @@ def _rows_dec(qtype, w, ro, rb, nrows, a, da, asum, idx, n, s, res, f16e, tab):
                     _blk_mxfp4(w, o, sbuf, None, a, t * SUB, da, asum, t, acc, lane0)
                 elif qtype == IQ3_XXS:
                     _blk_iq3xxs(w, o, tab, sbuf, None, a, t * SUB, da, asum, t, acc, lane0)
+                elif qtype == IQ2_XXS:
+                    _blk_iq2xxs(w, o, tab, sbuf, None, a, t * SUB, da, asum, t, acc, lane0)
                 elif qtype == Q5_K:
                     _blk_q5k(w, o, sbuf, mbuf, a, t * SUB, da, asum, t, acc, lane0)
                 elif qtype == Q6_K:
