@@ -73,7 +73,8 @@ for _t, _k in _DECODED.items():
     _KIND[_t], _BB[_t], _BV[_t] = _k, fmt(_t).block_bytes, fmt(_t).block_values
 # decoded types with a block kernel that decodes in registers (for a block one token reads)
 _IN_REGS = np.zeros(64, np.bool_)
-_IN_REGS[[Q2_K, Q3_K, Q5_K, Q6_K, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, IQ4_XS, MXFP4, IQ3_XXS, IQ2_XXS]] = True
+_IN_REGS[[Q2_K, Q3_K, Q5_K, Q6_K, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, IQ4_XS, MXFP4, IQ3_XXS, IQ2_XXS, IQ2_XS,
+          IQ2_S]] = True
 
 
 def _tables() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -113,7 +114,8 @@ _T_IQ4, _T_MXFP4, _T_ONES, _T_EIGHTS, _T_SIGN8, _T_KSIGNS = (
     _OFF[k] for k in ("iq4", "mxfp4", "ones", "eights", "sign8", "ksigns"))
 _T_IQ3XXS, _T_IQ2XXS, _T_IQ2XS, _T_IQ2S, _T_IQ1S, _T_IQ1M = (_OFF[t.name] for t in (T.IQ3_XXS, T.IQ2_XXS, T.IQ2_XS,
                                                                                    T.IQ2_S, T.IQ1_S, T.IQ1_M))
-assert _T_IQ3XXS % 4 == 0 and _T_IQ2XXS % 8 == 0, "_xxs_kernel reads the grids' entries as aligned words"
+assert _T_IQ3XXS % 4 == 0 and all(o % 8 == 0 for o in (_T_IQ2XXS, _T_IQ2XS, _T_IQ2S)), \
+    "the in-register kernels read the grids' entries as aligned words"
 
 # the canonical exp's constants, as float32 (numba must never see a python float in float32 arithmetic)
 _LOG2E = F32(1.44269502)
@@ -723,6 +725,61 @@ def _xxs_kernel(qtype: int):
 
 
 _blk_iq3xxs, _blk_iq2xxs = _xxs_kernel(IQ3_XXS), _xxs_kernel(IQ2_XXS)
+
+
+def _iq2_kernel(qtype: int):
+    """The block kernel of IQ2_XS (a u16 an 8-value entry at 2 + 2 n: 9-bit grid index, 7 ksign bits) or IQ2_S (index
+    byte n at 2 + n with 2 high bits from byte 66 + n // 4, a plain sign byte at 34 + n), decoded in registers: q =
+    (2 ls_k + 1) * signed grid value as int16 (ls_k nibble k of the scale bytes at 66 / 74, per 16 values), scale
+    d / 8. tab: the decode tables (the grids at _T_IQ2XS / _T_IQ2S)."""
+    xs = qtype == IQ2_XS
+    toff, so = (_T_IQ2XS, 66) if xs else (_T_IQ2S, 74)
+
+    @intrinsic
+    def kernel(typingctx, w, wo, tab, sbuf, mbuf, a, ao, da, asum, dao, acc, acco):
+        if not (_blk_ok(w, sbuf, mbuf, a, da, asum, acc) and _is_1d_bytes(tab)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            v4i32, v32i16 = ir.VectorType(_I32, 4), ir.VectorType(ir.IntType(16), 32)
+            t = context.make_array(sig.args[2])(context, builder, args[2])
+            sc = _bytes_at(context, builder, sig, args, so, 8)
+            folds = _field(builder, builder.shuffle_vector(sc, sc, _const(_I32, [k >> 1 for k in range(16)])),
+                           _const(_I8, [4 * (k & 1) for k in range(16)]), 15)
+            folds = builder.add(builder.shl(builder.zext(folds, ir.VectorType(ir.IntType(16), 16)),
+                                            ir.Constant(ir.VectorType(ir.IntType(16), 16), [1] * 16)),
+                                ir.Constant(ir.VectorType(ir.IntType(16), 16), [1] * 16))
+            popc = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v4i32, [v4i32]), "llvm.ctpop.v4i32")
+            w16, negs = [], []
+            for j in range(8):
+                if xs:
+                    q = builder.zext(_vload(context, builder, sig.args[0], args[0],
+                                            builder.add(_i64(builder, args[1]), ir.Constant(_I64, 2 + 8 * j)), 4,
+                                            ir.IntType(16)), v4i32)
+                    ix = builder.and_(q, _const(_I32, [511] * 4))
+                    k7 = builder.lshr(q, _const(_I32, [9] * 4))
+                    par = builder.and_(builder.call(popc, [k7]), _const(_I32, [1] * 4))
+                    sg = builder.trunc(builder.or_(k7, builder.shl(par, _const(_I32, [7] * 4))), ir.VectorType(_I8, 4))
+                else:
+                    hb = _splat(builder, builder.zext(_bytes_at(context, builder, sig, args, 66 + j, 1), _I32), 4)
+                    hb = builder.and_(builder.lshr(hb, _const(_I32, [0, 2, 4, 6])), _const(_I32, [3] * 4))
+                    ix = builder.or_(builder.zext(_bytes_at(context, builder, sig, args, 2 + 4 * j, 4), v4i32),
+                                     builder.shl(hb, _const(_I32, [8] * 4)))
+                    sg = _bytes_at(context, builder, sig, args, 34 + 4 * j, 4)
+                mag = builder.zext(_grid_words(builder, t.data, toff, ix, 8), v32i16)
+                w16.append(builder.mul(mag, builder.shuffle_vector(folds, folds, _const(_I32, [2 * j] * 16 +
+                                                                                           [2 * j + 1] * 16))))
+                s32 = builder.shuffle_vector(sg, sg, _const(_I32, [v // 8 for v in range(32)]))
+                negs.append(builder.icmp_unsigned(
+                    "!=", builder.and_(s32, _const(_I8, [1 << (v % 8) for v in range(32)])), _bytes(0)))
+            scale = builder.fmul(_d8(context, builder, sig, args, 0), ir.Constant(ir.VectorType(ir.FloatType(), 8),
+                                                                                  [0.125] * 8))
+            return _accumulate8(context, builder, sig, args, 3, w16, signed=True, neg=negs, scales=(scale, None))
+        return types.none(w, wo, tab, sbuf, mbuf, a, ao, da, asum, dao, acc, acco), codegen
+    return kernel
+
+
+_blk_iq2xs, _blk_iq2s = _iq2_kernel(IQ2_XS), _iq2_kernel(IQ2_S)
 
 
 # Byte-field ops for the decoders (16 values an op, in vector registers; numba's loops over arrays it cannot prove
@@ -1382,6 +1439,10 @@ def _rows_dec(qtype, w, ro, rb, nrows, a, da, asum, idx, n, s, res, f16e, tab):
                     _blk_iq3xxs(w, o, tab, sbuf, None, a, t * SUB, da, asum, t, acc, lane0)
                 elif qtype == IQ2_XXS:
                     _blk_iq2xxs(w, o, tab, sbuf, None, a, t * SUB, da, asum, t, acc, lane0)
+                elif qtype == IQ2_XS:
+                    _blk_iq2xs(w, o, tab, sbuf, None, a, t * SUB, da, asum, t, acc, lane0)
+                elif qtype == IQ2_S:
+                    _blk_iq2s(w, o, tab, sbuf, None, a, t * SUB, da, asum, t, acc, lane0)
                 elif qtype == Q5_K:
                     _blk_q5k(w, o, sbuf, mbuf, a, t * SUB, da, asum, t, acc, lane0)
                 elif qtype == Q6_K:
