@@ -1013,7 +1013,7 @@ def _rows_iq3s(w, ro, rb, nrows, nsub, a, da, asum, idx, n, acc, wbuf, sbuf, res
 
 
 @njit(nogil=True, cache=True, inline="always")
-def _rows_q4k(w, ro, rb, nrows, nsub, a, da, asum, idx, n, acc, sbuf, mbuf, res, f16e):
+def _rows_q4k(w, ro, rb, nrows, nsub, a, da, asum, idx, n, acc, sbuf, mbuf, res):
     for i in range(nrows):
         for l in range(n * LANES):
             acc[l] = _ZERO
@@ -1495,7 +1495,7 @@ def _rows(qtype, w, ro, rb, nrows, a, da, asum, idx, n, s, res, f16e, grid, tab)
     if qtype == IQ3_S:
         _rows_iq3s(w, ro, rb, nrows, rb // 110 * 8, a, da, asum, idx, n, acc, wbuf, sbuf, res, f16e, grid)
     elif qtype == Q4_K:
-        _rows_q4k(w, ro, rb, nrows, rb // 144 * 8, a, da, asum, idx, n, acc, sbuf, mbuf, res, f16e)
+        _rows_q4k(w, ro, rb, nrows, rb // 144 * 8, a, da, asum, idx, n, acc, sbuf, mbuf, res)
     elif qtype == Q8_0:
         _rows_q80(w, ro, rb, nrows, rb // 34, a, da, asum, idx, n, acc, sbuf, res, f16e)
     else:
