@@ -74,7 +74,7 @@ for _t, _k in _DECODED.items():
 # decoded types with a block kernel that decodes in registers (for a block one token reads)
 _IN_REGS = np.zeros(64, np.bool_)
 _IN_REGS[[Q2_K, Q3_K, Q5_K, Q6_K, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, IQ4_XS, MXFP4, IQ3_XXS, IQ2_XXS, IQ2_XS,
-          IQ2_S]] = True
+          IQ2_S, IQ1_S]] = True
 
 
 def _tables() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -114,7 +114,7 @@ _T_IQ4, _T_MXFP4, _T_ONES, _T_EIGHTS, _T_SIGN8, _T_KSIGNS = (
     _OFF[k] for k in ("iq4", "mxfp4", "ones", "eights", "sign8", "ksigns"))
 _T_IQ3XXS, _T_IQ2XXS, _T_IQ2XS, _T_IQ2S, _T_IQ1S, _T_IQ1M = (_OFF[t.name] for t in (T.IQ3_XXS, T.IQ2_XXS, T.IQ2_XS,
                                                                                    T.IQ2_S, T.IQ1_S, T.IQ1_M))
-assert _T_IQ3XXS % 4 == 0 and all(o % 8 == 0 for o in (_T_IQ2XXS, _T_IQ2XS, _T_IQ2S)), \
+assert _T_IQ3XXS % 4 == 0 and all(o % 8 == 0 for o in (_T_IQ2XXS, _T_IQ2XS, _T_IQ2S, _T_IQ1S)), \
     "the in-register kernels read the grids' entries as aligned words"
 
 # the canonical exp's constants, as float32 (numba must never see a python float in float32 arithmetic)
@@ -782,6 +782,36 @@ def _iq2_kernel(qtype: int):
 _blk_iq2xs, _blk_iq2s = _iq2_kernel(IQ2_XS), _iq2_kernel(IQ2_S)
 
 
+@intrinsic
+def _blk_iq1s(typingctx, w, wo, tab, sbuf, mbuf, a, ao, da, asum, dao, acc, acco):
+    """The 8 sub-blocks of the IQ1_S block at w[wo], decoded in registers: sub-block j's 4 index bytes at 2 + 4 j and
+    its u16 at 34 + 2 j (4 x 3 high index bits, the 3-bit ls, the delta's sign); q = 8 g +- 1 (g: the grid's -1, 0,
+    1), scale (d (2 ls + 1)) / 8. tab: the decode tables (the grid at _T_IQ1S)."""
+    if not (_blk_ok(w, sbuf, mbuf, a, da, asum, acc) and _is_1d_bytes(tab)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        v4i32, v8i32, f8 = ir.VectorType(_I32, 4), ir.VectorType(_I32, 8), ir.VectorType(ir.FloatType(), 8)
+        t = context.make_array(sig.args[2])(context, builder, args[2])
+        qhs = builder.zext(_vload(context, builder, sig.args[0], args[0],
+                                  builder.add(_i64(builder, args[1]), ir.Constant(_I64, 34)), 8, ir.IntType(16)),
+                           v8i32)
+        w8 = []
+        for j in range(8):
+            qh = builder.extract_element(qhs, ir.Constant(_I32, j))
+            hi = builder.and_(builder.lshr(_splat(builder, qh, 4), _const(_I32, [0, 3, 6, 9])), _const(_I32, [7] * 4))
+            ix = builder.or_(builder.zext(_bytes_at(context, builder, sig, args, 2 + 4 * j, 4), v4i32),
+                             builder.shl(hi, _const(_I32, [8] * 4)))
+            g = _grid_words(builder, t.data, _T_IQ1S, ix, 8)
+            neg = builder.icmp_unsigned("!=", builder.and_(qh, ir.Constant(_I32, 0x8000)), ir.Constant(_I32, 0))
+            w8.append(builder.add(builder.shl(g, _bytes(3)), builder.select(neg, _bytes(255), _bytes(1))))
+        ls = builder.and_(builder.lshr(qhs, _const(_I32, [12] * 8)), _const(_I32, [7] * 8))
+        f = builder.sitofp(builder.add(builder.shl(ls, _const(_I32, [1] * 8)), _const(_I32, [1] * 8)), f8)
+        scale = builder.fmul(builder.fmul(_d8(context, builder, sig, args, 0), f), ir.Constant(f8, [0.125] * 8))
+        return _accumulate8(context, builder, sig, args, 3, w8, signed=True, scales=(scale, None))
+    return types.none(w, wo, tab, sbuf, mbuf, a, ao, da, asum, dao, acc, acco), codegen
+
+
 # Byte-field ops for the decoders (16 values an op, in vector registers; numba's loops over arrays it cannot prove
 # apart stay scalar): integer operations only, so exact on any host.
 
@@ -1443,6 +1473,8 @@ def _rows_dec(qtype, w, ro, rb, nrows, a, da, asum, idx, n, s, res, f16e, tab):
                     _blk_iq2xs(w, o, tab, sbuf, None, a, t * SUB, da, asum, t, acc, lane0)
                 elif qtype == IQ2_S:
                     _blk_iq2s(w, o, tab, sbuf, None, a, t * SUB, da, asum, t, acc, lane0)
+                elif qtype == IQ1_S:
+                    _blk_iq1s(w, o, tab, sbuf, None, a, t * SUB, da, asum, t, acc, lane0)
                 elif qtype == Q5_K:
                     _blk_q5k(w, o, sbuf, mbuf, a, t * SUB, da, asum, t, acc, lane0)
                 elif qtype == Q6_K:
