@@ -189,6 +189,22 @@ def _iq3s_weights(context, builder, rowty, row, o, j, gty, grid):
     return builder.select(neg, builder.sub(_const(_I8, [0] * 32), mag), mag)
 
 
+def _negatives(builder, sg):
+    """<32 x i1>: value v negative where bit v % 8 of sign byte v // 8 of sg (<4 x i8> or longer) is set."""
+    s32 = builder.shuffle_vector(sg, sg, _const(_I32, [v // 8 for v in range(32)]))
+    return builder.icmp_unsigned("!=", builder.and_(s32, _const(_I8, [1 << (v % 8) for v in range(32)])),
+                                 _const(_I8, [0] * 32))
+
+
+def _ksigns(builder, k7):
+    """ggml's ksigns of 7-bit sign indices (<n x i32>): the 7 bits and their parity as bit 7, as <n x i8>."""
+    n = len(k7.type)
+    vt = ir.VectorType(_I32, n)
+    popc = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vt, [vt]), f"llvm.ctpop.v{n}i32")
+    par = builder.and_(builder.call(popc, [k7]), _const(_I32, [1] * n))
+    return builder.trunc(builder.or_(k7, builder.shl(par, _const(_I32, [7] * n))), ir.VectorType(_I8, n))
+
+
 def _grid_words(builder, data, off, ix, size=4):
     """<32 x i8>: the grid entries ix (<8 x i32> of 4-byte entries, or <4 x i32> of 8-byte ones) of the table at byte
     off (a multiple of the entry size) of the array data points to: one vector gather (IQ3S_GATHER) or scalar loads."""
@@ -230,12 +246,7 @@ def _iq3s_parts(context, builder, rowty, row, o, j, gty, grid):
     g = context.make_array(gty)(context, builder, grid)
     mag = _grid_words(builder, g.data, 0, ix)
     # sign of value v: bit v % 8 of sign byte v // 8
-    sw = _vload(context, builder, rowty, row, so, 4)
-    s32 = builder.shuffle_vector(sw, ir.Constant(ir.VectorType(_I8, 4), ir.Undefined),
-                                 _const(_I32, [i // 8 for i in range(32)]))
-    neg = builder.icmp_unsigned("!=", builder.and_(s32, _const(_I8, [1 << (i % 8) for i in range(32)])),
-                                _const(_I8, [0] * 32))
-    return mag, neg
+    return mag, _negatives(builder, _vload(context, builder, rowty, row, so, 4))
 
 
 def _is_1d_bytes(*tys):
@@ -701,7 +712,6 @@ def _xxs_kernel(qtype: int):
             else:
                 both = builder.bitcast(_bytes_at(context, builder, sig, args, 2, 64), ir.VectorType(_I32, 16))
                 words = builder.shuffle_vector(both, both, _const(_I32, range(1, 16, 2)))
-            popc = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8i32, [v8i32]), "llvm.ctpop.v8i32")
             mags, negs = [], []
             for j in range(8):
                 n = 32 // size
@@ -710,11 +720,7 @@ def _xxs_kernel(qtype: int):
                 wj = _splat(builder, builder.extract_element(words, ir.Constant(_I32, j)), 8)
                 k7 = builder.and_(builder.lshr(wj, _const(_I32, [7 * (k % 4) for k in range(8)])),
                                   _const(_I32, [127] * 8))
-                par = builder.and_(builder.call(popc, [k7]), _const(_I32, [1] * 8))
-                sg = builder.trunc(builder.or_(k7, builder.shl(par, _const(_I32, [7] * 8))), ir.VectorType(_I8, 8))
-                s32 = builder.shuffle_vector(sg, sg, _const(_I32, [v // 8 for v in range(32)]))
-                negs.append(builder.icmp_unsigned(
-                    "!=", builder.and_(s32, _const(_I8, [1 << (v % 8) for v in range(32)])), _bytes(0)))
+                negs.append(_negatives(builder, _ksigns(builder, k7)))
             ls = builder.sitofp(builder.lshr(words, _const(_I32, [28] * 8)), f8)
             d = _d8(context, builder, sig, args, 0)
             scale = builder.fmul(builder.fmul(d, builder.fadd(ir.Constant(f8, [0.5] * 8), ls)),
@@ -749,7 +755,6 @@ def _iq2_kernel(qtype: int):
             folds = builder.add(builder.shl(builder.zext(folds, ir.VectorType(ir.IntType(16), 16)),
                                             ir.Constant(ir.VectorType(ir.IntType(16), 16), [1] * 16)),
                                 ir.Constant(ir.VectorType(ir.IntType(16), 16), [1] * 16))
-            popc = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v4i32, [v4i32]), "llvm.ctpop.v4i32")
             w16, negs = [], []
             for j in range(8):
                 if xs:
@@ -757,9 +762,7 @@ def _iq2_kernel(qtype: int):
                                             builder.add(_i64(builder, args[1]), ir.Constant(_I64, 2 + 8 * j)), 4,
                                             ir.IntType(16)), v4i32)
                     ix = builder.and_(q, _const(_I32, [511] * 4))
-                    k7 = builder.lshr(q, _const(_I32, [9] * 4))
-                    par = builder.and_(builder.call(popc, [k7]), _const(_I32, [1] * 4))
-                    sg = builder.trunc(builder.or_(k7, builder.shl(par, _const(_I32, [7] * 4))), ir.VectorType(_I8, 4))
+                    sg = _ksigns(builder, builder.lshr(q, _const(_I32, [9] * 4)))
                 else:
                     hb = _splat(builder, builder.zext(_bytes_at(context, builder, sig, args, 66 + j, 1), _I32), 4)
                     hb = builder.and_(builder.lshr(hb, _const(_I32, [0, 2, 4, 6])), _const(_I32, [3] * 4))
@@ -769,9 +772,7 @@ def _iq2_kernel(qtype: int):
                 mag = builder.zext(_grid_words(builder, t.data, toff, ix, 8), v32i16)
                 w16.append(builder.mul(mag, builder.shuffle_vector(folds, folds, _const(_I32, [2 * j] * 16 +
                                                                                            [2 * j + 1] * 16))))
-                s32 = builder.shuffle_vector(sg, sg, _const(_I32, [v // 8 for v in range(32)]))
-                negs.append(builder.icmp_unsigned(
-                    "!=", builder.and_(s32, _const(_I8, [1 << (v % 8) for v in range(32)])), _bytes(0)))
+                negs.append(_negatives(builder, sg))
             scale = builder.fmul(_d8(context, builder, sig, args, 0), ir.Constant(ir.VectorType(ir.FloatType(), 8),
                                                                                   [0.125] * 8))
             return _accumulate8(context, builder, sig, args, 3, w16, signed=True, neg=negs, scales=(scale, None))
