@@ -84,14 +84,13 @@ def test_f32_gate_up_runs_one_block_an_sm_for_its_registers():
 
 
 @pytest.mark.parametrize("shape,qt,mt", [
-    ((2048, 768), "IQ3_S", 4), ((2048, 768), "Q4_K+Q6_K", 4), ((2048, 768), "Q5_K+Q6_K", 0), ((2048, 768), "Q6_K", 2),
-    ((2048, 768), "Q8_0", 2), ((2048, 768), "F16", 0), ((4096, 1536), "Q4_K+Q6_K", 1), ((4096, 1536), "IQ3_S", 1),
-    ((4096, 1536), "Q8_0", 0), ((4096, 1536), "IQ2_XS", 0), ((2048, 768), "IQ2_XS", 4)])
+    ((2048, 768), "IQ3_S", 4), ((2048, 768), "Q4_K+Q6_K", 4), ((2048, 768), "Q5_K+Q6_K", 2), ((2048, 768), "Q6_K", 2),
+    ((2048, 768), "Q8_0", 2), ((2048, 768), "Q5_0", 2), ((2048, 768), "F16", 0), ((4096, 1536), "Q4_K+Q6_K", 1),
+    ((4096, 1536), "IQ3_S", 1), ((4096, 1536), "IQ2_XS", 2), ((4096, 1536), "Q8_0", 0), ((2048, 768), "IQ2_XS", 4)])
 def test_tensor_core_tiles_take_as_many_pairs_as_fit(shape, qt, mt):
     """An H200's prompt tiles: 64 pairs where their activation rows fit a block beside two 32-row ranges of gate and
-    up, else 32 or 16 for the types with word-at-a-time fragment decoders (a3b's Q6_K / Q8_0 gate/up, the 235B
-    shape's IQ3_S / Q4_K), else none (SIMT tiles: a3b's Q5_K gate/up, the float types); the warps' m-tiles divide
-    the tile's."""
+    up, else 32 or 16 (a3b's Q5_K / Q6_K / Q8_0 gate/up, the 235B shape's IQ2_XS, IQ3_S, Q4_K), else none (SIMT
+    tiles: the 235B shape's Q8_0 gate/up, the float types); the warps' m-tiles divide the tile's."""
     gu, _, dn = qt.partition("+")
     k = ExpertKernels.planned(*shape, gu, dn or gu)
     assert k.mma_mt == mt and k.mma == (mt > 0)

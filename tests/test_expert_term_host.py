@@ -76,6 +76,45 @@ static void qdot(const dq_u8* raw, long long row_bytes, int rows, int nsub, cons
         }
 }
 
+// each sub-block's words as the tensor-core fragments take them (xt_locate, then xt_word with k known only at run
+// time, as a lane's t is) beside xt_decode's, and the fields both set (scale, minimum, folds, minimum weights, delta)
+template <int QT>
+static void words(const dq_u8* raw, long long row_bytes, int rows, int nsub, const dq_u8* tab, const int* ks,
+                  unsigned* by_word, unsigned* by_sub, float* fields) {
+    if constexpr (DqTraits<QT>::QUANT)
+        for (int r = 0; r < rows; ++r)
+            for (int s = 0; s < nsub; ++s) {
+                const long long k0 = (long long)r * nsub + s;
+                XtW<QT> a, b;
+                xt_decode<QT>(raw + r * row_bytes, s, tab, a);
+                a.delta &= XtTraits<QT>::IQ1 ? 15u : 0u;
+                b.delta = 0u;
+                const XtSub c = xt_locate<QT>(raw + r * row_bytes, s, tab, b);
+                for (int i = 0; i < 8; ++i) {
+                    by_word[8 * k0 + i] = xt_word<QT>(c, ks[i]);
+                    by_sub[8 * k0 + ks[i]] = a.q[ks[i]];
+                }
+                const float fa[7] = {a.scale, a.minimum, (float)a.fold[0], (float)a.fold[1], (float)a.mw[0],
+                                     (float)a.mw[1], (float)a.delta};
+                const float fb[7] = {b.scale, b.minimum, (float)b.fold[0], (float)b.fold[1], (float)b.mw[0],
+                                     (float)b.mw[1], (float)(b.delta & (XtTraits<QT>::IQ1 ? 15u : 0u))};
+                for (int i = 0; i < 7; ++i) {
+                    fields[14 * k0 + i] = fa[i];
+                    fields[14 * k0 + 7 + i] = fb[i];
+                }
+            }
+}
+
+extern "C" int xt_frag_words(int qt, const dq_u8* raw, long long row_bytes, int rows, int nsub, const dq_u8* tab,
+                             const int* ks, unsigned* by_word, unsigned* by_sub, float* fields) {
+    switch (qt) {
+#define X(name, code) case code: words<code>(raw, row_bytes, rows, nsub, tab, ks, by_word, by_sub, fields); return 0;
+        DQ_ALL_TYPES(X)
+#undef X
+    }
+    return -1;
+}
+
 extern "C" int xt_view(int qt, const dq_u8* raw, long long row_bytes, int rows, int nsub, const dq_u8* tab, short* q,
                        float* scale, float* minimum, signed char* mw) {
     switch (qt) {
@@ -104,6 +143,7 @@ def lib():
     p, i = ctypes.c_void_p, ctypes.c_int
     lib.xt_view.argtypes = [i, p, ctypes.c_longlong, i, i, p, p, p, p, p]
     lib.xt_qdot.argtypes = [i, p, ctypes.c_longlong, i, i, p, p, p, i, p]
+    lib.xt_frag_words.argtypes = [i, p, ctypes.c_longlong, i, i, p, p, p, p, p]
     return lib
 
 
@@ -147,6 +187,27 @@ SOURCES = ["random_rows", "random_bytes"]
 def test_decoded_sub_blocks_are_decode_int(lib, qtype, source):
     raw = _raw(qtype, np.random.default_rng([5, int(qtype)]), 6, 512, source)
     assert_int_view_equal(host_view(lib, qtype, raw), quants.decode_int(qtype, raw), qtype.name)
+
+
+QUANTISED = [t for t in TYPES if quants.fmt(t).quantised]
+
+
+@pytest.mark.parametrize("source", SOURCES)
+@pytest.mark.parametrize("qtype", QUANTISED, ids=[t.name for t in QUANTISED])
+def test_words_one_at_a_time_are_the_sub_blocks(lib, qtype, source):
+    """The tensor-core fragments decode only the two words of a sub-block a lane holds (xt_word, the word's index
+    known at run time): every word so made, and the head's fields beside it, equal the whole sub-block's decode."""
+    raw = _raw(qtype, np.random.default_rng([8, int(qtype)]), 4, 512, source)
+    rows, rb = raw.shape
+    nsub = rb // quants.fmt(qtype).block_bytes * quants.fmt(qtype).block_values // 32
+    ks = np.array([5, 0, 7, 2, 4, 1, 6, 3], np.int32)  # an order the compiler cannot unroll into xt_words's
+    by_word, by_sub = (np.zeros((rows * nsub, 8), np.uint32) for _ in range(2))
+    fields = np.zeros((rows * nsub, 2, 7), F32)
+    assert lib.xt_frag_words(int(qtype), _ptr(raw), rb, rows, nsub, _ptr(decode_tables.host_tables()), _ptr(ks),
+                             _ptr(by_word), _ptr(by_sub), _ptr(fields)) == 0
+    bad = np.argwhere(by_word[:, np.argsort(ks)] != by_sub)
+    assert bad.size == 0, f"{qtype.name}: word {bad[0][1]} of sub-block {bad[0][0]} differs ({len(bad)} words)"
+    assert np.array_equal(fields[:, 0].view(np.uint32), fields[:, 1].view(np.uint32)), qtype.name
 
 
 @pytest.mark.parametrize("qtype", list(TABLE_PARTS), ids=[t.name for t in TABLE_PARTS])

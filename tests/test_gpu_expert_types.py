@@ -18,7 +18,7 @@ import pytest
 from gguf import GGMLQuantizationType as T
 from test_gpu_experts import run_case
 
-from lane.kernels.experts import MMA_SHORT_TYPES, MMA_TYPES, TUNED, Tuning, card_smem, mma_smem, simt_tile
+from lane.kernels.experts import MMA_TYPES, TUNED, Tuning, card_smem, mma_smem, simt_tile
 from stratad.model import quants
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "nvrtc_check.py"
@@ -52,11 +52,9 @@ def _run(cp, gu, dn, d_model, d_ff, n_slots, n_tok, n_pairs, max_pairs, tiled, *
     k = run_case(cp, rng, getattr(T, gu), getattr(T, dn), d_model, d_ff, n_slots, n_tok, n_pairs, max_pairs,
                  tiled=tiled, **kw)
     # tensor-core tiles where both types have int8 fragments, the rows are whole 128s, the tuning asks for them and
-    # a tile fits the block (the plan's or this card's): as many m-tiles of 16 as fit, fewer than 4 only for the
-    # types with word-at-a-time fragment decoders
+    # a tile fits the block (the plan's or this card's): as many m-tiles of 16 as fit
     block = kw["smem"][0] if "smem" in kw else card_smem(cp.cuda.Device())[0]
-    sizes = (4, 2, 1) if k.qt_gu in MMA_SHORT_TYPES and k.qt_dn in MMA_SHORT_TYPES else (4,)
-    fits = [mt for mt in sizes if mt <= k.tuning.mma_mt and
+    fits = [mt for mt in (4, 2, 1) if mt <= k.tuning.mma_mt and
             max(mma_smem(k.qt_gu, d_model, True, mt), mma_smem(k.qt_dn, d_ff, False, mt)) <= block]
     mma = k.qt_gu in MMA_TYPES and k.qt_dn in MMA_TYPES and d_model % 128 == 0 and d_ff % 128 == 0 and fits
     assert k.mma == bool(mma and k.tuning.prompt == "mma")
@@ -87,7 +85,7 @@ def test_experts_read_from_host_memory(cp, gu, dn, tiled):
                                    ("Q8_0", "Q8_0")], ids=lambda v: v)
 def test_the_plan_of_a_card_with_99_kb_a_block(cp, gu, dn, tiled):
     """The staging an RTX 30xx / 40xx card plans (99 KB of shared memory a block: one stage, tensor-core prompt tiles
-    of 16 pairs where they fit, else SIMT ones, Q5_1's of 4, Q8_0's gate/up read in place by the generic decoder),
+    of 16 pairs where they fit, else SIMT ones (Q5_1's of 4), Q8_0's gate/up read in place by the generic decoder),
     run on this card (tests/test_expert_plan.py plans it on the host)."""
     k = _run(cp, gu, dn, *(A3B_TILED if tiled else A3B_DECODE), tiled, smem=(101376, 102400))
     assert max(k.gu_smem, k.dn_smem, k.gut_smem, *((k.mma_gu_smem, k.mma_dn_smem) if k.mma else ())) <= 101376

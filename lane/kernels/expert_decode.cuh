@@ -181,6 +181,9 @@ template <int QT, class W> __device__ __forceinline__ void decode_at(const u8* r
 template <int QT> __device__ __forceinline__ void decode_sub(u32 R, int s, XtW<QT>& w) {
     decode_at<QT>(g_smem + R, s, w);
 }
+template <int QT> __device__ __forceinline__ XtSub locate_sub(u32 R, int s, XtW<QT>& w) {  // its words: xt_word
+    return xt_locate<QT>(g_smem + R, s, g_smem - TabSmem<QT>::OFF, w);
+}
 
 // Activation sub-block: 32 int8 (4 per word), its scale; (Q4_K) the sum of its integers.
 struct Act {

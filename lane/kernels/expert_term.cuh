@@ -195,22 +195,6 @@ template <class T> DQ_FN dq_u32 xt_rd(const dq_u8* p) {  // a little-endian fiel
 }
 DQ_FN dq_u32 xt_u32(const dq_u8* p) { return xt_rd<dq_u32>(p); }
 DQ_FN dq_u32 xt_u16(const dq_u8* p) { return xt_rd<dq_u16>(p); }
-// the 16 bytes at p, of any alignment, as 4 words: on the device aligned words and funnel shifts, reading only words
-// that hold some of the 16 bytes (a block's last field may end a row, and the row an allocation)
-DQ_FN void xt_rd16b(const dq_u8* p, dq_u32 (&x)[4]) {
-#ifdef __CUDA_ARCH__
-    const dq_u32 off = (dq_u32)(unsigned long long)p & 3u;  // stepping back keeps the pointer's state space
-    const dq_u32* a = (const dq_u32*)(p - off);
-    dq_u32 w[5];
-    XT_UNROLL
-    for (int i = 0; i < 4; ++i) w[i] = a[i];
-    w[4] = a[off ? 4 : 3];
-    XT_UNROLL
-    for (int i = 0; i < 4; ++i) x[i] = __funnelshift_r(w[i], w[i + 1], 8u * off);
-#else
-    for (int i = 0; i < 4; ++i) x[i] = dq_rd32(p + 4 * i);
-#endif
-}
 DQ_FN dq_u32 xt_ksigns(dq_u32 i) {  // ggml's ksigns_iq2xs[i]: i with bit 7 its parity
 #ifdef __CUDA_ARCH__
     return i | ((__popc(i) & 1u) << 7);
@@ -247,6 +231,183 @@ DQ_FN dq_u32 xt_iq4(dq_u32 nib, const dq_u32 (&t)[4]) {  // kvalues of 4 nibbles
     const dq_u32 lo = xt_prmt(t[0], t[1], s), hi = xt_prmt(t[2], t[3], s), m = ((nib >> 3) & 0x01010101u) * 255u;
     return (lo & ~m) | (hi & m);  // entries 8..15 where a nibble's bit 3 is set
 }
+// bytes 4 i .. 4 i + 3 (i < 4) of the 16 at a - off / 8, a 4-aligned: on the device aligned words and a funnel shift
+// (MXFP4's 17-byte blocks give its codes any alignment), reading only words that hold some of the 16 bytes (a
+// block's last field may end a row, and the row an allocation)
+DQ_FN dq_u32 xt_rd4b(const dq_u8* a, dq_u32 off, int i) {
+#ifdef __CUDA_ARCH__
+    const dq_u32* w = (const dq_u32*)a;
+    return __funnelshift_r(w[i], w[i < 3 || off ? i + 1 : 3], off);
+#else
+    return dq_rd32(a + off / 8 + 4 * i);
+#endif
+}
+
+// A sub-block's code words, word k (values 4k .. 4k + 3) at a time. xt_sub reads what the words share (the head's
+// scale, folds and minimum into the XtW; where the codes are, the fields their bits come from) once; xt_word<QT>(c, k)
+// makes word k from it. xt_words makes all eight (k unrolled: the loads the words share are read once); the
+// tensor-core fragments (experts_mma.cuh) the two a lane needs (k = t, t + 4 at run time), a quarter of the work.
+// The grid types whose entries hold 8 values (XtGrid8: IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S, IQ1_M) name entry e instead
+// (xt_entry: its table offset and sign bits), which xt_words reads 8 bytes at a time and xt_word a half.
+struct XtSub {
+    const dq_u8* p;    // the codes (nibbles, fields, grid indices)
+    const dq_u8* p2;   // Q3_K / Q5_K / Q6_K: the high bits
+    const dq_u8* tab;  // decode.cuh's table blob
+    dq_u32 x, y, z;    // fields the words share (per type below)
+    dq_u32 t[4];       // IQ4_NL / IQ4_XS / MXFP4: the value table's words
+    int j;             // the sub-block in its block
+};
+template <int QT> struct XtGrid8 {
+    static constexpr bool value = QT == 16 || QT == 17 || QT == 19 || QT == 22 || QT == 29;
+};
+
+template <int QT> DQ_FN XtSub xt_sub(const dq_u8* b, int j, const dq_u8* tab, XtW<QT>& w) {
+    XtSub c;
+    c.p = c.p2 = b;
+    c.tab = tab;
+    c.x = c.y = c.z = 0u;
+    c.t[0] = c.t[1] = c.t[2] = c.t[3] = 0u;
+    c.j = j;
+    if constexpr (QT == 8) {  // Q8_0: the codes are the bytes
+        dq_legacy_head(b, false, w);
+        c.p = b + 2;
+    } else if constexpr (QT == 12) {  // Q4_K: a nibble, low or high by j % 2, in 64-value groups
+        dq_k4_scales(b, j, w);
+        c.p = b + 16 + 32 * (j >> 1);
+    } else if constexpr (QT == 21) {  // IQ3_S: a 9-bit grid index a group of 4 (x: its top bits), sign bytes (y)
+        dq_iq3s_head(b, j, w);
+        c.p = b + 2 + 8 * j;
+        c.x = b[66 + j];
+        c.y = xt_u16(b + 74 + 4 * j) | (xt_u16(b + 76 + 4 * j) << 16);
+    } else if constexpr (XtNib32<QT>::value) {
+        typedef XtNib32<QT> N;
+        c.p = b + N::QS + (QT == 23 ? 16 * j : 0);
+        if constexpr (N::ALIGN == 1) {  // the aligned word before the codes, and their offset from it in bits
+            c.z = 8u * ((dq_u32)(unsigned long long)c.p & 3u);
+            c.p -= c.z / 8u;  // stepping back keeps the pointer's state space
+        }
+        if constexpr (QT == 23) dq_iq4xs_head(b, j, w);
+        else if constexpr (QT == 39) dq_mxfp4_head(b, w);
+        else dq_legacy_head(b, QT == 3 || QT == 7, w);
+        // Q5_x: the fifth bits, bit v of a word (2-aligned in Q5_0's 22-byte blocks)
+        c.x = QT == 6 ? xt_u16(b + 2) | (xt_u16(b + 4) << 16) : QT == 7 ? xt_u32(b + 4) : 0u;
+        if constexpr (QT == 20 || QT == 23 || QT == 39) {
+            XT_UNROLL
+            for (int i = 0; i < 4; ++i) c.t[i] = xt_u32(tab + (QT == 39 ? DQ_TAB_MXFP4 : DQ_TAB_IQ4NL) + 4 * i);
+        }
+    } else if constexpr (QT == 10) {  // Q2_K: field j % 4 of 2 bits, bytes of group j / 4
+        dq_q2k_head(b, j, w);
+        c.p = b + 16 + 32 * (j >> 2);
+    } else if constexpr (QT == 13) {  // Q5_K: a nibble (low or high, by j % 2) and high bit j of qh's byte
+        dq_k4_scales(b, j, w);
+        c.p = b + 48 + 32 * (j >> 1);
+        c.p2 = b + 16;
+    } else if constexpr (QT == 14) {  // Q6_K: 4 low bits from ql, 2 high from qh
+        dq_q6k_head(b, j, w);
+        c.p = b + 64 * (j >> 2) + 32 * (j & 1);
+        c.p2 = b + 128 + 32 * (j >> 2);
+    } else if constexpr (QT == 11) {  // Q3_K: 2 low bits from qs, the high bit from hmask (the block's start)
+        dq_q3k_head(b, j, w);
+        c.p = b + 32 + 32 * (j >> 2);
+    } else if constexpr (QT == 16) {  // IQ2_XXS: 4 grid index bytes (x), then 4 x 7 sign-index bits (y: the head's)
+        c.y = dq_iq2xxs_head(b, j, w);
+        c.x = xt_u16(b + 2 + 8 * j) | (xt_u16(b + 4 + 8 * j) << 16);
+    } else if constexpr (QT == 17) {  // IQ2_XS: a 16-bit word a group: 9-bit grid index, 7-bit sign index
+        dq_iq2_scales(b, j, b + 66, w);
+        c.p = b + 2 + 8 * j;
+    } else if constexpr (QT == 22) {  // IQ2_S: index low bytes (x), a sign byte a group (y), 2 high index bits (z)
+        dq_iq2_scales(b, j, b + 74, w);
+        c.x = xt_u16(b + 2 + 4 * j) | (xt_u16(b + 4 + 4 * j) << 16);
+        c.y = xt_u16(b + 34 + 4 * j) | (xt_u16(b + 36 + 4 * j) << 16);
+        c.z = b[66 + j];
+    } else if constexpr (QT == 18) {  // IQ3_XXS: a grid index byte (4 values) each, 7 sign-index bits (y) each 8
+        c.y = dq_iq3xxs_head(b, j, w);
+        c.p = b + 2 + 8 * j;
+    } else if constexpr (QT == 19) {  // IQ1_S: g, index low bytes (x), 3 high bits a group and the delta's sign (y)
+        c.y = dq_iq1s_head(b, j, w);
+        c.x = xt_u16(b + 2 + 4 * j) | (xt_u16(b + 4 + 4 * j) << 16);
+        w.delta = (c.y & 0x8000u) ? 15u : 0u;
+    } else {  // IQ1_M: g, index low bytes (x), a nibble a group in qh (y: 3 high index bits, the group's delta sign)
+        static_assert(QT == 29, "a quantised type without a word decoder");
+        dq_iq1m_head(b, j, w);
+        c.x = xt_u16(b + 4 * j) | (xt_u16(b + 2 + 4 * j) << 16);
+        c.y = xt_u16(b + 32 + 2 * j);
+        w.delta = ((c.y >> 3) & 1u) | ((c.y >> 6) & 2u) | ((c.y >> 9) & 4u) | ((c.y >> 12) & 8u);
+    }
+    return c;
+}
+
+// entry e (values 8e .. 8e + 7) of an XtGrid8 type: its table offset (a multiple of 8), bits 0..7 of sg its signs
+template <int QT> DQ_FN void xt_entry(const XtSub& c, int e, int& off, dq_u32& sg) {
+    sg = 0u;
+    if constexpr (QT == 16) {
+        off = DQ_TAB_IQ2XXS + 8 * (int)((c.x >> (8 * e)) & 255u);
+        sg = xt_ksigns((c.y >> (7 * e)) & 127u);
+    } else if constexpr (QT == 17) {
+        const dq_u32 q = xt_u16(c.p + 2 * e);
+        off = DQ_TAB_IQ2XS + 8 * (int)(q & 511u);
+        sg = xt_ksigns(q >> 9);
+    } else if constexpr (QT == 22) {
+        off = DQ_TAB_IQ2S + 8 * (int)(((c.x >> (8 * e)) & 255u) | (((c.z >> (2 * e)) & 3u) << 8));
+        sg = c.y >> (8 * e);
+    } else {  // IQ1_S (3 high bits a group), IQ1_M (a nibble a group): no signs
+        off = DQ_TAB_IQ1 + 8 * (int)(((c.x >> (8 * e)) & 255u) | (((c.y >> ((QT == 19 ? 3 : 4) * e)) & 7u) << 8));
+    }
+}
+
+template <int QT> DQ_FN dq_u32 xt_word(const XtSub& c, int k) {
+    if constexpr (XtGrid8<QT>::value) {  // half k % 2 of entry k / 2
+        int off;
+        dq_u32 sg;
+        xt_entry<QT>(c, k >> 1, off, sg);
+        const dq_u32 g = xt_u32(c.tab + off + 4 * (k & 1));
+        if constexpr (XtTraits<QT>::IQ1) return g;
+        else return xt_signed(g, sg >> (4 * (k & 1)));
+    } else if constexpr (QT == 8) {
+        return xt_u16(c.p + 4 * k) | (xt_u16(c.p + 2 + 4 * k) << 16);
+    } else if constexpr (QT == 12) {
+        return (xt_u32(c.p + 4 * k) >> (4 * (c.j & 1))) & 0x0f0f0f0fu;
+    } else if constexpr (QT == 21) {
+        const int h = k >> 2;
+        const dq_u32 lo = xt_u16(c.p + 4 * h) | (xt_u16(c.p + 2 + 4 * h) << 16);
+        const dq_u32 idx = ((lo >> (8 * (k & 3))) & 255u) | (((c.x >> k) & 1u) << 8);
+        return xt_signed(xt_u32(c.tab + DQ_TAB_IQ3S + 4 * (int)idx), c.y >> (4 * k));
+    } else if constexpr (XtNib32<QT>::value) {  // bytes 4 (k % 4) .., the high nibbles from k = 4
+        typedef XtNib32<QT> N;
+        const dq_u8* p = c.p + 4 * (k & 3);
+        const dq_u32 x = N::ALIGN == 1   ? xt_rd4b(c.p, c.z, k & 3)
+                         : N::ALIGN == 4 ? xt_u32(p)
+                                         : xt_u16(p) | (xt_u16(p + 2) << 16);
+        const dq_u32 nib = (x >> (4 * (k >> 2))) & 0x0f0f0f0fu;
+        const dq_u32 hb = dq_bit_bytes(c.x >> (4 * k));
+        if constexpr (QT == 2) return (nib + 0x78787878u) ^ 0x80808080u;  // v - 8 a byte, no carries
+        else if constexpr (QT == 3) return nib;
+        else if constexpr (QT == 6) return ((nib | (hb << 4)) + 0x70707070u) ^ 0x80808080u;  // v - 16
+        else if constexpr (QT == 7) return nib | (hb << 4);
+        else return xt_iq4(nib, c.t);
+    } else if constexpr (QT == 10) {
+        return (xt_u32(c.p + 4 * k) >> (2 * (c.j & 3))) & 0x03030303u;
+    } else if constexpr (QT == 13) {
+        return ((xt_u32(c.p + 4 * k) >> (4 * (c.j & 1))) & 0x0f0f0f0fu) |
+               (((xt_u32(c.p2 + 4 * k) >> c.j) & 0x01010101u) << 4);
+    } else if constexpr (QT == 14) {  // code = v - 32 a byte, no carries
+        const int r = c.j & 3;
+        const dq_u32 lo = ((xt_u16(c.p + 4 * k) | (xt_u16(c.p + 4 * k + 2) << 16)) >> (4 * (r >> 1))) & 0x0f0f0f0fu;
+        const dq_u32 hi = ((xt_u16(c.p2 + 4 * k) | (xt_u16(c.p2 + 4 * k + 2) << 16)) >> (2 * r)) & 0x03030303u;
+        return ((lo | (hi << 4)) + 0x60606060u) ^ 0x80808080u;
+    } else if constexpr (QT == 11) {  // code = low + 4 high - 4: a byte v in 0..7 -> v - 4, no carries
+        const dq_u32 lo = ((xt_u16(c.p + 4 * k) | (xt_u16(c.p + 4 * k + 2) << 16)) >> (2 * (c.j & 3))) & 0x03030303u;
+        const dq_u32 hi = ((xt_u16(c.p2 + 4 * k) | (xt_u16(c.p2 + 4 * k + 2) << 16)) >> c.j) & 0x01010101u;
+        return ((lo | (hi << 2)) + 0x7c7c7c7cu) ^ 0x80808080u;
+    } else {  // IQ3_XXS: grid index byte k, the signs of its 8-value group k / 2
+        static_assert(QT == 18, "a quantised type without a word decoder");
+        const int h = k >> 2;
+        const dq_u32 idx = xt_u16(c.p + 4 * h) | (xt_u16(c.p + 2 + 4 * h) << 16);
+        const dq_u32 sg = xt_ksigns((c.y >> (7 * (k >> 1))) & 127u);
+        return xt_signed(xt_u32(c.tab + DQ_TAB_IQ3XXS + 4 * (int)((idx >> (8 * (k & 3))) & 255u)), sg >> (4 * (k & 1)));
+    }
+}
+
 // words 2e, 2e + 1: the 8-byte grid entry at table offset off, bits 0..7 of sg its signs
 template <int QT> DQ_FN void xt_grid8(const dq_u8* tab, int off, dq_u32 sg, int e, XtW<QT>& w) {
     dq_u32 lo, hi;
@@ -255,138 +416,19 @@ template <int QT> DQ_FN void xt_grid8(const dq_u8* tab, int off, dq_u32 sg, int 
     w.q[2 * e + 1] = xt_signed(hi, sg >> 4);
 }
 template <int QT> DQ_FN void xt_words(const dq_u8* b, int j, const dq_u8* tab, XtW<QT>& w) {
-    if constexpr (QT == 8) {  // Q8_0: the codes are the bytes
-        dq_legacy_head(b, false, w);
-        XT_UNROLL
-        for (int k = 0; k < 8; ++k) w.q[k] = xt_u16(b + 2 + 4 * k) | (xt_u16(b + 4 + 4 * k) << 16);
-    } else if constexpr (QT == 12) {  // Q4_K: a nibble, low or high by j % 2, in 64-value groups
-        dq_k4_scales(b, j, w);
-        const dq_u8* qs = b + 16 + 32 * (j >> 1);
-        XT_UNROLL
-        for (int k = 0; k < 8; ++k) w.q[k] = (xt_u32(qs + 4 * k) >> (4 * (j & 1))) & 0x0f0f0f0fu;
-    } else if constexpr (QT == 21) {  // IQ3_S: a 9-bit grid index a group of 4 (its top bit in qh), sign bytes
-        dq_iq3s_head(b, j, w);
-        const dq_u32 qh = b[66 + j];
-        const dq_u32 sg = xt_u16(b + 74 + 4 * j) | (xt_u16(b + 76 + 4 * j) << 16);
-        XT_UNROLL
-        for (int h = 0; h < 2; ++h) {
-            const dq_u32 lo = xt_u16(b + 2 + 8 * j + 4 * h) | (xt_u16(b + 4 + 8 * j + 4 * h) << 16);
-            XT_UNROLL
-            for (int e = 0; e < 4; ++e) {
-                const int g = 4 * h + e;
-                const dq_u32 idx = ((lo >> (8 * e)) & 255u) | (((qh >> g) & 1u) << 8);
-                w.q[g] = xt_signed(xt_u32(tab + DQ_TAB_IQ3S + 4 * (int)idx), sg >> (4 * g));
-            }
-        }
-    } else if constexpr (XtNib32<QT>::value) {
-        typedef XtNib32<QT> N;
-        const dq_u8* qs = b + N::QS + (QT == 23 ? 16 * j : 0);
-        if constexpr (QT == 23) dq_iq4xs_head(b, j, w);
-        else if constexpr (QT == 39) dq_mxfp4_head(b, w);
-        else dq_legacy_head(b, QT == 3 || QT == 7, w);
-        // Q5_x: the fifth bits, bit v of a word (2-aligned in Q5_0's 22-byte blocks)
-        const dq_u32 qh = QT == 6 ? xt_u16(b + 2) | (xt_u16(b + 4) << 16) : QT == 7 ? xt_u32(b + 4) : 0u;
-        dq_u32 t[4] = {0u, 0u, 0u, 0u};
-        if constexpr (QT == 20 || QT == 23 || QT == 39) {
-            XT_UNROLL
-            for (int i = 0; i < 4; ++i) t[i] = xt_u32(tab + (QT == 39 ? DQ_TAB_MXFP4 : DQ_TAB_IQ4NL) + 4 * i);
-        }
-        dq_u32 x4[4] = {0u, 0u, 0u, 0u};  // MXFP4's 16 nibble bytes, unaligned: read once as 4 words
-        if constexpr (N::ALIGN == 1) xt_rd16b(qs, x4);
-        XT_UNROLL
-        for (int k = 0; k < 8; ++k) {  // values 4k .. 4k + 3: bytes 4 (k % 4) .., the high nibbles from k = 4
-            const dq_u8* p = qs + 4 * (k & 3);
-            const dq_u32 x = N::ALIGN == 1 ? x4[k & 3] : N::ALIGN == 4 ? xt_u32(p) : xt_u16(p) | (xt_u16(p + 2) << 16);
-            const dq_u32 nib = (x >> (k >= 4 ? 4 : 0)) & 0x0f0f0f0fu;
-            const dq_u32 hb = dq_bit_bytes(qh >> (4 * k));
-            if constexpr (QT == 2) w.q[k] = (nib + 0x78787878u) ^ 0x80808080u;  // v - 8 a byte, no carries
-            else if constexpr (QT == 3) w.q[k] = nib;
-            else if constexpr (QT == 6) w.q[k] = ((nib | (hb << 4)) + 0x70707070u) ^ 0x80808080u;  // v - 16
-            else if constexpr (QT == 7) w.q[k] = nib | (hb << 4);
-            else w.q[k] = xt_iq4(nib, t);
-        }
-    } else if constexpr (QT == 10) {  // Q2_K: field j % 4 of 2 bits, bytes of group j / 4
-        dq_q2k_head(b, j, w);
-        const dq_u8* qs = b + 16 + 32 * (j >> 2);
-        XT_UNROLL
-        for (int k = 0; k < 8; ++k) w.q[k] = (xt_u32(qs + 4 * k) >> (2 * (j & 3))) & 0x03030303u;
-    } else if constexpr (QT == 13) {  // Q5_K: a nibble (low or high, by j % 2) and high bit j of qh's byte
-        dq_k4_scales(b, j, w);
-        const dq_u8* qs = b + 48 + 32 * (j >> 1);
-        XT_UNROLL
-        for (int k = 0; k < 8; ++k)
-            w.q[k] = ((xt_u32(qs + 4 * k) >> (4 * (j & 1))) & 0x0f0f0f0fu) |
-                     (((xt_u32(b + 16 + 4 * k) >> j) & 0x01010101u) << 4);
-    } else if constexpr (QT == 14) {  // Q6_K: 4 low bits from ql, 2 high from qh: code = v - 32 a byte
-        dq_q6k_head(b, j, w);
-        const int g = j >> 2, r = j & 3;
-        const dq_u8* ql = b + 64 * g + 32 * (r & 1);
-        const dq_u8* qh = b + 128 + 32 * g;
-        XT_UNROLL
-        for (int k = 0; k < 8; ++k) {
-            const dq_u32 lo = ((xt_u16(ql + 4 * k) | (xt_u16(ql + 4 * k + 2) << 16)) >> (4 * (r >> 1))) & 0x0f0f0f0fu;
-            const dq_u32 hi = ((xt_u16(qh + 4 * k) | (xt_u16(qh + 4 * k + 2) << 16)) >> (2 * r)) & 0x03030303u;
-            w.q[k] = ((lo | (hi << 4)) + 0x60606060u) ^ 0x80808080u;  // a byte v in 0..63 -> v - 32, no carries
-        }
-    } else if constexpr (QT == 11) {  // Q3_K: 2 low bits from qs, the high bit from hmask: code = low + 4 high - 4
-        dq_q3k_head(b, j, w);
-        const dq_u8* qs = b + 32 + 32 * (j >> 2);
-        XT_UNROLL
-        for (int k = 0; k < 8; ++k) {  // values 4k .. 4k + 3: bytes 4k .. of qs and of hmask (b)
-            const dq_u32 lo = ((xt_u16(qs + 4 * k) | (xt_u16(qs + 4 * k + 2) << 16)) >> (2 * (j & 3))) & 0x03030303u;
-            const dq_u32 hi = ((xt_u16(b + 4 * k) | (xt_u16(b + 4 * k + 2) << 16)) >> j) & 0x01010101u;
-            w.q[k] = ((lo | (hi << 2)) + 0x7c7c7c7cu) ^ 0x80808080u;  // a byte v in 0..7 -> v - 4, no carries
-        }
-    } else if constexpr (QT == 16) {  // IQ2_XXS: 4 grid index bytes, then 4 x 7 sign-index bits (the head's word)
-        const dq_u32 w1 = dq_iq2xxs_head(b, j, w), idx = xt_u16(b + 2 + 8 * j) | (xt_u16(b + 4 + 8 * j) << 16);
-        XT_UNROLL
-        for (int e = 0; e < 4; ++e)
-            xt_grid8(tab, DQ_TAB_IQ2XXS + 8 * (int)((idx >> (8 * e)) & 255u), xt_ksigns((w1 >> (7 * e)) & 127u), e, w);
-    } else if constexpr (QT == 17) {  // IQ2_XS: a 16-bit word a group: 9-bit grid index, 7-bit sign index
-        dq_iq2_scales(b, j, b + 66, w);
+    const XtSub c = xt_sub<QT>(b, j, tab, w);
+    if constexpr (XtGrid8<QT>::value) {
         XT_UNROLL
         for (int e = 0; e < 4; ++e) {
-            const dq_u32 q = xt_u16(b + 2 + 2 * (4 * j + e));
-            xt_grid8(tab, DQ_TAB_IQ2XS + 8 * (int)(q & 511u), xt_ksigns(q >> 9), e, w);
+            int off;
+            dq_u32 sg;
+            xt_entry<QT>(c, e, off, sg);
+            if constexpr (XtTraits<QT>::IQ1) xt_tab64(tab, off, w.q[2 * e], w.q[2 * e + 1]);
+            else xt_grid8(tab, off, sg, e, w);
         }
-    } else if constexpr (QT == 22) {  // IQ2_S: index low bytes, a sign byte a group, 2 high index bits from qh
-        dq_iq2_scales(b, j, b + 74, w);
-        const dq_u32 lo = xt_u16(b + 2 + 4 * j) | (xt_u16(b + 4 + 4 * j) << 16);
-        const dq_u32 sg = xt_u16(b + 34 + 4 * j) | (xt_u16(b + 36 + 4 * j) << 16), qh = b[66 + j];
+    } else {
         XT_UNROLL
-        for (int e = 0; e < 4; ++e) {
-            const dq_u32 idx = ((lo >> (8 * e)) & 255u) | (((qh >> (2 * e)) & 3u) << 8);
-            xt_grid8(tab, DQ_TAB_IQ2S + 8 * (int)idx, sg >> (8 * e), e, w);
-        }
-    } else if constexpr (QT == 18) {  // IQ3_XXS: a grid index byte (4 values) each, 7 sign-index bits each 8
-        const dq_u32 ws = dq_iq3xxs_head(b, j, w);
-        XT_UNROLL
-        for (int h = 0; h < 2; ++h) {
-            const dq_u32 idx = xt_u16(b + 2 + 8 * j + 4 * h) | (xt_u16(b + 4 + 8 * j + 4 * h) << 16);
-            XT_UNROLL
-            for (int e = 0; e < 2; ++e) {
-                const dq_u32 sg = xt_ksigns((ws >> (7 * (2 * h + e))) & 127u);
-                w.q[4 * h + 2 * e] = xt_signed(xt_u32(tab + DQ_TAB_IQ3XXS + 4 * (int)((idx >> (16 * e)) & 255u)), sg);
-                w.q[4 * h + 2 * e + 1] =
-                    xt_signed(xt_u32(tab + DQ_TAB_IQ3XXS + 4 * (int)((idx >> (16 * e + 8)) & 255u)), sg >> 4);
-            }
-        }
-    } else if constexpr (QT == 19) {  // IQ1_S: g, 3 high index bits a group and the sub-block's delta sign in qh
-        const dq_u32 qh = dq_iq1s_head(b, j, w), lo = xt_u16(b + 2 + 4 * j) | (xt_u16(b + 4 + 4 * j) << 16);
-        w.delta = (qh & 0x8000u) ? 15u : 0u;
-        XT_UNROLL
-        for (int e = 0; e < 4; ++e)
-            xt_tab64(tab, DQ_TAB_IQ1 + 8 * (int)(((lo >> (8 * e)) & 255u) | (((qh >> (3 * e)) & 7u) << 8)),
-                     w.q[2 * e], w.q[2 * e + 1]);
-    } else {  // IQ1_M: g, a nibble a group in qh (3 high index bits, the group's delta sign)
-        static_assert(QT == 29, "a quantised type without a word decoder");
-        dq_iq1m_head(b, j, w);
-        const dq_u32 lo = xt_u16(b + 4 * j) | (xt_u16(b + 2 + 4 * j) << 16), qh = xt_u16(b + 32 + 2 * j);
-        w.delta = ((qh >> 3) & 1u) | ((qh >> 6) & 2u) | ((qh >> 9) & 4u) | ((qh >> 12) & 8u);
-        XT_UNROLL
-        for (int e = 0; e < 4; ++e)
-            xt_tab64(tab, DQ_TAB_IQ1 + 8 * (int)(((lo >> (8 * e)) & 255u) | (((qh >> (4 * e)) & 7u) << 8)),
-                     w.q[2 * e], w.q[2 * e + 1]);
+        for (int k = 0; k < 8; ++k) w.q[k] = xt_word<QT>(c, k);
     }
 }
 
@@ -398,6 +440,11 @@ template <int QT> DQ_FN void xt_decode(const dq_u8* row, int s, const dq_u8* tab
     } else {
         xt_float_sub<QT>(row + s * X::BB, w);
     }
+}
+// the same sub-block of a quantised type, its words left to xt_word (the head's fields in w)
+template <int QT> DQ_FN XtSub xt_locate(const dq_u8* row, int s, const dq_u8* tab, XtW<QT>& w) {
+    typedef XtTraits<QT> X;
+    return xt_sub<QT>(row + (s / X::NSUB) * X::BB, s % X::NSUB, tab, w);
 }
 
 // ---- the activation side -------------------------------------------------------------------------------------

@@ -54,11 +54,6 @@ TUNED = (_T.IQ3_S, _T.Q4_K, _T.Q8_0)
 # experts_mma.cuh's MMA_TYPE: every quantised type (int8 codes); FLOATS' views are int16
 FLOATS = (_T.F32, _T.F16, _T.BF16)
 MMA_TYPES = tuple(t for t in EXPERT_TYPES if t not in FLOATS)
-# types whose tensor-core fragment is decoded a word at a time (experts_mma.cuh's decode_frag specialisations); the
-# others decode a whole sub-block in each of a row's four lanes, which pays off only over 64-pair tiles (at one
-# m-tile a warp Q5_K ran slower than on the SIMT tiles: docs/perf-notes.md, session 32), so only these take the
-# shorter tiles where 64 pairs do not fit
-MMA_SHORT_TYPES = TUNED + (_T.Q6_K,)
 # generic types whose decode reads decode.cuh's table blob, and the table each reads (a copy of that part at shared
 # offset 0: expert_decode.cuh's TabSmem)
 TABLE_PARTS = {_T.IQ2_XXS: "IQ2XXS", _T.IQ2_XS: "IQ2XS", _T.IQ2_S: "IQ2S", _T.IQ3_XXS: "IQ3XXS", _T.IQ1_S: "IQ1",
@@ -370,8 +365,7 @@ class ExpertKernels:
         def mma_sizes(mt: int) -> tuple[int, int]:  # shared bytes of the gate/up and down tile kernels
             return mma_smem(self.qt_gu, self.d_model, True, mt), mma_smem(self.qt_dn, self.d_ff, False, mt)
 
-        sizes = (4, 2, 1) if all(q in MMA_SHORT_TYPES for q in (self.qt_gu, self.qt_dn)) else (4,)
-        self.mma_mt = next((mt for mt in sizes if mt <= t.mma_mt and max(mma_sizes(mt)) <= smem_block), 0) \
+        self.mma_mt = next((mt for mt in (4, 2, 1) if mt <= t.mma_mt and max(mma_sizes(mt)) <= smem_block), 0) \
             if shape_ok else 0
         self.mma = t.prompt == "mma" and self.mma_mt > 0
         built = max(1, self.mma_mt)  # the tile kernels are built where the shape allows them, used or not

@@ -25,8 +25,8 @@
 // 16-value halves have integer folds of their own (MmaFolds: Q2_K, Q3_K, Q6_K, IQ2_XS, IQ2_S, IQ1_M) take two mma
 // a sub-block, one a half, and weight the halves' integer sums in integers; types with a minimum subtract
 // (minimum * d_act) * msum, msum formed from the activation fragment's own integer sums (per half where the minimum
-// is weighted per half: Q2_K). The tuned types and Q6_K decode just their two words (decode_frag below), the rest
-// the whole sub-block through expert_term.cuh (experts.py: ExpertKernels.mma, MMA_TYPES).
+// is weighted per half: Q2_K). A lane decodes just the two words of the sub-block its fragment holds (decode_frag
+// below; experts.py: ExpertKernels.mma, MMA_TYPES).
 #define MMA_TYPE(q) ((q) != UNTUNED && (q) != 0 && (q) != 1 && (q) != 30)
 template <int QT> struct MmaFolds {
     static constexpr bool value = QT == 10 || QT == 11 || QT == QT_Q6_K || QT == 17 || QT == 22 || QT == 29;
@@ -88,9 +88,8 @@ __device__ __forceinline__ void mma_s8(const u32 (&a)[4], u32 b0, u32 b1, int (&
 
 // This thread's B fragment of sub-block s of the row at shared offset R: signed weights 4t..4t+3 (lo) and
 // 16+4t..16+4t+3 (hi), i.e. decode_sub's q[t] and q[t + 4], and the sub-block's numbers (the view's scale, minimum,
-// and each half's fold and minimum weight; only those its type has are set). The generic types decode the whole
-// sub-block as their SIMT tiles do and keep words t and t + 4 (selected, not indexed: a runtime index would put
-// the words in local memory); the others below decode just the two words.
+// and each half's fold and minimum weight; only those its type has are set): the generic types through
+// expert_term.cuh's word decoders (the sub-block's head, then words t and t + 4 alone), the tuned ones below.
 struct FragSub {
     u32 lo, hi;
     float sc, mn;
@@ -100,9 +99,9 @@ struct FragSub {
 template <int QT> __device__ __forceinline__ void decode_frag(u32 R, int s, u32 t, FragSub& f) {
     static_assert(MMA_TYPE(QT) && XtTraits<QT>::WORDS == 8, "int8 codes");
     XtW<QT> w;
-    decode_sub<QT>(R, s, w);
-    f.lo = t == 0u ? w.q[0] : t == 1u ? w.q[1] : t == 2u ? w.q[2] : w.q[3];
-    f.hi = t == 0u ? w.q[4] : t == 1u ? w.q[5] : t == 2u ? w.q[6] : w.q[7];
+    const XtSub c = locate_sub<QT>(R, s, w);
+    f.lo = xt_word<QT>(c, (int)t);
+    f.hi = xt_word<QT>(c, (int)t + 4);
     if constexpr (XtTraits<QT>::IQ1) {  // code 8 g + delta a byte: g (-1, 0, 1) shifted bytewise (the bits a byte
         // shifts into the next are masked off), then the delta of the values' 8-group (lo: group t / 2, hi: 2 + t / 2)
         const u32 dl = (w.delta >> (t >> 1)) & 1u, dh = (w.delta >> (2u + (t >> 1))) & 1u;
@@ -153,27 +152,6 @@ template <> __device__ __forceinline__ void decode_frag<QT_IQ3_S>(u32 R, int s, 
         const u32 mag = sm_u32(idx * 4u);
         const u32 sg = (sm_u8(B + 74u + 4u * j + (k >> 1)) >> (4u * (k & 1u))) & 15u;
         q[h] = xt_signed(mag, sg);
-    }
-    f.lo = q[0];
-    f.hi = q[1];
-}
-
-// Q6_K: code = (4 low bits of ql | 2 high bits of qh << 4) - 32, four a word (a byte v in 0..63: (v + 0x60) ^ 0x80,
-// no carries); the scale d, the halves' folds their int8 scales
-template <> __device__ __forceinline__ void decode_frag<QT_Q6_K>(u32 R, int s, u32 t, FragSub& f) {
-    const u32 j = (u32)s & 7u, g = j >> 2, r = j & 3u;
-    const u32 B = R + 210u * ((u32)s >> 3);  // 2-aligned
-    f.sc = h2f(sm_u16(B + 208u));
-    f.f0 = (int)(signed char)sm_u8(B + 192u + 2u * j);
-    f.f1 = (int)(signed char)sm_u8(B + 193u + 2u * j);
-    u32 q[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {  // values 16 h + 4t .. + 3
-        const u32 i = 16u * h + 4u * t;
-        const u32 ql = B + 64u * g + 32u * (r & 1u) + i, qh = B + 128u + 32u * g + i;
-        const u32 nib = ((sm_u16(ql) | (sm_u16(ql + 2u) << 16)) >> (4u * (r >> 1))) & 0x0f0f0f0fu;
-        const u32 top = ((sm_u16(qh) | (sm_u16(qh + 2u) << 16)) >> (2u * r)) & 0x03030303u;
-        q[h] = ((nib | (top << 4)) + 0x60606060u) ^ 0x80808080u;
     }
     f.lo = q[0];
     f.hi = q[1];
