@@ -4,7 +4,8 @@ Every output bit equals `stratad.engine.canonical.expert` on `decode_int` of the
 for every expert type. Every type has a kernel reading its raw GGUF blocks (gate / up / down may each be any type:
 llama.cpp's mixes): IQ3_S / Q4_K / Q8_0 decode in vector registers; every other type, the float ones (F32 / F16 /
 BF16) included, goes through one mechanism, a per-type decoder filling a block's integer view in small buffers and
-one row loop over them (`_rows_dec`). The kernels form exact integer sub-block dots, scale each term as
+one row loop over them (`_rows_dec`), where a block that one token reads is decoded in registers instead (a block
+kernel per type: `_blk_*`). The kernels form exact integer sub-block dots, scale each term as
 `(scale_b * d_b) * isum_b [- (minimum_b * d_b) * msum_b]` in float32 (every op rounded on its own: no fastmath, so
 LLVM never contracts to FMA or reassociates), sum terms in the canonical warp order (virtual lane l adds terms
 l, l+32, ... to 0.0, then folds 16, 8, 4, 2, 1), apply SwiGLU with the canonical float32 `exp`, quantise h
@@ -71,10 +72,6 @@ _BB = np.zeros(64, np.int64)
 _BV = np.zeros(64, np.int64)
 for _t, _k in _DECODED.items():
     _KIND[_t], _BB[_t], _BV[_t] = _k, fmt(_t).block_bytes, fmt(_t).block_values
-# decoded types with a block kernel that decodes in registers (for a block one token reads)
-_IN_REGS = np.zeros(64, np.bool_)
-_IN_REGS[[Q2_K, Q3_K, Q5_K, Q6_K, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, IQ4_XS, MXFP4, IQ3_XXS, IQ2_XXS, IQ2_XS,
-          IQ2_S, IQ1_S]] = True
 
 
 def _tables() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -114,7 +111,7 @@ _T_IQ4, _T_MXFP4, _T_ONES, _T_EIGHTS, _T_SIGN8, _T_KSIGNS = (
     _OFF[k] for k in ("iq4", "mxfp4", "ones", "eights", "sign8", "ksigns"))
 _T_IQ3XXS, _T_IQ2XXS, _T_IQ2XS, _T_IQ2S, _T_IQ1S, _T_IQ1M = (_OFF[t.name] for t in (T.IQ3_XXS, T.IQ2_XXS, T.IQ2_XS,
                                                                                    T.IQ2_S, T.IQ1_S, T.IQ1_M))
-assert _T_IQ3XXS % 4 == 0 and all(o % 8 == 0 for o in (_T_IQ2XXS, _T_IQ2XS, _T_IQ2S, _T_IQ1S)), \
+assert _T_IQ3XXS % 4 == 0 and all(o % 8 == 0 for o in (_T_IQ2XXS, _T_IQ2XS, _T_IQ2S, _T_IQ1S, _T_IQ1M)), \
     "the in-register kernels read the grids' entries as aligned words"
 
 # the canonical exp's constants, as float32 (numba must never see a python float in float32 arithmetic)
@@ -312,20 +309,27 @@ def _partials_vnni(builder, w8, a8, signed):
     return out
 
 
-def _tree8(builder, qs, width):
-    """<8 x i32> of 8 sub-block sums from vectors of 16 partial sums, each vector holding 16 // width sub-blocks'
-    `width` partials (in sub-block order): pairwise adds along a fixed shuffle tree."""
+def _tree8(builder, qs, width, op=None):
+    """<8 x iN> of 8 sub-blocks' reductions (op: add by default) from vectors of n partials, each vector holding n //
+    width sub-blocks' `width` partials (in sub-block order): ops on pairs of shuffles along a fixed tree."""
+    op = op or builder.add
+    n = qs[0].type.count
     while len(qs) > 1:
         half = width // 2
-        first = [g * width + i for g in range(16 // width) for i in range(half)]
-        first = first + [16 + x for x in first]
+        first = [g * width + i for g in range(n // width) for i in range(half)]
+        first = first + [n + x for x in first]
         second = [x + half for x in first]
-        qs = [builder.add(builder.shuffle_vector(x, y, _const(_I32, first)),
-                          builder.shuffle_vector(x, y, _const(_I32, second))) for x, y in zip(qs[0::2], qs[1::2])]
+        qs = [op(builder.shuffle_vector(x, y, _const(_I32, first)), builder.shuffle_vector(x, y, _const(_I32, second)))
+              for x, y in zip(qs[0::2], qs[1::2])]
         width = half
     v = qs[0]
-    return builder.add(builder.shuffle_vector(v, v, _const(_I32, range(0, 16, 2))),
-                       builder.shuffle_vector(v, v, _const(_I32, range(1, 16, 2))))
+    while width > 1:
+        half = width // 2
+        first = [g * width + i for g in range(8) for i in range(half)]
+        v = op(builder.shuffle_vector(v, v, _const(_I32, first)),
+               builder.shuffle_vector(v, v, _const(_I32, [x + half for x in first])))
+        width = half
+    return v
 
 
 def _fload8(context, builder, aryty, ary, off):
@@ -405,22 +409,27 @@ def _k4_codes(context, builder, sig, args, qs, qh=None):
 
 
 def _half_at(context, builder, sig, args, off):
-    """The f16 at w[wo + off] as float32, its bits formed in integers (exact; no F16C or libcall needed): a normal
-    f16's exponent rebased by 112, inf / NaN's to 255, a subnormal's mantissa times 2^-24."""
-    h = builder.zext(_vload(context, builder, sig.args[0], args[0],
-                            builder.add(_i64(builder, args[1]), ir.Constant(_I64, off)), 1, ir.IntType(16)), _I32)
+    """The f16 at w[wo + off] as float32 (_half)."""
+    return _half(builder, builder.zext(_vload(context, builder, sig.args[0], args[0],
+                                              builder.add(_i64(builder, args[1]), ir.Constant(_I64, off)), 1,
+                                              ir.IntType(16)), _I32))
 
-    def c(v):
-        return ir.Constant(_I32, v)
-    mag, sign, e = builder.and_(h, c(0x7FFF)), builder.shl(builder.and_(h, c(0x8000)), c(16)), builder.lshr(h, c(10))
-    e = builder.and_(e, c(31))
-    normal = builder.shl(builder.add(mag, c(112 << 10)), c(13))
-    special = builder.shl(builder.add(mag, c(224 << 10)), c(13))
-    sub = builder.bitcast(builder.fmul(builder.uitofp(builder.and_(h, c(0x3FF)), ir.FloatType()),
-                                       ir.Constant(ir.FloatType(), 2.0 ** -24)), _I32)
-    bits = builder.select(builder.icmp_unsigned("==", e, c(0)), sub,
-                          builder.select(builder.icmp_unsigned("==", e, c(31)), special, normal))
-    return builder.bitcast(builder.or_(bits, sign), ir.FloatType())
+
+def _half(builder, h):
+    """The f16s of bits h (i32, or a vector of them) as float32, their bits formed in integers (exact; no F16C or
+    libcall needed): a normal f16's exponent rebased by 112, inf / NaN's to 255, a subnormal's mantissa times 2^-24."""
+    n = h.type.count if isinstance(h.type, ir.VectorType) else 0
+    ft = ir.VectorType(ir.FloatType(), n) if n else ir.FloatType()
+
+    def c(v, ty=h.type):
+        return ir.Constant(ty, [v] * n if n else v)
+    mag, sign = builder.and_(h, c(0x7FFF)), builder.shl(builder.and_(h, c(0x8000)), c(16))
+    normal = builder.add(builder.shl(mag, c(13)), c(112 << 23))
+    special = builder.add(normal, c(112 << 23))
+    sub = builder.bitcast(builder.fmul(builder.uitofp(mag, ft), c(2.0 ** -24, ft)), h.type)
+    bits = builder.select(builder.icmp_unsigned("<", mag, c(0x400)), sub,
+                          builder.select(builder.icmp_unsigned(">=", mag, c(0x7C00)), special, normal))
+    return builder.bitcast(builder.or_(bits, sign), ft)
 
 
 def _k4_scales8(context, builder, sig, args):
@@ -811,6 +820,116 @@ def _blk_iq1s(typingctx, w, wo, tab, sbuf, mbuf, a, ao, da, asum, dao, acc, acco
         scale = builder.fmul(builder.fmul(_d8(context, builder, sig, args, 0), f), ir.Constant(f8, [0.125] * 8))
         return _accumulate8(context, builder, sig, args, 3, w8, signed=True, scales=(scale, None))
     return types.none(w, wo, tab, sbuf, mbuf, a, ao, da, asum, dao, acc, acco), codegen
+
+
+@intrinsic
+def _blk_iq1m(typingctx, w, wo, tab, sbuf, mbuf, a, ao, da, asum, dao, acc, acco):
+    """The IQ1_M block at w[wo], decoded in registers: group n's (8 values) index byte at n and nibble n of the 16
+    bytes at 32 (3 high index bits, the delta's sign); q = (2 s_k + 1) (8 g +- 1) as int16, s_k the 3-bit scale of
+    16 values k (bits 3 (k % 4) of the u16 at 48 + 2 (k // 4)), scale d / 8 (d's f16 in those words' top nibbles).
+    tab: the decode tables (the grid at _T_IQ1M)."""
+    if not (_blk_ok(w, sbuf, mbuf, a, da, asum, acc) and _is_1d_bytes(tab)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        v4, v32, i16 = ir.VectorType(_I32, 4), ir.VectorType(_I32, 32), ir.IntType(16)
+        t = context.make_array(sig.args[2])(context, builder, args[2])
+        sc = builder.zext(_vload(context, builder, sig.args[0], args[0],
+                                 builder.add(_i64(builder, args[1]), ir.Constant(_I64, 48)), 4, i16), v4)
+        top = builder.and_(sc, _const(_I32, [0xF000] * 4))  # d's nibble h in word h's bits 12..15
+        d = builder.lshr(top, _const(_I32, [12, 8, 4, 0]))
+        d = builder.or_(builder.or_(builder.extract_element(d, ir.Constant(_I32, 0)),
+                                    builder.extract_element(d, ir.Constant(_I32, 1))),
+                        builder.or_(builder.extract_element(d, ir.Constant(_I32, 2)),
+                                    builder.extract_element(d, ir.Constant(_I32, 3))))
+        d8 = _splat(builder, builder.fmul(_half(builder, d), ir.Constant(ir.FloatType(), 0.125)), 8)
+        w8 = []
+        for j in range(8):
+            qh = _bytes_at(context, builder, sig, args, 32 + 2 * j, 2)
+            nib = builder.and_(builder.lshr(builder.shuffle_vector(qh, qh, _const(_I32, [0, 0, 1, 1])),
+                                            _const(_I8, [0, 4, 0, 4])), _const(_I8, [15] * 4))
+            ix = builder.or_(builder.zext(_bytes_at(context, builder, sig, args, 4 * j, 4), v4),
+                             builder.shl(builder.zext(builder.and_(nib, _const(_I8, [7] * 4)), v4), _const(_I32, [8] * 4)))
+            g = _grid_words(builder, t.data, _T_IQ1M, ix, 8)
+            neg = builder.icmp_unsigned("!=", builder.and_(nib, _const(_I8, [8] * 4)), _const(_I8, [0] * 4))
+            neg = builder.shuffle_vector(neg, neg, _const(_I32, [v // 8 for v in range(32)]))
+            v8 = builder.add(builder.shl(g, _bytes(3)), builder.select(neg, _bytes(255), _bytes(1)))
+            f = builder.extract_element(sc, ir.Constant(_I32, j >> 1))
+            f = builder.and_(builder.lshr(_splat(builder, f, 32), _const(_I32, [6 * (j & 1) + 3 * (v >> 4) for v in range(32)])),
+                             _const(_I32, [7] * 32))
+            f = builder.add(builder.shl(f, _const(_I32, [1] * 32)), _const(_I32, [1] * 32))
+            w8.append(builder.mul(builder.sext(v8, ir.VectorType(i16, 32)), builder.trunc(f, ir.VectorType(i16, 32))))
+        return _accumulate8(context, builder, sig, args, 3, w8, signed=True, scales=(d8, None))
+    return types.none(w, wo, tab, sbuf, mbuf, a, ao, da, asum, dao, acc, acco), codegen
+
+
+def _float_kernel(qtype: int):
+    """The block kernel of 8 sub-blocks of F32 / F16 / BF16 from w[wo], their float view formed in registers by
+    _dec_float's rule: the sub-block's largest finite magnitude (in integers) gives k, and q = rint(w 2^-k) (w 0
+    where the value is not finite). w is the value as float32 (an F16's formed from its bits by _half); the product
+    by 2^-k is exact wherever q can be nonzero (|q| <= 2^12 for every finite value), and rint is the add and subtract
+    of 1.5 2^23 (round half to even in float32 for |x| < 2^22), read back as bits."""
+    width, eb, mb = {F32_T: (32, 8, 23), F16_T: (16, 5, 10), BF16_T: (16, 8, 7)}[qtype]
+    bias = (1 << (eb - 1)) - 1 + mb  # a value is mant 2^(max(E, 1) - bias)
+
+    @intrinsic
+    def kernel(typingctx, w, wo, sbuf, mbuf, a, ao, da, asum, dao, acc, acco):
+        if not _blk_ok(w, sbuf, mbuf, a, da, asum, acc):
+            return None
+
+        def codegen(context, builder, sig, args):
+            v32, v8 = ir.VectorType(_I32, 32), ir.VectorType(_I32, 8)
+            f32, f8 = ir.VectorType(ir.FloatType(), 32), ir.VectorType(ir.FloatType(), 8)
+
+            def c(n, x):
+                return ir.Constant(ir.VectorType(_I32, n), [x] * n)
+
+            def raw(j):  # sub-block j's bits as stored
+                return _vload(context, builder, sig.args[0], args[0],
+                              builder.add(_i64(builder, args[1]), ir.Constant(_I64, 4 * width * j)), 32,
+                              ir.IntType(width))
+
+            def magnitude(b):  # the magnitudes' bits, and which are finite
+                m = builder.and_(b, ir.Constant(b.type, [(1 << (eb + mb)) - 1] * 32))
+                return m, builder.icmp_unsigned("<", m, ir.Constant(b.type, [((1 << eb) - 1) << mb] * 32))
+
+            ctlz = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8, [v8, ir.IntType(1)]),
+                                                  "llvm.ctlz.v8i32")
+            tops = []
+            for j in range(8):  # in the stored width (16-bit types: twice the lanes an op)
+                m, f = magnitude(raw(j))
+                tops.append(builder.select(f, m, ir.Constant(m.type, [0] * 32)))
+            tops = _tree8(builder, tops, 32, lambda x, y: builder.select(builder.icmp_unsigned(">", x, y), x, y))
+            tops = tops if width == 32 else builder.zext(tops, v8)
+            # the largest magnitude f 2^e (1/2 <= f < 1): e from its exponent field, or a subnormal's length
+            te = builder.lshr(tops, c(8, mb))
+            length = builder.sub(c(8, 32), builder.call(ctlz, [builder.and_(tops, c(8, (1 << mb) - 1)),
+                                                               ir.Constant(ir.IntType(1), 0)]))
+            e = builder.select(builder.icmp_unsigned(">", te, c(8, 0)), builder.add(te, c(8, mb + 1 - bias)),
+                               builder.add(length, c(8, 1 - bias)))
+            e = builder.select(builder.icmp_unsigned("==", tops, c(8, 0)), c(8, 0), e)
+            k = builder.sub(e, c(8, 12))
+            k = builder.select(builder.icmp_signed("<", k, c(8, -126)), c(8, -126), k)
+            scale = builder.bitcast(builder.shl(builder.add(k, c(8, 127)), c(8, 23)), f8)
+            inverse = builder.bitcast(builder.shl(builder.sub(c(8, 127), k), c(8, 23)), f8)  # 2^-k
+            w8 = []
+            for j in range(8):
+                b = raw(j) if width == 32 else builder.zext(raw(j), v32)
+                m, f = magnitude(b)
+                if qtype == F16_T:
+                    x = _half(builder, b)
+                else:
+                    x = builder.bitcast(b if width == 32 else builder.shl(b, c(32, 16)), f32)
+                x = builder.fmul(x, builder.shuffle_vector(inverse, inverse, _const(_I32, [j] * 32)))
+                x = builder.fadd(builder.select(f, x, ir.Constant(f32, [0.0] * 32)), ir.Constant(f32, [1.5 * 2 ** 23] * 32))
+                q = builder.sub(builder.bitcast(x, v32), c(32, 0x4B400000))
+                w8.append(builder.trunc(q, ir.VectorType(ir.IntType(16), 32)))
+            return _accumulate8(context, builder, sig, args, 2, w8, signed=True, scales=(scale, None))
+        return types.none(w, wo, sbuf, mbuf, a, ao, da, asum, dao, acc, acco), codegen
+    return kernel
+
+
+_blk_f32, _blk_f16, _blk_bf16 = (_float_kernel(t) for t in (F32_T, F16_T, BF16_T))
 
 
 # Byte-field ops for the decoders (16 values an op, in vector registers; numba's loops over arrays it cannot prove
@@ -1434,9 +1553,8 @@ def _sub_terms(r, wb, sbuf, mbuf, has_min, a, da, asum, t0, acc, acco, lane0):
 @njit(nogil=True, cache=True, inline="always")
 def _rows_dec(qtype, w, ro, rb, nrows, a, da, asum, idx, n, s, res, f16e, tab):
     """Any type of _DECODED: per row, each block (32-value types: 8 blocks) decoded once, then its 8 sub-blocks'
-    terms for each of the n tokens; a block of the _IN_REGS types that one token reads is decoded in registers
-    instead (_blk_q5k, _blk_q6k, _blk_q3k, _blk_q2k, _legacy_kernel's and _lut_kernel's: no buffer written and read
-    back)."""
+    terms for each of the n tokens; a block that one token reads is decoded in registers instead (the _blk_*
+    kernels: no buffer written and read back)."""
     acc, wb8, wbu, mwu, wb16, sbuf, mbuf = s
     kind = _KIND[qtype]
     bb = _BB[qtype]
@@ -1452,7 +1570,7 @@ def _rows_dec(qtype, w, ro, rb, nrows, a, da, asum, idx, n, s, res, f16e, tab):
             lane0 = (bg * 8) & 31
             # one token: the block (8 blocks of 32) decoded in registers instead. The chain stays in this loop: as a
             # helper function it ran 2.5x slower (measured in session 33, not looked into)
-            if n == 1 and _IN_REGS[qtype]:
+            if n == 1:
                 t = idx[0] * nsub + bg * 8
                 if qtype == Q4_0:
                     _blk_q40(w, o, sbuf, None, a, t * SUB, da, asum, t, acc, lane0)
@@ -1478,6 +1596,14 @@ def _rows_dec(qtype, w, ro, rb, nrows, a, da, asum, idx, n, s, res, f16e, tab):
                     _blk_iq2s(w, o, tab, sbuf, None, a, t * SUB, da, asum, t, acc, lane0)
                 elif qtype == IQ1_S:
                     _blk_iq1s(w, o, tab, sbuf, None, a, t * SUB, da, asum, t, acc, lane0)
+                elif qtype == IQ1_M:
+                    _blk_iq1m(w, o, tab, sbuf, None, a, t * SUB, da, asum, t, acc, lane0)
+                elif qtype == F16_T:
+                    _blk_f16(w, o, sbuf, None, a, t * SUB, da, asum, t, acc, lane0)
+                elif qtype == BF16_T:
+                    _blk_bf16(w, o, sbuf, None, a, t * SUB, da, asum, t, acc, lane0)
+                elif qtype == F32_T:
+                    _blk_f32(w, o, sbuf, None, a, t * SUB, da, asum, t, acc, lane0)
                 elif qtype == Q5_K:
                     _blk_q5k(w, o, sbuf, mbuf, a, t * SUB, da, asum, t, acc, lane0)
                 elif qtype == Q6_K:

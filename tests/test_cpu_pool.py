@@ -160,13 +160,13 @@ def special_floats(rng, qtype, rows, n):
 def test_float_view_edges_bit_exact(pools, seed, qtype):
     """The float types' integer view formed in integers from the raw bits (cpu_pool._dec_float) against
     quants.floats.float_view through canonical.expert, on sub-blocks at the view's edges (special_floats)."""
-    d_model, d_ff = 256, 96  # 96: a remainder of 3 sub-blocks on the down rows
+    d_model, d_ff = 256, 352  # 352: down rows of 8 sub-blocks and a remainder of 3
     rng = np.random.default_rng([seed, 23, int(qtype)])
     types = (qtype,) * 3
     layer = tuple(np.stack([special_floats(rng, qtype, r, n) for _ in range(3)])
                   for r, n in ((d_ff, d_model), (d_ff, d_model), (d_model, d_ff)))
     qa, da = make_tokens(rng, 2, d_model)
-    pairs = np.array([(0, 0), (1, 2), (0, 1)], np.int32)
+    pairs = np.array([(0, 0), (1, 2), (0, 1), (1, 1)], np.int32)  # experts read by one token (in registers), by two
     jobs = LayerJobs(*layer, *map(int, types), pairs, qa, da)
     assert_bits(run_all(pools, jobs), reference(types, layer, pairs, qa, da))
 
@@ -217,24 +217,31 @@ def test_exp_clamp_large_inputs(pools, seed, qtype):
 
 
 @pytest.mark.parametrize("qtype", [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.IQ4_NL,
-                                   T.IQ4_XS, T.MXFP4], ids=lambda t: t.name)
+                                   T.IQ4_XS, T.MXFP4, T.IQ3_XXS, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ1_S, T.IQ1_M],
+                         ids=lambda t: t.name)
 def test_block_scales_of_every_f16_kind(pools, seed, qtype):
     """The in-register block kernels form d (and dmin, m) from the f16 bits themselves: blocks whose d / dmin / m
     are subnormal, signed zeros, the smallest and largest normals and negative, one token an expert and three
-    sharing (MXFP4: exponent bytes 0 and 1, the subnormal scales, and normal ones)."""
+    sharing (MXFP4: exponent bytes 0 and 1, the subnormal scales, and normal ones; IQ1_M: d's nibbles in the top
+    nibbles of its four scale words)."""
     d_model, d_ff = TINY
     rng = np.random.default_rng([seed, int(qtype), 11])
     types = (qtype,) * 3
     layer = make_layer(rng, types, 2, d_model, d_ff)
     edges = np.array([0x0001, 0x03FF, 0x8001, 0x0000, 0x8000, 0x0400, 0x7BFF, 0xBC00, 0x3555, 0x83FF], np.uint16)
     at = {T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,), T.Q4_0: (0,),
-          T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.IQ4_NL: (0,), T.IQ4_XS: (0,), T.MXFP4: ()}[qtype]
+          T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.IQ4_NL: (0,), T.IQ4_XS: (0,)}.get(qtype, (0,))
     for m in layer:
         blocks = m.reshape(-1, fmt(qtype).block_bytes)
         if qtype == T.MXFP4:  # one exponent a row: the rows of subnormal scales give outputs of their own
             rows = m.reshape(*m.shape[:2], -1, fmt(qtype).block_bytes)
             rows[:, :, :, 0] = np.array([0, 1, 2, 100, 126, 127, 128, 131], np.uint8)[np.arange(m.shape[1]) % 8, None]
-        for k, off in enumerate(() if qtype == T.MXFP4 else at):
+        if qtype == T.IQ1_M:
+            words = blocks[:, 48:56].copy().view(np.uint16)
+            d = edges[np.arange(len(blocks)) % len(edges), None]
+            words[:] = (words & 0x0FFF) | (((d >> np.arange(0, 16, 4, dtype=np.uint16)) & 15) << 12)
+            blocks[:, 48:56] = words.view(np.uint8)
+        for k, off in enumerate(() if qtype in (T.MXFP4, T.IQ1_M) else at):
             blocks[:, off:off + 2] = np.roll(edges, k)[np.arange(len(blocks)) % len(edges)].view(np.uint8).reshape(
                 -1, 1, 2)[:, 0]
     qa, da = make_tokens(rng, 3, d_model)
