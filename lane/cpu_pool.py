@@ -863,14 +863,74 @@ def _blk_iq1m(typingctx, w, wo, tab, sbuf, mbuf, a, ao, da, asum, dao, acc, acco
     return types.none(w, wo, tab, sbuf, mbuf, a, ao, da, asum, dao, acc, acco), codegen
 
 
-def _float_kernel(qtype: int):
-    """The block kernel of 8 sub-blocks of F32 / F16 / BF16 from w[wo], their float view formed in registers by
-    _dec_float's rule: the sub-block's largest finite magnitude (in integers) gives k, and q = rint(w 2^-k) (w 0
-    where the value is not finite). w is the value as float32 (an F16's formed from its bits by _half); the product
-    by 2^-k is exact wherever q can be nonzero (|q| <= 2^12 for every finite value), and rint is the add and subtract
-    of 1.5 2^23 (round half to even in float32 for |x| < 2^22), read back as bits."""
-    width, eb, mb = {F32_T: (32, 8, 23), F16_T: (16, 5, 10), BF16_T: (16, 8, 7)}[qtype]
+_FLOAT_BITS = {F32_T: (32, 8, 23), F16_T: (16, 5, 10), BF16_T: (16, 8, 7)}  # width, exponent and mantissa bits
+
+
+def _float_view(builder, qtype, raw):
+    """(8 x <32 x i16> q, <8 x float> scale_b) of 8 sub-blocks of F32 / F16 / BF16, raw(j) giving sub-block j's
+    <32 x iW> bits as stored: the float view (stratad.model.quants.floats). The sub-block's largest finite magnitude
+    (in integers, a max tree over the 8 sub-blocks) gives e and k = max(e - 12, -126), scale_b 2^k, and q = rint(w
+    2^-k), w the value as float32 (an F16's formed from its bits by _half; 0 where not finite): the product is exact
+    wherever q can be nonzero (|q| <= 2^12 for every finite value), and rint is the add and subtract of 1.5 2^23
+    (round half to even in float32 for |x| < 2^22), read back as bits."""
+    width, eb, mb = _FLOAT_BITS[qtype]
     bias = (1 << (eb - 1)) - 1 + mb  # a value is mant 2^(max(E, 1) - bias)
+    v32, v8 = ir.VectorType(_I32, 32), ir.VectorType(_I32, 8)
+    f32, f8 = ir.VectorType(ir.FloatType(), 32), ir.VectorType(ir.FloatType(), 8)
+
+    def c(n, x):
+        return ir.Constant(ir.VectorType(_I32, n), [x] * n)
+
+    def magnitude(b):  # the magnitudes' bits, and which are finite
+        m = builder.and_(b, ir.Constant(b.type, [(1 << (eb + mb)) - 1] * 32))
+        return m, builder.icmp_unsigned("<", m, ir.Constant(b.type, [((1 << eb) - 1) << mb] * 32))
+
+    tops = []
+    for j in range(8):  # in the stored width (16-bit types: twice the lanes an op)
+        m, f = magnitude(raw(j))
+        tops.append(builder.select(f, m, ir.Constant(m.type, [0] * 32)))
+    tops = _tree8(builder, tops, 32, lambda x, y: builder.select(builder.icmp_unsigned(">", x, y), x, y))
+    tops = tops if width == 32 else builder.zext(tops, v8)
+    # the largest magnitude f 2^e (1/2 <= f < 1): e from its exponent field, or a subnormal's length
+    ctlz = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8, [v8, ir.IntType(1)]), "llvm.ctlz.v8i32")
+    te = builder.lshr(tops, c(8, mb))
+    length = builder.sub(c(8, 32), builder.call(ctlz, [builder.and_(tops, c(8, (1 << mb) - 1)),
+                                                       ir.Constant(ir.IntType(1), 0)]))
+    e = builder.select(builder.icmp_unsigned(">", te, c(8, 0)), builder.add(te, c(8, mb + 1 - bias)),
+                       builder.add(length, c(8, 1 - bias)))
+    e = builder.select(builder.icmp_unsigned("==", tops, c(8, 0)), c(8, 0), e)
+    k = builder.sub(e, c(8, 12))
+    k = builder.select(builder.icmp_signed("<", k, c(8, -126)), c(8, -126), k)
+    scale = builder.bitcast(builder.shl(builder.add(k, c(8, 127)), c(8, 23)), f8)
+    inverse = builder.bitcast(builder.shl(builder.sub(c(8, 127), k), c(8, 23)), f8)  # 2^-k
+    w8 = []
+    for j in range(8):
+        b = raw(j) if width == 32 else builder.zext(raw(j), v32)
+        m, f = magnitude(b)
+        if qtype == F16_T:
+            x = _half(builder, b)
+        else:
+            x = builder.bitcast(b if width == 32 else builder.shl(b, c(32, 16)), f32)
+        x = builder.fmul(x, builder.shuffle_vector(inverse, inverse, _const(_I32, [j] * 32)))
+        x = builder.fadd(builder.select(f, x, ir.Constant(f32, [0.0] * 32)), ir.Constant(f32, [1.5 * 2 ** 23] * 32))
+        q = builder.sub(builder.bitcast(x, v32), c(32, 0x4B400000))
+        w8.append(builder.trunc(q, ir.VectorType(ir.IntType(16), 32)))
+    return w8, scale
+
+
+def _float_kernels(qtype: int):
+    """F32 / F16 / BF16's (block kernel, decoder), both on _float_view: the kernel takes the 8 sub-blocks from w[wo]
+    into _accumulate8; decoder(w, wo, g, wb16, sbuf) writes sub-blocks j < g (g <= 8) into wb16[32 j:] and sbuf[j]
+    (the slots from g on get sub-block 0's view, never read: no byte past the g sub-blocks is loaded)."""
+    width = _FLOAT_BITS[qtype][0]
+
+    def loader(context, builder, aryty, ary, wo, g=None):
+        def raw(j):
+            jj = ir.Constant(_I64, j) if g is None else builder.select(
+                builder.icmp_signed("<", ir.Constant(_I64, j), g), ir.Constant(_I64, j), ir.Constant(_I64, 0))
+            off = builder.add(_i64(builder, wo), builder.mul(jj, ir.Constant(_I64, 4 * width)))
+            return _vload(context, builder, aryty, ary, off, 32, ir.IntType(width))
+        return raw
 
     @intrinsic
     def kernel(typingctx, w, wo, sbuf, mbuf, a, ao, da, asum, dao, acc, acco):
@@ -878,58 +938,30 @@ def _float_kernel(qtype: int):
             return None
 
         def codegen(context, builder, sig, args):
-            v32, v8 = ir.VectorType(_I32, 32), ir.VectorType(_I32, 8)
-            f32, f8 = ir.VectorType(ir.FloatType(), 32), ir.VectorType(ir.FloatType(), 8)
-
-            def c(n, x):
-                return ir.Constant(ir.VectorType(_I32, n), [x] * n)
-
-            def raw(j):  # sub-block j's bits as stored
-                return _vload(context, builder, sig.args[0], args[0],
-                              builder.add(_i64(builder, args[1]), ir.Constant(_I64, 4 * width * j)), 32,
-                              ir.IntType(width))
-
-            def magnitude(b):  # the magnitudes' bits, and which are finite
-                m = builder.and_(b, ir.Constant(b.type, [(1 << (eb + mb)) - 1] * 32))
-                return m, builder.icmp_unsigned("<", m, ir.Constant(b.type, [((1 << eb) - 1) << mb] * 32))
-
-            ctlz = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8, [v8, ir.IntType(1)]),
-                                                  "llvm.ctlz.v8i32")
-            tops = []
-            for j in range(8):  # in the stored width (16-bit types: twice the lanes an op)
-                m, f = magnitude(raw(j))
-                tops.append(builder.select(f, m, ir.Constant(m.type, [0] * 32)))
-            tops = _tree8(builder, tops, 32, lambda x, y: builder.select(builder.icmp_unsigned(">", x, y), x, y))
-            tops = tops if width == 32 else builder.zext(tops, v8)
-            # the largest magnitude f 2^e (1/2 <= f < 1): e from its exponent field, or a subnormal's length
-            te = builder.lshr(tops, c(8, mb))
-            length = builder.sub(c(8, 32), builder.call(ctlz, [builder.and_(tops, c(8, (1 << mb) - 1)),
-                                                               ir.Constant(ir.IntType(1), 0)]))
-            e = builder.select(builder.icmp_unsigned(">", te, c(8, 0)), builder.add(te, c(8, mb + 1 - bias)),
-                               builder.add(length, c(8, 1 - bias)))
-            e = builder.select(builder.icmp_unsigned("==", tops, c(8, 0)), c(8, 0), e)
-            k = builder.sub(e, c(8, 12))
-            k = builder.select(builder.icmp_signed("<", k, c(8, -126)), c(8, -126), k)
-            scale = builder.bitcast(builder.shl(builder.add(k, c(8, 127)), c(8, 23)), f8)
-            inverse = builder.bitcast(builder.shl(builder.sub(c(8, 127), k), c(8, 23)), f8)  # 2^-k
-            w8 = []
-            for j in range(8):
-                b = raw(j) if width == 32 else builder.zext(raw(j), v32)
-                m, f = magnitude(b)
-                if qtype == F16_T:
-                    x = _half(builder, b)
-                else:
-                    x = builder.bitcast(b if width == 32 else builder.shl(b, c(32, 16)), f32)
-                x = builder.fmul(x, builder.shuffle_vector(inverse, inverse, _const(_I32, [j] * 32)))
-                x = builder.fadd(builder.select(f, x, ir.Constant(f32, [0.0] * 32)), ir.Constant(f32, [1.5 * 2 ** 23] * 32))
-                q = builder.sub(builder.bitcast(x, v32), c(32, 0x4B400000))
-                w8.append(builder.trunc(q, ir.VectorType(ir.IntType(16), 32)))
+            w8, scale = _float_view(builder, qtype, loader(context, builder, sig.args[0], args[0], args[1]))
             return _accumulate8(context, builder, sig, args, 2, w8, signed=True, scales=(scale, None))
         return types.none(w, wo, sbuf, mbuf, a, ao, da, asum, dao, acc, acco), codegen
-    return kernel
+
+    @intrinsic
+    def decoder(typingctx, w, wo, g, wb16, sbuf):
+        if not (_is_1d_bytes(w) and _f32_1d(sbuf) and isinstance(wb16, types.Array) and wb16.ndim == 1
+                and wb16.dtype == types.int16):
+            return None
+
+        def codegen(context, builder, sig, args):
+            w8, scale = _float_view(builder, qtype, loader(context, builder, sig.args[0], args[0], args[1],
+                                                           _i64(builder, args[2])))
+            for j, q in enumerate(w8):
+                builder.store(q, _vptr(context, builder, sig.args[3], args[3], ir.Constant(_I64, 32 * j), q.type),
+                              align=2)
+            builder.store(scale, _vptr(context, builder, sig.args[4], args[4], ir.Constant(_I64, 0), scale.type),
+                          align=4)
+            return context.get_dummy_value()
+        return types.none(w, wo, g, wb16, sbuf), codegen
+    return kernel, decoder
 
 
-_blk_f32, _blk_f16, _blk_bf16 = (_float_kernel(t) for t in (F32_T, F16_T, BF16_T))
+(_blk_f32, _dec_f32), (_blk_f16, _dec_f16), (_blk_bf16, _dec_bf16) = (_float_kernels(t) for t in (F32_T, F16_T, BF16_T))
 
 
 # Byte-field ops for the decoders (16 values an op, in vector registers; numba's loops over arrays it cannot prove
@@ -1456,56 +1488,6 @@ def _dec_iq1m(w, o, wb16, sbuf, f16e, tab):
             _vgrid(8, wb16, 8 * n, tab, gi, _T_EIGHTS, -1 if nib & 8 else 1, f)
 
 
-@njit(nogil=True, cache=True)
-def _dec_float(qtype, w, o, g, wb16, sbuf):
-    """F32 / F16 / BF16, g sub-blocks of 32 values from w[o]: the float view (stratad.model.quants.floats) in
-    integers. A finite value is mant 2^(E' - bias) exactly (E' = max(E, 1); mant with its implicit bit where E > 0);
-    the sub-block's largest magnitude gives e (amax = f 2^e, 1/2 <= f < 1), k = max(e - 12, -126), scale 2^k and
-    q = mant 2^(E' - bias - k) rounded half to even: what rint(w * 2^-k) gives, the float32 product being exact
-    wherever it can round to a nonzero q; non-finite values read as 0. Branch-free loops over a sub-block (LLVM
-    vectorises them)."""
-    if qtype == F32_T:
-        _dec_float_t(w[o:o + 4 * SUB * g].view(np.uint32), g, wb16, sbuf, 8, 23, 150)
-    elif qtype == BF16_T:
-        _dec_float_t(w[o:o + 2 * SUB * g].view(np.uint16), g, wb16, sbuf, 8, 7, 134)
-    else:
-        _dec_float_t(w[o:o + 2 * SUB * g].view(np.uint16), g, wb16, sbuf, 5, 10, 25)
-
-
-@njit(nogil=True, cache=True, inline="always")
-def _dec_float_t(u, g, wb16, sbuf, eb, mb, bias):
-    """_dec_float on the values' bits u (uint16 or uint32): exponent bits eb, mantissa bits mb."""
-    emax = (1 << eb) - 1
-    inf = emax << mb  # magnitudes from here on are not finite
-    mmask = (1 << mb) - 1
-    amask = (1 << (eb + mb)) - 1
-    for j in range(g):
-        top = 0
-        for v in range(SUB):
-            a = np.int64(u[j * SUB + v]) & amask
-            top = max(top, a if a < inf else 0)
-        te = top >> mb
-        length = 0  # the mantissa's length, for a subnormal top
-        tm = top & mmask
-        while tm >> length:
-            length += 1
-        e = 0 if top == 0 else (te - bias + mb + 1 if te > 0 else length + 1 - bias)
-        k = max(e - 12, -126)
-        sbuf[j] = np.float32(math.ldexp(1.0, k))
-        for v in range(SUB):
-            b = np.int64(u[j * SUB + v])
-            a = b & amask
-            ex = a >> mb
-            mant = (a & mmask) | (np.int64(ex > 0) << mb)
-            sh = max(ex, 1) - bias - k
-            up = mant << min(max(sh, 0), 40)  # large only for values not finite (q 0)
-            n = min(max(-sh, 1), 62)  # the right shift where sh < 0
-            down = (mant + (1 << (n - 1)) - 1 + ((mant >> n) & 1)) >> n
-            q = up if sh >= 0 else down
-            q = q if a < inf else 0
-            wb16[j * SUB + v] = -q if (b >> (eb + mb)) & 1 else q
-
-
 @njit(nogil=True, cache=True, inline="always")
 def _decode(qtype, w, o, g, s, f16e, tab):
     """The decoded view of the block at w[o] (32-value types: g blocks from w[o]) into the scratch buffers s."""
@@ -1530,8 +1512,12 @@ def _decode(qtype, w, o, g, s, f16e, tab):
         _dec_iq1s(w, o, wb8, sbuf, f16e, tab)
     elif qtype == IQ1_M:
         _dec_iq1m(w, o, wb16, sbuf, f16e, tab)
-    elif qtype == F32_T or qtype == F16_T or qtype == BF16_T:
-        _dec_float(qtype, w, o, g, wb16, sbuf)
+    elif qtype == F32_T:
+        _dec_f32(w, o, g, wb16, sbuf)
+    elif qtype == F16_T:
+        _dec_f16(w, o, g, wb16, sbuf)
+    elif qtype == BF16_T:
+        _dec_bf16(w, o, g, wb16, sbuf)
     else:
         _dec_legacy(qtype, w, o, g, wb8, wbu, sbuf, mbuf, f16e, tab)
 

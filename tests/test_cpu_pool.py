@@ -158,7 +158,7 @@ def special_floats(rng, qtype, rows, n):
 
 @pytest.mark.parametrize("qtype", FLOATS, ids=lambda t: t.name)
 def test_float_view_edges_bit_exact(pools, seed, qtype):
-    """The float types' integer view formed in integers from the raw bits (cpu_pool._dec_float) against
+    """The float types' integer view formed from the raw bits (cpu_pool._float_view) against
     quants.floats.float_view through canonical.expert, on sub-blocks at the view's edges (special_floats)."""
     d_model, d_ff = 256, 352  # 352: down rows of 8 sub-blocks and a remainder of 3
     rng = np.random.default_rng([seed, 23, int(qtype)])
