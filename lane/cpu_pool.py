@@ -24,7 +24,6 @@ Its throughput (GB/s of expert bytes read) is measured by `stratad.bench.cpu_poo
 """
 from __future__ import annotations
 
-import math
 import threading
 import weakref
 from dataclasses import dataclass
@@ -792,6 +791,11 @@ def _iq2_kernel(qtype: int):
 _blk_iq2xs, _blk_iq2s = _iq2_kernel(IQ2_XS), _iq2_kernel(IQ2_S)
 
 
+def _iq1_values(builder, g, neg):
+    """IQ1's <32 x i8> 8 g + 1, or 8 g - 1 where neg (the grid's g in -1..1 a byte)."""
+    return builder.add(builder.shl(g, _bytes(3)), builder.select(neg, _bytes(255), _bytes(1)))
+
+
 @intrinsic
 def _blk_iq1s(typingctx, w, wo, tab, sbuf, mbuf, a, ao, da, asum, dao, acc, acco):
     """The 8 sub-blocks of the IQ1_S block at w[wo], decoded in registers: sub-block j's 4 index bytes at 2 + 4 j and
@@ -814,7 +818,7 @@ def _blk_iq1s(typingctx, w, wo, tab, sbuf, mbuf, a, ao, da, asum, dao, acc, acco
                              builder.shl(hi, _const(_I32, [8] * 4)))
             g = _grid_words(builder, t.data, _T_IQ1S, ix, 8)
             neg = builder.icmp_unsigned("!=", builder.and_(qh, ir.Constant(_I32, 0x8000)), ir.Constant(_I32, 0))
-            w8.append(builder.add(builder.shl(g, _bytes(3)), builder.select(neg, _bytes(255), _bytes(1))))
+            w8.append(_iq1_values(builder, g, neg))
         ls = builder.and_(builder.lshr(qhs, _const(_I32, [12] * 8)), _const(_I32, [7] * 8))
         f = builder.sitofp(builder.add(builder.shl(ls, _const(_I32, [1] * 8)), _const(_I32, [1] * 8)), f8)
         scale = builder.fmul(builder.fmul(_d8(context, builder, sig, args, 0), f), ir.Constant(f8, [0.125] * 8))
@@ -832,7 +836,7 @@ def _blk_iq1m(typingctx, w, wo, tab, sbuf, mbuf, a, ao, da, asum, dao, acc, acco
         return None
 
     def codegen(context, builder, sig, args):
-        v4, v32, i16 = ir.VectorType(_I32, 4), ir.VectorType(_I32, 32), ir.IntType(16)
+        v4, i16 = ir.VectorType(_I32, 4), ir.IntType(16)
         t = context.make_array(sig.args[2])(context, builder, args[2])
         sc = builder.zext(_vload(context, builder, sig.args[0], args[0],
                                  builder.add(_i64(builder, args[1]), ir.Constant(_I64, 48)), 4, i16), v4)
@@ -853,7 +857,7 @@ def _blk_iq1m(typingctx, w, wo, tab, sbuf, mbuf, a, ao, da, asum, dao, acc, acco
             g = _grid_words(builder, t.data, _T_IQ1M, ix, 8)
             neg = builder.icmp_unsigned("!=", builder.and_(nib, _const(_I8, [8] * 4)), _const(_I8, [0] * 4))
             neg = builder.shuffle_vector(neg, neg, _const(_I32, [v // 8 for v in range(32)]))
-            v8 = builder.add(builder.shl(g, _bytes(3)), builder.select(neg, _bytes(255), _bytes(1)))
+            v8 = _iq1_values(builder, g, neg)
             f = builder.extract_element(sc, ir.Constant(_I32, j >> 1))
             f = builder.and_(builder.lshr(_splat(builder, f, 32), _const(_I32, [6 * (j & 1) + 3 * (v >> 4) for v in range(32)])),
                              _const(_I32, [7] * 32))
