@@ -330,7 +330,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="experts: comma list of kernel tunings (stratad/bench/experts.py VARIANTS); 'TYPE:VARIANT' for "
                         "one type only")
     b.add_argument("--cases", default=quiet, type=_experts_arg("cases"),
-                   help="experts: decode8, decode8c, tok8x8, tok32x8, shared256")
+                   help="experts: decode8, decode8c, tok8x8, tok32x8, shared256; decodeN / busN: one token x N "
+                        "experts (N <= 64)")
     b.add_argument("--slots", type=int, default=quiet, help="experts: experts in the card's pool the runs rotate over")
     b.add_argument("--reps", type=int, default=quiet, help="experts: runs (pair lists) a captured graph")
     b.add_argument("--iters", type=int, default=quiet, help="experts: graph replays a timing")

@@ -115,8 +115,9 @@ def test_experts_bus_cases_read_n_experts_of_one_token_from_an_arena_layer():
 
     rng = np.random.default_rng(3)
     perm = rng.permutation(16)
-    for n in (1, 2, 8):
-        pr, count, distinct = experts.make_pairs(rng, f"bus{n}", perm, 5, 256)
+    for case in ("bus1", "bus2", "bus8", "decode5", "decode11", "decode16"):  # 11 x 5 wraps round the 16 slots
+        n = int(case.lstrip("bus").lstrip("decode"))
+        pr, count, distinct = experts.make_pairs(rng, case, perm, 5, 256)
         assert count == distinct == n and (pr[:n, 0] == 0).all() and (pr[n:] == -1).all()
     fake_cp = types.SimpleNamespace(cuda=types.SimpleNamespace(alloc_pinned_memory=bytearray))
     slots = [tuple(rng.integers(0, 256, shape, dtype=np.uint8) for shape in ((6, 40), (6, 40), (8, 18)))
@@ -132,7 +133,8 @@ def test_experts_bus_cases_read_n_experts_of_one_token_from_an_arena_layer():
 
 @pytest.mark.parametrize("flag,value,says", [("--types", "Q4_K,Q9_X", "unknown tensor type 'Q9_X'"),
                                               ("--variants", "gu8w,Q4_K:bogus", "unknown variant Q4_K:bogus"),
-                                              ("--cases", "decode8,tok8x8c", "unknown case tok8x8c")])
+                                              ("--cases", "decode8,tok8x8c", "unknown case tok8x8c"),
+                                              ("--cases", "decode11,decode65", "unknown case decode65")])
 def test_experts_bench_refuses_a_bad_option_before_measuring(flag, value, says):
     r = subprocess.run([sys.executable, "-m", "stratad.cli", "bench", "--scenario", "experts", flag, value],
                        capture_output=True, text=True, timeout=120)

@@ -3,7 +3,8 @@
 every type's decode kernels) and whether the kernels gave canonical.expert's bits.
 
 Cases (max_pairs = 256 for all, so one captured graph serves every size; n_pairs lives on the device):
-  decode8    one token x 8 experts (8 distinct slots)            - decode
+  decode8    one token x 8 experts (8 distinct slots)            - decode; decodeN: N experts (N = 1..64), so
+             that a gate/up item count against the SM count shows (a3b: 24 items an expert)
   decode8c   decode8 with the down kernel's combine into the residual, as a decode step with every expert on the
              card runs it (counts, fences, the last warp of a chunk adding the 8 rows in router order)
   tok8x8     8 tokens x 8 experts, router order (~64 slots)      - small prefill chunk
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import sys
 import time
 
@@ -59,12 +61,15 @@ VARIANTS = {  # Tuning overrides (lane/kernels/experts.py); tests/test_gpu_exper
     "simt-tile4": {"prompt": "simt", "tile_p": 4},
 }
 
+ONE_TOKEN = re.compile(r"(decode|bus)([1-9]|[1-5][0-9]|6[0-4])")  # one token x N experts, N = 1..64
+
 
 def make_pairs(rng, case, perm, r, max_pairs):
     n_slots = len(perm)
-    if case == "decode8" or case.startswith("bus"):
-        n = 8 if case == "decode8" else int(case[3:])
-        slots = perm[(n * r) % n_slots:(n * r) % n_slots + n]
+    one = ONE_TOKEN.fullmatch(case)
+    if one:
+        n = int(one.group(2))
+        slots = [perm[(n * r + i) % n_slots] for i in range(n)]
         pr = [(0, int(s)) for s in slots]
     elif case in ("tok8x8", "tok32x8"):
         nt = 8 if case == "tok8x8" else 32
@@ -271,7 +276,7 @@ def expert_types(spec: str) -> list:
     return types
 
 
-CASES = ("decode8", "decode8c", "tok8x8", "tok32x8", "shared256", "bus1", "bus2", "bus8")
+CASES = ("decode8", "decode8c", "tok8x8", "tok32x8", "shared256", "bus1", "bus2", "bus8")  # and decodeN, busN
 
 
 def variants(spec: str) -> list[str]:
@@ -286,9 +291,9 @@ def variants(spec: str) -> list[str]:
 def cases(spec: str) -> list[str]:
     """A --cases value's cases; ValueError naming one that is none."""
     out = spec.split(",")
-    bad = [c for c in out if c not in CASES]
+    bad = [c for c in out if c not in CASES and not ONE_TOKEN.fullmatch(c)]
     if bad:
-        raise ValueError(f"unknown case {', '.join(bad)}; the cases: {', '.join(CASES)}")
+        raise ValueError(f"unknown case {', '.join(bad)}; the cases: {', '.join(CASES)}, decodeN, busN (N <= 64)")
     return out
 
 
