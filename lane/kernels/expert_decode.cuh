@@ -196,20 +196,22 @@ template <int QT> struct ActNeeds {
     static constexpr bool ASUM = QT == QT_Q4_K;
 };
 
-// activation sub-block s: its 32 int8 codes as 8 words, and its scale
+// activation sub-block s: its 32 int8 codes as 8 words, and its scale (SH: q and d in shared memory, else global
+// memory read through the read-only path)
+template <bool SH>
 __device__ __forceinline__ float load_act_words(const signed char* __restrict__ q, const float* __restrict__ d, int s,
                                                 u32 (&a)[8]) {
     const uint4* p = reinterpret_cast<const uint4*>(q + 32 * s);
-    const uint4 x = __ldg(p), y = __ldg(p + 1);
+    const uint4 x = SH ? p[0] : __ldg(p), y = SH ? p[1] : __ldg(p + 1);
     a[0] = x.x; a[1] = x.y; a[2] = x.z; a[3] = x.w;
     a[4] = y.x; a[5] = y.y; a[6] = y.z; a[7] = y.w;
-    return __ldg(d + s);
+    return SH ? d[s] : __ldg(d + s);
 }
 
-template <int QT>
+template <int QT, bool SH = false>
 __device__ __forceinline__ void load_act(const signed char* __restrict__ q, const float* __restrict__ d, int s,
                                          Act& A) {
-    A.d = load_act_words(q, d, s, A.a);
+    A.d = load_act_words<SH>(q, d, s, A.a);
     A.asum = 0;
     if (ActNeeds<QT>::ASUM) {
 #pragma unroll
@@ -218,10 +220,10 @@ __device__ __forceinline__ void load_act(const signed char* __restrict__ q, cons
 }
 
 // A generic type's activation sub-block: the same loads, and the half sums its minimum needs (expert_term.cuh)
-template <int QT>
+template <int QT, bool SH = false>
 __device__ __forceinline__ void load_act(const signed char* __restrict__ q, const float* __restrict__ d, int s,
                                          XtAct& A) {
-    A.d = load_act_words(q, d, s, A.a);
+    A.d = load_act_words<SH>(q, d, s, A.a);
     xt_act_sums<QT>(A);
 }
 

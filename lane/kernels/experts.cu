@@ -269,6 +269,13 @@ __device__ __forceinline__ int tile_slot(const int* __restrict__ pairs, const in
 // decodes all 2*GU_R rows and accumulates the canonical terms of each token in independent chains, folds them
 // and lane 0 computes the values of h. The group's values meet in shared memory; after one __syncthreads warps
 // quantise them (qh, dh), a token each.
+// H_IN_DOWN (experts.py: Tuning.h_in_down), decode (TP = 1) only: an item is one warp's GU_R rows of one pair,
+// items dealt to the warps warp-major (warp w of block b takes items w * blocks + b, + all warps, ...) so that
+// every block, and so every SM, gets an even share (a3b decode: 8 pairs x 24 groups = 192 block items on 132 SMs
+// leave 60 SMs with two and 72 with one); h goes out as floats and the down kernel quantises it (down_body).
+#ifndef H_IN_DOWN
+#define H_IN_DOWN 0
+#endif
 typedef Geom<GU_QT, GU_KIN> GUG;
 constexpr int GU_R = 32 / GU_WPB;
 static_assert(GU_R * GU_WPB == 32 && GU_R <= 16, "GU_WPB must divide 32, at least 2 (a warp folds its 2 GU_R sums)");
@@ -290,12 +297,12 @@ constexpr int GU_SMEM = GuSmem<1>::BYTES;
 constexpr int GUT_SMEM = GuSmem<TILE_P>::BYTES;
 static_assert(GU_ROWS % 32 == 0, "d_ff must be a multiple of 32");
 
-// stage this warp's gate and up rows of 32-row group grp of the expert in `slot`: its gate rows start at
+// stage this warp's GU_R gate and up rows from row0 of the expert in `slot`: its gate rows start at
 // pool + slot * slot_bytes, its up rows up_off bytes after them (a multiple of 16, so both ranges share one
 // alignment offset): GU_ROWS * RB in a slot; in the arena, the distance between the layer's two GGUF tensors
 __device__ __forceinline__ void gu_stage(u32 sdst, const u8* __restrict__ pool, i64 slot_bytes, i64 up_off, int slot,
-                                         int grp, int warp, int lane) {
-    const u8* g = pool + (i64)slot * slot_bytes + (i64)(grp * 32 + warp * GU_R) * GUG::RB;
+                                         int row0, int lane) {
+    const u8* g = pool + (i64)slot * slot_bytes + (i64)row0 * GUG::RB;
     stage_row(sdst, g, GU_RANGE, lane);
     stage_row(sdst + GU_CHB, g + up_off, GU_RANGE, lane);
 }
@@ -310,26 +317,31 @@ __device__ __forceinline__ void gateup_body(const u8* __restrict__ pool, i64 slo
                                             float* __restrict__ dhbuf) {
     constexpr int NG = GU_ROWS / 32;
     constexpr int SPL = GUG::SPL, NSUB = GUG::NSUB;
+    constexpr bool WI = TP == 1 && H_IN_DOWN;  // items of a warp's rows (H_IN_DOWN)
+    constexpr int NI = WI ? GU_ROWS / GU_R : NG;  // items a tile
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int NB = gridDim.x;
+    const int first = WI ? warp * NB + blockIdx.x : blockIdx.x, step = WI ? NB * GU_WPB : NB;  // this warp's items
+    // item it's first row (of gate and of up) for this warp
+    auto row0_of = [&](int it) { return WI ? (it % NI) * GU_R : (it % NI) * 32 + warp * GU_R; };
     // one pair a tile (TP = 1): the first stages' slots are read with the count, not after it (the list has room
     // for max_tiles entries; a slot past the count is read and dropped), one dependent L2 round trip less
     int slot0[GU_STAGES];
 #pragma unroll
     for (int k = 0; k < GU_STAGES; ++k) {
-        const int p = (blockIdx.x + k * NB) / NG;
+        const int p = (first + k * step) / NI;
         slot0[k] = (TP == 1 && p < max_tiles) ? __ldg(pairs + 2 * p + 1) : 0;
     }
     const int n_tiles = clamp_pairs(n_tiles_p, max_tiles);
-    const int items = n_tiles * NG;
+    const int items = n_tiles * NI;
     const u32 sb = smem_base();
     const u32 wst = GU_TBL + GuSmem<TP>::HS + warp * GU_STAGES * GU_STG;  // this warp's stages (shared offset)
 
 #pragma unroll
     for (int k = 0; k < GU_STAGES; ++k) {  // rows in flight before anything else
-        const int it = blockIdx.x + k * NB;
+        const int it = first + k * step;
         if (it < items) gu_stage(sb + wst + k * GU_STG, pool, slot_bytes, up_off,
-                                 TP == 1 ? slot0[k] : tile_slot<TP>(pairs, tiles, it / NG), it % NG, warp, lane);
+                                 TP == 1 ? slot0[k] : tile_slot<TP>(pairs, tiles, it / NI), row0_of(it), lane);
         cp_commit();
     }
     if (GU_QT == QT_IQ3_S && TP != 1) fill_grid<512>(grid_g);  // TP = 1: expert_gateup, before its wait
@@ -338,14 +350,14 @@ __device__ __forceinline__ void gateup_body(const u8* __restrict__ pool, i64 slo
 
 #pragma unroll 1
     for (int k = 0;; ++k) {
-        const int it = blockIdx.x + k * NB;
-        if (it >= items) break;  // block-uniform
+        const int it = first + k * step;
+        if (it >= items) break;  // block-uniform (WI: warp-uniform, and no block barrier below)
         const int st = k % GU_STAGES;
-        const int tile = it / NG, grp = it - tile * NG;
+        const int tile = it / NI, grp = it - tile * NI;
         int p0, cnt;
         Tile<TP>::get(tiles, tile, p0, cnt);
         const int slot = __ldg(pairs + 2 * p0 + 1);
-        const int row0 = grp * 32 + warp * GU_R;
+        const int row0 = row0_of(it);
 
         typename Sub<GU_QT>::A A[TP == 1 ? SPL : 1];  // one pair: its activation loads overlap the weights' wait
         if (TP == 1) load_row_act<GU_QT, GU_KIN>(qa, da, __ldg(pairs + 2 * p0), lane, A);
@@ -424,17 +436,18 @@ __device__ __forceinline__ void gateup_body(const u8* __restrict__ pool, i64 slo
             const float gate = fold_many(v, lane), up = __shfl_down_sync(FULL_MASK, gate, 16);
             if (t < cnt && lane < 16 && lane % SPREAD == 0) {
                 const float hv = f_mul(c_silu(gate), up);
-                hs[t * 32 + warp * GU_R + r] = hv;
+                if (!WI) hs[t * 32 + warp * GU_R + r] = hv;
                 hbuf[(i64)(p0 + t) * GU_ROWS + row0 + r] = hv;
             }
         }
         __syncwarp();  // every lane is done reading stage st
         {
-            const int nx = it + GU_STAGES * NB;
+            const int nx = it + GU_STAGES * step;
             if (nx < items) gu_stage(sb + wst + st * GU_STG, pool, slot_bytes, up_off,
-                                     tile_slot<TP>(pairs, tiles, nx / NG), nx % NG, warp, lane);
+                                     tile_slot<TP>(pairs, tiles, nx / NI), row0_of(nx), lane);
             cp_commit();
         }
+        if (WI) continue;  // h is quantised by the down kernel
         __syncthreads();  // the group's values of h are in hs
         for (int t = warp; t < cnt; t += GU_WPB)  // warp-uniform
             quant32(hs[t * 32 + lane], lane, qhbuf + (i64)(p0 + t) * GU_ROWS + grp * 32,
@@ -479,7 +492,9 @@ constexpr int DN_RANGE = DN_R * DNG::RB;
 constexpr int DN_CHB = (DN_RANGE + 14 + 15) / 16 * 16 + 16;
 constexpr int DN_TBL = (DN_QT == QT_IQ3_S) ? GRID_TABLE_BYTES : TabSmem<DN_QT>::BYTES;
 constexpr int DN_STG = DN_CHB;
-constexpr int DN_SMEM = DN_TBL + DN_WPB * DN_STAGES * DN_STG + 16;
+// H_IN_DOWN: a pair's h quantised (DN_KIN codes, then DN_KIN / 32 scales), twice (by block item parity)
+constexpr int DN_ACT = H_IN_DOWN ? (DN_KIN + DN_KIN / 8 + 15) / 16 * 16 : 0;
+constexpr int DN_SMEM = DN_TBL + 2 * DN_ACT + DN_WPB * DN_STAGES * DN_STG + 16;
 static_assert(DN_KIN == GU_ROWS, "down rows take d_ff values");
 static_assert(DN_ROWS == GU_KIN, "down has d_model rows");
 
@@ -515,28 +530,35 @@ struct DnCombine {
 // wait) and the IQ3_S grid is in shared memory: the pair lists are no output of the gate/up kernel before this one
 // (they were complete before that kernel passed its own wait, which it does before letting this one start); h, its
 // output, is read after the wait.
+// H_IN_DOWN, decode (TP = 1): a block item is one pair's DN_WPB chunks (a chunk a warp), and the block first
+// quantises the pair's h (hbuf, floats) into shared memory with quant32, as the gate/up kernel does otherwise (the
+// same bits); its warps read their activation sub-blocks there. a3b decode: 8 pairs x 32 block items on 264 blocks.
 template <int TP, class Wait>
 __device__ __forceinline__ void down_body(const u8* __restrict__ pool, i64 slot_bytes, const int* __restrict__ pairs,
                                           const int* __restrict__ tiles, const int* __restrict__ n_tiles_p,
                                           int max_tiles, const signed char* __restrict__ qhbuf,
-                                          const float* __restrict__ dhbuf, const u32* __restrict__ grid_g,
-                                          float* __restrict__ out, Wait wait, DnCombine cmb = DnCombine{}) {
+                                          const float* __restrict__ dhbuf, const float* __restrict__ hbuf,
+                                          const u32* __restrict__ grid_g, float* __restrict__ out, Wait wait,
+                                          DnCombine cmb = DnCombine{}) {
     constexpr int NC = DN_ROWS / DN_R;
     constexpr int SPL = DNG::SPL, NSUB = DNG::NSUB;
+    constexpr bool QD = TP == 1 && H_IN_DOWN;  // block items, h quantised here
+    static_assert(!H_IN_DOWN || NC % DN_WPB == 0, "H_IN_DOWN: a block item is DN_WPB chunks of d_model");
+    constexpr int NI = QD ? NC / DN_WPB : NC;  // items a tile
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int r = lane / DN_G, g = lane % DN_G;  // this lane's row of the item, and its place among the row's lanes
     const int n_tiles = clamp_pairs(n_tiles_p, max_tiles);
-    const int W = gridDim.x * DN_WPB;
-    const int gw = blockIdx.x * DN_WPB + warp;
-    const int items = n_tiles * NC;
+    const int first = QD ? blockIdx.x : blockIdx.x * DN_WPB + warp, step = QD ? gridDim.x : gridDim.x * DN_WPB;
+    const int items = n_tiles * NI;
+    auto chunk_of = [&](int it) { return QD ? (it % NI) * DN_WPB + warp : it % NI; };  // item it's chunk for this warp
     const u32 sb = smem_base();
-    const u32 wst = DN_TBL + warp * DN_STAGES * DN_STG;
+    const u32 wst = DN_TBL + 2 * DN_ACT + warp * DN_STAGES * DN_STG;
 
 #pragma unroll 1
     for (int k = 0; k < DN_STAGES; ++k) {
-        const int it = gw + k * W;
-        if (it < items) dn_stage(sb + wst + k * DN_STG, pool, slot_bytes, tile_slot<TP>(pairs, tiles, it / NC),
-                                 it % NC, lane);
+        const int it = first + k * step;
+        if (it < items) dn_stage(sb + wst + k * DN_STG, pool, slot_bytes, tile_slot<TP>(pairs, tiles, it / NI),
+                                 chunk_of(it), lane);
         cp_commit();
     }
     if (DN_QT == QT_IQ3_S) fill_grid<TP == 1 ? GRID_TABLE_WORDS : 512>(grid_g);
@@ -546,16 +568,27 @@ __device__ __forceinline__ void down_body(const u8* __restrict__ pool, i64 slot_
 
 #pragma unroll 1
     for (int k = 0;; ++k) {
-        const int it = gw + k * W;
-        if (it >= items) break;
+        const int it = first + k * step;
+        if (it >= items) break;  // QD: block-uniform
         const int st = k % DN_STAGES;
-        const int tile = it / NC, c = it - tile * NC;
+        const int tile = it / NI, c = chunk_of(it);
         int p0, cnt;
         Tile<TP>::get(tiles, tile, p0, cnt);
         const int slot = __ldg(pairs + 2 * p0 + 1);
         // one pair: its activation sub-blocks of this lane's virtual lanes, loaded while the weights land
         typename Sub<DN_QT>::A A[TP == 1 ? DN_VL : 1][TP == 1 ? SPL : 1];
-        if (TP == 1) {
+        if constexpr (QD) {  // the pair's h quantised into buffer k % 2 (the other may still be read: item k - 1)
+            signed char* qs = reinterpret_cast<signed char*>(g_smem + DN_TBL + (k & 1) * DN_ACT);
+            float* ds = reinterpret_cast<float*>(qs + DN_KIN);
+            for (int q = warp; q < NSUB; q += DN_WPB)
+                quant32(__ldg(hbuf + (i64)p0 * DN_KIN + 32 * q + lane), lane, qs + 32 * q, ds + q);
+            __syncthreads();
+#pragma unroll
+            for (int m = 0; m < DN_VL; ++m)
+#pragma unroll
+                for (int i = 0; i < SPL; ++i)
+                    if (dn_busy(m, i, g)) load_act<DN_QT, true>(qs, ds, g + DN_G * m + 32 * i, A[m][i]);
+        } else if (TP == 1) {
 #pragma unroll
             for (int m = 0; m < DN_VL; ++m)
 #pragma unroll
@@ -630,9 +663,9 @@ __device__ __forceinline__ void down_body(const u8* __restrict__ pool, i64 slot_
             }
         }
         __syncwarp();
-        const int nx = it + DN_STAGES * W;
-        if (nx < items) dn_stage(sb + wst + st * DN_STG, pool, slot_bytes, tile_slot<TP>(pairs, tiles, nx / NC),
-                                 nx % NC, lane);
+        const int nx = it + DN_STAGES * step;
+        if (nx < items) dn_stage(sb + wst + st * DN_STG, pool, slot_bytes, tile_slot<TP>(pairs, tiles, nx / NI),
+                                 chunk_of(nx), lane);
         cp_commit();
     }
     cp_wait<0>();
@@ -641,15 +674,16 @@ __device__ __forceinline__ void down_body(const u8* __restrict__ pool, i64 slot_
 extern "C" __global__ void __launch_bounds__(DN_WPB * 32, DN_MINB)
 expert_down(const u8* __restrict__ pool, i64 slot_bytes, const int* __restrict__ pairs,
             const int* __restrict__ n_pairs_p, int max_pairs, const signed char* __restrict__ qhbuf,
-            const float* __restrict__ dhbuf, const u32* __restrict__ grid_g, float* __restrict__ out, int* count,
-            const int* __restrict__ rowmap, const float* __restrict__ w, float* x, int k) {
-    down_body<1>(pool, slot_bytes, pairs, nullptr, n_pairs_p, max_pairs, qhbuf, dhbuf, grid_g, out,
+            const float* __restrict__ dhbuf, const float* __restrict__ hbuf, const u32* __restrict__ grid_g,
+            float* __restrict__ out, int* count, const int* __restrict__ rowmap, const float* __restrict__ w, float* x,
+            int k) {
+    down_body<1>(pool, slot_bytes, pairs, nullptr, n_pairs_p, max_pairs, qhbuf, dhbuf, hbuf, grid_g, out,
                  [] { PDL_ENTRY(); }, DnCombine{count, rowmap, w, x, k});
 }
 
 extern "C" __global__ void __launch_bounds__(DN_WPB * 32, 1)
 expert_down_tiled(DN_TILED_PARAMS) {
-    down_body<TILE_P>(pool, slot_bytes, pairs, tiles, n_tiles_p, max_tiles, qhbuf, dhbuf, grid_g, out,
+    down_body<TILE_P>(pool, slot_bytes, pairs, tiles, n_tiles_p, max_tiles, qhbuf, dhbuf, nullptr, grid_g, out,
                       [] { PDL_ENTRY(); });
 }
 

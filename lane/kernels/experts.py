@@ -154,6 +154,8 @@ class Tuning:
                                 # where the activation rows of 64 pairs beside the weights do not fit a block
     mma_prefetch: int = 0       # tensor-core tiles: decode the next leaf's weight fragments during this leaf's mma
     mma_unroll: int = 2         # tensor-core tiles: leaves per loop iteration (1 or 2); 2 measured fastest
+    h_in_down: int = 0          # decode: gate/up items a warp's rows, dealt evenly over the SMs, and h quantised by
+                                # the down kernel (experts.cu: H_IN_DOWN), not a block's 32-row group each
 
 
 def signed_grid() -> np.ndarray:
@@ -274,6 +276,8 @@ class ExpertKernels:
             raise ValueError("mma_mt must be 1, 2 or 4")
         if t.mma_unroll not in (1, 2):
             raise ValueError("mma_unroll must be 1 or 2")
+        if t.h_in_down and (self.d_model // t.dn_rows) % t.dn_warps:
+            raise ValueError("h_in_down: d_model / dn_rows must be a multiple of dn_warps")
         self.gate_bytes = self.d_ff * fmt(self.qt_gu).row_bytes(self.d_model)
         self.down_bytes = self.d_model * fmt(self.qt_dn).row_bytes(self.d_ff)
         self.slot_bytes = self.slot_bytes_of(self.d_model, self.d_ff, self.qt_gu, self.qt_dn)
@@ -292,6 +296,7 @@ class ExpertKernels:
             ("MMA_PREFETCH", t.mma_prefetch), ("MMA_UNROLL", t.mma_unroll),
             ("DN_WPB", self.dn_warps), ("DN_MINB", self.dn_blocks), ("DN_STAGES", self.dn_stages),
             ("DN_R", t.dn_rows), ("IQ3_FAST", t.iq3_fast), ("UNTUNED", int(self.untuned or -1)),
+            ("H_IN_DOWN", t.h_in_down),
         ] + exp_defines()
 
     # ---- sizes --------------------------------------------------------------------------------------------------
@@ -339,7 +344,8 @@ class ExpertKernels:
         self.gu_warps, self.dn_warps = t.gu_warps, t.dn_warps
         self.gu_stages, self.gu_blocks, self.gu_smem = fit(self.qt_gu, 256, gu_stg, t.gu_warps, t.gu_stages,
                                                            gu_min_blocks(self.qt_gu, t))
-        self.dn_stages, self.dn_blocks, self.dn_smem = fit(self.qt_dn, 0, dn_stg, t.dn_warps, t.dn_stages,
+        dn_act = 2 * (-(-(self.d_ff + self.d_ff // 8) // 16) * 16) if t.h_in_down else 0  # experts.cu: DN_ACT
+        self.dn_stages, self.dn_blocks, self.dn_smem = fit(self.qt_dn, dn_act, dn_stg, t.dn_warps, t.dn_stages,
                                                            t.dn_min_blocks)
         self.gu_grid = self.n_sm * self.gu_blocks
         self.dn_grid = self.n_sm * self.dn_blocks
@@ -476,7 +482,7 @@ class ExpertKernels:
         with self._stream(stream):
             launch(self._k_dn, (self.dn_grid,), (self.dn_warps * 32,),
                        (np.uint64(lay.down), np.int64(lay.down_stride), pairs, n_pairs, np.int32(self.max_pairs),
-                        self.qh, self.dh, self.dn_tab, out) + cmb,
+                        self.qh, self.dh, self.h, self.dn_tab, out) + cmb,
                        shared_mem=self.dn_smem, pdl=pdl)
 
     def run(self, where, pairs, n_pairs, qa, da, out, combine=None, stream=None) -> None:
