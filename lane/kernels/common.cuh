@@ -41,14 +41,17 @@ __device__ __forceinline__ float quant_inv(float dd) {
 __device__ __forceinline__ signed char quant_code(float v, float inv) { return (signed char)(int)f_rint(f_mul(v, inv)); }
 
 // Quantise 32 values held one per lane (canonical.quantize_act on one group): the experts' int8 input. Writes
-// q[lane], and *d from lane 0.
-__device__ __forceinline__ void quant32(float v, int lane, signed char* q, float* d) {
+// q[lane], and *d from lane 0, where `store` (the whole warp runs the shuffles either way: a warp-uniform loop
+// whose trip count the compiler cannot see would otherwise get them as divergent collectives)
+__device__ __forceinline__ void quant32(float v, int lane, signed char* q, float* d, bool store = true) {
     float m = f_abs(v);
 #pragma unroll
     for (int o = 16; o; o >>= 1) m = f_max(m, __shfl_xor_sync(0xffffffffu, m, o));
     const float dd = quant_scale(m);
-    q[lane] = quant_code(v, quant_inv(dd));
-    if (lane == 0) *d = dd;
+    if (store) {
+        q[lane] = quant_code(v, quant_inv(dd));
+        if (lane == 0) *d = dd;
+    }
 }
 
 #define NEG_INF __int_as_float(0xff800000)

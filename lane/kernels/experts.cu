@@ -580,8 +580,18 @@ __device__ __forceinline__ void down_body(const u8* __restrict__ pool, i64 slot_
         if constexpr (QD) {  // the pair's h quantised into buffer k % 2 (the other may still be read: item k - 1)
             signed char* qs = reinterpret_cast<signed char*>(g_smem + DN_TBL + (k & 1) * DN_ACT);
             float* ds = reinterpret_cast<float*>(qs + DN_KIN);
-            for (int q = warp; q < NSUB; q += DN_WPB)
-                quant32(__ldg(hbuf + (i64)p0 * DN_KIN + 32 * q + lane), lane, qs + 32 * q, ds + q);
+            constexpr int QJ = (NSUB + DN_WPB - 1) / DN_WPB;  // groups a warp at most
+            float hv[QJ];
+#pragma unroll
+            for (int j = 0; j < QJ; ++j) {
+                const int q = warp + DN_WPB * j;
+                hv[j] = q < NSUB ? __ldg(hbuf + (i64)p0 * DN_KIN + 32 * q + lane) : 0.0f;
+            }
+#pragma unroll
+            for (int j = 0; j < QJ; ++j) {
+                const int q = warp + DN_WPB * j;
+                quant32(hv[j], lane, qs + 32 * q, ds + q, q < NSUB);
+            }
             __syncthreads();
 #pragma unroll
             for (int m = 0; m < DN_VL; ++m)
