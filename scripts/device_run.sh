@@ -19,6 +19,7 @@
 #   bash scripts/device_run.sh experts-types   # every expert type's decode kernels, fraction of the copy rate (TYPES;
 #                                        # VARIANTS: launch shapes to compare, stratad/bench/experts.py VARIANTS)
 #   bash scripts/device_run.sh experts-decode  # the decode expert kernels on the bench's launch shapes (IQ3_S)
+#   bash scripts/device_run.sh experts-scan  # one token's decode expert kernels at 5 to 16 experts (TYPES, VARIANTS)
 #   bash scripts/device_run.sh experts-ab  # the decode expert kernels alone on this tree and each tree _ab*/, twice
 #                                        # (TYPES, default IQ3_S; CASES, default decode8,decode8c,tok8x8)
 #   bash scripts/device_run.sh marginal  # a3b IQ3_S: each idempotent decode kernel's cost inside the graph (1K, 32K)
@@ -179,6 +180,11 @@ experts-types)  # every expert type's decode kernels against the copy rate (issu
     timeout 300 $(experts_bench) --types "${TYPES:-all}" --variants "${VARIANTS:-default}" --cases "${CASES:-decode8,decode8c}" \
         --json "$OUT/experts-types.json" 2>&1 |
         grep '^{"' | cut -c1-200
+    ;;
+experts-scan)  # one token's decode expert kernels at 5 / 8 / 11 / 16 experts (a3b gate/up: 24 block items an
+              # expert against the SMs), TYPES (IQ1_S,IQ3_S), VARIANTS (default,hdown)
+    timeout 200 $(experts_bench) --types "${TYPES:-IQ1_S,IQ3_S}" --variants "${VARIANTS:-default,hdown}" \
+        --cases decode5,decode8,decode11,decode16 --json "$OUT/experts-scan.json" 2>&1 | grep '^{"' | cut -c1-200
     ;;
 experts-decode)  # the decode expert kernels on the launch shapes the bench offers (warps, stages, rows a warp)
     timeout 200 $(experts_bench) --types IQ3_S --cases decode8,tok8x8 \
