@@ -182,8 +182,8 @@ experts-types)  # every expert type's decode kernels against the copy rate (issu
         grep '^{"' | cut -c1-200
     ;;
 experts-scan)  # one token's decode expert kernels at 5 / 8 / 11 / 16 experts (a3b gate/up: 24 block items an
-              # expert against the SMs), TYPES (IQ1_S,IQ3_S), VARIANTS (default,hdown)
-    timeout 200 $(experts_bench) --types "${TYPES:-IQ1_S,IQ3_S}" --variants "${VARIANTS:-default,hdown}" \
+              # expert against the SMs), TYPES (IQ1_S,IQ3_S), VARIANTS (default,hgroup)
+    timeout 200 $(experts_bench) --types "${TYPES:-IQ1_S,IQ3_S}" --variants "${VARIANTS:-default,hgroup}" \
         --cases decode5,decode8,decode11,decode16 --json "$OUT/experts-scan.json" 2>&1 | grep '^{"' | cut -c1-200
     ;;
 experts-decode)  # the decode expert kernels on the launch shapes the bench offers (warps, stages, rows a warp)

@@ -148,7 +148,7 @@ def run_case(cp, rng, qgu, qdn, d_model, d_ff, n_slots, n_tokens, n_pairs, max_p
     h_ref, qh_ref, dh_ref, out_ref = reference(slots, qgu, qdn, pairs_np, qa_ref.reshape(n_tokens, -1, 32), da_ref)
     if check_intermediates:
         assert_bits(k.h[:n_pairs].get(), h_ref, f"h {qgu}/{qdn}")
-        if tiled or not k.tuning.h_in_down:  # else the down kernel quantises h where it reads it
+        if tiled or not k.h_in_down:  # else the down kernel quantises h where it reads it
             np.testing.assert_array_equal(k.qh[:n_pairs].get(), qh_ref)
             assert_bits(k.dh[:n_pairs].get(), dh_ref, "dh")
     o = out.get()

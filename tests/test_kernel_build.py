@@ -145,10 +145,12 @@ def _expert_type_labels() -> list:
             for label, _, _ in mod.expert_type_builds()]
 
 
-# Decode kernels allowed a stack frame, with its size: F32's gate/up reads its rows in place through the read-only
-# path (asm loads kept in order); at one block an SM (experts.py GU_REGS: 128 registers) it keeps an 8-byte frame,
-# and runs faster than at two with 192 bytes spilled (docs/perf-notes.md, session 31)
-KNOWN_FRAMES = {("experts.cu F32", "expert_gateup"): 8}
+# Decode kernels allowed a stack frame, with its size: the float types' gate/up reads its rows in place through the
+# read-only path (asm loads kept in order); F32 at one block an SM (experts.py GU_REGS: 128 registers) keeps a
+# 16-byte frame and runs faster than at two with 192 bytes spilled (docs/perf-notes.md, session 31); with the
+# decode items a warp's rows (H_IN_DOWN) F16 / BF16 keep 8 bytes, measured faster than without them (session 35)
+KNOWN_FRAMES = {("experts.cu F32", "expert_gateup"): 16, ("experts.cu F16", "expert_gateup"): 8,
+                ("experts.cu BF16", "expert_gateup"): 8}
 
 
 @pytest.mark.parametrize("label", _expert_type_labels())

@@ -154,8 +154,9 @@ class Tuning:
                                 # where the activation rows of 64 pairs beside the weights do not fit a block
     mma_prefetch: int = 0       # tensor-core tiles: decode the next leaf's weight fragments during this leaf's mma
     mma_unroll: int = 2         # tensor-core tiles: leaves per loop iteration (1 or 2); 2 measured fastest
-    h_in_down: int = 0          # decode: gate/up items a warp's rows, dealt evenly over the SMs, and h quantised by
-                                # the down kernel (experts.cu: H_IN_DOWN), not a block's 32-row group each
+    h_in_down: int = 1          # decode: gate/up items a warp's rows, dealt evenly over the SMs, and h quantised by
+                                # the down kernel (experts.cu: H_IN_DOWN); 0: a block's 32-row group an item, h
+                                # quantised by the gate/up block (as the prompt tiles always do)
 
 
 def signed_grid() -> np.ndarray:
@@ -276,8 +277,6 @@ class ExpertKernels:
             raise ValueError("mma_mt must be 1, 2 or 4")
         if t.mma_unroll not in (1, 2):
             raise ValueError("mma_unroll must be 1 or 2")
-        if t.h_in_down and (self.d_model // t.dn_rows) % t.dn_warps:
-            raise ValueError("h_in_down: d_model / dn_rows must be a multiple of dn_warps")
         self.gate_bytes = self.d_ff * fmt(self.qt_gu).row_bytes(self.d_model)
         self.down_bytes = self.d_model * fmt(self.qt_dn).row_bytes(self.d_ff)
         self.slot_bytes = self.slot_bytes_of(self.d_model, self.d_ff, self.qt_gu, self.qt_dn)
@@ -296,7 +295,7 @@ class ExpertKernels:
             ("MMA_PREFETCH", t.mma_prefetch), ("MMA_UNROLL", t.mma_unroll),
             ("DN_WPB", self.dn_warps), ("DN_MINB", self.dn_blocks), ("DN_STAGES", self.dn_stages),
             ("DN_R", t.dn_rows), ("IQ3_FAST", t.iq3_fast), ("UNTUNED", int(self.untuned or -1)),
-            ("H_IN_DOWN", t.h_in_down),
+            ("H_IN_DOWN", int(self.h_in_down)),
         ] + exp_defines()
 
     # ---- sizes --------------------------------------------------------------------------------------------------
@@ -344,7 +343,9 @@ class ExpertKernels:
         self.gu_warps, self.dn_warps = t.gu_warps, t.dn_warps
         self.gu_stages, self.gu_blocks, self.gu_smem = fit(self.qt_gu, 256, gu_stg, t.gu_warps, t.gu_stages,
                                                            gu_min_blocks(self.qt_gu, t))
-        dn_act = 2 * (-(-(self.d_ff + self.d_ff // 8) // 16) * 16) if t.h_in_down else 0  # experts.cu: DN_ACT
+        # h quantised by the down kernel where its block items (dn_warps chunks of dn_rows rows) tile d_model
+        self.h_in_down = bool(t.h_in_down) and (self.d_model // t.dn_rows) % t.dn_warps == 0
+        dn_act = 2 * (-(-(self.d_ff + self.d_ff // 8) // 16) * 16) if self.h_in_down else 0  # experts.cu: DN_ACT
         self.dn_stages, self.dn_blocks, self.dn_smem = fit(self.qt_dn, dn_act, dn_stg, t.dn_warps, t.dn_stages,
                                                            t.dn_min_blocks)
         self.gu_grid = self.n_sm * self.gu_blocks
@@ -391,7 +392,8 @@ class ExpertKernels:
 
     def describe(self) -> dict:
         return {"gate_up": {"qtype": self.qt_gu.name, "grid": self.gu_grid, "warps": self.gu_warps,
-                            "stages": self.gu_stages, "smem": self.gu_smem, "direct": self.gu_direct},
+                            "stages": self.gu_stages, "smem": self.gu_smem, "direct": self.gu_direct,
+                            "h_in_down": self.h_in_down},
                 "down": {"qtype": self.qt_dn.name, "grid": self.dn_grid, "warps": self.dn_warps,
                          "stages": self.dn_stages, "smem": self.dn_smem},
                 "prompt": {"kernel": "mma" if self.mma else "simt", "tile": self.tile_p,

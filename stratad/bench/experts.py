@@ -47,7 +47,7 @@ VARIANTS = {  # Tuning overrides (lane/kernels/experts.py); tests/test_gpu_exper
     "gu32w": {"gu_warps": 32, "gu_min_blocks": 1},
     "deep": {"gu_stages": 2, "dn_stages": 4, "dn_rows": 8},
     "dn8r": {"dn_rows": 8},
-    "hdown": {"h_in_down": 1},  # decode gate/up items a warp's rows, h quantised by the down kernel
+    "hgroup": {"h_in_down": 0},  # decode gate/up items a block's 32-row group, h quantised there
     "mma-mpw1": {"mma_mpw": 1},  # tensor-core prompt tiles: 32 warps a block, one m-tile each
     "mma-mpw4": {"mma_mpw": 4},  # 8 warps, all four m-tiles each
     "mma-prefetch": {"mma_prefetch": 1},  # the next leaf's weight fragments decoded during this leaf's mma
