@@ -38,7 +38,7 @@ def test_f32_down_on_a_99_kb_card_is_refused_naming_the_type_and_the_limit():
     """F32's down stages a block's rows of 768 floats: more than an RTX card (or an A100) allows a block. The lane
     fails to start saying so (its card is built before it takes requests)."""
     for card in ("rtx", "a100"):
-        with pytest.raises(ValueError, match=rf"F32 expert rows need 197136 bytes of shared memory .* allows "
+        with pytest.raises(ValueError, match=rf"F32 expert rows need 198864 bytes of shared memory .* allows "
                                              rf"{CARDS[card][0][0]}"):
             ExpertKernels.planned(2048, 768, "F32", "F32", n_sm=82, smem=CARDS[card][0])
 
