@@ -10,12 +10,14 @@
 //
 // Kernels (persistent: fixed grids whose blocks/warps loop over work items; n_pairs is read on the device, so the
 // launches are CUDA-graph safe and blocks past the count do nothing):
-//   expert_gateup : block item = (pair, 32-row group of d_ff); each warp stages its rows of gate and up in shared
-//                   memory (cp.async, GU_STAGES items deep), decodes and dots them with the pair's activation,
-//                   folds the sums together (fold_many) and writes h = silu(gate) * up, a lane a row; the block
-//                   then quantises the group (qh, dh). No atomics.
-//   expert_down   : warp item = (pair, DN_R rows of d_model), 32 / DN_R lanes a row; out[p, r] = canonical dot of
-//                   down row r with qh[p].
+//   expert_gateup : warp item = (pair, GU_R rows of d_ff), dealt warp-major over the blocks (H_IN_DOWN); the warp
+//                   stages its rows of gate and up in shared memory (cp.async, GU_STAGES items deep), decodes and
+//                   dots them with the pair's activation, folds the sums together (fold_many) and writes
+//                   h = silu(gate) * up, a lane a row. (H_IN_DOWN 0: block item = (pair, 32-row group), and the
+//                   block then quantises the group: qh, dh.) No atomics.
+//   expert_down   : block item = (pair, DN_WPB chunks of DN_R rows of d_model): the block quantises the pair's h
+//                   into shared memory (H_IN_DOWN; else a warp item, qh read as the gate/up block wrote it), then a
+//                   warp a chunk, 32 / DN_R lanes a row; out[p, r] = canonical dot of down row r with qh[p].
 //   expert_gateup_tiled, expert_down_tiled : the same with an item per tile of up to TILE_P pairs of one expert
 //                   (prompt chunks): a staged weight sub-block is decoded once for all of the tile's tokens.
 //   expert_gateup_mma, expert_down_mma (experts_mma.cuh): prompt tiles of up to 64 pairs on int8 tensor cores.
