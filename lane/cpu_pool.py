@@ -792,8 +792,9 @@ _blk_iq2xs, _blk_iq2s = _iq2_kernel(IQ2_XS), _iq2_kernel(IQ2_S)
 
 
 def _iq1_values(builder, g, neg):
-    """IQ1's <32 x i8> 8 g + 1, or 8 g - 1 where neg (the grid's g in -1..1 a byte)."""
-    return builder.add(builder.shl(g, _bytes(3)), builder.select(neg, _bytes(255), _bytes(1)))
+    """IQ1's <32 x i8> 8 g + 1, or 8 g - 1 where neg (the grid's g in -1..1 a byte; neg: 0 or -1 a byte, so that
+    the delta is 1 | neg without a select)."""
+    return builder.add(builder.shl(g, _bytes(3)), builder.or_(neg, _bytes(1)))
 
 
 @intrinsic
@@ -817,7 +818,9 @@ def _blk_iq1s(typingctx, w, wo, tab, sbuf, mbuf, a, ao, da, asum, dao, acc, acco
             ix = builder.or_(builder.zext(_bytes_at(context, builder, sig, args, 2 + 4 * j, 4), v4i32),
                              builder.shl(hi, _const(_I32, [8] * 4)))
             g = _grid_words(builder, t.data, _T_IQ1S, ix, 8)
-            neg = builder.icmp_unsigned("!=", builder.and_(qh, ir.Constant(_I32, 0x8000)), ir.Constant(_I32, 0))
+            # the delta's sign as a byte mask (a select on the scalar bit became a branch, mispredicted half the time)
+            sign = builder.lshr(qh, ir.Constant(_I32, 15))
+            neg = _splat(builder, builder.trunc(builder.sub(ir.Constant(_I32, 0), sign), _I8), 32)
             w8.append(_iq1_values(builder, g, neg))
         ls = builder.and_(builder.lshr(qhs, _const(_I32, [12] * 8)), _const(_I32, [7] * 8))
         f = builder.sitofp(builder.add(builder.shl(ls, _const(_I32, [1] * 8)), _const(_I32, [1] * 8)), f8)
@@ -855,7 +858,8 @@ def _blk_iq1m(typingctx, w, wo, tab, sbuf, mbuf, a, ao, da, asum, dao, acc, acco
             ix = builder.or_(builder.zext(_bytes_at(context, builder, sig, args, 4 * j, 4), v4),
                              builder.shl(builder.zext(builder.and_(nib, _const(_I8, [7] * 4)), v4), _const(_I32, [8] * 4)))
             g = _grid_words(builder, t.data, _T_IQ1M, ix, 8)
-            neg = builder.icmp_unsigned("!=", builder.and_(nib, _const(_I8, [8] * 4)), _const(_I8, [0] * 4))
+            neg = builder.sext(builder.icmp_unsigned("!=", builder.and_(nib, _const(_I8, [8] * 4)),
+                                                     _const(_I8, [0] * 4)), ir.VectorType(_I8, 4))
             neg = builder.shuffle_vector(neg, neg, _const(_I32, [v // 8 for v in range(32)]))
             v8 = _iq1_values(builder, g, neg)
             f = builder.extract_element(sc, ir.Constant(_I32, j >> 1))
