@@ -116,7 +116,7 @@ def test_experts_bus_cases_read_n_experts_of_one_token_from_an_arena_layer():
     rng = np.random.default_rng(3)
     perm = rng.permutation(16)
     for case in ("bus1", "bus2", "bus8", "decode5", "decode11", "decode16"):  # 11 x 5 wraps round the 16 slots
-        n = int(case.lstrip("bus").lstrip("decode"))
+        n = int(experts.ONE_TOKEN.fullmatch(case).group(2))
         pr, count, distinct = experts.make_pairs(rng, case, perm, 5, 256)
         assert count == distinct == n and (pr[:n, 0] == 0).all() and (pr[n:] == -1).all()
     fake_cp = types.SimpleNamespace(cuda=types.SimpleNamespace(alloc_pinned_memory=bytearray))
