@@ -325,7 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
     # the experts scenario's flags: a flag not given leaves Options' default (stratad/bench/experts.py)
     quiet = argparse.SUPPRESS
     b.add_argument("--types", default=quiet, type=_experts_arg("expert_types"),
-                   help="experts: comma list of expert types, or all")
+                   help="experts: comma list of expert types (TYPE, or GATE_UP+DOWN for a mixed layer), or all")
     b.add_argument("--variants", default=quiet, type=_experts_arg("variants"),
                    help="experts: comma list of kernel tunings (stratad/bench/experts.py VARIANTS); 'TYPE:VARIANT' for "
                         "one type only")

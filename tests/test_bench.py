@@ -92,7 +92,21 @@ def test_experts_summary_names_the_types_whose_default_kernels_miss_the_target()
     assert out["results"] is results and out["options"]["types"] == "all"
     assert "below_target" not in experts.summary([], experts.Options(prompt=True), 1.0, [1.0])
     assert "below_target" not in experts.summary([], experts.Options(cases="tok8x8"), 1.0, [1.0])  # no decode8
-    assert [t.name for t in experts.expert_types("Q6_K,IQ1_M")] == ["Q6_K", "IQ1_M"]
+    assert [experts.layer_name(t) for t in experts.expert_types("Q6_K,IQ1_M")] == ["Q6_K", "IQ1_M"]
+
+
+def test_experts_types_name_mixed_layers_as_gate_up_plus_down():
+    """--types Q4_K+Q6_K benches a layer of Q4_K gate / up and Q6_K down (a q4_k_m file's); a bad entry names
+    itself."""
+    from stratad.bench import experts
+    from stratad.model.quants import parse_type
+
+    got = experts.expert_types("Q4_K+Q6_K,Q8_0")
+    assert got == [(parse_type("Q4_K"), parse_type("Q6_K")), (parse_type("Q8_0"), parse_type("Q8_0"))]
+    assert [experts.layer_name(t) for t in got] == ["Q4_K+Q6_K", "Q8_0"]
+    for bad, says in (("Q4_K+Q6_K+Q8_0", r"GATE_UP\+DOWN"), ("Q4_K+FOO", "FOO"), ("Q4_K+Q4_0_4_4", "Q4_0_4_4")):
+        with pytest.raises(ValueError, match=says):
+            experts.expert_types(bad)
 
 
 def test_experts_flags_not_given_take_the_options_defaults():

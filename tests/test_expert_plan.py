@@ -100,3 +100,21 @@ def test_tensor_core_tiles_take_as_many_pairs_as_fit(shape, qt, mt):
         assert ("MMA_MT", mt) in k.defines and ("MMA_MPW", k.mma_mpw) in k.defines
     with pytest.raises(ValueError, match="mma_mt"):
         ExpertKernels.planned(*shape, gu, dn or gu, tuning=Tuning(mma_mt=3))
+
+
+def test_h_in_down_by_the_gate_up_type():
+    """Decode items: warp items with h quantised by the down kernel, except for the gate/up types whose rows decode
+    cheaply (H_GROUP_TYPES: group items measured faster there); tunings 0 and 2 choose one for every type; h in
+    down needs the down kernel's block items to tile d_model."""
+    from lane.kernels.experts import H_GROUP_TYPES, Tuning
+
+    assert {t.name for t in H_GROUP_TYPES} == {"Q4_0", "Q4_1", "Q5_1", "Q8_0", "Q4_K"}
+    for gu, dn, want in (("IQ3_S", "IQ3_S", 1), ("Q4_K", "Q6_K", 0), ("Q6_K", "Q4_K", 1), ("Q8_0", "Q8_0", 0)):
+        k = ExpertKernels.planned(2048, 768, gu, dn)
+        assert (k.h_in_down, dict(k.defines)["H_IN_DOWN"]) == (bool(want), want), (gu, dn)
+    for h in (0, 2):
+        assert {ExpertKernels.planned(2048, 768, qt, qt, tuning=Tuning(h_in_down=h)).h_in_down
+                for qt in ("Q4_K", "IQ3_S")} == {h == 2}
+    assert not ExpertKernels.planned(2048, 768, "IQ3_S", "IQ3_S", tuning=Tuning(h_in_down=2, dn_warps=12)).h_in_down
+    with pytest.raises(ValueError, match="h_in_down must be 0, 1 or 2"):
+        ExpertKernels.planned(2048, 768, "IQ3_S", "IQ3_S", tuning=Tuning(h_in_down=3))

@@ -96,6 +96,17 @@ def gu_min_blocks(qt_gate_up, tuning: "Tuning") -> int:
     return max(1, min(tuning.gu_min_blocks, cap))
 
 
+# gate/up types whose decode pair of kernels runs faster on group items (h_in_down 0) than on warp items: their
+# rows decode cheaply, so the down kernel's quantisation of h costs more than the SMs' balance saves (H100, a3b,
+# decode8c; docs/perf-notes.md, session 36)
+H_GROUP_TYPES = frozenset({_T.Q4_0, _T.Q4_1, _T.Q5_1, _T.Q8_0, _T.Q4_K})
+
+
+def h_in_down(qt_gate_up, tuning: "Tuning") -> bool:
+    """Whether the decode kernels take warp items with h quantised by the down kernel (Tuning.h_in_down)."""
+    return tuning.h_in_down == 2 or (tuning.h_in_down == 1 and qt_gate_up not in H_GROUP_TYPES)
+
+
 H200_SMEM_BLOCK, H200_SMEM_SM = 232448, 233472  # shared bytes a block may opt in to / an SM has (sm_90)
 
 
@@ -154,9 +165,10 @@ class Tuning:
                                 # where the activation rows of 64 pairs beside the weights do not fit a block
     mma_prefetch: int = 0       # tensor-core tiles: decode the next leaf's weight fragments during this leaf's mma
     mma_unroll: int = 2         # tensor-core tiles: leaves per loop iteration (1 or 2); 2 measured fastest
-    h_in_down: int = 1          # decode: gate/up items a warp's rows, dealt evenly over the SMs, and h quantised by
-                                # the down kernel (experts.cu: H_IN_DOWN); 0: a block's 32-row group an item, h
-                                # quantised by the gate/up block (as the prompt tiles always do)
+    h_in_down: int = 1          # decode: 2 = gate/up items a warp's rows, dealt evenly over the SMs, and h quantised
+                                # by the down kernel (experts.cu: H_IN_DOWN); 0 = a block's 32-row group an item, h
+                                # quantised by the gate/up block (as the prompt tiles always do); 1 = 2 but for the
+                                # gate/up types of H_GROUP_TYPES
 
 
 def signed_grid() -> np.ndarray:
@@ -277,6 +289,8 @@ class ExpertKernels:
             raise ValueError("mma_mt must be 1, 2 or 4")
         if t.mma_unroll not in (1, 2):
             raise ValueError("mma_unroll must be 1 or 2")
+        if t.h_in_down not in (0, 1, 2):
+            raise ValueError("h_in_down must be 0, 1 or 2")
         self.gate_bytes = self.d_ff * fmt(self.qt_gu).row_bytes(self.d_model)
         self.down_bytes = self.d_model * fmt(self.qt_dn).row_bytes(self.d_ff)
         self.slot_bytes = self.slot_bytes_of(self.d_model, self.d_ff, self.qt_gu, self.qt_dn)
@@ -344,7 +358,7 @@ class ExpertKernels:
         self.gu_stages, self.gu_blocks, self.gu_smem = fit(self.qt_gu, 256, gu_stg, t.gu_warps, t.gu_stages,
                                                            gu_min_blocks(self.qt_gu, t))
         # h quantised by the down kernel where its block items (dn_warps chunks of dn_rows rows) tile d_model
-        self.h_in_down = bool(t.h_in_down) and (self.d_model // t.dn_rows) % t.dn_warps == 0
+        self.h_in_down = h_in_down(self.qt_gu, t) and (self.d_model // t.dn_rows) % t.dn_warps == 0
         dn_act = 2 * (-(-(self.d_ff + self.d_ff // 8) // 16) * 16) if self.h_in_down else 0  # experts.cu: DN_ACT
         self.dn_stages, self.dn_blocks, self.dn_smem = fit(self.qt_dn, dn_act, dn_stg, t.dn_warps, t.dn_stages,
                                                            t.dn_min_blocks)

@@ -48,6 +48,7 @@ VARIANTS = {  # Tuning overrides (lane/kernels/experts.py); tests/test_gpu_exper
     "deep": {"gu_stages": 2, "dn_stages": 4, "dn_rows": 8},
     "dn8r": {"dn_rows": 8},
     "hgroup": {"h_in_down": 0},  # decode gate/up items a block's 32-row group, h quantised there
+    "hwarp": {"h_in_down": 2},  # decode gate/up items a warp's rows for every type, h quantised by the down kernel
     "mma-mpw1": {"mma_mpw": 1},  # tensor-core prompt tiles: 32 warps a block, one m-tile each
     "mma-mpw4": {"mma_mpw": 4},  # 8 warps, all four m-tiles each
     "mma-prefetch": {"mma_prefetch": 1},  # the next leaf's weight fragments decoded during this leaf's mma
@@ -99,17 +100,31 @@ def arena_layer(cp, slots: list, gap: int = 0) -> tuple:
     return mem, (ptr + int(offs[0]), sizes[0], ptr + int(offs[1]), ptr + int(offs[2]), sizes[2])
 
 
-def bench_type(cp, qt, variant, opts: "Options", copy_bw, rng, upload_bw=None) -> dict:
+def layer_name(qts: tuple) -> str:
+    """A layer's types as --types names them: TYPE, or GATE_UP+DOWN where they differ."""
+    return qts[0].name if qts[0] == qts[1] else f"{qts[0].name}+{qts[1].name}"
+
+
+def random_expert(qts: tuple, rng, d_model: int, d_ff: int) -> tuple:
+    """One expert's raw (gate, up, down) rows of the layer types qts (gate/up, down)."""
+    return (random_rows(qts[0], rng, d_ff, d_model, 1 / np.sqrt(d_model)),
+            random_rows(qts[0], rng, d_ff, d_model, 1 / np.sqrt(d_model)),
+            random_rows(qts[1], rng, d_model, d_ff, 1 / np.sqrt(d_ff)))
+
+
+def reference_expert(qts: tuple, mats: tuple, qa, da) -> np.ndarray:
+    """canonical.expert of one expert's raw rows on quantised activations."""
+    return canonical.expert(decode_int(qts[0], mats[0]), decode_int(qts[0], mats[1]), decode_int(qts[1], mats[2]),
+                            qa, da)
+
+
+def bench_type(cp, qts, variant, opts: "Options", copy_bw, rng, upload_bw=None) -> dict:
     from lane.kernels.experts import ExpertKernels, Tuning, combine_rows_ref
 
     d_model, d_ff, max_pairs = opts.d_model, opts.d_ff, 256
-    k = ExpertKernels(d_model, d_ff, qt, qt, max_pairs, tuning=Tuning(**VARIANTS[variant]))
+    k = ExpertKernels(d_model, d_ff, *qts, max_pairs, tuning=Tuning(**VARIANTS[variant]))
     n_uniq = 16
-    uniq = []
-    for _ in range(n_uniq):
-        uniq.append((random_rows(qt, rng, d_ff, d_model, 1 / np.sqrt(d_model)),
-                     random_rows(qt, rng, d_ff, d_model, 1 / np.sqrt(d_model)),
-                     random_rows(qt, rng, d_model, d_ff, 1 / np.sqrt(d_ff))))
+    uniq = [random_expert(qts, rng, d_model, d_ff) for _ in range(n_uniq)]
     uniq_dev = cp.asarray(np.stack([k.pack_slot(*m) for m in uniq]))
     pool = cp.empty((opts.slots, k.slot_stride), cp.uint8)
     for s in range(opts.slots):
@@ -121,7 +136,7 @@ def bench_type(cp, qt, variant, opts: "Options", copy_bw, rng, upload_bw=None) -
     k.quantize(cp.asarray(x), qa, da)
     out = cp.full((max_pairs, d_model), np.nan, cp.float32)
     stream = cp.cuda.Stream(non_blocking=True)
-    res = {"qtype": qt.name, "variant": variant, "layout": k.describe(), "cases": {}}
+    res = {"qtype": layer_name(qts), "variant": variant, "layout": k.describe(), "cases": {}}
 
     # exactness spot check on the a3b shape: one decode set against canonical.expert
     perm = rng.permutation(opts.slots)
@@ -131,8 +146,7 @@ def bench_type(cp, qt, variant, opts: "Options", copy_bw, rng, upload_bw=None) -
     k.run(pool.data.ptr, pairs, n_dev, qa, da, out)
     cp.cuda.get_current_stream().synchronize()
     qa_ref, da_ref = canonical.quantize_act(x)
-    ref = np.stack([canonical.expert(*(decode_int(qt, m) for m in uniq[s % n_uniq]), qa_ref[t:t + 1], da_ref[t:t + 1])[0]
-                    for t, s in pr[:n]])
+    ref = np.stack([reference_expert(qts, uniq[s % n_uniq], qa_ref[t:t + 1], da_ref[t:t + 1])[0] for t, s in pr[:n]])
     got = out.get()[:n]
     res["exact_decode8"] = bool(np.array_equal(got.view(np.uint32), ref.view(np.uint32)))
     # the combine (decode8c): x += the 8 rows in router order, against combine_rows_ref on the same rows
@@ -199,17 +213,15 @@ def prompt_pairs(rng, n_tok: int, n_expert: int, k: int, skew: float, tile_p: in
     return (pairs, *tiles_ref(pairs[:, 1], max_tiles(len(pr), n_expert, tile_p), tile_p))
 
 
-def bench_prompt(cp, qt, variant, opts: "Options", rng) -> dict:
+def bench_prompt(cp, qts, variant, opts: "Options", rng) -> dict:
     from lane.kernels.experts import ExpertKernels, Tuning
 
     d_model, d_ff, n_expert, T_ = opts.d_model, opts.d_ff, 128, opts.prompt_tokens
     tuning = Tuning(**VARIANTS[variant])
-    k = ExpertKernels(d_model, d_ff, qt, qt, T_ * 8, tuning=tuning)
+    k = ExpertKernels(d_model, d_ff, *qts, T_ * 8, tuning=tuning)
     pairs_h, tiles_h, n_tiles = prompt_pairs(rng, T_, n_expert, 8, opts.skew, k.tile_p)  # tiles of k's prompt kernel
     P = pairs_h.shape[0]
-    mats = [(random_rows(qt, rng, d_ff, d_model, 1 / np.sqrt(d_model)),
-             random_rows(qt, rng, d_ff, d_model, 1 / np.sqrt(d_model)),
-             random_rows(qt, rng, d_model, d_ff, 1 / np.sqrt(d_ff))) for _ in range(8)]
+    mats = [random_expert(qts, rng, d_model, d_ff) for _ in range(8)]
     packed = cp.asarray(np.stack([k.pack_slot(*m) for m in mats]))
     pool = cp.empty((n_expert, k.slot_stride), cp.uint8)
     for e in range(n_expert):
@@ -227,13 +239,12 @@ def bench_prompt(cp, qt, variant, opts: "Options", rng) -> dict:
     qa_ref, da_ref = canonical.quantize_act(x)
     got = out.get()
     sample = rng.choice(P, 16, replace=False)
-    ref = np.stack([canonical.expert(*(decode_int(qt, m) for m in mats[int(pairs_h[i, 1]) % len(mats)]),
-                                     qa_ref[pairs_h[i, 0]:pairs_h[i, 0] + 1], da_ref[pairs_h[i, 0]:pairs_h[i, 0] + 1])[0]
-                    for i in sample])
+    ref = np.stack([reference_expert(qts, mats[int(pairs_h[i, 1]) % len(mats)], qa_ref[pairs_h[i, 0]:pairs_h[i, 0] + 1],
+                                     da_ref[pairs_h[i, 0]:pairs_h[i, 0] + 1])[0] for i in sample])
     best = min(ms)
     pool = packed = None
     cp.get_default_memory_pool().free_all_blocks()
-    return {"qtype": qt.name, "variant": variant, "layout": k.describe(), "tokens": T_, "pairs": P,
+    return {"qtype": layer_name(qts), "variant": variant, "layout": k.describe(), "tokens": T_, "pairs": P,
             "tiles": n_tiles, "skew": opts.skew, "ms_per_layer": ms, "ms_chunk_48_layers": 48 * best,
             "tmac_s": P * 3 * d_model * d_ff / (best * 1e-3) / 1e12,
             "exact_sample": bool(np.array_equal(got[sample].view(np.uint32), ref.view(np.uint32)))}
@@ -264,17 +275,24 @@ class Options:
         return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls) if hasattr(ns, f.name)})
 
 
-def expert_types(spec: str) -> list:
-    """The expert types of a --types value (all, or a comma list); ValueError naming a type that is none."""
+def expert_types(spec: str) -> list[tuple]:
+    """The layers of a --types value: all (every expert type), or a comma list of TYPE (gate/up and down of that
+    type) or GATE_UP+DOWN (a mixed layer, as llama.cpp's mixes write them); (gate/up type, down type) each.
+    ValueError naming a type that is none."""
     from stratad.model import quants
 
     if spec == "all":
-        return list(quants.EXPERT_TYPES)
-    types = [parse_type(name) for name in spec.split(",")]
-    bad = [t.name for t in types if t not in quants.EXPERT_TYPES]
+        return [(t, t) for t in quants.EXPERT_TYPES]
+    layers = []
+    for entry in spec.split(","):
+        names = entry.split("+")
+        if len(names) > 2:
+            raise ValueError(f"{entry}: a layer is TYPE or GATE_UP+DOWN")
+        layers.append(tuple(parse_type(n) for n in (names * 2)[:2]))
+    bad = sorted({t.name for lt in layers for t in lt if t not in quants.EXPERT_TYPES})
     if bad:
         raise ValueError(f"not an expert type: {', '.join(bad)}")
-    return types
+    return layers
 
 
 CASES = ("decode8", "decode8c", "tok8x8", "tok32x8", "shared256", "bus1", "bus2", "bus8")  # and decodeN, busN
@@ -322,8 +340,8 @@ def run(opts: Options) -> dict:
     upload_bw = gpu_upload_bandwidth(cp)[0] if any(c.startswith("bus") for c in opts.cases.split(",")) else None
     rng = np.random.default_rng(int(time.time()))
     results = []
-    for qt in types:
-        tname = qt.name
+    for qts in types:
+        tname = layer_name(qts)
         for v in opts.variants.split(","):
             if ":" in v:
                 vt, v = v.split(":")
@@ -331,10 +349,10 @@ def run(opts: Options) -> dict:
                     continue
             t0 = time.time()
             if opts.prompt:
-                r = bench_prompt(cp, qt, v, opts, rng)
+                r = bench_prompt(cp, qts, v, opts, rng)
                 line = {k: r[k] for k in ("qtype", "variant", "tiles", "ms_chunk_48_layers", "tmac_s", "exact_sample")}
             else:
-                r = bench_type(cp, qt, v, opts, copy_bw, rng, upload_bw)
+                r = bench_type(cp, qts, v, opts, copy_bw, rng, upload_bw)
                 if "decode8" in r["cases"]:
                     r["fraction"] = round(r["cases"]["decode8"]["frac_copy"], 4)
                 line = {"type": tname, "variant": v, "exact": r["exact_decode8"] and r["exact_decode8c"],
