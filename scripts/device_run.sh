@@ -188,7 +188,7 @@ experts-scan)  # one token's decode expert kernels at 5 / 8 / 11 / 16 experts (a
     ;;
 experts-decode)  # the decode expert kernels on the launch shapes the bench offers (warps, stages, rows a warp)
     timeout 200 $(experts_bench) --types IQ3_S --cases decode8,tok8x8 \
-        --variants default,gu8w,deep,dn8r --json "$OUT/experts-decode.json" 2>&1 | grep '^{"'
+        --variants default,gu8w,deep,dn8w --json "$OUT/experts-decode.json" 2>&1 | grep '^{"'
     ;;
 profile)
     model "$A3B" --router-skew 1.0

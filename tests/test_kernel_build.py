@@ -76,6 +76,23 @@ def test_experts_build_as_a_99_kb_card_plans_them(nc, qt):
     assert not spills, spills
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("qt", ["IQ3_S", "Q4_K"])
+def test_every_bench_variant_builds_without_decode_spills(nc, qt):
+    """The experts bench's launch shapes (stratad bench --scenario experts --variants) as the lanes would plan them:
+    each builds with its plan's layout and no stack frame in its two decode kernels, so that a variant costs no
+    device call to find it does not build or spills (dn8r, 8 down rows a warp, spilled 48 bytes for Q4_K: dropped,
+    it had measured slower at 8 pairs)."""
+    from lane.kernels.experts import ExpertKernels, Tuning
+    from stratad.bench.experts import VARIANTS
+
+    for name, over in VARIANTS.items():
+        k = ExpertKernels.planned(2048, 768, qt, qt, tuning=Tuning(**over))
+        usage = nc.resource_usage(nc.build(nc.lib, "experts.cu", k.defines, extra=nc.layout_asserts(k)))
+        spills = {n: v for n, v in usage.items() if v[1] and n in ("expert_gateup", "expert_down")}
+        assert not spills, f"{qt} {name}: {spills}"
+
+
 def test_build_error_names_the_line(nc):
     with pytest.raises(RuntimeError, match=r"bad\.cu\(2\)"):
         nc.nvrtc_cubin(nc.lib, '__global__ void k() {\n  undeclared = 1;\n}\n', "bad.cu", ["-std=c++17"])

@@ -46,7 +46,7 @@ VARIANTS = {  # Tuning overrides (lane/kernels/experts.py); tests/test_gpu_exper
     "gu8w": {"gu_warps": 8, "gu_min_blocks": 3},
     "gu32w": {"gu_warps": 32, "gu_min_blocks": 1},
     "deep": {"gu_stages": 2, "dn_stages": 4, "dn_rows": 8},
-    "dn8r": {"dn_rows": 8},
+    "dn8w": {"dn_warps": 8, "dn_min_blocks": 4},  # down blocks of 8 warps: on warp items a barrier over fewer loads of h
     "hgroup": {"h_in_down": 0},  # decode gate/up items a block's 32-row group, h quantised there
     "hwarp": {"h_in_down": 2},  # decode gate/up items a warp's rows for every type, h quantised by the down kernel
     "mma-mpw1": {"mma_mpw": 1},  # tensor-core prompt tiles: 32 warps a block, one m-tile each
