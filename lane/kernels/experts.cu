@@ -271,11 +271,12 @@ __device__ __forceinline__ int tile_slot(const int* __restrict__ pairs, const in
 // decodes all 2*GU_R rows and accumulates the canonical terms of each token in independent chains, folds them
 // and lane 0 computes the values of h. The group's values meet in shared memory; after one __syncthreads warps
 // quantise them (qh, dh), a token each.
-// H_IN_DOWN (experts.py: Tuning.h_in_down, the default where the down kernel's block items tile d_model), decode
-// (TP = 1) only: an item is one warp's GU_R rows of one pair, items dealt to the warps warp-major (warp w of block b
-// takes items w * blocks + b, + all warps, ...) so that every block, and so every SM, gets an even share (a3b
-// decode: 8 pairs x 24 groups = 192 block items on 132 SMs leave 60 SMs with two and 72 with one, and each block
-// waits at its barrier for its slowest warp); h goes out as floats and the down kernel quantises it (down_body).
+// H_IN_DOWN (experts.py: Tuning.h_in_down; the default but for the gate/up types of H_GROUP_TYPES, where the down
+// kernel's block items tile d_model), decode (TP = 1) only: an item is one warp's GU_R rows of one pair, items
+// dealt to the warps warp-major (warp w of block b takes items w * blocks + b, + all warps, ...) so that every
+// block, and so every SM, gets an even share (a3b decode: 8 pairs x 24 groups = 192 block items on 132 SMs leave 60
+// SMs with two and 72 with one, and each block waits at its barrier for its slowest warp); h goes out as floats and
+// the down kernel quantises it (down_body).
 #ifndef H_IN_DOWN
 #define H_IN_DOWN 1
 #endif
