@@ -448,7 +448,7 @@ class GpuExperts:
                 kern.run_tiled(ptr, self.pairs[i], self.tiles[i], self.n_tiles[i:i + 1], self.qa, self.da,
                                self.rows[i], stream=s)
             else:
-                fold = router is not None and x is not None and self.combined_in_down(T)
+                fold = router is not None and x is not None and self.combined_in_down(T, layer)
                 kern.run(ptr, self.pairs[i], self.n_pairs[i:i + 1], self.qa, self.da, self.rows[i],
                          combine=(self.rowmap, router[1], x) if fold else None, stream=s)
         for _, p in side:
@@ -513,14 +513,15 @@ class GpuExperts:
                                         self.da_h[:T])
             self.cpu.run(jobs, out=self.host_rows[:n])
 
-    def combined_in_down(self, T: int) -> bool:
-        """Whether a step of T tokens has its combine done by the down kernel: one token, every expert on this
-        card (the only source), so its k rows all come from that launch."""
-        return T == 1 and len(self.sources) == 1 and self.full
+    def combined_in_down(self, T: int, layer: int) -> bool:
+        """Whether a step of T tokens has its combine done by the layer's down kernel: one token, every expert on
+        this card (the only source), so its k rows all come from that launch, where the kernel's shape folds k."""
+        return T == 1 and len(self.sources) == 1 and self.full and \
+            self.kernels[self.key(layer)].fold_smem(self.k) is not None
 
     def back(self, layer: int, weights: cp.ndarray, x: cp.ndarray) -> None:
         """x (T, d_model) += the routed experts' outputs, weighted in router order (unless the down kernel did)."""
-        if self.combined_in_down(x.shape[0]):
+        if self.combined_in_down(x.shape[0], layer):
             return
         self.kernels[self.key(layer)].combine_rows(self.rows, self.host_rows.ctypes.data, self.rowmap, weights, x,
                                                     stream=self.stream)

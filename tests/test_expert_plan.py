@@ -118,3 +118,19 @@ def test_h_in_down_by_the_gate_up_type():
     assert not ExpertKernels.planned(2048, 768, "IQ3_S", "IQ3_S", tuning=Tuning(h_in_down=2, dn_warps=12)).h_in_down
     with pytest.raises(ValueError, match="h_in_down must be 0, 1 or 2"):
         ExpertKernels.planned(2048, 768, "IQ3_S", "IQ3_S", tuning=Tuning(h_in_down=3))
+
+
+def test_the_combine_folds_where_k_experts_tile_a_block_item():
+    """A decode step's combine folds into the down kernel where k divides its warps into block items of whole
+    chunks of every pair (their rows within a warp's lanes) and the extra shared memory (the item's rows twice, the
+    router's rows and weights, with h quantised there the k pairs' h) keeps the blocks an SM; else combine_rows."""
+    k = ExpertKernels.planned(2048, 768, "IQ3_S", "IQ3_S")  # 16 warps of 4 rows, h quantised by the down kernel
+    assert (k.dn_warps, k.tuning.dn_rows, k.h_in_down) == (16, 4, True)
+    assert k.fold_smem(8) == k.dn_smem + 2 * 16 * 4 * 4 + 256 + 8 * 864  # 768 codes + 24 scales, 16-byte rows
+    assert [n for n in range(1, 33) if k.fold_smem(n)] == [2, 4, 8, 16]  # 1: 16 chunks, 64 rows
+    q4k = ExpertKernels.planned(2048, 768, "Q4_K", "Q4_K")  # group items: the k pairs' h read as gate/up wrote it
+    assert not q4k.h_in_down and q4k.fold_smem(8) == q4k.dn_smem + 2 * 16 * 4 * 4 + 256
+    wide = ExpertKernels.planned(2048, 768, "Q8_0", "Q8_0", tuning=Tuning(dn_rows=8))
+    assert wide.fold_smem(4) and not wide.fold_smem(2)  # 8 chunks of 8 rows: past a warp's lanes
+    tight = ExpertKernels.planned(2048, 768, "IQ3_S", "IQ3_S", smem=(H200_SMEM_BLOCK, 2 * (k.dn_smem + 1024) + 1000))
+    assert tight.dn_blocks == 2 and tight.fold_smem(8) is None  # it would cost a block an SM

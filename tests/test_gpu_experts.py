@@ -332,14 +332,16 @@ def test_quantize_edges(cp):
 
 def test_down_kernel_combines_a_decode_step(cp):
     """run(combine=) for one token whose k experts are all in one pool: the residual gains exactly combine_rows'
-    sum of the k rows in router order; again from fresh buffers (the counts reset); the tuned types and generic ones
-    (Q6_K, IQ2_XS with its tables, F16's float view)."""
+    sum of the k rows in router order, and the rows are those of the launch without it; the tuned types and generic
+    ones (Q6_K, IQ2_XS with its tables, F16's float view), h quantised by either kernel, 4 / 8 / 16 experts a token
+    (block items of 4 / 2 / 1 chunks of each pair); a k the kernel's shape cannot fold is refused."""
     from lane.kernels.experts import ExpertKernels, Tuning, combine_rows_ref
 
     rng = np.random.default_rng(21)
-    d_model, d_ff, K, n_slots, P = 2048, 768, 8, 12, 32
-    for qt, dn_rows in ((T.IQ3_S, 4), (T.Q4_K, 2), (T.Q8_0, 8), (T.Q6_K, 4), (T.IQ2_XS, 2), (T.F16, 8)):
-        k = ExpertKernels(d_model, d_ff, qt, qt, P, tuning=Tuning(dn_rows=dn_rows))
+    d_model, d_ff, n_slots, P = 2048, 768, 16, 32
+    for qt, dn_rows, K, hd in ((T.IQ3_S, 4, 8, 1), (T.IQ3_S, 4, 8, 0), (T.Q4_K, 2, 8, 1), (T.Q4_K, 2, 8, 2),
+                               (T.Q8_0, 8, 4, 1), (T.Q6_K, 4, 16, 1), (T.IQ2_XS, 2, 8, 1), (T.F16, 8, 8, 1)):
+        k = ExpertKernels(d_model, d_ff, qt, qt, P, tuning=Tuning(dn_rows=dn_rows, h_in_down=hd))
         slots = make_slots(rng, n_slots, d_model, d_ff, qt, qt)
         pool = cp.asarray(np.stack([k.pack_slot(*m) for m in slots]))
         qa, da = cp.empty((1, d_model), cp.int8), cp.empty((1, d_model // 32), cp.float32)
@@ -354,12 +356,17 @@ def test_down_kernel_combines_a_decode_step(cp):
             w = rng.dirichlet(np.ones(K)).astype(F32)[None]
             x0 = rng.standard_normal((1, d_model), dtype=F32)
             out, x = cp.full((P, d_model), np.nan, cp.float32), cp.asarray(x0)
-            k.run(pool.data.ptr, cp.asarray(pad), cp.asarray(np.array([K], np.int32)), qa, da, out,
-                  combine=(cp.asarray(rowmap), cp.asarray(w), x))
+            pairs, n = cp.asarray(pad), cp.asarray(np.array([K], np.int32))
+            k.run(pool.data.ptr, pairs, n, qa, da, out, combine=(cp.asarray(rowmap), cp.asarray(w), x))
+            plain = cp.full((P, d_model), np.nan, cp.float32)
+            k.run(pool.data.ptr, pairs, n, qa, da, plain)
             cp.cuda.get_current_stream().synchronize()
             rows = out.get()
+            assert_bits(rows[:K], plain.get()[:K], f"rows with the combine folded {qt}")
             assert_bits(x.get(), combine_rows_ref(x0, w, [rows[r] for r in rowmap]), f"combine in down {qt}")
-            assert not k.dcount.any()
+    with pytest.raises(ValueError, match="does not fold"):  # 16 warps: 12 experts a token is not a block item
+        k.run(pool.data.ptr, pairs, n, qa, da, out, combine=(cp.asarray(np.arange(12, dtype=np.int32)),
+                                                            cp.asarray(np.full((1, 12), 1 / 12, F32)), x))
 
 
 def test_combine_bits(cp):

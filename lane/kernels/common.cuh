@@ -54,6 +54,21 @@ __device__ __forceinline__ void quant32(float v, int lane, signed char* q, float
     }
 }
 
+// quant32's codes and scale for 4 groups at once: 8 lanes a group, 4 consecutive values a lane (v, at 4 * (lane & 7)
+// of group lane / 8). Its maximum is quant32's (max is exact and order-free), so are its bits; 3 shuffles, not 5
+__device__ __forceinline__ void quant32x4(float4 v, int lane, signed char* q, float* d, bool store = true) {
+    float m = f_max(f_max(f_abs(v.x), f_abs(v.y)), f_max(f_abs(v.z), f_abs(v.w)));
+#pragma unroll
+    for (int o = 4; o; o >>= 1) m = f_max(m, __shfl_xor_sync(0xffffffffu, m, o));
+    const float dd = quant_scale(m);
+    if (store) {
+        const float inv = quant_inv(dd);
+        *reinterpret_cast<char4*>(q + 4 * (lane & 7)) =
+            make_char4(quant_code(v.x, inv), quant_code(v.y, inv), quant_code(v.z, inv), quant_code(v.w, inv));
+        if ((lane & 7) == 0) *d = dd;
+    }
+}
+
 #define NEG_INF __int_as_float(0xff800000)
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll

@@ -496,9 +496,14 @@ constexpr int DN_RANGE = DN_R * DNG::RB;
 constexpr int DN_CHB = (DN_RANGE + 14 + 15) / 16 * 16 + 16;
 constexpr int DN_TBL = (DN_QT == QT_IQ3_S) ? GRID_TABLE_BYTES : TabSmem<DN_QT>::BYTES;
 constexpr int DN_STG = DN_CHB;
-// H_IN_DOWN: a pair's h quantised (DN_KIN codes, then DN_KIN / 32 scales), twice (by block item parity)
-constexpr int DN_ACT = H_IN_DOWN ? (DN_KIN + DN_KIN / 8 + 15) / 16 * 16 : 0;
+// a pair's h quantised (DN_KIN codes, then DN_KIN / 32 scales); H_IN_DOWN: twice (by block item parity)
+constexpr int DN_ACT1 = (DN_KIN + DN_KIN / 8 + 15) / 16 * 16;
+constexpr int DN_ACT = H_IN_DOWN ? DN_ACT1 : 0;
 constexpr int DN_SMEM = DN_TBL + 2 * DN_ACT + DN_WPB * DN_STAGES * DN_STG + 16;
+// the folded combine's shared memory past DN_SMEM (DnCombine): the item's rows of every pair, twice (by item parity),
+// the router's row map and weights (32 each), then (H_IN_DOWN) the k pairs' h quantised, DN_ACT1 bytes each
+// (experts.py: ExpertKernels.fold_smem)
+constexpr int DN_YS = 2 * DN_WPB * DN_R * 4, DN_FOLD = DN_YS + 2 * 32 * 4;
 static_assert(DN_KIN == GU_ROWS, "down rows take d_ff values");
 static_assert(DN_ROWS == GU_KIN, "down has d_model rows");
 
@@ -519,16 +524,44 @@ __device__ __forceinline__ void dn_stage(u32 sdst, const u8* __restrict__ pool, 
     stage_row(sdst, pool + (i64)slot * slot_bytes + (i64)c * DN_RANGE, DN_RANGE, lane);
 }
 
-// A decode step's combine folded into its down kernel (every routed expert of the token on this card: one source):
-// the warp that finishes a chunk of DN_R rows last, of the token's k pairs, adds them to the residual x in router
-// order, as combine_rows does (count[chunk] counts the pairs done; that warp resets it). x null: no combine.
+// A decode step's combine folded into its down kernel (every routed expert of the token on this card: one source, its
+// k pairs the launch's pairs): a block item is then C = DN_WPB / k chunks of each of the k pairs (warp = pair * C +
+// the chunk's place), and after one barrier the block's first warp adds the item's C * DN_R rows to the residual x in
+// router order, as combine_rows does, from shared memory: no count, fence or L2 round trip between blocks. The host
+// folds only where k divides DN_WPB and C * DN_R <= 32 (ExpertKernels.fold_smem). x null: no combine.
 struct DnCombine {
-    int* count;
     const int* rowmap;
     const float* w;
     float* x;
-    int k;
+    int k, c;  // c = DN_WPB / k (a kernel parameter: no register of its own)
 };
+
+// np pairs' h (hbuf rows p_first on) quantised by the block into shared memory at byte qoff, DN_ACT1 bytes a pair:
+// 4 groups a warp at once (quant32x4), group q (pair q / NSUB, group q % NSUB) by warp (q / 4) % DN_WPB, QB such
+// rounds a loop trip with their loads issued together
+template <int QB>
+__device__ __forceinline__ void dn_quantise(const float* __restrict__ hbuf, int p_first, int np, int qoff, int warp,
+                                            int lane) {
+    constexpr int NSUB = DNG::NSUB;
+    const int nq = np * NSUB;
+#pragma unroll 1
+    for (int q0 = 4 * warp; q0 < nq; q0 += 4 * DN_WPB * QB) {  // warp-uniform
+        float4 hv[QB];
+#pragma unroll
+        for (int j = 0; j < QB; ++j) {
+            const int q = q0 + 4 * DN_WPB * j + (lane >> 3);
+            hv[j] = q < nq ? __ldg(reinterpret_cast<const float4*>(hbuf + (i64)(p_first + q / NSUB) * DN_KIN +
+                                                                   32 * (q % NSUB)) + (lane & 7))
+                           : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        }
+#pragma unroll
+        for (int j = 0; j < QB; ++j) {
+            const int q = q0 + 4 * DN_WPB * j + (lane >> 3);
+            signed char* qs = reinterpret_cast<signed char*>(g_smem + qoff + (q / NSUB) * DN_ACT1);
+            quant32x4(hv[j], lane, qs + 32 * (q % NSUB), reinterpret_cast<float*>(qs + DN_KIN) + q % NSUB, q < nq);
+        }
+    }
+}
 
 // `wait` (the PDL wait) runs once the first weight rows are in flight (cp.async, which ptxas keeps ahead of the
 // wait) and the IQ3_S grid is in shared memory: the pair lists are no output of the gate/up kernel before this one
@@ -537,6 +570,7 @@ struct DnCombine {
 // H_IN_DOWN, decode (TP = 1): a block item is one pair's DN_WPB chunks (a chunk a warp), and the block first
 // quantises the pair's h (hbuf, floats) into shared memory with quant32, as the gate/up kernel does otherwise (the
 // same bits); its warps read their activation sub-blocks there. a3b decode: 8 pairs x 32 block items on 264 blocks.
+// With the combine folded (DnCombine), the block quantises the k pairs' h once, before its first item.
 template <int TP, class Wait>
 __device__ __forceinline__ void down_body(const u8* __restrict__ pool, i64 slot_bytes, const int* __restrict__ pairs,
                                           const int* __restrict__ tiles, const int* __restrict__ n_tiles_p,
@@ -549,19 +583,26 @@ __device__ __forceinline__ void down_body(const u8* __restrict__ pool, i64 slot_
     constexpr bool QD = TP == 1 && H_IN_DOWN;  // block items, h quantised here
     static_assert(!H_IN_DOWN || NC % DN_WPB == 0, "H_IN_DOWN: a block item is DN_WPB chunks of d_model");
     constexpr int NI = QD ? NC / DN_WPB : NC;  // items a tile
+    const bool fold = TP == 1 && cmb.x != nullptr;  // the combine folded in (launch-uniform)
+    const int C = fold ? cmb.c : 1, CR = C * DN_R;  // folded: chunks of each pair an item, and its rows
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int r = lane / DN_G, g = lane % DN_G;  // this lane's row of the item, and its place among the row's lanes
     const int n_tiles = clamp_pairs(n_tiles_p, max_tiles);
-    const int first = QD ? blockIdx.x : blockIdx.x * DN_WPB + warp, step = QD ? gridDim.x : gridDim.x * DN_WPB;
-    const int items = n_tiles * NI;
-    auto chunk_of = [&](int it) { return QD ? (it % NI) * DN_WPB + warp : it % NI; };  // item it's chunk for this warp
+    const bool blk = QD || fold;  // block items: a block-uniform loop
+    const int first = blk ? blockIdx.x : blockIdx.x * DN_WPB + warp, step = blk ? gridDim.x : gridDim.x * DN_WPB;
+    // folded: nothing where the launch's pairs are not the token's k (the host never launches that)
+    const int items = fold ? (n_tiles == cmb.k ? NC / C : 0) : n_tiles * NI;
+    auto tile_of = [&](int it) { return fold ? warp / C : it / NI; };
+    auto chunk_of = [&](int it) {  // item it's chunk for this warp
+        return fold ? it * C + warp % C : QD ? (it % NI) * DN_WPB + warp : it % NI;
+    };
     const u32 sb = smem_base();
     const u32 wst = DN_TBL + 2 * DN_ACT + warp * DN_STAGES * DN_STG;
 
 #pragma unroll 1
     for (int k = 0; k < DN_STAGES; ++k) {
         const int it = first + k * step;
-        if (it < items) dn_stage(sb + wst + k * DN_STG, pool, slot_bytes, tile_slot<TP>(pairs, tiles, it / NI),
+        if (it < items) dn_stage(sb + wst + k * DN_STG, pool, slot_bytes, tile_slot<TP>(pairs, tiles, tile_of(it)),
                                  chunk_of(it), lane);
         cp_commit();
     }
@@ -569,46 +610,54 @@ __device__ __forceinline__ void down_body(const u8* __restrict__ pool, i64 slot_
     fill_tab<DN_QT>(grid_g);
     __syncthreads();
     wait();
+    // folded: the router's rows of out and their weights, for the first warp's combine (its own stores)
+    int* const rms = reinterpret_cast<int*>(g_smem + DN_SMEM + DN_YS);
+    float* const ws = reinterpret_cast<float*>(rms + 32);
+    if (fold && warp == 0) {
+        rms[lane] = lane < cmb.k ? __ldg(cmb.rowmap + lane) : 0;
+        ws[lane] = lane < cmb.k ? __ldg(cmb.w + lane) : 0.0f;
+    }
 
+    if constexpr (QD) {  // folded: the block quantises the k pairs' h once, past the folded rows
+        constexpr int QB = (NSUB + 7) / 8;  // one loop trip where C >= 2
+        if (fold && first < items) {  // block-uniform
+            dn_quantise<QB>(hbuf, 0, cmb.k, DN_SMEM + DN_FOLD, warp, lane);
+            __syncthreads();
+        }
+    }
 #pragma unroll 1
     for (int k = 0;; ++k) {
         const int it = first + k * step;
-        if (it >= items) break;  // QD: block-uniform
+        if (it >= items) break;  // blk: block-uniform
         const int st = k % DN_STAGES;
-        const int tile = it / NI, c = chunk_of(it);
+        const int tile = tile_of(it), c = chunk_of(it);
         int p0, cnt;
         Tile<TP>::get(tiles, tile, p0, cnt);
         const int slot = __ldg(pairs + 2 * p0 + 1);
-        // one pair: its activation sub-blocks of this lane's virtual lanes, loaded while the weights land
+        // one pair's activation sub-blocks of this lane's virtual lanes
         typename Sub<DN_QT>::A A[TP == 1 ? DN_VL : 1][TP == 1 ? SPL : 1];
-        if constexpr (QD) {  // the pair's h quantised into buffer k % 2 (the other may still be read: item k - 1)
-            signed char* qs = reinterpret_cast<signed char*>(g_smem + DN_TBL + (k & 1) * DN_ACT);
-            float* ds = reinterpret_cast<float*>(qs + DN_KIN);
-            constexpr int QJ = (NSUB + DN_WPB - 1) / DN_WPB;  // groups a warp at most
-            float hv[QJ];
-#pragma unroll
-            for (int j = 0; j < QJ; ++j) {
-                const int q = warp + DN_WPB * j;
-                hv[j] = q < NSUB ? __ldg(hbuf + (i64)p0 * DN_KIN + 32 * q + lane) : 0.0f;
-            }
-#pragma unroll
-            for (int j = 0; j < QJ; ++j) {
-                const int q = warp + DN_WPB * j;
-                quant32(hv[j], lane, qs + 32 * q, ds + q, q < NSUB);
-            }
-            __syncthreads();
+        auto act_from = [&](const signed char* qs, const float* ds) {
 #pragma unroll
             for (int m = 0; m < DN_VL; ++m)
 #pragma unroll
                 for (int i = 0; i < SPL; ++i)
-                    if (dn_busy(m, i, g)) load_act<DN_QT, true>(qs, ds, g + DN_G * m + 32 * i, A[m][i]);
-        } else if (TP == 1) {
-#pragma unroll
-            for (int m = 0; m < DN_VL; ++m)
-#pragma unroll
-                for (int i = 0; i < SPL; ++i)
-                    if (dn_busy(m, i, g)) load_act<DN_QT>(qhbuf + (i64)p0 * DN_KIN, dhbuf + (i64)p0 * NSUB,
-                                                          g + DN_G * m + 32 * i, A[m][i]);
+                    if (dn_busy(m, i, g)) load_act<DN_QT, QD>(qs, ds, g + DN_G * m + 32 * i, A[m][i]);
+        };
+        if constexpr (TP == 1) {  // loaded while the weights land
+            if constexpr (QD) {  // the pair's h quantised, or (folded) the warp's pair's as the block did before
+                const signed char* qs;
+                if (fold) {
+                    qs = reinterpret_cast<const signed char*>(g_smem + DN_SMEM + DN_FOLD) + p0 * DN_ACT1;
+                } else {  // into buffer k % 2 (the other may still be read: item k - 1)
+                    constexpr int QJ = (NSUB + 4 * DN_WPB - 1) / (4 * DN_WPB);  // one loop trip
+                    dn_quantise<QJ>(hbuf, p0, 1, DN_TBL + (k & 1) * DN_ACT, warp, lane);
+                    __syncthreads();
+                    qs = reinterpret_cast<const signed char*>(g_smem + DN_TBL + (k & 1) * DN_ACT);
+                }
+                act_from(qs, reinterpret_cast<const float*>(qs + DN_KIN));
+            } else {
+                act_from(qhbuf + (i64)p0 * DN_KIN, dhbuf + (i64)p0 * NSUB);
+            }
         }
         cp_wait<DN_STAGES - 1>();
         __syncwarp();
@@ -659,26 +708,21 @@ __device__ __forceinline__ void down_body(const u8* __restrict__ pool, i64 slot_
             for (int t = 0; t < TP; ++t)
                 if (t < cnt) out[(i64)(p0 + t) * DN_ROWS + (i64)c * DN_R + r] = acc[t][0];
         }
-        if (TP == 1 && cmb.x != nullptr) {
-            __threadfence();  // these rows device-wide before the pair is counted
-            __syncwarp();
-            int last = 0;
-            if (lane == 0) last = atomicAdd(cmb.count + c, 1) == cmb.k - 1;
-            if (__shfl_sync(FULL_MASK, last, 0)) {  // warp-uniform: the chunk's k rows are all written
-                __threadfence();
-                if (lane < DN_R) {  // combine_rows' sum for row c * DN_R + lane (past L1: other SMs wrote them)
-                    const int row = c * DN_R + lane;
-                    float a = 0.0f;
-                    for (int j = 0; j < cmb.k; ++j)
-                        a = f_add(a, f_mul(cmb.w[j], __ldcg(out + (i64)cmb.rowmap[j] * DN_ROWS + row)));
-                    cmb.x[row] = f_add(cmb.x[row], a);
-                }
-                if (lane == 0) cmb.count[c] = 0;
+        if (fold) {  // combine_rows' sum for the item's rows, the pairs' rows from shared memory in router order
+            float* ys = reinterpret_cast<float*>(g_smem + DN_SMEM) + (k & 1) * DN_WPB * DN_R;  // [pair][CR]
+            // the item's rows of x as they came in, read by the first warp while the others finish
+            const float xv = warp == 0 && lane < CR ? __ldcg(cmb.x + (i64)it * CR + lane) : 0.0f;
+            if (g == 0) ys[warp * DN_R + r] = acc[0][0];
+            __syncthreads();  // (the other parity's rows, item k - 1's, were read before this barrier's arrivals)
+            if (warp == 0 && lane < CR) {
+                float a = 0.0f;
+                for (int j = 0; j < cmb.k; ++j) a = f_add(a, f_mul(ws[j], ys[rms[j] * CR + lane]));
+                cmb.x[(i64)it * CR + lane] = f_add(xv, a);
             }
         }
         __syncwarp();
         const int nx = it + DN_STAGES * step;
-        if (nx < items) dn_stage(sb + wst + st * DN_STG, pool, slot_bytes, tile_slot<TP>(pairs, tiles, nx / NI),
+        if (nx < items) dn_stage(sb + wst + st * DN_STG, pool, slot_bytes, tile_slot<TP>(pairs, tiles, tile_of(nx)),
                                  chunk_of(nx), lane);
         cp_commit();
     }
@@ -689,10 +733,10 @@ extern "C" __global__ void __launch_bounds__(DN_WPB * 32, DN_MINB)
 expert_down(const u8* __restrict__ pool, i64 slot_bytes, const int* __restrict__ pairs,
             const int* __restrict__ n_pairs_p, int max_pairs, const signed char* __restrict__ qhbuf,
             const float* __restrict__ dhbuf, const float* __restrict__ hbuf, const u32* __restrict__ grid_g,
-            float* __restrict__ out, int* count, const int* __restrict__ rowmap, const float* __restrict__ w, float* x,
-            int k) {
+            float* __restrict__ out, const int* __restrict__ rowmap, const float* __restrict__ w, float* x, int k,
+            int c) {
     down_body<1>(pool, slot_bytes, pairs, nullptr, n_pairs_p, max_pairs, qhbuf, dhbuf, hbuf, grid_g, out,
-                 [] { PDL_ENTRY(); }, DnCombine{count, rowmap, w, x, k});
+                 [] { PDL_ENTRY(); }, DnCombine{rowmap, w, x, k, c});
 }
 
 extern "C" __global__ void __launch_bounds__(DN_WPB * 32, 1)

@@ -231,7 +231,8 @@ class ExpertKernels:
             self._extra = {}
             self._check_layout()
             self._k_gu.max_dynamic_shared_size_bytes = self.gu_smem
-            self._k_dn.max_dynamic_shared_size_bytes = self.dn_smem
+            self._k_dn.max_dynamic_shared_size_bytes = max([self.dn_smem] + [
+                self.fold_smem(k) or 0 for k in range(1, self.dn_warps + 1)])
             self._k_gut.max_dynamic_shared_size_bytes = self.gut_smem
             self._k_dnt.max_dynamic_shared_size_bytes = self.dn_smem
             if self.mma:
@@ -250,7 +251,6 @@ class ExpertKernels:
             self.h = cupy.empty((P, F), cupy.float32)
             self.qh = cupy.empty((P, F), cupy.int8)
             self.dh = cupy.empty((P, F // 32), cupy.float32)
-            self.dcount = cupy.zeros((self.d_model // self.tuning.dn_rows,), cupy.int32)  # run(combine=): pairs done
 
     @classmethod
     def planned(cls, d_model: int, d_ff: int, qtype_gate_up, qtype_down, tuning: Tuning | None = None,
@@ -337,6 +337,7 @@ class ExpertKernels:
 
     def _plan(self, smem_block: int, smem_sm: int) -> None:
         t = self.tuning
+        self.smem_block, self.smem_sm = smem_block, smem_sm
         self.grid_bytes = table_bytes(_T.IQ3_S, t.iq3_fast)  # expert_decode.cuh's GRID_TABLE_BYTES
 
         def fit(qt, fixed, stg, warps, stages, blocks):
@@ -359,9 +360,9 @@ class ExpertKernels:
                                                            gu_min_blocks(self.qt_gu, t))
         # h quantised by the down kernel where its block items (dn_warps chunks of dn_rows rows) tile d_model
         self.h_in_down = h_in_down(self.qt_gu, t) and (self.d_model // t.dn_rows) % t.dn_warps == 0
-        dn_act = 2 * (-(-(self.d_ff + self.d_ff // 8) // 16) * 16) if self.h_in_down else 0  # experts.cu: DN_ACT
-        self.dn_stages, self.dn_blocks, self.dn_smem = fit(self.qt_dn, dn_act, dn_stg, t.dn_warps, t.dn_stages,
-                                                           t.dn_min_blocks)
+        self.dn_act = -(-(self.d_ff + self.d_ff // 8) // 16) * 16  # experts.cu: DN_ACT1, a pair's h quantised
+        self.dn_stages, self.dn_blocks, self.dn_smem = fit(self.qt_dn, 2 * self.dn_act if self.h_in_down else 0,
+                                                           dn_stg, t.dn_warps, t.dn_stages, t.dn_min_blocks)
         self.gu_grid = self.n_sm * self.gu_blocks
         self.dn_grid = self.n_sm * self.dn_blocks
         # tiled kernels: the same staging, h of tile_p tokens per group instead of one (experts.cu: GUT_SMEM); a
@@ -393,6 +394,20 @@ class ExpertKernels:
         self.mma_mpw = min(t.mma_mpw, built)
         self.mma_gu_smem, self.mma_dn_smem = mma_sizes(built) if shape_ok else (0, 0)  # as layout_info reports
         self.tile_p = 16 * self.mma_mt if self.mma else self.simt_tile  # pairs a prompt tile (build_pairs cuts them)
+
+    def fold_smem(self, k: int) -> int | None:
+        """The down launch's shared bytes with a decode step's combine folded in for k experts a token (experts.cu:
+        DnCombine: block items of dn_warps / k chunks of each pair, their rows combined from shared memory), or None
+        where it cannot fold: k not dividing dn_warps, an item's rows past a warp's 32 lanes, or more shared memory
+        than keeps dn_blocks blocks an SM."""
+        t = self.tuning
+        if k < 1 or self.dn_warps % k or (self.dn_warps // k) * t.dn_rows > 32 or \
+                (self.d_model // t.dn_rows) % (self.dn_warps // k):
+            return None
+        smem = self.dn_smem + 2 * self.dn_warps * t.dn_rows * 4 + 2 * 32 * 4  # experts.cu: DN_FOLD
+        smem += k * self.dn_act if self.h_in_down else 0
+        fits = smem <= self.smem_block and self.dn_blocks * (smem + 1024) <= self.smem_sm
+        return smem if fits else None
 
     def _check_layout(self) -> None:
         cp = self.cp
@@ -486,7 +501,7 @@ class ExpertKernels:
         lay = self._where(where)
         self._check_run_args(pairs, n_pairs)
         self._need(out, cp.float32, (self.max_pairs, self.d_model), "out")
-        cmb = (self.dcount, np.uint64(0), np.uint64(0), np.uint64(0), np.int32(0))
+        cmb, smem = (np.uint64(0), np.uint64(0), np.uint64(0), np.int32(0), np.int32(1)), self.dn_smem
         if combine is not None:  # (rowmap, w (1, k), x (1, d_model)): a decode step's combine, done here
             rowmap, w, x = combine
             self._need(rowmap, cp.int32, None, "rowmap")
@@ -494,12 +509,16 @@ class ExpertKernels:
             self._need(x, cp.float32, (1, self.d_model), "x")
             if w.shape[0] != 1 or rowmap.size < w.size:
                 raise ValueError("the combine in the down kernel is for one token's k rows")
-            cmb = (self.dcount, rowmap, w, x, np.int32(w.size))
+            smem = self.fold_smem(w.size)
+            if smem is None:
+                raise ValueError(f"the combine of {w.size} experts a token does not fold into this down kernel "
+                                 f"({self.dn_warps} warps of {self.tuning.dn_rows} rows): combine_rows does it")
+            cmb = (rowmap, w, x, np.int32(w.size), np.int32(self.dn_warps // w.size))
         with self._stream(stream):
             launch(self._k_dn, (self.dn_grid,), (self.dn_warps * 32,),
                        (np.uint64(lay.down), np.int64(lay.down_stride), pairs, n_pairs, np.int32(self.max_pairs),
                         self.qh, self.dh, self.h, self.dn_tab, out) + cmb,
-                       shared_mem=self.dn_smem, pdl=pdl)
+                       shared_mem=smem, pdl=pdl)
 
     def run(self, where, pairs, n_pairs, qa, da, out, combine=None, stream=None) -> None:
         """out[p] = canonical.expert(expert pairs[p,1] of `where`, qa/da row pairs[p,0]) for p < n_pairs[0] (a
