@@ -17,7 +17,9 @@
 //                   block then quantises the group: qh, dh.) No atomics.
 //   expert_down   : block item = (pair, DN_WPB chunks of DN_R rows of d_model): the block quantises the pair's h
 //                   into shared memory (H_IN_DOWN; else a warp item, qh read as the gate/up block wrote it), then a
-//                   warp a chunk, 32 / DN_R lanes a row; out[p, r] = canonical dot of down row r with qh[p].
+//                   warp a chunk, 32 / DN_R lanes a row; out[p, r] = canonical dot of down row r with qh[p]. With
+//                   a decode step's combine folded in (DnCombine): block item = DN_WPB / k chunks of each of the
+//                   token's k pairs, whose rows the block's first warp adds to the residual after one barrier.
 //   expert_gateup_tiled, expert_down_tiled : the same with an item per tile of up to TILE_P pairs of one expert
 //                   (prompt chunks): a staged weight sub-block is decoded once for all of the tile's tokens.
 //   expert_gateup_mma, expert_down_mma (experts_mma.cuh): prompt tiles of up to 64 pairs on int8 tensor cores.
