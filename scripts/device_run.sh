@@ -83,9 +83,14 @@ tests | tests2 | tests3)
     files="tests/test_gpu_experts.py tests/test_gpu_card.py tests/test_gpu_pdl.py"
     [ "$1" = tests2 ] && files="tests/test_gpu_dense.py"
     [ "$1" = tests3 ] && files="tests/test_gpu_daemon.py"
+    # the kernel tests in 8 processes where pytest-xdist came with the wheels (`pip download --no-deps
+    # --only-binary=:all: pytest-xdist execnet -d .whl`): their NVRTC builds are most of their time; the daemon's
+    # tests (tests3: lanes of their own on the GPU) one at a time. PYTEST_ARGS overrides.
+    par=""
+    [ "$1" != tests3 ] && python3 -c "import xdist" 2>/dev/null && par="-n 8"
     for f in ${TESTS:-$files}; do  # TESTS: other files or test ids (a rerun of what failed)
         log="$OUT/$(basename "${f%%::*}" .py)$([[ $f == *::* ]] && echo "-${f##*::}").log"
-        timeout 540 python3 -m pytest -q -m gpu -p no:cacheprovider ${PYTEST_ARGS:-} "$f" ${TESTS_K:+-k "$TESTS_K"} \
+        timeout 540 python3 -m pytest -q -m gpu -p no:cacheprovider ${PYTEST_ARGS-$par} "$f" ${TESTS_K:+-k "$TESTS_K"} \
             > "$log" 2>&1
         echo "$f: rc=$? $(tail -1 "$log")"
         grep -E "^(FAILED|ERROR) " "$log" | head -5
