@@ -242,7 +242,7 @@ engine-card)
     ;;
 experts-prompt)  # the expert prompt kernels alone (a 1K chunk); TYPES (IQ3_S), VARIANTS (the tile kernel's forms)
     timeout 400 $(experts_bench) --prompt --types "${TYPES:-IQ3_S}" \
-        --variants "${VARIANTS:-default,mma-unroll1,mma-prefetch,mma-prefetch-unroll1,mma-mpw4}" \
+        --variants "${VARIANTS:-default,mma-unroll1,mma-mpw4}" \
         --json "$OUT/experts-prompt.json" 2>&1 | grep '^{"' | cut -c1-200
     ;;
 seed13 | seed2)

@@ -163,7 +163,6 @@ class Tuning:
                                 # at 4 m-tiles a tile; at most the tile's)
     mma_mt: int = 4             # tensor-core tiles: m-tiles a tile at most, 4 / 2 / 1 (64 / 32 / 16 pairs); fewer
                                 # where the activation rows of 64 pairs beside the weights do not fit a block
-    mma_prefetch: int = 0       # tensor-core tiles: decode the next leaf's weight fragments during this leaf's mma
     mma_unroll: int = 2         # tensor-core tiles: leaves per loop iteration (1 or 2); 2 measured fastest
     h_in_down: int = 1          # decode: 2 = gate/up items a warp's rows, dealt evenly over the SMs, and h quantised
                                 # by the down kernel (experts.cu: H_IN_DOWN); 0 = a block's 32-row group an item, h
@@ -306,7 +305,7 @@ class ExpertKernels:
             ("GU_WPB", self.gu_warps), ("GU_MINB", self.gu_blocks), ("GU_STAGES", self.gu_stages),
             ("GU_DIRECT", int(self.gu_direct)), ("TILE_P", self.simt_tile), ("MMA_MPW", self.mma_mpw),
             ("MMA_MT", max(1, self.mma_mt)),  # the size _plan builds where no tile is used
-            ("MMA_PREFETCH", t.mma_prefetch), ("MMA_UNROLL", t.mma_unroll),
+            ("MMA_UNROLL", t.mma_unroll),
             ("DN_WPB", self.dn_warps), ("DN_MINB", self.dn_blocks), ("DN_STAGES", self.dn_stages),
             ("DN_R", t.dn_rows), ("IQ3_FAST", t.iq3_fast), ("UNTUNED", int(self.untuned or -1)),
             ("H_IN_DOWN", int(self.h_in_down)),

@@ -157,9 +157,6 @@ template <> __device__ __forceinline__ void decode_frag<QT_IQ3_S>(u32 R, int s, 
     f.hi = q[1];
 }
 
-#ifndef MMA_PREFETCH
-#define MMA_PREFETCH 0
-#endif
 #ifndef MMA_UNROLL
 #define MMA_UNROLL 1
 #endif
@@ -233,18 +230,10 @@ __device__ __forceinline__ void mma_leaves(u32 sb, u32 R, int mt0, int nmt, int 
     const float* das = reinterpret_cast<const float*>(g_smem + G::O_D);
     float lv[5][MMA_NE];
     MmaFrag fr[G::SPL];
-#if MMA_PREFETCH  // the next leaf's fragments are decoded while this leaf's mma and terms run
-    MmaFrag nx[G::SPL];
-    leaf_frags<QT, G::SPL, G::NSUB>(R, 0, t, fr);
-#endif
 #pragma unroll (MMA_LEAF_UNROLL)
     for (int j = 0; j < 32; ++j) {
         const int l = (int)(__brev((u32)j) >> 27);  // the canonical lane whose leaf comes j-th
-#if MMA_PREFETCH
-        if (j < 31) leaf_frags<QT, G::SPL, G::NSUB>(R, (int)(__brev((u32)j + 1u) >> 27), t, nx);
-#else
         leaf_frags<QT, G::SPL, G::NSUB>(R, l, t, fr);
-#endif
         float leaf[MMA_NE];
 #pragma unroll
         for (int e = 0; e < MMA_NE; ++e) leaf[e] = 0.0f;
@@ -317,10 +306,6 @@ __device__ __forceinline__ void mma_leaves(u32 sb, u32 R, int mt0, int nmt, int 
 #pragma unroll
             for (int e = 0; e < MMA_NE; ++e) leaf[e] = f_add(leaf[e], term[e]);  // 0.0f past NSUB, as the lanes do
         }
-#if MMA_PREFETCH
-#pragma unroll
-        for (int i = 0; i < G::SPL; ++i) fr[i] = nx[i];
-#endif
         switch (__ffs(~j) - 1) {  // warp-uniform branch: each leaf does only its own merges
             case 0: push_leaf<0>(lv, leaf); break;
             case 1: push_leaf<1>(lv, leaf); break;

@@ -51,12 +51,9 @@ VARIANTS = {  # Tuning overrides (lane/kernels/experts.py); tests/test_gpu_exper
     "hwarp": {"h_in_down": 2},  # decode gate/up items a warp's rows for every type, h quantised by the down kernel
     "mma-mpw1": {"mma_mpw": 1},  # tensor-core prompt tiles: 32 warps a block, one m-tile each
     "mma-mpw4": {"mma_mpw": 4},  # 8 warps, all four m-tiles each
-    "mma-prefetch": {"mma_prefetch": 1},  # the next leaf's weight fragments decoded during this leaf's mma
-    "mma-prefetch-mpw4": {"mma_prefetch": 1, "mma_mpw": 4},
     "mma-unroll1": {"mma_unroll": 1},  # one leaf a loop iteration (the default is two)
     "mma-mt2": {"mma_mt": 2},  # tensor-core tiles of 32 / 16 pairs at most (the plan's where 64 do not fit)
     "mma-mt1": {"mma_mt": 1},
-    "mma-prefetch-unroll1": {"mma_prefetch": 1, "mma_unroll": 1},
     "simt": {"prompt": "simt"},  # prompt tiles on the dp4a kernels instead of tensor cores
     "simt-tile16": {"prompt": "simt", "tile_p": 16},
     "simt-tile16-deep": {"prompt": "simt", "tile_p": 16, "gu_stages": 2},
