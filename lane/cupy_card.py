@@ -87,13 +87,15 @@ class CupyCard:
     def __init__(self, model: ModelFile, device: int, n_slots: int, context_length: int,
                  counts: np.ndarray | None = None, cpu_threads: int = 0, graphs: bool = True,
                  host_experts: str = "card", prompt_chunk: int = GPU_PROMPT_CHUNK, options: GpuOptions = GpuOptions(),
-                 tuning: Tuning | None = None, fit: bool = False, cards: int = 1, before: int = 0, after: int = 0):
+                 tuning: Tuning | None = None, fit: bool = False, cards: int = 1, before: int = 0, after: int = 0,
+                 host_cpu_share: float = 0.0):
         """prompt_chunk: tokens a prompt chunk (the expert kernels' pair lists and workspaces are sized for it);
         options: the config's [gpu] code paths (process-wide: PDL, the kernel cache); tuning: the expert kernels'
         launch shape (default: the measured one). fit: hold at most n_slots experts, as many as the card has room
         for once everything else is in place (expert_cache = auto; `fit_pool`), beside `before` lanes of this GPU
         that built before this one and leaving an equal share to `after` that build after it; cards: the daemon's
-        card count (the sources whose results a prompt chunk may hold)."""
+        card count (the sources whose results a prompt chunk may hold); host_cpu_share: the part of the experts no
+        card holds that the CPU pool computes in decode steps beside the card's bus reads (lane/host_split.py)."""
         # before anything is allocated: a model the kernels cannot take fails whole (planned from this card's shared
         # memory, as ExpertKernels plans: an RTX card's 99 KB refuses what an H200 takes)
         check_model(model, tuning, card_smem(cp.cuda.Device(device)))
@@ -121,7 +123,7 @@ class CupyCard:
         self.kv_stream = cp.cuda.Stream(non_blocking=True)  # KV blocks to the host cache, beside both
         self.device_ident = "cuda:" + cp.cuda.runtime.deviceGetPCIBusId(device)
         self.experts = GpuExperts(model, self.pool, self.prompt_chunk, cpu_threads, self.stream, self.device_ident,
-                                  host_experts, options, tuning)
+                                  host_experts, options, tuning, host_cpu_share, self.counts)
         # the sequence's KV caches, one (K, V) a layer, and its position (the device's: decode steps read it)
         self.kv_caches = [rope_kv.alloc_kv_cache(c.n_head_kv, self.max_ctx, c.head_dim) for _ in range(c.n_layer)]
         self.net = Qwen3MoeGpu(model, self.stream, self.experts, self.kv_caches, self.pos, self.max_ctx)

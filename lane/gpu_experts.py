@@ -18,7 +18,8 @@ Another card's pool is opened through its CUDA IPC handle (from the coordinator'
 run here; on another GPU they run there (RemotePool), the input going over and the result rows coming back. With
 host_experts = "card" the experts no card holds are one more source, the page-locked arena, read over the bus by
 this card (ArenaSource: a decode step's fetched into staging slots first) instead of being computed by the CPU
-pool. Sources with a stream of their own (RemotePool, ArenaSource) are launched first and joined before the
+pool; host_cpu_share > 0 leaves part of them to the CPU pool, which computes it while the card reads the rest
+(lane/host_split.py). Sources with a stream of their own (RemotePool, ArenaSource) are launched first and joined before the
 combine, so they overlap this card's work.
 """
 from __future__ import annotations
@@ -32,6 +33,7 @@ import numpy as np
 from lane import host_lock
 from lane.cpu_pool import CpuPool, LayerJobs
 from lane.expert_counts import entries_by_source, routed_counts
+from lane.host_split import cpu_side
 from lane.kernels.experts import MAX_SOURCES, ExpertKernels, Tuning, max_tiles
 from lane.kernels.fetch import fetch_experts, whole_words
 from lane.slot_pool import SlotPool
@@ -229,7 +231,9 @@ def device_index(bus_id: str) -> int | None:
 class GpuExperts:
     def __init__(self, model: ModelFile, pool: SlotPool, max_tokens: int, cpu_threads: int, stream: cp.cuda.Stream,
                  own_device: str, host_experts: str = "card", options: GpuOptions = GpuOptions(),
-                 tuning: Tuning | None = None):
+                 tuning: Tuning | None = None, host_cpu_share: float = 0.0, counts: np.ndarray | None = None):
+        """counts (n_layer, n_expert): the card's live routing counts (updated in place), which host_cpu_share's
+        split of the experts no card holds follows."""
         c = model.config
         self.options, self.tuning = options, tuning or Tuning()
         self.model, self.c, self.pool, self.stream, self.own_device = model, c, pool, stream, own_device
@@ -273,6 +277,9 @@ class GpuExperts:
         # decode steps: the experts no card holds run on the CPU pool, or on this card from the arena
         if host_experts not in ("cpu", "card"):
             raise ValueError(f"host_experts must be 'cpu' or 'card', not {host_experts!r}")
+        cpu_side(np.zeros((1, 1), bool), np.zeros((1, 1)), host_cpu_share)  # a share outside [0, 1] fails here
+        self.host_cpu_share = host_cpu_share
+        self.counts = counts if counts is not None else np.zeros((c.n_layer, c.n_expert))
         self.arena = None
         if host_experts == "card":
             try:
@@ -372,10 +379,11 @@ class GpuExperts:
             m = (src < 0) & (self.peer_card == card)
             src[m], slot[m] = s, self.peer_slot[m]
         self.on_card = src >= 0  # in some card's slots (what prompt chunks do not stage)
-        if self.arena is not None and (src < 0).any():  # the rest: expert e of the layer's arena tensors (none
-            # when the cards hold every expert: no side stream and no empty launches in each layer of a step)
+        # the rest: expert e of the layer's arena tensors, less the CPU pool's share (no arena source when the
+        # cards hold every expert: no side stream and no empty launches in each layer of a step)
+        m = (src < 0) & ~cpu_side(src < 0, self.counts, self.host_cpu_share) if self.arena is not None else None
+        if m is not None and m.any():
             self.sources.append((None, None, self.arena))
-            m = src < 0
             src[m] = len(self.sources) - 1
             slot[m] = np.broadcast_to(np.arange(self.c.n_expert, dtype=np.int32), src.shape)[m]
         self.src.set(src, stream=self.stream)

@@ -163,6 +163,7 @@ class Lane:
             with fitting_alone(self.cfg.card, placement.fit, self.cfg.shm_prefix, self.beat) as before:
                 self.card = CupyCard(self.model, int(self.cfg.card), n, self.cfg.context_length, live,
                                      self.cfg.cpu_threads, host_experts=self.cfg.host_experts,
+                                     host_cpu_share=self.cfg.host_cpu_share,
                                      prompt_chunk=self.cfg.prompt_chunk, options=self.cfg.gpu, fit=placement.fit,
                                      cards=placement.cards, before=min(before, placement.gpu_lanes - 1),
                                      after=max(0, placement.gpu_lanes - 1 - before))

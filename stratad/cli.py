@@ -223,7 +223,8 @@ def _bench(a) -> int:
 
         out = engine.run(model, fractions=[float(x) for x in a.fractions.split(",")],
                          contexts=[int(x) for x in a.contexts.split(",")], tokens=a.tokens,
-                         host_experts=a.host_experts, prompt_chunk=a.prompt_chunk)
+                         host_experts=a.host_experts, prompt_chunk=a.prompt_chunk,
+                         cpu_shares=[float(x) for x in a.host_cpu_share.split(",")])
     elif a.scenario == "experts":
         from stratad.bench import experts
 
@@ -309,6 +310,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--fractions", default="1.0,0.5,0.25", help="engine: expert-cache fractions")
     b.add_argument("--host-experts", choices=["cpu", "card"], default="card",
                    help="engine, seed: decode's experts on no card run on the CPU pool or on the card from host memory")
+    b.add_argument("--host-cpu-share", default="0",
+                   help="engine: with --host-experts card, the part of the misses the CPU pool computes beside the "
+                        "card's bus reads (config host_cpu_share); a comma list runs each")
     b.add_argument("--contexts", default="1024", help="engine: prompt lengths; seed: the first is the prompt length")
     b.add_argument("--prompt-chunk", type=int, default=GPU_PROMPT_CHUNK,
                    help="engine, seed: tokens a GPU card reads a prompt in at a time (config prompt_chunk)")

@@ -121,6 +121,9 @@ class DaemonConfig(BaseModel):
         "card", description="GPU cards, decode: the experts no card holds are read by the card from the page-locked "
                             "arena over the bus (card: the faster, docs/perf-notes.md) or computed by the CPU pool "
                             "(cpu)")
+    host_cpu_share: float = Field(0.0, ge=0.0, le=1.0, description="GPU cards with host_experts = card, decode: the "
+                                  "part of the experts no card holds (by expected use) that the CPU pool computes "
+                                  "while the card reads the rest over the bus (0: the card reads them all)")
     prompt_chunk: int = Field(GPU_PROMPT_CHUNK, ge=16, description="GPU cards: tokens a prompt is read in at a "
                               "time (bigger: faster prompts, more workspace, cancels and role changes seen less often)")
     prefix_cache: bool = Field(True, description="a lane keeps its last sequence's KV (and the host conversation "
@@ -213,6 +216,7 @@ class LaneConfig(BaseModel):
     start_timeout_s: float  # how long to wait for the coordinator's placement
     log_level: str
     host_experts: Literal["cpu", "card"]
+    host_cpu_share: float
     prompt_chunk: int
     prefix_cache: bool
     kv_store: str  # the host conversation cache's segment ("": none)
@@ -227,8 +231,8 @@ class LaneConfig(BaseModel):
         return cls(lane=lane, card=card, endpoint=endpoint, model=model, model_hash=model_hash,
                    shm_prefix=shm_prefix, context_length=context_length, cpu_threads=cpu_threads,
                    heartbeat_s=cfg.heartbeat_s, start_timeout_s=cfg.lane_start_timeout_s, log_level=cfg.log_level,
-                   host_experts=cfg.host_experts, prompt_chunk=cfg.prompt_chunk, prefix_cache=cfg.prefix_cache,
-                   kv_store=kv_store,
+                   host_experts=cfg.host_experts, host_cpu_share=cfg.host_cpu_share, prompt_chunk=cfg.prompt_chunk,
+                   prefix_cache=cfg.prefix_cache, kv_store=kv_store,
                    rope_scaling=cfg.rope_scaling, rope_scale=cfg.rope_scale, yarn_orig_ctx=cfg.yarn_orig_ctx,
                    gpu=cfg.gpu)
 

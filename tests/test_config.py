@@ -32,6 +32,15 @@ def test_lane_command_line_carries_host_experts():
     assert lane_config().host_experts == "card"
 
 
+def test_host_cpu_share_is_a_fraction_and_reaches_the_lane():
+    assert config.load(None, {"model": "m.gguf"}).host_cpu_share == 0.0
+    for bad in (-0.1, 1.5):
+        with pytest.raises(config.ConfigError, match="key 'host_cpu_share'"):
+            config.load(None, {"model": "m.gguf", "host_cpu_share": bad})
+    assert lane_config(host_cpu_share=0.4).host_cpu_share == 0.4
+    assert lane_config().host_cpu_share == 0.0
+
+
 def test_prefix_cache_reaches_the_lane():
     assert config.load(None, {"model": "m.gguf"}).prefix_cache is True  # on by default with the host cache
     assert lane_config().prefix_cache and not lane_config(prefix_cache=False).prefix_cache

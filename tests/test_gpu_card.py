@@ -87,6 +87,12 @@ def test_placement_never_changes_a_bit(model, CupyCard):
         results[f"arena {frac}"] = run(card, model, 40)
         cnt = results[f"arena {frac}"][2]
         assert cnt.host_read > 0 and cnt.host_read == cnt.cpu, cnt  # none left to the CPU pool
+        # host_cpu_share: the CPU pool computes part of them while the card reads the rest, in the same steps
+        card = CupyCard(model, 0, n, 4096, host_experts="card", host_cpu_share=0.5)
+        card.pool.fill(experts_by_rank(model)[:n])
+        results[f"split {frac}"] = run(card, model, 40)
+        cnt = results[f"split {frac}"][2]
+        assert cnt.host_read > 0 and cnt.cpu - cnt.host_read > 0, cnt
     digests = {f: r[1] for f, r in results.items()}
     assert len(set(digests.values())) == 1, digests
     card = CupyCard(model, 0, total // 2, 4096)

@@ -4,10 +4,12 @@ The floor of a decode token is the bytes it must move (the routed experts' weigh
 context's KV) over the card's measured copy bandwidth; experts computed on the CPU pool move over host memory
 instead, so the floor here counts card-resident expert bytes only and the CPU share is reported beside it. With
 host_experts = "card" the experts no card holds cross the bus: their bytes over the measured page-locked upload
-rate are added to the floor.
+rate are added to the floor; host_cpu_share (a list: one card each) leaves part of them to the CPU pool, whose
+experts the floor leaves out as above.
 """
 from __future__ import annotations
 
+import itertools
 import os
 import time
 
@@ -47,7 +49,7 @@ def _bytes_per_token(model: ModelFile, context: int, resident_share: float) -> i
 
 
 def run(model_path: str, fractions=(1.0, 0.5, 0.25), contexts=(1024,), tokens: int = 128,
-        host_experts: str = "card", prompt_chunk: int = GPU_PROMPT_CHUNK) -> dict:
+        host_experts: str = "card", prompt_chunk: int = GPU_PROMPT_CHUNK, cpu_shares=(0.0,)) -> dict:
     import cupy as cp
 
     from lane.cupy_card import CupyCard
@@ -62,10 +64,12 @@ def run(model_path: str, fractions=(1.0, 0.5, 0.25), contexts=(1024,), tokens: i
     total = c.n_layer * c.n_expert
     results = []
     profile = None
-    for frac in fractions:
+    for frac, cpu_share in itertools.product(fractions, cpu_shares):
         n_slots = int(frac * total)
+        # host_cpu_share splits the misses by the card's routing counts: the profile's, once there is one
         card = CupyCard(model, 0, n_slots, max(contexts) + tokens + NEXT_TURN + 64, host_experts=host_experts,
-                       prompt_chunk=prompt_chunk)
+                        prompt_chunk=prompt_chunk, host_cpu_share=cpu_share,
+                        counts=None if profile is None else profile.copy())
         if profile is None:  # the model's routing profile: counts of a 512-token pass with every expert on the CPU
             card.forward(list(np.random.default_rng(0).integers(0, 2000, 512)), card.new_kv(), logits="none")
             profile = card.counts.copy()
@@ -121,7 +125,7 @@ def run(model_path: str, fractions=(1.0, 0.5, 0.25), contexts=(1024,), tokens: i
                 "floor_ms_per_token": round(floor_s * 1e3, 4),
                 "floor_tok_s": round(1 / floor_s, 1), "fraction_of_floor": round(tps * floor_s, 4),
                 "cpu_expert_gb_s": round(cpu_gb_s, 2), "cpu_fraction_of_host_read": round(cpu_gb_s / host_read, 3),
-                "host_experts": host_experts, "prompt_chunk": card.prompt_chunk, "bus_expert_gb_s": round(bus_gb_s, 2),
+                "host_experts": host_experts, "host_cpu_share": cpu_share, "prompt_chunk": card.prompt_chunk, "bus_expert_gb_s": round(bus_gb_s, 2),
                 "bus_expert_mb_per_token": round(read / max(1, n - 1) * expert_bytes / 1e6, 1),
                 "next_turn_tokens": len(turn), "next_turn_cached_tokens": g2.cached,
                 "next_turn_ttft_s": round(g2.ttft_s, 4),
