@@ -57,6 +57,16 @@
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
+# The lanes' compiled kernels (cubins keyed by their source and options) from one fresh machine to the next: the
+# outermost call starts from .kcache.tgz where the checkout carries it (run's carry: [".whl", ".kcache.tgz"]) and
+# leaves the cache it ends with in $OUT/kcache.tgz (copy it to .kcache.tgz for the next call). A cold cache costs
+# a call's first card ~30-60 s of NVRTC builds.
+KCACHE_DIR=/tmp/stratad-kernels-$(id -u)
+if [ -z "${KCACHE_TOP:-}" ]; then
+    export KCACHE_TOP=$$
+    [ -f .kcache.tgz ] && mkdir -p "$KCACHE_DIR" && tar -C "$KCACHE_DIR" -xzf .kcache.tgz --skip-old-files
+    trap 'tar -C "$KCACHE_DIR" -czf "$OUT/kcache.tgz" . 2>/dev/null' EXIT
+fi
 A3B=/tmp/a3b-iq3s-skew1.gguf
 SEED=/tmp/a3b-iq3s-skew0.7-topics2.gguf
 
