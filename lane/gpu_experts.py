@@ -33,7 +33,7 @@ import numpy as np
 from lane import host_lock
 from lane.cpu_pool import CpuPool, LayerJobs
 from lane.expert_counts import entries_by_source, routed_counts
-from lane.host_split import cpu_side
+from lane.host_split import check_share, cpu_side
 from lane.kernels.experts import MAX_SOURCES, ExpertKernels, Tuning, max_tiles
 from lane.kernels.fetch import fetch_experts, whole_words
 from lane.slot_pool import SlotPool
@@ -277,8 +277,7 @@ class GpuExperts:
         # decode steps: the experts no card holds run on the CPU pool, or on this card from the arena
         if host_experts not in ("cpu", "card"):
             raise ValueError(f"host_experts must be 'cpu' or 'card', not {host_experts!r}")
-        cpu_side(np.zeros((1, 1), bool), np.zeros((1, 1)), host_cpu_share)  # a share outside [0, 1] fails here
-        self.host_cpu_share = host_cpu_share
+        self.host_cpu_share = check_share(host_cpu_share)
         self.counts = counts if counts is not None else np.zeros((c.n_layer, c.n_expert))
         self.arena = None
         if host_experts == "card":

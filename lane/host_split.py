@@ -13,13 +13,18 @@ from __future__ import annotations
 import numpy as np
 
 
+def check_share(share: float) -> float:
+    """share itself, where it is a part of a whole (NaN is not)."""
+    if not 0.0 <= share <= 1.0:
+        raise ValueError(f"host_cpu_share must be in [0, 1], not {share}")
+    return share
+
+
 def cpu_side(off: np.ndarray, counts: np.ndarray, share: float) -> np.ndarray:
     """off bool (n_layer, n_expert): the experts no card holds; counts (n_layer, n_expert): their expected use
     (routing counts; all zero: every expert alike); share in [0, 1]: the part of each layer's expected use the CPU
     pool takes. Returns bool (n_layer, n_expert): the experts the CPU pool computes (a subset of off)."""
-    if not 0.0 <= share <= 1.0:
-        raise ValueError(f"host_cpu_share must be in [0, 1], not {share}")
-    if share == 0.0 or share == 1.0:
+    if check_share(share) == 0.0 or share == 1.0:
         return off.copy() if share else np.zeros_like(off)
     L, E = off.shape
     c = np.asarray(counts, np.float64)
