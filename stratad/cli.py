@@ -196,6 +196,17 @@ def _experts_arg(check: str):
     return parse
 
 
+def _shares(text: str) -> list[float]:
+    """--host-cpu-share: a comma list of parts of a whole."""
+    try:
+        v = [float(x) for x in text.split(",")]
+    except ValueError:
+        v = []
+    if not v or not all(0.0 <= x <= 1.0 for x in v):
+        raise argparse.ArgumentTypeError(f"expected parts between 0 and 1, comma-separated, not {text!r}")
+    return v
+
+
 def _bench(a) -> int:
     import datetime
 
@@ -203,6 +214,9 @@ def _bench(a) -> int:
 
     gpu = a.scenario in ("engine", "experts") or (a.scenario in ("seed", "agents")
                                                  and any(c != "cpu" for c in a.cards.split(",")))
+    if a.host_experts == "cpu" and any(a.host_cpu_share):
+        raise SystemExit("stratad bench: --host-cpu-share is a part of the misses the card reads; with "
+                         "--host-experts cpu the CPU pool computes all of them")
     if gpu:
         hardware.need_gpu(a.scenario)
     model = a.model
@@ -224,7 +238,7 @@ def _bench(a) -> int:
         out = engine.run(model, fractions=[float(x) for x in a.fractions.split(",")],
                          contexts=[int(x) for x in a.contexts.split(",")], tokens=a.tokens,
                          host_experts=a.host_experts, prompt_chunk=a.prompt_chunk,
-                         cpu_shares=[float(x) for x in a.host_cpu_share.split(",")])
+                         cpu_shares=a.host_cpu_share)
     elif a.scenario == "experts":
         from stratad.bench import experts
 
@@ -310,7 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--fractions", default="1.0,0.5,0.25", help="engine: expert-cache fractions")
     b.add_argument("--host-experts", choices=["cpu", "card"], default="card",
                    help="engine, seed: decode's experts on no card run on the CPU pool or on the card from host memory")
-    b.add_argument("--host-cpu-share", default="0",
+    b.add_argument("--host-cpu-share", default="0", type=_shares,
                    help="engine: with --host-experts card, the part of the misses the CPU pool computes beside the "
                         "card's bus reads (config host_cpu_share); a comma list runs each")
     b.add_argument("--contexts", default="1024", help="engine: prompt lengths; seed: the first is the prompt length")

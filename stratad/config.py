@@ -157,6 +157,14 @@ class DaemonConfig(BaseModel):
             raise ValueError(f"{info.field_name} takes a fraction 0..1 or a size, not 'auto'")
         return b
 
+    @field_validator("host_cpu_share")
+    @classmethod
+    def _cpu_share(cls, v, info):
+        if v and info.data.get("host_experts") == "cpu":
+            raise ValueError("is a part of the misses the card would read: with host_experts = 'cpu' the CPU pool "
+                             "computes every one of them already")
+        return v
+
     @field_validator("cards", mode="before")
     @classmethod
     def _cards(cls, v):

@@ -155,6 +155,16 @@ def test_experts_bench_refuses_a_bad_option_before_measuring(flag, value, says):
     assert r.returncode == 2 and f"argument {flag}: {says}" in r.stderr, r.stderr
 
 
+@pytest.mark.parametrize("args,rc,says", [(["--host-cpu-share", "0,1.5"], 2, "argument --host-cpu-share: expected parts"),
+                                           (["--host-cpu-share", "x"], 2, "argument --host-cpu-share: expected parts"),
+                                           (["--host-experts", "cpu", "--host-cpu-share", "0.3"], 1,
+                                            "with --host-experts cpu the CPU pool computes all of them")])
+def test_engine_bench_refuses_a_bad_host_share_before_measuring(args, rc, says):
+    r = subprocess.run([sys.executable, "-m", "stratad.cli", "bench", "--scenario", "engine", *args],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == rc and says in r.stderr, r.stderr
+
+
 @pytest.mark.parametrize("qt", ["F16", "IQ3_S"])
 def test_cpu_pool_bench_layers_of_float_and_quantised_experts(qt):
     """The CPU pool bench's random layer holds each expert's rows as bytes, a float type's too (its rows come as

@@ -37,6 +37,8 @@ def test_host_cpu_share_is_a_fraction_and_reaches_the_lane():
     for bad in (-0.1, 1.5):
         with pytest.raises(config.ConfigError, match="key 'host_cpu_share'"):
             config.load(None, {"model": "m.gguf", "host_cpu_share": bad})
+    with pytest.raises(config.ConfigError, match="key 'host_cpu_share'.*host_experts = 'cpu'"):
+        config.load(None, {"model": "m.gguf", "host_experts": "cpu", "host_cpu_share": 0.5})
     assert lane_config(host_cpu_share=0.4).host_cpu_share == 0.4
     assert lane_config().host_cpu_share == 0.0
 
