@@ -19,8 +19,8 @@ run here; on another GPU they run there (RemotePool), the input going over and t
 host_experts = "card" the experts no card holds are one more source, the page-locked arena, read over the bus by
 this card (ArenaSource: a decode step's fetched into staging slots first) instead of being computed by the CPU
 pool; host_cpu_share > 0 leaves part of them to the CPU pool, which computes it while the card reads the rest
-(lane/host_split.py). Sources with a stream of their own (RemotePool, ArenaSource) are launched first and joined before the
-combine, so they overlap this card's work.
+(lane/host_split.py). Sources with a stream of their own (RemotePool, ArenaSource) are launched first and joined
+before the combine, so they overlap this card's work.
 """
 from __future__ import annotations
 
@@ -380,11 +380,12 @@ class GpuExperts:
         self.on_card = src >= 0  # in some card's slots (what prompt chunks do not stage)
         # the rest: expert e of the layer's arena tensors, less the CPU pool's share (no arena source when the
         # cards hold every expert: no side stream and no empty launches in each layer of a step)
-        m = (src < 0) & ~cpu_side(src < 0, self.counts, self.host_cpu_share) if self.arena is not None else None
-        if m is not None and m.any():
-            self.sources.append((None, None, self.arena))
-            src[m] = len(self.sources) - 1
-            slot[m] = np.broadcast_to(np.arange(self.c.n_expert, dtype=np.int32), src.shape)[m]
+        if self.arena is not None:
+            m = (src < 0) & ~cpu_side(src < 0, self.counts, self.host_cpu_share)
+            if m.any():
+                self.sources.append((None, None, self.arena))
+                src[m] = len(self.sources) - 1
+                slot[m] = np.broadcast_to(np.arange(self.c.n_expert, dtype=np.int32), src.shape)[m]
         self.src.set(src, stream=self.stream)
         self.slot.set(slot, stream=self.stream)
         self.h_src, self.h_slot = src, slot

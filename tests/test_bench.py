@@ -155,8 +155,8 @@ def test_experts_bench_refuses_a_bad_option_before_measuring(flag, value, says):
     assert r.returncode == 2 and f"argument {flag}: {says}" in r.stderr, r.stderr
 
 
-@pytest.mark.parametrize("args,rc,says", [(["--host-cpu-share", "0,1.5"], 2, "argument --host-cpu-share: expected parts"),
-                                           (["--host-cpu-share", "x"], 2, "argument --host-cpu-share: expected parts"),
+@pytest.mark.parametrize("args,rc,says", [(["--host-cpu-share", "0,1.5"], 2, "argument --host-cpu-share: expected"),
+                                           (["--host-cpu-share", "x"], 2, "argument --host-cpu-share: expected"),
                                            (["--host-experts", "cpu", "--host-cpu-share", "0.3"], 1,
                                             "with --host-experts cpu the CPU pool computes all of them")])
 def test_engine_bench_refuses_a_bad_host_share_before_measuring(args, rc, says):
