@@ -11,6 +11,8 @@
 #   bash scripts/device_run.sh profile   # a3b IQ3_S: where a decode step's time goes (with and without PDL),
 #                                        # and a prompt's
 #   bash scripts/device_run.sh agents    # the agents scenario (host conversation cache) on two logical cards
+#   bash scripts/device_run.sh split     # the iq3_s mix half resident at 1K, misses split CPU pool / bus (SHARES;
+#                                        # HOST=cpu: the CPU pool alone)
 #   bash scripts/device_run.sh half      # the iq3_s mix half and a quarter resident (misses from the arena), this tree
 #                                        # and each _ab*/ tree, alternating (FRACTIONS, ROUNDS)
 #   bash scripts/device_run.sh mixes     # the engine bench on the a3b iq3_s and q4_k_m mixes
@@ -162,6 +164,18 @@ mixes)  # the engine bench on llama.cpp's iq3_s and q4_k_m mixes of the a3b shap
                 --json "$OUT/engine-mix-iq3_s-half-$tag.json" 2>&1 | grep "^{'" | cut -c1-200 | sed "s|^|$tree: |")
         done
     done
+    ;;
+split)  # the misses split between the CPU pool and the bus ([gpu] host_cpu_share): the iq3_s mix half resident at
+       # 1K, one card a share of SHARES (0,0.2,0.4,0.6); HOST=cpu for the CPU pool alone instead. Results stream
+       # to $OUT/split-*.log, so a call cut short still brings back the cards that finished
+    m=/tmp/a3b-mix-iq3_s.gguf
+    [ -f $m ] || python3 -m stratad.cli make-model --preset a3b --router-skew 1.0 --mix iq3_s --out $m | tail -1
+    bus_read
+    tag=${HOST:-card}
+    timeout "${SPLIT_S:-400}" python3 -u -m stratad.cli bench --scenario engine --model $m --fractions 0.5 \
+        --contexts 1024 --host-experts "$tag" $([ "$tag" = card ] && echo --host-cpu-share "${SHARES:-0,0.2,0.4,0.6}") \
+        --json "$OUT/engine-split-$tag.json" > "$OUT/split-$tag.log" 2>&1
+    echo "split $tag rc=$?"; grep "^{'" "$OUT/split-$tag.log" | cut -c1-240
     ;;
 half)  # the iq3_s mix's decode with misses read from the arena: the engine bench at FRACTIONS (0.5,0.25) resident, 1K,
       # on this tree and each tree _ab*/ in turn, ROUNDS (2) times (the misses' bus time dominates: bus_expert_*)
