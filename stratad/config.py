@@ -123,7 +123,8 @@ class DaemonConfig(BaseModel):
                             "(cpu)")
     host_cpu_share: float = Field(0.0, ge=0.0, le=1.0, description="GPU cards with host_experts = card, decode: the "
                                   "part of the experts no card holds (by expected use) that the CPU pool computes "
-                                  "while the card reads the rest over the bus (0: the card reads them all)")
+                                  "while the card reads the rest over the bus (0: the card reads them all; it "
+                                  "pays only on a slow bus, docs/perf-notes.md)")
     prompt_chunk: int = Field(GPU_PROMPT_CHUNK, ge=16, description="GPU cards: tokens a prompt is read in at a "
                               "time (bigger: faster prompts, more workspace, cancels and role changes seen less often)")
     prefix_cache: bool = Field(True, description="a lane keeps its last sequence's KV (and the host conversation "
