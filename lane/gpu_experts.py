@@ -1,7 +1,7 @@
 """A GPU card's MoE step: each routed expert computed where it is — the card's slots, another card's slots or the
 CPU pool — with no per-expert Python and, when the card and its peers hold every expert, no host involvement.
 
-All run the canonical expert function (GPU kernels of lane/kernels/experts.cu, numba kernels of lane/cpu_pool.py),
+All run the canonical expert function (GPU kernels of lane/kernels/experts.cu, numba kernels of lane/cpu_pool/),
 so the bits do not depend on placement. A layer is two halves around the host:
   front : quantise the input, build_pairs on the device (per source: this card, each peer pool on this GPU; the
           rest is the CPU's miss list in mapped host memory), then, if the CPU may have work, copy the quantised

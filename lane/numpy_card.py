@@ -2,7 +2,8 @@
 
 Experts in the card's slot pool are computed from the slot's bytes; experts another card holds (its View) from
 that card's slot pool, a shared-memory segment (the CPU cards' stand-in for CUDA IPC); the others by the numba
-CPU pool (lane/cpu_pool.py, the GPU lanes' too) straight from the arena. All run the canonical expert function: the output bits do not depend on placement (DESIGN.md).
+CPU pool (lane/cpu_pool/, the GPU lanes' too) straight from the arena. All run the canonical expert function:
+the output bits do not depend on placement (DESIGN.md).
 """
 from __future__ import annotations
 

@@ -158,7 +158,7 @@ def special_floats(rng, qtype, rows, n):
 
 @pytest.mark.parametrize("qtype", FLOATS, ids=lambda t: t.name)
 def test_float_view_edges_bit_exact(pools, seed, qtype):
-    """The float types' integer view formed from the raw bits (cpu_pool._float_view) against
+    """The float types' integer view formed from the raw bits (cpu_pool.blocks_float._float_view) against
     quants.floats.float_view through canonical.expert, on sub-blocks at the view's edges (special_floats)."""
     d_model, d_ff = 256, 352  # 352: down rows of 8 sub-blocks and a remainder of 3
     rng = np.random.default_rng([seed, 23, int(qtype)])
@@ -172,7 +172,7 @@ def test_float_view_edges_bit_exact(pools, seed, qtype):
 
 
 def test_every_expert_type_reads_raw_blocks():
-    import lane.cpu_pool as cp
+    import lane.cpu_pool.tables as cp
 
     assert set(cp._BLOCK_BYTES) == {int(t) for t in EXPERT_TYPES}
 
@@ -180,7 +180,7 @@ def test_every_expert_type_reads_raw_blocks():
 def test_quantize_edges_match_canonical():
     """The pool's quantisation of h at canonical.quantize_act's edges: a group whose d is subnormal with 1 / d = inf
     (q = 0 by definition), one whose d is subnormal with 1 / d finite, an all-zero group, exact .5 ties."""
-    from lane.cpu_pool import _quantize
+    from lane.cpu_pool.layer_call import _quantize
 
     n = 128
     h = np.random.default_rng(1).standard_normal(2 * n).astype(F32)
