@@ -6,7 +6,8 @@
 #   bash scripts/device_run.sh tests2    # GPU tests: dense kernels
 #   bash scripts/device_run.sh tests3    # GPU tests: the daemon (modes, split / rejoin, swaps, a killed peer)
 #   TESTS="FILE::TEST ..." bash scripts/device_run.sh tests   # those tests only (a rerun of what failed; TESTS_K:
-#                                        # a pytest -k expression besides; PYTEST_ARGS=-rP: passed tests' prints too)
+#                                        # a pytest -k expression besides; PYTEST_ARGS=-rP: passed tests' prints too;
+#                                        # TESTS_S: seconds a file may take, 540)
 #   TESTS_ab1="FILE ..." TESTS_K_ab1=EXPR bash scripts/device_run.sh ab-tests  # GPU tests in each tree _abN/
 #   bash scripts/device_run.sh profile   # a3b IQ3_S: where a decode step's time goes (with and without PDL),
 #                                        # and a prompt's
@@ -102,8 +103,11 @@ tests | tests2 | tests3)
     [ "$1" != tests3 ] && python3 -c "import xdist" 2>/dev/null && par="-n 8"
     for f in ${TESTS:-$files}; do  # TESTS: other files or test ids (a rerun of what failed)
         log="$OUT/$(basename "${f%%::*}" .py)$([[ $f == *::* ]] && echo "-${f##*::}").log"
-        timeout 540 python3 -m pytest -q -m gpu -p no:cacheprovider ${PYTEST_ARGS-$par} "$f" ${TESTS_K:+-k "$TESTS_K"} \
-            > "$log" 2>&1
+        # TESTS_S bounds each file's run: never wrap this step in a timeout of its own instead. An inner timeout
+        # puts pytest in a process group of its own, so an outer one kills the shell and leaves the workers
+        # holding the GPU (session 41: the rest of that call ran time-sliced with them, every figure spoiled)
+        timeout -k 10 "${TESTS_S:-540}" python3 -m pytest -q -m gpu -p no:cacheprovider ${PYTEST_ARGS-$par} "$f" \
+            ${TESTS_K:+-k "$TESTS_K"} > "$log" 2>&1
         echo "$f: rc=$? $(tail -1 "$log")"
         grep -E "^(FAILED|ERROR) " "$log" | head -5
     done
