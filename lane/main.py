@@ -33,7 +33,7 @@ from stratad.engine.generation import CHUNK_READ, BadRequest, Generation
 from stratad.engine.prefix_cache import PrefixCache
 from stratad.engine.sampling import SamplingParams
 from stratad.model.gguf_file import ModelFile
-from stratad.model.tokenizer import warmup_text
+from stratad.model.generated_vocab import warmup_text
 from stratad.model.slot_layout import slot_bytes
 from stratad.proc import die_with
 

@@ -33,7 +33,8 @@ sys.path.insert(0, str(ROOT))
 from stratad import demo  # noqa: E402
 from stratad.model.config import PRESETS, ModelConfig  # noqa: E402
 from stratad.model.hf_config import qwen3moe_kwargs  # noqa: E402
-from stratad.model.tokenizer import Tokenizer, Vocab, build_vocab  # noqa: E402
+from stratad.model.generated_vocab import build_vocab  # noqa: E402
+from stratad.model.tokenizer import Tokenizer, Vocab  # noqa: E402
 from stratad.model.writer import TensorSource, write_model  # noqa: E402
 
 OUT = ROOT / "stratad" / "model" / "data" / "tiny-chat.gguf"

@@ -11,7 +11,8 @@ import pytest
 
 import realvocab as rv
 from stratad.model.chat_template import ChatTemplateError, Rendered, join_rendered
-from stratad.model.tokenizer import Tokenizer, build_vocab
+from stratad.model.generated_vocab import build_vocab
+from stratad.model.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
 

@@ -29,7 +29,8 @@ from stratad.gateway.parsing import OutputParser
 from stratad.model import quants
 from stratad.model.config import PRESETS
 from stratad.model.generator import model_tensors
-from stratad.model.tokenizer import Tokenizer, build_vocab
+from stratad.model.generated_vocab import build_vocab
+from stratad.model.tokenizer import Tokenizer
 from stratad.model.writer import write_model
 
 QWEN3_TEMPLATE = (ROOT / "tests" / "data" / "realdata" / "Qwen-Qwen3-0.6B.jinja").read_text()

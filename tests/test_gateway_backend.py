@@ -15,7 +15,7 @@ from stratad.gateway.backend import Model
 from stratad.model import quants
 from stratad.model.config import PRESETS
 from stratad.model.generator import model_tensors
-from stratad.model.tokenizer import build_vocab
+from stratad.model.generated_vocab import build_vocab
 from stratad.model.writer import write_model
 
 QWEN3_TEMPLATE = (Path(__file__).parent / "data" / "realdata" / "Qwen-Qwen3-0.6B.jinja").read_text()

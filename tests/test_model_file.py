@@ -17,7 +17,7 @@ from stratad.model.config import ARCH, PRESETS
 from stratad.model.errors import ModelFormatError
 from stratad.model.gguf_file import ModelFile, expected_tensors
 from stratad.model.rope import RopeScaling
-from stratad.model.tokenizer import build_vocab, write_tokenizer
+from stratad.model.generated_vocab import build_vocab, write_tokenizer
 from stratad.model.writer import TensorSource
 
 TINY = PRESETS["tiny"]

@@ -27,7 +27,7 @@ from stratad.model.generator import make_model  # noqa: E402
 from stratad.model.gguf_file import ModelFile  # noqa: E402
 from stratad.model.hf_config import qwen3moe_kwargs  # noqa: E402
 from stratad.model.rope import RopeScaling  # noqa: E402
-from stratad.model.tokenizer import build_vocab  # noqa: E402
+from stratad.model.generated_vocab import build_vocab  # noqa: E402
 from stratad.model.writer import TensorSource, write_model  # noqa: E402
 
 PROMPT_LEN = 24

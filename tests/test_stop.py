@@ -14,7 +14,7 @@ import pytest
 from daemon_harness import Daemon
 from protos import messages as M
 from stratad.client import RequestError
-from stratad.model.tokenizer import warmup_text
+from stratad.model.generated_vocab import warmup_text
 
 STATES = ("idle", "generating", "prompt_and_kv_write")
 

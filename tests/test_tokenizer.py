@@ -14,16 +14,11 @@ from pathlib import Path
 import gguf
 import pytest
 
+from stratad.model import generated_vocab as gv
 from stratad.model import tokenizer as tk
 from stratad.model.errors import ModelFormatError
-from stratad.model.tokenizer import (
-    DEFAULT_CHAT_TEMPLATE,
-    ChatTemplateError,
-    Tokenizer,
-    Vocab,
-    build_vocab,
-    write_tokenizer,
-)
+from stratad.model.generated_vocab import build_vocab, write_tokenizer
+from stratad.model.tokenizer import DEFAULT_CHAT_TEMPLATE, ChatTemplateError, Tokenizer, Vocab
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = 1024
@@ -125,7 +120,7 @@ def test_build_vocab_a3b_size_types_and_speed():
     dt = time.perf_counter() - t0
     assert dt < 10.0, f"build_vocab(151936) took {dt:.1f} s"
     assert len(v.tokens) == len(v.token_types) == 151936
-    n_bpe = tk.BPE_MAX_TOKENS
+    n_bpe = gv.BPE_MAX_TOKENS
     assert v.token_types[:n_bpe] == [int(gguf.TokenType.NORMAL)] * n_bpe
     assert v.tokens[n_bpe : n_bpe + 3] == ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     assert v.token_types[n_bpe : n_bpe + 5] == [3, 3, 3, 4, 4]
@@ -161,7 +156,7 @@ def _vocab_digest(v: Vocab) -> str:
 
 def test_build_vocab_deterministic_across_processes():
     code = (
-        "import dataclasses, hashlib, json; from stratad.model.tokenizer import build_vocab; "
+        "import dataclasses, hashlib, json; from stratad.model.generated_vocab import build_vocab; "
         "print(*[hashlib.sha256(json.dumps(dataclasses.asdict(build_vocab(n)), sort_keys=True).encode())"
         ".hexdigest() for n in (1024, 151936)])"
     )
@@ -172,21 +167,22 @@ def test_build_vocab_deterministic_across_processes():
 
 
 def test_committed_bpe_matches_training():
-    """data/bpe.json is what BpeTrainer makes of data/corpus.txt (regenerate: python -m stratad.model.tokenizer
-    --regenerate), and a smaller vocabulary is exactly what a smaller training run gives."""
+    """data/bpe.json is what BpeTrainer makes of data/corpus.txt (regenerate: python -m
+    stratad.model.generated_vocab --regenerate), and a smaller vocabulary is exactly what a smaller training run
+    gives."""
     import tokenizers
 
-    data = json.loads(tk.BPE_PATH.read_text(encoding="utf-8"))
-    assert data["corpus_sha256"] == hashlib.sha256(tk.CORPUS_PATH.read_bytes()).hexdigest(), (
+    data = json.loads(gv.BPE_PATH.read_text(encoding="utf-8"))
+    assert data["corpus_sha256"] == hashlib.sha256(gv.CORPUS_PATH.read_bytes()).hexdigest(), (
         "corpus.txt changed: regenerate bpe.json"
     )
-    assert len(data["tokens"]) == tk.BPE_MAX_TOKENS
+    assert len(data["tokens"]) == gv.BPE_MAX_TOKENS
     if data["tokenizers_version"] != tokenizers.__version__:
         pytest.skip(f"bpe.json was trained with tokenizers {data['tokenizers_version']}")
-    corpus = tk.CORPUS_PATH.read_text(encoding="utf-8")
-    tokens, merges = tk.train_bpe(corpus, tk.BPE_MAX_TOKENS)
+    corpus = gv.CORPUS_PATH.read_text(encoding="utf-8")
+    tokens, merges = gv.train_bpe(corpus, gv.BPE_MAX_TOKENS)
     assert tokens == data["tokens"] and merges == data["merges"]
-    tokens, merges = tk.train_bpe(corpus, TINY - 5)
+    tokens, merges = gv.train_bpe(corpus, TINY - 5)
     v = build_vocab(TINY)
     assert v.tokens[: TINY - 5] == tokens and v.merges == merges
 

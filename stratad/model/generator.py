@@ -175,7 +175,7 @@ def make_model(out: str | os.PathLike, preset: str | ModelConfig = "tiny", exper
     if topics == 2 and not router_skew:
         raise ValueError("topics=2 needs a router skew (it gives each topic its own hot experts)")
     from stratad.model.gguf_file import expected_tensors
-    from stratad.model.tokenizer import build_vocab
+    from stratad.model.generated_vocab import build_vocab
 
     c = preset if isinstance(preset, ModelConfig) else PRESETS[preset]
     eq, dq = quants.parse_type(expert_quant), quants.parse_type(dense_quant)

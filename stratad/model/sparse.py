@@ -17,7 +17,7 @@ def write_sparse(out: str | os.PathLike, preset: str, expert_quant: str = "IQ3_S
     """Write the preset's file (experts of expert_quant, dense Q8_0) to `out`, or llama.cpp's split shards of it
     (split_max_size > 0, gguf-split's names), with holes for the tensor data; the files appear only once
     complete. Returns the files written. Raises OSError where the filesystem cannot hold a file of that size."""
-    from stratad.model.tokenizer import build_vocab
+    from stratad.model.generated_vocab import build_vocab
 
     c = PRESETS[preset]
     eq, dq = quants.parse_type(expert_quant), quants.parse_type("Q8_0")

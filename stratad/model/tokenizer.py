@@ -1,15 +1,8 @@
 """The model's tokenizer: a gpt2-style byte-level BPE vocabulary (the kind Qwen3 uses), stored in GGUF metadata.
 
-Three parts:
-
-* ``build_vocab(n)``: the small but real vocabulary that our model generator writes into the qwen3moe GGUFs it
-  makes. The BPE part was trained with the ``tokenizers`` library's BpeTrainer (byte-level alphabet, Qwen2
-  pre-tokenizer) on ``data/corpus.txt`` (original prose written for this project) and committed as
-  ``data/bpe.json``, so every call in every process gives the same vocabulary. ``train_bpe()`` regenerates it
-  (``python -m stratad.model.tokenizer --regenerate``); a test checks the committed file still matches.
-* ``write_tokenizer(writer, vocab)``: writes the same ``tokenizer.*`` keys llama.cpp's converter writes for Qwen3.
-* ``Tokenizer.from_gguf(reader, path)``: the one code path that serves real Qwen3 GGUFs and our generated ones:
-  encode / decode / streaming decode / chat template (``chat_template.py``).
+The vocabulary our generator writes (``build_vocab``, ``write_tokenizer``) is made in ``generated_vocab.py``;
+``Tokenizer.from_gguf(reader, path)`` here is the one code path that serves real Qwen3 GGUFs and generated ones:
+encode / decode / streaming decode / chat template (``chat_template.py``).
 
 Encoding is Hugging Face's Qwen2 tokenizer: text is NFC-normalised, split by the pre-tokenizer that
 ``tokenizer.ggml.pre`` names (only ``qwen2`` is implemented; any other name is refused when the file is loaded), and
@@ -29,11 +22,9 @@ from __future__ import annotations
 
 import codecs
 import copy
-import hashlib
-import json
 import re
 from dataclasses import dataclass
-from functools import cached_property, lru_cache
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -54,19 +45,12 @@ __all__ = [
     "IM_END",
     "THINK_START",
     "THINK_END",
-    "BPE_MAX_TOKENS",
     "ChatTemplateError",
     "Vocab",
-    "build_vocab",
-    "train_bpe",
-    "write_tokenizer",
     "Tokenizer",
     "StreamDecoder",
 ]
 
-DATA_DIR = Path(__file__).with_name("data")
-CORPUS_PATH = DATA_DIR / "corpus.txt"
-BPE_PATH = DATA_DIR / "bpe.json"
 
 # The pre-tokenizer regex of Qwen2/Qwen3 (llama.cpp: LLAMA_VOCAB_PRE_TYPE_QWEN2).
 QWEN2_PRETOKENIZE_REGEX = (
@@ -82,17 +66,6 @@ IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 THINK_START = "<think>"
 THINK_END = "</think>"
-# Placed right after the BPE tokens, in this order (the order Qwen3 has them in).
-SPECIAL_TOKENS: tuple[tuple[str, gguf.TokenType], ...] = (
-    (ENDOFTEXT, gguf.TokenType.CONTROL),
-    (IM_START, gguf.TokenType.CONTROL),
-    (IM_END, gguf.TokenType.CONTROL),
-    (THINK_START, gguf.TokenType.USER_DEFINED),
-    (THINK_END, gguf.TokenType.USER_DEFINED),
-)
-# The BPE part of a generated vocabulary holds at most this many tokens (256 byte tokens + merged tokens).
-BPE_MAX_TOKENS = 2000
-N_BYTE_TOKENS = 256
 
 # Our own ChatML template, Qwen3 style: every message is <|im_start|>{role}\n{content}<|im_end|>\n, and the
 # generation prompt is <|im_start|>assistant\n.
@@ -144,7 +117,7 @@ BYTE_TO_CHAR: dict[int, str] = _bytes_to_unicode()
 CHAR_TO_BYTE: dict[str, int] = {c: b for b, c in BYTE_TO_CHAR.items()}
 
 
-def _pre_tokenizer(regex: str) -> pre_tokenizers.PreTokenizer:
+def pre_tokenizer(regex: str) -> pre_tokenizers.PreTokenizer:
     return pre_tokenizers.Sequence(
         [
             pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False),
@@ -153,12 +126,6 @@ def _pre_tokenizer(regex: str) -> pre_tokenizers.PreTokenizer:
     )
 
 
-def _qwen2_pre_tokenizer() -> pre_tokenizers.PreTokenizer:
-    return _pre_tokenizer(QWEN2_PRETOKENIZE_REGEX)
-
-
-# --------------------------------------------------------------------------------------------------------------
-# The generated vocabulary
 
 
 @dataclass(frozen=True)
@@ -177,115 +144,6 @@ class Vocab:
     def __len__(self) -> int:
         return len(self.tokens)
 
-
-def train_bpe(corpus: str, n_tokens: int) -> tuple[list[str], list[str]]:
-    """Train a byte-level BPE of at most ``n_tokens`` tokens on ``corpus``; returns (tokens in id order, merges).
-
-    The trainer stops early when the corpus has no pair left to merge. Used to (re)generate ``data/bpe.json``.
-    """
-    from tokenizers import trainers
-
-    if n_tokens < N_BYTE_TOKENS:
-        raise ValueError(f"a byte-level BPE needs at least {N_BYTE_TOKENS} tokens, got {n_tokens}")
-    tok = HFTokenizer(models.BPE())
-    tok.pre_tokenizer = _qwen2_pre_tokenizer()
-    trainer = trainers.BpeTrainer(
-        vocab_size=n_tokens,
-        min_frequency=0,
-        show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        special_tokens=[],
-    )
-    tok.train_from_iterator(corpus.splitlines(keepends=True), trainer=trainer)
-    model = json.loads(tok.to_str())["model"]
-    tokens = [t for t, _ in sorted(model["vocab"].items(), key=lambda kv: kv[1])]
-    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
-    return tokens, merges
-
-
-def _corpus_sha256() -> str:
-    return hashlib.sha256(CORPUS_PATH.read_bytes()).hexdigest()
-
-
-def regenerate_bpe_data() -> dict[str, Any]:
-    """Train on data/corpus.txt and rewrite data/bpe.json. Run after editing the corpus."""
-    import tokenizers
-
-    tokens, merges = train_bpe(CORPUS_PATH.read_text(encoding="utf-8"), BPE_MAX_TOKENS)
-    data = {
-        "comment": "byte-level BPE trained by stratad.model.tokenizer.train_bpe on corpus.txt; do not edit by hand",
-        "tokenizers_version": tokenizers.__version__,
-        "corpus_sha256": _corpus_sha256(),
-        "tokens": tokens,
-        "merges": merges,
-    }
-    BPE_PATH.write_text(json.dumps(data, ensure_ascii=False, indent=0) + "\n", encoding="utf-8")
-    _load_bpe.cache_clear()
-    return data
-
-
-@lru_cache(maxsize=1)
-def _load_bpe() -> tuple[tuple[str, ...], tuple[str, ...]]:
-    data = json.loads(BPE_PATH.read_text(encoding="utf-8"))
-    return tuple(data["tokens"]), tuple(data["merges"])
-
-
-def build_vocab(vocab_size: int) -> Vocab:
-    """The generated models' vocabulary, exactly ``vocab_size`` tokens long; deterministic.
-
-    Layout: BPE tokens (min(vocab_size - 5, 2000): 256 byte tokens, then merged tokens in merge order), then
-    <|endoftext|>, <|im_start|>, <|im_end|> (CONTROL), <think>, </think> (USER_DEFINED), then [PAD{id}] (UNUSED)
-    up to vocab_size, as llama.cpp's converter pads Qwen vocabularies.
-    """
-    vocab_size = int(vocab_size)
-    n_special = len(SPECIAL_TOKENS)
-    if vocab_size < N_BYTE_TOKENS + n_special:
-        raise ValueError(
-            f"vocab_size {vocab_size} is too small: a byte-level vocabulary needs {N_BYTE_TOKENS} byte tokens "
-            f"plus {n_special} special tokens"
-        )
-    all_tokens, all_merges = _load_bpe()
-    n_bpe = min(vocab_size - n_special, len(all_tokens))
-    tokens = list(all_tokens[:n_bpe])
-    # A smaller training run stops after the merge that creates token n_bpe - 1: keep that prefix of the merges.
-    index = {t: i for i, t in enumerate(all_tokens)}
-    merges: list[str] = []
-    for m in all_merges:
-        a, b = m.split(" ")
-        if index[a + b] >= n_bpe:
-            break
-        merges.append(m)
-    token_types = [int(gguf.TokenType.NORMAL)] * n_bpe
-    for text, ttype in SPECIAL_TOKENS:
-        tokens.append(text)
-        token_types.append(int(ttype))
-    n_pad = vocab_size - len(tokens)
-    tokens.extend(f"[PAD{i}]" for i in range(len(tokens), vocab_size))
-    token_types.extend([int(gguf.TokenType.UNUSED)] * n_pad)
-    return Vocab(
-        tokens=tokens,
-        token_types=token_types,
-        merges=merges,
-        eos_id=n_bpe + 2,  # <|im_end|>
-        pad_id=n_bpe,  # <|endoftext|>
-        bos_id=n_bpe,  # <|endoftext|>, with add_bos_token False
-        chat_template=DEFAULT_CHAT_TEMPLATE,
-        add_bos_token=False,
-    )
-
-
-def write_tokenizer(writer: gguf.GGUFWriter, vocab: Vocab) -> None:
-    """Add the tokenizer keys a Qwen3 GGUF from llama.cpp's converter has."""
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2")
-    writer.add_token_list(vocab.tokens)
-    writer.add_token_types(vocab.token_types)
-    writer.add_token_merges(vocab.merges)
-    writer.add_eos_token_id(vocab.eos_id)
-    writer.add_pad_token_id(vocab.pad_id)
-    writer.add_bos_token_id(vocab.bos_id)
-    writer.add_add_bos_token(vocab.add_bos_token)
-    writer.add_chat_template(vocab.chat_template)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -452,7 +310,7 @@ class Tokenizer:
     def _hf_tokenizer(self, added_tokens: bool) -> HFTokenizer:
         hf = HFTokenizer(models.BPE(vocab=self._vocab, merges=self._merge_pairs, fuse_unk=False, byte_fallback=False))
         hf.normalizer = normalizers.NFC()
-        hf.pre_tokenizer = _pre_tokenizer(PRE_TOKENIZERS[self.pre])
+        hf.pre_tokenizer = pre_tokenizer(PRE_TOKENIZERS[self.pre])
         hf.decoder = decoders.ByteLevel()
         if added_tokens:
             toks = self._tokens
@@ -695,27 +553,3 @@ class Tokenizer:
         if prefill and self._reply_re is not None:
             cuts.extend(self._reply_re.finditer(text, len(chat)))
         return self._encode(text, cuts)
-
-
-def _main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    p = argparse.ArgumentParser(description="stratad tokenizer data")
-    p.add_argument("--regenerate", action="store_true", help="retrain data/bpe.json from data/corpus.txt")
-    args = p.parse_args(argv)
-    if args.regenerate:
-        data = regenerate_bpe_data()
-        print(f"wrote {BPE_PATH}: {len(data['tokens'])} tokens, {len(data['merges'])} merges")
-    else:
-        tokens, merges = _load_bpe()
-        print(f"{BPE_PATH}: {len(tokens)} tokens, {len(merges)} merges")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(_main())
-
-
-def warmup_text() -> str:
-    """Prose to route through a model once at start (the built-in corpus), to seed the expert counts."""
-    return CORPUS_PATH.read_text(encoding="utf-8")

@@ -99,7 +99,7 @@ def write_model(path: str | os.PathLike, config: ModelConfig, tensors: Iterable[
     > 0: shards of at most that many tensor bytes (a bigger tensor gets a shard of its own), named as llama.cpp's
     gguf-split names them from `path` (model.gguf -> model-00001-of-00003.gguf ...). holes: every tensor's bytes a
     hole that reads as zeros (a sparse file; no tensor is generated). Returns the files written."""
-    from stratad.model.tokenizer import write_tokenizer
+    from stratad.model.generated_vocab import write_tokenizer
 
     tensors = list(tensors)
     w = _PartWriter(Path(path), ARCH, split_max_size=split_max_size)
