@@ -168,10 +168,10 @@ def _main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    raise SystemExit(_main())
-
-
 def warmup_text() -> str:
     """Prose to route through a model once at start (the built-in corpus), to seed the expert counts."""
     return CORPUS_PATH.read_text(encoding="utf-8")
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main())
