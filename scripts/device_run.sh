@@ -103,9 +103,9 @@ tests | tests2 | tests3)
     [ "$1" != tests3 ] && python3 -c "import xdist" 2>/dev/null && par="-n 8"
     for f in ${TESTS:-$files}; do  # TESTS: other files or test ids (a rerun of what failed)
         log="$OUT/$(basename "${f%%::*}" .py)$([[ $f == *::* ]] && echo "-${f##*::}").log"
-        # TESTS_S bounds each file's run: never wrap this step in a timeout of its own instead. An inner timeout
-        # puts pytest in a process group of its own, so an outer one kills the shell and leaves the workers
-        # holding the GPU (session 41: the rest of that call ran time-sliced with them, every figure spoiled)
+        # TESTS_S bounds each file's run: wrap this step in no timeout of its own (batch's deadline is safe). An
+        # inner timeout puts pytest in a process group of its own, so an outer one kills the shell and leaves the
+        # workers holding the GPU (session 41: the rest of that call ran time-sliced with them, every figure spoiled)
         timeout -k 10 "${TESTS_S:-540}" python3 -m pytest -q -m gpu -p no:cacheprovider ${PYTEST_ARGS-$par} "$f" \
             ${TESTS_K:+-k "$TESTS_K"} > "$log" 2>&1
         echo "$f: rc=$? $(tail -1 "$log")"
@@ -470,7 +470,16 @@ batch)
         left=$((end - $(date +%s)))
         [ "$left" -gt 20 ] || { echo "== $step: skipped, ${left}s left"; continue; }
         echo "== $step ($left s left)"
-        timeout "$left" bash "$0" "$step"
+        # the step in a session of its own, all of it killed at the deadline: a timeout inside a step puts its
+        # command in a process group of its own, which an outer timeout would not reach (pytest's workers then
+        # hold the GPU into the next step)
+        sid=/tmp/step-$$.sid
+        setsid bash -c 'echo $$ > "$0"; exec bash "$1" "$2"' "$sid" "$0" "$step" &
+        pid=$!
+        while kill -0 "$pid" 2> /dev/null && [ "$(date +%s)" -lt "$end" ]; do sleep 1; done
+        [ -f "$sid" ] && pkill -KILL -s "$(cat "$sid")" 2> /dev/null
+        wait "$pid" 2> /dev/null
+        rm -f "$sid"
     done
     ;;
 *)
