@@ -56,7 +56,8 @@
 #                                        # decode attention, prompt experts on tensor cores, prompt flash attention):
 #                                        # occupancy, issue rate, the stall reasons ncu's rules name
 #   bash scripts/device_run.sh batch SECONDS STEP...  # the steps in order, each cut off where SECONDS would be
-#                                        # passed, with the a3b model made in the background meanwhile
+#                                        # passed, with the a3b model made in the background meanwhile (BG_MODEL=0:
+#                                        # not, for steps that use other files)
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -463,7 +464,7 @@ ab)  # the all-resident engine bench on this tree and on each tree _ab*/ (`scrip
 batch)
     end=$(($(date +%s) + $2))
     shift 2
-    [ -f "$A3B" ] || { touch /tmp/model-making; (python3 -m stratad.cli make-model --preset a3b --expert-quant IQ3_S \
+    [ -f "$A3B" ] || [ "${BG_MODEL:-1}" = 0 ] || { touch /tmp/model-making; (python3 -m stratad.cli make-model --preset a3b --expert-quant IQ3_S \
         --router-skew 1.0 --out /tmp/a3b-part.gguf > "$OUT/make-model.log" 2>&1 && mv /tmp/a3b-part.gguf "$A3B"
         rm /tmp/model-making) & }
     for step in "$@"; do
