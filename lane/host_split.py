@@ -24,10 +24,8 @@ def cpu_side(off: np.ndarray, counts: np.ndarray, share: float) -> np.ndarray:
     """off bool (n_layer, n_expert): the experts no card holds; counts (n_layer, n_expert): their expected use
     (routing counts; all zero: every expert alike); share in [0, 1]: the part of each layer's expected use the CPU
     pool takes. Returns bool (n_layer, n_expert): the experts the CPU pool computes (a subset of off)."""
-    if check_share(share) == 0.0:
+    if check_share(share) == 0.0:  # the rule below would still give a layer's first expert to the CPU
         return np.zeros_like(off)
-    if share == 1.0:
-        return off.copy()
     L, E = off.shape
     c = np.asarray(counts, np.float64)
     # a floor under the counts: never-routed experts still alternate, and an all-zero profile splits by count of
