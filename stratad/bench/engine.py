@@ -9,7 +9,6 @@ experts the floor leaves out as above.
 """
 from __future__ import annotations
 
-import gc
 import itertools
 import os
 import time
@@ -136,10 +135,8 @@ def run(model_path: str, fractions=(1.0, 0.5, 0.25), contexts=(1024,), tokens: i
                 "host_rss_gib": round(psutil.Process().memory_info().rss / 2**30, 2),
             })
             print(results[-1], flush=True)
-            del g, g2, steps, cache  # they hold the card and the cached prompt's KV: gone before the next card
         card.close()
         del card
-        gc.collect()  # the card's own reference cycles, so that its device memory is free for the next card
         cp.get_default_memory_pool().free_all_blocks()
     return {"scenario": "engine", "model": str(model_path), "copy_bandwidth_tb_s": round(bw / 1e12, 3),
             "fp16_gemm_tflops": round(tflops, 1),
