@@ -31,11 +31,11 @@ import cupy as cp
 import numpy as np
 
 from lane import host_lock
+from lane.arena_source import ArenaSource
 from lane.cpu_pool import CpuPool, LayerJobs
 from lane.expert_counts import entries_by_source, routed_counts
 from lane.host_split import check_share, cpu_side
 from lane.kernels.experts import MAX_SOURCES, ExpertKernels, Tuning, max_tiles
-from lane.kernels.fetch import fetch_experts, whole_words
 from lane.slot_pool import SlotPool
 from stratad.config import GpuOptions
 from stratad.model.gguf_file import ModelFile
@@ -43,7 +43,6 @@ from stratad.model.slot_layout import expert_bytes
 
 log = logging.getLogger("stratad.lane")
 H2D, D2H, D2D = 1, 2, 3  # cudaMemcpyHostToDevice, DeviceToHost, DeviceToDevice
-CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM = 91  # cudaDevAttrCanUseHostPointerForRegisteredMem
 
 
 def pinned(shape, dtype) -> np.ndarray:
@@ -155,71 +154,6 @@ class RemotePool(PeerPool):
             super().close()
 
 
-class ArenaSource:
-    """The experts no card holds, computed by this card's kernels from the page-locked arena, ~2 MB an expert
-    crossing the bus instead of the CPU pool computing it (config host_experts = "card"). A decode step first
-    fetches its (at most k) experts into staging slots on the card (lane/kernels/fetch.cu: the bus read at the SMs'
-    best rate; gate and up, then down while gate/up computes), then computes them there: the same kernels as for a
-    slot, so the same bits. (A prompt chunk stages its misses itself, GpuExperts._stage, and leaves this source
-    nothing.)"""
-
-    side = True  # on a stream of its own: the bus reads overlap this card's own experts
-
-    def __init__(self, experts: "GpuExperts"):
-        model = experts.model
-        self.kernels = experts.new_kernels()  # intermediates of their own: they run beside the card's kernels
-        # decode: staging slots for a step's arena pairs (one token's distinct experts), where every matrix is whole
-        # 16-byte words (else the kernels read the arena in place)
-        self.n_stage = experts.k
-        self.fetch = all(whole_words(k.gate_bytes, k.down_bytes) for k in self.kernels.values())
-        self.stage = cp.empty((self.n_stage if self.fetch else 0, experts.pool.slot_bytes), cp.uint8)
-        self.stage_pairs = cp.zeros((experts.max_pairs, 2), cp.int32)
-        self.layouts = []
-        for layer in range(model.config.n_layer):
-            g, u, d = (model.raw(f"blk.{layer}.ffn_{k}_exps.weight") for k in ("gate", "up", "down"))
-            if g.strides[0] != u.strides[0]:
-                raise ValueError(f"layer {layer}: gate and up experts of different sizes")
-            self.layouts.append(self.kernels[experts.key(layer)].layout(g.ctypes.data, g.strides[0], u.ctypes.data,
-                                                                       d.ctypes.data, d.strides[0]))
-        self.stream = cp.cuda.Stream(non_blocking=True)
-        self.start, self.done = cp.cuda.Event(disable_timing=True), cp.cuda.Event(disable_timing=True)
-        self.down_stream = cp.cuda.Stream(non_blocking=True)  # a decode step's down rows, fetched beside gate/up
-        self.gate_up_in, self.down_in = cp.cuda.Event(disable_timing=True), cp.cuda.Event(disable_timing=True)
-
-    def compute(self, layer: int, key, s: int, T: int, tiled: bool, ex: "GpuExperts") -> None:
-        """Source s's pairs of this layer, from the arena, into ex.rows[s] (join() before the combine)."""
-        self.start.record(ex.stream)
-        self.stream.wait_event(self.start)
-        k, where = self.kernels[key], self.layouts[layer]
-        if tiled:
-            k.run_tiled(where, ex.pairs[s], ex.tiles[s], ex.n_tiles[s:s + 1], ex.qa, ex.da, ex.rows[s],
-                        stream=self.stream)
-        elif not self.fetch:
-            k.run(where, ex.pairs[s], ex.n_pairs[s:s + 1], ex.qa, ex.da, ex.rows[s], stream=self.stream)
-        else:  # gate and up fetched, then down on a stream of its own while gate/up computes
-            staged, n = k.slots(self.stage.data.ptr), ex.n_pairs[s:s + 1]
-            fetch = (ex.pairs[s], n, where, staged, k.gate_bytes, k.down_bytes, self.stage_pairs, self.n_stage)
-            fetch_experts(*fetch, "gate_up", stream=self.stream)
-            self.gate_up_in.record(self.stream)
-            self.down_stream.wait_event(self.gate_up_in)
-            fetch_experts(*fetch, "down", stream=self.down_stream)
-            self.down_in.record(self.down_stream)
-            k.run_gate_up(staged, self.stage_pairs, n, ex.qa, ex.da, stream=self.stream)
-            self.stream.wait_event(self.down_in)
-            # not a PDL launch: its early weight reads must follow the down fetch, which a captured programmatic
-            # edge would not order (every placement's digest differed with it)
-            k.run_down(staged, self.stage_pairs, n, ex.rows[s], stream=self.stream, pdl=False)
-        self.done.record(self.stream)
-
-    def join(self, ex: "GpuExperts") -> None:
-        ex.stream.wait_event(self.done)
-
-    @staticmethod
-    def readable(device: int) -> bool:
-        """Kernels on this device can use host pointers of registered memory as they are (x86 and UVA: yes)."""
-        return bool(cp.cuda.runtime.deviceGetAttribute(CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM, device))
-
-
 def device_index(bus_id: str) -> int | None:
     """The CUDA device with this PCI bus id (as lanes report it, after "cuda:"), or None."""
     for i in range(cp.cuda.runtime.getDeviceCount()):
@@ -280,12 +214,13 @@ class GpuExperts:
         self.host_cpu_share = check_share(host_cpu_share)
         self.counts = counts if counts is not None else np.zeros((c.n_layer, c.n_expert))
         self.arena = None
+        self._x_read = None  # the event back() waits for after a guess (predict)
         if host_experts == "card":
             try:
                 if self._arena_lock is None or not self._arena_lock.mapped or \
                         not ArenaSource.readable(stream.device_id):
                     raise ValueError("the arena is not page-locked and mapped for this GPU")
-                self.arena = ArenaSource(self)
+                self.arena = ArenaSource(self, options.fetch_ahead)
             except ValueError as e:
                 log.warning("host_experts = card: %s; the CPU pool computes the experts no card holds", e)
         # the host's side of a decode step: miss list, quantised input and result rows in pinned memory, and the
@@ -527,8 +462,20 @@ class GpuExperts:
         return T == 1 and len(self.sources) == 1 and self.full and \
             self.kernels[self.key(layer)].fold_smem(self.k) is not None
 
+    def predict(self, layer: int, router) -> None:
+        """A decode step, during layer - 1: guess the layer's arena experts from layer - 1's residual (router(out,
+        stream) launches the layer's RMSNorm + router) and fetch them ahead (ArenaSource; [gpu] fetch_ahead). Only
+        where every expert has a source on the card's side (full: the step is one graph, no host break)."""
+        a = self.arena
+        if a is None or not a.ahead or not self.full or not self.sources or self.sources[-1][2] is not a:
+            return
+        self._x_read = a.predict(layer, len(self.sources) - 1, router, self)
+
     def back(self, layer: int, weights: cp.ndarray, x: cp.ndarray) -> None:
         """x (T, d_model) += the routed experts' outputs, weighted in router order (unless the down kernel did)."""
+        if self._x_read is not None:  # a guess reads x before this changes it
+            self.stream.wait_event(self._x_read)
+            self._x_read = None
         if self.combined_in_down(x.shape[0], layer):
             return
         self.kernels[self.key(layer)].combine_rows(self.rows, self.host_rows.ctypes.data, self.rowmap, weights, x,

@@ -162,6 +162,10 @@ class Qwen3MoeGpu:
             self._proj(L["o"], w.att, w.x, residual=w.x)
         self._norm_proj(L["ffn_norm"], L["router"], w, w.router, quant=self.experts.inputs(w.T))
         if w.T == 1:  # a decode step: routed in the launch that builds the pair lists
+            nx = self.layers[i + 1] if i + 1 < c.n_layer else None
+            if nx is not None and matvec.norm_matvec_ok(nx["router"]):  # the next layer's misses fetched ahead
+                self.experts.predict(i + 1, lambda out, st: matvec.norm_matvec(nx["router"], w.x[0], nx["ffn_norm"],
+                                                                               c.rms_eps, out[0], stream=st))
             self.experts.front(i, 1, w.ids[i], export, router=(w.router, w.w), x=w.x)
         else:
             router.route(w.router, c.n_expert_used, w.ids[i], w.w, stream=s)

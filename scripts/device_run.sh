@@ -12,8 +12,8 @@
 #   bash scripts/device_run.sh profile   # a3b IQ3_S: where a decode step's time goes (with and without PDL),
 #                                        # and a prompt's
 #   bash scripts/device_run.sh agents    # the agents scenario (host conversation cache) on two logical cards
-#   bash scripts/device_run.sh split     # the iq3_s mix half resident at 1K, misses split CPU pool / bus (SHARES;
-#                                        # HOST=cpu: the CPU pool alone)
+#   bash scripts/device_run.sh misses    # the iq3_s mix half resident at 1K: the misses' settings (SHARES: split CPU
+#                                        # pool / bus; AHEAD: fetched ahead on a guess; HOST=cpu: the CPU pool alone)
 #   bash scripts/device_run.sh half      # the iq3_s mix half and a quarter resident (misses from the arena), this tree
 #                                        # and each _ab*/ tree, alternating (FRACTIONS, ROUNDS)
 #   bash scripts/device_run.sh mixes     # the engine bench on the a3b iq3_s and q4_k_m mixes
@@ -147,7 +147,7 @@ agents)  # a3b IQ3_S: three conversations with 32K-token histories and four foll
     ;;
 mixes)  # the engine bench on llama.cpp's iq3_s and q4_k_m mixes of the a3b shape: all resident at 1K / 32K, and the
         # iq3_s mix half resident at 1K (the issue's targets: docs/perf-notes.md); on this tree, then on each tree
-        # _ab*/ (scripts/ab_trees.sh) in turn, ROUNDS (1) times; MIXES (iq3_s q4_k_m) to choose
+        # _ab*/ (scripts/ab_trees.sh) in turn, ROUNDS (1) times; MIXES (iq3_s q4_k_m) to choose; HALF_FRACTIONS (0.5)
     for mix in ${MIXES:-iq3_s q4_k_m}; do  # the files made side by side (~60-75 s each)
         m=/tmp/a3b-mix-$mix.gguf
         [ -f $m ] || (python3 -m stratad.cli make-model --preset a3b --router-skew 1.0 --mix $mix --out $m | tail -1) &
@@ -164,23 +164,25 @@ mixes)  # the engine bench on llama.cpp's iq3_s and q4_k_m mixes of the a3b shap
                     --json "$OUT/engine-mix-$mix-$tag.json" 2>&1 | grep "^{'" | cut -c1-200 | sed "s|^|$tree: |")
             done
             [[ " ${MIXES:-iq3_s} " == *" iq3_s "* ]] || continue
-            (cd "$tree" && PYTHONPATH=/tmp/site:$PWD timeout 120 python3 -m stratad.cli bench --scenario engine \
-                --model /tmp/a3b-mix-iq3_s.gguf --fractions 0.5 --contexts 1024 \
+            (cd "$tree" && PYTHONPATH=/tmp/site:$PWD timeout 200 python3 -m stratad.cli bench --scenario engine \
+                --model /tmp/a3b-mix-iq3_s.gguf --fractions "${HALF_FRACTIONS:-0.5}" --contexts 1024 \
                 --json "$OUT/engine-mix-iq3_s-half-$tag.json" 2>&1 | grep "^{'" | cut -c1-200 | sed "s|^|$tree: |")
         done
     done
     ;;
-split)  # the misses split between the CPU pool and the bus ([gpu] host_cpu_share): the iq3_s mix half resident at
-       # 1K, one card a share of SHARES (0,0.2,0.4,0.6); HOST=cpu for the CPU pool alone instead. Results stream
-       # to $OUT/split-*.log, so a call cut short still brings back the cards that finished
+misses)  # the decode misses' settings half resident: the iq3_s mix at FRACTIONS (0.5) resident, 1K, one card for each
+        # pair of SHARES ([gpu] host_cpu_share: 0) and AHEAD ([gpu] fetch_ahead: 0,2,8); HOST=cpu for the CPU pool
+        # alone instead. Results stream to $OUT/misses-*.log, so a call cut short still brings back the cards that
+        # finished
     m=/tmp/a3b-mix-iq3_s.gguf
     [ -f $m ] || python3 -m stratad.cli make-model --preset a3b --router-skew 1.0 --mix iq3_s --out $m | tail -1
     bus_read
     tag=${HOST:-card}
-    timeout "${SPLIT_S:-400}" python3 -u -m stratad.cli bench --scenario engine --model $m --fractions 0.5 \
-        --contexts 1024 --host-experts "$tag" $([ "$tag" = card ] && echo --host-cpu-share "${SHARES:-0,0.2,0.4,0.6}") \
-        --json "$OUT/engine-split-$tag.json" > "$OUT/split-$tag.log" 2>&1
-    echo "split $tag rc=$?"; grep "^{'" "$OUT/split-$tag.log" | cut -c1-240
+    timeout "${MISSES_S:-400}" python3 -u -m stratad.cli bench --scenario engine --model $m \
+        --fractions "${FRACTIONS:-0.5}" --contexts 1024 --host-experts "$tag" \
+        $([ "$tag" = card ] && echo --host-cpu-share "${SHARES:-0}" --fetch-ahead "${AHEAD:-0,2,8}") \
+        --json "$OUT/engine-misses-$tag.json" > "$OUT/misses-$tag.log" 2>&1
+    echo "misses $tag rc=$?"; grep "^{'" "$OUT/misses-$tag.log" | cut -c1-240
     ;;
 half)  # the iq3_s mix's decode with misses read from the arena: the engine bench at FRACTIONS (0.5,0.25) resident, 1K,
       # on this tree and each tree _ab*/ in turn, ROUNDS (2) times (the misses' bus time dominates: bus_expert_*)
@@ -190,7 +192,7 @@ half)  # the iq3_s mix's decode with misses read from the arena: the engine benc
     for round in $(seq "${ROUNDS:-2}"); do
         for tree in . _ab*; do
             [ -d "$tree" ] || continue
-            (cd "$tree" && PYTHONPATH=/tmp/site:$PWD timeout 120 python3 -m stratad.cli bench --scenario engine \
+            (cd "$tree" && PYTHONPATH=/tmp/site:$PWD timeout 200 python3 -m stratad.cli bench --scenario engine \
                 --model $m --fractions "${FRACTIONS:-0.5,0.25}" --contexts 1024 \
                 --json "$OUT/engine-half-$(tree_tag "$tree")-$round.json" 2>&1 | grep "^{'" | cut -c1-160 |
                 sed "s|^|$tree: |")

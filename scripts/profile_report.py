@@ -23,4 +23,4 @@ def report(rows: list[dict], keys: list[str], json_path: str | None) -> None:
         Path(json_path).write_text(json.dumps(rows, indent=2) + "\n")
     print(" | ".join(keys))
     for r in rows:
-        print(" | ".join(f"{r[k]:.3f}" if isinstance(r[k], float) else str(r[k]) for k in keys))
+        print(" | ".join(f"{r[k]:.3f}" if isinstance(r.get(k), float) else str(r.get(k, "-")) for k in keys))

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from stratad import discovery, exits, sampling_options
-from stratad.config import GPU_PROMPT_CHUNK
+from stratad.config import GPU_PROMPT_CHUNK, GpuOptions
 from stratad.model import mixes, quants
 from stratad.model.errors import ModelFormatError
 
@@ -196,15 +196,21 @@ def _experts_arg(check: str):
     return parse
 
 
-def _shares(text: str) -> list[float]:
-    """--host-cpu-share: a comma list of parts of a whole."""
-    try:
-        v = [float(x) for x in text.split(",")]
-    except ValueError:
-        v = []
-    if not v or not all(0.0 <= x <= 1.0 for x in v):
-        raise argparse.ArgumentTypeError(f"expected parts between 0 and 1, comma-separated, not {text!r}")
-    return v
+def _comma_list(kind, lo, hi, what: str):
+    """An argparse type: a comma list of numbers of `kind` from lo to hi (--host-cpu-share, --fetch-ahead)."""
+    def parse(text: str) -> list:
+        try:
+            v = [kind(x) for x in text.split(",")]
+        except ValueError:
+            v = []
+        if not v or not all(lo <= x <= hi for x in v):
+            raise argparse.ArgumentTypeError(f"expected {what}, comma-separated, not {text!r}")
+        return v
+    return parse
+
+
+_shares = _comma_list(float, 0.0, 1.0, "parts between 0 and 1")
+_counts = _comma_list(int, 0, 32, "counts from 0 to 32")
 
 
 def _bench(a) -> int:
@@ -238,7 +244,7 @@ def _bench(a) -> int:
         out = engine.run(model, fractions=[float(x) for x in a.fractions.split(",")],
                          contexts=[int(x) for x in a.contexts.split(",")], tokens=a.tokens,
                          host_experts=a.host_experts, prompt_chunk=a.prompt_chunk,
-                         cpu_shares=a.host_cpu_share)
+                         cpu_shares=a.host_cpu_share, fetch_aheads=a.fetch_ahead)
     elif a.scenario == "experts":
         from stratad.bench import experts
 
@@ -327,6 +333,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--host-cpu-share", default="0", type=_shares,
                    help="engine: with --host-experts card, the part of the misses the CPU pool computes beside the "
                         "card's bus reads (config host_cpu_share); a comma list runs each")
+    b.add_argument("--fetch-ahead", default=str(GpuOptions().fetch_ahead), type=_counts,
+                   help="engine: with --host-experts card, the next layer's guessed misses fetched ahead (config "
+                        "[gpu] fetch_ahead); a comma list runs each")
     b.add_argument("--contexts", default="1024", help="engine: prompt lengths; seed: the first is the prompt length")
     b.add_argument("--prompt-chunk", type=int, default=GPU_PROMPT_CHUNK,
                    help="engine, seed: tokens a GPU card reads a prompt in at a time (config prompt_chunk)")

@@ -55,3 +55,30 @@ def test_fetch_ref_parts_split_an_expert_into_gate_up_and_down():
     assert (p_gu == p_all).all()
     with pytest.raises(ValueError, match="parts must be one of"):
         fetch_ref(src_mem, first, pairs, 2, src, dst, gate, down, 3, parts="up")
+
+
+def test_fetch_ref_skips_the_experts_staged_ahead():
+    """Experts fetched a layer ahead are in slots 0 .. min(count, cap) - 1: a pair whose expert is there takes that
+    slot and is not copied; the others go to slot_base + p, where a fetch of all would put them."""
+    rng = np.random.default_rng(7)
+    gate, down = 48, 32
+    src_mem = rng.integers(0, 256, 4096, dtype=np.uint8)
+    src = Layout(base=0, stride=gate, up_off=1024, down=2048, down_stride=down)
+    dst = Layout(base=0, stride=160, up_off=gate, down=2 * gate, down_stride=160)
+    ahead = np.array([[0, 5], [0, 2], [0, 4]], np.int32)  # predicted: experts 5, 2, 4; the cap keeps the first two
+    dst_mem, ahead_pairs = fetch_ref(src_mem, np.zeros(8 * 160, np.uint8), ahead, 3, src, dst, gate, down, 2)
+    assert ahead_pairs.tolist() == [[0, 0], [0, 1]]
+    pairs = np.array([[0, 2], [0, 1], [0, 4], [0, 5]], np.int32)
+    for parts in ("all", "gate_up"):
+        got, got_pairs = fetch_ref(src_mem, dst_mem, pairs, 4, src, dst, gate, down, 4, parts,
+                                   staged=(ahead, 3, 2), slot_base=2)
+        assert got_pairs.tolist() == [[0, 1], [0, 3], [0, 4], [0, 0]]  # 4 was predicted past the cap: copied
+    assert (got[:2 * 160] == dst_mem[:2 * 160]).all()  # the staged slots untouched
+    assert (got[2 * 160:3 * 160] == 0).all() and (got[5 * 160:] == 0).all()  # no copy for staged pairs
+    whole, _ = fetch_ref(src_mem, np.zeros(8 * 160, np.uint8), pairs, 4, src, dst, gate, down, 4, slot_base=2)
+    for p in (1, 2):
+        assert (got[(2 + p) * 160:(2 + p) * 160 + 2 * gate] == whole[(2 + p) * 160:(2 + p) * 160 + 2 * gate]).all()
+    with pytest.raises(ValueError, match="past the staged ones"):
+        fetch_ref(src_mem, dst_mem, pairs, 4, src, dst, gate, down, 4, staged=(ahead, 3, 3), slot_base=2)
+    with pytest.raises(ValueError, match="1 to 32 pairs"):
+        fetch_ref(src_mem, dst_mem, pairs, 4, src, dst, gate, down, 33)

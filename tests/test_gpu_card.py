@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from lane.slot_loader import SlotLoader
+from stratad.config import GpuOptions
 from stratad.engine import card as card_protocol
 from stratad.engine.generation import Generation
 from stratad.engine.reference import ReferenceEngine
@@ -80,6 +81,10 @@ def test_placement_never_changes_a_bit(model, CupyCard):
     card = CupyCard(model, 0, total // 2, 4096, graphs=False)  # every step run directly, no CUDA graphs
     card.pool.fill(experts_by_rank(model)[: total // 2])
     results["eager"] = run(card, model, 40)
+    card = CupyCard(model, 0, total // 2, 4096, graphs=False, host_experts="card",
+                    options=GpuOptions(fetch_ahead=8))  # the next layer's guessed misses fetched ahead, eagerly
+    card.pool.fill(experts_by_rank(model)[: total // 2])
+    results["eager arena"] = run(card, model, 40)
     for frac in (0.5, 0.0):  # decode's experts not on the card read by the card from the page-locked arena
         n = int(frac * total)
         card = CupyCard(model, 0, n, 4096, host_experts="card")
@@ -87,6 +92,11 @@ def test_placement_never_changes_a_bit(model, CupyCard):
         results[f"arena {frac}"] = run(card, model, 40)
         cnt = results[f"arena {frac}"][2]
         assert cnt.host_read > 0 and cnt.host_read == cnt.cpu, cnt  # none left to the CPU pool
+        for ahead in (0, 2):  # none of the next layer's guessed misses fetched ahead ([gpu] fetch_ahead), or two
+            card = CupyCard(model, 0, n, 4096, host_experts="card", options=GpuOptions(fetch_ahead=ahead))
+            card.pool.fill(experts_by_rank(model)[:n])
+            assert bool(card.experts.arena.ahead) == bool(ahead)
+            results[f"arena {frac} ahead {ahead}"] = run(card, model, 40)
         # host_cpu_share: the CPU pool computes part of them while the card reads the rest, in the same steps
         card = CupyCard(model, 0, n, 4096, host_experts="card", host_cpu_share=0.5)
         card.pool.fill(experts_by_rank(model)[:n])

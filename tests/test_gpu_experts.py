@@ -263,6 +263,26 @@ def test_fetch_experts_is_fetch_ref(cp, qgu, qdn):
     _, _, _, out_ref = reference(slots, getattr(T, qgu), getattr(T, qdn), pairs_np[:n_slots],
                                  qa_ref.reshape(4, -1, 32), da_ref)
     assert_bits(out.get()[:n_slots], out_ref, f"staged experts {qgu}/{qdn}")
+    # a layer's guess fetched ahead into slots 0 .. 1 (a cap of 2 of its 3), then the layer's own pairs from slot 2
+    # on, gate/up and down apart: a pair whose expert was fetched ahead takes that slot and is not copied again
+    src0, dst0 = off(src, host.ctypes.data), off(staged, stage.data.ptr)
+    guess_np = np.full((32, 2), -1, np.int32)
+    guess_np[:3] = [[0, 5], [0, 2], [0, 4]]
+    guess = (cp.asarray(guess_np), cp.asarray(np.array([3], np.int32)), 2)
+    before = stage.get()
+    fetch_experts(guess[0], guess[1], src, staged, k.gate_bytes, k.down_bytes, cp.zeros((32, 2), cp.int32), 2)
+    own_np = np.full((32, 2), -1, np.int32)
+    own_np[:4] = [[0, 2], [0, 1], [0, 4], [0, 5]]
+    own_out = cp.full((32, 2), -7, cp.int32)
+    for parts in ("gate_up", "down"):
+        fetch_experts(cp.asarray(own_np), cp.asarray(np.array([4], np.int32)), src, staged, k.gate_bytes,
+                      k.down_bytes, own_out, 4, parts, staged=guess, slot_base=2)
+    want, _ = fetch_ref(host, before, guess_np, 3, src0, dst0, k.gate_bytes, k.down_bytes, 2)
+    want, want_pairs = fetch_ref(host, want, own_np, 4, src0, dst0, k.gate_bytes, k.down_bytes, 4,
+                                 staged=(guess_np, 3, 2), slot_base=2)
+    np.testing.assert_array_equal(stage.get(), want)
+    np.testing.assert_array_equal(own_out.get()[:4], want_pairs)
+    assert want_pairs[:, 1].tolist() == [1, 3, 4, 0]
 
 
 def test_layout_checks(cp):

@@ -9,6 +9,7 @@ experts the floor leaves out as above.
 """
 from __future__ import annotations
 
+import gc
 import itertools
 import os
 import time
@@ -17,7 +18,7 @@ import numpy as np
 import psutil
 
 from stratad.bench.hardware import gpu_copy_bandwidth, gpu_gemm_tflops, gpu_upload_bandwidth, host_read_bandwidth
-from stratad.config import GPU_PROMPT_CHUNK
+from stratad.config import GPU_PROMPT_CHUNK, GpuOptions
 from stratad.engine.generation import CHUNK_READ, Generation
 from stratad.engine.prefix_cache import PrefixCache
 from stratad.engine.sampling import SamplingParams
@@ -49,7 +50,8 @@ def _bytes_per_token(model: ModelFile, context: int, resident_share: float) -> i
 
 
 def run(model_path: str, fractions=(1.0, 0.5, 0.25), contexts=(1024,), tokens: int = 128,
-        host_experts: str = "card", prompt_chunk: int = GPU_PROMPT_CHUNK, cpu_shares=(0.0,)) -> dict:
+        host_experts: str = "card", prompt_chunk: int = GPU_PROMPT_CHUNK, cpu_shares=(0.0,),
+        fetch_aheads=(GpuOptions().fetch_ahead,)) -> dict:
     import cupy as cp
 
     from lane.cupy_card import CupyCard
@@ -64,11 +66,11 @@ def run(model_path: str, fractions=(1.0, 0.5, 0.25), contexts=(1024,), tokens: i
     total = c.n_layer * c.n_expert
     results = []
     profile = None
-    for frac, cpu_share in itertools.product(fractions, cpu_shares):
+    for frac, cpu_share, ahead in itertools.product(fractions, cpu_shares, fetch_aheads):
         n_slots = int(frac * total)
         # host_cpu_share splits the misses by the card's routing counts: the profile's, once there is one
         card = CupyCard(model, 0, n_slots, max(contexts) + tokens + NEXT_TURN + 64, host_experts=host_experts,
-                        prompt_chunk=prompt_chunk, host_cpu_share=cpu_share,
+                        prompt_chunk=prompt_chunk, host_cpu_share=cpu_share, options=GpuOptions(fetch_ahead=ahead),
                         counts=None if profile is None else profile.copy())
         if profile is None:  # the model's routing profile: counts of a 512-token pass with every expert on the CPU
             card.forward(list(np.random.default_rng(0).integers(0, 2000, 512)), card.new_kv(), logits="none")
@@ -125,7 +127,8 @@ def run(model_path: str, fractions=(1.0, 0.5, 0.25), contexts=(1024,), tokens: i
                 "floor_ms_per_token": round(floor_s * 1e3, 4),
                 "floor_tok_s": round(1 / floor_s, 1), "fraction_of_floor": round(tps * floor_s, 4),
                 "cpu_expert_gb_s": round(cpu_gb_s, 2), "cpu_fraction_of_host_read": round(cpu_gb_s / host_read, 3),
-                "host_experts": host_experts, "host_cpu_share": cpu_share, "prompt_chunk": card.prompt_chunk,
+                "host_experts": host_experts, "host_cpu_share": cpu_share, "fetch_ahead": ahead,
+                "prompt_chunk": card.prompt_chunk,
                 "bus_expert_gb_s": round(bus_gb_s, 2),
                 "bus_expert_mb_per_token": round(read / max(1, n - 1) * expert_bytes / 1e6, 1),
                 "next_turn_tokens": len(turn), "next_turn_cached_tokens": g2.cached,
@@ -135,8 +138,10 @@ def run(model_path: str, fractions=(1.0, 0.5, 0.25), contexts=(1024,), tokens: i
                 "host_rss_gib": round(psutil.Process().memory_info().rss / 2**30, 2),
             })
             print(results[-1], flush=True)
+            del g, g2, steps, cache  # they hold the card's buffers: a later card's vram_used_gib would count them
         card.close()
         del card
+        gc.collect()
         cp.get_default_memory_pool().free_all_blocks()
     return {"scenario": "engine", "model": str(model_path), "copy_bandwidth_tb_s": round(bw / 1e12, 3),
             "fp16_gemm_tflops": round(tflops, 1),
