@@ -85,11 +85,11 @@ class GpuOptions(BaseModel):
     pack_layers: bool = Field(True, description="a card packs its layers' and LM head's K- and I-quant matrices (Q4_K, Q5_K, "
                                                 "Q6_K, IQ3_S) into int8 rows where that costs no expert slot: "
                                                 "faster decode steps, the same bits, ~1.2 bytes a weight more")
-    fetch_ahead: int = Field(0, ge=0, le=32, description="decode, experts read from the arena (host_experts = "
-                                                         "card): up to this many of the next layer's experts, as "
-                                                         "its router guesses them from this layer's input, fetched "
-                                                         "over the bus while it is otherwise idle; 0: none. The "
-                                                         "same bits")
+    fetch_ahead: int = Field(2, ge=0, le=32, description="decode, experts read from the arena (host_experts = "
+                                                         "card): up to this many of the next layer's experts no "
+                                                         "card holds, as its router guesses them from this layer's "
+                                                         "input, fetched over the bus while it is otherwise idle; "
+                                                         "0: none. The same bits")
 
 
 class DaemonConfig(BaseModel):
