@@ -17,9 +17,9 @@ in CUDA graphs. Tables (expert -> source, slot) live on the device and are refre
 Another card's pool is opened through its CUDA IPC handle (from the coordinator's View): on this GPU its experts
 run here; on another GPU they run there (RemotePool), the input going over and the result rows coming back. With
 host_experts = "card" the experts no card holds are one more source, the page-locked arena, read over the bus by
-this card (ArenaSource: a decode step's fetched into staging slots first) instead of being computed by the CPU
-pool; host_cpu_share > 0 leaves part of them to the CPU pool, which computes it while the card reads the rest
-(lane/host_split.py). Sources with a stream of their own (RemotePool, ArenaSource) are launched first and joined
+this card (lane/arena_source.py: a decode step's fetched into staging slots first, the next layer's guessed
+ahead) instead of being computed by the CPU pool; host_cpu_share > 0 leaves part of them to the CPU pool, which
+computes it while the card reads the rest (lane/host_split.py). Sources with a stream of their own (RemotePool, ArenaSource) are launched first and joined
 before the combine, so they overlap this card's work.
 """
 from __future__ import annotations
