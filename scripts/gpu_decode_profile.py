@@ -3,7 +3,9 @@
 
 For each cache fraction: a prompt is read, then
   step     the whole decode step as the card replays it (CUDA graphs; host serves between layers when experts are
-           missing), ms per token over --tokens tokens, host clock;
+           missing), ms per token over --tokens tokens, host clock: the card's own greedy tokens, sampled on the
+           card with the next step launched ahead, as a Generation (and the engine bench) runs them, so that the
+           routing and the misses are the bench's (prompt tokens fed in miss about half the bytes partly resident);
   eager    the same step with graphs off (every launch from Python), ms per token;
   ops      each operation of the step captured alone as a graph and replayed --iters times between CUDA events
            (GPU time of its kernels without launch gaps), summed by kind over the 48 layers;
@@ -44,6 +46,7 @@ from profile_report import model_path, report  # noqa: E402
 from lane.kernels import (attention, device, embedding, experts, gemm, matvec, norm, rope_kv, router,  # noqa: E402
                           sampling, weights)
 from stratad.config import GpuOptions  # noqa: E402
+from stratad.engine.sampling import SamplingParams  # noqa: E402
 from stratad.model.gguf_file import ModelFile  # noqa: E402
 
 # every kernel module that launches through its own `launch` name (patched to time or spy on the launches)
@@ -111,6 +114,15 @@ def kernel_names(card) -> dict:
         names.update({id(f): n.lstrip("_") for n, f in vars(k).items() if type(f).__name__ == "Function"})
         names.update({id(f): n for n, f in k._extra.items()})
     return names
+
+
+def own_tokens(card, kv, token: int, n: int) -> int:
+    """n greedy decode steps from `token`, each fed the card's own choice (sampled on the card, the next step
+    launched ahead, as a Generation runs them); returns the last token."""
+    greedy = SamplingParams(temperature=0.0)
+    for i in range(n):
+        token, _ = card.forward_token([token], kv, greedy, 0.0, False, ahead=0.0 if i + 1 < n else None)
+    return token
 
 
 def decode_ms(card, kv, prompt, tokens: int) -> float:
@@ -237,16 +249,16 @@ class KernelRecords:
         return sorted(r for r in self.recs if r[0] >= t0)
 
 
-def timeline(card, kv, prompt, tokens: int, records: KernelRecords) -> dict:
-    """`tokens` replayed decode steps' kernel records, summed by kernel name a step (module docstring)."""
+def timeline(card, kv, token: int, tokens: int, records: KernelRecords) -> dict:
+    """`tokens` replayed decode steps' kernel records (the card's own tokens from `token`, as the step is timed),
+    summed by kernel name a step (module docstring)."""
     import cupy as cp
 
-    card.forward([int(prompt[0])], kv)  # the graph exists before the window (captured at most once)
+    token = own_tokens(card, kv, token, 1)  # the graph exists before the window (captured at most once)
     cp.cuda.runtime.deviceSynchronize()
     t0 = records.now()
     t = time.perf_counter()
-    for i in range(tokens):
-        card.forward([int(prompt[i])], kv)
+    own_tokens(card, kv, token, tokens)
     cp.cuda.runtime.deviceSynchronize()
     wall_ms = (time.perf_counter() - t) / tokens * 1e3
     return {"wall_ms": wall_ms, **step_stats(records.since(t0), records.shapes)}
@@ -315,11 +327,10 @@ def profile(path: str, fraction: float, context: int, tokens: int, iters: int, h
         card.pool.fill([(int(i // c.n_expert), int(i % c.n_expert)) for i in order[:n]])
         kv = card.new_kv()
         card.forward(prompt, kv, logits="last")
-        card.forward([1], kv)  # capture
+        token = own_tokens(card, kv, 1, 2)  # capture
         cp.cuda.runtime.deviceSynchronize()
         t = time.perf_counter()
-        for i in range(tokens):
-            card.forward([int(prompt[i])], kv)
+        token = own_tokens(card, kv, token, tokens)
         out["step_ms" if graphs else "eager_ms"] = (time.perf_counter() - t) / tokens * 1e3
         # a guess fetched ahead ([gpu] fetch_ahead) forks in one layer's op and joins in the next: no op is
         # captured alone
@@ -349,7 +360,7 @@ def profile(path: str, fraction: float, context: int, tokens: int, iters: int, h
                     out["plan_sweep"] = plan_sweep(card, kv, prompt, tokens)
         if graphs:
             if trace:  # partly resident too: the arena's kernels on their side stream among the card's
-                out["timeline"] = timeline(card, kv, prompt, tokens, records)
+                out["timeline"] = timeline(card, kv, token, tokens, records)
             cnt = card.counters
             out["cpu_share"] = cnt.cpu / max(1, cnt.total)
         card.close()
