@@ -10,10 +10,10 @@ Fetched ahead ([gpu] fetch_ahead = n > 0): a layer's misses are known only after
 carries them while the card waits; between the end of one layer's fetch and the next layer's router it carries
 nothing. So layer l + 1's router is run on layer l's FFN input (its residual after attention, normed by layer
 l + 1's weights: the same direction the next layer's input mostly keeps) on a stream of its own, and up to n of the
-arena experts it names are fetched, after layer l's own fetch, into the first n staging slots of layer l + 1's
-parity. Layer l + 1's fetch then copies only the experts the prediction missed, into the slots after those. A
-wrong guess costs only bus time that would have been idle, unless the guesses outlast the window. Where the bytes
-come from changes nothing computed.
+arena experts it names (the likeliest first) are fetched, after layer l's own fetch, into the first n staging
+slots of layer l + 1's parity. Layer l + 1's fetch then copies only the experts the prediction missed, into the
+slots after those. A wrong guess costs only bus time that would have been idle, unless the guesses outlast the
+window. Where the bytes come from changes nothing computed.
 """
 from __future__ import annotations
 
@@ -90,7 +90,7 @@ class ArenaSource:
         S = len(ex.sources)
         self.kernels[ex.key(layer)].route_pairs(self.logits, self.k, self.ids, self.wts, ex.src[layer],
                                                 ex.slot[layer], self.pairs[par, :S], self.n_pairs[par, :S],
-                                                self.rowmap, 0, 0, 0, stream=st)
+                                                self.rowmap, 0, 0, 0, by_weight=True, stream=st)
         self.guessed[par].record(st)
         self.predicted[layer] = s
         return self.x_read

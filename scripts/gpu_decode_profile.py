@@ -313,8 +313,10 @@ def profile(path: str, fraction: float, context: int, tokens: int, iters: int, h
     c = model.config
     total = c.n_layer * c.n_expert
     n = int(fraction * total)
-    rng = np.random.default_rng(0)
-    prompt = [int(t) for t in rng.integers(0, 2000, size=context)]
+    # the engine bench's routing pass and prompt (stratad/bench/engine.py), so that the resident set and the
+    # decoded tokens, hence the misses, are the bench's
+    warm = [int(t) for t in np.random.default_rng(0).integers(0, 2000, 512)]
+    prompt = [int(t) for t in np.random.default_rng(context).integers(0, 2000, size=context)]
     out = {"fraction": fraction, "context": context, "host_experts": host_experts, "pdl": pdl}
     records = KernelRecords() if trace else None  # before the card: its step timings then run under tracing too
     extra = ((len(IDEMPOTENT) + 8) * (tokens + 1) if marginal else 0) + (32 * (tokens + 1) if sweep else 0) + \
@@ -322,16 +324,20 @@ def profile(path: str, fraction: float, context: int, tokens: int, iters: int, h
     for graphs in (True, False):
         card = CupyCard(model, 0, n, context + tokens + iters + 64 + extra, graphs=graphs,
                         host_experts=host_experts, options=GpuOptions(pdl=pdl))
-        card.forward(prompt[:512], card.new_kv(), logits="none")  # routing profile with nothing resident
+        card.forward(warm, card.new_kv(), logits="none")  # routing profile with nothing resident
         order = np.lexsort((np.arange(total), -card.counts.reshape(-1)))
         card.pool.fill([(int(i // c.n_expert), int(i % c.n_expert)) for i in order[:n]])
         kv = card.new_kv()
-        card.forward(prompt, kv, logits="last")
-        token = own_tokens(card, kv, 1, 2)  # capture
+        token = int(np.argmax(card.forward(prompt, kv, logits="last")[-1]))  # the greedy first token
+        token = own_tokens(card, kv, token, 2)  # capture
         cp.cuda.runtime.deviceSynchronize()
+        before = card.counters.copy()
         t = time.perf_counter()
         token = own_tokens(card, kv, token, tokens)
         out["step_ms" if graphs else "eager_ms"] = (time.perf_counter() - t) / tokens * 1e3
+        if graphs:  # the share of the step's experts the card read from the arena (the bench's host_read_share)
+            d = card.counters.minus(before)
+            out["host_read_share"] = d.host_read / max(1, d.total)
         # a guess fetched ahead ([gpu] fetch_ahead) forks in one layer's op and joins in the next: no op is
         # captured alone
         ahead = card.experts.arena is not None and card.experts.arena.ahead and card.experts.full
@@ -388,7 +394,7 @@ def main() -> int:
                     a.timeline, not a.no_pdl)
             for f in a.fractions.split(",")]
     keys = ["fraction", "step_ms", "eager_ms", "device_sum_ms", "attend_route_front_ms", "back_ms", "finish_ms",
-            "host_per_layer_us", "cpu_share"]
+            "host_per_layer_us", "cpu_share", "host_read_share"]
     report(rows, keys, a.json)
     for r in rows:
         for name, k in r.get("kernels", {}).items():

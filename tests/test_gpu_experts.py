@@ -449,9 +449,9 @@ def test_graph_replay(cp):
         assert_bits(y.get()[:n_tok], yr, "graph replay combine")
 
 
-def check_pairs(ids, src, slot, got_pairs, got_n, rm, miss, n_miss, P):
+def check_pairs(ids, src, slot, got_pairs, got_n, rm, miss, n_miss, P, by_entry: bool = False):
     """build_pairs' contract: every routed entry's row (a source's pair or a CPU miss) holds (token, slot or
-    expert); each source's pairs are grouped by expert, ascending."""
+    expert); each source's pairs are grouped by expert, ascending (by_entry: in entry order)."""
     from lane.kernels.experts import build_pairs_ref
 
     n = ids.size
@@ -464,9 +464,9 @@ def check_pairs(ids, src, slot, got_pairs, got_n, rm, miss, n_miss, P):
             assert r // P == s and r % P < got_n[s] and tuple(got_pairs[s, r % P]) == (t, v), (i, r)
         else:
             assert 0 <= -1 - r < n_miss[0] and tuple(miss[-1 - r]) == (t, v), (i, r)
-    for s in range(len(got_n)):  # each source's pairs grouped by expert, ascending
-        expert_of_row = {int(r) % P: int(flat[i]) for i, r in enumerate(rm) if r >= 0 and r // P == s}
-        seq = [expert_of_row[p] for p in range(int(got_n[s]))]
+    for s in range(len(got_n)):  # each source's pairs grouped by expert, ascending (or by entry)
+        key_of_row = {int(r) % P: i if by_entry else int(flat[i]) for i, r in enumerate(rm) if r >= 0 and r // P == s}
+        seq = [key_of_row[p] for p in range(int(got_n[s]))]
         assert seq == sorted(seq)
 
 
@@ -497,6 +497,14 @@ def test_route_pairs_is_route_then_build_pairs(cp):
         np.testing.assert_array_equal(ids.get(), want_ids.get())
         np.testing.assert_array_equal(w.get().view(np.uint32), want_w.get().view(np.uint32))
         check_pairs(ids.get(), src, slot, pairs.get(), n_pairs.get(), rowmap.get()[:K], miss, n_miss, 64)
+        # by weight (a guess fetched ahead under a cap): the same rows, each source's list in router order
+        n_miss[0] = -7
+        k.route_pairs(logits, K, ids, w, cp.asarray(src), cp.asarray(slot), pairs, n_pairs, rowmap,
+                      miss.ctypes.data, n_miss.ctypes.data, K, by_weight=True)
+        cp.cuda.get_current_stream().synchronize()
+        np.testing.assert_array_equal(ids.get(), want_ids.get())
+        check_pairs(ids.get(), src, slot, pairs.get(), n_pairs.get(), rowmap.get()[:K], miss, n_miss, 64,
+                    by_entry=True)
         # every expert on some source and no host list (null pointers, as where no host serves misses)
         src = np.maximum(src, 0)
         n_miss[0] = -7

@@ -4,12 +4,13 @@
 // warp). experts.cu includes this file after route.cuh and its helpers.
 
 // build_pairs for n <= 32 entries by one warp: lane i holds entry i's expert e (lanes past n: anything). Each
-// entry's place in its source's list is the number of that source's entries before it by (expert, entry).
+// entry's place in its source's list is the number of that source's entries before it by (expert, entry), or by
+// entry alone (by_entry: a one-token step's lists in router order, the likeliest expert first).
 __device__ __forceinline__ void pairs_warp(int e, int n, int K, const int* __restrict__ src,
                                            const int* __restrict__ slot, int n_expert, int n_src, int max_pairs,
                                            int* __restrict__ pairs, int* __restrict__ n_pairs,
                                            int* __restrict__ rowmap, int* __restrict__ miss, int* __restrict__ n_miss,
-                                           int max_miss) {
+                                           int max_miss, bool by_entry) {
     const int i = threadIdx.x & 31;
     int s = -1;
     if (i < n) {
@@ -21,7 +22,7 @@ __device__ __forceinline__ void pairs_warp(int e, int n, int K, const int* __res
     int pos = 0, mine = 0;  // this entry's place in its source's list; the entries of source i
     for (int j = 0; j < n; ++j) {
         const int ej = __shfl_sync(FULL_MASK, e, j), sj = __shfl_sync(FULL_MASK, s, j);
-        if (s >= 0 && sj == s && (ej < e || (ej == e && j < i))) ++pos;
+        if (s >= 0 && sj == s && (by_entry ? j < i : (ej < e || (ej == e && j < i)))) ++pos;
         if (sj == i) ++mine;
     }
     const u32 missed = __ballot_sync(FULL_MASK, i < n && s < 0);
@@ -48,14 +49,15 @@ __device__ __forceinline__ void pairs_warp(int e, int n, int K, const int* __res
 }
 
 // A decode step's router and pair lists in one launch (one warp): route.cuh's route of one token's logits (ids,
-// wts: as route_topk writes them), then pairs_warp on its k experts (build_pairs' contract).
+// wts: as route_topk writes them), then pairs_warp on its k experts (build_pairs' contract; by_weight: each list in
+// router order instead of by expert, as a guess fetched ahead under a cap wants them).
 extern "C" __global__ void __launch_bounds__(32) route_pairs(const float* __restrict__ logits, int n, int k,
                                                              int* __restrict__ ids, float* __restrict__ wts,
                                                              const int* __restrict__ src, const int* __restrict__ slot,
                                                              int n_src, int max_pairs, int* __restrict__ pairs,
                                                              int* __restrict__ n_pairs, int* __restrict__ rowmap,
                                                              int* __restrict__ miss, int* __restrict__ n_miss,
-                                                             int max_miss) {
+                                                             int max_miss, int by_weight) {
     __shared__ float e[1024];
     __shared__ float sel[32];
     // the layer's expert -> (source, slot) tables, copied while the router still runs (the host writes them on this
@@ -71,7 +73,8 @@ extern "C" __global__ void __launch_bounds__(32) route_pairs(const float* __rest
     const int id = route_warp(logits, n, k, e, sel, threadIdx.x, ids, wts);
     cp_wait<0>();
     __syncwarp();
-    pairs_warp(id, k, k, tab[0], tab[1], n, n_src, max_pairs, pairs, n_pairs, rowmap, miss, n_miss, max_miss);
+    pairs_warp(id, k, k, tab[0], tab[1], n, n_src, max_pairs, pairs, n_pairs, rowmap, miss, n_miss, max_miss,
+               by_weight != 0);
 }
 
 // One layer's routed entries (ids: n = T*K expert ids, token = entry / K) -> where each is computed. src[e]: the
@@ -92,7 +95,7 @@ extern "C" __global__ void build_pairs(const int* __restrict__ ids, int n, int K
     if (n <= 32 && tile_p == 0) {  // a decode step's few entries: one warp ranks them, no scan over the experts
         if (threadIdx.x < 32)
             pairs_warp(threadIdx.x < n ? ids[threadIdx.x] : -1, n, K, src, slot, n_expert, n_src, max_pairs, pairs,
-                       n_pairs, rowmap, miss, n_miss, max_miss);
+                       n_pairs, rowmap, miss, n_miss, max_miss, false);
         return;
     }
     extern __shared__ int sh[];  // count[n_expert], cursor[n_expert], source[n_expert]

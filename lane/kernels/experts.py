@@ -623,9 +623,10 @@ class ExpertKernels:
         return n_expert, S
 
     def route_pairs(self, logits, k: int, ids, wts, src, slot, pairs, n_pairs, rowmap, miss_ptr: int,
-                    n_miss_ptr: int, max_miss: int, stream=None) -> None:
+                    n_miss_ptr: int, max_miss: int, by_weight: bool = False, stream=None) -> None:
         """A decode step's router and pair lists in one launch: logits float32 (1, n_expert) -> ids int32 (1, k)
-        and weights float32 (1, k) with router.route's bits, then build_pairs' lists for those k entries (no tiles)."""
+        and weights float32 (1, k) with router.route's bits, then build_pairs' lists for those k entries (no tiles;
+        by_weight: each source's list in router order, the likeliest first, instead of by expert)."""
         cp = self.cp
         n_expert = int(src.shape[0])
         if not 1 <= k <= min(32, n_expert) or n_expert > 1024:
@@ -637,7 +638,8 @@ class ExpertKernels:
         with self._stream(stream):
             launch(self._fn("route_pairs"), (1,), (32,), (logits, np.int32(n_expert), np.int32(k), ids, wts, src, slot,
                                                         np.int32(S), np.int32(self.max_pairs), pairs, n_pairs, rowmap,
-                                                        np.uint64(miss_ptr), np.uint64(n_miss_ptr), np.int32(max_miss)))
+                                                        np.uint64(miss_ptr), np.uint64(n_miss_ptr), np.int32(max_miss),
+                                                        np.int32(by_weight)))
 
     def combine_rows(self, rows, host_rows_ptr: int, rowmap, w, x, stream=None) -> None:
         """x (T, d_model) += router-order sum of w[t, j] * row(rowmap[t*K + j]) (see combine_rows_ref)."""
