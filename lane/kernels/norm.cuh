@@ -27,10 +27,11 @@ __device__ __forceinline__ float leaf_sq_sum(const float* a, int L, int j) {
 
 // sqrt(mean(x^2) + eps) of the row xr (n values, shared or global memory) in numpy's pairwise order (the plan's NL
 // leaves of L values; L = 0: no plan, a block-strided sum), by the whole block (blockDim >= NL * 8, a multiple of
-// 32). Every thread returns it; every read of xr is done before the first barrier.
+// 32). Every thread returns it; every read of xr is done before the one barrier, after which every warp adds the
+// warps' sums in the same tree and takes the root itself (the same bits in every lane; no second barrier and no
+// hand-off through one thread). Called once a kernel: part is not reused.
 __device__ __forceinline__ float row_rms(const float* xr, int n, int L, int NL, float eps) {
     __shared__ float part[32];
-    __shared__ float s_rms;
     const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5, nw = blockDim.x >> 5;
     float sum;
     if (L > 0) {
@@ -44,33 +45,21 @@ __device__ __forceinline__ float row_rms(const float* xr, int n, int L, int NL, 
         const int nwl = (NL + 3) >> 2;  // warps holding leaves
         if (lane == 0 && wid < nwl) part[wid] = s;
         __syncthreads();
-        if (wid == 0) {
-            float v = lane < nwl ? part[lane] : 0.f;
-            for (int o = 1; o < nwl; o <<= 1) {
-                const float u = __shfl_xor_sync(0xffffffffu, v, o);
-                v = f_add(v, u);
-            }
-            if (lane == 0) part[0] = v;
+        float v = lane < nwl ? part[lane] : 0.f;
+        for (int o = 1; o < nwl; o <<= 1) {
+            const float u = __shfl_xor_sync(0xffffffffu, v, o);
+            v = f_add(v, u);
         }
-        __syncthreads();
-        sum = part[0];
+        sum = __shfl_sync(0xffffffffu, v, 0);
     } else {
         float s = 0.f;
         for (int i = tid; i < n; i += blockDim.x) s = f_add(s, f_mul(xr[i], xr[i]));
         s = warp_sum(s);
         if (lane == 0) part[wid] = s;
         __syncthreads();
-        if (wid == 0) {
-            float v = lane < nw ? part[lane] : 0.f;
-            v = warp_sum(v);
-            if (lane == 0) part[0] = v;
-        }
-        __syncthreads();
-        sum = part[0];
+        sum = __shfl_sync(0xffffffffu, warp_sum(lane < nw ? part[lane] : 0.f), 0);
     }
-    if (tid == 0) s_rms = f_sqrt(f_add(f_div(sum, (float)n), eps));
-    __syncthreads();
-    return s_rms;
+    return f_sqrt(f_add(f_div(sum, (float)n), eps));
 }
 
 // rows of x (ldx apart) -> y (ldy apart). blockDim >= max(256, NL*8), multiple of 32. With `staged`, the row is
