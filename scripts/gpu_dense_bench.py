@@ -4,7 +4,8 @@ copy bandwidth.
 
 Each decode kernel is timed as a CUDA graph of launches replayed between CUDA events (median of --repeats), so
 launch overhead is the graph's (~1 us), not Python's. Weights smaller than ~3x the L2 are rotated over several
-copies inside the graph so every launch reads from DRAM. Attention runs over 48 layer caches (as a decode step
+copies inside the graph so every launch reads from DRAM (--warm: one copy, read from L2 after the first launch, as
+a weight prefetched into L2 would be; --match TEXT: only the mat-vec cases whose name holds TEXT). Attention runs over 48 layer caches (as a decode step
 does). Batched (prefill) GEMMs are event-timed eagerly (cuBLAS per-call temporaries cannot be captured).
 Floor = bytes that must move / measured copy bandwidth. Prints a table last; --json writes everything.
 """
@@ -31,6 +32,8 @@ from stratad.model import quants  # noqa: E402
 
 F32 = np.float32
 L2_BYTES = 60 << 20
+MAX_COPIES = 16  # --warm: 1
+MATCH = ""  # --match
 A3B = dict(d=2048, n_head=32, n_kv=4, hd=128, n_exp=128, k=8, vocab=151936, n_layer=48, max_ctx=131072)
 
 
@@ -65,10 +68,12 @@ def rand_raw(rng, qt, rows, cols):
     return np.ascontiguousarray(raw).view(np.uint8).reshape(rows, -1)
 
 
-def weight_copies(cp, rng, qt, rows, cols, max_copies=16):
+def weight_copies(cp, rng, qt, rows, cols):
+    """A weight and the copies its launches rotate over so that each reads from DRAM (--warm: none, so that after
+    the first launch it reads from L2, as a weight prefetched into L2 would)."""
     raw = rand_raw(rng, qt, rows, cols)
     w0 = weights.DenseWeight.upload(raw, qt, cols)
-    n = 1 if w0.nbytes >= 3 * L2_BYTES else min(max_copies, math.ceil(3 * L2_BYTES / w0.nbytes))
+    n = 1 if w0.nbytes >= 3 * L2_BYTES else min(MAX_COPIES, math.ceil(3 * L2_BYTES / w0.nbytes))
     ws = [w0] + [weights.DenseWeight(w0.data.copy(), qt, cols) for _ in range(n - 1)]
     return ws
 
@@ -95,6 +100,8 @@ def bench_matvec(cp, rng, bw, out):
              ("q 2048->4096", T.Q4_K, 4096, 2048), ("o 4096->2048", T.Q4_K, 2048, 4096),
              ("v 2048->512", T.Q6_K, 512, 2048), ("lm_head 2048->151936", T.Q6_K, c["vocab"], 2048)]
     for name, qt, rows, cols in cases:
+        if MATCH not in f"{name} {qt.name}":
+            continue
         ws = weight_copies(cp, rng, qt, rows, cols)
         x = cp.asarray(rng.standard_normal(cols, dtype=F32))
         y = cp.empty(rows, cp.float32)
@@ -314,7 +321,11 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", default=None)
     ap.add_argument("--sections", default="matvec,small,attention,chain,batched,prefill")
+    ap.add_argument("--warm", action="store_true", help="no weight copies: launches read the weights from L2")
+    ap.add_argument("--match", default="", help="matvec: only the cases whose name holds this text")
     args = ap.parse_args()
+    global MAX_COPIES, MATCH
+    MAX_COPIES, MATCH = (1 if args.warm else MAX_COPIES), args.match
 
     import cupy as cp
 
