@@ -5,13 +5,15 @@ copy bandwidth.
 Each decode kernel is timed as a CUDA graph of launches replayed between CUDA events (median of --repeats), so
 launch overhead is the graph's (~1 us), not Python's. Weights smaller than ~3x the L2 are rotated over several
 copies inside the graph so every launch reads from DRAM (--warm: one copy, read from L2 after the first launch, as
-a weight prefetched into L2 would be; --match TEXT: only the mat-vec cases whose name holds TEXT). Attention runs over 48 layer caches (as a decode step
-does). Batched (prefill) GEMMs are event-timed eagerly (cuBLAS per-call temporaries cannot be captured).
+a weight prefetched into L2 would be; --match TEXT: only the mat-vec cases whose name holds TEXT). Attention runs
+over 48 layer caches (as a decode step does). Batched (prefill) GEMMs are event-timed eagerly (cuBLAS per-call
+temporaries cannot be captured).
 Floor = bytes that must move / measured copy bandwidth. Prints a table last; --json writes everything.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import sys
@@ -32,8 +34,6 @@ from stratad.model import quants  # noqa: E402
 
 F32 = np.float32
 L2_BYTES = 60 << 20
-MAX_COPIES = 16  # --warm: 1
-MATCH = ""  # --match
 A3B = dict(d=2048, n_head=32, n_kv=4, hd=128, n_exp=128, k=8, vocab=151936, n_layer=48, max_ctx=131072)
 
 
@@ -68,12 +68,12 @@ def rand_raw(rng, qt, rows, cols):
     return np.ascontiguousarray(raw).view(np.uint8).reshape(rows, -1)
 
 
-def weight_copies(cp, rng, qt, rows, cols):
-    """A weight and the copies its launches rotate over so that each reads from DRAM (--warm: none, so that after
-    the first launch it reads from L2, as a weight prefetched into L2 would)."""
+def weight_copies(cp, rng, qt, rows, cols, max_copies=16):
+    """A weight and the copies its launches rotate over so that each reads from DRAM (max_copies = 1, --warm: none,
+    so that after the first launch it reads from L2, as a weight prefetched into L2 would)."""
     raw = rand_raw(rng, qt, rows, cols)
     w0 = weights.DenseWeight.upload(raw, qt, cols)
-    n = 1 if w0.nbytes >= 3 * L2_BYTES else min(MAX_COPIES, math.ceil(3 * L2_BYTES / w0.nbytes))
+    n = 1 if w0.nbytes >= 3 * L2_BYTES else min(max_copies, math.ceil(3 * L2_BYTES / w0.nbytes))
     ws = [w0] + [weights.DenseWeight(w0.data.copy(), qt, cols) for _ in range(n - 1)]
     return ws
 
@@ -86,7 +86,7 @@ def rec(name, us, nbytes, bw, **kw):
     return r
 
 
-def bench_matvec(cp, rng, bw, out):
+def bench_matvec(cp, rng, bw, out, warm=False, match=""):
     c = A3B
     cases = [("q 2048->4096", T.Q8_0, 4096, 2048), ("k/v 2048->512", T.Q8_0, 512, 2048),
              ("o 4096->2048", T.Q8_0, 2048, 4096), ("qkv 2048->5120", T.Q8_0, 5120, 2048),
@@ -100,9 +100,9 @@ def bench_matvec(cp, rng, bw, out):
              ("q 2048->4096", T.Q4_K, 4096, 2048), ("o 4096->2048", T.Q4_K, 2048, 4096),
              ("v 2048->512", T.Q6_K, 512, 2048), ("lm_head 2048->151936", T.Q6_K, c["vocab"], 2048)]
     for name, qt, rows, cols in cases:
-        if MATCH not in f"{name} {qt.name}":
+        if match not in f"{name} {qt.name}":
             continue
-        ws = weight_copies(cp, rng, qt, rows, cols)
+        ws = weight_copies(cp, rng, qt, rows, cols, 1 if warm else 16)
         x = cp.asarray(rng.standard_normal(cols, dtype=F32))
         y = cp.empty(rows, cp.float32)
         forms = ["file", "packed"] if qt in device.FILE_BLK and qt != T.Q8_0 else [""]
@@ -324,8 +324,6 @@ def main():
     ap.add_argument("--warm", action="store_true", help="no weight copies: launches read the weights from L2")
     ap.add_argument("--match", default="", help="matvec: only the cases whose name holds this text")
     args = ap.parse_args()
-    global MAX_COPIES, MATCH
-    MAX_COPIES, MATCH = (1 if args.warm else MAX_COPIES), args.match
 
     import cupy as cp
 
@@ -353,8 +351,8 @@ def main():
     info["copy_GBps"], info["copy_runs"] = bw, bw_all
     rng = np.random.default_rng(0)
     results, errors = [], {}
-    sections = {"matvec": bench_matvec, "small": bench_small, "attention": bench_attention,
-                "chain": bench_decode_chain, "batched": bench_batched, "prefill": bench_prefill}
+    sections = {"matvec": functools.partial(bench_matvec, warm=args.warm, match=args.match), "small": bench_small,
+                "attention": bench_attention, "chain": bench_decode_chain, "batched": bench_batched, "prefill": bench_prefill}
     for sec in args.sections.split(","):
         t = time.time()
         try:
