@@ -352,7 +352,8 @@ def main():
     rng = np.random.default_rng(0)
     results, errors = [], {}
     sections = {"matvec": functools.partial(bench_matvec, warm=args.warm, match=args.match), "small": bench_small,
-                "attention": bench_attention, "chain": bench_decode_chain, "batched": bench_batched, "prefill": bench_prefill}
+                "attention": bench_attention, "chain": bench_decode_chain, "batched": bench_batched,
+                "prefill": bench_prefill}
     for sec in args.sections.split(","):
         t = time.time()
         try:
