@@ -16,6 +16,7 @@
 #                                        # pool / bus; AHEAD: fetched ahead on a guess; HOST=cpu: the CPU pool alone)
 #   bash scripts/device_run.sh half      # the iq3_s mix half and a quarter resident (misses from the arena), this tree
 #                                        # and each _ab*/ tree, alternating (FRACTIONS, ROUNDS)
+#   bash scripts/device_run.sh dense-l2  # the dense mat-vecs of TYPES read from DRAM and from L2 (--warm)
 #   bash scripts/device_run.sh mixes     # the engine bench on the a3b iq3_s and q4_k_m mixes
 #   bash scripts/device_run.sh engine1   # a3b IQ3_S: the engine bench all resident (1K / 32K / 64K; TAG= names
 #                                        # the JSON)
@@ -185,12 +186,13 @@ misses)  # the decode misses' settings half resident: the iq3_s mix at FRACTIONS
     echo "misses $tag rc=$?"; grep "^{'" "$OUT/misses-$tag.log" | cut -c1-240
     ;;
 half)  # the iq3_s mix's decode with misses read from the arena: the engine bench at FRACTIONS (0.5,0.25) resident, 1K,
-      # on this tree and each tree _ab*/ in turn, ROUNDS (2) times (the misses' bus time dominates: bus_expert_*)
+      # on this tree and each tree _ab*/ (AB_TREES: those named) in turn, ROUNDS (2) times (the misses' bus time
+      # dominates: bus_expert_*)
     m=/tmp/a3b-mix-iq3_s.gguf
     [ -f $m ] || python3 -m stratad.cli make-model --preset a3b --router-skew 1.0 --mix iq3_s --out $m | tail -1
     bus_read
     for round in $(seq "${ROUNDS:-2}"); do
-        for tree in . _ab*; do
+        for tree in . ${AB_TREES:-_ab*}; do
             [ -d "$tree" ] || continue
             (cd "$tree" && PYTHONPATH=/tmp/site:$PWD timeout 200 python3 -m stratad.cli bench --scenario engine \
                 --model $m --fractions "${FRACTIONS:-0.5,0.25}" --contexts 1024 \
@@ -331,6 +333,14 @@ flash2)
     for tree in . _flash2; do
         (cd $tree && PYTHONPATH=/tmp/site:$PWD timeout 100 python3 scripts/gpu_prefill_profile.py --model "$A3B" --fractions 1.0 \
             --contexts 1024,32768 --json "$OUT/prefill-$(basename "$(realpath $tree)").json" 2>&1 | tail -3)
+    done
+    ;;
+dense-l2)  # the dense mat-vecs of TYPES (IQ3_S Q4_K) with their weights rotated through DRAM, then read from L2
+    for t in ${TYPES:-IQ3_S Q4_K}; do
+        for warm in "" --warm; do
+            timeout 200 python3 scripts/gpu_dense_bench.py --sections matvec --match "$t" $warm \
+                --json "$OUT/dense-$t${warm:+-warm}.json" 2>&1 | grep "^matvec" | sed "s|^|$t${warm:+ warm}: |"
+        done
     done
     ;;
 dense)
@@ -484,6 +494,9 @@ batch)
         wait "$pid" 2> /dev/null
         rm -f "$sid"
     done
+    # at most 8 files come back from a call: the steps' files in one archive (beside the kernel cache)
+    (cd "$OUT" && tar -czf /tmp/results.tgz --exclude=./kcache.tgz . &&
+        find . -mindepth 1 -maxdepth 1 ! -name kcache.tgz -exec rm -rf {} + && mv /tmp/results.tgz .)
     ;;
 *)
     echo "usage: $0 tests|tests2|tests3|agents|mixes|profile|engine|engine-card|experts-prompt|seed13|seed2|seed-card|seed-mps|flash2|batch" >&2

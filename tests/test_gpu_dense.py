@@ -168,14 +168,19 @@ def test_dense_batched(cp, D, qt):
 
 # ---- 2. RMSNorm --------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("n", [2048, 4096, 256, 128, 64, 16, 384])
-def test_rms_norm_exact(cp, D, n):
+@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "x+4B"])
+def test_rms_norm_exact(cp, D, n, offset):
+    """Bit for bit numpy's; offset 1: x and w 4 bytes past a 16-byte boundary (the kernel's 4-byte copies)."""
     rng = np.random.default_rng(n)
     assert norm.pairwise_plan(n) is not None
     for rows in (1, 3, 32):
         x = rng.standard_normal((rows, n), dtype=F32) * rng.uniform(0.01, 30, size=(rows, 1)).astype(F32)
         w = rng.uniform(0.5, 1.5, n).astype(F32)
         y = nan_like(cp, (rows, n))
-        norm.rms_norm(cp.asarray(x), cp.asarray(w), 1e-6, y)
+        xd, wd = cp.empty(rows * n + offset, cp.float32), cp.empty(n + offset, cp.float32)
+        xd[offset:] = cp.asarray(x.ravel())
+        wd[offset:] = cp.asarray(w)
+        norm.rms_norm(xd[offset:].reshape(rows, n), wd[offset:], 1e-6, y)
         sync(cp)
         want = reference.rms_norm(x, w, 1e-6)
         got = y.get()

@@ -12,11 +12,22 @@ extern "C" __global__ void __launch_bounds__(1024) rms_norm_rows(const float* x,
     const float* xg = x + (i64)blockIdx.x * ldx;
     float* yr = y + (i64)blockIdx.x * ldy;
     const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5, nw = blockDim.x >> 5;
-    if (staged) {  // x and w: one round of independent loads
-        for (int i = tid; i < n; i += blockDim.x) {
-            xs[i] = xg[i];
-            xs[n + i] = w[i];
+    if (staged) {  // x and w copied by cp.async: no load waits on a store (st.shared after each ld.global held the
+                   // next loads back, a round trip each)
+        const u32 sx = smem_addr(xs), sw = smem_addr(xs + n);
+        if ((((u64)xg | (u64)w) & 15) == 0 && (n & 3) == 0) {
+            for (int i = 4 * tid; i < n; i += 4 * blockDim.x) {
+                cp_async16(sx + 4 * i, xg + i);
+                cp_async16(sw + 4 * i, w + i);
+            }
+        } else {
+            for (int i = tid; i < n; i += blockDim.x) {
+                cp_async4(sx + 4 * i, xg + i);
+                cp_async4(sw + 4 * i, w + i);
+            }
         }
+        cp_commit();
+        cp_wait<0>();
         __syncthreads();
     }
     const float* xr = staged ? xs : xg;
