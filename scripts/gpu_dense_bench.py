@@ -103,7 +103,8 @@ def bench_matvec(cp, rng, bw, out, warm=False, match=""):
         if match not in f"{name} {qt.name}":
             continue
         ws = weight_copies(cp, rng, qt, rows, cols, 1 if warm else 16)
-        x = cp.asarray(rng.standard_normal(cols, dtype=F32))
+        xh = rng.standard_normal(cols, dtype=F32)
+        x, xq = cp.asarray(xh), cp.asarray(matvec.quantize_row(xh))  # float x, and x on 8 bits (qx)
         y = cp.empty(rows, cp.float32)
         forms = ["file", "packed"] if qt in device.FILE_BLK and qt != T.Q8_0 else [""]
         for form in forms:
@@ -111,19 +112,23 @@ def bench_matvec(cp, rng, bw, out, warm=False, match=""):
                 for w in ws:
                     w.packed = weights.PackedRows.pack(w)
             packed = ws[0].packed is not None
-            nbytes = (ws[0].packed.nbytes if packed else ws[0].nbytes) + 4 * (rows + cols)  # what the kernel reads
             default = ws[0].plan()
             plans = weights.PLANS if qt in device.FILE_BLK or packed or name.startswith("router") else [default]
-            res = {}
-            for plan in plans:
-                # 16 launches an iteration whatever the copies, so that --warm's graphs amortise their start alike
-                us, _ = graph_us(cp, [lambda s, w=ws[j % len(ws)], p=plan: matvec.matvec(w, x, y, plan=p, stream=s)
-                                      for j in range(16)])
-                res[f"r{plan[0]}k{plan[1]}"] = us
-            best = min(res, key=res.get)
-            dkey = f"r{default[0]}k{default[1]}"
-            out.append(rec(f"matvec {name} {qt.name}{' ' + form if form else ''}", res[dkey], nbytes, bw, plan=dkey,
-                           plans=res, best=best, copies=len(ws)))
+            for qx in (False, True) if ws[0].takes_qx else (False,):
+                xb = xq.nbytes if qx else 4 * cols
+                nbytes = (ws[0].packed.nbytes if packed else ws[0].nbytes) + 4 * rows + xb  # what the kernel reads
+                res = {}
+                for plan in plans:
+                    # 16 launches an iteration whatever the copies, so that --warm's graphs amortise their start alike
+                    us, _ = graph_us(cp, [lambda s, w=ws[j % len(ws)], p=plan, q=qx:
+                                          matvec.matvec(w, xq if q else x, y, plan=p, qx=q, stream=s)
+                                          for j in range(16)])
+                    res[f"r{plan[0]}k{plan[1]}"] = us
+                best = min(res, key=res.get)
+                dkey = f"r{default[0]}k{default[1]}"
+                label = " ".join(t for t in (qt.name, form, "qx" if qx else "") if t)
+                out.append(rec(f"matvec {name} {label}", res[dkey], nbytes, bw, plan=dkey, plans=res, best=best,
+                               copies=len(ws)))
         del ws
         cp.get_default_memory_pool().free_all_blocks()
 
