@@ -69,6 +69,29 @@ __device__ __forceinline__ void quant32x4(float4 v, int lane, signed char* q, fl
     }
 }
 
+// numpy's float32 pairwise sum of one leaf of L <= 128 values (SQ: of their squares) by the 8 lanes j0..j0+7 of a
+// warp (j = lane & 7): L < 8 sequentially from 0; else 8 accumulators r[j] = a[j] + a[j+8] + ... over the first
+// L - L%8 values, ((r0+r1)+(r2+r3))+((r4+r5)+(r6+r7)) by xor shuffles (float addition commutes, so every lane holds
+// those bits), then the L%8 leftovers in order. Returns the leaf sum in every one of the 8 lanes. L must be the same
+// side of 8 across the warp (the shuffles take every lane).
+template <bool SQ>
+__device__ __forceinline__ float leaf_sum(const float* a, int L, int j) {
+    auto v = [&](int i) { return SQ ? f_mul(a[i], a[i]) : a[i]; };
+    if (L < 8) {
+        float s = 0.f;
+        for (int i = 0; i < L; ++i) s = f_add(s, v(i));
+        return s;
+    }
+    const int m = L - (L & 7);
+    float r = v(j);
+    for (int i = j + 8; i < m; i += 8) r = f_add(r, v(i));
+    r = f_add(r, __shfl_xor_sync(0xffffffffu, r, 1));
+    r = f_add(r, __shfl_xor_sync(0xffffffffu, r, 2));
+    r = f_add(r, __shfl_xor_sync(0xffffffffu, r, 4));
+    for (int i = m; i < L; ++i) r = f_add(r, v(i));
+    return r;
+}
+
 #define NEG_INF __int_as_float(0xff800000)
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll

@@ -7,24 +7,6 @@
 // (NL a power of two, L <= 128); mode 0 = generic (not numpy's order) for other n.
 // =============================================================================================================
 
-// pairwise sum of squares of one leaf of L <= 128 values, by the 8 lanes j0..j0+7 of a warp (j = lane & 7).
-// returns the leaf sum in every one of those 8 lanes
-__device__ __forceinline__ float leaf_sq_sum(const float* a, int L, int j) {
-    if (L < 8) {
-        float s = 0.f;
-        for (int i = 0; i < L; ++i) s = f_add(s, f_mul(a[i], a[i]));
-        return s;
-    }
-    const int m = L - (L & 7);
-    float r = f_mul(a[j], a[j]);
-    for (int i = j + 8; i < m; i += 8) r = f_add(r, f_mul(a[i], a[i]));
-    r = f_add(r, __shfl_xor_sync(0xffffffffu, r, 1));
-    r = f_add(r, __shfl_xor_sync(0xffffffffu, r, 2));
-    r = f_add(r, __shfl_xor_sync(0xffffffffu, r, 4));
-    for (int i = m; i < L; ++i) r = f_add(r, f_mul(a[i], a[i]));
-    return r;
-}
-
 // sqrt(mean(x^2) + eps) of the row xr (n values, shared or global memory) in numpy's pairwise order (the plan's NL
 // leaves of L values; L = 0: no plan, a block-strided sum), by the whole block (blockDim >= NL * 8, a multiple of
 // 32). Every thread returns it; every read of xr is done before the one barrier, after which every warp adds the
@@ -37,7 +19,7 @@ __device__ __forceinline__ float row_rms(const float* xr, int n, int L, int NL, 
     if (L > 0) {
         const int leaf = tid >> 3;
         // every lane takes part in the shuffles (leaves past NL compute a copy of the last one, then drop it)
-        float s = leaf_sq_sum(xr + (i64)min(leaf, NL - 1) * L, L, lane & 7);
+        float s = leaf_sum<true>(xr + (i64)min(leaf, NL - 1) * L, L, lane & 7);
         if (leaf >= NL) s = 0.f;
         // leaves in a warp: lanes 0, 8, 16, 24 -> (l0+l1)+(l2+l3)
         if (NL >= 2) s = f_add(s, __shfl_xor_sync(0xffffffffu, s, 8));

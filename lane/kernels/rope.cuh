@@ -12,11 +12,11 @@ __device__ __forceinline__ i64 v_at(int kvh, int hd, int max_ctx, int d, int p) 
 }
 __device__ __forceinline__ float head_sq_sum(const float* a, int n, int lane) {
     // numpy pairwise order for n <= 256: one leaf (n <= 128) or two leaves split at n2
-    if (n <= 128) return __shfl_sync(0xffffffffu, leaf_sq_sum(a, n, lane & 7), 0);
+    if (n <= 128) return __shfl_sync(0xffffffffu, leaf_sum<true>(a, n, lane & 7), 0);
     int n2 = n >> 1;
     n2 -= n2 & 7;
-    const float s0 = leaf_sq_sum(a, n2, lane & 7);
-    const float s1 = leaf_sq_sum(a + n2, n - n2, lane & 7);
+    const float s0 = leaf_sum<true>(a, n2, lane & 7);
+    const float s1 = leaf_sum<true>(a + n2, n - n2, lane & 7);
     return f_add(__shfl_sync(0xffffffffu, s0, 0), __shfl_sync(0xffffffffu, s1, 0));
 }
 

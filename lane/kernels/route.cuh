@@ -5,40 +5,29 @@
 // order; exp is CUDA's expf (<= 2 ulp): ids differ from numpy only if its exp and ours round two nearly equal logits
 // to a different order / tie (not seen in 3600 random rows emulated). n <= 1024, k <= 32. compile.py inlines this
 // file after common.cuh.
-__device__ float pw_sum_seq(const float* a, int n) {  // numpy pairwise_sum for n <= 128, one thread
-    if (n < 8) {
-        float s = 0.f;
-        for (int i = 0; i < n; ++i) s = f_add(s, a[i]);
-        return s;
-    }
-    float r[8];
-    for (int j = 0; j < 8; ++j) r[j] = a[j];
-    const int m = n - (n & 7);
-    for (int i = 8; i < m; i += 8)
-        for (int j = 0; j < 8; ++j) r[j] = f_add(r[j], a[i + j]);
-    float s = f_add(f_add(f_add(r[0], r[1]), f_add(r[2], r[3])), f_add(f_add(r[4], r[5]), f_add(r[6], r[7])));
-    for (int i = m; i < n; ++i) s = f_add(s, a[i]);
-    return s;
-}
 
-__device__ float pw_sum_tree(const float* a, int n) {  // general numpy pairwise_sum (recursive), one thread
-    if (n <= 128) return pw_sum_seq(a, n);
-    // iterative over the recursion with an explicit stack (depth <= 8 for n <= 32768)
+// numpy's pairwise sum of a (n values) by a warp, every lane returning it: one leaf for n <= 128, else halves split at
+// n2 = n/2 - (n/2)%8, each a leaf or (over 128) split the same way once more (numpy's tree for n <= 488; past that a
+// quarter of more than 128 is one leaf of 8 accumulators, where numpy splits again); each leaf summed by
+// a group of 8 lanes (common.cuh leaf_sum), a half that is one leaf computed by both its groups (every leaf then
+// holds 64 values or more: the same side of 8 across the warp, as leaf_sum needs)
+__device__ __forceinline__ float pw_sum_warp(const float* a, int n, int lane) {
+    const int j = lane & 7;
+    if (n <= 128) return leaf_sum<false>(a, n, j);
     int n2 = n >> 1;
     n2 -= n2 & 7;
-    float s0, s1;
-    if (n2 <= 128) s0 = pw_sum_seq(a, n2);
-    else {
-        int m2 = n2 >> 1; m2 -= m2 & 7;
-        s0 = f_add(pw_sum_seq(a, m2), pw_sum_seq(a + m2, n2 - m2));  // n <= 512 covered exactly
-    }
     const int r = n - n2;
-    if (r <= 128) s1 = pw_sum_seq(a + n2, r);
-    else {
-        int m2 = r >> 1; m2 -= m2 & 7;
-        s1 = f_add(pw_sum_seq(a + n2, m2), pw_sum_seq(a + n2 + m2, r - m2));
-    }
-    return f_add(s0, s1);
+    int h0 = n2 >> 1, h1 = r >> 1;  // where each half splits, if it holds more than 128
+    h0 -= h0 & 7;
+    h1 -= h1 & 7;
+    const bool s0 = n2 > 128, s1 = r > 128;
+    const int g = lane >> 3;  // groups 0, 1: [0, h0) and [h0, n2), or [0, n2) twice; groups 2, 3 the same for r
+    const int base = g < 2 ? 0 : n2, len = g < 2 ? n2 : r, h = g < 2 ? h0 : h1;
+    const bool split = g < 2 ? s0 : s1, second = g & 1;
+    const float v = leaf_sum<false>(a + base + (split && second ? h : 0), split ? (second ? len - h : h) : len, j);
+    const float v0 = __shfl_sync(0xffffffffu, v, 0), v1 = __shfl_sync(0xffffffffu, v, 8);
+    const float v2 = __shfl_sync(0xffffffffu, v, 16), v3 = __shfl_sync(0xffffffffu, v, 24);
+    return f_add(s0 ? f_add(v0, v1) : v0, s1 ? f_add(v2, v3) : v2);
 }
 
 __device__ __forceinline__ u32 redux_max(u32 v) { u32 r; asm volatile("redux.sync.max.u32 %0, %1, 0xffffffff;" : "=r"(r) : "r"(v)); return r; }
@@ -48,8 +37,9 @@ __device__ __forceinline__ u32 redux_min(u32 v) { u32 r; asm volatile("redux.syn
 // expert and writes it and its weight to ids[j], wts[j].
 __device__ __forceinline__ int route_warp(const float* __restrict__ x, int n, int k, float* e, float* sel, int lane,
                                           int* __restrict__ ids, float* __restrict__ wts) {
-    // a lane's first ROUTE_RB logits loaded at once (a strided loop waits one L2 round trip per load); the same
-    // values in the same order, so the same max and the same exps
+    // a lane's first ROUTE_RB logits loaded at once (a strided loop waits one L2 round trip per load), then kept in
+    // registers as exps and probabilities (the top-k's rounds read them there); the same values in the same order,
+    // so the same max, exps, sum and ranking
     constexpr int ROUTE_RB = 8;
     float xv[ROUTE_RB];
 #pragma unroll
@@ -62,13 +52,15 @@ __device__ __forceinline__ int route_warp(const float* __restrict__ x, int n, in
     mx = warp_max(mx);
 #pragma unroll
     for (int c = 0; c < ROUTE_RB; ++c)
-        if (lane + 32 * c < n) e[lane + 32 * c] = expf(f_sub(xv[c], mx));
+        if (lane + 32 * c < n) e[lane + 32 * c] = xv[c] = expf(f_sub(xv[c], mx));
     for (int i = lane + 32 * ROUTE_RB; i < n; i += 32) e[i] = expf(f_sub(x[i], mx));
     __syncwarp();
-    float S = 0.f;
-    if (lane == 0) S = pw_sum_tree(e, n);
-    S = __shfl_sync(0xffffffffu, S, 0);
-    for (int i = lane; i < n; i += 32) e[i] = f_div(e[i], S);  // p
+    const float S = pw_sum_warp(e, n, lane);
+    __syncwarp();  // every lane's reads of e are done before it holds p
+#pragma unroll
+    for (int c = 0; c < ROUTE_RB; ++c)
+        if (lane + 32 * c < n) e[lane + 32 * c] = xv[c] = f_div(xv[c], S);  // p
+    for (int i = lane + 32 * ROUTE_RB; i < n; i += 32) e[i] = f_div(e[i], S);
     __syncwarp();
     // top-k by (p desc, index asc): each lane's best untaken (p >= 0, so its bits order as u32), then two
     // warp reductions (redux.sync): the largest p, and the lowest index holding it
@@ -76,12 +68,16 @@ __device__ __forceinline__ int route_warp(const float* __restrict__ x, int n, in
     int myid = 0;
     for (int j = 0; j < k; ++j) {
         u32 bb = 0, bi = 0xffffffffu;
-        int c = 0;
-        for (int i = lane; i < n; i += 32, ++c) {
-            if (taken & (1u << c)) continue;
-            const u32 pb = __float_as_uint(e[i]);
-            if (bi == 0xffffffffu || pb > bb) { bb = pb; bi = (u32)i; }
-        }
+        auto consider = [&](int c, float p) {
+            const int i = lane + 32 * c;
+            if (i < n && !(taken & (1u << c)) && (bi == 0xffffffffu || __float_as_uint(p) > bb)) {
+                bb = __float_as_uint(p);
+                bi = (u32)i;
+            }
+        };
+#pragma unroll
+        for (int c = 0; c < ROUTE_RB; ++c) consider(c, xv[c]);
+        for (int c = ROUTE_RB; lane + 32 * c < n; ++c) consider(c, e[lane + 32 * c]);
         const u32 M = redux_max(bi == 0xffffffffu ? 0u : bb);
         const u32 I = redux_min((bi != 0xffffffffu && bb == M) ? bi : 0xffffffffu);
         if ((int)(I & 31u) == lane) taken |= 1u << (I >> 5);
@@ -89,9 +85,7 @@ __device__ __forceinline__ int route_warp(const float* __restrict__ x, int n, in
     }
     if (lane < k) sel[lane] = e[myid];
     __syncwarp();
-    float ws = 0.f;
-    if (lane == 0) ws = pw_sum_seq(sel, k);
-    ws = __shfl_sync(0xffffffffu, ws, 0);
+    const float ws = leaf_sum<false>(sel, k, lane & 7);  // numpy's order for k <= 32
     if (lane < k) {
         ids[lane] = myid;
         wts[lane] = f_div(sel[lane], ws);
