@@ -431,17 +431,18 @@ timeline)  # a3b all resident: the replayed decode step's kernels as the GPU ran
             --json "$OUT/timeline-$ctx${FRACTION:+-$FRACTION}.json" 2>&1 | grep -A40 "timeline over"
     done
     ;;
-ncu-src)  # a3b all resident, CONTEXT (1024): each decode kernel's stall samples by SASS instruction (one launch
+ncu-src)  # a3b all resident (MODEL), CONTEXT (1024): each decode kernel's stall samples by SASS instruction (one launch
          # each), with its speed-of-light summary (DRAM and SM throughput)
     command -v ncu > /dev/null || { echo "no ncu here"; exit 0; }
-    model "$A3B" --router-skew 1.0
+    m=${MODEL:-$A3B}  # MODEL: another file (as timeline's)
+    [ "$m" != "$A3B" ] || model "$A3B" --router-skew 1.0
     ctx=${CONTEXT:-1024}
     for k in ${KERNELS:-norm_matvec_q8_0 matvec_q8_0_r1_k1 expert_gateup expert_down norm_matvec_f32 attn_split \
         attn_combine}; do  # KERNELS: a subset
         rep="/tmp/src-$k-$ctx"
         timeout 150 ncu --clock-control none -k "regex:^$k" -s 200 -c 1 --section WarpStateStats \
             --section SourceCounters --section SpeedOfLight -f -o "$rep" python3 scripts/gpu_decode_profile.py \
-            --model "$A3B" --fractions 1.0 --context "$ctx" --tokens 8 --iters 2 > /dev/null 2>&1
+            --model "$m" --fractions 1.0 --context "$ctx" --tokens 8 --iters 2 > /dev/null 2>&1
         ncu --import "$rep.ncu-rep" --page details --section SpeedOfLight > "$OUT/sol-$k-$ctx.txt" 2>&1
         grep -E "DRAM Throughput|Memory Throughput|Compute \(SM\) Throughput|Duration" "$OUT/sol-$k-$ctx.txt" | head -4
         ncu --import "$rep.ncu-rep" --page source --print-source sass --csv > "$OUT/src-$k-$ctx.csv" 2>&1 ||
