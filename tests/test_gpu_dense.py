@@ -527,7 +527,8 @@ def test_prefill_attention(cp, D, cfg, L, Tn):
 
 
 # ---- 5. router ---------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("n,k", [(128, 8), (16, 4), (160, 8), (64, 1), (256, 16), (512, 8)])  # 512: past the batch
+# 512 and 1024: past a lane's registers
+@pytest.mark.parametrize("n,k", [(128, 8), (16, 4), (160, 8), (64, 1), (256, 16), (512, 8), (1024, 32)])
 def test_route(cp, D, n, k):
     rng = np.random.default_rng(n + k)
     Tn = 9
@@ -536,6 +537,8 @@ def test_route(cp, D, n, k):
     x[2, :] = x[2, 0]  # all equal
     x[3, 10:20] = x[3, 3]  # a tie run
     x[4] *= F32(30)  # peaky
+    x[5, ::37] = x[5].max() + 1  # ties held by different lanes at different register places
+    x[6, ::67] = x[6].max() + 1  # and past the registers (n > 256)
     ids, w = cp.full((Tn, k), -1, cp.int32), nan_like(cp, (Tn, k))
     router.route(cp.asarray(x), k, ids, w)
     sync(cp)
