@@ -440,7 +440,13 @@ ncu-src)  # a3b all resident (MODEL), CONTEXT (1024): each decode kernel's stall
     for k in ${KERNELS:-norm_matvec_q8_0 matvec_q8_0_r1_k1 expert_gateup expert_down norm_matvec_f32 attn_split \
         attn_combine}; do  # KERNELS: a subset
         rep="/tmp/src-$k-$ctx"
-        timeout 150 ncu --clock-control none -k "regex:^$k" -s 200 -c 1 --section WarpStateStats \
+        # NCU_EXACT=1: each name matched exactly (expert_gateup, not the prompt's expert_gateup_tiled too);
+        # NCU_SKIP: launches of it skipped first (200: past a 1K prompt's, into the decode steps); NCU_SAMPLING: the
+        # stall sampling period, 2^(5 + it) cycles (0 for a one-warp kernel such as route_pairs: auto gave 4 samples)
+        kf="regex:^$k"
+        [ "${NCU_EXACT:-0}" = 1 ] && kf=$k
+        timeout 150 ncu --clock-control none -k "$kf" -s "${NCU_SKIP:-200}" -c 1 \
+            --sampling-interval "${NCU_SAMPLING:-auto}" --section WarpStateStats \
             --section SourceCounters --section SpeedOfLight -f -o "$rep" python3 scripts/gpu_decode_profile.py \
             --model "$m" --fractions 1.0 --context "$ctx" --tokens 8 --iters 2 > /dev/null 2>&1
         ncu --import "$rep.ncu-rep" --page details --section SpeedOfLight > "$OUT/sol-$k-$ctx.txt" 2>&1
