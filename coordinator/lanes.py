@@ -124,7 +124,9 @@ class Supervisor:
         for h in live:
             try:
                 rc = h.proc.wait(max(0.0, deadline - time.monotonic()))
-                if rc != 0:  # a lane leaves at its next safe point with 0: anything else is worth a look
+                if rc == -signal.SIGTERM and not h.ready:  # still importing: no handler yet, nothing to release
+                    log.info("lane %d was stopped while starting", h.lane)
+                elif rc != 0:  # a lane leaves at its next safe point with 0: anything else is worth a look
                     log.warning("lane %d exited with status %d at the stop", h.lane, rc)
             except subprocess.TimeoutExpired:
                 log.warning("lane %d did not stop within %.0f s: killed", h.lane, timeout_s)

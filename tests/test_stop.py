@@ -96,6 +96,35 @@ def test_stops_leave_nothing_and_no_traceback_whatever_the_lanes_do(tiny_model_p
         d.stop()
 
 
+def test_a_stop_while_the_lanes_start_is_clean(tiny_model_path, tmp_path):
+    """systemctl stop right after start: SIGTERM as soon as both lanes are spawned (still importing, before their
+    handler: they die of it, which is no fault at this point), then again once one lane is ready and the other still
+    in its routing warm-up. Exit 0, no warning, nothing left behind."""
+    import subprocess
+
+    for when in ("spawned", "one_ready"):
+        d = Daemon(tiny_model_path, tmp_path / f"run-{when}")
+        with open(d.log, "ab") as out:
+            d.proc = subprocess.Popen(d.argv(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 60
+        lanes: list[psutil.Process] = []
+        while len(lanes) < 2 and time.monotonic() < deadline:
+            lanes = [p for p in psutil.Process(d.proc.pid).children() if "lane.main" in " ".join(p.cmdline())]
+            time.sleep(0.005)
+        assert len(lanes) == 2, d.log_text()
+        if when == "one_ready":
+            while " ready (" not in d.log_text() and time.monotonic() < deadline:
+                time.sleep(0.005)
+        d.proc.send_signal(signal.SIGTERM)
+        rc = d.proc.wait(10)
+        d.proc = None
+        log = d.log_text()
+        assert rc == 0, (when, rc, log[-3000:])
+        assert not any(bad in log for bad in ("Traceback", "WARNING", "ERROR", "restarting")), (when, log[-3000:])
+        assert not running(lanes, 2.0), when
+        assert d.leftovers() == [] and list(d.runtime_dir.iterdir()) == [], when
+
+
 def test_a_slow_release_step_is_named_in_the_log(tmp_path, caplog):
     """The coordinator's close() times each release step: one over a second is logged by name (a stop that stalls
     after its lanes have stopped says where), and the steps after it still run."""
