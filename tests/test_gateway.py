@@ -335,6 +335,32 @@ def test_anthropic_bad_request_names_the_field(gateway, an):
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
 
 
+def test_an_answer_needs_a_user_turn(an):
+    """A lone assistant turn is a prefill with nothing to answer: named, not "there are no messages"."""
+    with pytest.raises(anthropic.BadRequestError) as e:
+        an.messages.create(model="m", max_tokens=4, messages=[{"role": "assistant", "content": "Hello"}])
+    assert "no user turn" in e.value.message
+
+
+def test_models_retrieve_and_unknown_endpoints_are_json(gateway, oa, an):
+    """The openai package's models.retrieve; an endpoint this server lacks (OpenAI's Responses API, a wrong base
+    URL) or a wrong method: a JSON error in the API's shape that names what is served, through the clients too."""
+    assert oa.models.retrieve("tiny-qwen3").id == "tiny-qwen3"
+    with pytest.raises(openai.NotFoundError) as e:
+        oa.models.retrieve("gpt-4o")
+    assert "'tiny-qwen3'" in e.value.message
+    with pytest.raises(openai.NotFoundError) as e:
+        oa.responses.create(model="m", input="hi")
+    assert "POST /v1/responses" in e.value.message and "POST /v1/chat/completions" in e.value.message
+    with pytest.raises(anthropic.NotFoundError) as e:
+        an.post("/v1/messages/batches", body={}, cast_to=object)
+    assert "POST /v1/messages" in e.value.message
+    r = httpx.get(gateway.url + "/v1/chat/completions", headers={"x-api-key": KEY})
+    assert r.status_code == 405 and r.headers["allow"] == "POST" and "GET /v1/models" in r.json()["error"]["message"]
+    r = httpx.get(gateway.url + "/v2/models", headers={"x-api-key": KEY})
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+
+
 def test_body_size_is_bounded(gateway):
     big = b'{"model": "m", "messages": [{"role": "user", "content": "' + b"a" * (17 << 20) + b'"}]}'
     r = httpx.post(gateway.url + "/v1/chat/completions", headers={"x-api-key": KEY}, content=big, timeout=60)

@@ -120,6 +120,9 @@ class CountRequest(_Open):
                     out.append({"role": "user", "content": "\n".join(texts)})
                 continue
             if i == len(self.messages) - 1 and not calls:
+                if all(m["role"] == "system" for m in out):
+                    raise ApiError("invalid_request", "messages: no user turn before the final assistant turn "
+                                   "(which is the start of the reply, a prefill)", "messages")
                 return out, "".join(texts)
             d: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
             if calls:

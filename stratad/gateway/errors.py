@@ -11,6 +11,7 @@ _KINDS = {
     "invalid_request": (400, "invalid_request_error", 400, "invalid_request_error"),
     "authentication": (401, "authentication_error", 401, "authentication_error"),
     "not_found": (404, "not_found_error", 404, "not_found_error"),
+    "method_not_allowed": (405, "invalid_request_error", 405, "invalid_request_error"),
     "too_large": (413, "invalid_request_error", 413, "request_too_large"),
     "overloaded": (429, "rate_limit_error", 529, "overloaded_error"),
     "unavailable": (503, "server_error", 503, "api_error"),

@@ -8,7 +8,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from stratad.gateway import sse
-from stratad.gateway.errors import openai_response
+from stratad.gateway.errors import ApiError, openai_response
 from stratad.gateway.generation import IDLE, Generation, Job
 from stratad.gateway.handling import CLIENT_CLOSED, Disconnected, failed, unless_disconnected
 from stratad.gateway.openai_schema import ChatRequest, CompletionRequest
@@ -133,7 +133,19 @@ async def completions(request: Request) -> Response:
     return await _handle(request, "completions", _completion_whole, _completion_frames)
 
 
+def _model_object(name: str) -> dict:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "stratad"}
+
+
 async def models(request: Request) -> Response:
-    name = request.app.state.backend.model_name
-    return JSONResponse({"object": "list", "data": [{"id": name, "object": "model", "created": 0,
-                                                     "owned_by": "stratad"}]})
+    return JSONResponse({"object": "list", "data": [_model_object(request.app.state.backend.model_name)]})
+
+
+async def model(request: Request) -> Response:
+    """GET /v1/models/{id} (the openai package's models.retrieve): the served model by its name, else 404."""
+    name, asked = request.app.state.backend.model_name, request.path_params["model"]
+    if asked != name:
+        return openai_response(ApiError("not_found", f"the model {asked!r} does not exist: this server serves "
+                                                     f"{name!r} (requests may name any model: {name!r} answers)",
+                                        "model", "model_not_found"))
+    return JSONResponse(_model_object(name))
