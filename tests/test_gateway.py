@@ -350,8 +350,8 @@ def test_models_retrieve_and_unknown_endpoints_are_json(gateway, oa, an):
         oa.models.retrieve("gpt-4o")
     assert "'tiny-qwen3'" in e.value.message
     with pytest.raises(openai.NotFoundError) as e:
-        oa.responses.create(model="m", input="hi")
-    assert "POST /v1/responses" in e.value.message and "POST /v1/chat/completions" in e.value.message
+        oa.vector_stores.create(name="x")
+    assert "POST /v1/vector_stores" in e.value.message and "POST /v1/responses" in e.value.message
     with pytest.raises(anthropic.NotFoundError) as e:
         an.post("/v1/messages/batches", body={}, cast_to=object)
     assert "POST /v1/messages" in e.value.message
@@ -359,6 +359,52 @@ def test_models_retrieve_and_unknown_endpoints_are_json(gateway, oa, an):
     assert r.status_code == 405 and r.headers["allow"] == "POST" and "GET /v1/models" in r.json()["error"]["message"]
     r = httpx.get(gateway.url + "/v2/models", headers={"x-api-key": KEY})
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+
+
+def test_responses_api_whole_and_streamed(gateway, oa):
+    """POST /v1/responses through the openai package: a whole response, its stream (each event numbered in order,
+    the SDK's snapshot built from them), a reply cut by max_output_tokens (incomplete), and refusals by name."""
+    whole = oa.responses.create(model="m", input="Tell me about the experts.", max_output_tokens=6, temperature=0)
+    assert whole.status == "incomplete" and whole.incomplete_details.reason == "max_output_tokens"
+    assert whole.usage.output_tokens == 6 and whole.usage.input_tokens > 0 and whole.output_text
+    (msg,) = whole.output
+    assert msg.type == "message" and msg.role == "assistant" and msg.content[0].type == "output_text"
+    events = list(oa.responses.create(model="m", input="Tell me about the experts.", max_output_tokens=6,
+                                      temperature=0, stream=True))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert [e.type for e in events[:4]] == ["response.created", "response.in_progress", "response.output_item.added",
+                                            "response.content_part.added"]
+    assert events[-1].type == "response.incomplete" and events[-1].response.output_text == whole.output_text
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == whole.output_text
+    # a body shaped as Codex CLI sends it (store false, encrypted reasoning asked for, ids and statuses on the items
+    # it sends back, an OpenAI reasoning item with only encrypted content): served, each event named on its own line
+    codex = {"model": "stratad", "instructions": "You are a coding agent.", "store": False, "stream": True,
+             "include": ["reasoning.encrypted_content"], "prompt_cache_key": "k", "tool_choice": "auto",
+             "parallel_tool_calls": False, "reasoning": {"effort": "medium", "summary": "auto"},
+             "text": {"verbosity": "medium"}, "max_output_tokens": 4,
+             "tools": [{"type": "function", "name": "shell", "description": "Runs a command", "strict": False,
+                        "parameters": {"type": "object", "properties": {"command": {"type": "array"}}}}],
+             "input": [{"type": "message", "role": "user", "id": "msg_0",
+                        "content": [{"type": "input_text", "text": "List the files."}]},
+                       {"type": "reasoning", "id": "rs_0", "summary": [], "encrypted_content": "gAAAA"},
+                       {"type": "function_call", "id": "fc_0", "call_id": "call_0", "name": "shell",
+                        "arguments": '{"command": ["ls"]}', "status": "completed"},
+                       {"type": "function_call_output", "call_id": "call_0", "output": "README.md\n"}]}
+    with httpx.stream("POST", gateway.url + "/v1/responses", json=codex, timeout=60,
+                      headers={"Authorization": f"Bearer {KEY}"}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = [ln for ln in r.iter_lines() if ln]
+    names = [ln.removeprefix("event: ") for ln in lines if ln.startswith("event: ")]
+    datas = [json.loads(ln.removeprefix("data: ")) for ln in lines if ln.startswith("data: ")]
+    assert names == [d["type"] for d in datas] and names[0] == "response.created" and names[-1] in (
+        "response.completed", "response.incomplete"), names
+    for field, extra in (("previous_response_id", {"previous_response_id": "resp_1"}),
+                         ("text.format", {"text": {"format": {"type": "json_object"}}}),
+                         ("input[0].content[0].type", {"input": [{"role": "user", "content": [
+                             {"type": "input_image", "image_url": "data:image/png;base64,AA=="}]}]})):
+        with pytest.raises(openai.BadRequestError) as e:
+            oa.responses.create(**({"model": "m", "input": "hi", "max_output_tokens": 4} | extra))
+        assert field in e.value.message, e.value.message
 
 
 def test_body_size_is_bounded(gateway):
@@ -749,3 +795,13 @@ def test_lane_death_ends_the_stream_with_an_error_event(daemon, oa, an):
     assert "lane" in str(e.value) and e.value.body["error"]["type"] == "api_error"
     assert "content_block_start" in kinds and "message_stop" not in kinds
     daemon.wait_ready(60, restarts=2)
+    # the Responses API: response.failed (its error naming the lane) after the text so far
+    events = []
+    for ev in oa.responses.create(model="m", input="hi", max_output_tokens=3000, stream=True,
+                                  extra_body={"ignore_eos": True}):
+        events.append(ev)
+        if [e.type for e in events].count("response.output_text.delta") == 2 and ev.type.endswith("delta"):
+            kill_serving_lane(daemon)
+    assert events[-1].type == "response.failed" and "lane" in events[-1].response.error.message, events[-1]
+    assert events[-1].response.status == "failed" and "response.completed" not in [e.type for e in events]
+    daemon.wait_ready(60, restarts=3)

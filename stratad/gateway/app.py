@@ -10,7 +10,7 @@ from starlette.routing import Route
 
 from protos import messages as M
 from stratad.client import DaemonUnavailable, RequestError
-from stratad.gateway import anthropic_api, openai_api
+from stratad.gateway import anthropic_api, openai_api, responses_api
 from stratad.gateway.backend import Backend
 from stratad.gateway.errors import ApiError, anthropic_response, openai_response
 from stratad.gateway.guard import ApiKey, BodyLimit
@@ -56,6 +56,7 @@ def build(backend: Backend, api_key: str | None = None, max_body_bytes: int = MA
     routes = [
         Route("/v1/chat/completions", openai_api.chat_completions, methods=["POST"]),
         Route("/v1/completions", openai_api.completions, methods=["POST"]),
+        Route("/v1/responses", responses_api.responses, methods=["POST"]),
         Route("/v1/models", openai_api.models, methods=["GET"]),
         Route("/v1/models/{model:path}", openai_api.model, methods=["GET"]),
         Route("/v1/messages", anthropic_api.messages, methods=["POST"]),

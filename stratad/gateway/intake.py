@@ -26,6 +26,7 @@ from stratad.gateway.errors import ApiError
 from stratad.gateway.generation import Job
 from stratad.gateway.handling import parse_body
 from stratad.gateway.openai_schema import ChatRequest, CompletionRequest, chat_job
+from stratad.gateway.responses_schema import ResponsesRequest, responses_job
 from stratad.intake_worker import MAX_WAITING, PrepareFailed, WorkerPool
 from stratad.prompts import HEAVY_BYTES
 
@@ -36,9 +37,12 @@ _ENDPOINTS = {
     "chat": (ChatRequest, chat_job),
     "completions": (CompletionRequest, lambda req, _model: req.job()),
     "messages": (MessagesRequest, lambda req, model: req.job(model)),
+    "responses": (ResponsesRequest, responses_job),
     "count_tokens": (CountRequest, None),
 }
-_RESPONSE_FIELDS = ("model", "stream", "stream_options")  # all a handler reads of a request once it has the Job
+# all a handler reads of a request once it has the Job (a response echoes its settings: bounded by the context)
+_RESPONSE_FIELDS = ("model", "stream", "stream_options", "instructions", "tools", "tool_choice", "parallel_tool_calls",
+                    "temperature", "top_p", "max_output_tokens")
 
 
 @dataclass

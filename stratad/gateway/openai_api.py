@@ -1,4 +1,5 @@
-"""OpenAI's endpoints: /v1/chat/completions, /v1/completions, /v1/models (plain JSON and SSE streams)."""
+"""OpenAI's endpoints: /v1/chat/completions, /v1/completions, /v1/models (plain JSON and SSE streams); `handle`
+serves /v1/responses too (responses_api.py)."""
 from __future__ import annotations
 
 import time
@@ -28,7 +29,7 @@ async def _start(request: Request, job: Job) -> Generation:
     return g
 
 
-async def _handle(request: Request, endpoint: str, whole, frames) -> Response:
+async def handle(request: Request, endpoint: str, whole, frames) -> Response:
     """Read, start (refusals become the API's errors with their status), then answer whole or as a stream."""
     try:
         p = await request.app.state.intake.prepare(request, endpoint)
@@ -113,7 +114,7 @@ def _chat_frames(g: Generation, req: ChatRequest, model: str):
 
 
 async def chat_completions(request: Request) -> Response:
-    return await _handle(request, "chat", _chat_whole, _chat_frames)
+    return await handle(request, "chat", _chat_whole, _chat_frames)
 
 
 # ---- completions ---------------------------------------------------------------------------------------------
@@ -130,7 +131,7 @@ def _completion_frames(g: Generation, req: CompletionRequest, model: str):
 
 
 async def completions(request: Request) -> Response:
-    return await _handle(request, "completions", _completion_whole, _completion_frames)
+    return await handle(request, "completions", _completion_whole, _completion_frames)
 
 
 def _model_object(name: str) -> dict:

@@ -13,35 +13,35 @@ from stratad.gateway.generation import Job
 from stratad.gateway import tools
 
 
-class _Open(BaseModel):
+class OpenBody(BaseModel):
     # Fields that do not change the result (user, metadata, store, service_tier, ...) are accepted and unused;
     # the ones that would are refused by name in `refuse()`.
     model_config = ConfigDict(extra="allow")
 
 
-class FunctionSpec(_Open):
+class FunctionSpec(OpenBody):
     name: str = Field(min_length=1)
     description: str | None = None
     parameters: dict[str, Any] | None = None
 
 
-class ToolSpec(_Open):
+class ToolSpec(OpenBody):
     type: Literal["function"]
     function: FunctionSpec
 
 
-class CallFunction(_Open):
+class CallFunction(OpenBody):
     name: str = Field(min_length=1)
     arguments: str
 
 
-class ToolCallIn(_Open):
+class ToolCallIn(OpenBody):
     id: str
     type: Literal["function"] = "function"
     function: CallFunction
 
 
-class Message(_Open):
+class Message(OpenBody):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
@@ -50,20 +50,20 @@ class Message(_Open):
     reasoning_content: str | None = None
 
 
-class NamedFunction(_Open):
+class NamedFunction(OpenBody):
     name: str
 
 
-class NamedChoice(_Open):
+class NamedChoice(OpenBody):
     type: Literal["function"]
     function: NamedFunction
 
 
-class StreamOptions(_Open):
+class StreamOptions(OpenBody):
     include_usage: bool = False
 
 
-class _Sampling(_Open):
+class SamplingFields(OpenBody):
     model: str = ""
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
@@ -114,7 +114,7 @@ _EXTRA_REFUSED = {
 }
 
 
-class ChatRequest(_Sampling):
+class ChatRequest(SamplingFields):
     messages: list[Message] = Field(min_length=1)
     tools: list[ToolSpec] | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedChoice | None = None
@@ -201,7 +201,7 @@ def chat_job(req: ChatRequest, backend) -> Job:
                parallel_tool_calls=req.parallel_tool_calls, id_prefix="call_", hold_calls=not req.stream)
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int]
     max_tokens: int = Field(16, ge=1)  # OpenAI's default
 
