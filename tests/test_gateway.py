@@ -376,6 +376,16 @@ def test_responses_api_whole_and_streamed(gateway, oa):
                                             "response.content_part.added"]
     assert events[-1].type == "response.incomplete" and events[-1].response.output_text == whole.output_text
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == whole.output_text
+    # a body over HEAVY_BYTES (prepared in the gateway's worker, its prompt sent as token ids): the same reply, and
+    # the settings it echoes kept
+    pad = {"metadata": {"pad": "x" * (64 << 10)}}
+    big = oa.responses.create(model="m", input="Tell me about the experts.", max_output_tokens=6, temperature=0,
+                              instructions="", tools=[{"type": "function", "name": "f", "parameters": {}}],
+                              tool_choice="none", extra_body=pad)
+    small = oa.responses.create(model="m", input="Tell me about the experts.", max_output_tokens=6, temperature=0,
+                                tools=[{"type": "function", "name": "f", "parameters": {}}], tool_choice="none")
+    assert big.output_text == small.output_text and big.usage.input_tokens == small.usage.input_tokens
+    assert big.tools[0].name == "f" and big.tool_choice == "none" and big.max_output_tokens == 6
     # a body shaped as Codex CLI sends it (store false, encrypted reasoning asked for, ids and statuses on the items
     # it sends back, an OpenAI reasoning item with only encrypted content): served, each event named on its own line
     codex = {"model": "stratad", "instructions": "You are a coding agent.", "store": False, "stream": True,
