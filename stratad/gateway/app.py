@@ -42,8 +42,8 @@ async def metrics(request: Request) -> Response:
 
 async def no_route(request: Request, exc: HTTPException) -> Response:
     """A path or method this gateway does not serve, as a JSON error the client's package can read, naming what is
-    served, in the shape of the API its path suggests: a wrong base URL or an endpoint we lack (OpenAI's Responses
-    API) is then a clear message in the agent's log, not a bare "Not Found"."""
+    served, in the shape of the API its path suggests: a wrong base URL or an endpoint we lack (OpenAI's files or
+    vector stores) is then a clear message in the agent's log, not a bare "Not Found"."""
     served = sorted({f"{m} {r.path}" for r in request.app.routes for m in (r.methods or ()) if m != "HEAD"})
     kind, what = ("not_found", "no such endpoint") if exc.status_code == 404 else ("method_not_allowed", "not allowed")
     e = ApiError(kind, f"{what}: {request.method} {request.url.path}; this server has {', '.join(served)}")
