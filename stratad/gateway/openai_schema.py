@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 import secrets
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -78,6 +78,17 @@ class SamplingFields(OpenBody):
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False  # vLLM's extension: exactly max_tokens tokens (benchmarks, fixed-length tests)
+    # fields not declared that would change the result: a 400 naming each (subclasses add their own)
+    EXTRA_REFUSED: ClassVar[dict[str, str]] = {
+        "top_logprobs": "log probabilities are not returned",
+        "functions": "the deprecated functions API is not supported: use tools",
+        "function_call": "the deprecated functions API is not supported: use tool_choice",
+        "audio": "text only", "prediction": "predicted outputs are not supported",
+        "web_search_options": "web search is not supported", "echo": "echo is not supported",
+        "suffix": "suffix (insertion) is not supported", "best_of": "best_of is not supported",
+        **{k: "constrained decoding is not supported"
+           for k in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")},
+    }
 
     def refuse(self) -> None:
         """A field we cannot honour that would change the result: a 400 naming it, never ignored."""
@@ -89,8 +100,8 @@ class SamplingFields(OpenBody):
             "logit_bias": bool(self.logit_bias) and "logit_bias is not supported",
         }
         for name, why in (self.model_extra or {}).items():
-            if name in _EXTRA_REFUSED and why not in (None, False, [], {}):
-                bad[name] = _EXTRA_REFUSED[name]
+            if name in self.EXTRA_REFUSED and why not in (None, False, [], {}):
+                bad[name] = self.EXTRA_REFUSED[name]
         for name, why in bad.items():
             if why:
                 raise ApiError("invalid_request", f"{name}: {why}", name)
@@ -100,18 +111,6 @@ class SamplingFields(OpenBody):
                     top_p=1.0 if self.top_p is None else self.top_p, top_k=max(0, self.top_k or 0),
                     seed=secrets.randbits(31) if self.seed is None else self.seed,  # no seed: a fresh draw
                     stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []), ignore_eos=self.ignore_eos)
-
-
-_EXTRA_REFUSED = {
-    "top_logprobs": "log probabilities are not returned",
-    "functions": "the deprecated functions API is not supported: use tools",
-    "function_call": "the deprecated functions API is not supported: use tool_choice",
-    "audio": "text only", "prediction": "predicted outputs are not supported",
-    "web_search_options": "web search is not supported", "echo": "echo is not supported",
-    "suffix": "suffix (insertion) is not supported", "best_of": "best_of is not supported",
-    "guided_json": "constrained decoding is not supported", "guided_regex": "constrained decoding is not supported",
-    "guided_choice": "constrained decoding is not supported", "guided_grammar": "constrained decoding is not supported",
-}
 
 
 class ChatRequest(SamplingFields):

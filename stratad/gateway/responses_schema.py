@@ -12,18 +12,12 @@ from typing import Any, Literal
 from pydantic import Field
 
 from stratad.gateway import tools
+from stratad.gateway.content import text_of
 from stratad.gateway.errors import ApiError
 from stratad.gateway.generation import Job
 from stratad.gateway.openai_schema import OpenBody, SamplingFields
 
-_TEXT_PARTS = {"input_text", "output_text", "text", "summary_text", "reasoning_text"}
-# request fields that need state on the server or change the result in ways not served: refused by name
-_STATEFUL = {
-    "previous_response_id": "this server stores no responses: send the whole conversation as input",
-    "conversation": "this server stores no conversations: send the whole conversation as input",
-    "background": "background responses are not supported",
-    "prompt": "stored prompts are not supported",
-}
+_TEXT_PARTS = frozenset({"input_text", "output_text", "text", "summary_text", "reasoning_text"})
 
 
 class FunctionTool(OpenBody):
@@ -46,15 +40,16 @@ class ResponsesRequest(SamplingFields):
     max_output_tokens: int | None = Field(None, ge=1)
     reasoning: ReasoningConfig | None = None
     text: dict[str, Any] | None = None
-    top_logprobs: int | None = None
+    # besides the chat API's: what needs state on the server
+    EXTRA_REFUSED = SamplingFields.EXTRA_REFUSED | {
+        "previous_response_id": "this server stores no responses: send the whole conversation as input",
+        "conversation": "this server stores no conversations: send the whole conversation as input",
+        "background": "background responses are not supported",
+        "prompt": "stored prompts are not supported",
+    }
 
     def refuse(self) -> None:
         super().refuse()
-        for name, why in _STATEFUL.items():
-            if (self.model_extra or {}).get(name) not in (None, False, "", {}):
-                raise ApiError("invalid_request", f"{name}: {why}", name)
-        if self.top_logprobs:
-            raise ApiError("invalid_request", "top_logprobs: log probabilities are not returned", "top_logprobs")
         fmt = ((self.text or {}).get("format") or {}).get("type", "text")
         if fmt != "text":
             raise ApiError("invalid_request", f"text.format: type {fmt!r} is not supported (it needs constrained "
@@ -79,19 +74,7 @@ class ResponsesRequest(SamplingFields):
 
 
 def _text(content, where: str) -> str:
-    """A message's or an output's content: a string, or parts of which only text parts are served."""
-    if content is None or isinstance(content, str):
-        return content or ""
-    if not isinstance(content, list):
-        raise ApiError("invalid_request", f"{where}: expected a string or a list of parts", where)
-    out = []
-    for j, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS or not isinstance(part.get("text"), str):
-            typ = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise ApiError("invalid_request", f"{where}[{j}].type: {typ!r} is not supported here (text parts "
-                           "only)", f"{where}[{j}].type")
-        out.append(part["text"])
-    return "\n".join(out)
+    return text_of(content, where, _TEXT_PARTS)
 
 
 def input_messages(req: ResponsesRequest) -> list[dict]:
