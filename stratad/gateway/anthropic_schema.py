@@ -7,7 +7,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from stratad.gateway import tools
-from stratad.gateway.content import text_of
+from stratad.gateway.content import string_field, text_of
 from stratad.gateway.errors import ApiError
 from stratad.gateway.generation import Job
 
@@ -63,7 +63,8 @@ class CountRequest(_Open):
         # Anthropic's default is no extended thinking; adaptive leaves it to the model's template
         thinking = {"enabled": True, "between_tools": True, "disabled": False, "adaptive": None}[
             self.thinking.type] if self.thinking else False
-        fmt = ((self.model_extra or {}).get("output_config") or {}).get("format")
+        oc = (self.model_extra or {}).get("output_config")
+        fmt = oc.get("format") if isinstance(oc, dict) else None
         if fmt:
             raise ApiError("invalid_request", "output_config.format: structured outputs are not supported (they need "
                            "constrained decoding)", "output_config.format")
@@ -97,18 +98,18 @@ class CountRequest(_Open):
                 if typ == "text" and isinstance(b.get("text"), str):
                     texts.append(b["text"])
                 elif typ == "tool_use" and m.role == "assistant":
-                    if not isinstance(b.get("input"), dict) or not b.get("name"):
+                    name, call_id = string_field(b, "name", where), string_field(b, "id", where, None)
+                    if not isinstance(b.get("input"), dict) or not name:
                         raise ApiError("invalid_request", f"{where}: a tool_use needs a name and an object input",
                                        where)
-                    names[b.get("id", "")] = b["name"]
-                    calls.append({"id": b.get("id"), "type": "function",
-                                  "function": {"name": b["name"], "arguments": b["input"]}})
+                    names[call_id or ""] = name
+                    calls.append({"id": call_id, "type": "function", "function": {"name": name, "arguments": b["input"]}})
                 elif typ == "tool_result" and m.role == "user":
+                    use_id = string_field(b, "tool_use_id", where, None)
                     results.append({"role": "tool", "content": text_of(b.get("content"), f"{where}.content"),
-                                    "tool_call_id": b.get("tool_use_id")}
-                                   | ({"name": names[b["tool_use_id"]]} if b.get("tool_use_id") in names else {}))
+                                    "tool_call_id": use_id} | ({"name": names[use_id]} if use_id in names else {}))
                 elif typ == "thinking" and m.role == "assistant":
-                    reasoning.append(b.get("thinking", ""))
+                    reasoning.append(string_field(b, "thinking", where, ""))
                 elif typ == "redacted_thinking":
                     pass  # Anthropic's encrypted reasoning: nothing a local model can read
                 else:

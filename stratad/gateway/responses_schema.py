@@ -12,7 +12,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from stratad.gateway import tools
-from stratad.gateway.content import text_of
+from stratad.gateway.content import string_field, text_of
 from stratad.gateway.errors import ApiError
 from stratad.gateway.generation import Job
 from stratad.gateway.openai_schema import OpenBody, SamplingFields
@@ -50,7 +50,8 @@ class ResponsesRequest(SamplingFields):
 
     def refuse(self) -> None:
         super().refuse()
-        fmt = ((self.text or {}).get("format") or {}).get("type", "text")
+        f = (self.text or {}).get("format")
+        fmt = f.get("type", "text") if isinstance(f, dict) else "text" if f is None else f
         if fmt != "text":
             raise ApiError("invalid_request", f"text.format: type {fmt!r} is not supported (it needs constrained "
                            "decoding); only 'text'", "text.format")
@@ -66,7 +67,7 @@ class ResponsesRequest(SamplingFields):
     def choice(self):
         c = self.tool_choice
         if isinstance(c, dict):
-            if c.get("type") != "function" or not c.get("name"):
+            if c.get("type") != "function" or not isinstance(c.get("name"), str) or not c["name"]:
                 raise ApiError("invalid_request", "tool_choice: only 'auto', 'none', 'required' or "
                                "{'type': 'function', 'name': ...} are served", "tool_choice")
             return {"name": c["name"]}
@@ -112,21 +113,22 @@ def input_messages(req: ResponsesRequest) -> list[dict]:
             else:
                 out.append({"role": "system" if role == "developer" else role, "content": text})
         elif typ == "function_call":
-            if not it.get("name") or not it.get("call_id"):
+            name, call_id = string_field(it, "name", where, ""), string_field(it, "call_id", where, "")
+            if not name or not call_id:
                 raise ApiError("invalid_request", f"{where}: a function_call needs a name and a call_id", where)
             try:
-                args = json.loads(it.get("arguments") or "{}")
+                args = json.loads(string_field(it, "arguments", where, "") or "{}")
             except ValueError:
                 args = None
             if not isinstance(args, dict):
                 raise ApiError("invalid_request", f"{where}.arguments: not a JSON object", f"{where}.arguments")
             m = assistant(True)
-            m.setdefault("tool_calls", []).append({"id": it["call_id"], "type": "function",
-                                                   "function": {"name": it["name"], "arguments": args}})
+            m.setdefault("tool_calls", []).append({"id": call_id, "type": "function",
+                                                   "function": {"name": name, "arguments": args}})
             take_reasoning(m)
-            names[it["call_id"]] = it["name"]
+            names[call_id] = name
         elif typ == "function_call_output":
-            call_id = it.get("call_id")
+            call_id = string_field(it, "call_id", where, "")
             if not call_id:
                 raise ApiError("invalid_request", f"{where}.call_id: required", f"{where}.call_id")
             out.append({"role": "tool", "content": _text(it.get("output"), f"{where}.output"), "tool_call_id": call_id}

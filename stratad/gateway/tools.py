@@ -40,9 +40,7 @@ def plan(tools: list[dict], choice, enable_thinking: bool | None, backend, field
         return ToolPlan(enable_thinking=enable_thinking)
     if choice == "none":  # the model is not shown the tools, and nothing is parsed as a call
         return ToolPlan(enable_thinking=enable_thinking)
-    types = {t["function"]["name"]: {k: (v or {}).get("type") for k, v in
-                                     ((t["function"].get("parameters") or {}).get("properties") or {}).items()}
-             for t in tools}
+    types = {t["function"]["name"]: _param_types(t["function"].get("parameters")) for t in tools}
     if not forced:
         return ToolPlan(tools, True, types, enable_thinking)
     name = choice["name"] if isinstance(choice, dict) else None
@@ -51,3 +49,12 @@ def plan(tools: list[dict], choice, enable_thinking: bool | None, backend, field
     # a forced call skips reasoning; a template that opens <think> itself gets it closed first
     close = THINK_CLOSE + "\n\n" if backend.reasoning_open(False) else ""
     return ToolPlan(tools, True, types, False, close + call_opening(backend.tool_format, name))
+
+
+def _param_types(schema) -> dict:
+    """A tool's parameters by name -> their JSON schema type (for reading Qwen3-Coder's text values); a schema that
+    is not an object of objects types nothing (the template shows it as the client wrote it)."""
+    props = schema.get("properties") if isinstance(schema, dict) else None
+    if not isinstance(props, dict):
+        return {}
+    return {k: v.get("type") if isinstance(v, dict) else None for k, v in props.items()}
