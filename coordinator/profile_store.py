@@ -25,10 +25,10 @@ def load(path: Path, shape: tuple[int, int]) -> np.ndarray | None:
         return None
     try:
         p = np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as e:
-        log.warning("saved profile %s unreadable (%s); starting without it", path, e)
+    except Exception as e:  # noqa: BLE001 - a damaged header fails in numpy's literal parser: TokenError, TypeError..
+        log.warning("saved profile %s unreadable (%s: %s); starting without it", path, type(e).__name__, e)
         return None
-    if p.shape != shape or not np.isfinite(p).all() or (p < 0).any():
+    if p.dtype.kind not in "fiu" or p.shape != shape or not np.isfinite(p).all() or (p < 0).any():
         log.warning("saved profile %s has shape %s or bad values, expected %s; starting without it", path,
                     p.shape, shape)
         return None

@@ -8,6 +8,8 @@ import random
 
 import jiter
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from stratad.gateway.parsing import (CallArgs, CallEnd, CallStart, OutputParser, Reasoning, Text, tool_format)
 
@@ -200,3 +202,27 @@ def test_tool_format_from_template():
     assert tool_format("... <tool_call>\n<function=name>\n<parameter=...") == "xml"
     assert tool_format('... <tool_call>\n{"name": <function-name>, ...') == "json"
     assert tool_format("{{ message['content'] }}") == "json"
+
+
+# Outputs made of the formats' pieces in any order (tags whole and cut, call openings, JSON and XML bodies, text
+# and whitespace), as a model that writes a call wrong might: whatever the pieces, the parser raises nothing, its
+# invariants hold (parse() above) and the result is the same fed whole, a character at a time or cut anywhere.
+PIECES = ["<think>", "</think>", "<tool_call>", "</tool_call>", "\n", " ", "\n\n", "text", "<", ">", "{", "}",
+          '"', "\\", ",", ":", "[", "]", "1", "-", ".5e", "true", "nul", '{"name": "f", "arguments": ',
+          '{"name": "g", "arguments": {"a": 1}}', '"a": "x}y"', '{"name": ', "<function=f>", "<function=",
+          "</function>", "<parameter=a>", "<parameter=b", "</parameter>", "</param", "<tool_", "</think", "é",
+          "\u2028"]
+
+
+@settings(max_examples=300, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+@given(pieces=st.lists(st.sampled_from(PIECES), max_size=24), cuts=st.lists(st.integers(1, 400), max_size=8),
+       fmt=st.sampled_from(["json", "xml"]), hold=st.booleans(), reasoning_open=st.booleans(),
+       tools_on=st.booleans())
+def test_parser_any_output_any_split(pieces, cuts, fmt, hold, reasoning_open, tools_on):
+    s = "".join(pieces)
+    opts = dict(fmt=fmt, hold_calls=hold, reasoning_open=reasoning_open, tools_on=tools_on,
+                param_types={"f": {"a": "integer", "b": "string"}})
+    whole = parse([s], **opts)
+    at = sorted({c for c in cuts if c < len(s)})
+    assert parse([s[a:b] for a, b in zip([0] + at, at + [len(s)])], **opts) == whole
+    assert parse(list(s), **opts) == whole
