@@ -176,6 +176,10 @@ class DaemonConfig(BaseModel):
     def _cards(cls, v):
         if isinstance(v, str):
             v = [c for c in v.split(",") if c.strip()]
+        elif isinstance(v, int) and not isinstance(v, bool):  # cards = 0: one GPU
+            v = [v]
+        elif not isinstance(v, (list, tuple)):
+            raise ValueError(f"a list of cards (GPU indices or 'cpu') or a string such as \"0,1\", got {v!r}")
         out = []
         for c in v:
             c = str(c).strip()
@@ -260,7 +264,9 @@ def load(path: str | None, overrides: dict[str, Any]) -> DaemonConfig:
                 data = tomllib.load(f)
         except FileNotFoundError:
             raise ConfigError(f"config file {path} not found") from None
-        except tomllib.TOMLDecodeError as e:
+        except OSError as e:  # a directory, no permission
+            raise ConfigError(f"config file {path}: cannot read it ({e.strerror})") from None
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"config file {path}: not valid TOML ({e})") from None
     data.update({k: v for k, v in overrides.items() if v is not None})
     try:

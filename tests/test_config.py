@@ -1,7 +1,11 @@
 """Configuration: the settings are validated and reach every lane whole (its LaneConfig, on its command line)."""
 from __future__ import annotations
 
+import datetime
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from coordinator.lanes import lane_argv
 from stratad import config
@@ -135,3 +139,43 @@ def test_infinite_or_nan_values_are_refused_naming_the_key(key, value):
     start with an OverflowError)."""
     with pytest.raises(config.ConfigError, match=f"key '{key}'"):
         config.load(None, {"model": "m.gguf", key: value})
+
+
+def test_cards_as_one_index_or_refused_by_name():
+    """cards = 0 (one GPU, written as a number) is card 0; a value of another type is a ConfigError naming the key
+    (a bool or a number crashed the start with a TypeError)."""
+    assert config.load(None, {"model": "m.gguf", "cards": 0}).cards == ("0",)
+    for v in (True, 1.5, {"a": 1}, datetime.date(2026, 1, 1)):
+        with pytest.raises(config.ConfigError, match="key 'cards'"):
+            config.load(None, {"model": "m.gguf", "cards": v})
+
+
+@pytest.mark.parametrize("content,why", [(b'cards = "\xff"\n', "not valid TOML"), (None, "cannot read it")])
+def test_a_config_file_that_cannot_be_read_is_named(tmp_path, content, why):
+    path = tmp_path / "stratad.toml"
+    if content is None:
+        path.mkdir()  # a directory where the file should be
+    else:
+        path.write_bytes(content)
+    with pytest.raises(config.ConfigError, match=f"config file {path}: {why}"):
+        config.load(str(path), {})
+
+
+TOML_VALUES = st.recursive(
+    st.one_of(st.booleans(), st.integers(-2**63, 2**63 - 1), st.floats(), st.text(max_size=12), st.datetimes(),
+              st.dates(), st.times(), st.sampled_from(["cpu", "0,1", "auto", "1GiB", "50%", "127.0.0.1:8080", "card"])),
+    lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=8), inner, max_size=3)),
+    max_leaves=6)
+KEYS = sorted(config.DaemonConfig.model_fields)
+
+
+@settings(max_examples=400, deadline=None, database=None)
+@given(data=st.dictionaries(st.sampled_from(KEYS), TOML_VALUES, min_size=1, max_size=4),
+       gpu=st.dictionaries(st.sampled_from(sorted(config.GpuOptions.model_fields)), TOML_VALUES, max_size=3))
+def test_any_values_give_a_config_or_a_config_error(data, gpu):
+    """Whatever a TOML file holds under the daemon's keys (any TOML type, in [gpu] too): a config, or ConfigError
+    naming the key, never another exception at the start."""
+    try:
+        config.load(None, data | ({"gpu": gpu} if gpu else {}))
+    except config.ConfigError as e:
+        assert "key '" in str(e)
