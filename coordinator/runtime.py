@@ -39,8 +39,11 @@ class RuntimeDir:
 
     def acquire(self) -> list[str]:
         """Create (0700), lock, and reclaim stale sockets and segments. Returns what was reclaimed."""
-        self.path.mkdir(parents=True, exist_ok=True, mode=0o700)
-        st = self.path.stat()
+        try:
+            self.path.mkdir(parents=True, exist_ok=True, mode=0o700)
+            st = self.path.stat()
+        except OSError as e:  # a file there, a parent missing or not writable
+            raise RuntimeDirError(f"runtime directory {self.path}: cannot create it ({e.strerror})") from None
         if st.st_uid != os.getuid():
             raise RuntimeDirError(f"runtime directory {self.path} belongs to uid {st.st_uid}, not to us")
         if stat.S_IMODE(st.st_mode) != 0o700:
@@ -64,7 +67,11 @@ class RuntimeDir:
         guards nothing: it is dropped and the path opened again."""
         lock = self.path / "stratad.lock"
         while True:
-            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+            except OSError as e:  # a directory of that name, say
+                raise RuntimeDirError(f"runtime directory {self.path}: cannot open its lock file {lock.name} "
+                                      f"({e.strerror})") from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as e:
@@ -93,6 +100,8 @@ class RuntimeDir:
     def _reclaim(self) -> list[str]:
         out = []
         for p in self.path.glob("*.sock"):
+            if p.is_dir() and not p.is_symlink():
+                raise RuntimeDirError(f"{p} is a directory where the daemon's socket goes: remove it")
             p.unlink(missing_ok=True)
             out.append(str(p))
         out += shm.unlink_prefix(self.shm_prefix)
@@ -106,7 +115,8 @@ class RuntimeDir:
             return
         try:
             for p in list(self.path.glob("*.sock")) + [self.path / "stratad.pid"]:
-                p.unlink(missing_ok=True)
+                if not p.is_dir() or p.is_symlink():  # a directory there is not ours (acquire refused it)
+                    p.unlink(missing_ok=True)
             shm.unlink_prefix(self.shm_prefix)
             if self._record is not None:
                 discovery.unregister(self._record)

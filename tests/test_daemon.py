@@ -356,6 +356,25 @@ def test_runtime_dir_lock(tmp_path, monkeypatch):
     assert list(rt.iterdir()) == []
 
 
+@pytest.mark.parametrize("what", ["a file", "under a file", "socket a directory", "lock a directory"])
+def test_a_runtime_dir_that_cannot_be_taken_is_named(tiny_model_path, tmp_path, what):
+    """`stratad serve --runtime-dir X` where X is a file, lies under one, or holds a directory where its socket or
+    lock goes: exit 2 with one line naming it (each was a traceback), and nothing of the daemon's left there."""
+    rt = tmp_path / "run"
+    if what in ("a file", "under a file"):
+        rt.write_text("not a directory\n")
+        rt = rt / "sub" if what == "under a file" else rt
+    else:
+        (rt / ("client.sock" if what == "socket a directory" else "stratad.lock")).mkdir(parents=True)
+    before = sorted(tmp_path.rglob("*"))
+    r = subprocess.run([sys.executable, "-m", "stratad.cli", "serve", "--model", str(tiny_model_path), "--cards",
+                        "cpu", "--runtime-dir", str(rt)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    (line,) = [ln for ln in r.stderr.splitlines() if ln.startswith("error: ")]
+    assert str(rt.parent if what == "under a file" else rt) in line, line
+    assert sorted(tmp_path.rglob("*")) == before
+
+
 def test_curve_tcp_listener(tiny_model_path, tmp_path):
     import zmq.auth
 
