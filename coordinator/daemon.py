@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import signal
 from concurrent.futures import CancelledError, Future
 from concurrent.futures.process import BrokenProcessPool
@@ -192,14 +193,20 @@ class Coordinator:
         import zmq.auth
         from zmq.auth.thread import ThreadAuthenticator
 
-        if not (self.cfg.curve_secret_key_file and self.cfg.curve_authorized_dir):
+        key, allowed = self.cfg.curve_secret_key_file, self.cfg.curve_authorized_dir
+        if not (key and allowed):
             raise ValueError("tcp needs curve_secret_key_file and curve_authorized_dir (CURVE keys)")
+        if not os.path.isdir(allowed):
+            raise ValueError(f"curve_authorized_dir {allowed} is not a directory")
+        try:  # zmq names neither the setting nor, for a missing file, the reason
+            public, secret = zmq.auth.load_certificate(key)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"curve_secret_key_file {key}: {e}") from None
+        if secret is None:
+            raise ValueError(f"curve_secret_key_file {key} holds no secret key")
         self.auth = ThreadAuthenticator(self.ctx)
         self.auth.start()
-        self.auth.configure_curve(domain="*", location=self.cfg.curve_authorized_dir)
-        public, secret = zmq.auth.load_certificate(self.cfg.curve_secret_key_file)
-        if secret is None:
-            raise ValueError(f"{self.cfg.curve_secret_key_file} holds no secret key")
+        self.auth.configure_curve(domain="*", location=allowed)
         return self.io.socket(self.cfg.tcp, curve=(secret, public))
 
     # ---- loop -----------------------------------------------------------------------------------------------

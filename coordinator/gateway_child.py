@@ -33,7 +33,16 @@ class GatewayChild:
 
     @classmethod
     def for_config(cls, cfg: DaemonConfig, runtime_dir: str, model: str, context_length: int) -> "GatewayChild":
-        """Binds cfg.http (ConfigError naming the address and the setting when it cannot)."""
+        """Binds cfg.http, having read the API key file as the gateway will (ConfigError naming the setting when
+        either cannot be: a gateway that cannot start would be restarted for ever)."""
+        from stratad.gateway.guard import load_key
+
+        if cfg.api_key_file:
+            try:
+                load_key(cfg.api_key_file)
+            except (OSError, ValueError) as e:
+                raise ConfigError(f"api_key_file = {cfg.api_key_file!r}: the HTTP gateway cannot read its key "
+                                  f"({e.strerror if isinstance(e, OSError) else e})") from None
         try:
             sock = listen_socket(cfg.http)
         except OSError as e:

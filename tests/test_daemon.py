@@ -375,6 +375,35 @@ def test_a_runtime_dir_that_cannot_be_taken_is_named(tiny_model_path, tmp_path, 
     assert sorted(tmp_path.rglob("*")) == before
 
 
+@pytest.mark.parametrize("setting,problem", [
+    ("api_key_file = '{d}/nokey'", "api_key_file = '{d}/nokey': the HTTP gateway cannot read its key (No such file"),
+    ("api_key_file = '{d}/empty'", "api_key_file = '{d}/empty': the HTTP gateway cannot read its key (api_key_file "),
+    ("api_key_file = '{d}'", "api_key_file = '{d}': the HTTP gateway cannot read its key (Is a directory)"),
+    ("curve_secret_key_file = '{d}/nokey'\ncurve_authorized_dir = '{d}'", "curve_secret_key_file {d}/nokey: "),
+    ("curve_secret_key_file = '{d}/empty'\ncurve_authorized_dir = '{d}'", "curve_secret_key_file {d}/empty: "),
+    ("curve_secret_key_file = '{d}/empty'\ncurve_authorized_dir = '{d}/nodir'",
+     "curve_authorized_dir {d}/nodir is not a directory")])
+def test_a_key_file_that_cannot_be_read_stops_the_start(tiny_model_path, tmp_path, setting, problem):
+    """The gateway's API key and the TCP listener's CURVE keys, missing, empty or a directory: `stratad serve` exits
+    2 with one line naming the setting before any lane starts (a missing CURVE file was a traceback; a bad API
+    key file left a daemon whose gateway exited and was restarted for ever), and leaves the runtime dir empty."""
+    (tmp_path / "empty").write_text("")
+    from stratad.gateway.local_client import free_port
+
+    port = free_port()
+    listener = f"http = '127.0.0.1:{port}'" if setting.startswith("api") else f"tcp = 'tcp://127.0.0.1:{port}'"
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(listener + "\n" + setting.format(d=tmp_path) + "\n")
+    rt = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "stratad.cli", "serve", "--config", str(cfg), "--model",
+                        str(tiny_model_path), "--cards", "cpu", "--runtime-dir", str(rt)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "lane 0" not in r.stderr, r.stderr
+    (error,) = [ln for ln in r.stderr.splitlines() if ln.startswith("error: ")]
+    assert error.startswith("error: " + problem.format(d=tmp_path)), error
+    assert not rt.exists() or list(rt.iterdir()) == []
+
+
 def test_curve_tcp_listener(tiny_model_path, tmp_path):
     import zmq.auth
 
