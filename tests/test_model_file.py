@@ -3,6 +3,7 @@ names the file and the problem."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import shutil
 from pathlib import Path
 
@@ -299,6 +300,19 @@ def test_bad_shape_metadata(tmp_path):
     assert "bad model shape: expert_used_count 32 exceeds expert_count 16" in open_error(p).problem
 
 
+@pytest.mark.parametrize("count,problem", [
+    (3, "tensors of blk.3 are past qwen3moe.block_count 3 (a file with 4 layers?)"),
+    (5, "qwen3moe.block_count is 5, but the file's layer tensors stop at blk.3 (missing tensor blk.4.*)"),
+    (2**32 - 1, f"qwen3moe.block_count is {2**32 - 1}, but the file's layer tensors stop at blk.3 (missing tensor "
+                "blk.4.*)")])
+def test_block_count_that_is_not_the_files_layers(tmp_path, count, problem):
+    """A block count the tensors do not have: refused by name before a tensor list of that many layers is made
+    (2^32 - 1 took all the memory there was), and fewer layers than the file holds are not served unseen."""
+    p = write_raw(tmp_path / "count.gguf", raw_list(tiny_tensors()),
+                  set_keys={f"{ARCH}.block_count": (count, GGUFValueType.UINT32)})
+    assert open_error(p).problem == problem
+
+
 @pytest.mark.parametrize("name", ["blk.2.ffn_up_exps.weight", "blk.0.attn_norm.weight", "output_norm.weight",
                                   "token_embd.weight", "blk.3.ffn_gate_inp.weight"])
 def test_missing_tensor(tmp_path, name):
@@ -461,6 +475,12 @@ def test_rope_scaling_llama_cpp_defaults(tmp_path):
      "rope scaling factor must be >= 1, got 0.5"),
     ({"qwen3moe.rope.scaling.type": ("yarn", V.STRING), "qwen3moe.rope.scaling.factor": (4.0, V.FLOAT32),
       "qwen3moe.rope.scaling.yarn_log_multiplier": (0.1, V.FLOAT32)}, "yarn_log_multiplier is not supported"),
+    # not finite (the context length is the original's times the factor: inf made serving's int() overflow)
+    ({"qwen3moe.rope.scaling.factor": (math.inf, V.FLOAT32)}, "rope scaling factor must be finite, got inf"),
+    ({"qwen3moe.rope.scaling.type": ("yarn", V.STRING), "qwen3moe.rope.scaling.factor": (4.0, V.FLOAT32),
+      "qwen3moe.rope.scaling.attn_factor": (math.nan, V.FLOAT32)}, "rope scaling attn_factor must be finite, got nan"),
+    ({"qwen3moe.rope.freq_base": (math.nan, V.FLOAT32)}, "rope_base must be positive and finite, got nan"),
+    ({"qwen3moe.attention.layer_norm_rms_epsilon": (math.inf, V.FLOAT32)}, "rms_eps must be positive and finite"),
 ])
-def test_unsupported_rope_scaling(tmp_path, keys, msg):
+def test_unservable_rope_scaling_and_norm_values(tmp_path, keys, msg):
     assert msg in open_error(write_raw(tmp_path / "r.gguf", raw_list(tiny_tensors()), set_keys=keys)).problem

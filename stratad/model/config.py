@@ -1,6 +1,7 @@
 """The typed shape of a qwen3moe model, read from (and written to) GGUF metadata."""
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, replace
 
 from stratad.model.rope import NONE, RopeScaling
@@ -55,8 +56,8 @@ class ModelConfig:
         """What makes this shape unservable; empty when it is fine."""
         out = []
         for name, v in asdict(self).items():
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and v <= 0:
-                out.append(f"{name} must be positive, got {v}")
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and not 0 < v < math.inf:  # nan too
+                out.append(f"{name} must be positive{' and finite' * isinstance(v, float)}, got {v}")
         if out:
             return out
         if self.n_head % self.n_head_kv:

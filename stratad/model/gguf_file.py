@@ -169,6 +169,7 @@ class ModelFile:
                     raise ModelFormatError(path, f"truncated: tensor {t.name} ends at byte {int(t.data_offset) + nbytes}"
                                                  f", the file has {shard.size}")
                 found[t.name] = TensorInfo(t.name, qt, shape, shard.base + int(t.data_offset), nbytes)
+        self._check_layers(found)
         want = expected_tensors(self.config)
         if "output.weight" not in found:
             want.pop("output.weight")  # tied to the embedding
@@ -182,6 +183,19 @@ class ModelFile:
                 raise ModelFormatError(self.path, f"tensor {name} has type {ti.qtype.name}, which is not supported "
                                                   f"there (supported: {', '.join(t.name for t in types)})")
         return found
+
+    def _check_layers(self, found: dict[str, TensorInfo]) -> None:
+        """block_count against the layers the file's tensors hold, before a tensor list of that many layers is made
+        (a damaged count of 2^32 - 1 would take all memory) and so that no layer is left out unseen."""
+        n = self.config.n_layer
+        top = max((int(name.split(".")[1]) for name in found
+                   if name.startswith("blk.") and name.split(".")[1].isdigit()), default=-1)
+        if top + 1 < n:
+            raise ModelFormatError(self.path, f"{ARCH}.block_count is {n}, but the file's layer tensors stop at "
+                                              f"blk.{top} (missing tensor blk.{top + 1}.*)")
+        if top + 1 > n:
+            raise ModelFormatError(self.path, f"tensors of blk.{top} are past {ARCH}.block_count {n} (a file with "
+                                              f"{top + 1} layers?)")
 
     def shard_of(self, ti: TensorInfo) -> Shard:
         return next(s for s in reversed(self.shards) if s.base <= ti.offset)

@@ -31,7 +31,10 @@ class RopeScaling:
     beta_slow: float = 1.0
 
     def problems(self) -> list[str]:
-        out = []
+        out = [f"rope scaling {name} must be finite, got {getattr(self, name)}" for name in
+               ("factor", "attn_factor", "ext_factor", "beta_fast", "beta_slow") if not math.isfinite(getattr(self, name))]
+        if out:
+            return out
         if self.kind not in KINDS:
             out.append(f"rope scaling type {self.kind!r} is not supported (supported: {', '.join(KINDS)})")
         if not self.factor >= 1.0:
