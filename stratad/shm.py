@@ -26,6 +26,8 @@ class Segment:
         flags = posix_ipc.O_CREX if create else 0
         shm = posix_ipc.SharedMemory(name, flags, mode=0o600, size=size if create else 0)
         try:
+            if create and size:
+                reserve(shm.fd, name, size)
             self.size = shm.size
             self.map = mmap.mmap(shm.fd, shm.size) if shm.size else None
         finally:
@@ -46,6 +48,17 @@ class Segment:
         if self.owner:
             unlink(self.name)
             self.owner = False
+
+
+def reserve(fd: int, name: str, size: int) -> None:
+    """The segment's pages taken now (a new segment is sparse): a /dev/shm without room for them is an OSError
+    naming the segment here, not a SIGBUS in whichever process first writes a page there was no room for."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        unlink(name)
+        raise OSError(e.errno, f"shared memory ({SHM_DIR}) has no room for {size / 2**20:.1f} MiB more (segment "
+                      f"{name}): {e.strerror}") from None
 
 
 def unlink(name: str) -> bool:

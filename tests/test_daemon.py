@@ -494,6 +494,27 @@ def test_lane_says_when_its_card_runs_out_of_memory(tiny_model_path):
     assert "65536 tokens" in fit and "lower context_length or prompt_chunk" in fit
 
 
+@pytest.mark.parametrize("content,problem", [(None, "cannot read it (FileNotFoundError"),
+                                               (b"", "cannot read it (EOFError"),
+                                               (np.ones((2, 3)), "is float64 of shape (2, 3); expected (4, 16)")])
+def test_a_configured_profile_that_cannot_be_used_stops_the_start(tiny_model_path, tmp_path, content, problem):
+    """profile = FILE (a starting expert profile the operator chose) that is missing, unreadable or of another
+    shape: exit 2 with one line naming it (a missing or empty file was a traceback)."""
+    prof = tmp_path / "p.npy"
+    if isinstance(content, bytes):
+        prof.write_bytes(content)
+    elif content is not None:
+        np.save(prof, content)
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f"profile = '{prof}'\n")
+    r = subprocess.run([sys.executable, "-m", "stratad.cli", "serve", "--config", str(cfg), "--model",
+                        str(tiny_model_path), "--cards", "cpu", "--runtime-dir", str(tmp_path / "run")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    (error,) = [ln for ln in r.stderr.splitlines() if ln.startswith("error: ")]
+    assert error.startswith(f"error: profile {prof}") and problem in error, error
+
+
 def test_learned_profile_kept_between_runs(tiny_model_path, tmp_path):
     """With state_dir, a graceful stop saves what the cards learned; the next start fills the caches from it (no
     warm-up), and status says where the profile came from. A file that does not fit, or that numpy cannot
