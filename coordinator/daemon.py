@@ -30,7 +30,7 @@ from coordinator.pool import CardPool
 from coordinator.runtime import RuntimeDir
 from protos import messages as M
 from protos.codec import FrameError, decode, encode, peek
-from stratad import kv_store, sd_notify, shm, threads
+from stratad import kv_store, sd_notify, threads
 from stratad.config import DaemonConfig, LaneConfig
 from stratad.engine.prefix_cache import common_prefix
 from stratad.model.config import effective_context_length
@@ -144,12 +144,8 @@ class Coordinator:
             log.info("host conversation cache off (kv_cache_host %s: %d bytes, a block is %d)",
                      self.cfg.kv_cache_host, limit, block)
             return None
-        try:
-            st = kv_store.KvStore(kv_store.segment_name(self.rt.shm_prefix), create=True, limit_bytes=limit,
-                                  slot_bytes=block)
-        except OSError as e:  # /dev/shm taken by others since host_limit looked: serve without the cache
-            log.warning("host conversation cache off: %s; lower kv_cache_host or free %s", e, shm.SHM_DIR)
-            return None
+        st = kv_store.KvStore(kv_store.segment_name(self.rt.shm_prefix), create=True, limit_bytes=limit,
+                              slot_bytes=block)
         log.info("host conversation cache: %.1f MiB, %d blocks of %d tokens", st.n_slots * block / 2**20,
                  st.n_slots, st.block_tokens)
         return st

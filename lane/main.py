@@ -154,7 +154,7 @@ class Lane:
         if self.cfg.card == "cpu":
             name = f"{self.cfg.shm_prefix}lane{self.lane}-slots"
             shm.unlink(name)
-            seg = shm.Segment(name, max(1, n) * slot_bytes(self.model), create=True)
+            seg = shm.Segment(name, max(1, n) * slot_bytes(self.model), create=True, reserve=True)  # filled now
             self.segments.append(seg)
             self.card = NumpyCard(self.model, SlotPool(self.model, seg.array(), n), live, pool_ident=name)
         else:

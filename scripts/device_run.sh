@@ -8,6 +8,7 @@
 #   TESTS="FILE::TEST ..." bash scripts/device_run.sh tests   # those tests only (a rerun of what failed; TESTS_K:
 #                                        # a pytest -k expression besides; PYTEST_ARGS=-rP: passed tests' prints too;
 #                                        # TESTS_S: seconds a file may take, 540)
+#   TREES=". A.patch A.patch+B.patch" bash scripts/device_run.sh trees  # _ab1.. from this tree and patch files
 #   TESTS_ab1="FILE ..." TESTS_K_ab1=EXPR bash scripts/device_run.sh ab-tests  # GPU tests in each tree _abN/
 #   bash scripts/device_run.sh profile   # a3b IQ3_S: where a decode step's time goes (with and without PDL),
 #                                        # and a prompt's
@@ -112,6 +113,22 @@ tests | tests2 | tests3)
             ${TESTS_K:+-k "$TESTS_K"} > "$log" 2>&1
         echo "$f: rc=$? $(tail -1 "$log")"
         grep -E "^(FAILED|ERROR) " "$log" | head -5
+    done
+    ;;
+trees)  # the trees _ab1, _ab2, ... made here from this tree (the device has no git): TREES="SPEC ...", each SPEC
+        # "." (this tree) or PATCH[+PATCH...] (this tree with those patch files applied in turn); a copy of the
+        # packages and tests each. scripts/ab_trees.sh makes trees of other revisions in the checkout instead
+    rm -rf _ab[0-9]*
+    i=0
+    for spec in ${TREES:?TREES names the trees}; do
+        i=$((i + 1))
+        mkdir "_ab$i"
+        cp -r coordinator lane protos stratad scripts tests pyproject.toml "_ab$i/"
+        if [ "$spec" != . ]; then
+            IFS=+ read -ra patches <<< "$spec"
+            for p in "${patches[@]}"; do patch -s -d "_ab$i" -p1 < "$p" || { echo "_ab$i: $p does not apply"; exit 1; }; done
+        fi
+        echo "_ab$i: $spec"
     done
     ;;
 ab-tests)  # GPU tests in each tree _ab*/ with its own package first on the path: TESTS_abN / TESTS_K_abN (the

@@ -19,15 +19,16 @@ def prefix_for(runtime_dir: str | os.PathLike) -> str:
 
 
 class Segment:
-    """A mapped segment; the creator unlinks it on close, an attacher only unmaps."""
+    """A mapped segment; the creator unlinks it on close, an attacher only unmaps. reserve: its pages taken at
+    creation (see reserve), for a segment its creator fills at once anyway; else they are taken as written."""
 
-    def __init__(self, name: str, size: int = 0, create: bool = False):
+    def __init__(self, name: str, size: int = 0, create: bool = False, reserve: bool = False):
         self.name, self.owner = name, create
         flags = posix_ipc.O_CREX if create else 0
         shm = posix_ipc.SharedMemory(name, flags, mode=0o600, size=size if create else 0)
         try:
-            if create and size:
-                reserve(shm.fd, name, size)
+            if create and reserve and size:
+                reserve_pages(shm.fd, name, size)
             self.size = shm.size
             self.map = mmap.mmap(shm.fd, shm.size) if shm.size else None
         finally:
@@ -50,9 +51,11 @@ class Segment:
             self.owner = False
 
 
-def reserve(fd: int, name: str, size: int) -> None:
+def reserve_pages(fd: int, name: str, size: int) -> None:
     """The segment's pages taken now (a new segment is sparse): a /dev/shm without room for them is an OSError
-    naming the segment here, not a SIGBUS in whichever process first writes a page there was no room for."""
+    naming the segment here, not a SIGBUS in the process that first writes a page there is no room for. Not for
+    the host conversation cache: taken at once, a quarter of the host's memory would be held from the start, and
+    by a crashed daemon's segment until the next start reclaims it."""
     try:
         os.posix_fallocate(fd, 0, size)
     except OSError as e:
