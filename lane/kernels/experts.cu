@@ -332,11 +332,12 @@ __device__ __forceinline__ void gateup_body(const u8* __restrict__ pool, i64 slo
     auto row0_of = [&](int it) { return WI ? (it % NI) * GU_R : (it % NI) * 32 + warp * GU_R; };
     // one pair a tile (TP = 1): the first stages' slots are read with the count, not after it (the list has room
     // for max_tiles entries; a slot past the count is read and dropped), one dependent L2 round trip less
-    int slot0[GU_STAGES];
+    // (token, slot) of the first stages' pairs, read in one load each
+    int2 pair0[GU_STAGES];
 #pragma unroll
     for (int k = 0; k < GU_STAGES; ++k) {
         const int p = (first + k * step) / NI;
-        slot0[k] = (TP == 1 && p < max_tiles) ? __ldg(pairs + 2 * p + 1) : 0;
+        pair0[k] = (TP == 1 && p < max_tiles) ? __ldg(reinterpret_cast<const int2*>(pairs) + p) : make_int2(0, 0);
     }
     const int n_tiles = clamp_pairs(n_tiles_p, max_tiles);
     const int items = n_tiles * NI;
@@ -347,12 +348,20 @@ __device__ __forceinline__ void gateup_body(const u8* __restrict__ pool, i64 slo
     for (int k = 0; k < GU_STAGES; ++k) {  // rows in flight before anything else
         const int it = first + k * step;
         if (it < items) gu_stage(sb + wst + k * GU_STG, pool, slot_bytes, up_off,
-                                 TP == 1 ? slot0[k] : tile_slot<TP>(pairs, tiles, it / NI), row0_of(it), lane);
+                                 TP == 1 ? pair0[k].y : tile_slot<TP>(pairs, tiles, it / NI), row0_of(it), lane);
         cp_commit();
     }
     if (GU_QT == QT_IQ3_S && TP != 1) fill_grid<512>(grid_g);  // TP = 1: expert_gateup, before its wait
     if (TP != 1) fill_tab<GU_QT>(grid_g);
     __syncthreads();
+    // One pair a tile, rows staged: the first item's activation sub-blocks loaded here, before the loop. ptxas
+    // places the loop's cp.async wait ahead of the loads the source puts before it (SASS of the NVRTC build), so
+    // loads in the loop go out only once the rows have landed: two dependent L2 round trips (the pair's token, then
+    // its row) after them. Not for Q4_K, whose activation carries its sum (ASUM): held into the loop it spills at
+    // 64 registers.
+    constexpr bool ACT_AHEAD = TP == 1 && !GU_DIRECT && !ActNeeds<GU_QT>::ASUM;
+    typename Sub<GU_QT>::A A[TP == 1 ? SPL : 1];
+    if (ACT_AHEAD && first < items) load_row_act<GU_QT, GU_KIN>(qa, da, pair0[0].x, lane, A);
 
 #pragma unroll 1
     for (int k = 0;; ++k) {
@@ -365,8 +374,7 @@ __device__ __forceinline__ void gateup_body(const u8* __restrict__ pool, i64 slo
         const int slot = __ldg(pairs + 2 * p0 + 1);
         const int row0 = row0_of(it);
 
-        typename Sub<GU_QT>::A A[TP == 1 ? SPL : 1];  // one pair: its activation loads overlap the weights' wait
-        if (TP == 1) load_row_act<GU_QT, GU_KIN>(qa, da, __ldg(pairs + 2 * p0), lane, A);
+        if (TP == 1 && (k > 0 || !ACT_AHEAD)) load_row_act<GU_QT, GU_KIN>(qa, da, __ldg(pairs + 2 * p0), lane, A);
         cp_wait<GU_STAGES - 1>();
         __syncwarp();
 
@@ -601,11 +609,14 @@ __device__ __forceinline__ void down_body(const u8* __restrict__ pool, i64 slot_
     const u32 sb = smem_base();
     const u32 wst = DN_TBL + 2 * DN_ACT + warp * DN_STAGES * DN_STG;
 
+    // the slot of the warp's first item, kept for the loop (folded: every item of a warp is one pair's), where a load
+    // goes out after the quantisation's barrier: one L2 round trip on the path
+    const int slot0 = first < items ? tile_slot<TP>(pairs, tiles, tile_of(first)) : 0;
 #pragma unroll 1
     for (int k = 0; k < DN_STAGES; ++k) {
         const int it = first + k * step;
-        if (it < items) dn_stage(sb + wst + k * DN_STG, pool, slot_bytes, tile_slot<TP>(pairs, tiles, tile_of(it)),
-                                 chunk_of(it), lane);
+        if (it < items) dn_stage(sb + wst + k * DN_STG, pool, slot_bytes,
+                                 k == 0 ? slot0 : tile_slot<TP>(pairs, tiles, tile_of(it)), chunk_of(it), lane);
         cp_commit();
     }
     if (DN_QT == QT_IQ3_S) fill_grid<TP == 1 ? GRID_TABLE_WORDS : 512>(grid_g);
@@ -635,7 +646,7 @@ __device__ __forceinline__ void down_body(const u8* __restrict__ pool, i64 slot_
         const int tile = tile_of(it), c = chunk_of(it);
         int p0, cnt;
         Tile<TP>::get(tiles, tile, p0, cnt);
-        const int slot = __ldg(pairs + 2 * p0 + 1);
+        const int slot = fold || k == 0 ? slot0 : __ldg(pairs + 2 * p0 + 1);
         // one pair's activation sub-blocks of this lane's virtual lanes
         typename Sub<DN_QT>::A A[TP == 1 ? DN_VL : 1][TP == 1 ? SPL : 1];
         auto act_from = [&](const signed char* qs, const float* ds) {

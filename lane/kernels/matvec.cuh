@@ -219,7 +219,28 @@ __device__ __forceinline__ void matvec_blk_body(const u8* __restrict__ W, int ro
         __syncthreads();
         ftab = (const u8*)ts;
     }
+    // 4 lanes per block, 8 values each: a warp step covers 8 blocks and its x reads are 1 KB contiguous
+    const int bl = lane >> 2, sub = lane & 3;
+    // QX: an item's 8-bit x (a lane's 8 codes and the scale of each of its 4 steps) loaded an item ahead: ptxas
+    // places the ring's wait ahead of loads that follow it in the source (SASS of the NVRTC build), so x read in
+    // the item would cost an L2 round trip after every tile's wait
+    uint2 xv[QX ? 4 : 1];
+    float dx[QX ? 4 : 1];
+    auto load_x = [&](int i) {
+        if constexpr (QX) {
+            const int tile = ks + i * KS;
+#pragma unroll
+            for (int st4 = 0; st4 < 4; ++st4) {
+                const int gb = tile * 32 + st4 * 8 + bl;
+                if (i < nitems && st4 * 8 + bl < min(32, nb - tile * 32)) {
+                    xv[st4] = __ldg((const uint2*)(xq + (i64)gb * 32 + 8 * sub));
+                    dx[st4] = __ldg(xqd + gb);
+                }
+            }
+        }
+    };
     wait();
+    load_x(0);
     for (int i = 0; i < nitems; ++i) {
         issue(i + P - 1);
         cp_wait<P - 1>();
@@ -228,23 +249,26 @@ __device__ __forceinline__ void matvec_blk_body(const u8* __restrict__ W, int ro
         const int nbt = min(32, nb - tile * 32);
         const u32 mis = F::mis(tile);
         const u8* sbv = st + (i % P) * (R * SLOT);
-        // 4 lanes per block, 8 values each: a warp step covers 8 blocks and its x reads are 1 KB contiguous
-        const int bl = lane >> 2, sub = lane & 3;
+        uint2 cx[QX ? 4 : 1];
+        float cd[QX ? 4 : 1];
+#pragma unroll
+        for (int st4 = 0; st4 < (QX ? 4 : 0); ++st4) {
+            cx[st4] = xv[st4];
+            cd[st4] = dx[st4];
+        }
+        load_x(i + 1);
 #pragma unroll
         for (int st4 = 0; st4 < 4; ++st4) {
             const int b = st4 * 8 + bl;
             if constexpr (QX) {  // two dp4a: 8 weights by 8 int8 x, exact in int; one float term a lane
                 if (b < nbt) {
-                    const int gb = tile * 32 + b;
-                    const uint2 xv = __ldg((const uint2*)(xq + (i64)gb * 32 + 8 * sub));
-                    const float dx = __ldg(xqd + gb);
 #pragma unroll
                     for (int r = 0; r < R; ++r) {
                         u32 qa, qb;
                         const float d = F::part_q(sbv, r * SLOT + mis, b, sub, ftab, qa, qb);
-                        int sum = __dp4a((int)qa, (int)xv.x, 0);
-                        sum = __dp4a((int)qb, (int)xv.y, sum);
-                        acc[r] = f_fma(f_mul(d, dx), (float)sum, acc[r]);
+                        int sum = __dp4a((int)qa, (int)cx[st4 % 4].x, 0);
+                        sum = __dp4a((int)qb, (int)cx[st4 % 4].y, sum);
+                        acc[r] = f_fma(f_mul(d, cd[st4 % 4]), (float)sum, acc[r]);
                     }
                 }
             } else if (b < nbt) {
