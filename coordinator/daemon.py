@@ -157,12 +157,9 @@ class Coordinator:
         shape = (c.n_layer, c.n_expert)
         if self.cfg.profile:
             try:
-                p = np.load(self.cfg.profile, allow_pickle=False)
-            except Exception as e:  # noqa: BLE001 - numpy's reader raises many kinds (profile_store.load)
-                raise ValueError(f"profile {self.cfg.profile}: cannot read it ({type(e).__name__}: {e})") from None
-            if p.shape != shape or p.dtype.kind not in "fiu" or not np.isfinite(p).all() or (p < 0).any():
-                raise ValueError(f"profile {self.cfg.profile} is {p.dtype} of shape {p.shape}; expected {shape}, "
-                                 "finite and not negative")
+                p = profile_store.read(self.cfg.profile, shape)
+            except ValueError as e:
+                raise ValueError(f"profile {self.cfg.profile}: {e}") from None
             self.profile_source = f"file {self.cfg.profile}"
             return p
         if self.state_file is not None:

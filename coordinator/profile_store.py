@@ -19,20 +19,27 @@ def path_for(state_dir: str, model_hash: str) -> Path:
     return Path(state_dir) / f"profile-{model_hash[:16]}.npy"
 
 
+def read(path: str | os.PathLike, shape: tuple[int, int]) -> np.ndarray:
+    """A profile file as float64, or ValueError saying what is wrong with it (unreadable; not a finite,
+    non-negative array of this shape)."""
+    try:
+        p = np.load(path, allow_pickle=False)
+    except Exception as e:  # noqa: BLE001 - a damaged header fails in numpy's literal parser: TokenError, TypeError..
+        raise ValueError(f"cannot read it ({type(e).__name__}: {e})") from None
+    if p.dtype.kind not in "fiu" or p.shape != shape or not np.isfinite(p).all() or (p < 0).any():
+        raise ValueError(f"{p.dtype} of shape {p.shape}, expected {shape}, finite and not negative")
+    return p.astype(np.float64)
+
+
 def load(path: Path, shape: tuple[int, int]) -> np.ndarray | None:
     """The saved profile, or None (no file, or one that does not fit this model: said in the log, then ignored)."""
     if not path.exists():
         return None
     try:
-        p = np.load(path, allow_pickle=False)
-    except Exception as e:  # noqa: BLE001 - a damaged header fails in numpy's literal parser: TokenError, TypeError..
-        log.warning("saved profile %s unreadable (%s: %s); starting without it", path, type(e).__name__, e)
+        return read(path, shape)
+    except ValueError as e:
+        log.warning("saved profile %s: %s; starting without it", path, e)
         return None
-    if p.dtype.kind not in "fiu" or p.shape != shape or not np.isfinite(p).all() or (p < 0).any():
-        log.warning("saved profile %s has shape %s or bad values, expected %s; starting without it", path,
-                    p.shape, shape)
-        return None
-    return p.astype(np.float64)
 
 
 def save(path: Path, profile: np.ndarray) -> None:

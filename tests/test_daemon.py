@@ -496,7 +496,7 @@ def test_lane_says_when_its_card_runs_out_of_memory(tiny_model_path):
 
 @pytest.mark.parametrize("content,problem", [(None, "cannot read it (FileNotFoundError"),
                                                (b"", "cannot read it (EOFError"),
-                                               (np.ones((2, 3)), "is float64 of shape (2, 3); expected (4, 16)")])
+                                               (np.ones((2, 3)), "float64 of shape (2, 3), expected (4, 16)")])
 def test_a_configured_profile_that_cannot_be_used_stops_the_start(tiny_model_path, tmp_path, content, problem):
     """profile = FILE (a starting expert profile the operator chose) that is missing, unreadable or of another
     shape: exit 2 with one line naming it (a missing or empty file was a traceback)."""
@@ -512,7 +512,7 @@ def test_a_configured_profile_that_cannot_be_used_stops_the_start(tiny_model_pat
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     (error,) = [ln for ln in r.stderr.splitlines() if ln.startswith("error: ")]
-    assert error.startswith(f"error: profile {prof}") and problem in error, error
+    assert error.startswith(f"error: profile {prof}: ") and problem in error, error
 
 
 def test_learned_profile_kept_between_runs(tiny_model_path, tmp_path):
