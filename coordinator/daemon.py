@@ -30,7 +30,7 @@ from coordinator.pool import CardPool
 from coordinator.runtime import RuntimeDir
 from protos import messages as M
 from protos.codec import FrameError, decode, encode, peek
-from stratad import kv_store, sd_notify, threads
+from stratad import kv_store, sd_notify, shm, threads
 from stratad.config import DaemonConfig, LaneConfig
 from stratad.engine.prefix_cache import common_prefix
 from stratad.model.config import effective_context_length
@@ -140,6 +140,10 @@ class Coordinator:
         block = kv_store.block_bytes(self.model.config, self.cards)
         pools = sum(n * self.slot_bytes for n, card in zip(self.slots, self.cards) if card == "cpu")
         limit = kv_store.host_limit(self.cfg.kv_cache_host, self.model.size + pools, pools)
+        asked = self.cfg.kv_cache_host.bytes
+        if asked is not None and limit < asked:
+            log.warning("kv_cache_host %s is more than shared memory (%s) has room for: %.1f MiB used",
+                        self.cfg.kv_cache_host, shm.SHM_DIR, limit / 2**20)
         if limit < block:
             log.info("host conversation cache off (kv_cache_host %s: %d bytes, a block is %d)",
                      self.cfg.kv_cache_host, limit, block)

@@ -105,6 +105,10 @@ class RuntimeDir:
             p.unlink(missing_ok=True)
             out.append(str(p))
         out += shm.unlink_prefix(self.shm_prefix)
+        for record, rt in discovery.dead_records():
+            if rt != self.path.resolve():
+                out += _reclaim_segments_of(rt)
+            discovery.unregister(record)
         return out
 
     def release(self) -> None:
@@ -126,3 +130,25 @@ class RuntimeDir:
             os.close(self._lock_fd)
             self._lock_fd = None
 
+
+
+def _reclaim_segments_of(rt: Path) -> list[str]:
+    """The shared-memory segments of a killed daemon that ran in another runtime directory (a crashed test's
+    temporary one, say: no start there would ever reclaim them). Taken under that directory's lock, so that a
+    daemon starting there meanwhile keeps its own; a held lock means one runs there now: nothing is touched."""
+    try:
+        fd = os.open(rt / "stratad.lock", os.O_RDWR)
+    except FileNotFoundError:  # its directory removed, or its lock: no daemon there (one starting there now makes
+        # its segments only after its own reclaim and the model's load, long after this)
+        return shm.unlink_prefix(shm.prefix_for(rt))
+    except OSError:
+        return []
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return []
+    try:
+        return shm.unlink_prefix(shm.prefix_for(rt))
+    finally:
+        os.close(fd)

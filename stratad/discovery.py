@@ -24,15 +24,12 @@ def registry_dir() -> Path:
 
 
 def register(runtime_dir: str | os.PathLike) -> Path:
-    """Record this process's runtime directory; returns the record (remove it with `unregister`). Records of
-    daemons that are gone (killed) are dropped on the way. Raises OSError where the registry cannot be written."""
+    """Record this process's runtime directory; returns the record (remove it with `unregister`). Raises OSError
+    where the registry cannot be written."""
     reg = registry_dir()
     reg.mkdir(mode=0o700, parents=True, exist_ok=True)
     if reg.stat().st_uid != os.getuid():  # another user's folder (e.g. squatted in /tmp): do not write there
         raise PermissionError(f"{reg} belongs to uid {reg.stat().st_uid}, not to us")
-    for pid, _ in _records(reg):
-        if not _alive(pid):
-            (reg / str(pid)).unlink(missing_ok=True)
     rec = reg / str(os.getpid())
     tmp = reg / f".{os.getpid()}.tmp"
     tmp.write_text(f"{Path(runtime_dir).resolve()}\n")
@@ -42,6 +39,13 @@ def register(runtime_dir: str | os.PathLike) -> Path:
 
 def unregister(record: Path) -> None:
     record.unlink(missing_ok=True)
+
+
+def dead_records() -> list[tuple[Path, Path]]:
+    """(record, runtime dir) of every registered daemon that is gone (killed without its stop): what it left is
+    reclaimed by the next start (coordinator.runtime), which then drops the record with `unregister`."""
+    reg = registry_dir()
+    return [(reg / str(pid), rt) for pid, rt in _records(reg) if not _alive(pid)]
 
 
 def _records(reg: Path) -> list[tuple[int, Path]]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -12,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from daemon_harness import ROOT  # noqa: F401 - sets PYTHONPATH for the daemon subprocess
-from stratad import ctl, discovery
+from daemon_harness import Daemon
+from stratad import ctl, discovery, shm
 from stratad.client import Client, DaemonUnavailable
 from stratad.config import default_runtime_dir
 
@@ -94,11 +95,11 @@ def test_dead_records_are_skipped_and_several_daemons_are_named_not_picked(tmp_p
     try:
         fake_daemon(tmp_path / "a", live.pid)
         assert discovery.lookup().path == tmp_path / "a"
-        record = discovery.register(tmp_path / "b")  # this process as a second daemon; drops the dead record
+        record = discovery.register(tmp_path / "b")  # this process as a second daemon
         (tmp_path / "b").mkdir()
         (tmp_path / "b" / "stratad.pid").write_text(f"{os.getpid()}\n")
         (tmp_path / "b" / "client.sock").touch()
-        assert sorted(p.name for p in discovery.registry_dir().iterdir()) == sorted([str(live.pid), str(os.getpid())])
+        assert discovery.dead_records() == [(discovery.registry_dir() / str(dead.pid), tmp_path / "gone")]
         found = discovery.lookup()
         assert found.path is None
         assert f"2 daemons registered in {discovery.registry_dir()}, none picked: {tmp_path / 'a'}, " \
@@ -110,3 +111,34 @@ def test_dead_records_are_skipped_and_several_daemons_are_named_not_picked(tmp_p
     finally:
         live.kill()
         live.wait()
+
+
+def test_a_start_reclaims_what_a_killed_daemon_left_in_another_runtime_dir(tiny_model_path, tmp_path, session):
+    """A daemon killed outright leaves its segments in /dev/shm and its record; its runtime dir may be gone (a
+    test's or a script's temporary one), so no start there will reclaim them: the next daemon's start does,
+    whatever its own directory. A daemon still running elsewhere keeps its segments."""
+    def segments(rt):
+        return sorted(p.name for p in shm.SHM_DIR.glob(shm.prefix_for(rt).lstrip("/") + "*"))
+
+    killed, running, fresh = (Daemon(tiny_model_path, tmp_path / n, cards="cpu") for n in ("killed", "running", "new"))
+    killed.start()
+    running.start()
+    try:
+        os.killpg(killed.proc.pid, signal.SIGKILL)
+        killed.proc.wait()
+        killed.proc = None
+        left = segments(killed.runtime_dir)
+        assert left and len(discovery.dead_records()) == 1
+        shutil.rmtree(killed.runtime_dir)
+        kept = segments(running.runtime_dir)
+        fresh.start()
+        try:
+            assert segments(killed.runtime_dir) == [] and discovery.dead_records() == []
+            assert all(name in fresh.log_text() for name in left)  # named in its "reclaimed leftovers" line
+            assert segments(running.runtime_dir) == kept
+            assert running.status().lanes  # and it serves on
+        finally:
+            assert fresh.stop() == 0
+    finally:
+        assert running.stop() == 0
+    assert segments(running.runtime_dir) == [] and segments(fresh.runtime_dir) == []

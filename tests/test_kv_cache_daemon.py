@@ -4,6 +4,7 @@ lane SIGKILLed after its request leaves only whole blocks; a restart after a cra
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 
@@ -155,3 +156,17 @@ def test_three_conversations_on_two_lanes(tiny_model_path, tmp_path):
     finally:
         d.stop()
     assert d.leftovers() == []
+
+
+def test_a_cache_larger_than_shared_memory_is_capped_with_a_warning(tiny_model_path, tmp_path):
+    d = Daemon(tiny_model_path, tmp_path / "rt", config=conf(tmp_path, "big", "4096TiB")).start()
+    try:
+        k = d.status().kv_cache
+        assert 0 < k.bytes_limit < 4096 << 40
+        used = re.search(rf"kv_cache_host {4096 << 40} bytes is more than shared memory \({shm.SHM_DIR}\) has room "
+                         r"for: ([\d.]+) MiB used", d.log_text())
+        assert used and k.bytes_limit - 0.05 * 2**20 <= float(used[1]) * 2**20 < k.bytes_limit + BLOCK_BYTES + 0.05 * 2**20
+        with d.client() as c:
+            assert len(turn(c, CONVS["A"]).tokens) == GEN
+    finally:
+        assert d.stop() == 0
