@@ -15,6 +15,15 @@ What is supported (what the Qwen3, Qwen3-Coder and our generated models' templat
   supported: transformers' ``{% generation %}`` tag (a template using it is refused when loaded).
 * errors: anything the template or the messages get wrong (an unknown role, a non-string content, a malformed tool
   call, the template's ``raise_exception``, a failing expression) is a ChatTemplateError saying what.
+* limits: the template comes from a downloaded model file, and one render of it runs in the process that serves
+  (the coordinator's and the gateway's loops take small requests). A render that would write or build more than
+  MAX_CHARS characters or run longer than MAX_SECONDS is a ChatTemplateError: ``'x' * 10**10``, ``center(10**10)``,
+  ``'%*s' % (10**10, 'x')`` or ``[l, l, l]`` nested are refused from their operands' sizes before anything is
+  allocated; loops, calls, operators and output check the deadline. Not bounded (copies of values already within the
+  limit, so each is at most MAX_CHARS): a template that keeps many copies (a namespace list grown with ``+`` in a
+  loop) holds what it copies until the deadline; ``list`` / ``split`` of a long string, ``pprint`` of deeply nested
+  data, and a single operation on a value within the limit (a sort, a search) run to their end. Jinja's ``lipsum``
+  (lorem ipsum of any length) is not offered.
 
 Which text the template wrote: every string literal of the template and the raw text between its tags renders as a
 ``Rendered`` string that carries the spans it covers; concatenation (``+``, ``~``, output, ``{% set %}`` blocks,
@@ -26,9 +35,17 @@ operation errs the safe way (that literal's special tokens are encoded as text).
 
 from __future__ import annotations
 
+import contextvars
 import datetime
+import functools
+import inspect
+import itertools
 import json
-from collections.abc import Iterable, Mapping
+import re
+import string
+import time
+import types
+from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
 import jinja2
@@ -36,6 +53,7 @@ import jinja2.ext
 import jinja2.filters
 import jinja2.nodes as nodes
 import jinja2.sandbox
+from jinja2.utils import Namespace
 from jinja2.visitor import NodeTransformer
 
 __all__ = ["ChatTemplateError", "ChatTemplate", "Rendered", "ROLES"]
@@ -48,8 +66,139 @@ Spans = tuple[tuple[int, int], ...]
 
 
 class ChatTemplateError(ValueError):
-    """The chat template refused the messages (raise_exception), failed while rendering, or the messages are
-    malformed."""
+    """The chat template refused the messages (raise_exception), failed while rendering, went past the limits, or the
+    messages are malformed."""
+
+
+# --------------------------------------------------------------------------------------------------------------
+# What one render may make, and for how long. Real templates write each message about once: the largest request the
+# daemon takes (protos.messages.MAX_FRAME_BYTES, 8 MiB; more than a 1M-token context holds) renders to ~8.4 MB in
+# under 0.1 s with Qwen3's and Qwen3-Coder's templates. 4x that size and 100x that time refuse nothing real, and
+# bound what a broken or hostile template can take from the process.
+MAX_CHARS = 32 << 20
+MAX_SECONDS = 10.0
+_MAX_INT_BITS = 1 << 16  # a number a template computes (str() stops at 4,300 digits anyway)
+_PIECE_CHARS = 128  # a piece of output's memory besides its text (its place in the buffer, its spans)
+_SEQUENCES = (str, bytes, list, tuple)
+_PERCENT_SPEC = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(?:\*|\d*)(?:\.(?:\*|\d*))?")
+
+
+class _Limits:
+    """One render's budget: the characters it has left to write and make, and its deadline."""
+
+    def __init__(self):
+        self.left = MAX_CHARS
+        self.deadline = time.monotonic() + MAX_SECONDS
+
+
+_limits: contextvars.ContextVar[_Limits | None] = contextvars.ContextVar("stratad_chat_limits", default=None)
+
+
+def _tick() -> None:
+    lim = _limits.get()
+    if lim is not None and time.monotonic() > lim.deadline:
+        raise ChatTemplateError(f"chat template took longer than {MAX_SECONDS:g} s")
+
+
+def _fits(size: int) -> None:
+    """A value of size characters may be built (asked before it is: a bigger one is never allocated)."""
+    if size > MAX_CHARS:
+        raise ChatTemplateError(f"chat template builds a value of {size} characters, over the limit of {MAX_CHARS}")
+    _tick()
+
+
+def _spend(size: int) -> None:
+    """size characters written or made (by an operation that can make more than it takes): counted against the
+    render's budget. Outside a render (Jinja folding constants at compile time) only the value's own size is bound."""
+    _fits(size)
+    lim = _limits.get()
+    if lim is not None:
+        lim.left -= size
+        if lim.left < 0:
+            raise ChatTemplateError(f"chat template output exceeds {MAX_CHARS} characters")
+
+
+def _size(value: Any, seen: dict[int, int] | None = None) -> int:
+    """About the characters of value as text (str(), JSON): a string's length; a collection's items' sizes summed, an
+    item held twice counted twice (so [s] * n is n times s); a few for anything else."""
+    if isinstance(value, (str, bytes)):
+        return len(value)
+    if isinstance(value, Namespace):
+        value = value._Namespace__attrs  # its text is its attributes'
+    if not isinstance(value, Collection):
+        return 4
+    seen = {} if seen is None else seen
+    if id(value) not in seen:
+        items = itertools.chain.from_iterable(value.items()) if isinstance(value, Mapping) else value
+        seen[id(value)] = 2 + sum(_size(v, seen) + 2 for v in items)
+    return seen[id(value)]
+
+
+def _count(n: Any) -> int:
+    """n as a width or count (anything else 0: the operation raises its own error)."""
+    return max(n, 0) if isinstance(n, int) else 0
+
+
+def _widths(specs: Iterable[str], args: Any) -> int:
+    """The widths and precisions of format specs; a * or a nested {} takes the largest integer argument."""
+    values = args.values() if isinstance(args, Mapping) else args if isinstance(args, tuple) else (args,)
+    biggest = max((abs(v) for v in values if isinstance(v, int)), default=0)
+    return sum(int(n) if n.isdigit() else biggest for spec in specs for n in re.findall(r"\d+|\*|\{", spec))
+
+
+def _percent_size(fmt: str | bytes, args: Any) -> int:
+    """At most the characters of fmt % args."""
+    text = fmt.decode("latin-1") if isinstance(fmt, bytes) else fmt
+    return len(fmt) + _size(args) + _widths((m[0] for m in _PERCENT_SPEC.finditer(text)), args)
+
+
+def _brace_size(fmt: str, args: tuple, kwargs: dict) -> int:
+    """At most the characters of fmt.format(*args, **kwargs)."""
+    specs = [spec or "" for _, _, spec, _ in string.Formatter().parse(fmt)]
+    return len(fmt) + _size(args) + _size(kwargs) + _widths(specs, args + tuple(kwargs.values()))
+
+
+def _replace_size(s, old, new, count=-1) -> int:
+    n = s.count(old) if old else len(s) + 1
+    if isinstance(count, int) and count >= 0:
+        n = min(n, count)
+    return len(s) + n * max(len(new) - len(old), 0)
+
+
+def _method_size(method: Any, args: tuple, kwargs: dict) -> int:
+    """What a str or bytes method that can make more than it takes would make; 0 for any other callable."""
+    s = getattr(method, "__self__", None)
+    if type(method) is not types.BuiltinMethodType or not isinstance(s, (str, bytes)):
+        return 0
+    text = bytes if isinstance(s, bytes) else str
+    name, arg = method.__name__, (args[0] if args else None)
+    if name in ("center", "ljust", "rjust", "zfill"):
+        return max(len(s), _count(arg))
+    if name == "expandtabs":
+        tabs = s.count(b"\t" if text is bytes else "\t")
+        return len(s) + tabs * _count(kwargs.get("tabsize", 8 if arg is None else arg))
+    if name == "replace" and len(args) >= 2 and isinstance(args[0], text) and isinstance(args[1], text):
+        return _replace_size(s, *args[:2], *args[2:3], **kwargs)
+    if name == "translate" and isinstance(arg, Mapping):
+        return len(s) * max((len(v) for v in arg.values() if isinstance(v, str)), default=1)
+    if name == "join" and isinstance(arg, list):
+        return _size(arg) + len(s) * len(arg)
+    if name == "format" and text is str:
+        return _brace_size(s, args, kwargs)
+    if name == "format_map" and isinstance(arg, Mapping):
+        return _brace_size(s, (), arg)
+    return 0
+
+
+def _product_size(a: Any, b: Any) -> int:
+    """What a * b would make, as _size counts it."""
+    if isinstance(a, int) and isinstance(b, int):
+        if a.bit_length() + b.bit_length() > _MAX_INT_BITS:
+            raise ChatTemplateError(f"chat template computes a number of more than {_MAX_INT_BITS} bits")
+        return 0
+    if isinstance(a, int):
+        a, b = b, a
+    return _size(a) * _count(b) if isinstance(a, _SEQUENCES) else 0
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -147,6 +296,7 @@ def join_rendered(pieces: Iterable[Any]) -> Rendered:
             spans.extend((s + at, e + at) for s, e in p._literal)
         texts.append(p)
         at += len(p)
+    _fits(at)
     return Rendered.make("".join(texts), spans)
 
 
@@ -157,30 +307,92 @@ def join_rendered(pieces: Iterable[Any]) -> Rendered:
 class _Environment(jinja2.sandbox.ImmutableSandboxedEnvironment):
     # Jinja joins every buffer (the output, {% set %} blocks, macro bodies) with environment.concat.
     concat = staticmethod(join_rendered)
+    # the operators that can make big values (intercepted ones are not folded at compile time either: a GGUF's load
+    # would build them)
+    intercepted_binops = frozenset(("+", "*", "%", "**"))
+
+    def call_binop(self, context, operator: str, left: Any, right: Any) -> Any:
+        _tick()
+        if operator == "+" and isinstance(left, _SEQUENCES) and isinstance(right, _SEQUENCES):
+            _fits(_size(left) + _size(right))  # a copy of what exists: bounded, not counted
+        elif operator == "*":
+            _spend(_product_size(left, right))
+        elif operator == "%" and isinstance(left, (str, bytes)):
+            _spend(_percent_size(left, right))
+        elif operator == "**" and isinstance(left, int) and isinstance(right, int):
+            if (abs(left).bit_length() - 1) * right > _MAX_INT_BITS:
+                raise ChatTemplateError(f"chat template computes a number of more than {_MAX_INT_BITS} bits")
+        return super().call_binop(context, operator, left, right)
+
+    def call(__self, __context, __obj, *args: Any, **kwargs: Any) -> Any:  # Jinja's names: no call's keyword clashes
+        _tick()
+        method = getattr(__obj, "__wrapped__", __obj)  # the sandbox hands str.format out wrapped
+        if getattr(method, "__name__", None) == "join" and args and not isinstance(args[0], list):
+            args = (list(args[0]),) + args[1:]  # sized, then joined
+        named = {k: v for k, v in kwargs.items() if k not in ("_loop_vars", "_block_vars")}  # Jinja's own, dropped
+        _spend(_method_size(method, args, named))
+        return super().call(__context, __obj, *args, **kwargs)
+
+
+def _env_call(name: str, args: list[nodes.Expr], lineno: int) -> nodes.Call:
+    return nodes.Call(nodes.EnvironmentAttribute(name), args, [], None, None, lineno=lineno)
 
 
 class _MarkLiterals(NodeTransformer):
     """Makes each string literal and each piece of raw template text a Rendered literal at run time, and ``~``
     keep spans (Jinja's own ``~`` builds a plain str)."""
 
-    @staticmethod
-    def _call(name: str, args: list[nodes.Expr], lineno: int) -> nodes.Call:
-        return nodes.Call(nodes.EnvironmentAttribute(name), args, [], None, None, lineno=lineno)
-
     def visit_Const(self, node: nodes.Const) -> nodes.Expr:
         if isinstance(node.value, str):
-            return self._call("stratad_literal", [node], node.lineno)
+            return _env_call("stratad_literal", [node], node.lineno)
         return node
 
     def visit_TemplateData(self, node: nodes.TemplateData) -> nodes.Expr:
-        return self._call("stratad_literal", [nodes.Const(node.data, lineno=node.lineno)], node.lineno)
+        return _env_call("stratad_literal", [nodes.Const(node.data, lineno=node.lineno)], node.lineno)
 
     def visit_Concat(self, node: nodes.Concat) -> nodes.Expr:
         self.generic_visit(node)
-        return self._call("stratad_concat", list(node.nodes), node.lineno)
+        return _env_call("stratad_concat", list(node.nodes), node.lineno)
+
+
+class _Bound(NodeTransformer):
+    """Checks the deadline on each item of each loop (a loop that writes nothing passes no other check), and the
+    size of each list, tuple and dict literal (``[l, l, l]`` nested grows as ``*`` does)."""
+
+    def visit_For(self, node: nodes.For) -> nodes.For:
+        self.generic_visit(node)
+        node.iter = _env_call("stratad_loop", [node.iter], node.lineno)
+        return node
+
+    def _sized(self, node: nodes.Expr) -> nodes.Expr:
+        self.generic_visit(node)
+        return _env_call("stratad_sized", [node], node.lineno)
+
+    visit_List = visit_Dict = _sized
+
+    def visit_Tuple(self, node: nodes.Tuple) -> nodes.Expr:
+        return self._sized(node) if node.ctx == "load" else node
+
+
+def _loop(items: Iterable) -> Iterable:
+    for item in items:
+        _tick()
+        yield item
+
+
+def _sized(value: Any) -> Any:
+    _fits(_size(value))
+    return value
+
+
+def _written(value: Any) -> Any:
+    """Jinja's finalize: each piece of output (of the render, a {% set %} block, a macro body), counted."""
+    _spend((len(value) if isinstance(value, str) else _size(value)) + _PIECE_CHARS)
+    return value
 
 
 def _concat(*values: Any) -> Rendered:
+    _fits(sum(_size(v) for v in values))  # before str() writes out a big list
     return join_rendered(str(v) for v in values)  # str() as Jinja's ~ does: 1 ~ 'a' is '1a'
 
 
@@ -197,7 +409,62 @@ def _raise_exception(message: Any) -> None:
 
 def _tojson(value: Any, ensure_ascii: bool = False, indent=None, separators=None, sort_keys: bool = False) -> str:
     # transformers' tojson (Jinja's own escapes HTML characters)
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    encoder = json.JSONEncoder(ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    if indent is None:
+        return encoder.encode(value)
+    _fits(len(indent) if isinstance(indent, str) else _count(indent))
+    pieces = []  # the indent is written on each line, deeper ones more times: counted as it comes
+    for piece in encoder.iterencode(value):
+        _spend(len(piece))
+        pieces.append(piece)
+    return "".join(pieces)
+
+
+@jinja2.pass_environment
+def _sum(environment, iterable, attribute=None, start=0):
+    items = list(iterable)
+    if not isinstance(start, (int, float)):  # sum() of lists copies what it has so far for each item
+        _spend(len(items) * (_size(start) + _size(items)))
+    return jinja2.filters.sync_do_sum(environment, items, attribute, start)
+
+
+def _checked(f, size):
+    """Jinja's filter f, refused before it runs when what it would make, size(its arguments by name), is over the
+    limits."""
+    signature = inspect.signature(f)
+
+    @functools.wraps(f)  # keeps Jinja's pass_environment / pass_eval_context mark
+    def checked(*args, **kwargs):
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError:
+            return f(*args, **kwargs)  # its own error
+        bound.apply_defaults()
+        _spend(size(**bound.arguments))
+        return f(*args, **kwargs)
+
+    return checked
+
+
+def _indent_size(s, width, **_) -> int:
+    s = str(s)
+    return len(s) + (s.count("\n") + 1) * (len(width) if isinstance(width, str) else _count(width))
+
+
+_F = jinja2.filters
+# The filters that can make more than they take, with what they would make.
+_GROWING_FILTERS = {
+    "center": (_F.do_center, lambda value, width: max(_size(value), _count(width))),
+    "indent": (_F.do_indent, _indent_size),
+    "wordwrap": (_F.do_wordwrap, lambda environment, s, wrapstring, **_: _size(s) * (
+        1 + _size(wrapstring or environment.newline_sequence))),
+    "replace": (_F.do_replace, lambda s, old, new, count, **_: _replace_size(str(s), str(old), str(new), count)),
+    "format": (_F.do_format, lambda value, args, kwargs: _percent_size(str(value), kwargs or args)),
+    "batch": (_F.do_batch, lambda value, linecount, fill_with: _size(value) + _count(linecount) * (
+        _size(fill_with) + 2)),
+    "slice": (_F.sync_do_slice, lambda value, slices, fill_with: _size(value) + _count(slices) * (
+        _size(fill_with) + 4)),
+}
 
 
 def _strftime_now(fmt: str) -> str:
@@ -315,13 +582,19 @@ class ChatTemplate:
     def __init__(self, source: str, special: Mapping[str, str] | None = None):
         """Raises jinja2.TemplateError when the source does not compile."""
         self.source = source
-        env = _Environment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+        env = _Environment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols],
+                           finalize=_written)
+        env.filters.update({name: _checked(*f) for name, f in _GROWING_FILTERS.items()})
         env.filters["tojson"] = _tojson
         env.filters["join"] = _join_filter
+        env.filters["sum"] = _sum
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = _strftime_now
-        env.extend(stratad_literal=Rendered.literal, stratad_concat=_concat)
-        tree = _MarkLiterals().visit(env.parse(source))
+        del env.globals["lipsum"]  # no chat template writes lorem ipsum
+        # one Rendered for each literal of the template, however many times it is written
+        env.extend(stratad_literal=functools.cache(Rendered.literal), stratad_concat=_concat, stratad_loop=_loop,
+                   stratad_sized=_sized)
+        tree = _Bound().visit(_MarkLiterals().visit(env.parse(source)))
         self._template = env.template_class.from_code(env, env.compile(tree), env.make_globals(None), None)
         self._special = {k: Rendered.literal(v) for k, v in (special or {}).items()}
 
@@ -345,6 +618,7 @@ class ChatTemplate:
             documents=None,
             add_generation_prompt=bool(add_generation_prompt),
         )
+        limits = _limits.set(_Limits())
         try:
             out = self._template.render(**context)
         except ChatTemplateError:
@@ -353,4 +627,6 @@ class ChatTemplate:
             raise ChatTemplateError(f"chat template failed: {e}") from e
         except Exception as e:  # an expression of the template failed on these messages (e.g. None + str)
             raise ChatTemplateError(f"chat template failed: {type(e).__name__}: {e}") from e
+        finally:
+            _limits.reset(limits)
         return out if isinstance(out, Rendered) else Rendered.make(out, ())
