@@ -6,7 +6,6 @@ goes on serving."""
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 import re
 import subprocess
@@ -18,16 +17,13 @@ import pytest
 
 import realvocab as rv
 from daemon_harness import ROOT, Daemon
+from tiny_models import tiny_with_template
 from protos import messages as M
 from stratad.client import RequestError
 from stratad.gateway.local_client import free_port
-from stratad.model import chat_template, quants
+from stratad.model import chat_template
 from stratad.model.chat_template import MAX_CHARS, ChatTemplate, ChatTemplateError
-from stratad.model.config import PRESETS
-from stratad.model.generated_vocab import build_vocab
-from stratad.model.generator import model_tensors
 from stratad.model.tokenizer import Tokenizer
-from stratad.model.writer import write_model
 
 CHAT = [{"role": "user", "content": "hi"}]
 TOO_BIG = r"^chat template (builds a value of \d+ characters, over the limit of 33554432|output exceeds 33554432 " \
@@ -210,11 +206,8 @@ SOMETIMES_HOSTILE = (
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    c = PRESETS["tiny"]
-    eq, dq = quants.parse_type("IQ3_S"), quants.parse_type("Q8_0")
-    path = tmp_path_factory.mktemp("hostile") / "tiny-hostile-template.gguf"
-    vocab = dataclasses.replace(build_vocab(c.vocab_size), chat_template=SOMETIMES_HOSTILE)
-    write_model(path, c, model_tensors(c, eq, dq, 1.0, 0, 1), vocab, name="stratad-tiny-hostile", file_type=eq)
+    path = tiny_with_template(tmp_path_factory.mktemp("hostile") / "tiny-hostile-template.gguf", SOMETIMES_HOSTILE,
+                              "stratad-tiny-hostile")
     port = free_port()
     d = Daemon(path, tmp_path_factory.mktemp("hostilert") / "run", http=f"127.0.0.1:{port}").start()
     url = f"http://127.0.0.1:{port}"

@@ -8,7 +8,6 @@ whole, and the daemon then serves a greedy request as it did before."""
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 from pathlib import Path
 
@@ -18,15 +17,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from daemon_harness import Daemon
+from tiny_models import tiny_with_template
 from stratad.gateway.backend import Model
 from stratad.gateway.errors import ApiError
 from stratad.gateway.intake import _ENDPOINTS, prepare
 from stratad.gateway.local_client import LocalGateway, free_port
-from stratad.model import quants
-from stratad.model.config import PRESETS
-from stratad.model.generated_vocab import build_vocab
-from stratad.model.generator import model_tensors
-from stratad.model.writer import write_model
 
 EXAMPLES = 150  # per endpoint and template: in-process, a few seconds each on 2 cores
 HTTP_EXAMPLES = 40  # per endpoint, to the daemon: ~0.02 s each
@@ -142,13 +137,9 @@ def bodies(endpoint: str):
 
 @pytest.fixture(scope="module", params=sorted(TEMPLATES))
 def model(request, tmp_path_factory):
-    c = PRESETS["tiny"]
-    path = tmp_path_factory.mktemp("fuzzbodies") / f"tiny-{request.param}.gguf"
-    vocab = dataclasses.replace(build_vocab(c.vocab_size),
-                                chat_template=(REALDATA / TEMPLATES[request.param]).read_text())
-    write_model(path, c, model_tensors(c, quants.parse_type("IQ3_S"), quants.parse_type("Q8_0"), 1.0, 0, 1), vocab,
-                name=f"stratad-tiny-{request.param}", file_type=quants.parse_type("IQ3_S"))
-    return Model(path, 8192)
+    return Model(tiny_with_template(tmp_path_factory.mktemp("fuzzbodies") / f"tiny-{request.param}.gguf",
+                                    (REALDATA / TEMPLATES[request.param]).read_text(),
+                                    f"stratad-tiny-{request.param}"), 8192)
 
 
 def test_the_valid_bodies_are_taken(model):

@@ -5,7 +5,6 @@ are forced (tool_choice) and the round trip is checked where it is exact: the pr
 model writes itself, and their results answered, are test_gateway_tools.py's (the trained tiny model)."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import signal
@@ -24,14 +23,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from daemon_harness import MAX_GAP_S, ROOT, Daemon, Stalls
+from tiny_models import tiny_with_template
 from stratad.intake_worker import MAX_WAITING
 from stratad.gateway.parsing import OutputParser
-from stratad.model import quants
-from stratad.model.config import PRESETS
-from stratad.model.generator import model_tensors
-from stratad.model.generated_vocab import build_vocab
 from stratad.model.tokenizer import Tokenizer
-from stratad.model.writer import write_model
 
 QWEN3_TEMPLATE = (ROOT / "tests" / "data" / "realdata" / "Qwen-Qwen3-0.6B.jinja").read_text()
 KEY = "test-key-0123456789"
@@ -79,12 +74,8 @@ class Gateway:
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     """The tiny preset with Qwen3's chat template in its GGUF."""
-    c = PRESETS["tiny"]
-    eq, dq = quants.parse_type("IQ3_S"), quants.parse_type("Q8_0")
-    path = tmp_path_factory.mktemp("gwmodel") / "tiny-qwen3.gguf"
-    vocab = dataclasses.replace(build_vocab(c.vocab_size), chat_template=QWEN3_TEMPLATE)
-    write_model(path, c, model_tensors(c, eq, dq, 1.0, 0, 1), vocab, name="stratad-tiny-qwen3", file_type=eq)
-    return path
+    return tiny_with_template(tmp_path_factory.mktemp("gwmodel") / "tiny-qwen3.gguf", QWEN3_TEMPLATE,
+                              "stratad-tiny-qwen3")
 
 
 class Supervised:

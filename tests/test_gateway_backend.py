@@ -3,32 +3,23 @@ tokens: room() then as_tokens() on one request render it once, another input ren
 input itself (a big body's messages, in the intake worker) is not kept alive until the next request."""
 from __future__ import annotations
 
-import dataclasses
 import gc
 import sys
 from pathlib import Path
 
 import pytest
 
+from tiny_models import tiny_with_template
 from stratad.gateway import backend
 from stratad.gateway.backend import Model
-from stratad.model import quants
-from stratad.model.config import PRESETS
-from stratad.model.generator import model_tensors
-from stratad.model.generated_vocab import build_vocab
-from stratad.model.writer import write_model
 
 QWEN3_TEMPLATE = (Path(__file__).parent / "data" / "realdata" / "Qwen-Qwen3-0.6B.jinja").read_text()
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    c = PRESETS["tiny"]
-    path = tmp_path_factory.mktemp("gwbackend") / "tiny-qwen3.gguf"
-    vocab = dataclasses.replace(build_vocab(c.vocab_size), chat_template=QWEN3_TEMPLATE)
-    write_model(path, c, model_tensors(c, quants.parse_type("IQ3_S"), quants.parse_type("Q8_0"), 1.0, 0, 1), vocab,
-                name="stratad-tiny-qwen3", file_type=quants.parse_type("IQ3_S"))
-    return Model(path, 8192)
+    return Model(tiny_with_template(tmp_path_factory.mktemp("gwbackend") / "tiny-qwen3.gguf", QWEN3_TEMPLATE,
+                                    "stratad-tiny-qwen3"), 8192)
 
 
 @pytest.fixture
