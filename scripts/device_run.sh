@@ -463,7 +463,7 @@ ncu-src)  # a3b all resident (MODEL), CONTEXT (1024): each decode kernel's stall
         kf="regex:^$k"
         [ "${NCU_EXACT:-0}" = 1 ] && kf=$k
         timeout 150 ncu --clock-control none -k "$kf" -s "${NCU_SKIP:-200}" -c 1 \
-            --sampling-interval "${NCU_SAMPLING:-auto}" --section WarpStateStats \
+            --warp-sampling-interval "${NCU_SAMPLING:-auto}" --section WarpStateStats \
             --section SourceCounters --section SpeedOfLight -f -o "$rep" python3 scripts/gpu_decode_profile.py \
             --model "$m" --fractions 1.0 --context "$ctx" --tokens 8 --iters 2 > /dev/null 2>&1
         ncu --import "$rep.ncu-rep" --page details --section SpeedOfLight > "$OUT/sol-$k-$ctx.txt" 2>&1
