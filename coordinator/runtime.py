@@ -105,8 +105,9 @@ class RuntimeDir:
             p.unlink(missing_ok=True)
             out.append(str(p))
         out += shm.unlink_prefix(self.shm_prefix)
+        here = self.path.resolve()
         for record, rt in discovery.dead_records():
-            if rt != self.path.resolve():
+            if rt != here:
                 out += _reclaim_segments_of(rt)
             discovery.unregister(record)
         return out

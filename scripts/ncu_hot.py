@@ -16,14 +16,19 @@ def _num(v: str) -> float:
         return 0.0
 
 
-def main(path: str, top: int = 20) -> None:
+def source_rows(path: str) -> list[dict] | None:
+    """The report's source table, a dict a SASS instruction (None: the file has none)."""
     lines = open(path, errors="replace").read().splitlines()
     start = next((i for i, ln in enumerate(lines) if '"Source"' in ln or ln.startswith("Source,") or
                   '"# Address"' in ln or '"Address"' in ln), None)
-    if start is None:
+    return None if start is None else list(csv.DictReader(io.StringIO("\n".join(lines[start:]))))
+
+
+def main(path: str, top: int = 20) -> None:
+    rows = source_rows(path)
+    if rows is None:
         print(f"{path}: no source table")
         return
-    rows = list(csv.DictReader(io.StringIO("\n".join(lines[start:]))))
     cols = rows[0].keys() if rows else []
     samp = next((c for c in cols if "Stall Sampling (All" in c), None) or \
         next((c for c in cols if "Sampling" in c), None)

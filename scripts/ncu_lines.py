@@ -16,8 +16,6 @@ build without defines.
 from __future__ import annotations
 
 import argparse
-import csv
-import io
 import re
 import subprocess
 import sys
@@ -29,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import nvrtc_check  # noqa: E402
+from ncu_hot import _num, source_rows  # noqa: E402
 from lane.kernels import compile as kc  # noqa: E402
 
 PRED = re.compile(r"^@!?U?P\w+\s+")
@@ -69,21 +68,6 @@ def lined_sass(source: str, kernel: str, defines) -> tuple[list[str], dict[int, 
     return src.splitlines(), out
 
 
-def ncu_rows(path: str) -> list[dict]:
-    lines = open(path, errors="replace").read().splitlines()
-    start = next((i for i, ln in enumerate(lines) if '"Address"' in ln), None)
-    if start is None:
-        raise SystemExit(f"{path}: no SASS source table")
-    return list(csv.DictReader(io.StringIO("\n".join(lines[start:]))))
-
-
-def _num(v: str) -> int:
-    try:
-        return int(float(v.replace(",", "")))
-    except (AttributeError, ValueError):
-        return 0
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("csv")
@@ -94,7 +78,9 @@ def main() -> int:
     args = ap.parse_args()
     defines = nvrtc_check.expert_defines(args.type) if args.source == "experts.cu" else []
     src, sass = lined_sass(args.source, args.kernel, defines)
-    rows = ncu_rows(args.csv)
+    rows = source_rows(args.csv)
+    if not rows or "Address" not in rows[0]:
+        raise SystemExit(f"{args.csv}: no SASS source table")
     stall_col = next(c for c in rows[0] if "Stall Sampling (All" in c)
     base = int(rows[0]["Address"], 16)
     by = defaultdict(lambda: [0, 0])
@@ -102,8 +88,8 @@ def main() -> int:
     for r in rows:
         line, text = sass.get(int(r["Address"], 16) - base, (None, ""))
         mismatched += opcode(text) != opcode(r["Source"])
-        by[line][0] += _num(r[stall_col])
-        by[line][1] += _num(r["Instructions Executed"])
+        by[line][0] += int(_num(r[stall_col]))
+        by[line][1] += int(_num(r["Instructions Executed"]))
     samples = sum(s for s, _ in by.values()) or 1
     executed = sum(e for _, e in by.values()) or 1
     print(f"{args.kernel}: {len(rows)} instructions in the report, {len(sass)} in the build, {mismatched} opcodes "
