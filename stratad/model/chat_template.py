@@ -107,6 +107,12 @@ def _fits(size: int) -> None:
     _tick()
 
 
+def _int_fits(bits: int) -> None:
+    """A number of about `bits` bits may be computed."""
+    if bits > _MAX_INT_BITS:
+        raise ChatTemplateError(f"chat template computes a number of more than {_MAX_INT_BITS} bits")
+
+
 def _spend(size: int) -> None:
     """size characters written or made (by an operation that can make more than it takes): counted against the
     render's budget. Outside a render (Jinja folding constants at compile time) only the value's own size is bound."""
@@ -193,8 +199,7 @@ def _method_size(method: Any, args: tuple, kwargs: dict) -> int:
 def _product_size(a: Any, b: Any) -> int:
     """What a * b would make, as _size counts it."""
     if isinstance(a, int) and isinstance(b, int):
-        if a.bit_length() + b.bit_length() > _MAX_INT_BITS:
-            raise ChatTemplateError(f"chat template computes a number of more than {_MAX_INT_BITS} bits")
+        _int_fits(a.bit_length() + b.bit_length())
         return 0
     if isinstance(a, int):
         a, b = b, a
@@ -320,8 +325,7 @@ class _Environment(jinja2.sandbox.ImmutableSandboxedEnvironment):
         elif operator == "%" and isinstance(left, (str, bytes)):
             _spend(_percent_size(left, right))
         elif operator == "**" and isinstance(left, int) and isinstance(right, int):
-            if (abs(left).bit_length() - 1) * right > _MAX_INT_BITS:
-                raise ChatTemplateError(f"chat template computes a number of more than {_MAX_INT_BITS} bits")
+            _int_fits((abs(left).bit_length() - 1) * right)
         return super().call_binop(context, operator, left, right)
 
     def call(__self, __context, __obj, *args: Any, **kwargs: Any) -> Any:  # Jinja's names: no call's keyword clashes
